@@ -1,0 +1,39 @@
+"""jaxrl_kernels: fused JAX kernels for RL fine-tuning of language models.
+
+Per-token log-probs, entropies, KL penalties and clipped-surrogate losses that
+never materialise the [tokens × vocabulary] logits, behind one dispatch
+function (see ``explain``). The API and its numerics are fixed by SPEC.md.
+"""
+
+from jaxrl_kernels.dispatch import available_backends, explain, use_backend
+from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
+from jaxrl_kernels.losses import (
+    aggregate,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    linear_grpo_loss,
+    linear_ppo_loss,
+    policy_gradient_loss,
+    ppo_loss,
+    ratio_kl,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "aggregate",
+    "available_backends",
+    "explain",
+    "group_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "linear_grpo_loss",
+    "linear_logprobs",
+    "linear_ppo_loss",
+    "policy_gradient_loss",
+    "ppo_loss",
+    "ratio_kl",
+    "token_logprobs",
+    "use_backend",
+]

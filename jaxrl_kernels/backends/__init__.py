@@ -1,0 +1,1 @@
+"""Backends: ``reference`` (the oracle), ``chunked``, ``pallas``, ``ffi``. See ``dispatch``."""

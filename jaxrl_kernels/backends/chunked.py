@@ -1,0 +1,279 @@
+"""The chunked backend: jnp + custom_vjp, walking the vocabulary in chunks.
+
+No float32 [N, V] buffer is ever live: the forward scans vocabulary chunks of
+``size`` columns with the online softmax of ``rl_math``; the backward scans
+them again, recomputing each chunk's softmax from the saved per-row lse.
+
+Chunks never pad or copy their input: chunk ``c`` reads columns
+``[start, start + size)`` with ``start = min(c·size, V - size)``; when the last
+chunk is pulled back to stay in bounds, the columns an earlier chunk already
+covered (``col < c·size``) are masked out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_kernels import rl_math
+from jaxrl_kernels.backends.reference import linear_logits, matmul_precision
+
+CHUNK_BYTES = 4 * 2**20
+"""Target size of one float32 [N, chunk] tile."""
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def declines(primitive, problem) -> str | None:
+    return None
+
+
+def vocab_chunking(n_rows: int, vocab: int) -> tuple[int, int]:
+    """(chunk size, chunk count): about CHUNK_BYTES of float32 per chunk, 128-aligned."""
+    size = CHUNK_BYTES // (4 * max(n_rows, 1))
+    size = min(vocab, max(128, size - size % 128))
+    return size, -(-vocab // size)
+
+
+def _chunk_columns(c, size: int, vocab: int):
+    """(start, columns, fresh): where chunk ``c`` reads and which of its columns are new."""
+    start = jnp.minimum(c * size, vocab - size)
+    cols = start + jnp.arange(size)
+    return start, cols, cols >= c * size
+
+
+def _scan_chunks(body, init, n_rows: int, vocab: int):
+    size, count = vocab_chunking(n_rows, vocab)
+
+    def step(carry, c):
+        return body(carry, *_chunk_columns(c, size, vocab), size), None
+
+    return jax.lax.scan(step, init, jnp.arange(count))[0]
+
+
+def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
+    """One pass over the vocabulary for several logit streams sharing ``targets``.
+
+    ``z_chunks(start, size)`` gives a tuple of float32 [N, size] tiles.
+    Returns, per stream, ``(lse, entropy | None, target_z)``.
+    """
+    n_streams = len(jax.eval_shape(lambda: z_chunks(0, 1)))
+    init = tuple((rl_math.online_softmax_init((n_rows,), with_entropy),
+                  jnp.zeros((n_rows,), jnp.float32)) for _ in range(n_streams))
+
+    def body(carry, start, cols, fresh, size):
+        is_target = (cols[None, :] == targets[:, None]) & fresh
+        out = []
+        for (stats, target_z), z in zip(carry, z_chunks(start, size)):
+            z = jnp.where(fresh, z, -jnp.inf)
+            stats = rl_math.online_softmax_update(stats, z)
+            target_z = target_z + jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
+            out.append((stats, target_z))
+        return tuple(out)
+
+    final = _scan_chunks(body, init, n_rows, vocab)
+    return [(*rl_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
+
+
+def _outputs(lse, entropy, target_z, targets, row_valid, vocab):
+    in_range = (targets >= 0) & (targets < vocab)
+    return rl_math.finalize_logprob(target_z, lse, entropy, in_range, row_valid)
+
+
+def _masked_cotangents(row_valid, g_logp, g_ent):
+    g_logp = jnp.where(row_valid, g_logp, 0.0)
+    g_ent = None if g_ent is None else jnp.where(row_valid, g_ent, 0.0)
+    return g_logp, g_ent
+
+
+# -- log-probs from logits ---------------------------------------------------------------
+
+def _logits_chunk(logits, temperature):
+    def chunk(start, size):
+        tile = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=1)
+        return tile.astype(jnp.float32) / temperature
+    return chunk
+
+
+def _logits_backward(logits, targets, row_valid, lse, entropy, g_logp, g_ent, temperature):
+    """d loss / d logits, written chunk by chunk into one buffer of the logits' dtype."""
+    n_rows, vocab = logits.shape
+    g_logp, g_ent = _masked_cotangents(row_valid, g_logp, g_ent)
+    z_chunk = _logits_chunk(logits, temperature)
+
+    def body(d_logits, start, cols, fresh, size):
+        is_target = cols[None, :] == targets[:, None]
+        dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
+                                       g_ent, temperature)
+        dz = jnp.where(row_valid[:, None], dz, 0.0).astype(d_logits.dtype)
+        old = jax.lax.dynamic_slice_in_dim(d_logits, start, size, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(d_logits, jnp.where(fresh, dz, old), start, 1)
+
+    return _scan_chunks(body, jnp.zeros_like(logits), n_rows, vocab)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _token_logprobs(logits, targets, row_valid, temperature, return_entropy):
+    return _token_logprobs_fwd(logits, targets, row_valid, temperature, return_entropy)[0]
+
+
+def _token_logprobs_fwd(logits, targets, row_valid, temperature, return_entropy):
+    n_rows, vocab = logits.shape
+    [(lse, entropy, target_z)] = _softmax_stats(
+        lambda s, n: (_logits_chunk(logits, temperature)(s, n),), n_rows, vocab, targets,
+        return_entropy)
+    out = _outputs(lse, entropy, target_z, targets, row_valid, vocab)
+    return out, (logits, targets, row_valid, lse, entropy)
+
+
+def _token_logprobs_bwd(temperature, return_entropy, res, g):
+    logits, targets, row_valid, lse, entropy = res
+    g_logp, g_ent = g
+    d_logits = _logits_backward(logits, targets, row_valid, lse, entropy, g_logp,
+                                g_ent if return_entropy else None, temperature)
+    return d_logits, None, None
+
+
+_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
+
+
+def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy):
+    return _token_logprobs(logits, targets, row_valid, temperature, return_entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _paired_logprobs(policy_logits, ref_logits, targets, row_valid, temperature):
+    return _paired_logprobs_fwd(policy_logits, ref_logits, targets, row_valid, temperature)[0]
+
+
+def _paired_logprobs_fwd(policy_logits, ref_logits, targets, row_valid, temperature):
+    n_rows, vocab = policy_logits.shape
+    policy_chunk = _logits_chunk(policy_logits, temperature)
+    ref_chunk = _logits_chunk(ref_logits, temperature)
+    (lse, _, tz), (ref_lse, _, ref_tz) = _softmax_stats(
+        lambda s, n: (policy_chunk(s, n), ref_chunk(s, n)), n_rows, vocab, targets, False)
+    logp, _ = _outputs(lse, None, tz, targets, row_valid, vocab)
+    ref_logp, _ = _outputs(ref_lse, None, ref_tz, targets, row_valid, vocab)
+    return (logp, ref_logp), (policy_logits, targets, row_valid, lse, ref_logits)
+
+
+def _paired_logprobs_bwd(temperature, res, g):
+    policy_logits, targets, row_valid, lse, ref_logits = res
+    d_policy = _logits_backward(policy_logits, targets, row_valid, lse, None, g[0], None,
+                                temperature)
+    return d_policy, jnp.zeros_like(ref_logits), None, None
+
+
+_paired_logprobs.defvjp(_paired_logprobs_fwd, _paired_logprobs_bwd)
+
+
+def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature):
+    return _paired_logprobs(policy_logits, ref_logits, targets, row_valid, temperature)
+
+
+# -- log-probs of a linear head -----------------------------------------------------------
+
+def _weight_chunk(weight, start, size, weight_layout):
+    axis = 0 if weight_layout == "vd" else 1
+    return jax.lax.dynamic_slice_in_dim(weight, start, size, axis=axis)
+
+
+def _linear_chunk(hidden, weight, bias, weight_layout, temperature):
+    def chunk(start, size):
+        w = _weight_chunk(weight, start, size, weight_layout)
+        b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        return linear_logits(hidden, w, b, weight_layout) / temperature
+    return chunk
+
+
+def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
+                             g_ent, *, weight_layout, temperature):
+    """(d_hidden, d_weight, d_bias | None) from per-row cotangents, chunk by chunk.
+
+    For each vocabulary chunk: dz = d loss/d logits (float32), then
+    d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32.
+    """
+    n_rows, vocab = hidden.shape[0], (weight.shape[0] if weight_layout == "vd" else weight.shape[1])
+    g_logp, g_ent = _masked_cotangents(row_valid, g_logp, g_ent)
+    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
+    hidden32 = hidden.astype(jnp.float32)
+    hi = matmul_precision(jnp.float32)
+    w_axis = 0 if weight_layout == "vd" else 1
+
+    def body(carry, start, cols, fresh, size):
+        d_hidden, d_weight, d_bias = carry
+        is_target = cols[None, :] == targets[:, None]
+        dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
+                                       g_ent, temperature)
+        dz = jnp.where(row_valid[:, None] & fresh, dz, 0.0)
+        w = _weight_chunk(weight, start, size, weight_layout).astype(jnp.float32)
+        if weight_layout == "vd":
+            d_hidden = d_hidden + jnp.matmul(dz, w, precision=hi)
+            d_w = jnp.matmul(dz.T, hidden32, precision=hi)
+        else:
+            d_hidden = d_hidden + jnp.matmul(dz, w.T, precision=hi)
+            d_w = jnp.matmul(hidden32.T, dz, precision=hi)
+        old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
+        fresh_w = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
+        d_w = jnp.where(fresh_w, d_w.astype(d_weight.dtype), old)
+        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, d_w, start, axis=w_axis)
+        if d_bias is not None:
+            old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
+            d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
+            d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
+        return d_hidden, d_weight, d_bias
+
+    init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
+            None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    d_hidden, d_weight, d_bias = _scan_chunks(body, init, n_rows, vocab)
+    return (d_hidden.astype(hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                     return_entropy):
+    return _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout,
+                                temperature, return_entropy)[0]
+
+
+def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                         return_entropy):
+    n_rows = hidden.shape[0]
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
+    [(lse, entropy, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows, vocab,
+                                                targets, return_entropy)
+    out = _outputs(lse, entropy, target_z, targets, row_valid, vocab)
+    return out, (hidden, weight, bias, targets, row_valid, lse, entropy)
+
+
+def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
+    hidden, weight, bias, targets, row_valid, lse, entropy = res
+    g_logp, g_ent = g
+    d_hidden, d_weight, d_bias = linear_logprobs_backward(
+        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
+        g_ent if return_entropy else None, weight_layout=weight_layout, temperature=temperature)
+    return d_hidden, d_weight, d_bias, None, None
+
+
+_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+
+
+def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                    return_entropy):
+    return _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout,
+                            temperature, return_entropy)
+
+
+OPS = {
+    "token_logprobs": token_logprobs,
+    "paired_logprobs": paired_logprobs,
+    "linear_logprobs": linear_logprobs,
+    "ppo_loss": rl_math.ppo_loss,
+    "group_advantages": rl_math.group_advantages,
+}

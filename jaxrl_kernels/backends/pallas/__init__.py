@@ -1,0 +1,45 @@
+"""The Pallas backend: Triton-lowered kernels on GPU, interpret mode elsewhere.
+
+Each submodule serves some primitives; one that fails to import leaves its
+primitives declined with the import error as the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_SUBMODULES = {
+    "logits": ("token_logprobs", "paired_logprobs"),
+    "ppo": ("ppo_loss", "group_advantages"),
+    "linear": ("linear_logprobs",),
+}
+
+OPS: dict = {}
+_DECLINERS: dict = {}
+_MISSING: dict[str, str] = {}
+
+for _name, _primitives in _SUBMODULES.items():
+    try:
+        _mod = importlib.import_module(f"{__name__}.{_name}")
+    except ImportError as _err:
+        for _p in _primitives:
+            _MISSING[_p] = f"pallas.{_name} is not available: {_err}"
+        continue
+    for _p in _primitives:
+        OPS[_p] = getattr(_mod, _p)
+        _DECLINERS[_p] = getattr(_mod, "declines", None)
+
+
+def unavailable_reason() -> str | None:
+    try:
+        from jax.experimental import pallas  # noqa: F401
+    except ImportError as err:
+        return f"jax.experimental.pallas does not import: {err}"
+    return None
+
+
+def declines(primitive: str, problem) -> str | None:
+    if primitive in _MISSING:
+        return _MISSING[primitive]
+    decliner = _DECLINERS.get(primitive)
+    return decliner(primitive, problem) if decliner else None

@@ -1,0 +1,273 @@
+"""Training steps: the supervised warm start and five RL algorithms.
+
+Every step is one jitted function ``(state, prompts, sums, key) -> (state,
+metrics)``; an RL step samples ``group_size`` answers per prompt with
+:func:`sampling.generate`, scores them with the task's reward and updates the
+policy with ``optax``. Log-probabilities always come from the model's hidden
+states and LM-head weight through the ``jaxrl_kernels`` ops, so no [B, T, V]
+logits tensor is built for the loss.
+
+With rewards ``r`` of a batch of ``B = prompts * group_size`` answers:
+
+* ``grpo``: ``linear_grpo_loss`` with group advantages
+  ``(r - mean_g) / (std_g + eps)``, one update per rollout (ratio 1, so
+  ``old_logp`` is the current policy's, recomputed), optional KL
+  ``beta * k3(pi, pi_ref)`` to the frozen warm-start policy.
+* ``ppo``: ``linear_ppo_loss`` with the same group advantages (no critic),
+  ``old_logp`` from the policy that sampled, ``ppo_epochs`` passes of
+  ``ppo_minibatches`` minibatches, dual clip, and truncated importance
+  sampling ``min(exp(old_logp - rollout_logp), tis_cap)`` against the
+  sampler's own log-probs.
+* ``reinforce``: ``policy_gradient_loss`` with ``A = r - mean(r)``.
+* ``best_of_n``: ``policy_gradient_loss`` with ``A = 1`` on the best answer of
+  each group when it is correct and 0 elsewhere (the NLL of the chosen
+  answers).
+* ``reward_weighted``: ``policy_gradient_loss`` with ``A = r`` (NLL weighted by
+  reward).
+
+The sampler draws from ``softmax(logits / temperature)`` and every loss scores
+that same distribution: ``linear_logprobs`` and ``linear_ppo_loss`` take
+``temperature``; ``linear_grpo_loss`` gets the head weight divided by it,
+which is the same thing since ``(h @ W^T) / t = h @ (W / t)^T``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxrl_kernels as jrk
+from jaxrl_kernels.demo import model as model_lib
+from jaxrl_kernels.demo import sampling
+from jaxrl_kernels.demo.task import AdditionTask
+
+ALGOS = ("grpo", "ppo", "reinforce", "best_of_n", "reward_weighted")
+
+State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    algo: str = "grpo"
+    group_size: int = 8
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0
+    tis_cap: float = 2.0
+    ppo_epochs: int = 2
+    ppo_minibatches: int = 2
+    entropy_coef: float = 0.0
+    loss_agg_mode: str = "token_mean"
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo: expected one of {', '.join(ALGOS)}, got {self.algo!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size: expected >= 1, got {self.group_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+
+
+def make_optimizer(lr: float, *, clip_norm: float = 1.0, weight_decay: float = 0.0
+                   ) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=weight_decay))
+
+
+def answer_hidden(lm: model_lib.CausalLM, params, prompts: jax.Array, answers: jax.Array
+                  ) -> jax.Array:
+    """Hidden states [B, M, D] at the positions that predict ``answers[B, M]``."""
+    tokens = jnp.concatenate([prompts, answers], axis=1)[:, :-1]
+    return lm.apply(params, tokens)[:, prompts.shape[1] - 1:]
+
+
+def answer_logprobs(lm, params, prompts, answers, *, temperature=1.0, backend=None):
+    weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
+    hidden = answer_hidden(lm, params, prompts, answers)
+    return jrk.linear_logprobs(hidden, weight, answers, weight_layout=layout,
+                               temperature=temperature, backend=backend)
+
+
+def _apply(optimizer, params, opt_state, grads):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+# -- supervised warm start ------------------------------------------------------------------
+
+def make_sft_step(lm, optimizer, *, backend=None) -> Callable:
+    """Jitted teacher-forced NLL step on correct answers ``[B, M]`` (PAD after EOS)."""
+
+    def loss_fn(params, prompts, answers, mask):
+        logp = answer_logprobs(lm, params, prompts, answers, backend=backend)
+        return -jrk.aggregate(logp, mask)
+
+    @jax.jit
+    def step(params, opt_state, prompts, answers, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, prompts, answers, mask)
+        params, opt_state = _apply(optimizer, params, opt_state, grads)
+        return params, opt_state, loss
+
+    return step
+
+
+# -- RL -------------------------------------------------------------------------------------
+
+def _ref_logp(lm, state, batch, cfg):
+    if cfg.kl_coef == 0.0:
+        return None
+    return jax.lax.stop_gradient(answer_logprobs(
+        lm, state["ref_params"], batch["prompts"], batch["actions"],
+        temperature=cfg.temperature, backend=cfg.backend))
+
+
+def _group_advantages(batch, cfg):
+    return jrk.group_advantages(batch["rewards"], group_size=cfg.group_size)
+
+
+def _grpo_loss(lm, cfg, params, batch, ref_logp):
+    weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
+    weight = weight / cfg.temperature
+    hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
+    sg = jax.lax.stop_gradient
+    old_logp = sg(jrk.linear_logprobs(sg(hidden), sg(weight), batch["actions"],
+                                      weight_layout=layout, backend=cfg.backend))
+    loss, policy_loss, kl = jrk.linear_grpo_loss(
+        hidden, weight, batch["actions"], old_logp, batch["rewards"], batch["mask"],
+        weight_layout=layout, ref_logp=ref_logp, group_size=cfg.group_size,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend)
+    return loss, {"policy_loss": policy_loss, "kl": kl}
+
+
+def _pg_advantages(batch, cfg):
+    r = batch["rewards"]
+    if cfg.algo == "reinforce":
+        return r - jnp.mean(r), batch["mask"]
+    if cfg.algo == "reward_weighted":
+        return r, batch["mask"]
+    # best_of_n: the best answer of each group, kept only when it is correct.
+    g = cfg.group_size
+    best = jnp.argmax(r.reshape(-1, g), axis=1)
+    keep = jnp.take_along_axis(batch["correct"].reshape(-1, g), best[:, None], axis=1)[:, 0]
+    chosen = (jax.nn.one_hot(best, g) * keep[:, None]).reshape(-1)
+    return chosen, batch["mask"] * chosen[:, None]
+
+
+def _pg_loss(lm, cfg, params, batch):
+    adv, mask = _pg_advantages(batch, cfg)
+    logp = answer_logprobs(lm, params, batch["prompts"], batch["actions"],
+                           temperature=cfg.temperature, backend=cfg.backend)
+    loss = jrk.policy_gradient_loss(logp, adv, mask, loss_agg_mode=cfg.loss_agg_mode)
+    return loss, {"selected": jnp.mean((adv != 0).astype(jnp.float32))}
+
+
+def _ppo_loss(lm, cfg, params, batch):
+    weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
+    hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
+    return jrk.linear_ppo_loss(
+        hidden, weight, batch["actions"], batch["old_logp"], batch["advantages"], batch["mask"],
+        weight_layout=layout, temperature=cfg.temperature, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=batch["rollout_logp"],
+        tis_cap=cfg.tis_cap, ref_logp=batch.get("ref_logp"), kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
+        loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend)
+
+
+def _ppo_update(lm, cfg, optimizer, state, batch, key):
+    """``ppo_epochs`` passes over shuffled minibatches of one rollout batch."""
+    params, opt_state = state["params"], state["opt_state"]
+    batch = dict(batch)
+    batch["old_logp"] = jax.lax.stop_gradient(answer_logprobs(
+        lm, params, batch["prompts"], batch["actions"], temperature=cfg.temperature,
+        backend=cfg.backend))
+    batch["advantages"] = _group_advantages(batch, cfg)
+    ref_logp = _ref_logp(lm, state, batch, cfg)
+    if ref_logp is not None:
+        batch["ref_logp"] = ref_logp
+    n = batch["rewards"].shape[0]
+    if n % cfg.ppo_minibatches:
+        raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch {n}, "
+                         f"got {cfg.ppo_minibatches}")
+    data = {k: batch[k] for k in ("prompts", "actions", "mask", "old_logp", "rollout_logp",
+                                  "advantages", "ref_logp") if k in batch}
+
+    def minibatch(carry, idx):
+        params, opt_state = carry
+        sub = jax.tree.map(lambda x: x[idx], data)
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda p: _ppo_loss(lm, cfg, p, sub), has_aux=True)(params)
+        params, opt_state = _apply(optimizer, params, opt_state, grads)
+        return (params, opt_state), (loss, metrics)
+
+    def epoch(carry, k):
+        order = jax.random.permutation(k, n).reshape(cfg.ppo_minibatches, -1)
+        return jax.lax.scan(minibatch, carry, order)
+
+    (params, opt_state), (loss, metrics) = jax.lax.scan(
+        epoch, (params, opt_state), jax.random.split(key, cfg.ppo_epochs))
+    metrics = jax.tree.map(jnp.mean, metrics)
+    return params, opt_state, jnp.mean(loss), metrics
+
+
+def make_rl_step(lm, task: AdditionTask, optimizer, cfg: RLConfig) -> Callable:
+    """The jitted RL step ``(state, prompts[n, P], sums[n], key) -> (state, metrics)``."""
+
+    def rl_step(state: State, prompts, sums, key):
+        prompts = jnp.repeat(prompts, cfg.group_size, axis=0)
+        sums = jnp.repeat(sums, cfg.group_size, axis=0)
+        sample_key, update_key = jax.random.split(key)
+        actions, rollout_logp, mask = sampling.generate(
+            lm, state["params"], prompts, sample_key, max_new=task.max_new,
+            temperature=cfg.temperature)
+        scores = task.score(actions, sums)
+        batch = {"prompts": prompts, "actions": actions, "mask": mask,
+                 "rollout_logp": rollout_logp, "rewards": scores["reward"],
+                 "correct": scores["correct"]}
+        if cfg.algo == "ppo":
+            params, opt_state, loss, extra = _ppo_update(lm, cfg, optimizer, state, batch,
+                                                         update_key)
+        else:
+            if cfg.algo == "grpo":
+                ref_logp = _ref_logp(lm, state, batch, cfg)
+                loss_fn = lambda p: _grpo_loss(lm, cfg, p, batch, ref_logp)
+            else:
+                loss_fn = lambda p: _pg_loss(lm, cfg, p, batch)
+            (loss, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+            params, opt_state = _apply(optimizer, state["params"], state["opt_state"], grads)
+        metrics = {"reward": jnp.mean(scores["reward"]),
+                   "accuracy": jnp.mean(scores["correct"]),
+                   "well_formed": jnp.mean(scores["well_formed"]),
+                   "tokens": jnp.sum(mask), "loss": loss, **extra}
+        new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
+        return new_state, metrics
+
+    return jax.jit(rl_step)
+
+
+def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callable:
+    """Jitted held-out evaluation: greedy accuracy and reward, and a sampled reward."""
+
+    @jax.jit
+    def evaluate(params, prompts, sums, key):
+        greedy, _, _ = sampling.generate(lm, params, prompts, key, max_new=task.max_new,
+                                         greedy=True)
+        sampled, _, _ = sampling.generate(lm, params, prompts, key, max_new=task.max_new,
+                                          temperature=temperature)
+        g = task.score(greedy, sums)
+        s = task.score(sampled, sums)
+        return {"accuracy": jnp.mean(g["correct"]), "reward": jnp.mean(g["reward"]),
+                "well_formed": jnp.mean(g["well_formed"]),
+                "sampled_accuracy": jnp.mean(s["correct"]),
+                "sampled_reward": jnp.mean(s["reward"])}
+
+    return evaluate

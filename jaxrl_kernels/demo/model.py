@@ -1,0 +1,73 @@
+"""A small pre-LayerNorm causal transformer (Flax linen) that returns hidden states.
+
+``CausalLM.apply(params, tokens[B, T]) -> hidden[B, T, D]`` after the final
+LayerNorm. The language-model head is *not* applied by the model: its weight
+(:func:`head_weight`) is handed to the ``jaxrl_kernels.linear_*`` ops, which
+compute log-probabilities without materialising the [B, T, V] logits. With
+``tie_embeddings`` the head is the token embedding, ``[V, D]`` (layout
+``"vd"``); otherwise it is a separate ``[D, V]`` matrix (layout ``"dv"``, the
+layout of an ``nn.Dense`` kernel).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Block(nn.Module):
+    d_model: int
+    heads: int
+    mlp_ratio: int = 4
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.d_model,
+                                            deterministic=True)(h, h, mask=mask)
+        x = x + h
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(self.mlp_ratio * self.d_model)(h)
+        h = nn.Dense(self.d_model)(nn.gelu(h))
+        return x + h
+
+
+class CausalLM(nn.Module):
+    vocab: int
+    max_len: int
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    tie_embeddings: bool = True
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model: expected a multiple of heads={self.heads}, got {self.d_model}")
+        t = tokens.shape[-1]
+        x = nn.Embed(self.vocab, self.d_model, name="embed")(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
+        x = x + pos[:t]
+        mask = nn.make_causal_mask(tokens)
+        for i in range(self.layers):
+            x = Block(self.d_model, self.heads, name=f"block{i}")(x, mask)
+        if not self.tie_embeddings:
+            self.param("lm_head", nn.initializers.normal(self.d_model ** -0.5),
+                       (self.d_model, self.vocab))
+        return nn.LayerNorm(name="final_norm")(x)
+
+
+def head_weight(params, tie_embeddings: bool) -> tuple[jax.Array, str]:
+    """The LM head weight and its layout for the ``linear_*`` ops."""
+    p = params["params"]
+    if tie_embeddings:
+        return p["embed"]["embedding"], "vd"
+    return p["lm_head"], "dv"
+
+
+def logits(hidden: jax.Array, weight: jax.Array, layout: str) -> jax.Array:
+    """Full logits ``hidden @ W^T`` (used only by the sampler, one position at a time)."""
+    h = hidden.astype(jnp.float32)
+    w = weight.astype(jnp.float32)
+    return h @ w.T if layout == "vd" else h @ w

@@ -1,0 +1,263 @@
+"""The backend registry and the one function that chooses a backend.
+
+Every public op describes its call as a :class:`Problem` and asks :func:`select`
+for the implementation of a *primitive* (the backend-specific piece of work):
+
+=================  ===========================================================
+primitive          what a backend implements (inputs already validated, flat)
+=================  ===========================================================
+token_logprobs     ``(logits[N,V], targets[N], row_valid[N], *, temperature,
+                   return_entropy) -> (logp[N], entropy[N] | None)``
+paired_logprobs    ``(policy_logits[N,V], ref_logits[N,V], targets[N],
+                   row_valid[N], *, temperature) -> (logp[N], ref_logp[N])``,
+                   gradient to ``policy_logits`` only
+linear_logprobs    ``(hidden[N,D], weight, bias[V] | None, targets[N],
+                   row_valid[N], *, weight_layout, temperature,
+                   return_entropy) -> (logp[N], entropy[N] | None)``
+ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
+                   -> (loss, metrics)``
+group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
+                   normalize_std, std_ddof, eps) -> adv[B]``
+=================  ===========================================================
+
+Rows with ``row_valid == False`` give 0 and no gradient and never index the
+vocabulary with their target; valid rows whose target lies outside ``[0, V)``
+give NaN.
+
+Backends are modules under ``jaxrl_kernels.backends`` imported on first use.
+Each exposes ``OPS`` (primitive -> callable), ``unavailable_reason() -> str |
+None`` (can it run in this process at all) and ``declines(primitive, problem)
+-> str | None`` (can it serve these inputs). The selection rules of SPEC.md
+live in :func:`_automatic_policy`; nothing else in the package decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import jax
+import numpy as np
+
+BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
+"""Every backend, best first."""
+
+_MODULES = {name: f"jaxrl_kernels.backends.{name}" for name in BACKENDS}
+
+# Public op -> the primitive whose backend the op's ``backend=`` argument picks.
+OP_PRIMITIVE: dict[str, str] = {
+    "token_logprobs": "token_logprobs",
+    "linear_logprobs": "linear_logprobs",
+    "ratio_kl": "paired_logprobs",
+    "grpo_loss": "paired_logprobs",
+    "linear_ppo_loss": "linear_logprobs",
+    "linear_grpo_loss": "linear_logprobs",
+    "ppo_loss": "ppo_loss",
+    "group_advantages": "group_advantages",
+}
+
+# Primitives whose reference implementation holds a float32 [N, V] buffer.
+VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs"})
+
+CHUNKED_THRESHOLD_BYTES = 256 * 2**20
+"""On CPU, vocabulary ops switch from reference to chunked above this [N, V] f32 size."""
+
+ENV_VAR = "JAXRL_KERNELS_BACKEND"
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxrl_kernels_backend", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to accept or decline a call."""
+
+    op: str
+    n_rows: int = 0
+    vocab: int = 0
+    hidden_dim: int = 0
+    dtype: str = "float32"
+    weight_layout: str = "vd"
+    has_bias: bool = False
+    return_entropy: bool = False
+    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def logits_bytes_f32(self) -> int:
+        return 4 * self.n_rows * self.vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome of a selection: the backend, its implementation, and why."""
+
+    backend: str
+    impl: Callable[..., Any]
+    explicit: bool
+    declined: tuple[tuple[str, str], ...]  # (better backend, why it was not used)
+
+
+def _validate_name(name: str, what: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{what}: unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    return name
+
+
+_loaded: dict[str, ModuleType | Exception] = {}
+
+
+def _module(name: str) -> ModuleType | Exception:
+    if name not in _loaded:
+        try:
+            _loaded[name] = importlib.import_module(_MODULES[name])
+        except Exception as err:  # an unbuilt/unimportable backend is reported, not hidden
+            _loaded[name] = err
+    return _loaded[name]
+
+
+def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
+    """Why backend ``name`` cannot serve this call at all (explicit or not)."""
+    mod = _module(name)
+    if isinstance(mod, Exception):
+        return f"backend {name!r} failed to import: {type(mod).__name__}: {mod}"
+    why = mod.unavailable_reason() or mod.declines(primitive, problem)
+    if why:
+        return why
+    if primitive not in mod.OPS:
+        return f"backend {name!r} does not implement {primitive!r}"
+    return None
+
+
+def _automatic_policy(name: str, primitive: str, problem: Problem) -> str | None:
+    """SPEC's automatic-choice rules beyond what a backend can serve."""
+    on_gpu = problem.platform in ("gpu", "cuda", "rocm")
+    if name == "ffi" and primitive != "linear_logprobs":
+        return "ffi serves only the linear_logprobs forward"
+    if name == "pallas" and not on_gpu:
+        return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
+    if name == "chunked" and primitive in VOCAB_PRIMITIVES:
+        size = problem.logits_bytes_f32
+        if size <= CHUNKED_THRESHOLD_BYTES:
+            return (f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
+                    f"<= {CHUNKED_THRESHOLD_BYTES // 2**20} MiB, so reference is used")
+    if name == "chunked" and primitive not in VOCAB_PRIMITIVES:
+        return "chunked adds nothing over reference for ops without a vocabulary axis"
+    return None
+
+
+def requested_backend(backend: str | None) -> str | None:
+    """The backend asked for: the argument, else ``use_backend``, else the env variable."""
+    if backend is not None:
+        return _validate_name(backend, "backend")
+    scoped = _override.get()
+    if scoped is not None:
+        return scoped
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return _validate_name(env, ENV_VAR)
+    return None
+
+
+def select(op: str, problem: Problem, backend: str | None = None, *,
+           primitive: str | None = None, strict: bool = True) -> Choice:
+    """The single selection function.
+
+    ``op`` is the public op name; ``primitive`` defaults to the op's main
+    primitive. With a requested backend (argument, ``use_backend`` or
+    ``JAXRL_KERNELS_BACKEND``) that cannot serve the call, ``strict`` raises
+    ``NotImplementedError``; composite ops pass ``strict=False`` for their
+    secondary primitives, which then fall back to automatic choice.
+    """
+    primitive = primitive or OP_PRIMITIVE[op]
+    wanted = requested_backend(backend)
+    if wanted is not None:
+        why = _backend_refusal(wanted, primitive, problem)
+        if why is None:
+            return Choice(wanted, _module(wanted).OPS[primitive], True, ())
+        if strict:
+            raise NotImplementedError(f"{op}: backend {wanted!r} cannot serve this call: {why}")
+    declined = []
+    for name in BACKENDS:
+        why = _backend_refusal(name, primitive, problem) or _automatic_policy(name, primitive, problem)
+        if why is None:
+            return Choice(name, _module(name).OPS[primitive], False, tuple(declined))
+        declined.append((name, why))
+    raise AssertionError(f"no backend serves {primitive}: {declined}")  # reference serves all
+
+
+def available_backends(op: str) -> tuple[str, ...]:
+    """The backends that can run ``op`` in this process, best first."""
+    if op not in OP_PRIMITIVE:
+        raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
+    primitive = OP_PRIMITIVE[op]
+    out = []
+    for name in BACKENDS:
+        mod = _module(name)
+        if isinstance(mod, Exception) or mod.unavailable_reason() or primitive not in mod.OPS:
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Within this scope, ``backend=None`` means ``name`` (``None`` restores automatic)."""
+    if name is not None:
+        _validate_name(name, "use_backend")
+    token = _override.set(name)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+# -- explain: record the choices an op makes while it is traced abstractly ---------------
+
+_recorder: contextvars.ContextVar[list[tuple[str, Choice]] | None] = contextvars.ContextVar(
+    "jaxrl_kernels_recorder", default=None)
+
+
+def record(op: str, choice: Choice) -> Choice:
+    log = _recorder.get()
+    if log is not None:
+        log.append((op, choice))
+    return choice
+
+
+def explain(op: str, *args: Any, **kwargs: Any) -> str:
+    """Which backend ``backend=None`` picks for these arguments, and why better ones were declined."""
+    import jaxrl_kernels  # the public ops
+
+    if op not in OP_PRIMITIVE:
+        raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
+    if kwargs.get("backend") is not None:
+        raise ValueError("explain: pass no backend= (explain describes the automatic choice)")
+    fn = getattr(jaxrl_kernels, op)
+    log: list[tuple[str, Choice]] = []
+    token = _recorder.set(log)
+    try:
+        jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
+    finally:
+        _recorder.reset(token)
+    lines = []
+    wanted = requested_backend(None)
+    if wanted is not None:
+        source = "use_backend" if _override.get() is not None else ENV_VAR
+        lines.append(f"{op}: backend override {wanted!r} is in force ({source})")
+    for step, choice in log:
+        how = "requested" if choice.explicit else "automatic"
+        lines.append(f"{step}: {choice.backend} ({how})")
+        for name, why in choice.declined:
+            lines.append(f"  - {name} declined: {why}")
+    return "\n".join(lines)
+
+
+def dtype_name(x: Any) -> str:
+    return np.dtype(x.dtype).name

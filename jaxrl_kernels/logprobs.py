@@ -1,0 +1,116 @@
+"""Per-token log-probabilities (and entropies) from logits or from a linear LM head."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jaxrl_kernels import dispatch
+from jaxrl_kernels import validation as check
+
+WEIGHT_LAYOUTS = ("vd", "dv")
+
+
+def _row_valid(targets, ignore_index):
+    if ignore_index is None:
+        return jnp.ones(targets.shape, jnp.bool_), None
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int or None, got {type(ignore_index).__name__}")
+    ignored = targets == ignore_index
+    return ~ignored, ignored
+
+
+def _unflatten(out, lead_shape, return_entropy):
+    logp, entropy = out
+    logp = logp.reshape(lead_shape)
+    return (logp, entropy.reshape(lead_shape)) if return_entropy else logp
+
+
+def token_logprobs(logits, targets, *, temperature=1.0, ignore_index=None, return_entropy=False,
+                   backend=None):
+    """log softmax(logits / T)[target] (and the entropy of softmax(logits / T)).
+
+    logits: [..., V] float32/bfloat16/float16; targets: [...] integers.
+    Returns float32 logp [...] or (logp, entropy). Where targets == ignore_index
+    both are 0 with no gradient; other targets outside [0, V) raise ValueError
+    when concrete and give NaN when traced.
+    """
+    logits = check.floating("logits", logits)
+    check.rank("logits", logits, range(1, 33), "[..., V]")
+    targets = check.integer("targets", targets)
+    check.shape("targets", targets, logits.shape[:-1], "logits.shape[:-1]")
+    check.positive("temperature", temperature)
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError("logits: expected a non-empty vocabulary axis, got V = 0")
+    row_valid, ignored = _row_valid(targets, ignore_index)
+    check.targets_in_range("targets", targets, vocab, ignored)
+
+    lead = targets.shape
+    n_rows = math.prod(lead)
+    problem = dispatch.Problem("token_logprobs", n_rows=n_rows, vocab=vocab,
+                               dtype=dispatch.dtype_name(logits), return_entropy=return_entropy)
+    choice = dispatch.record("token_logprobs", dispatch.select("token_logprobs", problem, backend))
+    out = choice.impl(logits.reshape(n_rows, vocab), targets.reshape(n_rows).astype(jnp.int32),
+                      row_valid.reshape(n_rows), temperature=float(temperature),
+                      return_entropy=bool(return_entropy))
+    return _unflatten(out, lead, return_entropy)
+
+
+def check_linear_head(hidden, weight, bias, weight_layout):
+    """Validate an LM head; return (hidden, weight, bias, vocab)."""
+    hidden = check.floating("hidden", hidden)
+    weight = check.floating("weight", weight)
+    check.option("weight_layout", weight_layout, WEIGHT_LAYOUTS)
+    check.rank("hidden", hidden, range(1, 33), "[..., D]")
+    check.rank("weight", weight, 2, "[V, D]" if weight_layout == "vd" else "[D, V]")
+    dim = hidden.shape[-1]
+    vocab, w_dim = weight.shape if weight_layout == "vd" else weight.shape[::-1]
+    if w_dim != dim:
+        want = f"({vocab}, {dim})" if weight_layout == "vd" else f"({dim}, {vocab})"
+        raise ValueError(f"weight: expected shape {want} for weight_layout={weight_layout!r} "
+                         f"and hidden size D = {dim}, got {tuple(weight.shape)}")
+    if vocab == 0:
+        raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
+    if bias is not None:
+        bias = check.floating("bias", bias)
+        check.shape("bias", bias, (vocab,), "[V]")
+    return hidden, weight, bias, vocab
+
+
+def linear_logprobs_flat(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
+                         temperature, return_entropy, backend):
+    """Dispatch the linear_logprobs primitive on validated, flattened [N, D] inputs."""
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    problem = dispatch.Problem(op, n_rows=n_rows, vocab=vocab, hidden_dim=dim,
+                               dtype=dispatch.dtype_name(hidden), weight_layout=weight_layout,
+                               has_bias=bias is not None, return_entropy=return_entropy)
+    choice = dispatch.record(op, dispatch.select(op, problem, backend))
+    return choice.impl(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+                       weight_layout=weight_layout, temperature=float(temperature),
+                       return_entropy=bool(return_entropy))
+
+
+def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
+                    ignore_index=None, return_entropy=False, backend=None):
+    """token_logprobs(hidden @ W^T + bias, targets) without materialising the logits.
+
+    hidden: [..., D]; weight: [V, D] (``"vd"``, LM head / tied embedding) or
+    [D, V] (``"dv"``, a Flax Dense kernel); bias: [V] or None.
+    Differentiable in hidden, weight and bias.
+    """
+    hidden, weight, bias, vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    targets = check.integer("targets", targets)
+    check.shape("targets", targets, hidden.shape[:-1], "hidden.shape[:-1]")
+    check.positive("temperature", temperature)
+    row_valid, ignored = _row_valid(targets, ignore_index)
+    check.targets_in_range("targets", targets, vocab, ignored)
+    lead = targets.shape
+    n_rows = math.prod(lead)
+    out = linear_logprobs_flat(
+        hidden.reshape(n_rows, hidden.shape[-1]), weight, bias, targets.reshape(n_rows),
+        row_valid.reshape(n_rows), op="linear_logprobs", weight_layout=weight_layout,
+        temperature=temperature, return_entropy=return_entropy, backend=backend)
+    return _unflatten(out, lead, return_entropy)

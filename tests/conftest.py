@@ -1,0 +1,202 @@
+"""Shared test configuration: the backend list, markers, random inputs and tolerances.
+
+Every op test takes a ``backend`` argument and is parametrized over :data:`CPU_BACKENDS`
+(the one list); set ``JAXRL_TEST_PALLAS=1`` to add the Pallas backend (interpret mode
+on CPU). Cases too slow for interpret mode carry ``@pytest.mark.pallas_slow`` (or are
+wrapped with :func:`pallas_slow`) and are skipped for ``backend="pallas"`` unless
+``JAXRL_TEST_PALLAS_SLOW=1``.
+
+Tolerances (SPEC "Numerics"), see :func:`assert_close`:
+
+* float32 inputs: ``|got - want| <= 1e-5 * S`` elementwise, ``S`` = the largest magnitude
+  of the float64 result (or a larger condition scale a test passes, e.g. max|z| for
+  log-probs, whose value is a difference of two O(|z|) terms, or aggregate(|terms|) for a
+  loss that is a signed sum). A max-norm relative bound: an elementwise relative bound
+  cannot hold for results that are small through cancellation.
+* bf16/f16 inputs: ``|got - want| <= |want32 - want| + 1e-3 * S (+ half an ulp of the
+  output dtype * |want|)``, where want32 is the same formula evaluated in float32 NumPy on
+  the same upcast inputs. The ulp term covers gradients, whose dtype JAX fixes to the
+  (low-precision) primal dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+CPU_BACKENDS = ["reference", "chunked"]
+if os.environ.get("JAXRL_TEST_PALLAS") == "1":
+    CPU_BACKENDS.append("pallas")
+
+RTOL_F32 = 1e-5
+LOW_PRECISION_SLACK = 1e-3
+
+LOW_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+# ----------------------------------------------------------------------------- pytest hooks
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped where there is none)")
+    config.addinivalue_line("markers", "slow: larger CPU cases")
+    config.addinivalue_line(
+        "markers", "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
+                   "unless JAXRL_TEST_PALLAS_SLOW=1")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", CPU_BACKENDS)
+
+
+def pytest_collection_modifyitems(config, items):
+    on_gpu = jax.default_backend() == "gpu"
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+    skip_slow_pallas = pytest.mark.skip(
+        reason="pallas_slow case; set JAXRL_TEST_PALLAS_SLOW=1 to run it in interpret mode")
+    run_slow_pallas = os.environ.get("JAXRL_TEST_PALLAS_SLOW") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip_gpu)
+        callspec = getattr(item, "callspec", None)
+        if (callspec is not None and callspec.params.get("backend") == "pallas"
+                and "pallas_slow" in item.keywords and not run_slow_pallas):
+            item.add_marker(skip_slow_pallas)
+
+
+def pallas_slow(*values):
+    """A ``pytest.param`` for a case that is too slow for Pallas interpret mode."""
+    return pytest.param(*values, marks=pytest.mark.pallas_slow)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test id: fresh inputs per test, reproducible per run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ----------------------------------------------------------------------------- calling ops
+
+
+def call(fn, backend, *args, **kwargs):
+    """Call a public op on ``backend``: through ``backend=`` where the op takes it,
+    else inside ``use_backend`` (ops whose SPEC signature has no backend argument)."""
+    import jaxrl_kernels as jk
+
+    if "backend" in inspect.signature(fn).parameters:
+        return fn(*args, backend=backend, **kwargs)
+    with jk.use_backend(backend):
+        return fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def dtype_id(dt):
+    return jnp.dtype(dt).name
+
+
+def rand(rng, shape, dtype=jnp.float32, scale=1.0, loc=0.0):
+    """Normal samples as a jax array of ``dtype`` and as the float64 values it holds."""
+    x = jnp.asarray((loc + scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+    return x, np.asarray(x).astype(np.float64)
+
+
+def as_jnp(x64, dtype):
+    """A float64 numpy array as a jax array of dtype, and the float64 values it holds."""
+    x = jnp.asarray(np.asarray(x64, np.float32)).astype(dtype)
+    return x, np.asarray(x).astype(np.float64)
+
+
+def cotangent(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+
+def random_mask(rng, b, t, *, p=0.75, empty_rows=(0,)):
+    """A {0,1} float mask [B, T] with the listed rows fully masked and no other empty row."""
+    m = (rng.random((b, t)) < p).astype(np.float32)
+    m[:, 0] = 1
+    for r in empty_rows:
+        if r < b:
+            m[r] = 0
+    return m
+
+
+# ----------------------------------------------------------------------------- tolerances
+
+
+def is_low(dtype):
+    return jnp.dtype(dtype) in [jnp.dtype(d) for d in LOW_DTYPES]
+
+
+def _half_ulp_rel(dtype):
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def assert_close(got, want, *, in_dtype=jnp.float32, want32=None, scale=None, name="value"):
+    """Check ``got`` (a library output) against the float64 oracle ``want``.
+
+    ``in_dtype``: the dtype of the op's floating inputs (selects the SPEC tolerance);
+    ``want32``: the oracle evaluated in float32 on the same inputs (needed for bf16/f16);
+    ``scale``: a condition scale S (at least max|want| is always used).
+    NaN must be at exactly the same positions; +-inf must match exactly.
+    """
+    got_arr = np.asarray(got)
+    out_dtype = got_arr.dtype
+    g = got_arr.astype(np.float64)
+    w = np.asarray(want, np.float64)
+    assert g.shape == w.shape, f"{name}: shape {g.shape} != expected {w.shape}"
+    nan_g, nan_w = np.isnan(g), np.isnan(w)
+    assert np.array_equal(nan_g, nan_w), (
+        f"{name}: NaN at {np.argwhere(nan_g != nan_w)[:5].tolist()} differs from the oracle")
+    inf_w = np.isinf(w)
+    assert np.array_equal(g[inf_w], w[inf_w]) and not np.isinf(g[~inf_w]).any(), (
+        f"{name}: infinities differ")
+    fin = ~nan_w & ~inf_w
+    g, w = g[fin], w[fin]
+    if w.size == 0:
+        return
+    s = float(np.max(np.abs(w), initial=0.0))
+    if scale is not None:
+        s = max(s, float(np.max(np.abs(np.asarray(scale, np.float64)))))
+    s = max(s, 1e-30)
+    err = np.abs(g - w)
+    if is_low(in_dtype):
+        assert want32 is not None, "low-precision check needs want32"
+        w32 = np.asarray(want32, np.float64)[fin]
+        bound = np.abs(w32 - w) + LOW_PRECISION_SLACK * s
+        if out_dtype != np.float32 and out_dtype != np.float64:
+            bound = bound + _half_ulp_rel(out_dtype) * np.abs(w)
+        rule = f"|f32 formula err| + {LOW_PRECISION_SLACK} * S"
+    else:
+        bound = RTOL_F32 * s + _half_ulp_rel(out_dtype) * np.abs(w) * (out_dtype != np.float32)
+        rule = f"{RTOL_F32} * S"
+    bad = err > bound
+    if bad.any():
+        i = int(np.argmax(err - bound))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{err.size} elements off (in={jnp.dtype(in_dtype).name}, "
+            f"out={out_dtype}); worst: got {g[i]!r} want {w[i]!r} err {err[i]:.3e} > bound "
+            f"{bound[i]:.3e} ({rule}, S={s:.3e})")
+
+
+def assert_f32(*xs):
+    for x in xs:
+        assert jnp.asarray(x).dtype == jnp.float32, f"output dtype {jnp.asarray(x).dtype} != float32"
+
+
+def assert_zero(x, name="gradient"):
+    """Exactly zero (or a float0/None cotangent)."""
+    if x is None:
+        return
+    a = np.asarray(x)
+    if a.dtype == jax.dtypes.float0:
+        return
+    assert not np.any(a.astype(np.float64) != 0), f"{name} must be exactly zero, max |x| = {np.abs(a).max()}"

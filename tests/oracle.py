@@ -1,0 +1,440 @@
+"""An independent NumPy implementation of every SPEC.md op and of its gradients.
+
+Written from the formulas of SPEC.md only; it never imports ``jaxrl_kernels``
+nor jax. Every function takes ``dt`` (default float64): with ``dt=np.float32``
+it evaluates *the same formula* in float32, which is what the low-precision
+tolerance of SPEC "Numerics" is measured against.
+
+Gradients are analytic (no finite differences, no autodiff):
+
+* ``d logp / d z = onehot - p`` and ``d H / d z = -p (z - sum(p z))``, each
+  divided by the temperature for the logits.
+* The PPO surrogate is piecewise smooth; on the piece that a token is on, the
+  derivative w.r.t. ``logp`` is ``-A r`` (unclipped branch, log-ratio inside
+  [-20, 20]) or 0 (clipped / dual-clipped branch or clipped log-ratio), times
+  the stop-gradient TIS weight.
+* ``aggregate`` is linear in its values: ``aggregate(x) = sum(w * x)`` with
+  weights :func:`aggregate_weights` that depend on the mask only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F64 = np.float64
+
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+AGG_ALIASES = {"sequence_mean": "seq_mean_token_mean"}
+LOG_RATIO_CLIP = 20.0
+K3_CLIP = 20.0
+
+
+def f64(x):
+    """Any array (numpy, jax, bf16, bool, ...) as a float64 numpy array (exact upcast)."""
+    return np.asarray(x).astype(F64)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def _softmax_stats(z):
+    """Row-wise ``(p, lse, mean_z)`` of logits z[..., V], in z's dtype."""
+    zmax = np.max(z, axis=-1, keepdims=True)
+    e = np.exp(z - zmax)
+    s = np.sum(e, axis=-1, keepdims=True)
+    lse = zmax + np.log(s)
+    p = e / s
+    mean_z = np.sum(p * z, axis=-1, keepdims=True)
+    return p, lse, mean_z
+
+
+def _row_status(targets, vocab, ignore_index):
+    t = np.asarray(targets).astype(np.int64)
+    ignored = np.zeros(t.shape, bool) if ignore_index is None else t == ignore_index
+    bad = ~ignored & ((t < 0) | (t >= vocab))
+    safe = np.where(ignored | bad, 0, t)
+    return safe, ignored, bad
+
+
+def token_logprobs(logits, targets, *, temperature=1.0, ignore_index=None, dt=F64):
+    """``(logp, entropy)`` of shape targets.shape.
+
+    z = logits / T; logp = z[t] - logsumexp(z); H = logsumexp(z) - sum(softmax(z) z).
+    Ignored targets give 0; other targets outside [0, V) give NaN.
+    """
+    z = np.asarray(f64(logits), dtype=dt) / dt(temperature)
+    vocab = z.shape[-1]
+    safe, ignored, bad = _row_status(targets, vocab, ignore_index)
+    _, lse, mean_z = _softmax_stats(z)
+    zt = np.take_along_axis(z, safe[..., None], axis=-1)
+    logp = (zt - lse)[..., 0]
+    ent = (lse - mean_z)[..., 0]
+    logp = np.where(ignored, 0, np.where(bad, np.nan, logp)).astype(dt)
+    ent = np.where(ignored, 0, np.where(bad, np.nan, ent)).astype(dt)
+    return logp, ent
+
+
+def token_logprobs_vjp(logits, targets, g_logp, g_ent=None, *, temperature=1.0, ignore_index=None,
+                       dt=F64):
+    """Cotangent of the logits for cotangents ``g_logp`` (and ``g_ent``) of (logp, entropy)."""
+    temp = dt(temperature)
+    z = np.asarray(f64(logits), dtype=dt) / temp
+    vocab = z.shape[-1]
+    safe, ignored, bad = _row_status(targets, vocab, ignore_index)
+    p, _, mean_z = _softmax_stats(z)
+    onehot = np.zeros_like(z)
+    np.put_along_axis(onehot, safe[..., None], 1, axis=-1)
+    keep = (~ignored & ~bad)[..., None]
+    g = np.asarray(g_logp, dtype=dt)[..., None]
+    dz = g * (onehot - p)
+    if g_ent is not None:
+        ge = np.asarray(g_ent, dtype=dt)[..., None]
+        dz = dz + ge * (-p * (z - mean_z))
+    return np.where(keep, dz / temp, 0).astype(dt)
+
+
+def linear_logits(hidden, weight, bias=None, *, weight_layout="vd", dt=F64):
+    """hidden[..., D] @ W^T (+ bias): W is [V, D] for "vd", [D, V] for "dv"."""
+    h = np.asarray(f64(hidden), dtype=dt)
+    w = np.asarray(f64(weight), dtype=dt)
+    logits = h @ (w.T if weight_layout == "vd" else w)
+    if bias is not None:
+        logits = logits + np.asarray(f64(bias), dtype=dt)
+    return logits
+
+
+def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
+                    ignore_index=None, dt=F64):
+    logits = linear_logits(hidden, weight, bias, weight_layout=weight_layout, dt=dt)
+    return token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index, dt=dt)
+
+
+def linear_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, *,
+                        weight_layout="vd", temperature=1.0, ignore_index=None, dt=F64):
+    """``(d_hidden, d_weight, d_bias)``; d_bias is None when bias is None."""
+    h = np.asarray(f64(hidden), dtype=dt)
+    w = np.asarray(f64(weight), dtype=dt)
+    logits = linear_logits(h, w, bias, weight_layout=weight_layout, dt=dt)
+    dl = token_logprobs_vjp(logits, targets, g_logp, g_ent, temperature=temperature,
+                            ignore_index=ignore_index, dt=dt)
+    d = h.shape[-1]
+    h2 = h.reshape(-1, d)
+    dl2 = dl.reshape(-1, dl.shape[-1])
+    if weight_layout == "vd":      # logits = h W^T, W [V, D]
+        dh = dl2 @ w
+        dw = dl2.T @ h2
+    else:                          # logits = h W,   W [D, V]
+        dh = dl2 @ w.T
+        dw = h2.T @ dl2
+    db = None if bias is None else dl2.sum(0)
+    return dh.reshape(h.shape), dw, db
+
+
+# ----------------------------------------------------------------------------- RL math
+
+
+def kl_penalty(logp, ref_logp, estimator="k3", dt=F64):
+    """d = ref_logp - logp; k1 = -d, abs = |d|, k2 = d^2/2, k3 = exp(dc) - dc - 1, dc = clip(d, +-20)."""
+    d = np.asarray(f64(ref_logp), dt) - np.asarray(f64(logp), dt)
+    if estimator == "k1":
+        return -d
+    if estimator == "abs":
+        return np.abs(d)
+    if estimator == "k2":
+        return d * d / 2
+    if estimator == "k3":
+        dc = np.clip(d, -K3_CLIP, K3_CLIP)
+        return np.exp(dc) - dc - 1
+    raise ValueError(estimator)
+
+
+def kl_penalty_grad(logp, ref_logp, estimator="k3", dt=F64):
+    """d kl / d logp (ref_logp is a constant). Exactly at |d| = 20 or d = 0 for abs it is ambiguous."""
+    d = np.asarray(f64(ref_logp), dt) - np.asarray(f64(logp), dt)
+    if estimator == "k1":
+        return np.ones_like(d)
+    if estimator == "abs":
+        return -np.sign(d)
+    if estimator == "k2":
+        return -d
+    if estimator == "k3":
+        inside = np.abs(d) < K3_CLIP
+        return np.where(inside, -(np.exp(np.clip(d, -K3_CLIP, K3_CLIP)) - 1), 0)
+    raise ValueError(estimator)
+
+
+def aggregate_weights(mask, mode="token_mean", max_len=None, dt=F64):
+    """w with aggregate(x, mask, mode) == sum(w * x) for every x."""
+    m = np.asarray(f64(mask), dt)
+    mode = AGG_ALIASES.get(mode, mode)
+    b, t = m.shape
+    if mode == "token_mean":
+        return m / max(m.sum(), 1.0)
+    if mode == "seq_mean_token_mean":
+        per_seq = m.sum(1, keepdims=True)
+        valid = per_seq > 0
+        n_valid = valid.sum()
+        if n_valid == 0:
+            return np.zeros_like(m)
+        return np.where(valid, m / np.where(valid, per_seq, 1), 0) / n_valid
+    if mode == "seq_mean_token_sum":
+        return m / b
+    if mode == "seq_mean_token_sum_norm":
+        return m / (b * (t if max_len is None else max_len))
+    raise ValueError(mode)
+
+
+def aggregate(values, mask, mode="token_mean", max_len=None, dt=F64):
+    """SPEC's loss aggregation; see :func:`aggregate_weights`."""
+    x = np.asarray(f64(values), dt)
+    w = aggregate_weights(mask, mode, max_len, dt)
+    return np.sum(w * x, dtype=dt)
+
+
+def masked_mean(x, mask, dt=F64):
+    """sum(m x) / max(sum(m), 1)."""
+    return aggregate(x, mask, "token_mean", dt=dt)
+
+
+def _segments(b, group_size=None, group_boundaries=None):
+    if group_size is not None:
+        return np.repeat(np.arange(b // group_size), group_size)
+    bounds = np.asarray(group_boundaries)
+    seg = np.zeros(b, np.int64)
+    for g, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        seg[s:e] = g
+    return seg
+
+
+def group_advantages(rewards, *, group_size=None, group_boundaries=None, normalize_std=True,
+                     std_ddof=0, eps=1e-6, dt=F64):
+    """adv = r - mean_g (/ (std_g + eps)); a group of one gets 0."""
+    r = np.asarray(f64(rewards), dt)
+    seg = _segments(r.shape[0], group_size, group_boundaries)
+    adv = np.zeros_like(r)
+    for g in np.unique(seg):
+        idx = seg == g
+        n = idx.sum()
+        if n == 1:
+            continue
+        c = r[idx] - r[idx].mean()
+        if normalize_std:
+            std = np.sqrt(np.sum(c * c) / (n - std_ddof))
+            c = c / (std + dt(eps))
+        adv[idx] = c
+    return adv
+
+
+def group_advantages_vjp(rewards, g, *, group_size=None, group_boundaries=None,
+                         normalize_std=True, std_ddof=0, eps=1e-6):
+    """Cotangent of rewards (float64). Needs std_g > 0 in groups of two or more."""
+    r = f64(rewards)
+    g = f64(g)
+    seg = _segments(r.shape[0], group_size, group_boundaries)
+    out = np.zeros_like(r)
+    for k in np.unique(seg):
+        idx = seg == k
+        n = idx.sum()
+        if n == 1:
+            continue
+        gi = g[idx]
+        if not normalize_std:
+            out[idx] = gi - gi.mean()
+            continue
+        c = r[idx] - r[idx].mean()
+        s = np.sqrt(np.sum(c * c) / (n - std_ddof))
+        den = s + eps
+        # a_i = c_i / den; ds/dr_k = c_k / ((n - ddof) s)  (sum c = 0)
+        out[idx] = (gi - gi.mean()) / den - np.sum(gi * c) / den**2 * c / ((n - std_ddof) * s)
+    return out
+
+
+# ----------------------------------------------------------------------------- PPO
+
+
+def ppo_token_terms(logp, old_logp, advantages, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                    rollout_logp=None, tis_cap=None, dt=F64):
+    """Per-token surrogate pieces: dict with pg, dpg (d pg / d logp), r, clipped, dual, tis."""
+    lp = np.asarray(f64(logp), dt)
+    old = np.asarray(f64(old_logp), dt)
+    a = np.asarray(f64(advantages), dt)
+    if a.ndim == 1 and lp.ndim == 2:
+        a = a[:, None]
+    a = np.broadcast_to(a, lp.shape)
+    raw = lp - old
+    lr = np.clip(raw, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    lr_inside = np.abs(raw) < LOG_RATIO_CLIP
+    r = np.exp(lr)
+    unclipped = -a * r
+    clipped_val = -a * np.clip(r, dt(1 - clip_low), dt(1 + clip_high))
+    clip_taken = clipped_val > unclipped
+    pg = np.maximum(unclipped, clipped_val)
+    dpg = np.where(clip_taken, 0, -a * r * lr_inside)
+    dual_taken = np.zeros(lp.shape, bool)
+    if dual_clip is not None:
+        cap = -a * dt(dual_clip)
+        dual_taken = (a < 0) & (cap < pg)
+        pg = np.where(dual_taken, cap, pg)
+        dpg = np.where(dual_taken, 0, dpg)
+    tis = None
+    if rollout_logp is not None and tis_cap is not None:
+        tis = np.minimum(np.exp(old - np.asarray(f64(rollout_logp), dt)), dt(tis_cap))
+        pg = pg * tis
+        dpg = dpg * tis
+    return dict(pg=pg, dpg=dpg, r=r, clipped=clip_taken, dual=dual_taken, tis=tis)
+
+
+def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
+             rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+             entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None, dt=F64):
+    """``(loss, metrics, d_logp, d_entropy, per_token)``; d_entropy is None without entropy."""
+    t = ppo_token_terms(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high,
+                        dual_clip=dual_clip, rollout_logp=rollout_logp, tis_cap=tis_cap, dt=dt)
+    per_token = t["pg"].copy()
+    d_tok = t["dpg"].copy()
+    kl = None
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_estimator, dt)
+        per_token = per_token + dt(kl_coef) * kl
+        d_tok = d_tok + dt(kl_coef) * kl_penalty_grad(logp, ref_logp, kl_estimator, dt)
+    if entropy is not None:
+        per_token = per_token - dt(entropy_coef) * np.asarray(f64(entropy), dt)
+    w = aggregate_weights(mask, loss_agg_mode, max_len, dt)
+    loss = aggregate(per_token, mask, loss_agg_mode, max_len, dt)
+    d_logp = w * d_tok
+    d_ent = None if entropy is None else -dt(entropy_coef) * w
+    metrics = {
+        "clip_fraction": masked_mean(t["clipped"], mask, dt),
+        "dual_clip_fraction": masked_mean(t["dual"], mask, dt),
+        "approx_kl": masked_mean(kl_penalty(logp, old_logp, "k3", dt), mask, dt),
+        "ratio_mean": masked_mean(t["r"], mask, dt),
+    }
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl, mask, dt)
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy, mask, dt)
+    if t["tis"] is not None:
+        metrics["tis_weight_mean"] = masked_mean(t["tis"], mask, dt)
+    return loss, metrics, d_logp, d_ent, per_token
+
+
+def policy_gradient_loss(logp, advantages, mask, *, loss_agg_mode="token_mean", max_len=None,
+                         dt=F64):
+    """``(loss, d_logp)`` of aggregate(-A logp)."""
+    lp = np.asarray(f64(logp), dt)
+    a = np.asarray(f64(advantages), dt)
+    if a.ndim == 1 and lp.ndim == 2:
+        a = a[:, None]
+    a = np.broadcast_to(a, lp.shape)
+    w = aggregate_weights(mask, loss_agg_mode, max_len, dt)
+    return aggregate(-a * lp, mask, loss_agg_mode, max_len, dt), -a * w
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+
+def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator="k3",
+             temperature=1.0, dt=F64):
+    """``(ratio, kl, vjp)``; masked positions give ratio 1, kl 0 and never read their action."""
+    m = f64(mask) != 0
+    acts = np.where(m, np.asarray(actions), 0)
+    lp, _ = token_logprobs(policy_logits, acts, temperature=temperature, dt=dt)
+    lr, _ = token_logprobs(ref_logits, acts, temperature=temperature, dt=dt)
+    old = np.asarray(f64(old_logp), dt)
+    ratio = np.where(m, np.exp(np.where(m, lp - old, 0)), 1)
+    kl = np.where(m, kl_penalty(lp, lr, kl_estimator, dt), 0)
+
+    def vjp(g_ratio, g_kl):
+        g_lp = np.where(m, f64(g_ratio) * ratio + f64(g_kl) * kl_penalty_grad(lp, lr, kl_estimator, dt), 0)
+        return token_logprobs_vjp(policy_logits, acts, g_lp, temperature=temperature, dt=dt)
+
+    return ratio, kl, vjp
+
+
+def _grpo_from_logp(lp, ref_lp, old_logp, rewards, mask, *, group_size, group_boundaries,
+                    advantages, clip_low, clip_high, dual_clip, beta, kl_estimator,
+                    loss_agg_mode, normalize_std, eps, dt, max_len=None):
+    if advantages is None:
+        adv = group_advantages(rewards, group_size=group_size, group_boundaries=group_boundaries,
+                               normalize_std=normalize_std, eps=eps, dt=dt)
+    else:
+        adv = np.asarray(f64(advantages), dt)
+    t = ppo_token_terms(lp, old_logp, adv, clip_low=clip_low, clip_high=clip_high,
+                        dual_clip=dual_clip, dt=dt)
+    if ref_lp is None:
+        kl = np.zeros_like(lp)
+        dkl = np.zeros_like(lp)
+    else:
+        kl = kl_penalty(lp, ref_lp, kl_estimator, dt)
+        dkl = kl_penalty_grad(lp, ref_lp, kl_estimator, dt)
+    w = aggregate_weights(mask, loss_agg_mode, max_len, dt)
+    loss = aggregate(t["pg"] + dt(beta) * kl, mask, loss_agg_mode, max_len, dt)
+    pl = aggregate(t["pg"], mask, loss_agg_mode, max_len, dt)
+    kla = aggregate(kl, mask, loss_agg_mode, max_len, dt)
+
+    def d_logp(g_loss, g_pl, g_kl):
+        return w * ((g_loss + g_pl) * t["dpg"] + (g_loss * beta + g_kl) * dkl)
+
+    scale = aggregate(np.abs(t["pg"]) + abs(beta) * np.abs(kl), mask, loss_agg_mode, max_len, dt)
+    return (loss, pl, kla), d_logp, scale
+
+
+def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, group_size=None,
+              group_boundaries=None, advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None,
+              beta=0.0, kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True,
+              eps=1e-6, dt=F64):
+    """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> d policy_logits."""
+    lp, _ = token_logprobs(policy_logits, actions, dt=dt)
+    ref_lp, _ = token_logprobs(ref_logits, actions, dt=dt)
+    outs, d_logp, scale = _grpo_from_logp(
+        lp, ref_lp, old_logp, rewards, mask, group_size=group_size,
+        group_boundaries=group_boundaries, advantages=advantages, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, beta=beta, kl_estimator=kl_estimator,
+        loss_agg_mode=loss_agg_mode, normalize_std=normalize_std, eps=eps, dt=dt)
+
+    def vjp(g_loss, g_pl, g_kl):
+        return token_logprobs_vjp(policy_logits, actions, d_logp(g_loss, g_pl, g_kl), dt=dt)
+
+    return outs, vjp, scale
+
+
+def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias=None,
+                    weight_layout="vd", temperature=1.0, entropy_coef=0.0, dt=F64, **ppo_kw):
+    """``(loss, metrics, vjp, scale)``; vjp(g) -> (d_hidden, d_weight, d_bias)."""
+    lp, ent = linear_logprobs(hidden, weight, actions, bias, weight_layout=weight_layout,
+                              temperature=temperature, dt=dt)
+    use_ent = entropy_coef != 0
+    loss, metrics, d_lp, d_ent, per_token = ppo_loss(
+        lp, old_logp, advantages, mask, entropy=ent if use_ent else None,
+        entropy_coef=entropy_coef, dt=dt, **ppo_kw)
+
+    def vjp(g):
+        return linear_logprobs_vjp(hidden, weight, actions, g * d_lp,
+                                   None if d_ent is None else g * d_ent, bias,
+                                   weight_layout=weight_layout, temperature=temperature, dt=dt)
+
+    scale = aggregate(np.abs(per_token), mask, ppo_kw.get("loss_agg_mode", "token_mean"),
+                      ppo_kw.get("max_len"), dt)
+    return loss, metrics, vjp, scale
+
+
+def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=None,
+                     weight_layout="vd", ref_logp=None, group_size=None, group_boundaries=None,
+                     advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
+                     kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
+                     dt=F64):
+    """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> (dh, dw, db)."""
+    lp, _ = linear_logprobs(hidden, weight, actions, bias, weight_layout=weight_layout, dt=dt)
+    outs, d_logp, scale = _grpo_from_logp(
+        lp, None if ref_logp is None else np.asarray(f64(ref_logp), dt), old_logp, rewards, mask,
+        group_size=group_size, group_boundaries=group_boundaries, advantages=advantages,
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, beta=beta,
+        kl_estimator=kl_estimator, loss_agg_mode=loss_agg_mode, normalize_std=normalize_std,
+        eps=eps, dt=dt)
+
+    def vjp(g_loss, g_pl, g_kl):
+        return linear_logprobs_vjp(hidden, weight, actions, d_logp(g_loss, g_pl, g_kl), None, bias,
+                                   weight_layout=weight_layout, dt=dt)
+
+    return outs, vjp, scale
