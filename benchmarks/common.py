@@ -72,7 +72,8 @@ def metadata() -> dict[str, Any]:
 
 
 def results_dir() -> pathlib.Path:
-    out = os.environ.get("OUT")
+    """BENCH_RESULTS, else the device tool's $OUT, else benchmarks/results."""
+    out = os.environ.get("BENCH_RESULTS") or os.environ.get("OUT")
     path = pathlib.Path(out) if out else pathlib.Path(__file__).parent / "results"
     path.mkdir(parents=True, exist_ok=True)
     return path
