@@ -96,7 +96,11 @@ def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature
 
 
 def finalize_logprob(target_z, lse, entropy, target_in_range, row_valid):
-    """Per-row outputs: 0 on invalid rows, NaN where the target is out of range."""
+    """Per-row outputs: 0 on invalid rows, NaN where the target is out of range.
+
+    ``target_z`` and ``lse`` may carry the same shift (e.g. both taken relative
+    to the row max, which keeps logp exact when |z| is large).
+    """
     nan = jnp.float32(jnp.nan)
     logp = jnp.where(row_valid, jnp.where(target_in_range, target_z - lse, nan), 0.0)
     if entropy is not None:

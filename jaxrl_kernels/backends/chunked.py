@@ -59,7 +59,7 @@ def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
     """One pass over the vocabulary for several logit streams sharing ``targets``.
 
     ``z_chunks(start, size)`` gives a tuple of float32 [N, size] tiles.
-    Returns, per stream, ``(lse, entropy | None, target_z)``.
+    Returns, per stream, ``(stats, lse, entropy | None, target_z)``.
     """
     n_streams = len(jax.eval_shape(lambda: z_chunks(0, 1)))
     init = tuple((rl_math.online_softmax_init((n_rows,), with_entropy),
@@ -76,12 +76,14 @@ def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
         return tuple(out)
 
     final = _scan_chunks(body, init, n_rows, vocab)
-    return [(*rl_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
+    return [(stats, *rl_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
 
 
-def _outputs(lse, entropy, target_z, targets, row_valid, vocab):
+def _outputs(stats, entropy, target_z, targets, row_valid, vocab):
+    """Per-row outputs, with logp = (z_t - m) - log s taken relative to the row max."""
     in_range = (targets >= 0) & (targets < vocab)
-    return rl_math.finalize_logprob(target_z, lse, entropy, in_range, row_valid)
+    return rl_math.finalize_logprob(target_z - stats[0], jnp.log(stats[1]), entropy, in_range,
+                                    row_valid)
 
 
 def _masked_cotangents(row_valid, g_logp, g_ent):
@@ -123,10 +125,10 @@ def _token_logprobs(logits, targets, row_valid, temperature, return_entropy):
 
 def _token_logprobs_fwd(logits, targets, row_valid, temperature, return_entropy):
     n_rows, vocab = logits.shape
-    [(lse, entropy, target_z)] = _softmax_stats(
+    [(stats, lse, entropy, target_z)] = _softmax_stats(
         lambda s, n: (_logits_chunk(logits, temperature)(s, n),), n_rows, vocab, targets,
         return_entropy)
-    out = _outputs(lse, entropy, target_z, targets, row_valid, vocab)
+    out = _outputs(stats, entropy, target_z, targets, row_valid, vocab)
     return out, (logits, targets, row_valid, lse, entropy)
 
 
@@ -154,10 +156,10 @@ def _paired_logprobs_fwd(policy_logits, ref_logits, targets, row_valid, temperat
     n_rows, vocab = policy_logits.shape
     policy_chunk = _logits_chunk(policy_logits, temperature)
     ref_chunk = _logits_chunk(ref_logits, temperature)
-    (lse, _, tz), (ref_lse, _, ref_tz) = _softmax_stats(
+    (stats, lse, _, tz), (ref_stats, _, _, ref_tz) = _softmax_stats(
         lambda s, n: (policy_chunk(s, n), ref_chunk(s, n)), n_rows, vocab, targets, False)
-    logp, _ = _outputs(lse, None, tz, targets, row_valid, vocab)
-    ref_logp, _ = _outputs(ref_lse, None, ref_tz, targets, row_valid, vocab)
+    logp, _ = _outputs(stats, None, tz, targets, row_valid, vocab)
+    ref_logp, _ = _outputs(ref_stats, None, ref_tz, targets, row_valid, vocab)
     return (logp, ref_logp), (policy_logits, targets, row_valid, lse, ref_logits)
 
 
@@ -246,9 +248,9 @@ def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout
     n_rows = hidden.shape[0]
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
-    [(lse, entropy, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows, vocab,
-                                                targets, return_entropy)
-    out = _outputs(lse, entropy, target_z, targets, row_valid, vocab)
+    [(stats, lse, entropy, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows,
+                                                       vocab, targets, return_entropy)
+    out = _outputs(stats, entropy, target_z, targets, row_valid, vocab)
     return out, (hidden, weight, bias, targets, row_valid, lse, entropy)
 
 

@@ -33,16 +33,15 @@ def linear_logits(hidden, weight, bias, weight_layout):
 
 def _logprobs_from_z(z, targets, row_valid, return_entropy):
     vocab = z.shape[-1]
-    lse = jax.nn.logsumexp(z, axis=-1)
+    logp_all = jax.nn.log_softmax(z, axis=-1)
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0)
-    target_z = jnp.take_along_axis(z, safe[:, None], axis=-1)[:, 0]
+    logp = jnp.take_along_axis(logp_all, safe[:, None], axis=-1)[:, 0]
     entropy = None
     if return_entropy:
-        logp_all = z - lse[:, None]
         p = jnp.exp(logp_all)
         entropy = -jnp.sum(p * jnp.where(p > 0, logp_all, 0.0), axis=-1)
-    return rl_math.finalize_logprob(target_z, lse, entropy, in_range, row_valid)
+    return rl_math.finalize_logprob(logp, jnp.zeros_like(logp), entropy, in_range, row_valid)
 
 
 def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy):

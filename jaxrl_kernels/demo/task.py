@@ -11,12 +11,13 @@ Hierarchical reward of a generated answer ``y`` (the tokens up to and
 including the first ``EOS``; ``|y|`` counts that ``EOS``)::
 
     r(y) = 0                                  y is not well formed
-         = format_credit + bonus(y)           well formed, wrong sum
-         = 1             + bonus(y)           correct (exact string)
-    bonus(y) = brevity * (max_new - |y|) / max_new
+         = format_credit                      well formed, wrong value
+         = 1 + brevity * (max_new - |y|) / max_new     correct value
 
 Well formed means 1 to ``digits + 1`` digit tokens, then ``EOS``. Correct means
-the digits spell ``a + b`` exactly (no leading zeros).
+the digits' value is ``a + b``; leading zeros are allowed but cost the brevity
+bonus (which only correct answers get, so a short wrong answer never beats a
+long wrong one).
 
 The operand pairs are split once, with a seed independent of the run's, into a
 training pool and a held-out set that training never samples.
@@ -106,11 +107,9 @@ class AdditionTask:
         well_formed = has_eos & (length >= 1) & (length <= self.digits + 1) & digits_ok
         place = jnp.where(before, length[:, None] - 1 - pos, 0)
         value = jnp.sum(jnp.where(before, jnp.clip(tokens, 0, 9) * 10 ** place, 0), axis=1)
-        sum_len = 1 + sum((sums >= 10 ** k).astype(jnp.int32) for k in range(1, self.digits + 1))
-        correct = well_formed & (value == sums) & (length == sum_len)
+        correct = well_formed & (value == sums)
         bonus = self.brevity * (width - (length + 1)) / width
-        reward = jnp.where(correct, 1.0, jnp.where(well_formed, self.format_credit, 0.0))
-        reward = reward + jnp.where(well_formed, bonus, 0.0)
+        reward = jnp.where(correct, 1.0 + bonus, jnp.where(well_formed, self.format_credit, 0.0))
         return {"reward": reward.astype(jnp.float32),
                 "correct": correct.astype(jnp.float32),
                 "well_formed": well_formed.astype(jnp.float32)}

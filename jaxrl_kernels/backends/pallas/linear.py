@@ -1,0 +1,459 @@
+"""``linear_logprobs`` on Pallas (Triton) kernels: log-probs of an LM head without logits.
+
+With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv"``):
+``logp = z[target] - lse(z)`` and ``entropy = lse(z) - Σ softmax(z)·z``.
+
+Forward
+  * :func:`_stats_call`, grid (row block i, vocabulary split s): program (i, s) walks the
+    vocabulary tiles of split s; each tile ``h[i] · W[tile]ᵀ`` is a loop over D of
+    float32-accumulated dots, and is folded into the running per-row statistics with
+    ``rl_math.online_softmax_update``. Out: S partial statistics per row.
+  * the S partials of a row are combined in a fixed pairwise tree
+    (``rl_math.online_softmax_merge``) and finalized.
+  * :func:`_target_call`: the target logit ``h · W[target] + b[target]`` as a gather-dot.
+Backward (``jax.custom_vjp``, :func:`linear_logprobs_backward`)
+  per vocabulary chunk of C columns, :func:`_grad_call` recomputes the chunk's logits and
+  writes ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse) in the input
+  dtype; XLA's GEMMs then add ``dz · W_c`` to a float32 d_hidden and write
+  ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; the order of every sum is fixed.
+
+W is read in place in either layout; ragged edges of N, V and D are masked in the kernels.
+float32 inputs use full-precision (IEEE) float32 dots, 16-bit inputs 16-bit operands with
+float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxrl_kernels import rl_math
+from jaxrl_kernels.backends.pallas import common
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch parameters of one kernel."""
+
+    block_rows: int = 128
+    block_vocab: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything that tunes the op (none of it changes the result beyond rounding order)."""
+
+    forward: TileConfig = TileConfig()
+    tiles_per_split: int = 8  # vocabulary tiles one forward program walks
+    target_rows: int = 16  # rows of one gather-dot program
+    target_k: int = 128
+    grad: TileConfig = TileConfig()
+    chunk_bytes: int = 32 * 2**20  # size of the dz buffer of one backward chunk
+    epilogue: str = "softmax"  # "max": running max only -- the bare-GEMM timing variant
+
+
+DEFAULT_CONFIG = Config()
+
+
+def declines(primitive, problem) -> str | None:
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"pallas linear_logprobs serves {', '.join(SUPPORTED_DTYPES)}, not {problem.dtype}"
+    return None
+
+
+# -- tile helpers ---------------------------------------------------------------------------
+
+def _pow2_block(size: int, extent: int) -> int:
+    """``size`` shrunk to the next power of two of ``extent`` but at least 16 (dot minimum)."""
+    return max(16, min(size, pl.next_power_of_2(max(extent, 1))))
+
+
+def _fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int) -> TileConfig:
+    return dataclasses.replace(
+        tiles,
+        block_rows=_pow2_block(tiles.block_rows, n_rows),
+        block_vocab=_pow2_block(tiles.block_vocab, vocab),
+        block_k=_pow2_block(tiles.block_k, dim))
+
+
+def _both(a, b):
+    if a is None:
+        return b
+    return a if b is None else a & b
+
+
+def _in_bounds(start, size: int, extent: int, aligned: bool):
+    """Mask of ``start + arange(size) < extent``, or None when the shapes make it all True."""
+    return None if aligned else (start + jnp.arange(size)) < extent
+
+
+def _dot_precision(dtype):
+    # Triton's default float32 dot is tf32; HIGHEST lowers to an IEEE float32 dot.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, layout,
+                 compute_dtype, scale, cols_ragged):
+    """``(h[rows] · W[cols]ᵀ + b[cols]) · scale`` for one [bm, bn] tile, in float32."""
+    bm, bn, bk = tiles.block_rows, tiles.block_vocab, tiles.block_k
+    rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
+    cols_ok = _in_bounds(col0, bn, vocab, not cols_ragged)
+    precision = _dot_precision(compute_dtype)
+
+    def k_step(k, acc):
+        k0 = pl.multiple_of(k * bk, bk)
+        k_ok = _in_bounds(k0, bk, dim, dim % bk == 0)
+        h_mask = _both(None if rows_ok is None else rows_ok[:, None],
+                       None if k_ok is None else k_ok[None, :])
+        h = pltriton.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=h_mask,
+                          other=None if h_mask is None else 0)
+        h = h.astype(compute_dtype)
+        if layout == "vd":
+            w_mask = _both(None if cols_ok is None else cols_ok[:, None],
+                           None if k_ok is None else k_ok[None, :])
+            w = pltriton.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)], mask=w_mask,
+                              other=None if w_mask is None else 0)
+            return acc + pltriton.dot(h, w.astype(compute_dtype), trans_b=True,
+                                      precision=precision)
+        w_mask = _both(None if k_ok is None else k_ok[:, None],
+                       None if cols_ok is None else cols_ok[None, :])
+        w = pltriton.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=w_mask,
+                          other=None if w_mask is None else 0)
+        return acc + pltriton.dot(h, w.astype(compute_dtype), precision=precision)
+
+    acc = lax.fori_loop(0, pl.cdiv(dim, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
+    if b_ref is not None:
+        b = pltriton.load(b_ref.at[pl.ds(col0, bn)], mask=cols_ok,
+                          other=None if cols_ok is None else 0)
+        acc = acc + b.astype(jnp.float32)[None, :]
+    if scale != 1.0:
+        acc = acc * scale
+    return acc
+
+
+# -- forward: split-vocabulary softmax statistics ---------------------------------------------
+
+def _stats_kernel(*refs, n_rows, vocab, dim, tiles, tiles_per_split, layout, compute_dtype,
+                  scale, has_bias, n_stats, epilogue):
+    h_ref, w_ref = refs[:2]
+    b_ref = refs[2] if has_bias else None
+    out_refs = refs[2 + has_bias:]
+    bm, bn = tiles.block_rows, tiles.block_vocab
+    row0 = pl.program_id(0) * bm
+    split = pl.program_id(1)
+    first = split * tiles_per_split
+    last = jnp.minimum(first + tiles_per_split, pl.cdiv(vocab, bn))
+    cols_ragged = vocab % bn != 0
+
+    def tile(j, stats):
+        col0 = pl.multiple_of(j * bn, bn)
+        z = _tile_logits(h_ref, w_ref, b_ref, row0, col0, n_rows=n_rows, vocab=vocab, dim=dim,
+                         tiles=tiles, layout=layout, compute_dtype=compute_dtype, scale=scale,
+                         cols_ragged=cols_ragged)
+        if cols_ragged:
+            z = jnp.where((col0 + jnp.arange(bn) < vocab)[None, :], z, -jnp.inf)
+        if epilogue == "max":
+            return (jnp.maximum(stats[0], jnp.max(z, axis=-1)),) + tuple(stats[1:])
+        return rl_math.online_softmax_update(stats, z)
+
+    stats = lax.fori_loop(first, last, tile,
+                          rl_math.online_softmax_init((bm,), n_stats == 3))
+    rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
+    for ref, value in zip(out_refs, stats):
+        pltriton.store(ref.at[split, pl.ds(row0, bm)], value, mask=rows_ok)
+
+
+def _stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+    tiles = _fit(config.forward, n_rows, vocab, dim)
+    n_splits = pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
+    n_stats = 3 if with_entropy else 2
+    kernel = functools.partial(
+        _stats_kernel, n_rows=n_rows, vocab=vocab, dim=dim, tiles=tiles,
+        tiles_per_split=config.tiles_per_split, layout=layout,
+        compute_dtype=jnp.result_type(hidden, weight), scale=scale, has_bias=bias is not None,
+        n_stats=n_stats, epilogue=config.epilogue)
+    args = (hidden, weight) + (() if bias is None else (bias,))
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((n_splits, n_rows), jnp.float32)] * n_stats,
+        grid=(pl.cdiv(n_rows, tiles.block_rows), n_splits),
+        compiler_params=common.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=common.interpret(),
+        name="linear_logprobs_stats",
+    )(*args)
+
+
+def _merge_splits(parts):
+    """Combine [S, N] partial statistics into [N] in a fixed pairwise tree."""
+    while parts[0].shape[0] > 1:
+        if parts[0].shape[0] % 2:
+            identity = (-jnp.inf,) + (0.0,) * (len(parts) - 1)
+            parts = tuple(jnp.concatenate([p, jnp.full((1, p.shape[1]), e, p.dtype)])
+                          for p, e in zip(parts, identity))
+        parts = rl_math.online_softmax_merge(tuple(p[0::2] for p in parts),
+                                             tuple(p[1::2] for p in parts))
+    return tuple(p[0] for p in parts)
+
+
+# -- forward: target logits by a gather-dot ---------------------------------------------------
+
+def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_bias):
+    h_ref, w_ref = refs[:2]
+    b_ref = refs[2] if has_bias else None
+    t_ref, out_ref = refs[2 + has_bias:]
+    bm, bk = block_rows, block_k
+    row0 = pl.program_id(0) * bm
+    rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
+    t = pltriton.load(t_ref.at[pl.ds(row0, bm)], mask=rows_ok,
+                      other=None if rows_ok is None else 0)
+
+    def k_step(k, acc):
+        ks = k * bk + jnp.arange(bk)
+        k_ok = None if dim % bk == 0 else ks < dim
+        mask = _both(None if rows_ok is None else rows_ok[:, None],
+                     None if k_ok is None else k_ok[None, :])
+        other = None if mask is None else 0
+        h = pltriton.load(h_ref.at[pl.ds(row0, bm), pl.ds(k * bk, bk)], mask=mask, other=other)
+        if layout == "vd":
+            w = pltriton.load(w_ref.at[t[:, None], ks[None, :]], mask=mask, other=other)
+        else:
+            w = pltriton.load(w_ref.at[ks[None, :], t[:, None]], mask=mask, other=other)
+        return acc + jnp.sum(h.astype(jnp.float32) * w.astype(jnp.float32), axis=1)
+
+    acc = lax.fori_loop(0, pl.cdiv(dim, bk), k_step, jnp.zeros((bm,), jnp.float32))
+    if b_ref is not None:
+        acc = acc + pltriton.load(b_ref.at[t]).astype(jnp.float32)
+    if scale != 1.0:
+        acc = acc * scale
+    pltriton.store(out_ref.at[pl.ds(row0, bm)], acc, mask=rows_ok)
+
+
+def _target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
+    n_rows, dim = hidden.shape
+    bm = _pow2_block(config.target_rows, n_rows)
+    bk = _pow2_block(config.target_k, dim)
+    kernel = functools.partial(
+        _target_kernel, n_rows=n_rows, dim=dim, block_rows=bm, block_k=bk, layout=layout,
+        scale=scale, has_bias=bias is not None)
+    args = (hidden, weight) + (() if bias is None else (bias,)) + (safe_targets,)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+        grid=(pl.cdiv(n_rows, bm),),
+        compiler_params=common.compiler_params(4, 2),
+        interpret=common.interpret(),
+        name="linear_logprobs_target",
+    )(*args)
+
+
+def _forward(hidden, weight, bias, targets, row_valid, *, layout, temperature, return_entropy,
+             config):
+    """(logp, entropy | None, lse): the op's outputs and the saved per-row lse."""
+    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+    scale = 1.0 / temperature
+    parts = _stats_call(hidden, weight, bias, layout=layout, scale=scale,
+                        with_entropy=return_entropy, config=config)
+    lse, entropy = rl_math.online_softmax_finalize(_merge_splits(tuple(parts)))
+    in_range = (targets >= 0) & (targets < vocab)
+    safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
+    target_z = _target_call(hidden, weight, bias, safe, layout=layout, scale=scale,
+                            config=config)
+    logp, entropy = rl_math.finalize_logprob(target_z, lse, entropy, in_range, row_valid)
+    return logp, entropy, lse
+
+
+# -- backward ------------------------------------------------------------------------------
+
+def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, temperature,
+                 has_bias, with_entropy):
+    it = iter(refs)
+    start_ref, h_ref, w_ref = next(it), next(it), next(it)
+    b_ref = next(it) if has_bias else None
+    t_ref, lse_ref, gl_ref = next(it), next(it), next(it)
+    ent_ref, ge_ref = (next(it), next(it)) if with_entropy else (None, None)
+    dz_ref = next(it)
+    db_ref = next(it) if has_bias else None
+
+    bm, bn = tiles.block_rows, tiles.block_vocab
+    i, j = pl.program_id(0), pl.program_id(1)
+    row0 = i * bm
+    local0 = pl.multiple_of(j * bn, bn)
+    col0 = start_ref[0] + local0
+    ragged = size % bn != 0
+    z = _tile_logits(h_ref, w_ref, b_ref, row0, col0, n_rows=n_rows, vocab=vocab, dim=dim,
+                     tiles=tiles, layout=layout, compute_dtype=compute_dtype,
+                     scale=1.0 / temperature, cols_ragged=ragged)
+    rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
+
+    def rows(ref):
+        return pltriton.load(ref.at[pl.ds(row0, bm)], mask=rows_ok,
+                             other=None if rows_ok is None else 0)
+
+    t = rows(t_ref)
+    is_target = (col0 + jnp.arange(bn))[None, :] == t[:, None]
+    dz = rl_math.logprob_grad_tile(
+        z, rows(lse_ref), rows(ent_ref) if with_entropy else None, is_target, rows(gl_ref),
+        rows(ge_ref) if with_entropy else None, temperature)
+    cols_ok = _in_bounds(local0, bn, size, not ragged)
+    if cols_ok is not None:
+        dz = jnp.where(cols_ok[None, :], dz, 0.0)
+    mask = _both(None if rows_ok is None else rows_ok[:, None],
+                 None if cols_ok is None else cols_ok[None, :])
+    pltriton.store(dz_ref.at[pl.ds(row0, bm), pl.ds(local0, bn)], dz.astype(dz_ref.dtype),
+                   mask=mask)
+    if db_ref is not None:
+        if rows_ok is not None:
+            dz = jnp.where(rows_ok[:, None], dz, 0.0)
+        pltriton.store(db_ref.at[i, pl.ds(local0, bn)], jnp.sum(dz, axis=0), mask=cols_ok)
+
+
+def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, *,
+               layout, temperature, config):
+    """dz [N, size] for vocabulary columns [start, start + size) (and Σ_rows dz per row block)."""
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+    compute_dtype = jnp.result_type(hidden, weight)
+    tiles = _fit(config.grad, n_rows, size, dim)
+    with_entropy = g_ent is not None
+    n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
+    kernel = functools.partial(
+        _grad_kernel, n_rows=n_rows, vocab=vocab, dim=dim, size=size, tiles=tiles,
+        layout=layout, compute_dtype=compute_dtype, temperature=temperature,
+        has_bias=bias is not None, with_entropy=with_entropy)
+    args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]
+    args += [] if bias is None else [bias]
+    args += [targets, lse, g_logp] + ([entropy, g_ent] if with_entropy else [])
+    out_shape = [jax.ShapeDtypeStruct((n_rows, size), compute_dtype)]
+    if bias is not None:
+        out_shape.append(jax.ShapeDtypeStruct((n_row_blocks, size), jnp.float32))
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(n_row_blocks, pl.cdiv(size, tiles.block_vocab)),
+        compiler_params=common.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=common.interpret(),
+        name="linear_logprobs_grad",
+    )(*args)
+    return outs[0], (jnp.sum(outs[1], axis=0) if bias is not None else None)
+
+
+def _chunk_size(n_rows: int, vocab: int, itemsize: int, config: Config) -> int:
+    """Columns per backward chunk: the dz buffer fits ``chunk_bytes``, a multiple of the tile."""
+    bn = config.grad.block_vocab
+    size = config.chunk_bytes // (itemsize * max(n_rows, 1))
+    size = max(bn, size - size % bn)
+    return min(size, vocab)
+
+
+def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
+                             g_ent, *, weight_layout, temperature, config=None):
+    """(d_hidden, d_weight, d_bias | None) of linear_logprobs from per-row cotangents.
+
+    ``lse`` [N] is the per-row logsumexp of z, ``entropy`` [N] the entropy output (both are
+    ignored on rows that are invalid or whose target is out of range; those rows get no
+    gradient). ``g_ent``/``entropy`` may be None. For each vocabulary chunk c:
+    dz = d loss/d logits (``rl_math.logprob_grad_tile``), d_hidden += dz·W_c (float32),
+    d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz; chunks are visited in order.
+    """
+    config = config or DEFAULT_CONFIG
+    layout = weight_layout
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+    w_axis = 0 if layout == "vd" else 1
+    compute_dtype = jnp.result_type(hidden, weight)
+    precision = _dot_precision(compute_dtype)
+
+    active = row_valid & (targets >= 0) & (targets < vocab)
+    targets = jnp.where(active, targets, -1).astype(jnp.int32)
+    lse = jnp.where(active, lse, jnp.inf).astype(jnp.float32)  # p = 0 on inactive rows
+    g_logp = jnp.where(active, g_logp, 0.0).astype(jnp.float32)
+    if g_ent is not None:
+        entropy = jnp.where(active, entropy, 0.0).astype(jnp.float32)
+        g_ent = jnp.where(active, g_ent, 0.0).astype(jnp.float32)
+    hidden_c = hidden.astype(compute_dtype)
+
+    def chunk(carry, start, size):
+        d_hidden, d_weight, d_bias = carry
+        dz, d_b = _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
+                             g_ent, layout=layout, temperature=temperature, config=config)
+        w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(compute_dtype)
+        w_contract = 0 if layout == "vd" else 1
+        d_hidden = d_hidden + lax.dot_general(
+            dz, w_c, (((1,), (w_contract,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
+        if layout == "vd":
+            d_w = lax.dot_general(dz, hidden_c, (((0,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        else:
+            d_w = lax.dot_general(hidden_c, dz, (((0,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
+                                                   axis=w_axis)
+        if d_bias is not None:
+            d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
+        return d_hidden, d_weight, d_bias
+
+    size = _chunk_size(n_rows, vocab, jnp.dtype(compute_dtype).itemsize, config)
+    n_full, rest = divmod(vocab, size)
+    carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
+             None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
+    if rest:
+        carry = chunk(carry, n_full * size, rest)
+    d_hidden, d_weight, d_bias = carry
+    return (d_hidden.astype(hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
+
+
+# -- the primitive --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                     return_entropy, config):
+    logp, entropy, _ = _forward(hidden, weight, bias, targets, row_valid, layout=weight_layout,
+                                temperature=temperature, return_entropy=return_entropy,
+                                config=config)
+    return logp, entropy
+
+
+def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                         return_entropy, config):
+    logp, entropy, lse = _forward(hidden, weight, bias, targets, row_valid,
+                                  layout=weight_layout, temperature=temperature,
+                                  return_entropy=return_entropy, config=config)
+    return (logp, entropy), (hidden, weight, bias, targets, row_valid, lse, entropy)
+
+
+def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, config, res, g):
+    hidden, weight, bias, targets, row_valid, lse, entropy = res
+    g_logp, g_ent = g
+    d_hidden, d_weight, d_bias = linear_logprobs_backward(
+        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
+        g_ent if return_entropy else None, weight_layout=weight_layout,
+        temperature=temperature, config=config)
+    return d_hidden, d_weight, d_bias, None, None
+
+
+_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+
+
+def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                    return_entropy, config=None):
+    """The ``linear_logprobs`` primitive (see ``dispatch``): (logp [N], entropy [N] | None)."""
+    return _linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+                            weight_layout, float(temperature), bool(return_entropy),
+                            config or DEFAULT_CONFIG)

@@ -1,0 +1,329 @@
+"""Pallas kernels for per-token log-probabilities from logits.
+
+For each row of ``z = logits / T`` (``T`` the temperature), with target ``t``:
+
+    lse      = log Σ_v exp(z_v)
+    logp     = z_t - lse
+    entropy  = lse - Σ_v softmax(z)_v · z_v
+
+Forward: one program per (row, split of the vocabulary) walks its tiles of V
+once, folding each tile into the online statistics of ``rl_math`` (running max,
+Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy and reference
+statistics through the same walk. Tiles that run past V are masked loads; the
+logits are never padded or copied. Only per-row values leave the kernel (logp,
+lse, entropy), or per-(row, split) statistics that ``rl_math.online_softmax_merge``
+combines when the rows are too few to fill the GPU.
+
+Backward (``jax.custom_vjp``): one program per (row, split) recomputes
+``p = exp(z - lse)`` tile by tile from the saved lse and writes
+``d logits = rl_math.logprob_grad_tile(...)`` once, in the logits' dtype, with
+the per-row cotangents (the per-token coefficient) folded in.
+
+Rows with ``row_valid == False`` read no logits, give 0 and a zero gradient;
+valid rows whose target lies outside ``[0, V)`` give NaN (and a zero gradient,
+as the reference's ``where`` does). The target is only used to index when the
+row is valid and the target in range; no address outside the logits is formed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrl_kernels import rl_math
+from jaxrl_kernels.backends.pallas import common
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+TILE_BYTES = 8192
+"""Bytes of one logits tile per row: 4096 bf16/f16 or 2048 f32 values, two 16-byte
+loads per thread at 8 warps; enough bytes in flight per SM without spilling."""
+
+MIN_PROGRAMS = 512
+"""Fewer rows than this split the vocabulary across programs (about 4 per H100 SM)."""
+
+
+class Plan(NamedTuple):
+    """Launch configuration of the kernels for one shape."""
+
+    block_v: int        # vocabulary tile (a power of two)
+    splits: int         # programs per row (split-V); 1 = finalise inside the kernel
+    num_warps: int
+    num_stages: int
+
+    def tiles_per_split(self, vocab: int) -> int:
+        return pl.cdiv(pl.cdiv(vocab, self.block_v), self.splits)
+
+
+def make_plan(n_rows: int, vocab: int, itemsize: int, *, block_v: int | None = None,
+              splits: int | None = None) -> Plan:
+    """The documented heuristic: a ``TILE_BYTES`` tile (fewer for small V), 8 warps
+    for a full tile, and the vocabulary split over ``ceil(MIN_PROGRAMS / rows)``
+    programs per row when there are fewer than ``MIN_PROGRAMS`` rows."""
+    if block_v is None:
+        block_v = min(pl.next_power_of_2(vocab), TILE_BYTES // itemsize)
+    n_tiles = pl.cdiv(vocab, block_v)
+    if splits is None:
+        splits = 1 if n_rows >= MIN_PROGRAMS else pl.cdiv(MIN_PROGRAMS, max(n_rows, 1))
+    splits = max(1, min(splits, n_tiles))
+    splits = pl.cdiv(n_tiles, pl.cdiv(n_tiles, splits))  # no split without a tile
+    num_warps = max(1, min(8, block_v * itemsize // 1024))
+    return Plan(block_v, splits, num_warps, num_stages=2)
+
+
+def declines(primitive: str, problem) -> str | None:
+    if problem.dtype not in SUPPORTED_DTYPES:
+        return f"pallas {primitive} takes {'/'.join(SUPPORTED_DTYPES)} logits, not {problem.dtype}"
+    return None
+
+
+# -- kernels --------------------------------------------------------------------------------
+
+def _scaled(x, temperature: float):
+    z = x.astype(jnp.float32)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _tile_columns(j, block_v: int, vocab: int):
+    cols = j * block_v + jnp.arange(block_v, dtype=jnp.int32)
+    return cols, cols < vocab
+
+
+def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temperature: float,
+                    block_v: int, tiles_per_split: int, finalize: bool):
+    x_refs, out_refs = refs[:n_in], refs[n_in:]
+    vocab = x_refs[0].shape[-1]
+    n_tiles = pl.cdiv(vocab, block_v)
+    target = target_ref[...]
+    valid = valid_ref[...]
+    in_range = (target >= 0) & (target < vocab)
+    lo = pl.program_id(1) * tiles_per_split
+    hi = jnp.where(valid, jnp.minimum(lo + tiles_per_split, n_tiles), lo)  # invalid: no reads
+
+    def body(j, stats):
+        cols, inside = _tile_columns(j, block_v, vocab)
+        new = []
+        for ref, st in zip(x_refs, stats):
+            x = plgpu.load(ref.at[cols], mask=inside, other=-jnp.inf, eviction_policy="evict_first")
+            new.append(rl_math.online_softmax_update(st, _scaled(x, temperature)))
+        return tuple(new)
+
+    init = tuple(rl_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
+    stats = lax.fori_loop(lo, hi, body, init)
+    safe_target = jnp.where(valid & in_range, target, 0)
+    target_z = [_scaled(ref[safe_target], temperature) for ref in x_refs]
+
+    if finalize:
+        # outputs: logp_k for each input, lse of input 0, entropy of input 0 if asked
+        live = valid & in_range
+        for k in range(n_in):
+            lse, ent = rl_math.online_softmax_finalize(stats[k])
+            logp, ent = rl_math.finalize_logprob(target_z[k], lse, ent, in_range, valid)
+            out_refs[k][...] = logp
+            if k == 0:
+                out_refs[n_in][...] = jnp.where(live, lse, 0.0)
+                if entropy:
+                    out_refs[n_in + 1][...] = ent
+    else:
+        # outputs: (m, s[, a]) per input, then target_z per input (written by split 0)
+        pos = 0
+        for st in stats:
+            for val in st:
+                out_refs[pos][...] = val
+                pos += 1
+
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            for k in range(n_in):
+                out_refs[pos + k][...] = target_z[k]
+
+
+def _grad_kernel(target_ref, valid_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool,
+                 temperature: float, block_v: int, tiles_per_split: int):
+    if entropy:
+        ent_ref, g_ent_ref, dx_ref = refs
+    else:
+        (dx_ref,) = refs
+    vocab = x_ref.shape[-1]
+    n_tiles = pl.cdiv(vocab, block_v)
+    target = target_ref[...]
+    live = valid_ref[...] & (target >= 0) & (target < vocab)
+    lse, g = lse_ref[...], g_ref[...]
+    ent, g_ent = (ent_ref[...], g_ent_ref[...]) if entropy else (None, None)
+    lo = pl.program_id(1) * tiles_per_split
+    hi = jnp.minimum(lo + tiles_per_split, n_tiles)
+
+    @pl.loop(lo, hi)
+    def _(j):
+        cols, inside = _tile_columns(j, block_v, vocab)
+        x = plgpu.load(x_ref.at[cols], mask=inside & live, other=0.0, eviction_policy="evict_first")
+        dz = rl_math.logprob_grad_tile(_scaled(x, temperature), lse, ent, cols == target, g,
+                                       g_ent, temperature)
+        plgpu.store(dx_ref.at[cols], jnp.where(live, dz, 0.0).astype(dx_ref.dtype), mask=inside)
+
+
+# -- launchers ------------------------------------------------------------------------------
+
+def _row_specs(count: int, vocab: int | None = None):
+    if vocab is None:
+        return [pl.BlockSpec((None,), lambda i, s: (i,)) for _ in range(count)]
+    return [pl.BlockSpec((None, vocab), lambda i, s: (i, 0)) for _ in range(count)]
+
+
+def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: Plan):
+    """(logp per input, lse of input 0, entropy of input 0 or None)."""
+    n, vocab = xs[0].shape
+    n_in = len(xs)
+    finalize = plan.splits == 1
+    f32 = jnp.float32
+    if finalize:
+        out_shape = [jax.ShapeDtypeStruct((n,), f32)] * (n_in + 1 + entropy)
+        out_specs = _row_specs(len(out_shape))
+    else:
+        n_stats = 2 * n_in + entropy
+        out_shape = ([jax.ShapeDtypeStruct((n, plan.splits), f32)] * n_stats
+                     + [jax.ShapeDtypeStruct((n,), f32)] * n_in)
+        out_specs = ([pl.BlockSpec((None, None), lambda i, s: (i, s))] * n_stats
+                     + _row_specs(n_in))
+    kernel = functools.partial(
+        _forward_kernel, n_in=n_in, entropy=entropy, temperature=temperature,
+        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab), finalize=finalize)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(n, plan.splits),
+        in_specs=_row_specs(2) + _row_specs(n_in, vocab),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=common.compiler_params(plan.num_warps, plan.num_stages),
+        interpret=common.interpret(),
+        name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
+    )(targets, row_valid, *xs)
+    if finalize:
+        return list(outs[:n_in]), outs[n_in], (outs[n_in + 1] if entropy else None)
+    return _combine_splits(outs, targets, row_valid, vocab, n_in=n_in, entropy=entropy)
+
+
+def _combine_splits(outs, targets, row_valid, vocab, *, n_in: int, entropy: bool):
+    """Merge per-split statistics in split order (deterministic) and finalise."""
+    pos, logps = 0, []
+    in_range = (targets >= 0) & (targets < vocab)
+    for k in range(n_in):
+        width = 3 if (entropy and k == 0) else 2
+        parts = outs[pos:pos + width]
+        pos += width
+        stats = tuple(p[:, 0] for p in parts)
+        for j in range(1, parts[0].shape[1]):
+            stats = rl_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
+        lse, ent = rl_math.online_softmax_finalize(stats)
+        logp, ent = rl_math.finalize_logprob(outs[2 * n_in + entropy + k], lse, ent, in_range,
+                                             row_valid)
+        logps.append(logp)
+        if k == 0:
+            lse0, ent0 = jnp.where(row_valid & in_range, lse, 0.0), ent
+    return logps, lse0, ent0
+
+
+def _backward(x, targets, row_valid, lse, g, ent, g_ent, *, temperature: float, plan: Plan):
+    n, vocab = x.shape
+    entropy = ent is not None
+    kernel = functools.partial(_grad_kernel, entropy=entropy, temperature=temperature,
+                               block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
+    extra = (ent, g_ent) if entropy else ()
+    return pl.pallas_call(
+        kernel,
+        grid=(n, plan.splits),
+        in_specs=_row_specs(2) + _row_specs(1, vocab) + _row_specs(2 + len(extra)),
+        out_specs=_row_specs(1, vocab)[0],
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=common.compiler_params(plan.num_warps, plan.num_stages),
+        interpret=common.interpret(),
+        name="logprobs_bwd",
+    )(targets, row_valid, x, lse, g.astype(jnp.float32), *extra)
+
+
+# -- token_logprobs ---------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _token_logprobs(logits, targets, row_valid, temperature, entropy, plan):
+    (logp,), _, ent = _forward([logits], targets, row_valid, temperature=temperature,
+                               entropy=entropy, plan=plan)
+    return (logp, ent) if entropy else logp
+
+
+def _token_logprobs_fwd(logits, targets, row_valid, temperature, entropy, plan):
+    (logp,), lse, ent = _forward([logits], targets, row_valid, temperature=temperature,
+                                 entropy=entropy, plan=plan)
+    out = (logp, ent) if entropy else logp
+    return out, (logits, targets, row_valid, lse, ent)
+
+
+def _token_logprobs_bwd(temperature, entropy, plan, res, cot):
+    logits, targets, row_valid, lse, ent = res
+    g, g_ent = cot if entropy else (cot, None)
+    dx = _backward(logits, targets, row_valid, lse, g, ent, g_ent, temperature=temperature,
+                   plan=plan)
+    return dx, None, None
+
+
+_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
+
+
+def _checked_plan(logits, plan):
+    n, vocab = logits.shape
+    return plan or make_plan(n, vocab, jnp.dtype(logits.dtype).itemsize)
+
+
+def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,
+                   plan: Plan | None = None):
+    """Primitive ``token_logprobs``: ``(logp[N], entropy[N] | None)``."""
+    n = logits.shape[0]
+    if n == 0:
+        empty = jnp.zeros((0,), jnp.float32)
+        return empty, (empty if return_entropy else None)
+    out = _token_logprobs(logits, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
+                          float(temperature), bool(return_entropy), _checked_plan(logits, plan))
+    return out if return_entropy else (out, None)
+
+
+# -- paired_logprobs --------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _paired_logprobs(policy, ref, targets, row_valid, temperature, plan):
+    (logp, ref_logp), _, _ = _forward([policy, ref], targets, row_valid, temperature=temperature,
+                                      entropy=False, plan=plan)
+    return logp, ref_logp
+
+
+def _paired_fwd(policy, ref, targets, row_valid, temperature, plan):
+    (logp, ref_logp), lse, _ = _forward([policy, ref], targets, row_valid,
+                                        temperature=temperature, entropy=False, plan=plan)
+    return (logp, ref_logp), (policy, targets, row_valid, lse)
+
+
+def _paired_bwd(temperature, plan, res, cot):
+    policy, targets, row_valid, lse = res
+    dx = _backward(policy, targets, row_valid, lse, cot[0], None, None, temperature=temperature,
+                   plan=plan)
+    return dx, None, None, None
+
+
+_paired_logprobs.defvjp(_paired_fwd, _paired_bwd)
+
+
+def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
+                    plan: Plan | None = None):
+    """Primitive ``paired_logprobs``: ``(logp[N], ref_logp[N])``, gradient to policy only."""
+    if policy_logits.shape != ref_logits.shape:
+        raise ValueError(f"ref_logits: expected shape {policy_logits.shape}, got {ref_logits.shape}")
+    if policy_logits.shape[0] == 0:
+        empty = jnp.zeros((0,), jnp.float32)
+        return empty, empty
+    return _paired_logprobs(policy_logits, lax.stop_gradient(ref_logits), targets.astype(jnp.int32),
+                            row_valid.astype(jnp.bool_), float(temperature),
+                            _checked_plan(policy_logits, plan))
