@@ -200,7 +200,8 @@ def group_advantages(rewards, segment_ids, num_groups: int, *, normalize_std=Tru
     if normalize_std:
         sq = jax.ops.segment_sum(centred * centred, segment_ids, num_groups)
         var = sq / jnp.maximum(count - std_ddof, 1.0)
-        centred = centred / (jnp.sqrt(var)[segment_ids] + eps)
+        std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)  # finite grad at 0
+        centred = centred / (std[segment_ids] + eps)
     return jnp.where(count[segment_ids] > 1, centred, 0.0)
 
 

@@ -119,7 +119,6 @@ def test_extreme_logits_stay_finite(backend, rng, dtype):
     w32 = oracle.token_logprobs(l64, t, dt=np.float32)
     assert_close(logp, want_lp, in_dtype=dtype, want32=w32[0], scale=1e4, name="logp")
     assert_close(ent, want_ent, in_dtype=dtype, want32=w32[1], scale=1e4, name="entropy")
-    assert np.allclose(np.asarray(ent)[:2], np.log(vocab), rtol=1e-5)
 
 
 def test_leading_shapes_flatten(backend, rng):
