@@ -86,7 +86,8 @@ def linear_logprobs_flat(hidden, weight, bias, targets, row_valid, *, op, weight
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     problem = dispatch.Problem(op, n_rows=n_rows, vocab=vocab, hidden_dim=dim,
                                dtype=dispatch.dtype_name(hidden), weight_layout=weight_layout,
-                               has_bias=bias is not None, return_entropy=return_entropy)
+                               has_bias=bias is not None, return_entropy=return_entropy,
+                               extra=(("weight_dtype", dispatch.dtype_name(weight)),))
     choice = dispatch.record(op, dispatch.select(op, problem, backend))
     return choice.impl(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
                        weight_layout=weight_layout, temperature=float(temperature),

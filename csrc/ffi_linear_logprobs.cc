@@ -1,0 +1,141 @@
+// XLA FFI handler for the SM90 linear log-prob forward.
+//
+// Operands: hidden [N, D], weight [V, D] ("vd") or [D, V] ("dv") (both bf16 or
+// both f16), bias f32 [V] (ignored unless has_bias), targets s32 [N], row_valid
+// pred [N]. Results, each f32 [N]: logp (0 on invalid rows, NaN for a target
+// outside [0, V)), entropy and lse of every row (not masked; the backward uses
+// them). Attributes: weight_dv, has_bias, temperature. Scratch (3 floats per row
+// per vocabulary split) comes from the FFI scratch allocator; the handler only
+// enqueues kernels on XLA's stream: no device allocation, no synchronisation.
+// JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only).
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "xla/ffi/api/ffi.h"
+
+#include "sm90_launch.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::atoi(v) : fallback;
+}
+
+// Multiprocessor count per device ordinal, read once.
+int sm_count(int device) {
+  static std::mutex mu;
+  static int cache[64] = {0};
+  if (device < 0 || device >= 64) return 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+std::string dims_str(ffi::Span<const int64_t> dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
+                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
+                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
+                              float temperature) {
+  using jaxrl_sm90::DType;
+  auto hd = hidden.dimensions();
+  auto wd = weight.dimensions();
+  if (hd.size() != 2) return ffi::Error::InvalidArgument("hidden must be [N, D], got " + dims_str(hd));
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("weight must be rank 2, got " + dims_str(wd));
+  const int64_t n = hd[0], d = hd[1];
+  const int64_t v = weight_dv ? wd[1] : wd[0];
+  const int64_t wdepth = weight_dv ? wd[0] : wd[1];
+  if (wdepth != d)
+    return ffi::Error::InvalidArgument("weight " + dims_str(wd) + " does not match hidden " + dims_str(hd) +
+                                       (weight_dv ? " (layout dv: [D, V])" : " (layout vd: [V, D])"));
+  if (hidden.element_type() != weight.element_type())
+    return ffi::Error::InvalidArgument("hidden and weight must have the same dtype");
+  DType dtype;
+  if (hidden.element_type() == ffi::DataType::BF16) {
+    dtype = DType::kBF16;
+  } else if (hidden.element_type() == ffi::DataType::F16) {
+    dtype = DType::kF16;
+  } else {
+    return ffi::Error::InvalidArgument("hidden/weight must be bfloat16 or float16");
+  }
+  if (n >= (int64_t{1} << 31) || v >= (int64_t{1} << 31) || d >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("N, V and D must be < 2^31");
+  if (d <= 0 || v <= 0) return ffi::Error::InvalidArgument("D and V must be positive");
+  if (d % 8 != 0) return ffi::Error::InvalidArgument("D must be a multiple of 8 (16-byte TMA row stride)");
+  if (weight_dv && v % 8 != 0)
+    return ffi::Error::InvalidArgument("V must be a multiple of 8 for the dv layout (16-byte TMA row stride)");
+  if (has_bias && static_cast<int64_t>(bias.element_count()) != v)
+    return ffi::Error::InvalidArgument("bias must be [V]");
+  if (static_cast<int64_t>(targets.element_count()) != n || static_cast<int64_t>(row_valid.element_count()) != n ||
+      static_cast<int64_t>(logp->element_count()) != n || static_cast<int64_t>(entropy->element_count()) != n ||
+      static_cast<int64_t>(lse->element_count()) != n)
+    return ffi::Error::InvalidArgument("targets, row_valid and the results must all be [N]");
+  if (!(temperature > 0.f)) return ffi::Error::InvalidArgument("temperature must be > 0");
+  if (n == 0) return ffi::Error::Success();
+
+  const int sms = sm_count(device);
+  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+  jaxrl_sm90::Plan plan = jaxrl_sm90::choose_plan(static_cast<int>(n), static_cast<int>(v), sms,
+                                                  env_int("JAXRL_KERNELS_SM90_SPLITS", 0));
+  // XLA's FFI allocator accepts alignments up to 16 bytes (its buffers are 256-aligned anyway).
+  const size_t scratch_bytes = jaxrl_sm90::partials_bytes(plan, static_cast<int>(n));
+  auto buf = scratch.Allocate(scratch_bytes, 16);
+  if (!buf.has_value())
+    return ffi::Error::Internal("scratch allocation of " + std::to_string(scratch_bytes) + " bytes failed");
+
+  jaxrl_sm90::Args args;
+  args.hidden = hidden.untyped_data();
+  args.weight = weight.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.targets = targets.typed_data();
+  args.row_valid = reinterpret_cast<const uint8_t*>(row_valid.typed_data());
+  args.logp = logp->typed_data();
+  args.entropy = entropy->typed_data();
+  args.lse = lse->typed_data();
+  args.partials = static_cast<float*>(*buf);
+  args.n = static_cast<int>(n);
+  args.v = static_cast<int>(v);
+  args.d = static_cast<int>(d);
+  args.dtype = dtype;
+  args.weight_dv = weight_dv;
+  args.temperature = temperature;
+  std::string why = jaxrl_sm90::launch(args, plan, stream);
+  if (!why.empty()) return ffi::Error::Internal(why);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, LinearLogprobsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("weight_dv")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<float>("temperature"));

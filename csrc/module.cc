@@ -1,0 +1,42 @@
+// Python module `jaxrl_kernels._sm90`: hands the XLA FFI handler to Python as a
+// PyCapsule (jax.ffi.register_ffi_target takes it) and exposes the host-side
+// work planner for tests.
+#include <pybind11/pybind11.h>
+
+#include "sm90_launch.h"
+#include "sm90_plan.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace py = pybind11;
+
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
+
+PYBIND11_MODULE(_sm90, m) {
+  m.doc() = "SM90 (Hopper) fused linear log-prob forward as an XLA FFI custom call.";
+  m.def("registrations", []() {
+    py::dict out;
+    out["jaxrl_kernels_sm90_linear_logprobs"] =
+        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
+    return out;
+  }, "FFI target name -> handler capsule.");
+  m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
+  m.def("plan", [](int n, int v, int num_sms, int force_splits) {
+    jaxrl_sm90::Plan p = jaxrl_sm90::choose_plan(n, v, num_sms, force_splits);
+    py::dict out;
+    out["row_blocks"] = p.row_blocks;
+    out["vocab_tiles"] = p.vocab_tiles;
+    out["splits"] = p.splits;
+    out["group_rows"] = p.group_rows;
+    out["grid"] = p.grid;
+    out["makespan"] = p.makespan;
+    out["partials_bytes"] = jaxrl_sm90::partials_bytes(p, n);
+    return out;
+  }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
+     "The persistent-grid plan the handler uses for N rows and V columns.");
+  m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
+    jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
+    return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
+  }, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
+  m.attr("TILE_ROWS") = jaxrl_sm90::kBlockM;
+  m.attr("TILE_COLS") = jaxrl_sm90::kBlockN;
+}

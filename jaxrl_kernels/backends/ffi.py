@@ -1,0 +1,143 @@
+"""The ``ffi`` backend: the SM90 (Hopper) linear log-prob forward as an XLA FFI custom call.
+
+With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv"``):
+``logp = z[target] - lse(z)``, ``entropy = lse(z) - Σ softmax(z)·z``.
+
+Forward: one custom call, ``jaxrl_kernels_sm90_linear_logprobs`` (``csrc/``), that streams
+hidden and weight tiles into shared memory with TMA, multiplies them with wgmma (float32
+accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ exp,
+Σ exp·z) in registers; logits never reach device memory. Outputs logp, the unmasked
+entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
+Backward (``jax.custom_vjp``): the chunked backend's ``linear_logprobs_backward`` from the
+saved lse and entropy.
+
+Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
+for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
+runs once per batch element (``vmap_method="sequential"``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels import rl_math
+from jaxrl_kernels.backends import chunked
+
+TARGET = "jaxrl_kernels_sm90_linear_logprobs"
+SERVED_DTYPES = ("bfloat16", "float16")
+ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
+
+try:
+    from jaxrl_kernels import _sm90
+except ImportError as err:  # not built (no nvcc at install time, or JAXRL_KERNELS_BUILD_CUDA=OFF)
+    _sm90 = None
+    _IMPORT_ERROR = f"{type(err).__name__}: {err}"
+else:
+    _IMPORT_ERROR = None
+    for _name, _capsule in _sm90.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def unavailable_reason() -> str | None:
+    """None only if the extension is loaded and the default device is a 9.x (Hopper) GPU."""
+    if _sm90 is None:
+        return ("the CUDA extension jaxrl_kernels._sm90 is not built (install with nvcc on PATH "
+                f"and JAXRL_KERNELS_BUILD_CUDA unset or ON): {_IMPORT_ERROR}")
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return f"platform is {backend!r}; ffi needs an NVIDIA GPU with compute capability 9.x"
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", ""))
+    if not cc.startswith("9."):
+        return (f"device {getattr(dev, 'device_kind', dev)} has compute capability {cc or '?'}; "
+                "the extension is built for sm_90a (Hopper) only")
+    return None
+
+
+def declines(primitive: str, problem) -> str | None:
+    """Why the kernel does not serve these inputs (None if it does)."""
+    if primitive != "linear_logprobs":
+        return f"ffi implements linear_logprobs only, not {primitive!r}"
+    if problem.dtype not in SERVED_DTYPES:
+        return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
+                "(wgmma operands)")
+    extra = dict(problem.extra)
+    weight_dtype = getattr(problem, "weight_dtype", None) or extra.get("weight_dtype")
+    if weight_dtype is not None and weight_dtype != problem.dtype:
+        return (f"weight is {weight_dtype} and hidden {problem.dtype}; the kernel needs one "
+                "16-bit dtype for both")
+    if problem.hidden_dim % ALIGN != 0:
+        return (f"D = {problem.hidden_dim} is not a multiple of {ALIGN} (TMA needs 16-byte row "
+                "strides)")
+    if problem.weight_layout == "dv" and problem.vocab % ALIGN != 0:
+        return (f"V = {problem.vocab} is not a multiple of {ALIGN}; the \"dv\" weight [D, V] needs "
+                "16-byte row strides for TMA")
+    if max(problem.n_rows, problem.vocab, problem.hidden_dim) >= 2**31:
+        return "N, V and D must each be below 2**31"
+    return None
+
+
+def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature):
+    """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
+    if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
+        raise NotImplementedError(
+            f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
+            "or both float16 (dispatch should have declined this call)")
+    n_rows = hidden.shape[0]
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    has_bias = bias is not None
+    bias32 = bias.astype(jnp.float32) if has_bias else jnp.zeros((0,), jnp.float32)
+    row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, (row, row, row), vmap_method="sequential")
+    return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
+                weight_dv=weight_layout == "dv", has_bias=has_bias,
+                temperature=np.float32(temperature))
+
+
+def _vocab(weight, weight_layout):
+    return weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                     return_entropy):
+    return _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout,
+                                temperature, return_entropy)[0]
+
+
+def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                         return_entropy):
+    logp, entropy, lse = _forward_call(hidden, weight, bias, targets, row_valid, weight_layout,
+                                       temperature)
+    out_entropy = None
+    if return_entropy:
+        vocab = _vocab(weight, weight_layout)
+        in_range = (targets >= 0) & (targets < vocab)
+        _, out_entropy = rl_math.finalize_logprob(logp, jnp.zeros_like(logp), entropy, in_range,
+                                                  row_valid)
+    return (logp, out_entropy), (hidden, weight, bias, targets, row_valid, lse, entropy)
+
+
+def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
+    hidden, weight, bias, targets, row_valid, lse, entropy = res
+    g_logp, g_ent = g
+    d_hidden, d_weight, d_bias = chunked.linear_logprobs_backward(
+        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
+        g_ent if return_entropy else None, weight_layout=weight_layout, temperature=temperature)
+    return d_hidden, d_weight, d_bias, None, None
+
+
+_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+
+
+def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                    return_entropy):
+    return _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout,
+                            float(temperature), bool(return_entropy))
+
+
+OPS = {"linear_logprobs": linear_logprobs}

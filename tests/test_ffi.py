@@ -1,0 +1,275 @@
+"""The ``ffi`` backend (SM90 custom call): build, lowering, dispatch; on a Hopper GPU, values.
+
+CPU (CI): the extension is built when nvcc is present and imports without a GPU; the op
+lowers for CUDA to the custom call (forward and gradient); the work planner covers every
+tile once; dispatch declines ffi with the reason. GPU (``-m gpu``, Hopper only): values
+against the float64 oracle over N ∈ {1, 100, 4096}, D ∈ {64, 2048, 4096}, V ∈ {1000,
+32768, 50257, 131072}, both layouts, bias, temperature, bf16 and f16; invalid rows and
+out-of-range targets; gradients through the custom_vjp; bitwise determinism.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrl_kernels as jk
+import oracle
+from conftest import assert_close, assert_f32, cotangent
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.backends import ffi
+
+OFF = {"OFF", "0", "FALSE", "NO", "N"}
+
+
+def _cuda_build_expected() -> bool:
+    mode = os.environ.get("JAXRL_KERNELS_BUILD_CUDA", "AUTO").upper()
+    return shutil.which("nvcc") is not None and mode not in OFF
+
+
+# ----------------------------------------------------------------------------- CPU (CI)
+
+
+def test_extension_built_and_imports():
+    if not _cuda_build_expected():
+        pytest.skip("no nvcc on PATH (or JAXRL_KERNELS_BUILD_CUDA=OFF): pure-Python install")
+    assert ffi._sm90 is not None, f"nvcc on PATH, but no extension: {ffi._IMPORT_ERROR}"
+    assert "sm_90a" in ffi._sm90.build_info()
+    assert list(ffi._sm90.registrations()) == [ffi.TARGET]
+
+
+@pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
+                                     (8192, 151936, 132), (300, 50257, 7), (5000, 300, 132)])
+def test_planner_covers_every_tile_once(n, v, sms):
+    if ffi._sm90 is None:
+        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
+    m = ffi._sm90
+    plan = m.plan(n, v, sms)
+    rows, tiles = -(-n // m.TILE_ROWS), -(-v // m.TILE_COLS)
+    assert (plan["row_blocks"], plan["vocab_tiles"]) == (rows, tiles)
+    assert 1 <= plan["grid"] <= sms and 1 <= plan["splits"] <= tiles
+    assert plan["partials_bytes"] == 3 * 4 * plan["splits"] * n  # 3 floats per row per split
+    seen = np.zeros((rows, tiles), np.int64)
+    load = np.zeros(plan["grid"], np.int64)
+    for u in range(rows * plan["splits"]):
+        p, s, begin, end = m.decode_unit(u, rows, plan["splits"], plan["group_rows"], tiles)
+        assert 0 <= s < plan["splits"] and begin < end
+        seen[p, begin:end] += 1
+        load[u % plan["grid"]] += end - begin
+    assert (seen == 1).all()
+    assert load.max() == plan["makespan"]
+
+
+def _inputs(n=6, d=16, v=40, layout="vd", dtype=jnp.bfloat16, bias=True, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype)
+    wshape = (v, d) if layout == "vd" else (d, v)
+    w = (jax.random.normal(k[1], wshape, jnp.float32) / 4).astype(dtype)
+    b = jax.random.normal(k[2], (v,), jnp.float32).astype(dtype) if bias else None
+    t = jnp.arange(n, dtype=jnp.int32) % v
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
+    h, w, b, t = _inputs(layout=layout, bias=with_bias)
+    rv = jnp.ones(t.shape, bool)
+
+    def logp_sum(h, w, b):
+        lp, ent = ffi.linear_logprobs(h, w, b, t, rv, weight_layout=layout, temperature=0.7,
+                                      return_entropy=True)
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    fwd = jax.jit(logp_sum).trace(h, w, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{ffi.TARGET}" in fwd
+    assert ("weight_dv = true" in fwd) == (layout == "dv")
+    assert ("has_bias = true" in fwd) == with_bias
+    grad = jax.jit(jax.grad(logp_sum, argnums=(0, 1))).trace(h, w, b)
+    assert f"custom_call @{ffi.TARGET}" in grad.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _problem(**kw):
+    base = dict(op="linear_logprobs", n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16",
+                weight_layout="vd", platform="gpu")
+    base.update(kw)
+    return dispatch.Problem(**base)
+
+
+@pytest.mark.parametrize("kw,expect", [
+    ({}, None),
+    ({"dtype": "float16", "weight_layout": "dv"}, None),
+    ({"dtype": "float32"}, "float32"),
+    ({"hidden_dim": 60}, "D = 60 is not a multiple of 8"),
+    ({"weight_layout": "dv", "vocab": 50257}, "V = 50257 is not a multiple of 8"),
+    ({"weight_layout": "vd", "vocab": 50257}, None),
+    ({"extra": (("weight_dtype", "float32"),)}, "weight is float32"),
+])
+def test_declines_what_the_kernel_does_not_serve(kw, expect):
+    why = ffi.declines("linear_logprobs", _problem(**kw))
+    assert (why is None) if expect is None else (expect in why), why
+    assert "linear_logprobs only" in ffi.declines("token_logprobs", _problem())
+
+
+def test_unavailable_without_extension(monkeypatch):
+    monkeypatch.setattr(ffi, "_sm90", None)
+    monkeypatch.setattr(ffi, "_IMPORT_ERROR", "ImportError: test")
+    assert "not built" in ffi.unavailable_reason()
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU behaviour")
+def test_cpu_dispatch_declines_ffi_with_reason():
+    h, w, _, t = _inputs(n=5, d=16, v=40)
+    assert "ffi" not in jk.available_backends("linear_logprobs")
+    text = jk.explain("linear_logprobs", h, w, t)
+    assert "ffi declined:" in text and "platform is 'cpu'" in text, text
+    with pytest.raises(NotImplementedError, match="backend 'ffi' cannot serve"):
+        jk.linear_logprobs(h, w, t, backend="ffi")
+
+
+# ----------------------------------------------------------------------------- GPU (Hopper)
+
+needs_sm90 = pytest.mark.skipif(ffi.unavailable_reason() is not None,
+                                reason=f"ffi unavailable: {ffi.unavailable_reason()}")
+
+# (N, D, V, layout, dtype, bias, temperature): covers N ∈ {1, 100, 4096}, D ∈ {64, 2048, 4096},
+# V ∈ {1000, 32768, 50257, 131072}, ragged V (masked last tile), both layouts and dtypes.
+GPU_CASES = [
+    (1, 64, 1000, "vd", jnp.bfloat16, True, 0.7),
+    (100, 2048, 50257, "vd", jnp.bfloat16, False, 1.0),
+    (100, 64, 32768, "dv", jnp.float16, True, 1.3),
+    (4096, 64, 50257, "vd", jnp.float16, True, 1.0),
+    (4096, 4096, 32768, "dv", jnp.bfloat16, True, 1.0),
+    (4096, 2048, 131072, "vd", jnp.bfloat16, False, 0.8),
+    (100, 4096, 131072, "dv", jnp.bfloat16, True, 1.0),
+]
+CHECK_ROWS = 48  # large N: every row is computed, these rows are checked against float64
+
+
+def _gpu_inputs(n, d, v, layout, dtype, with_bias, seed):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype)
+    wshape = (v, d) if layout == "vd" else (d, v)
+    w = (jax.random.normal(k[1], wshape, jnp.float32) * (2.0 / np.sqrt(d))).astype(dtype)
+    b = (0.5 * jax.random.normal(k[2], (v,), jnp.float32)).astype(dtype) if with_bias else None
+    t = jax.random.randint(k[3], (n,), 0, v, jnp.int32)
+    return h, w, b, t
+
+
+def _check_rows(logp, ent, h, w, b, t, rows, layout, temperature, dtype):
+    h64 = np.asarray(h[rows]).astype(np.float64)
+    w64 = np.asarray(w).astype(np.float64)
+    b64 = None if b is None else np.asarray(b).astype(np.float64)
+    tt = np.asarray(t)[rows]
+    kw = dict(weight_layout=layout, temperature=temperature)
+    want = oracle.linear_logprobs(h64, w64, tt, b64, **kw)
+    want32 = oracle.linear_logprobs(h64, w64, tt, b64, dt=np.float32, **kw)
+    zscale = np.abs(oracle.linear_logits(h64, w64, b64, weight_layout=layout)).max() / temperature
+    assert_close(np.asarray(logp)[rows], want[0], in_dtype=dtype, want32=want32[0], scale=zscale,
+                 name="logp")
+    assert_close(np.asarray(ent)[rows], want[1], in_dtype=dtype, want32=want32[1], scale=zscale,
+                 name="entropy")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,temperature", GPU_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_gpu_values_against_float64(n, d, v, layout, dtype, with_bias, temperature):
+    h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + d + v)
+    assert ffi.declines("linear_logprobs", _problem(n_rows=n, vocab=v, hidden_dim=d,
+                                                    dtype=jnp.dtype(dtype).name,
+                                                    weight_layout=layout)) is None
+    f = jax.jit(lambda h, w, b, t: jk.linear_logprobs(h, w, t, b, weight_layout=layout,
+                                                      temperature=temperature,
+                                                      return_entropy=True, backend="ffi"))
+    logp, ent = f(h, w, b, t)
+    assert_f32(logp, ent)
+    rng = np.random.default_rng(n * 7 + v)
+    edges = [0, n - 1, min(127, n - 1), min(128, n - 1)]
+    rows = np.arange(n) if n <= CHECK_ROWS else np.unique(np.concatenate(
+        [edges, rng.choice(n, CHECK_ROWS - len(edges), replace=False)]))
+    _check_rows(logp, ent, h, w, b, t, rows, layout, temperature, dtype)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_invalid_rows_and_out_of_range_targets(layout):
+    n, d, v = 300, 128, 1000
+    h, w, b, t = _gpu_inputs(n, d, v, layout, jnp.bfloat16, True, seed=3)
+    t = np.asarray(t).copy()
+    ignored = np.zeros(n, bool)
+    ignored[[0, 5, 130, 299]] = True
+    t[ignored] = -100
+    bad = np.array([7, 131, 200, 250])
+    t[bad] = [-1, v, v + 4096, 2**30]
+    f = jax.jit(lambda h, w, b, t: jk.linear_logprobs(h, w, t, b, weight_layout=layout,
+                                                      ignore_index=-100, return_entropy=True,
+                                                      backend="ffi"))
+    logp, ent = map(np.asarray, f(h, w, b, jnp.asarray(t)))
+    assert (logp[ignored] == 0).all() and (ent[ignored] == 0).all()
+    assert np.isnan(logp[bad]).all() and np.isnan(ent[bad]).all()
+    ok = np.flatnonzero(~ignored & ~np.isin(np.arange(n), bad))
+    assert np.isfinite(logp[ok]).all()
+    _check_rows(logp, ent, h, w, b, t, ok, layout, 1.0, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout,dtype", [("vd", jnp.bfloat16), ("dv", jnp.float16)])
+def test_gpu_gradients_through_custom_vjp(layout, dtype):
+    n, d, v, temperature = 100, 64, 1000, 0.9
+    h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, True, seed=11)
+
+    def fn(h, w, b):
+        return jk.linear_logprobs(h, w, t, b, weight_layout=layout, temperature=temperature,
+                                  return_entropy=True, backend="ffi")
+
+    (logp, ent), vjp = jax.vjp(fn, h, w, b)
+    rng = np.random.default_rng(5)
+    g_lp, g_ent = cotangent(rng, (n,)), cotangent(rng, (n,))
+    grads = jax.jit(vjp)((g_lp, g_ent))
+    h64, w64, b64 = (np.asarray(x).astype(np.float64) for x in (h, w, b))
+    kw = dict(weight_layout=layout, temperature=temperature)
+    tt = np.asarray(t)
+    want = oracle.linear_logprobs_vjp(h64, w64, tt, np.asarray(g_lp), np.asarray(g_ent), b64, **kw)
+    want32 = oracle.linear_logprobs_vjp(h64, w64, tt, np.asarray(g_lp), np.asarray(g_ent), b64,
+                                        dt=np.float32, **kw)
+    for name, got, p, w_, w32 in zip(("d_hidden", "d_weight", "d_bias"), grads, (h, w, b), want,
+                                     want32):
+        assert got.dtype == p.dtype and got.shape == p.shape, name
+        assert_close(got, w_, in_dtype=dtype, want32=w32, name=name)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_bitwise_deterministic():
+    h, w, _, t = _gpu_inputs(4096, 2048, 32768, "vd", jnp.bfloat16, False, seed=1)
+    rv = jnp.ones(t.shape, bool)
+    f = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, rv, "vd", 1.0))
+    first = [np.asarray(x) for x in f(h, w, t)]
+    for _ in range(2):
+        again = [np.asarray(x) for x in f(h, w, t)]
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_vmap_and_automatic_choice():
+    h, w, _, t = _gpu_inputs(2 * 64, 128, 1000, "vd", jnp.bfloat16, False, seed=2)
+    hb, tb = h.reshape(2, 64, 128), t.reshape(2, 64)
+    f = lambda h, t: jk.linear_logprobs(h, w, t, backend="ffi")
+    batched = jax.jit(jax.vmap(f))(hb, tb)
+    np.testing.assert_array_equal(np.asarray(batched), np.asarray(jax.jit(f)(hb, tb)))
+    assert "linear_logprobs: ffi (automatic)" in jk.explain("linear_logprobs", hb, w, tb)
+    text = jk.explain("linear_logprobs", hb.astype(jnp.float32), w.astype(jnp.float32), tb)
+    assert "ffi declined:" in text and "float32" in text
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        jk.linear_logprobs(h[:, :60], w[:, :60], t, backend="ffi")
