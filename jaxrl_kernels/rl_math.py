@@ -139,8 +139,8 @@ def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):
     """
     unclipped = -advantages * ratio
     clipped_term = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = jnp.maximum(unclipped, clipped_term)
     clipped = clipped_term > unclipped
+    pg = jnp.where(clipped, clipped_term, unclipped)  # a tie takes the unclipped branch
     if dual_clip is None:
         return pg, clipped, jnp.zeros_like(clipped)
     bound = -advantages * dual_clip
@@ -258,7 +258,7 @@ def ppo_per_token(x: PPOInputs, cfg: PPOConfig):
     return per_token, parts
 
 
-_METRIC_NAMES = {
+METRIC_NAMES = {
     "clipped": "clip_fraction",
     "dual_clipped": "dual_clip_fraction",
     "approx_kl": "approx_kl",
@@ -273,6 +273,6 @@ def ppo_loss(x: PPOInputs, cfg: PPOConfig):
     """(loss, metrics): aggregate(per-token loss); metrics are masked token means."""
     per_token, parts = ppo_per_token(x, cfg)
     loss = aggregate(per_token, x.mask, cfg.loss_agg_mode, cfg.max_len)
-    metrics = {_METRIC_NAMES[k]: jax.lax.stop_gradient(masked_mean(v, x.mask))
+    metrics = {METRIC_NAMES[k]: jax.lax.stop_gradient(masked_mean(v, x.mask))
                for k, v in parts.items()}
     return loss, metrics

@@ -42,39 +42,57 @@ from jaxrl_kernels.backends.pallas import common
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 TILE_BYTES = 8192
-"""Bytes of one logits tile per row: 4096 bf16/f16 or 2048 f32 values, two 16-byte
-loads per thread at 8 warps; enough bytes in flight per SM without spilling."""
+"""Bytes of one forward logits tile per row: 4096 bf16/f16 or 2048 f32 values, two 16-byte
+loads per thread at 8 warps. With entropy (three running statistics, more arithmetic per
+value) half of that at 4 warps measured faster on an H100; the backward (no reduction, a
+store per value) runs a twice larger tile. See benchmarks/bench_logits.py --sweep."""
 
 MIN_PROGRAMS = 512
 """Fewer rows than this split the vocabulary across programs (about 4 per H100 SM)."""
+
+FWD_STAGES = 3
+"""Triton software-pipelining depth of the forward's vocabulary walk."""
 
 
 class Plan(NamedTuple):
     """Launch configuration of the kernels for one shape."""
 
-    block_v: int        # vocabulary tile (a power of two)
+    block_v: int        # forward vocabulary tile (a power of two)
     splits: int         # programs per row (split-V); 1 = finalise inside the kernel
     num_warps: int
     num_stages: int
+    bwd_block_v: int = 0     # backward tile; 0 = block_v
+    bwd_num_warps: int = 0   # 0 = num_warps
 
-    def tiles_per_split(self, vocab: int) -> int:
-        return pl.cdiv(pl.cdiv(vocab, self.block_v), self.splits)
+    def tiles_per_split(self, vocab: int, block_v: int | None = None) -> int:
+        return pl.cdiv(pl.cdiv(vocab, block_v or self.block_v), self.splits)
+
+    def backward(self) -> tuple[int, int]:
+        return self.bwd_block_v or self.block_v, self.bwd_num_warps or self.num_warps
 
 
-def make_plan(n_rows: int, vocab: int, itemsize: int, *, block_v: int | None = None,
-              splits: int | None = None) -> Plan:
-    """The documented heuristic: a ``TILE_BYTES`` tile (fewer for small V), 8 warps
-    for a full tile, and the vocabulary split over ``ceil(MIN_PROGRAMS / rows)``
-    programs per row when there are fewer than ``MIN_PROGRAMS`` rows."""
+def _warps(block_v: int, itemsize: int) -> int:
+    return max(1, min(8, block_v * itemsize // 1024))
+
+
+def make_plan(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False,
+              block_v: int | None = None, splits: int | None = None) -> Plan:
+    """The documented heuristic. Forward: a ``TILE_BYTES`` tile (half with entropy; fewer
+    for small V), one warp per KiB of tile up to 8, ``FWD_STAGES`` pipeline stages.
+    Backward: a ``2 * TILE_BYTES`` tile, one warp per KiB up to 16, two stages. The
+    vocabulary is split over ``ceil(MIN_PROGRAMS / rows)`` programs per row when there
+    are fewer than ``MIN_PROGRAMS`` rows."""
     if block_v is None:
-        block_v = min(pl.next_power_of_2(vocab), TILE_BYTES // itemsize)
+        tile = TILE_BYTES // 2 if entropy else TILE_BYTES
+        block_v = min(pl.next_power_of_2(vocab), tile // itemsize)
     n_tiles = pl.cdiv(vocab, block_v)
     if splits is None:
         splits = 1 if n_rows >= MIN_PROGRAMS else pl.cdiv(MIN_PROGRAMS, max(n_rows, 1))
     splits = max(1, min(splits, n_tiles))
     splits = pl.cdiv(n_tiles, pl.cdiv(n_tiles, splits))  # no split without a tile
-    num_warps = max(1, min(8, block_v * itemsize // 1024))
-    return Plan(block_v, splits, num_warps, num_stages=2)
+    bwd_block = min(pl.next_power_of_2(vocab), 2 * TILE_BYTES // itemsize)
+    bwd_warps = max(1, min(16, bwd_block * itemsize // 1024))
+    return Plan(block_v, splits, _warps(block_v, itemsize), FWD_STAGES, bwd_block, bwd_warps)
 
 
 def declines(primitive: str, problem) -> str | None:
@@ -114,10 +132,10 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
             new.append(rl_math.online_softmax_update(st, _scaled(x, temperature)))
         return tuple(new)
 
+    safe_target = jnp.where(valid & in_range, target, 0)
+    target_z = [_scaled(ref[safe_target], temperature) for ref in x_refs]  # issued before the walk
     init = tuple(rl_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
-    safe_target = jnp.where(valid & in_range, target, 0)
-    target_z = [_scaled(ref[safe_target], temperature) for ref in x_refs]
 
     if finalize:
         # outputs: logp_k for each input, lse of input 0, entropy of input 0 if asked
@@ -232,8 +250,10 @@ def _combine_splits(outs, targets, row_valid, vocab, *, n_in: int, entropy: bool
 def _backward(x, targets, row_valid, lse, g, ent, g_ent, *, temperature: float, plan: Plan):
     n, vocab = x.shape
     entropy = ent is not None
+    block_v, num_warps = plan.backward()
     kernel = functools.partial(_grad_kernel, entropy=entropy, temperature=temperature,
-                               block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
+                               block_v=block_v,
+                               tiles_per_split=plan.tiles_per_split(vocab, block_v))
     extra = (ent, g_ent) if entropy else ()
     return pl.pallas_call(
         kernel,
@@ -241,7 +261,7 @@ def _backward(x, targets, row_valid, lse, g, ent, g_ent, *, temperature: float, 
         in_specs=_row_specs(2) + _row_specs(1, vocab) + _row_specs(2 + len(extra)),
         out_specs=_row_specs(1, vocab)[0],
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=common.compiler_params(plan.num_warps, plan.num_stages),
+        compiler_params=common.compiler_params(num_warps, 2),
         interpret=common.interpret(),
         name="logprobs_bwd",
     )(targets, row_valid, x, lse, g.astype(jnp.float32), *extra)
@@ -274,9 +294,9 @@ def _token_logprobs_bwd(temperature, entropy, plan, res, cot):
 _token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
 
 
-def _checked_plan(logits, plan):
+def _checked_plan(logits, plan, entropy=False):
     n, vocab = logits.shape
-    return plan or make_plan(n, vocab, jnp.dtype(logits.dtype).itemsize)
+    return plan or make_plan(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
 
 
 def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,
@@ -287,7 +307,8 @@ def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entrop
         empty = jnp.zeros((0,), jnp.float32)
         return empty, (empty if return_entropy else None)
     out = _token_logprobs(logits, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
-                          float(temperature), bool(return_entropy), _checked_plan(logits, plan))
+                          float(temperature), bool(return_entropy),
+                          _checked_plan(logits, plan, bool(return_entropy)))
     return out if return_entropy else (out, None)
 
 
@@ -320,7 +341,8 @@ def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperatur
                     plan: Plan | None = None):
     """Primitive ``paired_logprobs``: ``(logp[N], ref_logp[N])``, gradient to policy only."""
     if policy_logits.shape != ref_logits.shape:
-        raise ValueError(f"ref_logits: expected shape {policy_logits.shape}, got {ref_logits.shape}")
+        raise ValueError(f"ref_logits: expected shape {policy_logits.shape}, "
+                         f"got {ref_logits.shape}")
     if policy_logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
         return empty, empty

@@ -158,7 +158,7 @@ def _finalize(totals: dict, cfg: rl_math.PPOConfig, batch: int, seq_len: int, pa
     else:
         length = seq_len if cfg.max_len is None else cfg.max_len
         loss = totals["sum"] / (batch * length)
-    metrics = {rl_math._METRIC_NAMES[k]: totals[k] / count for k in parts}
+    metrics = {rl_math.METRIC_NAMES[k]: totals[k] / count for k in parts}
     return loss, metrics
 
 
@@ -277,7 +277,7 @@ def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: 
     names = tuple(n for n in _FIELDS if fields[n] is not None)
     arrays = tuple(jnp.asarray(fields[n], jnp.float32) for n in names)
     batch, seq_len = arrays[0].shape
-    if batch * seq_len == 0:
+    if batch * seq_len == 0:  # no token: no kernel to launch; rl_math defines the empty values
         return rl_math.ppo_loss(ppo_inputs, config)
     plan = plan or make_plan(batch, seq_len)
     loss, metrics = _ppo_loss(arrays, names, config, plan)
@@ -316,7 +316,8 @@ def _group_kernel(rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddo
             c = r - mean
             return acc + jnp.sum(jnp.where(mine, c * c, 0.0))
 
-        var = lax.fori_loop(0, n_blocks, sq_sum, jnp.float32(0.0)) / jnp.maximum(count - std_ddof, 1.0)
+        sq = lax.fori_loop(0, n_blocks, sq_sum, jnp.float32(0.0))
+        var = sq / jnp.maximum(count - std_ddof, 1.0)
         scale = jnp.sqrt(var) + eps
 
     @pl.loop(0, n_blocks)

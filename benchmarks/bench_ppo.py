@@ -1,0 +1,131 @@
+"""ppo_loss (and group_advantages): pallas vs reference (jnp under jit) vs chunked.
+
+ppo_loss with B=128, T=512 (issue 3), float32 [B, T] inputs, two option sets: dual clip +
+TIS (the anchors' case) and every option (dual clip, TIS, k3 KL term, entropy bonus,
+seq_mean_token_mean). Forward = (loss, metrics); forward+backward = the gradient of the
+loss to logp (and entropy). The inputs rotate over enough independent sets that they do
+not sit in L2 between runs. The floor (bytes ÷ copy bandwidth) is a fraction of a
+microsecond here: at this size every implementation is bound by launches, and the
+wall-clock time includes the ~tens-of-µs dispatch of one jitted call (as the anchors do).
+
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo --sizes tiny     # smoke test
+
+Results: ``bench_ppo.{json,md}`` under $OUT or benchmarks/results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxrl_kernels as jk
+from benchmarks import common
+
+BACKENDS = ("pallas", "reference", "chunked")
+SIZES = {"tiny": (8, 16), "all": (128, 512)}
+CONFIGS = {
+    "dual_clip+tis": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0)),
+    "everything": (("rollout_logp", "ref_logp", "entropy"),
+                   dict(dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
+                        loss_agg_mode="seq_mean_token_mean")),
+}
+COLUMNS = ["op", "config", "B", "T", "impl", "fwd_ms", "fwdbwd_ms", "floor_fwd_ms",
+           "floor_fwdbwd_ms", "fwd_temp_mib", "fwdbwd_temp_mib"]
+ROTATE_BYTES = 128 * 2**20  # > 2x the H100's 50 MB L2
+
+
+def rotating_median_ms(fn, arg_sets, warmup=3, runs=40):
+    """Median ms of fn over runs that cycle through independent argument sets."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(runs):
+        args = arg_sets[i % len(arg_sets)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def make_inputs(rng, b, t, extra):
+    lp = -np.abs(rng.standard_normal((b, t))) * 2
+    old = lp + 0.3 * rng.standard_normal((b, t))
+    arrays = dict(logp=lp, old_logp=old, advantages=rng.standard_normal((b, t)),
+                  mask=(rng.random((b, t)) < 0.9).astype(np.float32),
+                  rollout_logp=old + 0.3 * rng.standard_normal((b, t)),
+                  ref_logp=lp + 0.3 * rng.standard_normal((b, t)),
+                  entropy=np.abs(rng.standard_normal((b, t))))
+    keep = ("logp", "old_logp", "advantages", "mask") + extra
+    return tuple(jnp.asarray(arrays[k], jnp.float32) for k in keep)
+
+
+def ppo_fns(backend, extra, options):
+    names = ("logp", "old_logp", "advantages", "mask") + extra
+
+    def call(*arrays):
+        kw = dict(zip(names[4:], arrays[4:]), **options)
+        return jk.ppo_loss(*arrays[:4], backend=backend, **kw)
+
+    diff = (0,) + tuple(4 + i for i, n in enumerate(extra) if n == "entropy")
+    fwd = jax.jit(call)
+    fwdbwd = jax.jit(jax.value_and_grad(lambda *a: call(*a)[0], argnums=diff))
+    return fwd, fwdbwd, len(names), len(diff)
+
+
+def run(size):
+    gbps = common.copy_bandwidth_gbps()
+    b, t = SIZES[size]
+    rng = np.random.default_rng(0)
+    rows = []
+    for config, (extra, options) in CONFIGS.items():
+        n_sets = max(2, min(128, ROTATE_BYTES // (b * t * 4 * (4 + len(extra)))))
+        arg_sets = [make_inputs(rng, b, t, extra) for _ in range(n_sets)]
+        for backend in BACKENDS:
+            row = dict(op="ppo_loss", config=config, B=b, T=t, impl=backend)
+            try:
+                fwd, fwdbwd, n_in, n_grad = ppo_fns(backend, extra, options)
+                row["fwd_ms"] = rotating_median_ms(fwd, arg_sets)
+                row["fwdbwd_ms"] = rotating_median_ms(fwdbwd, arg_sets)
+                row["fwd_temp_mib"] = common.temp_mib(fwd, *arg_sets[0])
+                row["fwdbwd_temp_mib"] = common.temp_mib(fwdbwd, *arg_sets[0])
+                row["floor_fwd_ms"] = n_in * b * t * 4 / (gbps * 1e9) * 1e3
+                row["floor_fwdbwd_ms"] = (2 * n_in + n_grad) * b * t * 4 / (gbps * 1e9) * 1e3
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            rows.append(row)
+            print(row, flush=True)
+    # group_advantages over B rewards in groups of 8
+    n_groups = max(1, b // 8)
+    rewards = [jnp.asarray(rng.standard_normal(b), jnp.float32) for _ in range(8)]
+    for backend in BACKENDS:
+        row = dict(op="group_advantages", config=f"{n_groups} groups of 8", B=b, T=1, impl=backend)
+        try:
+            fn = jax.jit(lambda r, backend=backend: jk.group_advantages(r, group_size=8,
+                                                                         backend=backend))
+            row["fwd_ms"] = rotating_median_ms(fn, [(r,) for r in rewards])
+        except Exception as err:
+            traceback.print_exc()
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    rows.append(dict(op=f"(floors use the measured copy bandwidth: {gbps:.0f} GB/s)",
+                     impl="xla", copy_gbps=gbps))
+    print(common.write_results("bench_ppo", rows, COLUMNS))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
+    run(parser.parse_args().sizes)
+
+
+if __name__ == "__main__":
+    main()
