@@ -356,8 +356,9 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                      advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
                      kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
                      temperature=1.0, backend=None):
-    """grpo_loss on log-probs of a linear LM head; ref_logp [B, T] precomputed (None: kl = 0).
+    """grpo_loss on log-probs of a linear LM head; ref_logp [B, T] precomputed.
 
+    ref_logp=None means no reference: kl = 0, and beta must be 0 (else ValueError).
     Returns (loss, policy_loss, kl); never holds [B, T, V] logits.
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(

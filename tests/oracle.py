@@ -107,7 +107,8 @@ def linear_logits(hidden, weight, bias=None, *, weight_layout="vd", dt=F64):
 def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
                     ignore_index=None, dt=F64):
     logits = linear_logits(hidden, weight, bias, weight_layout=weight_layout, dt=dt)
-    return token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index, dt=dt)
+    return token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index,
+                          dt=dt)
 
 
 def linear_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, *,
@@ -135,7 +136,8 @@ def linear_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, 
 
 
 def kl_penalty(logp, ref_logp, estimator="k3", dt=F64):
-    """d = ref_logp - logp; k1 = -d, abs = |d|, k2 = d^2/2, k3 = exp(dc) - dc - 1, dc = clip(d, +-20)."""
+    """d = ref_logp - logp; k1 = -d, abs = |d|, k2 = d^2/2, k3 = exp(dc) - dc - 1
+    with dc = clip(d, -20, 20)."""
     d = np.asarray(f64(ref_logp), dt) - np.asarray(f64(logp), dt)
     if estimator == "k1":
         return -d
@@ -150,7 +152,7 @@ def kl_penalty(logp, ref_logp, estimator="k3", dt=F64):
 
 
 def kl_penalty_grad(logp, ref_logp, estimator="k3", dt=F64):
-    """d kl / d logp (ref_logp is a constant). Exactly at |d| = 20 or d = 0 for abs it is ambiguous."""
+    """d kl / d logp (ref_logp constant); ambiguous exactly at |d| = 20 (k3) and d = 0 (abs)."""
     d = np.asarray(f64(ref_logp), dt) - np.asarray(f64(logp), dt)
     if estimator == "k1":
         return np.ones_like(d)
@@ -346,7 +348,8 @@ def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator
     kl = np.where(m, kl_penalty(lp, lr, kl_estimator, dt), 0)
 
     def vjp(g_ratio, g_kl):
-        g_lp = np.where(m, f64(g_ratio) * ratio + f64(g_kl) * kl_penalty_grad(lp, lr, kl_estimator, dt), 0)
+        dkl = kl_penalty_grad(lp, lr, kl_estimator, dt)
+        g_lp = np.where(m, f64(g_ratio) * ratio + f64(g_kl) * dkl, 0)
         return token_logprobs_vjp(policy_logits, acts, g_lp, temperature=temperature, dt=dt)
 
     return ratio, kl, vjp

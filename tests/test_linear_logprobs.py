@@ -1,4 +1,5 @@
-"""linear_logprobs against the float64 oracle: both weight layouts, bias, VJP to hidden/weight/bias."""
+"""linear_logprobs against the float64 oracle: both weight layouts, bias, VJP to hidden, weight
+and bias."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +8,9 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import assert_close, assert_f32, assert_zero, cotangent, dtype_id, pallas_slow, rand
+from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_slow, rand
 
-# (leading shape, V, D, temperature, with bias)
+# (leading shape, V, D, temperature, with bias); every dtype and layout
 CASES = [
     ((5,), 7, 16, 1.0, False),
     ((1,), 1, 8, 1.0, True),
@@ -17,7 +18,13 @@ CASES = [
     ((6,), 1000, 32, 1.0, False),
     ((2, 3), 1000, 16, 1.5, True),
     ((67,), 300, 24, 1.0, True),
-    pallas_slow((2,), 32003, 16, 1.0, True),
+]
+# Large vocabularies / many rows (the vocabulary-chunked paths): one dtype and layout each.
+BIG_CASES = [
+    pallas_slow((2,), 32003, 16, 1.0, True, jnp.float32, "vd"),
+    pallas_slow((2,), 32003, 16, 1.0, False, jnp.bfloat16, "dv"),
+    pallas_slow((64,), 32003, 8, 1.0, False, jnp.float32, "dv"),
+    pallas_slow((16, 128), 1000, 16, 1.2, True, jnp.float32, "vd"),
 ]
 LAYOUTS = ["vd", "dv"]
 
@@ -62,12 +69,18 @@ def check_linear(backend, rng, hidden, h64, weight, w64, bias, b64, targets, *, 
     return logp, ent, grads
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("dtype,layout", [(jnp.float32, "vd"), (jnp.float32, "dv"),
+                                          (jnp.bfloat16, "vd")],
+                         ids=["f32-vd", "f32-dv", "bf16-vd"])
 @pytest.mark.parametrize("lead,vocab,d,temperature,with_bias", CASES)
 def test_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout):
     h, h64, w, w64, b, b64, t = make_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
     check_linear(backend, rng, h, h64, w, w64, b, b64, t, layout=layout, temperature=temperature)
+
+
+@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias,dtype,layout", BIG_CASES)
+def test_values_and_vjp_big(backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout):
+    test_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,10 +7,10 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import (assert_close, assert_f32, assert_zero, cotangent, dtype_id, is_low, pallas_slow,
+from conftest import (assert_close, assert_f32, assert_zero, cotangent, dtype_id, pallas_slow,
                       rand)
 
-# (leading shape, V, temperature)
+# (leading shape, V, temperature); every dtype
 CASES = [
     ((5,), 7, 1.0),
     ((1,), 1, 1.0),
@@ -19,7 +19,13 @@ CASES = [
     ((), 7, 1.0),
     ((6,), 1000, 1.0),
     ((2, 3), 1000, 0.7),
-    pallas_slow((2,), 32003, 1.0),
+]
+# Large vocabularies / many rows (the vocabulary-chunked paths): few dtypes, kept small in N.
+BIG_CASES = [
+    pallas_slow((2,), 32003, 1.0, jnp.float32),
+    pallas_slow((2,), 32003, 1.0, jnp.bfloat16),
+    pallas_slow((64,), 32003, 1.0, jnp.float32),
+    pallas_slow((2048,), 1000, 0.9, jnp.float32),
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -37,8 +43,9 @@ def check_token_logprobs(backend, rng, logits, l64, targets, *, temperature=1.0,
     assert_f32(logp, ent)
     assert logp.shape == targets.shape and ent.shape == targets.shape
     t = np.asarray(targets)
-    want_lp, want_ent = oracle.token_logprobs(l64, t, temperature=temperature, ignore_index=ignore_index)
-    w32 = oracle.token_logprobs(l64, t, temperature=temperature, ignore_index=ignore_index, dt=np.float32)
+    kw = dict(temperature=temperature, ignore_index=ignore_index)
+    want_lp, want_ent = oracle.token_logprobs(l64, t, **kw)
+    w32 = oracle.token_logprobs(l64, t, dt=np.float32, **kw)
     zscale = np.max(np.abs(l64), initial=0) / temperature  # logp, H: differences of O(|z|) terms
     assert_close(logp, want_lp, in_dtype=dtype, want32=w32[0], scale=zscale, name="logp")
     assert_close(ent, want_ent, in_dtype=dtype, want32=w32[1], scale=zscale, name="entropy")
@@ -46,9 +53,9 @@ def check_token_logprobs(backend, rng, logits, l64, targets, *, temperature=1.0,
     g_lp, g_ent = cotangent(rng, targets.shape), cotangent(rng, targets.shape)
     (d_logits,) = vjp((g_lp, g_ent))
     assert d_logits.dtype == dtype and d_logits.shape == logits.shape
-    kw = dict(temperature=temperature, ignore_index=ignore_index)
-    want = oracle.token_logprobs_vjp(l64, t, np.asarray(g_lp), np.asarray(g_ent), **kw)
-    want32 = oracle.token_logprobs_vjp(l64, t, np.asarray(g_lp), np.asarray(g_ent), dt=np.float32, **kw)
+    g_lp, g_ent = np.asarray(g_lp), np.asarray(g_ent)
+    want = oracle.token_logprobs_vjp(l64, t, g_lp, g_ent, **kw)
+    want32 = oracle.token_logprobs_vjp(l64, t, g_lp, g_ent, dt=np.float32, **kw)
     assert_close(d_logits, want, in_dtype=dtype, want32=want32, name="d_logits")
     return logp, ent, d_logits
 
@@ -57,7 +64,13 @@ def check_token_logprobs(backend, rng, logits, l64, targets, *, temperature=1.0,
 @pytest.mark.parametrize("lead,vocab,temperature", CASES)
 def test_values_and_vjp(backend, rng, lead, vocab, temperature, dtype):
     logits, l64 = rand(rng, lead + (vocab,), dtype, scale=3.0)
-    check_token_logprobs(backend, rng, logits, l64, _targets(rng, lead, vocab), temperature=temperature)
+    targets = _targets(rng, lead, vocab)
+    check_token_logprobs(backend, rng, logits, l64, targets, temperature=temperature)
+
+
+@pytest.mark.parametrize("lead,vocab,temperature,dtype", BIG_CASES)
+def test_values_and_vjp_big(backend, rng, lead, vocab, temperature, dtype):
+    test_values_and_vjp(backend, rng, lead, vocab, temperature, dtype)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -88,7 +101,8 @@ def test_ignore_index(backend, rng, ignore_index, dtype):
     if ignore_index == 3:
         t[2, :] = np.where(t[2, :] == 3, 4, t[2, :])
     targets = jnp.asarray(t, jnp.int32)
-    logp, ent, d = check_token_logprobs(backend, rng, logits, l64, targets, ignore_index=ignore_index)
+    logp, ent, d = check_token_logprobs(backend, rng, logits, l64, targets,
+                                        ignore_index=ignore_index)
     ign = t == ignore_index
     assert_zero(np.asarray(logp)[ign], "logp at ignored targets")
     assert_zero(np.asarray(ent)[ign], "entropy at ignored targets")

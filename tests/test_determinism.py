@@ -1,0 +1,55 @@
+"""Two runs on the same inputs give bitwise-identical outputs and gradients (SPEC "Numerics")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrl_kernels as jk
+from conftest import pallas_slow
+from test_transforms import OPS, _scalarize, _setup
+
+
+def assert_bitwise(a, b, what):
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, what
+        assert x.tobytes() == y.tobytes(), f"{what}: not bitwise identical"
+
+
+def twice(f, *args):
+    """f compiled once and run twice."""
+    jf = jax.jit(f)
+    first = jf(*args)
+    assert_bitwise(first, jf(*args), "jit")
+    return first
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bitwise_repeatable(backend, rng, op):
+    f, args, n_diff, weights = _setup(op, backend, rng)
+    vg = jax.value_and_grad(lambda *a: _scalarize(f(*a), weights), argnums=tuple(range(n_diff)))
+    twice(lambda *a: (f(*a), vg(*a)), *args)
+    eager = f(*args)
+    assert_bitwise(eager, f(*args), "eager")
+
+
+# Sizes where a vocabulary-chunked implementation walks several chunks.
+@pytest.mark.parametrize("n,v,d,layout", [pallas_slow(2048, 1000, 16, "vd"),
+                                          pallas_slow(64, 32003, 8, "dv")])
+def test_bitwise_repeatable_large(backend, rng, n, v, d, layout):
+    h = jnp.asarray(rng.standard_normal((n, d)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((v, d) if layout == "vd" else (d, v)).astype(np.float32))
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    g = jnp.asarray(rng.standard_normal(n).astype(np.float32))
+
+    def f(h, w):
+        lp, ent = jk.linear_logprobs(h, w, t, weight_layout=layout, return_entropy=True,
+                                     backend=backend)
+        return jnp.sum(g * (lp + 0.1 * ent))
+
+    twice(jax.value_and_grad(f, argnums=(0, 1)), h, w)
+    logits = (h @ (w.T if layout == "vd" else w))
+    twice(jax.value_and_grad(lambda l: jnp.sum(g * jk.token_logprobs(l, t, backend=backend))),
+          logits)
