@@ -22,6 +22,7 @@ _HELP = {
     "batch_size": "prompts per RL step",
     "group_size": "answers sampled per prompt",
     "lr": "RL learning rate (adamw, global-norm clipping 1.0)",
+    "lr_warmup": "RL steps over which the learning rate ramps up from 0",
     "temperature": "sampling temperature (the losses score the same tempered policy)",
     "kl_coef": "KL coefficient to the frozen warm-start policy (grpo, ppo)",
     "clip_low": "PPO/GRPO ratio clip below 1",

@@ -73,14 +73,19 @@ class RLConfig:
             raise ValueError(f"algo: expected one of {', '.join(ALGOS)}, got {self.algo!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size: expected >= 1, got {self.group_size}")
+        if self.algo in ("grpo", "ppo", "best_of_n") and self.group_size < 2:
+            raise ValueError(f"group_size: {self.algo} compares answers within a group, "
+                             f"expected >= 2, got {self.group_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {self.temperature}")
 
 
-def make_optimizer(lr: float, *, clip_norm: float = 1.0, weight_decay: float = 0.0
-                   ) -> optax.GradientTransformation:
+def make_optimizer(lr: float, *, warmup: int = 0, clip_norm: float = 1.0,
+                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """adamw with global-norm clipping; the rate ramps up linearly over ``warmup`` updates."""
+    schedule = optax.linear_schedule(0.0, lr, warmup) if warmup > 0 else lr
     return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=weight_decay))
+                       optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=weight_decay))
 
 
 def answer_hidden(lm: model_lib.CausalLM, params, prompts: jax.Array, answers: jax.Array
@@ -168,7 +173,9 @@ def _pg_loss(lm, cfg, params, batch):
     logp = answer_logprobs(lm, params, batch["prompts"], batch["actions"],
                            temperature=cfg.temperature, backend=cfg.backend)
     loss = jrk.policy_gradient_loss(logp, adv, mask, loss_agg_mode=cfg.loss_agg_mode)
-    return loss, {"selected": jnp.mean((adv != 0).astype(jnp.float32))}
+    if cfg.algo == "best_of_n":
+        return loss, {"selected": jnp.mean(adv)}  # fraction of answers fine-tuned on
+    return loss, {}
 
 
 def _ppo_loss(lm, cfg, params, batch):
@@ -259,12 +266,13 @@ def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callab
 
     @jax.jit
     def evaluate(params, prompts, sums, key):
-        greedy, _, _ = sampling.generate(lm, params, prompts, key, max_new=task.max_new,
-                                         greedy=True)
-        sampled, _, _ = sampling.generate(lm, params, prompts, key, max_new=task.max_new,
-                                          temperature=temperature)
-        g = task.score(greedy, sums)
-        s = task.score(sampled, sums)
+        n = prompts.shape[0]
+        greedy = jnp.arange(2 * n) < n  # one decode: greedy rows, then sampled rows
+        tokens, _, _ = sampling.generate(lm, params, jnp.concatenate([prompts, prompts]), key,
+                                         max_new=task.max_new, temperature=temperature,
+                                         greedy=greedy)
+        g = task.score(tokens[:n], sums)
+        s = task.score(tokens[n:], sums)
         return {"accuracy": jnp.mean(g["correct"]), "reward": jnp.mean(g["reward"]),
                 "well_formed": jnp.mean(g["well_formed"]),
                 "sampled_accuracy": jnp.mean(s["correct"]),

@@ -44,7 +44,8 @@ class CausalLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if self.d_model % self.heads:
-            raise ValueError(f"d_model: expected a multiple of heads={self.heads}, got {self.d_model}")
+            raise ValueError(
+                f"d_model: expected a multiple of heads={self.heads}, got {self.d_model}")
         t = tokens.shape[-1]
         x = nn.Embed(self.vocab, self.d_model, name="embed")(tokens)
         pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))
