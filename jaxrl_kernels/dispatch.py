@@ -14,6 +14,11 @@ paired_logprobs    ``(policy_logits[N,V], ref_logits[N,V], targets[N],
 linear_logprobs    ``(hidden[N,D], weight, bias[V] | None, targets[N],
                    row_valid[N], *, weight_layout, temperature,
                    return_entropy) -> (logp[N], entropy[N] | None)``
+linear_logprobs    ``(hidden, weight, bias, targets, row_valid, lse[N],
+_backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
+                   weight_layout, temperature) -> (d_hidden, d_weight,
+                   d_bias | None)``: the backward alone, for forwards
+                   (``ffi``) that have none of their own
 ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
@@ -63,7 +68,8 @@ OP_PRIMITIVE: dict[str, str] = {
 }
 
 # Primitives whose reference implementation holds a float32 [N, V] buffer.
-VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs"})
+VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
+                              "linear_logprobs_backward"})
 
 CHUNKED_THRESHOLD_BYTES = 256 * 2**20
 """On CPU, vocabulary ops switch from reference to chunked above this [N, V] f32 size."""

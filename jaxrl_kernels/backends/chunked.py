@@ -276,6 +276,7 @@ OPS = {
     "token_logprobs": token_logprobs,
     "paired_logprobs": paired_logprobs,
     "linear_logprobs": linear_logprobs,
+    "linear_logprobs_backward": linear_logprobs_backward,
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }

@@ -8,8 +8,8 @@ hidden and weight tiles into shared memory with TMA, multiplies them with wgmma 
 accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ exp,
 Σ exp·z) in registers; logits never reach device memory. Outputs logp, the unmasked
 entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
-Backward (``jax.custom_vjp``): the chunked backend's ``linear_logprobs_backward`` from the
-saved lse and entropy.
+Backward (``jax.custom_vjp``): the ``linear_logprobs_backward`` primitive of the backend
+that ``dispatch`` picks for it (pallas on a GPU), from the saved lse and entropy.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import rl_math
-from jaxrl_kernels.backends import chunked
+from jaxrl_kernels import dispatch, rl_math
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"
 SERVED_DTYPES = ("bfloat16", "float16")
@@ -125,7 +124,14 @@ def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout
 def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
     hidden, weight, bias, targets, row_valid, lse, entropy = res
     g_logp, g_ent = g
-    d_hidden, d_weight, d_bias = chunked.linear_logprobs_backward(
+    problem = dispatch.Problem(
+        "linear_logprobs", n_rows=hidden.shape[0], vocab=_vocab(weight, weight_layout),
+        hidden_dim=hidden.shape[1], dtype=dispatch.dtype_name(hidden),
+        weight_layout=weight_layout, has_bias=bias is not None, return_entropy=return_entropy,
+        extra=(("weight_dtype", dispatch.dtype_name(weight)),))
+    backward = dispatch.select("linear_logprobs", problem, primitive="linear_logprobs_backward",
+                               strict=False)
+    d_hidden, d_weight, d_bias = dispatch.record("linear_logprobs_backward", backward).impl(
         hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
         g_ent if return_entropy else None, weight_layout=weight_layout, temperature=temperature)
     return d_hidden, d_weight, d_bias, None, None

@@ -11,7 +11,7 @@ import importlib
 _SUBMODULES = {
     "logits": ("token_logprobs", "paired_logprobs"),
     "ppo": ("ppo_loss", "group_advantages"),
-    "linear": ("linear_logprobs",),
+    "linear": ("linear_logprobs", "linear_logprobs_backward"),
 }
 
 OPS: dict = {}

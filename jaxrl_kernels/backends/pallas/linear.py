@@ -13,9 +13,10 @@ Forward
   * :func:`_target_call`: the target logit ``h · W[target] + b[target]`` as a gather-dot.
 Backward (``jax.custom_vjp``, :func:`linear_logprobs_backward`)
   per vocabulary chunk of C columns, :func:`_grad_call` recomputes the chunk's logits and
-  writes ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse) in the input
-  dtype; XLA's GEMMs then add ``dz · W_c`` to a float32 d_hidden and write
-  ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; the order of every sum is fixed.
+  writes ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse) -- for 16-bit
+  inputs as two 16-bit parts hi | lo (see :func:`linear_logprobs_backward` for why); XLA's
+  GEMMs then add ``dz · W_c`` to a float32 d_hidden and write ``d_W_c = dzᵀ · hidden``.
+  C bounds the extra memory; no atomics, the order of every sum is fixed.
 
 W is read in place in either layout; ragged edges of N, V and D are masked in the kernels.
 float32 inputs use full-precision (IEEE) float32 dots, 16-bit inputs 16-bit operands with
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -53,14 +53,17 @@ class TileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything that tunes the op (none of it changes the result beyond rounding order)."""
+    """What tunes the op. The defaults meet SPEC; ``grad_mode="bf16"`` (one bf16 rounding of
+    dz, below SPEC's bf16 tolerance) and ``epilogue="max"`` (no softmax at all) exist only to
+    measure what precision and the softmax epilogue cost (benchmarks/bench_linear.py)."""
 
-    forward: TileConfig = TileConfig()
-    tiles_per_split: int = 8  # vocabulary tiles one forward program walks
+    forward: TileConfig = TileConfig(128, 256, 64, 8, 4)
+    tiles_per_split: int = 4  # vocabulary tiles one forward program walks
     target_rows: int = 16  # rows of one gather-dot program
     target_k: int = 128
     grad: TileConfig = TileConfig()
-    chunk_bytes: int = 32 * 2**20  # size of the dz buffer of one backward chunk
+    chunk_bytes: int = 32 * 2**20  # dz buffers of one backward chunk (see _chunk_size)
+    grad_mode: str = "concat"  # how 16-bit dz enters the GEMMs (see linear_logprobs_backward)
     epilogue: str = "softmax"  # "max": running max only -- the bare-GEMM timing variant
 
 
@@ -88,6 +91,13 @@ def _fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int) -> TileConfig:
         block_k=_pow2_block(tiles.block_k, dim))
 
 
+def _span(start, size: int):
+    """Indices ``start + arange(size)``. Tiles are addressed by index arrays, not ``pl.ds``:
+    the same Triton pointer arithmetic, but interpret mode then gathers the tile instead of
+    padding a copy of the whole operand for every dynamic slice."""
+    return start + jnp.arange(size)
+
+
 def _both(a, b):
     if a is None:
         return b
@@ -112,34 +122,41 @@ def _tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, 
     cols_ok = _in_bounds(col0, bn, vocab, not cols_ragged)
     precision = _dot_precision(compute_dtype)
 
+    rows, cols = _span(row0, bm), _span(col0, bn)
+
     def k_step(k, acc):
         k0 = pl.multiple_of(k * bk, bk)
+        ks = _span(k0, bk)
         k_ok = _in_bounds(k0, bk, dim, dim % bk == 0)
         h_mask = _both(None if rows_ok is None else rows_ok[:, None],
                        None if k_ok is None else k_ok[None, :])
-        h = pltriton.load(h_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=h_mask,
+        h = pltriton.load(h_ref.at[rows[:, None], ks[None, :]], mask=h_mask,
                           other=None if h_mask is None else 0)
         h = h.astype(compute_dtype)
         if layout == "vd":
             w_mask = _both(None if cols_ok is None else cols_ok[:, None],
                            None if k_ok is None else k_ok[None, :])
-            w = pltriton.load(w_ref.at[pl.ds(col0, bn), pl.ds(k0, bk)], mask=w_mask,
+            w = pltriton.load(w_ref.at[cols[:, None], ks[None, :]], mask=w_mask,
                               other=None if w_mask is None else 0)
             return acc + pltriton.dot(h, w.astype(compute_dtype), trans_b=True,
                                       precision=precision)
         w_mask = _both(None if k_ok is None else k_ok[:, None],
                        None if cols_ok is None else cols_ok[None, :])
-        w = pltriton.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=w_mask,
+        w = pltriton.load(w_ref.at[ks[:, None], cols[None, :]], mask=w_mask,
                           other=None if w_mask is None else 0)
         return acc + pltriton.dot(h, w.astype(compute_dtype), precision=precision)
 
     acc = lax.fori_loop(0, pl.cdiv(dim, bk), k_step, jnp.zeros((bm, bn), jnp.float32))
     if b_ref is not None:
-        b = pltriton.load(b_ref.at[pl.ds(col0, bn)], mask=cols_ok,
+        b = pltriton.load(b_ref.at[cols], mask=cols_ok,
                           other=None if cols_ok is None else 0)
         acc = acc + b.astype(jnp.float32)[None, :]
     if scale != 1.0:
         acc = acc * scale
+        if common.interpret():
+            # XLA:CPU would fuse this product into the consumers' `z - max` as an FMA, so the
+            # row max no longer cancels exactly (entropy 1e-8 instead of 0 at V = 1).
+            acc = lax.optimization_barrier(acc)
     return acc
 
 
@@ -172,7 +189,7 @@ def _stats_kernel(*refs, n_rows, vocab, dim, tiles, tiles_per_split, layout, com
                           rl_math.online_softmax_init((bm,), n_stats == 3))
     rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
     for ref, value in zip(out_refs, stats):
-        pltriton.store(ref.at[split, pl.ds(row0, bm)], value, mask=rows_ok)
+        pltriton.store(ref.at[split, _span(row0, bm)], value, mask=rows_ok)
 
 
 def _stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
@@ -218,7 +235,7 @@ def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_b
     bm, bk = block_rows, block_k
     row0 = pl.program_id(0) * bm
     rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
-    t = pltriton.load(t_ref.at[pl.ds(row0, bm)], mask=rows_ok,
+    t = pltriton.load(t_ref.at[_span(row0, bm)], mask=rows_ok,
                       other=None if rows_ok is None else 0)
 
     def k_step(k, acc):
@@ -227,7 +244,7 @@ def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_b
         mask = _both(None if rows_ok is None else rows_ok[:, None],
                      None if k_ok is None else k_ok[None, :])
         other = None if mask is None else 0
-        h = pltriton.load(h_ref.at[pl.ds(row0, bm), pl.ds(k * bk, bk)], mask=mask, other=other)
+        h = pltriton.load(h_ref.at[_span(row0, bm)[:, None], ks[None, :]], mask=mask, other=other)
         if layout == "vd":
             w = pltriton.load(w_ref.at[t[:, None], ks[None, :]], mask=mask, other=other)
         else:
@@ -239,7 +256,7 @@ def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_b
         acc = acc + pltriton.load(b_ref.at[t]).astype(jnp.float32)
     if scale != 1.0:
         acc = acc * scale
-    pltriton.store(out_ref.at[pl.ds(row0, bm)], acc, mask=rows_ok)
+    pltriton.store(out_ref.at[_span(row0, bm)], acc, mask=rows_ok)
 
 
 def _target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
@@ -267,25 +284,32 @@ def _forward(hidden, weight, bias, targets, row_valid, *, layout, temperature, r
     scale = 1.0 / temperature
     parts = _stats_call(hidden, weight, bias, layout=layout, scale=scale,
                         with_entropy=return_entropy, config=config)
-    lse, entropy = rl_math.online_softmax_finalize(_merge_splits(tuple(parts)))
+    stats = _merge_splits(tuple(parts))
+    lse, entropy = rl_math.online_softmax_finalize(stats)
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
     target_z = _target_call(hidden, weight, bias, safe, layout=layout, scale=scale,
                             config=config)
-    logp, entropy = rl_math.finalize_logprob(target_z, lse, entropy, in_range, row_valid)
+    # logp = (z_t - m) - log s: relative to the row max, exact even where |z| ~ 1e4.
+    logp, entropy = rl_math.finalize_logprob(target_z - stats[0], jnp.log(stats[1]), entropy,
+                                             in_range, row_valid)
     return logp, entropy, lse
 
 
 # -- backward ------------------------------------------------------------------------------
 
+GRAD_MODES = ("split", "concat", "tf32", "bf16")
+
+
 def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, temperature,
-                 has_bias, with_entropy):
+                 has_bias, with_entropy, parts):
     it = iter(refs)
     start_ref, h_ref, w_ref = next(it), next(it), next(it)
     b_ref = next(it) if has_bias else None
     t_ref, lse_ref, gl_ref = next(it), next(it), next(it)
     ent_ref, ge_ref = (next(it), next(it)) if with_entropy else (None, None)
     dz_ref = next(it)
+    lo_ref = next(it) if parts == "pair" else None
     db_ref = next(it) if has_bias else None
 
     bm, bn = tiles.block_rows, tiles.block_vocab
@@ -300,7 +324,7 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
     rows_ok = _in_bounds(row0, bm, n_rows, n_rows % bm == 0)
 
     def rows(ref):
-        return pltriton.load(ref.at[pl.ds(row0, bm)], mask=rows_ok,
+        return pltriton.load(ref.at[_span(row0, bm)], mask=rows_ok,
                              other=None if rows_ok is None else 0)
 
     t = rows(t_ref)
@@ -313,17 +337,27 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
         dz = jnp.where(cols_ok[None, :], dz, 0.0)
     mask = _both(None if rows_ok is None else rows_ok[:, None],
                  None if cols_ok is None else cols_ok[None, :])
-    pltriton.store(dz_ref.at[pl.ds(row0, bm), pl.ds(local0, bn)], dz.astype(dz_ref.dtype),
-                   mask=mask)
+    rows, cols = _span(row0, bm)[:, None], _span(local0, bn)[None, :]
+    hi = dz.astype(dz_ref.dtype)
+    pltriton.store(dz_ref.at[rows, cols], hi, mask=mask)
+    if parts in ("pair", "concat"):
+        lo = (dz - hi.astype(jnp.float32)).astype(dz_ref.dtype)
+        lo_at = lo_ref.at[rows, cols] if parts == "pair" else dz_ref.at[rows, size + cols]
+        pltriton.store(lo_at, lo, mask=mask)
     if db_ref is not None:
         if rows_ok is not None:
             dz = jnp.where(rows_ok[:, None], dz, 0.0)
-        pltriton.store(db_ref.at[i, pl.ds(local0, bn)], jnp.sum(dz, axis=0), mask=cols_ok)
+        pltriton.store(db_ref.at[i, _span(local0, bn)], jnp.sum(dz, axis=0), mask=cols_ok)
 
 
 def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, *,
-               layout, temperature, config):
-    """dz [N, size] for vocabulary columns [start, start + size) (and Σ_rows dz per row block)."""
+               layout, temperature, parts, dz_dtype, config):
+    """dz = d loss / d logits for vocabulary columns [start, start + size).
+
+    Returns ``(buffers, d_bias | None)``; ``parts`` says how dz is laid out in ``buffers``:
+    ``"one"``: (dz [N, size] in dz_dtype,); ``"pair"``: (hi, lo), each [N, size], with
+    dz ≈ hi + lo; ``"concat"``: ([hi | lo] [N, 2·size],).
+    """
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
     compute_dtype = jnp.result_type(hidden, weight)
@@ -333,11 +367,12 @@ def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
     kernel = functools.partial(
         _grad_kernel, n_rows=n_rows, vocab=vocab, dim=dim, size=size, tiles=tiles,
         layout=layout, compute_dtype=compute_dtype, temperature=temperature,
-        has_bias=bias is not None, with_entropy=with_entropy)
+        has_bias=bias is not None, with_entropy=with_entropy, parts=parts)
     args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]
     args += [] if bias is None else [bias]
     args += [targets, lse, g_logp] + ([entropy, g_ent] if with_entropy else [])
-    out_shape = [jax.ShapeDtypeStruct((n_rows, size), compute_dtype)]
+    width = 2 * size if parts == "concat" else size
+    out_shape = [jax.ShapeDtypeStruct((n_rows, width), dz_dtype)] * (2 if parts == "pair" else 1)
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((n_row_blocks, size), jnp.float32))
     outs = pl.pallas_call(
@@ -348,15 +383,24 @@ def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
         interpret=common.interpret(),
         name="linear_logprobs_grad",
     )(*args)
-    return outs[0], (jnp.sum(outs[1], axis=0) if bias is not None else None)
+    n_buf = 2 if parts == "pair" else 1
+    return tuple(outs[:n_buf]), (jnp.sum(outs[n_buf], axis=0) if bias is not None else None)
 
 
-def _chunk_size(n_rows: int, vocab: int, itemsize: int, config: Config) -> int:
-    """Columns per backward chunk: the dz buffer fits ``chunk_bytes``, a multiple of the tile."""
+def _chunk_size(n_rows: int, vocab: int, bytes_per_entry: int, config: Config) -> int:
+    """Columns per backward chunk, a multiple of the tile: the dz buffers fit ``chunk_bytes``
+    and at most 1/32 of what float32 [N, V] logits would take (small problems stay small)."""
     bn = config.grad.block_vocab
-    size = config.chunk_bytes // (itemsize * max(n_rows, 1))
+    budget = min(config.chunk_bytes, n_rows * vocab * 4 // 32)
+    size = budget // (bytes_per_entry * max(n_rows, 1))
     size = max(bn, size - size % bn)
     return min(size, vocab)
+
+
+def _tf32():
+    """TF32 products with float32 accumulation; interpret mode (CPU) has exact float32 instead."""
+    return (lax.DotAlgorithmPreset.TF32_TF32_F32 if jax.default_backend() == "gpu"
+            else lax.Precision.HIGHEST)
 
 
 def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
@@ -365,17 +409,29 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
 
     ``lse`` [N] is the per-row logsumexp of z, ``entropy`` [N] the entropy output (both are
     ignored on rows that are invalid or whose target is out of range; those rows get no
-    gradient). ``g_ent``/``entropy`` may be None. For each vocabulary chunk c:
+    gradient). ``g_ent``/``entropy`` may be None. For each vocabulary chunk c, in order:
     dz = d loss/d logits (``rl_math.logprob_grad_tile``), d_hidden += dz·W_c (float32),
-    d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz; chunks are visited in order.
+    d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz.
+
+    Precision of the two products for 16-bit inputs (``config.grad_mode``): rounding dz once
+    to bf16 (2^-8 relative, mode "bf16") can exceed SPEC's bf16 tolerance wherever one term
+    dominates a sum, so by default dz goes in as two bf16 parts hi + lo (2^-16; "split": four
+    GEMMs, "concat": two GEMMs over hi|lo stacked along the contraction) or as float32 with
+    TF32 products ("tf32", 2^-11). float32 inputs: float32 dz, full-precision float32 GEMMs.
     """
     config = config or DEFAULT_CONFIG
     layout = weight_layout
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
     w_axis = 0 if layout == "vd" else 1
-    compute_dtype = jnp.result_type(hidden, weight)
-    precision = _dot_precision(compute_dtype)
+    compute_dtype = jnp.dtype(jnp.result_type(hidden, weight))
+    mode = "f32" if compute_dtype.itemsize == 4 else config.grad_mode
+    if mode not in GRAD_MODES + ("f32",):
+        raise ValueError(f"config.grad_mode: unknown {mode!r}; valid: {', '.join(GRAD_MODES)}")
+    parts = {"split": "pair", "concat": "concat"}.get(mode, "one")
+    dz_dtype = jnp.float32 if mode in ("f32", "tf32") else compute_dtype
+    operand_dtype = jnp.float32 if mode == "tf32" else compute_dtype
+    precision = {"f32": lax.Precision.HIGHEST, "tf32": _tf32()}.get(mode)
 
     active = row_valid & (targets >= 0) & (targets < vocab)
     targets = jnp.where(active, targets, -1).astype(jnp.int32)
@@ -384,30 +440,48 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
     if g_ent is not None:
         entropy = jnp.where(active, entropy, 0.0).astype(jnp.float32)
         g_ent = jnp.where(active, g_ent, 0.0).astype(jnp.float32)
-    hidden_c = hidden.astype(compute_dtype)
+    hidden_op = hidden.astype(operand_dtype)
+
+    def dot(a, b, contract):
+        return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+    def products(buffers, w_c, size):
+        """(Σ dz·W_c [N, D], Σ dzᵀ·hidden in W's layout) in float32 over the parts of dz."""
+        w_contract = 0 if layout == "vd" else 1
+        if parts == "concat":
+            [dz] = buffers  # [N, 2·size]: hi | lo
+            d_h = dot(dz, jnp.concatenate([w_c, w_c], axis=w_axis), ((1,), (w_contract,)))
+            if layout == "vd":
+                d_w = dot(dz, hidden_op, ((0,), (0,)))
+                return d_h, d_w[:size] + d_w[size:]
+            d_w = dot(hidden_op, dz, ((0,), (0,)))
+            return d_h, d_w[:, :size] + d_w[:, size:]
+        d_h = d_w = None
+        for dz in buffers:
+            h_part = dot(dz, w_c, ((1,), (w_contract,)))
+            w_part = (dot(dz, hidden_op, ((0,), (0,))) if layout == "vd" else
+                      dot(hidden_op, dz, ((0,), (0,))))
+            d_h = h_part if d_h is None else d_h + h_part
+            d_w = w_part if d_w is None else d_w + w_part
+        return d_h, d_w
 
     def chunk(carry, start, size):
         d_hidden, d_weight, d_bias = carry
-        dz, d_b = _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
-                             g_ent, layout=layout, temperature=temperature, config=config)
-        w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(compute_dtype)
-        w_contract = 0 if layout == "vd" else 1
-        d_hidden = d_hidden + lax.dot_general(
-            dz, w_c, (((1,), (w_contract,)), ((), ())), precision=precision,
-            preferred_element_type=jnp.float32)
-        if layout == "vd":
-            d_w = lax.dot_general(dz, hidden_c, (((0,), (0,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32)
-        else:
-            d_w = lax.dot_general(hidden_c, dz, (((0,), (0,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32)
+        buffers, d_b = _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp,
+                                  entropy, g_ent, layout=layout, temperature=temperature,
+                                  parts=parts, dz_dtype=dz_dtype, config=config)
+        w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(operand_dtype)
+        d_h, d_w = products(buffers, w_c, size)
+        d_hidden = d_hidden + d_h
         d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
                                                    axis=w_axis)
         if d_bias is not None:
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return d_hidden, d_weight, d_bias
 
-    size = _chunk_size(n_rows, vocab, jnp.dtype(compute_dtype).itemsize, config)
+    bytes_per_entry = jnp.dtype(dz_dtype).itemsize * (1 if parts == "one" else 2)
+    size = _chunk_size(n_rows, vocab, bytes_per_entry, config)
     n_full, rest = divmod(vocab, size)
     carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
              None if bias is None else jnp.zeros((vocab,), jnp.float32))

@@ -1,0 +1,251 @@
+"""linear_logprobs: pallas vs chunked vs reference (materialised logits), beside one GEMM.
+
+For each size (bf16, ``weight_layout="vd"``): the median time of the forward (logp only,
+and pallas with entropy) and of forward + backward (gradient to hidden and weight of
+Σ g·logp), XLA's temp buffer size of each compiled function, and the time of the single
+[N, D] x [D, V] product (XLA, bf16 out) measured in the same process.
+
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear                # the table
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sweep        # pallas tile configs
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sizes tiny   # smoke test (any device)
+    PYTHONPATH=$PWD ncu --clock-control none -k regex:'stats|gemm|nvjet' \
+        --section SpeedOfLight --section WarpStateStats \
+        python3 -m benchmarks.bench_linear --profile                   # what limits the forward
+
+Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
+benchmarks/results (see benchmarks.common.write_results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxrl_kernels as jk
+from benchmarks import common
+from jaxrl_kernels.backends.pallas import linear as pallas_linear
+
+SIZES = {
+    "tiny": [(64, 96, 1000)],
+    "all": [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072),
+            (8192, 4096, 151936)],
+    "sweep": [(4096, 2048, 131072)],
+}
+
+COLUMNS = ["N", "D", "V", "impl", "fwd_ms", "fwd_x_gemm", "fwdbwd_ms", "fwdbwd_x_gemm",
+           "fwd_temp_mib", "fwdbwd_temp_mib", "gemm_ms"]
+
+
+def inputs(n, d, v, layout="vd", seed=0):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((n, d), np.float32), jnp.bfloat16)
+    wshape = (v, d) if layout == "vd" else (d, v)
+    w = jnp.asarray(rng.standard_normal(wshape, np.float32) * (2 / np.sqrt(d)), jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    g = jnp.asarray(rng.standard_normal(n, np.float32))
+    return h, w, t, g
+
+
+def timed(fn, *args, budget_ms=2500.0):
+    """Median ms with a run count that keeps slow variants inside the time budget."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = 1e3 * (time.perf_counter() - start)
+    runs = int(max(5, min(25, budget_ms / max(first, 1e-3))))
+    return common.median_ms(fn, *args, warmup=2, runs=runs)
+
+
+def gemm_ms(h, w, layout="vd"):
+    dims = (((1,), (1,)), ((), ())) if layout == "vd" else (((1,), (0,)), ((), ()))
+    fn = jax.jit(lambda h, w: jax.lax.dot_general(h, w, dims))
+    return timed(fn, h, w)
+
+
+def op_fns(call):
+    """(forward, forward+backward) jitted from ``call(h, w, t) -> logp``."""
+    fwd = jax.jit(call)
+
+    def loss(h, w, t, g):
+        return jnp.sum(call(h, w, t) * g)
+
+    fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return fwd, fwdbwd
+
+
+def measure(call, h, w, t, g, gemm, want_bwd=True):
+    fwd, fwdbwd = op_fns(call)
+    row = {"fwd_ms": timed(fwd, h, w, t), "fwd_temp_mib": common.temp_mib(fwd, h, w, t)}
+    row["fwd_x_gemm"] = row["fwd_ms"] / gemm
+    if want_bwd:
+        row["fwdbwd_ms"] = timed(fwdbwd, h, w, t, g)
+        row["fwdbwd_temp_mib"] = common.temp_mib(fwdbwd, h, w, t, g)
+        row["fwdbwd_x_gemm"] = row["fwdbwd_ms"] / gemm
+    return row
+
+
+def public(backend, **kw):
+    def call(h, w, t):
+        out = jk.linear_logprobs(h, w, t, backend=backend, **kw)
+        return out[0] if isinstance(out, tuple) else out
+    return call
+
+
+def primitive(config, *, return_entropy=False, layout="vd"):
+    def call(h, w, t):
+        valid = jnp.ones(t.shape, jnp.bool_)
+        return pallas_linear.linear_logprobs(h, w, None, t, valid, weight_layout=layout,
+                                             temperature=1.0, return_entropy=return_entropy,
+                                             config=config)[0]
+    return call
+
+
+def table(sizes, backends):
+    rows = []
+    for n, d, v in sizes:
+        h, w, t, g = inputs(n, d, v)
+        gemm = gemm_ms(h, w)
+        base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
+        rows.append({**base, "impl": "gemm (XLA, bf16 out)", "fwd_ms": gemm, "fwd_x_gemm": 1.0})
+        variants = [(name, public(name)) for name in backends]
+        if "pallas" in backends:
+            variants.insert(1, ("pallas+entropy", public("pallas", return_entropy=True)))
+        for name, call in variants:
+            try:
+                row = measure(call, h, w, t, g, gemm)
+            except Exception as err:  # report, keep measuring the others
+                traceback.print_exc()
+                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            rows.append({**base, "impl": name, **row})
+            print(rows[-1], flush=True)
+        del h, w
+    return rows
+
+
+FWD_VARIANTS = {
+    "128x256x64 w8 s4 tps4": dict(forward=(128, 256, 64, 8, 4), tiles_per_split=4),
+    "128x256x64 w8 s4 tps2": dict(forward=(128, 256, 64, 8, 4), tiles_per_split=2),
+    "128x256x64 w8 s4 tps8": dict(forward=(128, 256, 64, 8, 4), tiles_per_split=8),
+    "128x256x64 w8 s4 tps16": dict(forward=(128, 256, 64, 8, 4), tiles_per_split=16),
+    "128x256x64 w8 s5 tps4": dict(forward=(128, 256, 64, 8, 5), tiles_per_split=4),
+    "128x256x32 w8 s6 tps4": dict(forward=(128, 256, 32, 8, 6), tiles_per_split=4),
+    "256x128x64 w8 s4 tps8": dict(forward=(256, 128, 64, 8, 4), tiles_per_split=8),
+    "128x128x64 w8 s4 tps8": dict(forward=(128, 128, 64, 8, 4), tiles_per_split=8),
+}
+GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also timed with the epilogue cut to a running max
+
+BWD_VARIANTS = {
+    "bwd concat, grad 128x128x64 w8 s3, 32 MiB": dict(),
+    "bwd split, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="split"),
+    "bwd tf32, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="tf32"),
+    "bwd concat, grad 128x256x64 w8 s4, 32 MiB": dict(grad=(128, 256, 64, 8, 4)),
+    "bwd concat, grad 128x128x64 w8 s3, 64 MiB": dict(chunk_bytes=64 * 2**20),
+    "bwd tf32, grad 128x128x64 w8 s3, 64 MiB": dict(grad_mode="tf32", chunk_bytes=64 * 2**20),
+    "bwd bf16 dz (below SPEC precision), 32 MiB": dict(grad_mode="bf16"),
+}
+
+
+def make_config(base=pallas_linear.DEFAULT_CONFIG, **kw):
+    for key in ("forward", "grad"):
+        if key in kw:
+            kw[key] = pallas_linear.TileConfig(*kw[key])
+    return dataclasses.replace(base, **kw)
+
+
+def sweep(sizes):
+    rows = []
+    for n, d, v in sizes:
+        h, w, t, g = inputs(n, d, v)
+        gemm = gemm_ms(h, w)
+        base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
+        rows.append({**base, "impl": "gemm (XLA, bf16 out)", "fwd_ms": gemm, "fwd_x_gemm": 1.0})
+        for name, kw in FWD_VARIANTS.items():
+            for epilogue in ("softmax", "max") if name in GEMM_ONLY else ("softmax",):
+                cfg = make_config(**kw, epilogue=epilogue)
+                label = name + ("" if epilogue == "softmax" else " GEMM+max only")
+                try:
+                    row = measure(primitive(cfg), h, w, t, g, gemm, want_bwd=False)
+                except Exception as err:
+                    row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+                rows.append({**base, "impl": label, **row})
+                print(rows[-1], flush=True)
+        for name, kw in BWD_VARIANTS.items():
+            try:
+                row = measure(primitive(make_config(**kw)), h, w, t, g, gemm)
+            except Exception as err:
+                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            rows.append({**base, "impl": name, **row})
+            print(rows[-1], flush=True)
+        for layout in ("dv",):
+            hd, wd, td, gd = inputs(n, d, v, layout)
+            row = measure(primitive(pallas_linear.DEFAULT_CONFIG, layout=layout), hd, wd, td, gd,
+                          gemm_ms(hd, wd, layout))
+            rows.append({**base, "impl": f"default, weight_layout={layout}", **row})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def profile_targets():
+    """One call each of the pallas forward, its GEMM+max-only variant and XLA's GEMM at
+    N=4096, D=2048, V=131072 (for ``ncu -k regex:'stats|gemm|nvjet'``)."""
+    h, w, t, _ = inputs(4096, 2048, 131072)
+    for cfg in (pallas_linear.DEFAULT_CONFIG,
+                dataclasses.replace(pallas_linear.DEFAULT_CONFIG, epilogue="max")):
+        jax.block_until_ready(jax.jit(primitive(cfg))(h, w, t))
+    dims = (((1,), (1,)), ((), ()))
+    jax.block_until_ready(jax.jit(lambda h, w: jax.lax.dot_general(h, w, dims))(h, w))
+    g = jnp.ones(t.shape, jnp.float32)
+    _, fwdbwd = op_fns(primitive(pallas_linear.DEFAULT_CONFIG))
+    jax.block_until_ready(fwdbwd(h, w, t, g))
+
+
+def ncu_summary(path):
+    """Per-kernel-name totals of an ``ncu --csv --metrics gpu__time_duration.sum`` log."""
+    import csv
+    import collections
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for rec in csv.DictReader(lines):
+        if rec.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0,
+                 "msecond": 1.0}.get(rec.get("Metric Unit", "ns"), 1e-6)
+        name = rec["Kernel Name"][:60]
+        totals[name][0] += 1
+        totals[name][1] += float(rec["Metric Value"].replace(",", "")) * scale
+    for name, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"{ms:10.3f} ms {count:6d}x  {name}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
+    parser.add_argument("--backends", default="pallas,chunked,reference")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="one call of each, for ncu")
+    parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
+    args = parser.parse_args()
+    if args.ncu_summary:
+        ncu_summary(args.ncu_summary)
+        return
+    if args.profile:
+        profile_targets()
+        return
+    print(common.metadata(), flush=True)
+    if args.sweep:
+        sizes = SIZES["sweep"] if args.sizes == "all" else SIZES[args.sizes]
+        rows = sweep(sizes)
+        print(common.write_results("bench_linear_sweep", rows, COLUMNS + ["error"]))
+    else:
+        rows = table(SIZES[args.sizes], args.backends.split(","))
+        print(common.write_results("bench_linear", rows, COLUMNS + ["error"]))
+
+
+if __name__ == "__main__":
+    main()
