@@ -3,6 +3,7 @@
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order
+#   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +31,7 @@ step() {  # step <seconds> <command...>: run it under a time limit, then re-pack
 }
 for s in ${STEPS-tests ffi linear logits ppo demo}; do
   case $s in
-    tests) step 240 bash -c 'python3 -m pytest -m gpu -q -rs tests 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
+    tests) step 240 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac

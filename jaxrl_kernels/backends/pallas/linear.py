@@ -83,12 +83,20 @@ def _pow2_block(size: int, extent: int) -> int:
     return max(16, min(size, pl.next_power_of_2(max(extent, 1))))
 
 
-def _fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int) -> TileConfig:
-    return dataclasses.replace(
+SMEM_BYTES = 200 * 2**10
+"""Shared memory the software pipeline's operand buffers may take (H100: 227 KiB per block)."""
+
+
+def _fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int, itemsize: int) -> TileConfig:
+    """Shrink tiles to the problem, and the pipeline so its num_stages - 1 buffers fit."""
+    tiles = dataclasses.replace(
         tiles,
         block_rows=_pow2_block(tiles.block_rows, n_rows),
         block_vocab=_pow2_block(tiles.block_vocab, vocab),
         block_k=_pow2_block(tiles.block_k, dim))
+    per_stage = (tiles.block_rows + tiles.block_vocab) * tiles.block_k * itemsize
+    return dataclasses.replace(tiles, num_stages=max(1, min(tiles.num_stages,
+                                                             1 + SMEM_BYTES // per_stage)))
 
 
 def _span(start, size: int):
@@ -195,7 +203,8 @@ def _stats_kernel(*refs, n_rows, vocab, dim, tiles, tiles_per_split, layout, com
 def _stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
-    tiles = _fit(config.forward, n_rows, vocab, dim)
+    tiles = _fit(config.forward, n_rows, vocab, dim,
+                 jnp.dtype(jnp.result_type(hidden, weight)).itemsize)
     n_splits = pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
     n_stats = 3 if with_entropy else 2
     kernel = functools.partial(
@@ -361,7 +370,7 @@ def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
     compute_dtype = jnp.result_type(hidden, weight)
-    tiles = _fit(config.grad, n_rows, size, dim)
+    tiles = _fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize)
     with_entropy = g_ent is not None
     n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
     kernel = functools.partial(
