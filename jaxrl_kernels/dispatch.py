@@ -68,8 +68,11 @@ OP_PRIMITIVE: dict[str, str] = {
 }
 
 # Primitives whose reference implementation holds a float32 [N, V] buffer.
-VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
-                              "linear_logprobs_backward"})
+VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs"})
+
+# Backward passes on their own, for forwards without one. The reference backend has none (it
+# differentiates itself); chunked serves them at any size, since they reuse the saved lse.
+STANDALONE_BACKWARDS = frozenset({"linear_logprobs_backward"})
 
 CHUNKED_THRESHOLD_BYTES = 256 * 2**20
 """On CPU, vocabulary ops switch from reference to chunked above this [N, V] f32 size."""
@@ -148,6 +151,8 @@ def _automatic_policy(name: str, primitive: str, problem: Problem) -> str | None
         return "ffi serves only the linear_logprobs forward"
     if name == "pallas" and not on_gpu:
         return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
+    if name == "chunked" and primitive in STANDALONE_BACKWARDS:
+        return None
     if name == "chunked" and primitive in VOCAB_PRIMITIVES:
         size = problem.logits_bytes_f32
         if size <= CHUNKED_THRESHOLD_BYTES:

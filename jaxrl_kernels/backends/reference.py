@@ -63,23 +63,10 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
     return _logprobs_from_z(z, targets, row_valid, return_entropy)
 
 
-def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-                             g_ent, *, weight_layout, temperature):
-    """The VJP of :func:`linear_logprobs` by autodiff (``lse``/``entropy`` are recomputed)."""
-    del lse, entropy
-    with_entropy = g_ent is not None
-    _, vjp = jax.vjp(
-        lambda h, w, b: linear_logprobs(h, w, b, targets, row_valid, weight_layout=weight_layout,
-                                        temperature=temperature, return_entropy=with_entropy),
-        hidden, weight, bias)
-    return vjp((g_logp, g_ent))
-
-
 OPS = {
     "token_logprobs": token_logprobs,
     "paired_logprobs": paired_logprobs,
     "linear_logprobs": linear_logprobs,
-    "linear_logprobs_backward": linear_logprobs_backward,
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }
