@@ -103,6 +103,17 @@ class Problem:
         return 4 * self.n_rows * self.vocab
 
 
+def linear_problem(op: str, hidden, weight, bias, *, weight_layout: str,
+                   return_entropy: bool) -> Problem:
+    """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    return Problem(op, n_rows=n_rows, vocab=vocab, hidden_dim=dim, dtype=dtype_name(hidden),
+                   weight_layout=weight_layout, has_bias=bias is not None,
+                   return_entropy=return_entropy,
+                   extra=(("weight_dtype", dtype_name(weight)),))
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The outcome of a selection: the backend, its implementation, and why."""

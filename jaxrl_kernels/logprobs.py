@@ -82,12 +82,8 @@ def check_linear_head(hidden, weight, bias, weight_layout):
 def linear_logprobs_flat(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
                          temperature, return_entropy, backend):
     """Dispatch the linear_logprobs primitive on validated, flattened [N, D] inputs."""
-    n_rows, dim = hidden.shape
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    problem = dispatch.Problem(op, n_rows=n_rows, vocab=vocab, hidden_dim=dim,
-                               dtype=dispatch.dtype_name(hidden), weight_layout=weight_layout,
-                               has_bias=bias is not None, return_entropy=return_entropy,
-                               extra=(("weight_dtype", dispatch.dtype_name(weight)),))
+    problem = dispatch.linear_problem(op, hidden, weight, bias, weight_layout=weight_layout,
+                                      return_entropy=return_entropy)
     choice = dispatch.record(op, dispatch.select(op, problem, backend))
     return choice.impl(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
                        weight_layout=weight_layout, temperature=float(temperature),

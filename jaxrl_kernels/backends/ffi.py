@@ -124,11 +124,8 @@ def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout
 def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
     hidden, weight, bias, targets, row_valid, lse, entropy = res
     g_logp, g_ent = g
-    problem = dispatch.Problem(
-        "linear_logprobs", n_rows=hidden.shape[0], vocab=_vocab(weight, weight_layout),
-        hidden_dim=hidden.shape[1], dtype=dispatch.dtype_name(hidden),
-        weight_layout=weight_layout, has_bias=bias is not None, return_entropy=return_entropy,
-        extra=(("weight_dtype", dispatch.dtype_name(weight)),))
+    problem = dispatch.linear_problem("linear_logprobs", hidden, weight, bias,
+                                      weight_layout=weight_layout, return_entropy=return_entropy)
     backward = dispatch.select("linear_logprobs", problem, primitive="linear_logprobs_backward",
                                strict=False)
     d_hidden, d_weight, d_bias = dispatch.record("linear_logprobs_backward", backward).impl(
