@@ -1,8 +1,9 @@
 """The Pallas PPO-loss and group-advantage kernels against the float64 oracle.
 
 CPU: interpret mode with explicit plans, so that [rows, T] tiles are partial in both
-directions, a forward program adds several row tiles, and several programs' partial sums
-are combined. GPU (marked ``gpu``): B=128, T=512 and bitwise determinism.
+directions, a sum program adds several T tiles (one of them past the end), and several
+T splits' partial sums are combined. GPU (marked ``gpu``): B=128, T=512 and bitwise
+determinism.
 """
 
 import jax
@@ -15,9 +16,11 @@ from conftest import assert_close, assert_zero, cotangent, random_mask
 from jaxrl_kernels import rl_math
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 
-# block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T; 2 row tiles per program,
-# so 2 programs; the second plan has one row per tile and 7 programs.
-PLANS = {"multi_tile": pl_ppo.Plan(2, 4, 2, 1), "row_tiles": pl_ppo.Plan(1, 16, 1, 1)}
+# block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
+# 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
+# splits); "row_tiles" has one row per tile and one T tile covering T.
+PLANS = {"multi_tile": pl_ppo.Plan(2, 4, 2, 1), "t_splits": pl_ppo.Plan(2, 4, 1, 1),
+         "row_tiles": pl_ppo.Plan(1, 16, 1, 1)}
 MODES = rl_math.AGGREGATION_MODES
 
 
@@ -140,12 +143,18 @@ def test_jit_vmap_and_determinism(rng):
 
 
 def test_plan_heuristic():
-    for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1)]:
+    cdiv = lambda a, b: -(-a // b)
+    for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1), (8, 32768), (1, 100000)]:
         plan = pl_ppo.make_plan(b, t)
         assert plan.block_t & (plan.block_t - 1) == 0 and plan.block_t <= 1024
         assert plan.block_rows * plan.block_t <= max(pl_ppo.TILE_ELEMENTS, plan.block_t)
-        programs = -(-(-(-b // plan.block_rows)) // plan.chunks_per_program)
-        assert 1 <= programs <= pl_ppo.MAX_FORWARD_PROGRAMS
+        row_tiles, t_tiles = cdiv(b, plan.block_rows), cdiv(t, plan.block_t)
+        splits = cdiv(t_tiles, plan.t_tiles_per_program)
+        assert 1 <= plan.t_tiles_per_program <= t_tiles
+        # T is split only while the grid is short of MIN_SUM_PROGRAMS programs
+        assert splits == 1 or row_tiles * (splits - 1) < pl_ppo.MIN_SUM_PROGRAMS
+    long = pl_ppo.make_plan(8, 32768)
+    assert long.t_tiles_per_program < 32   # small B, long T: T is split over programs
 
 
 # ----------------------------------------------------------------------------- group advantages
