@@ -274,13 +274,18 @@ def group_advantages(rewards, segment_ids, num_groups: int, *, normalize_std=Tru
 
 # -- the PPO loss -----------------------------------------------------------------------
 #
-# Three stages, so that a kernel (or a device holding part of T) can run each one:
-#   1. per-sequence sums Σ_t m·v of ``sequence_summands`` -> ``sequence_terms`` (ℓ_b, the
-#      sequence TIS log-weight), only for the sequence-level options;
-#   2. per token, given those: ``ppo_per_token`` -> per-sequence sums of the loss, the mask
-#      and every metric part -> ``loss_and_metrics``;
-#   3. backward: d loss / d per_token_bt = m_bt · ``aggregation_weights``_b, pulled back
-#      through ``ppo_per_token`` token by token (ℓ_b carries no gradient).
+# The reference (``ppo_loss``) is written token by token: per-sequence sums of
+# ``sequence_summands`` give ``sequence_terms`` (ℓ_b, the sequence TIS log-weight), then
+# ``ppo_per_token`` gives each token's loss and metric parts, then ``loss_and_metrics``
+# aggregates their per-sequence sums.
+#
+# A kernel does the forward in one pass over the tokens instead (``forward_summands`` ->
+# per-sequence sums -> ``sums_to_token_terms`` -> ``loss_and_metrics``): the sums of the
+# policy term are linear in what a token contributes once ℓ_b and the sequence weight are
+# fixed, so it sums those contributions and applies ℓ_b and the weight per sequence
+# afterwards. The backward is token-local given the [B] sequence terms (they carry no
+# gradient): d loss / d per_token_bt = m_bt · ``aggregation_weights``_b, pulled back through
+# ``ppo_per_token``.
 
 class PPOInputs(NamedTuple):
     """[B, T] float32 arrays (advantages already broadcast); optional ones may be None."""
@@ -357,6 +362,21 @@ def _per_row(values, like):
     return jnp.broadcast_to(values[:, None], like.shape)
 
 
+def _surrogate(ratio, x: PPOInputs, cfg: PPOConfig):
+    """(pg, clipped, dual_clipped) of the chosen policy loss, before rollout correction."""
+    if cfg.policy_loss == "cispo":
+        pg, clipped = cispo_surrogate(ratio, x.advantages, x.logp, cfg.clip_low, cfg.clip_high)
+        return pg, clipped, jnp.zeros_like(clipped)
+    return clipped_surrogate(ratio, x.advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+
+
+def _tis_parts(weight, cfg: PPOConfig) -> dict:
+    parts = {"tis_weight": weight}
+    if cfg.tis_mode == "mask":
+        parts["tis_masked"] = (weight == 0).astype(jnp.float32)
+    return parts
+
+
 def policy_surrogate(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()):
     """The policy term pg per token and the per-token quantities its metrics average.
 
@@ -367,12 +387,7 @@ def policy_surrogate(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = Sequence
     """
     token_ratio = importance_ratio(x.logp, x.old_logp)
     ratio = token_ratio if cfg.ratio_level == "token" else sequence_ratio(x.logp, seq.log_ratio)
-    if cfg.policy_loss == "cispo":
-        pg, clipped = cispo_surrogate(ratio, x.advantages, x.logp, cfg.clip_low, cfg.clip_high)
-        dual = jnp.zeros_like(clipped)
-    else:
-        pg, clipped, dual = clipped_surrogate(ratio, x.advantages, cfg.clip_low, cfg.clip_high,
-                                              cfg.dual_clip)
+    pg, clipped, dual = _surrogate(ratio, x, cfg)
     parts = {
         "ratio": token_ratio,
         "clipped": clipped.astype(jnp.float32),
@@ -384,29 +399,98 @@ def policy_surrogate(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = Sequence
                       else _per_row(seq.tis_log_weight, x.logp))
         weight = tis_weight(log_weight, cfg.tis_cap, cfg.tis_mode)
         pg = pg * weight
-        parts["tis_weight"] = weight
-        if cfg.tis_mode == "mask":
-            parts["tis_masked"] = (weight == 0).astype(jnp.float32)
+        parts.update(_tis_parts(weight, cfg))
     return pg, parts
+
+
+def _penalties(x: PPOInputs, cfg: PPOConfig):
+    """(kl_coef·KL - entropy_coef·entropy or None, their metric parts)."""
+    rest, parts = None, {}
+    if x.ref_logp is not None:
+        parts["kl"] = kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator)
+        rest = cfg.kl_coef * parts["kl"]
+    if x.entropy is not None:
+        parts["entropy"] = x.entropy
+        bonus = -cfg.entropy_coef * x.entropy
+        rest = bonus if rest is None else rest + bonus
+    return rest, parts
 
 
 def ppo_per_token(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()):
     """Per-token loss pg + kl_coef·KL - entropy_coef·entropy and the metric parts."""
-    per_token, parts = policy_surrogate(x, cfg, seq)
-    if x.ref_logp is not None:
-        kl = kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl
-        parts["kl"] = kl
-    if x.entropy is not None:
-        per_token = per_token - cfg.entropy_coef * x.entropy
-        parts["entropy"] = x.entropy
-    return per_token, parts
+    pg, parts = policy_surrogate(x, cfg, seq)
+    rest, extra = _penalties(x, cfg)
+    return (pg if rest is None else pg + rest), {**parts, **extra}
 
 
 def token_summands(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()) -> dict:
     """Per-token values whose masked per-sequence sums ``loss_and_metrics`` needs."""
     per_token, parts = ppo_per_token(x, cfg, seq)
     return {"loss": per_token, "count": jnp.ones_like(per_token), **parts}
+
+
+def forward_summands(x: PPOInputs, cfg: PPOConfig) -> dict:
+    """Per-token values whose masked per-sequence sums determine the loss and the metrics
+    without knowing the sequence terms first (the one-pass forward of a kernel).
+
+    With the token ratio, pg itself (times a token TIS weight). With the sequence ratio
+    every token's pg is a function of ℓ_b scaled by the token's own data: PPO's
+    surrogate is positively homogeneous in A, pg_t = w_t·|A_t|·pg(r_b, sign A_t), so the
+    sums of w·A⁺, w·A⁻ and the counts of A > 0 and A < 0 suffice; CISPO's is linear in
+    A·logp, pg_t = -clip(r_b)·w_t·A_t·logp_t. A sequence TIS weight multiplies the
+    whole sequence and is applied to the sums.
+    """
+    out = {"count": jnp.ones_like(x.logp), **sequence_summands(x, cfg)}
+    out["ratio"] = importance_ratio(x.logp, x.old_logp)
+    out["approx_kl"] = kl_penalty(x.logp, x.old_logp, "k3")
+    rest, parts = _penalties(x, cfg)
+    if rest is not None:
+        out["rest"] = rest
+    out.update(parts)
+    weight = 1.0
+    if tis_enabled(x, cfg) and cfg.tis_level == "token":
+        weight = tis_weight(x.old_logp - x.rollout_logp, cfg.tis_cap, cfg.tis_mode)
+        out.update(_tis_parts(weight, cfg))
+    a = x.advantages
+    if cfg.ratio_level == "token":
+        pg, clipped, dual = _surrogate(out["ratio"], x, cfg)
+        out.update(pg=pg * weight, clipped=clipped.astype(jnp.float32),
+                   dual_clipped=dual.astype(jnp.float32))
+    elif cfg.policy_loss == "cispo":
+        out["a_logp"] = weight * a * x.logp
+    else:
+        out.update(a_pos=weight * jnp.maximum(a, 0.0), a_neg=weight * jnp.maximum(-a, 0.0),
+                   n_pos=(a > 0).astype(jnp.float32), n_neg=(a < 0).astype(jnp.float32))
+    return out
+
+
+def sums_to_token_terms(sums: dict, cfg: PPOConfig) -> dict:
+    """The per-sequence sums of ``token_summands`` from those of ``forward_summands``."""
+    seq = sequence_terms(sums, cfg)
+    out = {k: sums[k] for k in ("count", "ratio", "approx_kl", "kl", "entropy", "tis_weight",
+                                "tis_masked") if k in sums}
+    if cfg.ratio_level == "token":
+        pg, clipped, dual = sums["pg"], sums["clipped"], sums["dual_clipped"]
+    elif cfg.policy_loss == "cispo":
+        ratio = jnp.exp(seq.log_ratio)
+        pg, outside = cispo_surrogate(ratio, sums["a_logp"], 1.0, cfg.clip_low, cfg.clip_high)
+        clipped, dual = sums["count"] * outside, jnp.zeros_like(pg)
+    else:
+        ratio = jnp.exp(seq.log_ratio)
+        pos, clip_pos, _ = clipped_surrogate(ratio, 1.0, cfg.clip_low, cfg.clip_high,
+                                             cfg.dual_clip)
+        neg, clip_neg, dual_neg = clipped_surrogate(ratio, -1.0, cfg.clip_low, cfg.clip_high,
+                                                    cfg.dual_clip)
+        pg = sums["a_pos"] * pos + sums["a_neg"] * neg
+        clipped = sums["n_pos"] * clip_pos + sums["n_neg"] * clip_neg
+        dual = sums["n_neg"] * dual_neg
+    if seq.tis_log_weight is not None:
+        weight = tis_weight(seq.tis_log_weight, cfg.tis_cap, cfg.tis_mode)
+        pg = pg * weight
+        out.update({k: sums["count"] * v for k, v in _tis_parts(weight, cfg).items()})
+    out["loss"] = pg + sums["rest"] if "rest" in sums else pg
+    out["clipped"], out["dual_clipped"] = clipped, dual
+    return out
 
 
 METRIC_NAMES = {
@@ -427,13 +511,13 @@ def loss_and_metrics(sums: dict, cfg: PPOConfig, seq_len: int):
     loss = aggregate_sequence_sums(sums["loss"], sums["count"], cfg.loss_agg_mode, seq_len,
                                    cfg.max_len)
     count = jnp.maximum(jnp.sum(sums["count"]), 1.0)
-    metrics = {METRIC_NAMES[k]: _sg(jnp.sum(v) / count) for k, v in sums.items()
-               if k in METRIC_NAMES}
+    metrics = {METRIC_NAMES[k]: _sg(jnp.sum(sums[k]) / count) for k in METRIC_NAMES
+               if k in sums}
     return loss, metrics
 
 
 def ppo_loss(x: PPOInputs, cfg: PPOConfig):
-    """(loss, metrics) of SPEC's ppo_loss, in plain jnp."""
+    """(loss, metrics) of SPEC's ppo_loss, in plain jnp, token by token."""
     seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
     sums = masked_row_sums(token_summands(x, cfg, seq), x.mask)
     return loss_and_metrics(sums, cfg, x.logp.shape[-1])

@@ -107,23 +107,22 @@ def test_policy_variants_every_plan(rng, variant, plan):
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
 
 
-def test_stages_token_level_launch_no_sequence_kernel(rng):
-    """Token-level options need no per-sequence pre-pass: sequence_sums returns {}; the
-    sequence-level ones ask it for exactly the sums SPEC's l_b / log-weight need."""
-    arrays, mask = _batch(rng, 3, 5)
+def test_forward_sums_hold_the_sequence_sums(rng):
+    """The one forward pass gives, per sequence, Σ m and the sums SPEC's l_b and sequence
+    TIS log-weight need (when those options are on), over T splits."""
+    arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
     x = _inputs(arrays, mask, ALL)
     tokens = {k: v for k, v in x._asdict().items() if v is not None}
-    plan = PLANS["multi_tile"]
-    assert pl_ppo.sequence_sums(tokens, rl_math.PPOConfig(tis_cap=2.0), plan) == {}
+    plan = PLANS["t_splits"]
+    token_level = pl_ppo.forward_sums(tokens, rl_math.PPOConfig(tis_cap=2.0), plan)
+    assert "log_ratio" not in token_level and "tis_log_weight" not in token_level
     cfg = rl_math.PPOConfig(tis_cap=2.0, ratio_level="sequence", tis_level="sequence")
-    sums = pl_ppo.sequence_sums(tokens, cfg, plan)
-    assert set(sums) == {"count", "log_ratio", "tis_log_weight"}
+    sums = pl_ppo.forward_sums(tokens, cfg, plan)
     assert_close(sums["count"], mask.sum(1))
-    assert_close(sums["log_ratio"], (mask * (arrays["logp"] - arrays["old_logp"])).sum(1),
-                 scale=np.abs(arrays["logp"] - arrays["old_logp"]).sum(1))
-    assert_close(sums["tis_log_weight"],
-                 (mask * (arrays["old_logp"] - arrays["rollout_logp"])).sum(1),
-                 scale=np.abs(arrays["old_logp"] - arrays["rollout_logp"]).sum(1))
+    d = arrays["logp"] - arrays["old_logp"]
+    assert_close(sums["log_ratio"], (mask * d).sum(1), scale=np.abs(d).sum(1))
+    w = arrays["old_logp"] - arrays["rollout_logp"]
+    assert_close(sums["tis_log_weight"], (mask * w).sum(1), scale=np.abs(w).sum(1))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "abs", "k2"])

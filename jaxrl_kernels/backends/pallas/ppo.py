@@ -1,26 +1,26 @@
 """Pallas kernels for the PPO loss over [B, T] and for group-normalised advantages.
 
-``ppo_loss`` runs as small stages, kernels mapping [B, T] tokens to per-sequence values and
-plain jnp in between, so that no kernel holds state that crosses sequences or T-ranges
-(a device holding part of T runs the same kernels on its part; the per-sequence sums are
-what crosses):
+``ppo_loss`` runs as small stages, kernels that map [B, T] tokens to per-sequence values
+with plain jnp in between, so that no kernel holds state that crosses sequences or
+T-ranges (a device holding part of T runs the same kernels on its part; the per-sequence
+sums are what crosses):
 
-1. :func:`sequence_sums` (kernel, only for ``ratio_level="sequence"`` or
-   ``tis_level="sequence"``): per sequence, the masked sums Σ_t m·v of
-   ``rl_math.sequence_summands`` over the tokens of the input: Σ m, Σ m·(logp - old_logp),
-   Σ m·(old_logp - rollout_logp). ``rl_math.sequence_terms`` (jnp) turns them into ℓ_b
-   and the sequence TIS log-weight, [B] each.
-2. :func:`token_sums` (kernel): per sequence, Σ m·loss, Σ m and Σ m·part for every metric
-   part of ``rl_math.token_summands``, given the [B] sequence terms.
-   ``rl_math.loss_and_metrics`` (jnp) aggregates those [B, K] sums into the loss (all four
-   modes) and the masked-mean metrics.
+1. :func:`forward_sums` (kernel): per sequence, the masked sums Σ_t m·v of
+   ``rl_math.forward_summands`` over the tokens of the input: Σ m, the policy term (or,
+   for ``ratio_level="sequence"``, what it is linear in), Σ m·(logp - old_logp) and
+   Σ m·(old_logp - rollout_logp) where the sequence-level options need them, and every
+   metric part. One pass, whatever the options.
+2. jnp: ``rl_math.sums_to_token_terms`` applies ℓ_b and the sequence TIS weight per
+   sequence; ``rl_math.loss_and_metrics`` aggregates (all four modes) and takes the
+   masked-mean metrics. ``rl_math.sequence_terms`` gives the [B] terms the backward uses.
 3. :func:`token_grads` (kernel, the backward): given per-sequence coefficients
-   c_b = g · ``rl_math.aggregation_weights``_b (jnp), each token's d logp (and d entropy)
-   is the pull-back of c_b·m through ``rl_math.ppo_per_token`` with ``jax.vjp``, so the
-   derivative is the reference's branch for branch. ℓ_b carries no gradient (SPEC), so
-   this is token-local. Nothing flows to old/rollout/ref log-probs, advantages or the mask.
+   c_b = g · ``rl_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
+   token's d logp (and d entropy) is the pull-back of c_b·m through
+   ``rl_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
+   for branch. ℓ_b carries no gradient (SPEC), so this is token-local. Nothing flows to
+   old/rollout/ref log-probs, advantages or the mask.
 
-The sum kernels run on a grid of (row tile, T split): each program adds its
+The sum kernel runs on a grid of (row tile, T split): each program adds its
 ``t_tiles_per_program`` [rows, T] tiles in order and writes [rows, K] partial sums; the
 splits' partials are then added in split order (deterministic, no atomics).
 
@@ -107,28 +107,23 @@ def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...
 
 # -- kind (a): [B, T] tokens -> per-sequence sums [B, K] ---------------------------------------
 
-def _sum_keys(summands, names, seq_names) -> tuple[str, ...]:
-    """The keys ``summands(tokens, seq)`` returns for these inputs, in order."""
+def _sum_keys(summands, names) -> tuple[str, ...]:
+    """The keys ``summands(tokens)`` returns for these inputs, in order."""
     tokens = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
-    seq = {n: jax.ShapeDtypeStruct((1,), jnp.float32) for n in seq_names}
-    return tuple(jax.eval_shape(
-        lambda t, q: summands(rl_math.PPOInputs(**t), rl_math.SequenceTerms(**q)), tokens, seq))
+    return tuple(jax.eval_shape(lambda t: summands(rl_math.PPOInputs(**t)), tokens))
 
 
-def _row_sums_kernel(*refs, summands, keys, names, seq_names, plan: Plan, batch: int,
-                     seq_len: int, width: int):
-    tok_refs = refs[:len(names)]
-    seq_refs = refs[len(names):len(names) + len(seq_names)]
-    out_ref = refs[-1]
+def _row_sums_kernel(*refs, summands, keys, names, plan: Plan, batch: int, seq_len: int,
+                     width: int):
+    tok_refs, out_ref = refs[:len(names)], refs[len(names)]
     i, split = pl.program_id(0), pl.program_id(1)
-    rows, _, row_ok, _ = _tile_index(i, 0, plan, batch, seq_len)
-    seq = rl_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
+    rows = _tile_index(i, 0, plan, batch, seq_len)[0]
 
     def tile(j, acc):
         _, cols, _, ok = _tile_index(i, split * plan.t_tiles_per_program + j, plan, batch,
                                      seq_len)
         x = _load_tokens(tok_refs, names, rows, cols, ok)
-        values = summands(x, seq)
+        values = summands(x)
         return {k: acc[k] + jnp.sum(x.mask * values[k].astype(jnp.float32), axis=1)
                 for k in keys}
 
@@ -141,49 +136,36 @@ def _row_sums_kernel(*refs, summands, keys, names, seq_names, plan: Plan, batch:
     out_ref[...] = out
 
 
-def _row_sums(summands, name, tokens: dict, seq: dict, plan: Plan) -> dict:
-    """{key: [B]} masked per-sequence sums Σ_t m·v of ``summands(tokens, seq)``."""
+def _row_sums(summands, name: str, tokens: dict, plan: Plan) -> dict:
+    """{key: [B]} masked per-sequence sums Σ_t m·v of ``summands(tokens)``."""
     names, arrays = _present(tokens, _FIELDS)
-    seq_names, seq_arrays = _present(seq, _SEQ_FIELDS)
-    keys = _sum_keys(summands, names, seq_names)
-    if not keys:
-        return {}
+    keys = _sum_keys(summands, names)
     batch, seq_len = arrays[0].shape
     row_tiles = pl.cdiv(batch, plan.block_rows)
     splits = pl.cdiv(pl.cdiv(seq_len, plan.block_t), plan.t_tiles_per_program)
     width = pl.next_power_of_2(len(keys))
     kernel = functools.partial(_row_sums_kernel, summands=summands, keys=keys, names=names,
-                               seq_names=seq_names, plan=plan, batch=batch, seq_len=seq_len,
-                               width=width)
+                               plan=plan, batch=batch, seq_len=seq_len, width=width)
     partials = pl.pallas_call(
         kernel,
         grid=(row_tiles, splits),
-        in_specs=[pl.BlockSpec()] * (len(arrays) + len(seq_arrays)),
+        in_specs=[pl.BlockSpec()] * len(arrays),
         out_specs=pl.BlockSpec((None, plan.block_rows, width), lambda i, s: (s, i, 0)),
         out_shape=jax.ShapeDtypeStruct((splits, row_tiles * plan.block_rows, width),
                                        jnp.float32),
         compiler_params=common.compiler_params(plan.num_warps, 2),
         interpret=common.interpret(),
         name=name,
-    )(*arrays, *seq_arrays)
+    )(*arrays)
     total = partials[0]
     for s in range(1, splits):  # split order: bitwise reproducible
         total = total + partials[s]
     return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
-def sequence_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan) -> dict:
-    """Stage 1: {key: [B]} sums of ``rl_math.sequence_summands`` over the tokens given
-    (empty when the options are token-level: no kernel is launched)."""
-    return _row_sums(lambda x, seq: rl_math.sequence_summands(x, cfg), "ppo_sequence_sums",
-                     tokens, {}, plan)
-
-
-def token_sums(tokens: dict, seq: rl_math.SequenceTerms, cfg: rl_math.PPOConfig,
-               plan: Plan) -> dict:
-    """Stage 2: {key: [B]} sums of ``rl_math.token_summands`` (loss, count, metric parts)."""
-    return _row_sums(lambda x, q: rl_math.token_summands(x, cfg, q), "ppo_token_sums",
-                     tokens, seq._asdict(), plan)
+def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan) -> dict:
+    """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``."""
+    return _row_sums(lambda x: rl_math.forward_summands(x, cfg), "ppo_loss_fwd", tokens, plan)
 
 
 # -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
@@ -234,10 +216,10 @@ def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPO
 # -- the primitive -------------------------------------------------------------------------------
 
 def _forward(tokens: dict, cfg, plan: Plan):
-    seq = rl_math.sequence_terms(sequence_sums(tokens, cfg, plan), cfg)
-    sums = token_sums(tokens, seq, cfg, plan)
-    loss, metrics = rl_math.loss_and_metrics(sums, cfg, tokens["logp"].shape[1])
-    return loss, metrics, (seq, sums["count"])
+    sums = forward_sums(tokens, cfg, plan)
+    loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
+                                             tokens["logp"].shape[1])
+    return loss, metrics, (rl_math.sequence_terms(sums, cfg), sums["count"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
