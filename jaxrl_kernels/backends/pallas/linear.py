@@ -34,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import logprob_core, rl_math
+from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.pallas import common
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -286,23 +287,20 @@ def _target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
     )(*args)
 
 
-def _forward(hidden, weight, bias, targets, row_valid, *, layout, temperature, return_entropy,
-             config):
-    """(logp, entropy | None, lse): the op's outputs and the saved per-row lse."""
-    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                 with_entropy, config=None):
+    """The row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``."""
+    config = config or DEFAULT_CONFIG
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     scale = 1.0 / temperature
-    parts = _stats_call(hidden, weight, bias, layout=layout, scale=scale,
-                        with_entropy=return_entropy, config=config)
+    parts = _stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
+                        with_entropy=with_entropy, config=config)
     stats = _merge_splits(tuple(parts))
-    lse, entropy = rl_math.online_softmax_finalize(stats)
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
-    target_z = _target_call(hidden, weight, bias, safe, layout=layout, scale=scale,
+    target_z = _target_call(hidden, weight, bias, safe, layout=weight_layout, scale=scale,
                             config=config)
-    # logp = (z_t - m) - log s: relative to the row max, exact even where |z| ~ 1e4.
-    logp, entropy = rl_math.finalize_logprob(target_z - stats[0], jnp.log(stats[1]), entropy,
-                                             in_range, row_valid)
-    return logp, entropy, lse
+    return stats[0], stats[1], (stats[2] if with_entropy else None), target_z - stats[0]
 
 
 # -- backward ------------------------------------------------------------------------------
@@ -412,13 +410,14 @@ def _tf32():
             else lax.Precision.HIGHEST)
 
 
-def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-                             g_ent, *, weight_layout, temperature, config=None):
+def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature, config=None):
     """(d_hidden, d_weight, d_bias | None) of linear_logprobs from per-row cotangents.
 
-    ``lse`` [N] is the per-row logsumexp of z, ``entropy`` [N] the entropy output (both are
-    ignored on rows that are invalid or whose target is out of range; those rows get no
-    gradient). ``g_ent``/``entropy`` may be None. For each vocabulary chunk c, in order:
+    The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
+    rows without a gradient, whose cotangents are 0), ``entropy`` [N] the entropy output;
+    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term. For each
+    vocabulary chunk c, in order:
     dz = d loss/d logits (``rl_math.logprob_grad_tile``), d_hidden += dz·W_c (float32),
     d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz.
 
@@ -442,13 +441,7 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
     operand_dtype = jnp.float32 if mode == "tf32" else compute_dtype
     precision = {"f32": lax.Precision.HIGHEST, "tf32": _tf32()}.get(mode)
 
-    active = row_valid & (targets >= 0) & (targets < vocab)
-    targets = jnp.where(active, targets, -1).astype(jnp.int32)
-    lse = jnp.where(active, lse, jnp.inf).astype(jnp.float32)  # p = 0 on inactive rows
-    g_logp = jnp.where(active, g_logp, 0.0).astype(jnp.float32)
-    if g_ent is not None:
-        entropy = jnp.where(active, entropy, 0.0).astype(jnp.float32)
-        g_ent = jnp.where(active, g_ent, 0.0).astype(jnp.float32)
+    targets = targets.astype(jnp.int32)
     hidden_op = hidden.astype(operand_dtype)
 
     def dot(a, b, contract):
@@ -502,41 +495,22 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
             None if bias is None else d_bias.astype(bias.dtype))
 
 
-# -- the primitive --------------------------------------------------------------------------
+# -- the parts of logprob_core, and the primitive built from them ---------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                     return_entropy, config):
-    logp, entropy, _ = _forward(hidden, weight, bias, targets, row_valid, layout=weight_layout,
-                                temperature=temperature, return_entropy=return_entropy,
-                                config=config)
-    return logp, entropy
-
-
-def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                         return_entropy, config):
-    logp, entropy, lse = _forward(hidden, weight, bias, targets, row_valid,
-                                  layout=weight_layout, temperature=temperature,
-                                  return_entropy=return_entropy, config=config)
-    return (logp, entropy), (hidden, weight, bias, targets, row_valid, lse, entropy)
-
-
-def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, config, res, g):
-    hidden, weight, bias, targets, row_valid, lse, entropy = res
-    g_logp, g_ent = g
-    d_hidden, d_weight, d_bias = linear_logprobs_backward(
-        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-        g_ent if return_entropy else None, weight_layout=weight_layout,
-        temperature=temperature, config=config)
-    return d_hidden, d_weight, d_bias, None, None
-
-
-_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+def kernel_parts(config: Config | None = None) -> Parts:
+    """The ``logprob_core.Parts`` of these kernels under ``config``."""
+    config = config or DEFAULT_CONFIG
+    return Parts(functools.partial(linear_stats, config=config),
+                 functools.partial(linear_backward, config=config))
 
 
 def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                     return_entropy, config=None):
-    """The ``linear_logprobs`` primitive (see ``dispatch``): (logp [N], entropy [N] | None)."""
-    return _linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-                            weight_layout, float(temperature), bool(return_entropy),
-                            config or DEFAULT_CONFIG)
+    """The ``linear_logprobs`` primitive on [N, D] hidden states: (logp [N], entropy [N] | None)."""
+    return logprob_core.linear_logprobs(
+        kernel_parts(config), hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+        weight_layout=weight_layout, temperature=float(temperature),
+        return_entropy=bool(return_entropy))
+
+
+OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}
