@@ -68,8 +68,9 @@ for name, g, want in zip(("value", "d_hidden", "d_weight"), got, (want_value, wa
     scale = max(float(np.max(np.abs(want))), 1e-3)
     assert err <= 1e-5 * scale, f"process {pid}: {name} error {err:.3e} > 1e-5 x {scale:.3e}"
 hlo = step.lower(*(place(x, s) for x, s in zip(args, specs))).compile().as_text()
-gathered = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
-            for m in re.finditer(r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", hlo)]
+gathered = [int(np.prod([int(d) for d in t.group(1).split(",") if d]))
+            for m in re.finditer(r"= (.*?) all-gather(?:-start)?\(", hlo)
+            for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1))]
 limit = h.size // 8  # a device's share of the hidden states
 assert all(n < limit for n in gathered), f"all-gathers of {gathered} elements (limit {limit})"
 print(f"process {pid}: ok ({backend}, {kind})")
