@@ -401,7 +401,9 @@ def test_vocab_axis_compiled_kernels_under_vma_checks(rng, backend_name):
     mapped = jax.shard_map(lambda h, w, t: jax.value_and_grad(
         lambda h, w: loss(h, w, t, "model"), argnums=(0, 1))(h, w), mesh=mesh,
         in_specs=(P(), P("model", None), P()), out_specs=(P(), (P(), P("model", None))))
-    got = jax.jit(mapped)(h, w, t)
+    placed = [jax.device_put(x, NamedSharding(mesh, s))
+              for x, s in zip((h, w, t), (P(), P("model", None), P()))]
+    got = jax.jit(mapped)(*placed)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(h, w, t)
     for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(wv, np.float32))
