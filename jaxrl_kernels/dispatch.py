@@ -242,7 +242,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 # -- explain: record the choices an op makes while it is traced abstractly ---------------
 
-_recorder: contextvars.ContextVar[list[tuple[str, Choice]] | None] = contextvars.ContextVar(
+_recorder: contextvars.ContextVar[list[tuple[str, Choice | str]] | None] = contextvars.ContextVar(
     "jaxrl_kernels_recorder", default=None)
 
 
@@ -251,6 +251,15 @@ def record(op: str, choice: Choice) -> Choice:
     if log is not None:
         log.append((op, choice))
     return choice
+
+
+def plan_recorder(op: str) -> Callable[[Any], None]:
+    """A callback for ``sharding.run``: notes how a step is laid out on the devices."""
+    def note(plan) -> None:
+        log = _recorder.get()
+        if log is not None:
+            log.append((op, plan.describe()))
+    return note
 
 
 def explain(op: str, *args: Any, **kwargs: Any) -> str:
@@ -274,6 +283,9 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         source = "use_backend" if _override.get() is not None else ENV_VAR
         lines.append(f"{op}: backend override {wanted!r} is in force ({source})")
     for step, choice in log:
+        if isinstance(choice, str):  # a layout note from sharding.run
+            lines.append(f"  layout: {choice}")
+            continue
         how = "requested" if choice.explicit else "automatic"
         lines.append(f"{step}: {choice.backend} ({how})")
         for name, why in choice.declined:

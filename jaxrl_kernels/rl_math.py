@@ -85,6 +85,47 @@ def online_softmax_finalize(stats):
     return lse, entropy
 
 
+def combine_vocab_shards(stats, target_rel, holds_target, axes):
+    """Row statistics of the whole vocabulary from those of each device's slice of it.
+
+    ``stats = (m, s[, a])`` over this device's columns, ``target_rel = z_target − m`` where
+    ``holds_target`` (this slice holds the target column). Over the mesh ``axes`` (none: one
+    slice, returned as is) only these per-row values cross devices:
+    ``m* = max m``, ``s* = Σ s·e``, ``a* = Σ e·(a + s·(m − m*))`` with ``e = exp(m − m*)``, and
+    the target's ``z_t − m* = target_rel + m − m*`` from the one slice that holds it.
+    Returns ``(stats*, target_rel*, holders)``: holders counts the slices that hold the target
+    (1 for a target inside [0, V), 0 outside).
+    """
+    holders = holds_target.astype(jnp.int32)
+    if not axes:
+        return tuple(stats), jnp.where(holds_target, target_rel, 0.0), holders
+    m = stats[0]
+    m_all = jax.lax.pmax(m, axes)
+    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    shift = jnp.where(m == -jnp.inf, 0.0, m - m_safe)
+    scale = jnp.exp(m - m_safe)
+    out = (m_all, jax.lax.psum(stats[1] * scale, axes))
+    if len(stats) == 3:
+        a = jnp.where(stats[1] > 0, stats[2] + stats[1] * shift, 0.0) * scale
+        out += (jax.lax.psum(a, axes),)
+    target = jax.lax.psum(jnp.where(holds_target, target_rel + shift, 0.0), axes)
+    return out, target, jax.lax.psum(holders, axes)
+
+
+def finalize_row_stats(stats, target_rel, holders, row_valid):
+    """(logp, entropy | None, lse, active) per row from whole-vocabulary statistics.
+
+    ``logp = (z_t − m) − log s`` (exact even where |z| ~ 1e4), ``entropy = log s − a/s``,
+    ``lse = m + log s``. ``active`` rows (valid, target inside the vocabulary) are the ones
+    with a gradient; invalid rows give 0, out-of-range targets NaN.
+    """
+    log_s = jnp.log(stats[1])
+    entropy = log_s - stats[2] / stats[1] if len(stats) == 3 else None
+    in_range = holders == 1
+    logp, entropy = finalize_logprob(target_rel, log_s, entropy, in_range, row_valid)
+    return logp, entropy, stats[0] + log_s, row_valid & in_range
+
+
 def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature):
     """d loss / d logits on a tile, from per-row cotangents of logp and entropy.
 

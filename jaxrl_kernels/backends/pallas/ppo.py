@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import rl_math, sharding
 from jaxrl_kernels.backends.pallas import common
 
 TILE_ELEMENTS = 2048
@@ -309,7 +309,7 @@ def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, st
     kernel = functools.partial(_group_kernel, normalize_std=normalize_std, std_ddof=std_ddof,
                                eps=eps, block=block)
     any_spec = pl.BlockSpec()
-    return pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid=(num_groups,),
         in_specs=[any_spec, any_spec],
@@ -318,7 +318,11 @@ def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, st
         compiler_params=common.compiler_params(max(1, min(4, block // 256)), 1),
         interpret=common.interpret(),
         name="group_advantages",
-    )(rewards, segment_ids)
+    )
+    # Groups may straddle any split of B: every device runs the kernel on all [B] rewards.
+    (adv,) = sharding.run(lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
+                          (rewards, segment_ids), ("-", "-"), ("-",))
+    return adv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -350,3 +354,6 @@ def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, st
         return jnp.zeros(rewards.shape, jnp.float32)
     return _group_advantages(rewards, jnp.asarray(segment_ids, jnp.int32), int(num_groups),
                              bool(normalize_std), int(std_ddof), float(eps))
+
+
+OPS = {"ppo_loss": ppo_loss, "group_advantages": group_advantages}
