@@ -3,7 +3,7 @@ the automatic choice. Large problems are only traced (jax.make_jaxpr / explain o
 ShapeDtypeStructs), so nothing big is allocated.
 
 Which backend ran is observed through the traced program: the jaxpr of ``backend=None``
-must equal the jaxpr of the backend that SPEC's rules select.
+must equal the jaxpr of the backend that the rules of docs/api.md select.
 """
 
 import jax
@@ -45,7 +45,7 @@ def specs(op, n_rows, vocab, d=8):
 
 VOCAB_OPS = ["token_logprobs", "linear_logprobs", "ratio_kl", "grpo_loss", "linear_ppo_loss",
              "linear_grpo_loss"]
-BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]          # the ops whose SPEC signature has backend=
+BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]          # the ops whose documented signature has backend=
 
 
 def jaxpr(op, args, kwargs, backend):

@@ -1,6 +1,6 @@
-"""Bad input: every error SPEC lists raises the right type naming the argument; unknown option
-strings list the valid ones; out-of-range concrete targets raise naming the first bad position,
-traced ones give NaN at exactly those positions."""
+"""Bad input: every error docs/api.md lists raises the right type naming the argument; unknown
+option strings list the valid ones; out-of-range concrete targets raise naming the first bad
+position, traced ones give NaN at exactly those positions; messages say the fix."""
 
 import re
 

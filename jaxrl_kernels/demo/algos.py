@@ -42,42 +42,70 @@ import jax.numpy as jnp
 import optax
 
 import jaxrl_kernels as jrk
+from jaxrl_kernels import dispatch, rl_math
+from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling
 from jaxrl_kernels.demo.task import AdditionTask
 
 ALGOS = ("grpo", "ppo", "reinforce", "best_of_n", "reward_weighted")
+GROUP_ALGOS = ("grpo", "ppo", "best_of_n")  # the ones that compare answers within a group
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
 
 
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A config field whose ``help`` becomes its command-line help (see ``demo.__main__``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: str = "grpo"
-    group_size: int = 8
-    temperature: float = 1.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 3.0
-    tis_cap: float = 2.0
-    ppo_epochs: int = 2
-    ppo_minibatches: int = 2
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token_mean"
-    backend: str | None = None
+    """What an RL step computes: the algorithm and its loss options.
+
+    Invalid values raise ``ValueError`` naming the field when the config is built.
+    """
+
+    algo: str = option("grpo", "RL algorithm", choices=ALGOS)
+    group_size: int = option(8, "answers sampled per prompt")
+    temperature: float = option(1.0, "sampling temperature; the losses score the same "
+                                     "tempered policy")
+    kl_coef: float = option(0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo)")
+    kl_estimator: str = option("k3", "KL estimator", choices=rl_math.KL_ESTIMATORS)
+    clip_low: float = option(0.2, "ratio clip below 1 (grpo, ppo)")
+    clip_high: float = option(0.28, "ratio clip above 1 (grpo, ppo)")
+    dual_clip: float = option(3.0, "dual clip constant, > 1 (ppo)")
+    tis_cap: float = option(2.0, "truncated importance sampling cap against the sampler's "
+                                 "log-probs (ppo)")
+    ppo_epochs: int = option(2, "passes over each rollout batch (ppo)")
+    ppo_minibatches: int = option(2, "minibatches per pass (ppo)")
+    entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo)")
+    loss_agg_mode: str = option("token_mean", "loss aggregation",
+                                choices=rl_math.AGGREGATION_MODES)
+    backend: str | None = option(None, "jaxrl_kernels backend for every op; automatic choice "
+                                       "when not given", choices=dispatch.BACKENDS)
 
     def __post_init__(self):
-        if self.algo not in ALGOS:
-            raise ValueError(f"algo: expected one of {', '.join(ALGOS)}, got {self.algo!r}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size: expected >= 1, got {self.group_size}")
-        if self.algo in ("grpo", "ppo", "best_of_n") and self.group_size < 2:
-            raise ValueError(f"group_size: {self.algo} compares answers within a group, "
-                             f"expected >= 2, got {self.group_size}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        check.option("algo", self.algo, ALGOS)
+        at_least("group_size", self.group_size, 2 if self.algo in GROUP_ALGOS else 1,
+                 f"{self.algo} compares answers within a group" if self.algo in GROUP_ALGOS
+                 else "")
+        check.positive("temperature", self.temperature)
+        check.option("kl_estimator", self.kl_estimator, rl_math.KL_ESTIMATORS)
+        check.clip_options(self.clip_low, self.clip_high, self.dual_clip)
+        check.positive("tis_cap", self.tis_cap)
+        at_least("ppo_epochs", self.ppo_epochs, 1)
+        at_least("ppo_minibatches", self.ppo_minibatches, 1)
+        check.option("loss_agg_mode", self.loss_agg_mode, rl_math.AGGREGATION_MODES)
+        if self.backend is not None:
+            check.option("backend", self.backend, dispatch.BACKENDS)
+
+
+def at_least(name: str, value: Any, low: int, why: str = "") -> None:
+    """``value`` must be an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected an int >= {low}{because}, got {value!r}")
 
 
 def make_optimizer(lr: float, *, warmup: int = 0, clip_norm: float = 1.0,
