@@ -248,7 +248,7 @@ def test_bad_resume_paths_end_with_one_line(two_step_run, tmp_path, capsys):
 def test_flags_that_conflict_with_the_checkpoint_are_an_error(two_step_run, capsys):
     err = _one_line_error(capsys, ["--resume", two_step_run, "--steps", "9", "--d-model", "64",
                                    "--algo", "grpo"], "--d-model 64", "--algo grpo")
-    assert "(the checkpoint has 32)" in err and "reward_weighted" in err
+    assert "(the checkpoint has d_model=32)" in err and "algo=reward_weighted" in err
 
 
 @pytest.mark.parametrize("steps", ["1", "2"])

@@ -20,17 +20,13 @@ from jaxrl_kernels import dispatch
 from jaxrl_kernels.demo import checkpoint, train
 
 PROG = "python -m jaxrl_kernels.demo"
-_GROUPS = {None: "RL algorithm and loss"}
+RL_GROUP = "RL algorithm and loss"  # the title of RLConfig's fields, which name no group
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """One line on stderr, not the usage block."""
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _parser() -> _Parser:
@@ -41,8 +37,10 @@ def _parser() -> _Parser:
                     "after. Defaults are in brackets.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for field in dataclasses.fields(train.Config):
-        title = field.metadata.get("group") or _GROUPS[None]
-        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        title = field.metadata.get("group", RL_GROUP)
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
         helptext, default = field.metadata["help"], field.default
         if field.name == "tie_embeddings":
             group.add_argument("--untied-head", dest="tie_embeddings", action="store_false",
@@ -55,7 +53,7 @@ def _parser() -> _Parser:
         if "choices" in field.metadata:
             kwargs["choices"] = field.metadata["choices"]
             kwargs["metavar"] = "{" + ",".join(field.metadata["choices"]) + "}"
-        group.add_argument(flag(field.name), type=kind, **kwargs)
+        group.add_argument(train.flag(field.name), type=kind, **kwargs)
     run_group = groups["run"]
     run_group.add_argument("--no-progress", dest="progress", action="store_false",
                            help="no progress bar")
@@ -90,7 +88,7 @@ def _with_flag(message: str) -> str:
     """``"d_model: expected ..."`` -> ``"--d-model: expected ..."`` (the name the user typed)."""
     match = re.match(r"(\w+): ", message)
     if match and match.group(1) in {f.name for f in dataclasses.fields(train.Config)}:
-        return flag(match.group(1)) + message[match.end() - 2:]
+        return train.flag(match.group(1)) + message[match.end() - 2:]
     return message
 
 

@@ -39,6 +39,20 @@ from jaxrl_kernels.demo.task import EOS, VOCAB, AdditionTask
 
 
 TASK, TRAINING, RUN = "task and model", "training", "run"
+RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
+"""The fields a resumed run may change; every other one comes from the checkpoint."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def flag_text(name: str, value: Any) -> str:
+    """How the command line spells ``name=value``."""
+    if name == "tie_embeddings":
+        return "--untied-head" if value is False else ""
+    return f"{flag(name)} {value}".strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +90,7 @@ class Config(algos.RLConfig):
     resume: str | None = option(None, "continue a run: its --out directory or its "
                                       "checkpoint.msgpack; the configuration comes from the "
                                       "checkpoint, and only " + ", ".join(
-                                          f"--{n.replace('_', '-')}" for n in
-                                          ("steps", "eval_every", "out", "backend"))
+                                          flag_text(n, "") for n in RESUMABLE[:-1])
                                       + " may differ", group=RUN, metavar="PATH")
 
     def __post_init__(self):
@@ -100,10 +113,6 @@ class Config(algos.RLConfig):
                                  for f in dataclasses.fields(algos.RLConfig)})
 
 
-RESUMABLE = ("steps", "eval_every", "out", "resume", "backend")
-"""The fields a resumed run may change; every other one comes from the checkpoint."""
-
-
 def resume_config(path: str, **changes: Any) -> Config:
     """The configuration to continue the run saved at ``path`` (its directory or checkpoint).
 
@@ -113,7 +122,7 @@ def resume_config(path: str, **changes: Any) -> Config:
     """
     saved = checkpoint.load(path)
     base = _saved_config(saved)
-    conflicts = [f"--{k.replace('_', '-')} {v} (the checkpoint has {getattr(base, k)})"
+    conflicts = [f"{flag_text(k, v)} (the checkpoint has {k}={getattr(base, k)})"
                  for k, v in changes.items() if k not in RESUMABLE and v != getattr(base, k)]
     if conflicts:
         raise ValueError(f"resume: a resumed run keeps the checkpoint's configuration; drop "
