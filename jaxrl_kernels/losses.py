@@ -143,15 +143,37 @@ def policy_gradient_loss(logp, advantages, mask, *, loss_agg_mode="token_mean", 
 
 # -- PPO -----------------------------------------------------------------------------------
 
-def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len):
-    check.clip_options(clip_low, clip_high, dual_clip)
+def _variants(ratio_level, policy_loss, tis_level, tis_mode):
+    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
+                tis_mode=tis_mode)
+
+
+def _policy_options(ratio_level, policy_loss, tis_level, tis_mode, dual_clip):
+    """The policy-loss variant options (SPEC "Policy-loss variants")."""
+    check.option("ratio_level", ratio_level, rl_math.RATIO_LEVELS)
+    check.option("policy_loss", policy_loss, rl_math.POLICY_LOSSES)
+    check.option("tis_level", tis_level, rl_math.TIS_LEVELS)
+    check.option("tis_mode", tis_mode, rl_math.TIS_MODES)
+    if policy_loss == "cispo" and dual_clip is not None:
+        raise ValueError(f"dual_clip: expected None with policy_loss='cispo' (CISPO has no dual "
+                         f"clip), got {dual_clip!r}")
+    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
+                tis_mode=tis_mode)
+
+
+def _tis_options(rollout_logp, tis_cap):
     if (rollout_logp is None) != (tis_cap is None):
         raise ValueError("rollout_logp / tis_cap: truncated importance sampling needs both "
                          f"(got rollout_logp={'set' if rollout_logp is not None else None}, "
                          f"tis_cap={tis_cap!r})")
     if tis_cap is not None:
         check.positive("tis_cap", tis_cap)
+
+
+def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
+                kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len, variants):
+    check.clip_options(clip_low, clip_high, dual_clip)
+    _tis_options(rollout_logp, tis_cap)
     check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
     if ref_logp is None and kl_coef != 0:
         raise ValueError(f"ref_logp: required when kl_coef != 0 (kl_coef={kl_coef!r})")
@@ -161,11 +183,14 @@ def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp,
                              tis_cap=tis_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
                              entropy_coef=entropy_coef,
                              loss_agg_mode=rl_math.canonical_mode(_agg_mode(loss_agg_mode)),
-                             max_len=_max_len(max_len))
+                             max_len=_max_len(max_len),
+                             **_policy_options(dual_clip=dual_clip, **variants))
 
 
 def _run_ppo(op, inputs, cfg, backend, strict):
-    problem = dispatch.Problem(op, n_rows=inputs.logp.size)
+    options = (("ratio_level", cfg.ratio_level), ("policy_loss", cfg.policy_loss),
+               ("tis_level", cfg.tis_level), ("tis_mode", cfg.tis_mode))
+    problem = dispatch.Problem(op, n_rows=inputs.logp.size, extra=options)
     choice = dispatch.select(op, problem, backend, primitive="ppo_loss", strict=strict)
     return dispatch.record("ppo_loss", choice).impl(inputs, cfg)
 
@@ -173,6 +198,7 @@ def _run_ppo(op, inputs, cfg, backend, strict):
 def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
              rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
              entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None,
+             ratio_level="token", policy_loss="ppo", tis_level="token", tis_mode="truncate",
              backend=None):
     """PPO's clipped-surrogate loss on per-token log-probs [B, T]; returns (loss, metrics).
 
@@ -180,11 +206,19 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
     dual clip c: where A < 0, pg = min(pg, -A·c); TIS: pg ·= sg(min(exp(old - rollout), tis_cap));
     per-token = pg + kl_coef·KL(logp, ref_logp) - entropy_coef·entropy, aggregated under mask.
     Gradients reach logp and entropy only.
+
+    Variants (SPEC "Policy-loss variants"): ``ratio_level="sequence"`` (GSPO) puts
+    r = exp(ℓ_b), ℓ_b = clip(masked mean of logp - old_logp over sequence b, ±20), on every
+    token of b, with d r / d logp_bt = exp(ℓ_b); ``policy_loss="cispo"``:
+    pg = -A·sg(clip(r, 1-clip_low, 1+clip_high))·logp; ``tis_level="sequence"`` uses the
+    sequence's clipped masked sum of old - rollout as every token's log-weight;
+    ``tis_mode="mask"`` weights 1 where exp(log-weight) <= tis_cap, else 0.
     """
     logp = _per_token("logp", logp)
     shape = logp.shape
     cfg = _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len)
+                      kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len,
+                      _variants(ratio_level, policy_loss, tis_level, tis_mode))
     inputs = rl_math.PPOInputs(
         logp=logp.astype(jnp.float32),
         old_logp=_sg(_per_token("old_logp", old_logp, shape).astype(jnp.float32)),
@@ -260,44 +294,52 @@ def _grpo_advantages(rewards, advantages, batch, group_size, group_boundaries, n
                                  backend, strict=False))
 
 
-def _grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, *, clip_low, clip_high,
-                        dual_clip, beta, kl_estimator, loss_agg_mode):
-    """(loss, policy_loss, kl): aggregate(pg + β·kl), aggregate(pg), aggregate(kl)."""
-    ratio = rl_math.importance_ratio(logp, old_logp)
-    pg, _, _ = rl_math.clipped_surrogate(ratio, advantages[:, None], clip_low, clip_high,
-                                         dual_clip)
-    kl = (jnp.zeros_like(logp) if ref_logp is None
-          else rl_math.kl_penalty(logp, ref_logp, kl_estimator))
-    agg = lambda v: rl_math.aggregate(v, mask, loss_agg_mode)
-    return agg(pg + beta * kl), agg(pg), agg(kl)
+def _grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, rollout_logp, cfg):
+    """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
+    the per-token policy term of ppo_loss (``rl_math.policy_surrogate``) and β = cfg.kl_coef."""
+    inputs = rl_math.PPOInputs(
+        logp=logp, old_logp=old_logp,
+        advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
+        rollout_logp=rollout_logp, ref_logp=ref_logp)
+    return rl_math.grpo_loss(inputs, cfg)
 
 
-def _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode):
+def _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                 rollout_logp, tis_cap, variants):
     check.clip_options(clip_low, clip_high, dual_clip)
     check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
-    return rl_math.canonical_mode(_agg_mode(loss_agg_mode))
+    _tis_options(rollout_logp, tis_cap)
+    return rl_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                             tis_cap=tis_cap, kl_coef=beta, kl_estimator=kl_estimator,
+                             loss_agg_mode=rl_math.canonical_mode(_agg_mode(loss_agg_mode)),
+                             **_policy_options(dual_clip=dual_clip, **variants))
 
 
 def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, group_size=None,
               group_boundaries=None, advantages=None, clip_low=0.2, clip_high=0.2,
               dual_clip=None, beta=0.0, kl_estimator="k3", loss_agg_mode="token_mean",
-              normalize_std=True, eps=1e-6, temperature=1.0, backend=None):
+              normalize_std=True, eps=1e-6, temperature=1.0, ratio_level="token",
+              policy_loss="ppo", tis_level="token", tis_mode="truncate", rollout_logp=None,
+              tis_cap=None, backend=None):
     """GRPO from logits [B, T, V]: returns (loss, policy_loss, kl).
 
     advantages = group_advantages(rewards) unless given ([B]); per token pg as in
-    ppo_loss, kl = kl_penalty(logp, logp_ref); loss = aggregate(pg + β·kl).
+    ppo_loss (every policy-loss variant; rollout correction with ``rollout_logp`` [B, T]
+    and ``tis_cap``, an addition beyond SPEC's signature), kl = kl_penalty(logp, logp_ref);
+    loss = aggregate(pg + β·kl).
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
         policy_logits, ref_logits, actions, old_logp, mask)
-    mode = _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode)
+    cfg = _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                       rollout_logp, tis_cap,
+                       _variants(ratio_level, policy_loss, tis_level, tis_mode))
     check.positive("temperature", temperature)
+    rollout_logp = _sg(_optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = _grpo_advantages(rewards, advantages, policy_logits.shape[0], group_size,
                            group_boundaries, normalize_std, eps, backend)
     logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
                                       temperature, backend)
-    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, clip_low=clip_low,
-                               clip_high=clip_high, dual_clip=dual_clip, beta=beta,
-                               kl_estimator=kl_estimator, loss_agg_mode=mode)
+    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
 
 
 # -- fused from hidden states ------------------------------------------------------------
@@ -329,7 +371,8 @@ def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias
                     weight_layout="vd", temperature=1.0, clip_low=0.2, clip_high=0.2,
                     dual_clip=None, rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0,
                     kl_estimator="k3", entropy_coef=0.0, loss_agg_mode="token_mean",
-                    max_len=None, backend=None):
+                    max_len=None, ratio_level="token", policy_loss="ppo", tis_level="token",
+                    tis_mode="truncate", backend=None):
     """ppo_loss on log-probs of a linear LM head, never holding [B, T, V] logits.
 
     hidden: [B, T, D]; weight [V, D] ("vd") or [D, V] ("dv"). The entropy is
@@ -341,7 +384,8 @@ def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias
     check.positive("temperature", temperature)
     with_entropy = entropy_coef != 0
     cfg = _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len)
+                      kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len,
+                      _variants(ratio_level, policy_loss, tis_level, tis_mode))
     logp, entropy = _linear_logprobs("linear_ppo_loss", hidden, weight, bias, actions, mask,
                                      weight_layout, temperature, with_entropy, backend)
     inputs = rl_math.PPOInputs(
@@ -355,23 +399,26 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                      weight_layout="vd", ref_logp=None, group_size=None, group_boundaries=None,
                      advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
                      kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
-                     temperature=1.0, backend=None):
+                     temperature=1.0, ratio_level="token", policy_loss="ppo", tis_level="token",
+                     tis_mode="truncate", rollout_logp=None, tis_cap=None, backend=None):
     """grpo_loss on log-probs of a linear LM head; ref_logp [B, T] precomputed.
 
     ref_logp=None means no reference: kl = 0, and beta must be 0 (else ValueError).
-    Returns (loss, policy_loss, kl); never holds [B, T, V] logits.
+    ``rollout_logp`` / ``tis_cap`` as in grpo_loss. Returns (loss, policy_loss, kl); never
+    holds [B, T, V] logits.
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
         hidden, weight, bias, weight_layout, actions, old_logp, mask)
-    mode = _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode)
+    cfg = _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                       rollout_logp, tis_cap,
+                       _variants(ratio_level, policy_loss, tis_level, tis_mode))
     check.positive("temperature", temperature)
     if ref_logp is None and beta != 0:
         raise ValueError(f"ref_logp: required when beta != 0 (beta={beta!r})")
     ref_logp = _sg(_optional_per_token("ref_logp", ref_logp, mask.shape))
+    rollout_logp = _sg(_optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = _grpo_advantages(rewards, advantages, hidden.shape[0], group_size, group_boundaries,
                            normalize_std, eps, backend)
     logp, _ = _linear_logprobs("linear_grpo_loss", hidden, weight, bias, actions, mask,
                                weight_layout, temperature, False, backend)
-    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, clip_low=clip_low,
-                               clip_high=clip_high, dual_clip=dual_clip, beta=beta,
-                               kl_estimator=kl_estimator, loss_agg_mode=mode)
+    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
