@@ -47,7 +47,7 @@ def _parser() -> _Parser:
                                help="a separate [D, V] LM head (layout 'dv') instead of the tied "
                                     "[V, D] token embedding (layout 'vd')")
             continue
-        kind = {int: int, float: float}.get(type(default), str)
+        kind = field.metadata.get("type") or {int: int, float: float}.get(type(default), str)
         kwargs = {"help": helptext if default is None else f"{helptext} [{default}]",
                   "metavar": field.metadata.get("metavar") or {int: "N", float: "X"}.get(kind)}
         if "choices" in field.metadata:

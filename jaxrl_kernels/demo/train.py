@@ -103,7 +103,7 @@ class Config(algos.RLConfig):
         check.positive("warmup_lr", self.warmup_lr)
         check.positive("lr", self.lr)
         rollouts = self.batch_size * self.group_size
-        if self.algo == "ppo" and rollouts % self.ppo_minibatches:
+        if self.algo in algos.PPO_STYLE and rollouts % self.ppo_minibatches:
             raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch "
                              f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}")
 
@@ -200,7 +200,8 @@ class Demo:
         self.lm = _model(*model_key)
         self.init_fn = _init_program(model_key)
         self.sft_optimizer, self.sft_step = _sft_program(model_key, cfg.warmup_lr, cfg.backend)
-        updates_per_step = cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo == "ppo" else 1
+        updates_per_step = (cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo in algos.PPO_STYLE
+                            else 1)
         self.rl_optimizer, self.rl_step = _rl_program(
             model_key, self.task, cfg.lr, cfg.lr_warmup * updates_per_step, cfg.rl_config())
         self.evaluate_fn = _eval_program(model_key, self.task, cfg.temperature)
