@@ -73,9 +73,11 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "ppo": {"rollout_correction": "token-truncate"},
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "dual_clip": None,
              "loss_agg_mode": "seq_mean_token_mean"},
-    "cispo": {"dual_clip": None},
+    # No lower bound on the weight, as in the CISPO paper; one pass over each rollout, since
+    # every token keeps a gradient (two passes at lr 5e-4 collapse on the default task).
+    "cispo": {"dual_clip": None, "clip_low": 0.99, "ppo_epochs": 1},
     "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "loss_agg_mode": "token_mean",
-          "rollout_correction": "none"},
+          "rollout_correction": "none", "ppo_epochs": 2},
 }
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
@@ -119,7 +121,8 @@ class RLConfig:
         "per token or per answer, truncated at --tis-cap or masked above it (grpo, ppo, gspo, "
         "cispo)", str, choices=ROLLOUT_CORRECTIONS)
     tis_cap: float = option(2.0, "the cap of --rollout-correction")
-    ppo_epochs: int = option(2, "passes over each rollout batch (ppo, gspo, cispo)")
+    ppo_epochs: int | None = per_algo("ppo_epochs", "passes over each rollout batch (ppo, gspo, "
+                                                     "cispo)", int)
     ppo_minibatches: int = option(2, "minibatches per pass (ppo, gspo, cispo)")
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo, gspo, cispo)")
     loss_agg_mode: str | None = per_algo("loss_agg_mode", "loss aggregation", str,
