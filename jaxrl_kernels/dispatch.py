@@ -215,17 +215,37 @@ def select(op: str, problem: Problem, backend: str | None = None, *,
 
 
 def available_backends(op: str) -> tuple[str, ...]:
-    """The backends that can run ``op`` in this process, best first."""
+    """The backends that can run ``op`` in this process, in the order automatic choice uses them.
+
+    Four groups, each in :data:`BACKENDS` order: the backends automatic choice picks for
+    ordinary inputs here; those it picks only for large vocabulary problems (``chunked`` on
+    CPU, above 256 MiB of float32 logits); those that run natively here but only when asked
+    for by name; those that run here only emulated (``pallas`` off a GPU, in interpret mode,
+    slowly). So on a CPU this is ``("reference", "chunked", "pallas")``; on a Hopper GPU with
+    the extension built, ``("ffi", "pallas", "reference", "chunked")`` for
+    ``linear_logprobs``. Backends that cannot run here at all (not built, wrong platform) are
+    left out; every backend name, runnable or not, is in :data:`BACKENDS`.
+    """
     if op not in OP_PRIMITIVE:
         raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
     primitive = OP_PRIMITIVE[op]
-    out = []
+    ordinary = Problem(op, n_rows=1, vocab=1)
+    large = Problem(op, n_rows=1, vocab=CHUNKED_THRESHOLD_BYTES)  # 4 * N * V > the threshold
+
+    def rank(name: str) -> int:
+        if _automatic_policy(name, primitive, ordinary) is None:
+            return 0
+        if _automatic_policy(name, primitive, large) is None:
+            return 1
+        return 3 if name == "pallas" and ordinary.platform not in ("gpu", "cuda", "rocm") else 2
+
+    runnable = []
     for name in BACKENDS:
         mod = _module(name)
         if isinstance(mod, Exception) or mod.unavailable_reason() or primitive not in mod.OPS:
             continue
-        out.append(name)
-    return tuple(out)
+        runnable.append(name)
+    return tuple(sorted(runnable, key=rank))  # stable: BACKENDS order within a group
 
 
 @contextlib.contextmanager

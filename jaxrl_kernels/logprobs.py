@@ -11,6 +11,7 @@ from jaxrl_kernels import dispatch, logprob_core, sharding
 from jaxrl_kernels import validation as check
 
 WEIGHT_LAYOUTS = ("vd", "dv")
+_LAYOUT_SHAPES = {"vd": "[V, D]", "dv": "[D, V]"}
 
 
 def _row_valid(targets, ignore_index):
@@ -69,14 +70,18 @@ def check_linear_head(hidden, weight, bias, weight_layout):
     hidden = check.floating("hidden", hidden)
     weight = check.floating("weight", weight)
     check.option("weight_layout", weight_layout, WEIGHT_LAYOUTS)
-    check.rank("hidden", hidden, range(1, 33), "[..., D]")
-    check.rank("weight", weight, 2, "[V, D]" if weight_layout == "vd" else "[D, V]")
+    check.rank("hidden", hidden, range(1, check.MAX_RANK + 1), "[..., D]")
+    check.rank("weight", weight, 2, _LAYOUT_SHAPES[weight_layout])
     dim = hidden.shape[-1]
     vocab, w_dim = weight.shape if weight_layout == "vd" else weight.shape[::-1]
     if w_dim != dim:
-        want = f"({vocab}, {dim})" if weight_layout == "vd" else f"({dim}, {vocab})"
-        raise ValueError(f"weight: expected shape {want} for weight_layout={weight_layout!r} "
-                         f"and hidden size D = {dim}, got {tuple(weight.shape)}")
+        # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
+        other = "dv" if weight_layout == "vd" else "vd"
+        hint = (f"; it fits weight_layout={other!r} ({_LAYOUT_SHAPES[other]} with V = {w_dim})"
+                if vocab == dim else "")
+        raise ValueError(f"weight: expected shape {_LAYOUT_SHAPES[weight_layout]} with D = {dim} "
+                         f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
+                         f"{tuple(weight.shape)}{hint}")
     if vocab == 0:
         raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
     if bias is not None:

@@ -74,7 +74,7 @@ def kl_penalty(logp, ref_logp, estimator="k3"):
 
 
 def aggregate(values, mask, mode="token_mean", *, max_len=None):
-    """Loss aggregation of per-token [B, T] values under a {0,1} mask (see SPEC)."""
+    """Loss aggregation of per-token [B, T] values under a {0,1} mask (modes: docs/api.md)."""
     values = _per_token("values", values)
     mask = _mask(mask, values.shape)
     return rl_math.aggregate(values, mask, _agg_mode(mode), _max_len(max_len))
