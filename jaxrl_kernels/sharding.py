@@ -14,7 +14,8 @@ From the operands' shardings a :class:`Plan` says which mesh axes split each row
 which split the vocabulary. The per-shard function ``local_fn(plan, *operands)`` is the same
 everywhere; :func:`run` only chooses how to enter it:
 
-* inside a user's ``jax.shard_map`` with ``vocab_axis=`` -- called directly (``plan.manual``);
+* inside a user's ``jax.shard_map`` -- called directly on that device's arrays
+  (``plan.manual``), with collectives over ``vocab_axis=`` where it is given;
 * operands typed with ``Explicit`` mesh axes -- ``jax.shard_map`` over the planned specs;
 * otherwise (``Auto`` axes under ``jax.jit``, or no mesh) --
   ``jax.experimental.custom_partitioning``: XLA's partitioner hands the actual shardings to
@@ -282,6 +283,11 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
         axes = check_vocab_axis(vocab_axis)
         plan = Plan(row_axes=((),) * n_rows, vocab_axes=axes, manual=True,
                     how=f"inside shard_map, vocab_axis={vocab_axis!r}")
+        _note(record, plan)
+        return tuple(y for y in local_fn(plan, *operands) if y is not None)
+    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
+        plan = Plan(row_axes=((),) * n_rows, manual=True,
+                    how="inside shard_map: this device's arrays, no vocab_axis")
         _note(record, plan)
         return tuple(y for y in local_fn(plan, *operands) if y is not None)
     mesh = _mesh_of(operands)

@@ -163,9 +163,23 @@ def _row_sums(summands, name: str, tokens: dict, plan: Plan) -> dict:
     return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
-def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan) -> dict:
-    """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``."""
-    return _row_sums(lambda x: rl_math.forward_summands(x, cfg), "ppo_loss_fwd", tokens, plan)
+def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan | None) -> dict:
+    """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``, where the tokens
+    live (``sharding.run``): a device holding part of T adds its part, then the parts are
+    summed over the mesh axes that split T. ``plan=None``: the heuristic, per device."""
+    names, arrays = _present(tokens, _FIELDS)
+    summands = functools.partial(rl_math.forward_summands, cfg=cfg)
+    keys = _sum_keys(summands, names)
+
+    def local(layout, *arrays):
+        sums = sharding.kernel_region(
+            lambda *a: _row_sums(summands, "ppo_loss_fwd", dict(zip(names, a)),
+                                 plan or make_plan(*a[0].shape)), *arrays)
+        t_axes = layout.row_axes[1]
+        return tuple(lax.psum(sums[k], t_axes) if t_axes else sums[k] for k in keys)
+
+    sums = sharding.run(local, arrays, ("rr",) * len(arrays), ("r",) * len(keys))
+    return dict(zip(keys, sums))
 
 
 # -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
@@ -191,17 +205,30 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: Plan, batch: int, seq_len:
 
 
 def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPOConfig,
-                plan: Plan):
+                plan: Plan | None):
     """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
-    coef_b · m_bt."""
+    coef_b · m_bt, where the tokens live (``sharding.run``)."""
     names, arrays = _present(tokens, _FIELDS)
     seq_names, seq_arrays = _present(seq._asdict(), _SEQ_FIELDS)
+
+    def local(layout, *args):
+        return tuple(sharding.kernel_region(
+            lambda *a: _token_grads(a[:len(names)], names, a[len(names):-1], seq_names, a[-1],
+                                    cfg, plan), *args))
+
+    n_out = 1 + ("entropy" in names)
+    return sharding.run(local, arrays + seq_arrays + (coef,),
+                        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1), ("rr",) * n_out)
+
+
+def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
     batch, seq_len = arrays[0].shape
+    plan = plan or make_plan(batch, seq_len)
     n_out = 1 + ("entropy" in names)
     kernel = functools.partial(_grads_kernel, names=names, seq_names=seq_names, cfg=cfg,
                                plan=plan, batch=batch, seq_len=seq_len)
     any_spec = pl.BlockSpec()
-    return pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
         in_specs=[any_spec] * (len(arrays) + len(seq_arrays) + 1),
@@ -210,7 +237,7 @@ def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPO
         compiler_params=common.compiler_params(plan.num_warps, 1),
         interpret=common.interpret(),
         name="ppo_loss_bwd",
-    )(*arrays, *seq_arrays, coef)
+    )(*arrays, *seq_arrays, coef))
 
 
 # -- the primitive -------------------------------------------------------------------------------
@@ -253,8 +280,7 @@ def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: 
     batch, seq_len = tokens["logp"].shape
     if batch * seq_len == 0:  # no token: no kernel to launch; rl_math defines the empty values
         return rl_math.ppo_loss(ppo_inputs, config)
-    plan = plan or make_plan(batch, seq_len)
-    loss, metrics = _ppo_loss(tokens, config, plan)
+    loss, metrics = _ppo_loss(tokens, config, plan)  # plan None: the heuristic per device
     return loss, {k: lax.stop_gradient(v) for k, v in metrics.items()}
 
 
