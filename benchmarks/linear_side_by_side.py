@@ -28,61 +28,20 @@ Results: ``linear_side_by_side.{json,md}`` (benchmarks.common.write_results).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from benchmarks.side_by_side import shared
+from benchmarks.workers import failure, run_worker
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 # seconds: (full, smoke); each worker stops starting new rows at its budget and is killed
 # GRACE seconds after it.
 BUDGETS = {"exact": (120, 300), "jax": (150, 600), "torch": (120, 300)}
 GRACE = 45
-
-
-def run_worker(module, worker_args, python, timeout):
-    """Run ``python -m module``, echoing its output; return (exit code or None if killed,
-    the last lines of its output)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen([python, "-m", module, *worker_args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    tail = collections.deque(maxlen=15)
-
-    def echo():
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            tail.append(line.rstrip())
-
-    reader = threading.Thread(target=echo, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker's own process group
-        proc.wait()
-        code = None
-    reader.join(timeout=10)
-    return code, list(tail)
-
-
-def failure(code, tail, timeout):
-    if code is None:
-        return f"worker killed after {timeout} s"
-    last = next((line for line in reversed(tail) if line.strip()), "")
-    return f"worker exited with code {code}: {last[:250]}"
 
 
 def main():

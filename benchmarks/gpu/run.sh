@@ -40,7 +40,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
       fi; python3 -m benchmarks.linear_side_by_side' ;;
-    e2e)   step 300 python3 -m benchmarks.e2e_grpo_step ;;
+    e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done

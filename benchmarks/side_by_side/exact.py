@@ -19,13 +19,10 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from benchmarks.side_by_side import shared  # noqa: E402
+from benchmarks.side_by_side import shared
 
 F64 = jnp.float64
 
@@ -53,7 +50,8 @@ def _chunk_grads(h, w_c, lse, g, t_local):
 
 
 def exact_grads(h, w, t, g, chunk):
-    """(d_hidden, d_weight, logp) in float64 of Σ g·logp, walking W in chunks of ``chunk`` rows."""
+    """(d_hidden, d_weight as float32, logp) of Σ g·logp from float64 h [N, D], W [V, D],
+    g [N], walking W in chunks of ``chunk`` rows (needs x64 enabled)."""
     n, v = h.shape[0], w.shape[0]
     starts = range(0, v, chunk)
     m = jnp.full((n,), -jnp.inf, F64)
@@ -83,6 +81,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=0,
                         help="vocabulary rows per chunk (default: a 256 MiB float64 [N, C] block)")
     args = parser.parse_args()
+    jax.config.update("jax_enable_x64", True)  # this process only
     n, d, v = shared.SIZES[args.size]
     chunk = args.chunk or max(1, min(v, 2**28 // (8 * n)))
     start = time.perf_counter()
