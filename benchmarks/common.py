@@ -93,7 +93,10 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
         cells = []
         for col in columns:
             val = row.get(col, "")
-            cells.append(f"{val:.3f}" if isinstance(val, float) else str(val))
+            if isinstance(val, float):  # small values (errors) keep 3 significant digits
+                cells.append(f"{val:.3g}" if 0 < abs(val) < 0.01 else f"{val:.3f}")
+            else:
+                cells.append(str(val))
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     (path / f"{name}.md").write_text(table)

@@ -2,7 +2,8 @@
 # On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
-#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward, many_devices)
+#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward, many_devices,
+#                                              side_by_side, e2e)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
@@ -35,6 +36,11 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     backward) step 300 python3 -m benchmarks.bench_linear --backward ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
+    side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
+      fi; python3 -m benchmarks.linear_side_by_side' ;;
+    e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done

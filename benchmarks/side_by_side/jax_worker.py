@@ -1,0 +1,174 @@
+"""JAX rows of the side-by-side table: jaxrl_kernels, XLA with materialised logits, tokamax.
+
+Each implementation is a function ``logp(h, w, t) -> [N] float32``; its forward is
+``jax.jit(logp)`` and its forward+backward ``jax.jit(jax.grad(Σ g·logp, (h, w)))``. Times are
+medians around ``block_until_ready`` after warm-up; extra memory is XLA's temp buffer size of
+the compiled forward+backward (arguments and outputs not counted); errors are
+‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
+
+    python -m benchmarks.side_by_side.jax_worker --data X.npz --out rows.jsonl --deadline T
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+import traceback
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxrl_kernels as jk
+from benchmarks import common
+from benchmarks.side_by_side import shared
+
+
+def ours(backend, layout):
+    def logp(h, w, t):
+        return jk.linear_logprobs(h, w, t, weight_layout=layout, backend=backend)
+    return logp
+
+
+def xla_materialised(h, w, t):
+    """float32 logits [N, V] from the bf16 product, log_softmax, gather."""
+    z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), t[:, None], axis=1)[:, 0]
+
+
+def import_tokamax():
+    """tokamax and a note. tokamax imports xprof (a 22 MB profiler UI wheel with a native
+    library) at import time, only for its xprof timers, which this benchmark does not use;
+    where xprof is absent an empty module stands in for that one import."""
+    note = ""
+    if importlib.util.find_spec("xprof") is None:
+        names = ("xprof", "xprof.cli", "xprof.cli.tools", "xprof.cli.tools.get_kernel_stats_tool")
+        for name in names:
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = sys.modules[names[-1]]
+        note = "xprof absent: an empty module stood in for tokamax's import of it; "
+    import tokamax
+    return tokamax, note
+
+
+def tokamax_impl(tokamax, implementation):
+    """logp = −(tokamax's per-token cross-entropy, reduction="none"); weights [D, V]."""
+    def logp(h, w_dv, t):
+        loss = tokamax.linear_softmax_cross_entropy_loss(
+            h, t, w_dv, reduction="none", implementation=implementation)
+        return -loss.astype(jnp.float32)
+    return logp
+
+
+def timed(fn, args, budget_ms, smoke):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = 1e3 * (time.perf_counter() - start)
+    runs = shared.runs_for(first, budget_ms, smoke)
+    return common.median_ms(fn, *args, warmup=1 if smoke else 2, runs=runs)
+
+
+@jax.jit
+def rel_err(got, exact):
+    diff = got.astype(jnp.float32) - exact
+    return jnp.sqrt(jnp.sum(diff * diff)) / jnp.sqrt(jnp.sum(exact * exact))
+
+
+def same_bits(a, b):
+    width = {2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+    return bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, width),
+                                jax.lax.bitcast_convert_type(b, width)))
+
+
+def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke):
+    def loss(h, w):
+        return jnp.sum(g * logp(h, w, t))
+
+    fwd = jax.jit(logp)
+    fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile()
+    row = {"fwdbwd_extra_mb": fwdbwd.memory_analysis().temp_size_in_bytes / 2**20}
+    row["fwd_ms"] = timed(fwd, (h, w, t), 2000.0, smoke)
+    row["fwdbwd_ms"] = timed(fwdbwd, (h, w), 2500.0, smoke)
+    dh, dw = fwdbwd(h, w)
+    dh2, dw2 = fwdbwd(h, w)
+    row["bitwise_repeat"] = same_bits(dh, dh2) and same_bits(dw, dw2)
+    row["err_dh"] = float(rel_err(dh, exact_dh))
+    row["err_dW"] = float(rel_err(dw.T if layout == "dv" else dw, exact_dw))
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, required=True)
+    parser.add_argument("--smoke", action="store_true", help="two timed runs each")
+    args = parser.parse_args()
+    budget = shared.Budget(args.deadline)
+    data = shared.load_inputs(args.data)
+    n, d, v = (int(x) for x in data["size"])
+    base = {"N": n, "D": d, "V": v}
+    h = jnp.asarray(data["h_bits"].view(jnp.bfloat16))
+    w = jnp.asarray(data["w_bits"].view(jnp.bfloat16))
+    w_dv = jax.block_until_ready(jnp.asarray(w.T))  # the same W, transposed once
+    t = jnp.asarray(data["t"])
+    g = jnp.asarray(data["g"])
+    exact_dh = jnp.asarray(data["exact_dh"])
+    exact_dw = jnp.asarray(data["exact_dw"])
+    del data
+    meta = common.metadata()
+    print("jax worker:", meta, flush=True)
+    jax_version = f"jax {jax.__version__}"
+
+    impls = {}
+    for backend, layout in ((None, "vd"), (None, "dv"), ("pallas", "vd"), ("chunked", "vd")):
+        name = "jaxrl_kernels" + (f"[{backend}]" if backend else "")
+        weight = w if layout == "vd" else w_dv
+        if backend is None:
+            choice = jk.explain("linear_logprobs", h, weight, t, weight_layout=layout)
+            note = "automatic: " + choice.splitlines()[0].split(": ", 1)[-1]
+        else:
+            note = f"backend={backend!r}"
+        impls[(name, layout)] = (lambda b=backend, lay=layout: ours(b, lay), jax_version, note)
+    impls[("xla materialised (jnp)", "vd")] = (
+        lambda: xla_materialised, jax_version, "float32 logits, log_softmax, gather; jit")
+    try:
+        tokamax, tnote = import_tokamax()
+        tver = f"tokamax {tokamax.__version__}, {jax_version}"
+        tnote += "logp = -(per-token loss, reduction='none'): L = sum(-g * loss) exactly"
+        impls[("tokamax (default)", "dv")] = (
+            lambda: tokamax_impl(tokamax, None), tver,
+            "implementation=None (mosaic_tpu declines off TPU, so 'xla': logits "
+            "materialised); " + tnote)
+        impls[("tokamax chunked_xla", "dv")] = (
+            lambda: tokamax_impl(tokamax, "chunked_xla"), tver,
+            "implementation='chunked_xla'; " + tnote)
+    except Exception as err:  # a missing wheel or an incompatible version: say so in its rows
+        traceback.print_exc()
+        for key in (("tokamax (default)", "dv"), ("tokamax chunked_xla", "dv")):
+            impls[key] = (None, "", f"import failed: {shared.error_text(err)}")
+
+    for name, layout in shared.IMPLS["jax"]:
+        make, version, note = impls[(name, layout)]
+        row = {"impl": name, "layout": layout, **base, "version": version, "note": note}
+        if make is None:
+            row["error"], row["note"] = note, ""
+        elif budget.spent():
+            row["error"] = "skipped: the JAX worker's time budget was spent"
+        else:
+            start = time.perf_counter()
+            try:
+                row.update(measure(make(), h, w if layout == "vd" else w_dv, t, g, exact_dh,
+                                   exact_dw, layout, args.smoke))
+            except Exception as err:  # report, keep measuring the others
+                traceback.print_exc()
+                row["error"] = shared.error_text(err)
+            print(f"{name} {layout}: {time.perf_counter() - start:.1f} s", flush=True)
+        shared.write_row(args.out, row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""PyTorch rows of the side-by-side table: materialised logits, Liger, Cut Cross-Entropy.
+
+Each implementation is a function ``logp(h, w, t) -> [N] float32``. Forward: under
+``torch.no_grad`` with inputs that need no gradient. Forward+backward: ``torch.autograd.grad``
+of L = Σ g·logp with respect to h and W. Times: CUDA events around each run, median after
+warm-up (host clock after ``synchronize`` where there is no GPU). Extra memory:
+``torch.cuda.max_memory_allocated`` during forward+backward above what was allocated before,
+less the returned gradients (so, like XLA's temp size, neither inputs nor outputs count).
+Errors: ‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
+
+Liger and Cut Cross-Entropy are cross-entropy losses: their per-token loss (reduction
+"none") is −logp, so L = Σ (−g)·loss is the same function, exactly.
+
+    python -m benchmarks.side_by_side.torch_worker --data X.npz --out rows.jsonl --deadline T
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from benchmarks.side_by_side import shared
+
+
+def torch_materialised(h, w, t):
+    """bf16 logits [N, V], log_softmax in float32, gather."""
+    z = h @ w.T
+    return torch.log_softmax(z.float(), dim=-1).gather(1, t[:, None])[:, 0]
+
+
+def liger():
+    import liger_kernel
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def logp(h, w, t):
+        return -liger_fused_linear_cross_entropy(h, w, t, reduction="none").float()
+
+    version = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
+    return logp, f"liger-kernel {version}", (
+        "-(per-token loss, reduction='none'; gradients recomputed in its backward): "
+        "L = sum(-g * loss) exactly")
+
+
+def cce(filter_eps):
+    import cut_cross_entropy
+    from cut_cross_entropy import linear_cross_entropy
+
+    def logp(h, w, t):
+        return -linear_cross_entropy(h, w, t, reduction="none", filter_eps=filter_eps).float()
+
+    note = ("gradient filtering on (its default): entries below eps(bf16)/32 skipped; "
+            if filter_eps else "gradient filtering off; ")
+    return logp, f"cut-cross-entropy {cut_cross_entropy.__version__}", (
+        note + "-(per-token loss, reduction='none'): L = sum(-g * loss) exactly")
+
+
+def _dist_version(name):
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+class Clock:
+    """Milliseconds of one call: CUDA events on a GPU, the host clock otherwise."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, fn):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+
+    def median(self, fn, budget_ms, smoke):
+        first = self.ms(fn)
+        for _ in range(1 if smoke else 2):
+            fn()
+        self.sync()
+        runs = shared.runs_for(first, budget_ms, smoke)
+        return statistics.median(self.ms(fn) for _ in range(runs))
+
+
+def rel_err(got, exact):
+    return float(torch.linalg.vector_norm(got.float() - exact) / torch.linalg.vector_norm(exact))
+
+
+def same_bits(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke):
+    def fwd():
+        with torch.no_grad():
+            return logp(h, w, t)
+
+    def fwdbwd():
+        hg, wg = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = (g * logp(hg, wg, t)).sum()
+        return torch.autograd.grad(loss, (hg, wg))
+
+    row = {"fwd_ms": clock.median(fwd, 2000.0, smoke),
+           "fwdbwd_ms": clock.median(fwdbwd, 2500.0, smoke)}
+    if clock.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = fwdbwd()
+        torch.cuda.synchronize()
+        out_bytes = sum(x.numel() * x.element_size() for x in grads)
+        row["fwdbwd_extra_mb"] = (torch.cuda.max_memory_allocated() - before - out_bytes) / 2**20
+        del grads
+    dh, dw = fwdbwd()
+    dh2, dw2 = fwdbwd()
+    row["bitwise_repeat"] = same_bits(dh, dh2) and same_bits(dw, dw2)
+    row["err_dh"] = rel_err(dh, exact_dh)
+    row["err_dW"] = rel_err(dw, exact_dw)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, required=True)
+    parser.add_argument("--smoke", action="store_true", help="two timed runs each")
+    args = parser.parse_args()
+    budget = shared.Budget(args.deadline)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = shared.load_inputs(args.data)
+    n, d, v = (int(x) for x in data["size"])
+    base = {"N": n, "D": d, "V": v}
+
+    def bf16(bits):
+        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
+            torch.bfloat16).to(device)
+
+    h, w = bf16(data["h_bits"]), bf16(data["w_bits"])
+    t = torch.from_numpy(data["t"].astype(np.int64)).to(device)
+    g = torch.from_numpy(data["g"]).to(device)
+    exact_dh = torch.from_numpy(data["exact_dh"]).to(device)
+    exact_dw = torch.from_numpy(data["exact_dw"]).to(device)
+    del data
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    torch_version = f"torch {torch.__version__}"
+    try:
+        import triton
+        torch_version += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    print(f"torch worker: {torch_version} on {name}", flush=True)
+    clock = Clock(device)
+
+    makers = {
+        "torch materialised": lambda: (torch_materialised, "",
+                                       "bf16 logits, log_softmax in float32, gather; eager"),
+        "liger-kernel fused linear CE": liger,
+        "cut-cross-entropy filter_eps='high'": lambda: cce("high"),
+        "cut-cross-entropy filter_eps=None": lambda: cce(None),
+    }
+    for impl, layout in shared.IMPLS["torch"]:
+        row = {"impl": impl, "layout": layout, **base, "version": torch_version, "note": ""}
+        start = time.perf_counter()
+        logp = None
+        try:
+            logp, version, row["note"] = makers[impl]()
+            if version:
+                row["version"] = f"{version}, {torch_version}"
+        except Exception as err:  # a missing or incompatible wheel: say so in its row
+            traceback.print_exc()
+            row["error"] = "import failed: " + shared.error_text(err)
+        if logp is None:
+            pass
+        elif impl != "torch materialised" and device.type != "cuda":
+            row["error"] = "skipped: its Triton kernels need a CUDA GPU (torch device: cpu)"
+        elif budget.spent():
+            row["error"] = "skipped: the PyTorch worker's time budget was spent"
+        else:
+            try:
+                row.update(measure(logp, h, w, t, g, exact_dh, exact_dw, clock, args.smoke))
+            except Exception as err:  # report, keep measuring the others
+                traceback.print_exc()
+                row["error"] = shared.error_text(err)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"{impl} {layout}: {time.perf_counter() - start:.1f} s", flush=True)
+        shared.write_row(args.out, row)
+
+
+if __name__ == "__main__":
+    main()
