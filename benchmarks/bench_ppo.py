@@ -34,7 +34,7 @@ import jaxrl_kernels as jk
 from benchmarks import common
 
 BACKENDS = ("pallas", "reference", "chunked")
-SIZES = {"tiny": [(8, 16)], "all": [(128, 512), (1024, 8192)]}
+SIZES = {"tiny": [(8, 16)], "base": [(128, 512)], "all": [(128, 512), (1024, 8192)]}
 LARGE_BACKENDS = ("pallas", "reference")  # chunked's ppo_loss is the reference's function
 _EVERYTHING = dict(tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
                    loss_agg_mode="seq_mean_token_mean")

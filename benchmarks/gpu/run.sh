@@ -32,8 +32,9 @@ step() {  # step <seconds> <command...>: run it under a time limit, then re-pack
 }
 for s in ${STEPS-tests ffi linear logits ppo demo}; do
   case $s in
-    tests) step 240 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
+    tests) step 300 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
+    ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
     backward) step 300 python3 -m benchmarks.bench_linear --backward ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
