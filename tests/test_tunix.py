@@ -142,6 +142,19 @@ def test_untied_head_on_chunked_backend(models):
     compare(model, example, config, "grpo", "jaxrl_grpo", backend="chunked")
 
 
+@pytest.mark.gpu
+def test_gpu_automatic_backend_matches_tunix():
+    """On a GPU the automatic backend (pallas; ffi declines float32) against tunix's loss, both
+    with float32 matmuls at full precision."""
+    model = ts.make_model("qwen3_tied", 1031)
+    config = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
+                            kl_loss_mode="low_var_kl")
+    with jax.default_matmul_precision("highest"):
+        example = ts.make_example(model, 1031, ts.ExampleSpec(batch=8, completion_len=64),
+                                  temperature=0.7)
+        compare(model, example, config, "grpo", "jaxrl_grpo")
+
+
 def test_heads_found():
     untied, tied = ts.make_model("qwen3", VOCAB), ts.make_model("qwen3_tied", VOCAB)
     head = jt.find_head(untied)
@@ -149,6 +162,26 @@ def test_heads_found():
     head = jt.find_head(tied)
     assert (head.layout, head.weight.shape) == ("vd", (VOCAB, 16))
     assert jt.find_head(ts.make_model("gemma3", VOCAB)).layout == "vd"
+
+
+def test_other_families_qualify():
+    """Qwen2 (lm_head) and Gemma without a soft-cap (tied) expose what the losses need."""
+    from tunix.models.gemma import model as gemma
+    from tunix.models.qwen2 import model as qwen2
+
+    config = qwen2.ModelConfig(num_layers=1, vocab_size=VOCAB, embed_dim=16, hidden_dim=24,
+                               num_heads=2, head_dim=8, num_kv_heads=1, rope_theta=10_000,
+                               norm_eps=1e-6)
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(0))
+    jt.check_model(model)
+    assert jt.find_head(model).layout == "dv"
+    config = dataclasses.replace(
+        gemma.ModelConfig.gemma_2b(), num_layers=1, num_embed=VOCAB, embed_dim=16,
+        hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1,
+        attention_types=(gemma.AttentionType.GLOBAL,))
+    model = gemma.Gemma(config, rngs=nnx.Rngs(0))
+    jt.check_model(model)
+    assert jt.find_head(model).layout == "vd"
 
 
 # -- the tunix actor train step ------------------------------------------------------------

@@ -2,7 +2,8 @@
 # On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
-#   STEPS="tests ffi linear logits ppo demo"   what to run, in order
+#   STEPS="tests ffi linear logits ppo demo tunix"   what to run, in order (tunix needs the
+#                                              wheels of .whl/tunix, see README "Use with tunix")
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
@@ -15,6 +16,13 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels the image lacks (nvidia-cutlass)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+# tunix and the few of its dependencies that the image lacks (google-tunix, google-metrax, clu,
+# tensorboardX, perfetto: ~1.1 MB), for the tunix step and tests/test_tunix.py.
+if compgen -G ".whl/tunix/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-tunix .whl/tunix/*.whl && export PYTHONPATH=/tmp/site-tunix${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c 'import tunix, flax, jax; print("tunix", tunix.__version__, "flax", flax.__version__, "jax", jax.__version__)'
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
@@ -29,10 +37,11 @@ step() {  # step <seconds> <command...>: run it under a time limit, then re-pack
   timeout "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
   (cd "$OUT" && tar czf results.tar.gz results)
 }
-for s in ${STEPS-tests ffi linear logits ppo demo}; do
+for s in ${STEPS-tests ffi linear logits ppo demo tunix}; do
   case $s in
     tests) step 240 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
+    tunix) step 540 python3 -m benchmarks.bench_tunix ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done
