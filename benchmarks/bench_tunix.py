@@ -122,7 +122,10 @@ class Step:
 
         rng = np.random.default_rng(batch)
         p, c = self.args.prompt, self.args.completion
-        logp = lambda: jnp.asarray(-3.0 + 0.3 * rng.standard_normal((batch, c)), jnp.float32)  # noqa: E731
+
+        def logp():
+            return jnp.asarray(-3.0 + 0.3 * rng.standard_normal((batch, c)), jnp.float32)
+
         return self.example_type(
             prompt_ids=jnp.asarray(rng.integers(2, self.vocab, (batch, p)), jnp.int32),
             prompt_mask=jnp.ones((batch, p), jnp.int32),
@@ -287,7 +290,8 @@ def markdown(meta, reports):
              f"loss, backward, AdamW), prompt {meta['prompt']} + completion {meta['completion']} "
              f"tokens; ours: {meta['jaxrl_backend']}.",
              "",
-             "| loss | micro-batch | | step (ms) | tokens/s | peak memory (GiB) | XLA buffers (GiB) |",
+             "| loss | micro-batch | | step (ms) | tokens/s | peak memory (GiB) "
+             "| XLA buffers (GiB) |",
              "|---|---|---|---|---|---|---|"]
     for report in reports:
         for row in report["rows"]:
@@ -300,7 +304,8 @@ def markdown(meta, reports):
         if report["exact"]:
             how = f"exact: {report['largest'] + 1} {report['next']['why']}"
         else:
-            how = f"a lower bound: {report.get('stopped') or 'search cap ' + str(meta['max_batch'])}"
+            why = report.get("stopped") or f"search cap {meta['max_batch']}"
+            how = f"a lower bound: {why}"
         lines.append(f"- `{report['loss']}`: largest micro-batch {report['largest']} ({how}); "
                      f"limit {report['bytes_limit_gib']:.1f} GiB; compiles "
                      f"{report['compile_s']} s; {report['seconds']} s in all.")
@@ -361,7 +366,8 @@ def parse(argv=None):
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="seconds per loss, from its start, after which no new micro-batch "
                              "is tried")
-    parser.add_argument("--backend", help="jaxrl_kernels backend for jaxrl_grpo (default: automatic)")
+    parser.add_argument("--backend",
+                        help="jaxrl_kernels backend for jaxrl_grpo (default: automatic)")
     parser.add_argument("--memory-limit-mib", type=float, default=96.0,
                         help="the memory limit where the device reports none (CPU)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -4,8 +4,9 @@ Run by tests/test_tunix.py::test_sharded_fsdp2_tp4_matches_tunix in a subprocess
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the device count is fixed at JAX's start).
 Parameters are placed by the models' own ShardingConfig (``nnx.get_named_sharding``), the
 example's batch axis over "fsdp" as tunix's trainer does, inside ``with mesh``; then
-"jaxrl_grpo" / "jaxrl_ppo" (reference and chunked backends) must equal tunix's "grpo" / "ppo" on the same sharded inputs and the
-unsharded result (loss, every aux key, every parameter's gradient: 1e-5 of scale).
+"jaxrl_grpo" / "jaxrl_ppo" (reference and chunked backends) must equal tunix's "grpo" / "ppo"
+on the same sharded inputs and the unsharded result (loss, every aux key, every parameter's
+gradient: 1e-5 of scale).
 Prints "tunix sharded: all equal" on success.
 """
 
@@ -60,6 +61,10 @@ def check(family, mesh):
                                         backend=backend)
                 ts.assert_same(got, want)
                 ts.assert_same(got, unsharded[name])
+                grads = got[2]
+                head_grad = (grads["lm_head"]["w"] if family == "qwen3"
+                             else grads["embedder"]["input_embedding"])
+                print(f"  d_head sharding: {getattr(head_grad, 'value', head_grad).sharding}")
                 print(f"{family} {name} ({backend}): equal to tunix's sharded loss and to the "
                       "unsharded one", flush=True)
 

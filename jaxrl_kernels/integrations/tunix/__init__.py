@@ -9,7 +9,8 @@ with the same loss, ``aux`` metrics and gradients, computed from the model's fin
 states and LM head by :func:`jaxrl_kernels.linear_logprobs`::
 
     import jaxrl_kernels.integrations.tunix  # registers the losses
-    config = GRPOConfig(..., policy_loss_fn="jaxrl_grpo")   # or PPOConfig(..., policy_loss_fn="jaxrl_ppo")
+    config = GRPOConfig(..., policy_loss_fn="jaxrl_grpo")
+    config = PPOConfig(..., policy_loss_fn="jaxrl_ppo")
 
 The backend of the log-probs follows jaxrl_kernels' automatic choice, ``JAXRL_KERNELS_BACKEND``
 or a ``jaxrl_kernels.use_backend`` scope around the first (tracing) train step.
