@@ -7,6 +7,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear                # the table
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sweep        # pallas tile configs
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --backward     # backward variants, auto
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sizes tiny   # smoke test (any device)
     PYTHONPATH=$PWD ncu --clock-control none -k regex:'stats|gemm|nvjet' \
         --section SpeedOfLight --section WarpStateStats \
@@ -36,6 +37,7 @@ SIZES = {
     "all": [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072),
             (8192, 4096, 151936)],
     "sweep": [(4096, 2048, 131072)],
+    "backward": [(4096, 2048, 131072), (8192, 4096, 131072)],
 }
 
 COLUMNS = ["N", "D", "V", "impl", "fwd_ms", "fwd_x_gemm", "fwdbwd_ms", "fwdbwd_x_gemm",
@@ -140,14 +142,37 @@ FWD_VARIANTS = {
 GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also timed with the epilogue cut to a running max
 
 BWD_VARIANTS = {
-    "bwd concat, grad 128x128x64 w8 s3, 32 MiB": dict(),
-    "bwd split, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="split"),
-    "bwd tf32, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="tf32"),
-    "bwd concat, grad 128x256x64 w8 s4, 32 MiB": dict(grad=(128, 256, 64, 8, 4)),
-    "bwd concat, grad 128x128x64 w8 s3, 64 MiB": dict(chunk_bytes=64 * 2**20),
-    "bwd tf32, grad 128x128x64 w8 s3, 64 MiB": dict(grad_mode="tf32", chunk_bytes=64 * 2**20),
-    "bwd bf16 dz (below SPEC precision), 32 MiB": dict(grad_mode="bf16"),
+    "bwd f16 (default), grad 128x128x64 w8 s3, 32 MiB": dict(),
+    "bwd f16, grad 128x128x64 w8 s3, 16 MiB": dict(chunk_bytes=16 * 2**20),
+    "bwd f16, grad 128x128x64 w8 s3, 64 MiB": dict(chunk_bytes=64 * 2**20),
+    "bwd concat, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="concat",
+                                                      chunk_bytes=32 * 2**20),
+    "bwd bf16 dz (below SPEC precision), 16 MiB": dict(grad_mode="bf16"),
 }
+
+
+def backward_table(sizes):
+    """The backward variants and the automatic choice (both weight layouts) per size."""
+    rows = []
+    for n, d, v in sizes:
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, v, layout)
+            gemm = gemm_ms(h, w, layout)
+            base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
+            variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
+            if layout == "vd":
+                variants += [(name, primitive(make_config(**kw)))
+                             for name, kw in BWD_VARIANTS.items()]
+            for name, call in variants:
+                try:
+                    row = measure(call, h, w, t, g, gemm)
+                except Exception as err:
+                    traceback.print_exc()
+                    row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+                rows.append({**base, "impl": name, **row})
+                print(rows[-1], flush=True)
+            del h, w
+    return rows
 
 
 def make_config(base=pallas_linear.DEFAULT_CONFIG, **kw):
@@ -228,6 +253,8 @@ def main():
     parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
     parser.add_argument("--backends", default="pallas,chunked,reference")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--backward", action="store_true",
+                        help="backward variants and the automatic choice, both layouts")
     parser.add_argument("--profile", action="store_true", help="one call of each, for ncu")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
@@ -238,7 +265,11 @@ def main():
         profile_targets()
         return
     print(common.metadata(), flush=True)
-    if args.sweep:
+    if args.backward:
+        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
+        rows = backward_table(sizes)
+        print(common.write_results("bench_linear_backward", rows, COLUMNS + ["error"]))
+    elif args.sweep:
         sizes = SIZES["sweep"] if args.sizes == "all" else SIZES[args.sizes]
         rows = sweep(sizes)
         print(common.write_results("bench_linear_sweep", rows, COLUMNS + ["error"]))

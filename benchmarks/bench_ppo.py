@@ -1,15 +1,20 @@
 """ppo_loss (and group_advantages): pallas vs reference (jnp under jit) vs chunked.
 
-ppo_loss with B=128, T=512 (issue 3), float32 [B, T] inputs, two option sets: dual clip +
-TIS (the anchors' case) and every option (dual clip, TIS, k3 KL term, entropy bonus,
-seq_mean_token_mean). Forward = (loss, metrics); forward+backward = the gradient of the
-loss to logp (and entropy). The inputs rotate over enough independent sets that they do
-not sit in L2 between runs. The floor (bytes ÷ copy bandwidth) is a fraction of a
-microsecond here: at this size every implementation is bound by launches, and the
-wall-clock time includes the ~tens-of-µs dispatch of one jitted call (as the anchors do).
+ppo_loss with float32 [B, T] inputs at B=128, T=512 (issue 3) and B=1024, T=8192, option
+sets: dual clip + TIS (the anchors' case), every option (dual clip, TIS, k3 KL term,
+entropy bonus, seq_mean_token_mean), and the policy-loss variants (issue 11) each beside
+the token-level PPO set it changes: ``ratio_level="sequence"`` (GSPO),
+``policy_loss="cispo"``, sequence-level TIS with masking, and all of them on top of
+"everything". ``x_base_fwd`` / ``x_base_fwdbwd`` are the variant's time over its base
+set's, same backend (issue 11 asks ≤ 1.10 for pallas). Forward = (loss, metrics);
+forward+backward = the gradient of the loss to logp (and entropy). The inputs rotate over
+enough independent sets that they do not sit in L2 between runs. At B=128, T=512 the floor
+(bytes ÷ copy bandwidth) is a fraction of a microsecond: every implementation is bound by
+launches, and the wall-clock time includes the ~tens-of-µs dispatch of one jitted call (as
+the anchors do); B=1024, T=8192 is bound by memory.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo --sizes tiny     # smoke test
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo --sizes tiny     # smoke test (CPU too)
 
 Results: ``bench_ppo.{json,md}`` under $OUT or benchmarks/results.
 """
@@ -29,15 +34,32 @@ import jaxrl_kernels as jk
 from benchmarks import common
 
 BACKENDS = ("pallas", "reference", "chunked")
-SIZES = {"tiny": (8, 16), "all": (128, 512)}
+SIZES = {"tiny": [(8, 16)], "all": [(128, 512), (1024, 8192)]}
+LARGE_BACKENDS = ("pallas", "reference")  # chunked's ppo_loss is the reference's function
+_EVERYTHING = dict(tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
+                   loss_agg_mode="seq_mean_token_mean")
+_ALL_INPUTS = ("rollout_logp", "ref_logp", "entropy")
+# name: (optional inputs, ppo_loss options, the config it is compared with or None)
 CONFIGS = {
-    "dual_clip+tis": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0)),
-    "everything": (("rollout_logp", "ref_logp", "entropy"),
-                   dict(dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
-                        loss_agg_mode="seq_mean_token_mean")),
+    "dual_clip+tis": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0), None),
+    "everything": (_ALL_INPUTS, dict(_EVERYTHING, dual_clip=3.0), None),
+    "ppo (token)": ((), {}, None),
+    "gspo (sequence ratio)": ((), dict(ratio_level="sequence", clip_low=3e-4,
+                                       clip_high=4e-4), "ppo (token)"),
+    "cispo": ((), dict(policy_loss="cispo", clip_low=0.2, clip_high=0.28), "ppo (token)"),
+    "gspo+cispo": ((), dict(ratio_level="sequence", policy_loss="cispo"), "ppo (token)"),
+    "tis sequence mask": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0,
+                                                  tis_level="sequence", tis_mode="mask"),
+                          "dual_clip+tis"),
+    "everything, gspo": (_ALL_INPUTS, dict(_EVERYTHING, dual_clip=3.0, ratio_level="sequence",
+                                           tis_level="sequence", tis_mode="mask"),
+                         "everything"),
+    "everything, cispo": (_ALL_INPUTS, dict(_EVERYTHING, policy_loss="cispo",
+                                            tis_level="sequence"), "everything"),
 }
-COLUMNS = ["op", "config", "B", "T", "impl", "fwd_ms", "fwdbwd_ms", "floor_fwd_ms",
-           "floor_fwdbwd_ms", "fwd_temp_mib", "fwdbwd_temp_mib"]
+COLUMNS = ["op", "config", "B", "T", "impl", "fwd_ms", "fwdbwd_ms", "x_base_fwd",
+           "x_base_fwdbwd", "floor_fwd_ms", "floor_fwdbwd_ms", "fwd_temp_mib",
+           "fwdbwd_temp_mib"]
 ROTATE_BYTES = 128 * 2**20  # > 2x the H100's 50 MB L2
 
 
@@ -79,29 +101,47 @@ def ppo_fns(backend, extra, options):
     return fwd, fwdbwd, len(names), len(diff)
 
 
-def run(size):
-    gbps = common.copy_bandwidth_gbps()
-    b, t = SIZES[size]
-    rng = np.random.default_rng(0)
+def ppo_rows(b, t, gbps, rng, runs, backends):
     rows = []
-    for config, (extra, options) in CONFIGS.items():
+    done = {}
+    for config, (extra, options, base) in CONFIGS.items():
         n_sets = max(2, min(128, ROTATE_BYTES // (b * t * 4 * (4 + len(extra)))))
         arg_sets = [make_inputs(rng, b, t, extra) for _ in range(n_sets)]
-        for backend in BACKENDS:
+        for backend in backends:
             row = dict(op="ppo_loss", config=config, B=b, T=t, impl=backend)
             try:
                 fwd, fwdbwd, n_in, n_grad = ppo_fns(backend, extra, options)
-                row["fwd_ms"] = rotating_median_ms(fwd, arg_sets)
-                row["fwdbwd_ms"] = rotating_median_ms(fwdbwd, arg_sets)
+                row["fwd_ms"] = rotating_median_ms(fwd, arg_sets, runs=runs)
+                row["fwdbwd_ms"] = rotating_median_ms(fwdbwd, arg_sets, runs=runs)
                 row["fwd_temp_mib"] = common.temp_mib(fwd, *arg_sets[0])
                 row["fwdbwd_temp_mib"] = common.temp_mib(fwdbwd, *arg_sets[0])
                 row["floor_fwd_ms"] = n_in * b * t * 4 / (gbps * 1e9) * 1e3
                 row["floor_fwdbwd_ms"] = (2 * n_in + n_grad) * b * t * 4 / (gbps * 1e9) * 1e3
+                base_row = done.get((base, backend), {})
+                for key in ("fwd", "fwdbwd"):
+                    if f"{key}_ms" in base_row:
+                        row[f"x_base_{key}"] = row[f"{key}_ms"] / base_row[f"{key}_ms"]
             except Exception as err:
                 traceback.print_exc()
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            if base is not None:
+                row["base"] = base
+            done[(config, backend)] = row
             rows.append(row)
             print(row, flush=True)
+        del arg_sets
+    return rows
+
+
+def run(size):
+    tiny = size == "tiny"
+    gbps = common.copy_bandwidth_gbps(2**24 if tiny else 2**31)
+    rng = np.random.default_rng(0)
+    runs = 5 if tiny else 40
+    rows = []
+    for i, (b, t) in enumerate(SIZES[size]):
+        rows += ppo_rows(b, t, gbps, rng, runs, BACKENDS if i == 0 else LARGE_BACKENDS)
+    b = SIZES[size][0][0]
     # group_advantages over B rewards in groups of 8
     n_groups = max(1, b // 8)
     rewards = [jnp.asarray(rng.standard_normal(b), jnp.float32) for _ in range(8)]
@@ -110,7 +150,7 @@ def run(size):
         try:
             fn = jax.jit(lambda r, backend=backend: jk.group_advantages(r, group_size=8,
                                                                          backend=backend))
-            row["fwd_ms"] = rotating_median_ms(fn, [(r,) for r in rewards])
+            row["fwd_ms"] = rotating_median_ms(fn, [(r,) for r in rewards], runs=runs)
         except Exception as err:
             traceback.print_exc()
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"

@@ -53,14 +53,17 @@ def copy_bandwidth_gbps(nbytes: int = 2**31) -> float:
 
 
 def metadata() -> dict[str, Any]:
+    commit = os.environ.get("JAXRL_KERNELS_COMMIT")  # the GPU machine's copy has no history
     try:
+        if commit:
+            raise OSError("commit given")
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("JAXRL_KERNELS_COMMIT", "unknown")
+        commit = commit or "unknown"
     dev = jax.devices()[0]
     return {
         "device": getattr(dev, "device_kind", str(dev)),

@@ -2,7 +2,7 @@
 
 Per-token log-probs, entropies, KL penalties and clipped-surrogate losses that
 never materialise the [tokens × vocabulary] logits, behind one dispatch
-function (see ``explain``). The API and its numerics are fixed by SPEC.md.
+function (see ``explain``). The API and its numerics: docs/api.md.
 """
 
 from jaxrl_kernels.dispatch import available_backends, explain, use_backend

@@ -215,17 +215,37 @@ def select(op: str, problem: Problem, backend: str | None = None, *,
 
 
 def available_backends(op: str) -> tuple[str, ...]:
-    """The backends that can run ``op`` in this process, best first."""
+    """The backends that can run ``op`` in this process, in the order automatic choice uses them.
+
+    Four groups, each in :data:`BACKENDS` order: the backends automatic choice picks for
+    ordinary inputs here; those it picks only for large vocabulary problems (``chunked`` on
+    CPU, above 256 MiB of float32 logits); those that run natively here but only when asked
+    for by name; those that run here only emulated (``pallas`` off a GPU, in interpret mode,
+    slowly). So on a CPU this is ``("reference", "chunked", "pallas")``; on a Hopper GPU with
+    the extension built, ``("ffi", "pallas", "reference", "chunked")`` for
+    ``linear_logprobs``. Backends that cannot run here at all (not built, wrong platform) are
+    left out; every backend name, runnable or not, is in :data:`BACKENDS`.
+    """
     if op not in OP_PRIMITIVE:
         raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
     primitive = OP_PRIMITIVE[op]
-    out = []
+    ordinary = Problem(op, n_rows=1, vocab=1)
+    large = Problem(op, n_rows=1, vocab=CHUNKED_THRESHOLD_BYTES)  # 4 * N * V > the threshold
+
+    def rank(name: str) -> int:
+        if _automatic_policy(name, primitive, ordinary) is None:
+            return 0
+        if _automatic_policy(name, primitive, large) is None:
+            return 1
+        return 3 if name == "pallas" and ordinary.platform not in ("gpu", "cuda", "rocm") else 2
+
+    runnable = []
     for name in BACKENDS:
         mod = _module(name)
         if isinstance(mod, Exception) or mod.unavailable_reason() or primitive not in mod.OPS:
             continue
-        out.append(name)
-    return tuple(out)
+        runnable.append(name)
+    return tuple(sorted(runnable, key=rank))  # stable: BACKENDS order within a group
 
 
 @contextlib.contextmanager
@@ -242,7 +262,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 # -- explain: record the choices an op makes while it is traced abstractly ---------------
 
-_recorder: contextvars.ContextVar[list[tuple[str, Choice]] | None] = contextvars.ContextVar(
+_recorder: contextvars.ContextVar[list[tuple[str, Choice | str]] | None] = contextvars.ContextVar(
     "jaxrl_kernels_recorder", default=None)
 
 
@@ -251,6 +271,15 @@ def record(op: str, choice: Choice) -> Choice:
     if log is not None:
         log.append((op, choice))
     return choice
+
+
+def plan_recorder(op: str) -> Callable[[Any], None]:
+    """A callback for ``sharding.run``: notes how a step is laid out on the devices."""
+    def note(plan) -> None:
+        log = _recorder.get()
+        if log is not None:
+            log.append((op, plan.describe()))
+    return note
 
 
 def explain(op: str, *args: Any, **kwargs: Any) -> str:
@@ -274,6 +303,9 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         source = "use_backend" if _override.get() is not None else ENV_VAR
         lines.append(f"{op}: backend override {wanted!r} is in force ({source})")
     for step, choice in log:
+        if isinstance(choice, str):  # a layout note from sharding.run
+            lines.append(f"  layout: {choice}")
+            continue
         how = "requested" if choice.explicit else "automatic"
         lines.append(f"{step}: {choice.backend} ({how})")
         for name, why in choice.declined:

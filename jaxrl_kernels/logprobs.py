@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import dispatch
+from jaxrl_kernels import dispatch, logprob_core, sharding
 from jaxrl_kernels import validation as check
 
 WEIGHT_LAYOUTS = ("vd", "dv")
+_LAYOUT_SHAPES = {"vd": "[V, D]", "dv": "[D, V]"}
 
 
 def _row_valid(targets, ignore_index):
@@ -21,41 +23,46 @@ def _row_valid(targets, ignore_index):
     return ~ignored, ignored
 
 
-def _unflatten(out, lead_shape, return_entropy):
-    logp, entropy = out
-    logp = logp.reshape(lead_shape)
-    return (logp, entropy.reshape(lead_shape)) if return_entropy else logp
-
-
 def token_logprobs(logits, targets, *, temperature=1.0, ignore_index=None, return_entropy=False,
-                   backend=None):
+                   backend=None, vocab_axis=None):
     """log softmax(logits / T)[target] (and the entropy of softmax(logits / T)).
 
     logits: [..., V] float32/bfloat16/float16; targets: [...] integers.
     Returns float32 logp [...] or (logp, entropy). Where targets == ignore_index
     both are 0 with no gradient; other targets outside [0, V) raise ValueError
-    when concrete and give NaN when traced.
+    when concrete and give NaN when traced. Inside ``jax.shard_map``, ``vocab_axis``
+    names the mesh axis over which ``logits`` holds consecutive slices of the
+    vocabulary (targets stay global ids); the results are the global ones.
     """
     logits = check.floating("logits", logits)
     check.rank("logits", logits, range(1, 33), "[..., V]")
     targets = check.integer("targets", targets)
     check.shape("targets", targets, logits.shape[:-1], "logits.shape[:-1]")
     check.positive("temperature", temperature)
-    vocab = logits.shape[-1]
-    if vocab == 0:
+    local_vocab = logits.shape[-1]
+    if local_vocab == 0:
         raise ValueError("logits: expected a non-empty vocabulary axis, got V = 0")
+    vocab = global_vocab(local_vocab, vocab_axis)
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
 
-    lead = targets.shape
-    n_rows = math.prod(lead)
-    problem = dispatch.Problem("token_logprobs", n_rows=n_rows, vocab=vocab,
-                               dtype=dispatch.dtype_name(logits), return_entropy=return_entropy)
+    problem = dispatch.Problem("token_logprobs", n_rows=math.prod(targets.shape),
+                               vocab=local_vocab, dtype=dispatch.dtype_name(logits),
+                               return_entropy=return_entropy)
     choice = dispatch.record("token_logprobs", dispatch.select("token_logprobs", problem, backend))
-    out = choice.impl(logits.reshape(n_rows, vocab), targets.reshape(n_rows).astype(jnp.int32),
-                      row_valid.reshape(n_rows), temperature=float(temperature),
-                      return_entropy=bool(return_entropy))
-    return _unflatten(out, lead, return_entropy)
+    logp, entropy = logprob_core.token_logprobs(
+        choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
+        return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
+        record=dispatch.plan_recorder("token_logprobs"))
+    return (logp, entropy) if return_entropy else logp
+
+
+def global_vocab(local_vocab: int, vocab_axis) -> int:
+    """The vocabulary size across a ``vocab_axis`` split (checks the axis)."""
+    if vocab_axis is None:
+        return local_vocab
+    axes = sharding.check_vocab_axis(vocab_axis)
+    return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
 
 
 def check_linear_head(hidden, weight, bias, weight_layout):
@@ -63,14 +70,18 @@ def check_linear_head(hidden, weight, bias, weight_layout):
     hidden = check.floating("hidden", hidden)
     weight = check.floating("weight", weight)
     check.option("weight_layout", weight_layout, WEIGHT_LAYOUTS)
-    check.rank("hidden", hidden, range(1, 33), "[..., D]")
-    check.rank("weight", weight, 2, "[V, D]" if weight_layout == "vd" else "[D, V]")
+    check.rank("hidden", hidden, range(1, check.MAX_RANK + 1), "[..., D]")
+    check.rank("weight", weight, 2, _LAYOUT_SHAPES[weight_layout])
     dim = hidden.shape[-1]
     vocab, w_dim = weight.shape if weight_layout == "vd" else weight.shape[::-1]
     if w_dim != dim:
-        want = f"({vocab}, {dim})" if weight_layout == "vd" else f"({dim}, {vocab})"
-        raise ValueError(f"weight: expected shape {want} for weight_layout={weight_layout!r} "
-                         f"and hidden size D = {dim}, got {tuple(weight.shape)}")
+        # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
+        other = "dv" if weight_layout == "vd" else "vd"
+        hint = (f"; it fits weight_layout={other!r} ({_LAYOUT_SHAPES[other]} with V = {w_dim})"
+                if vocab == dim else "")
+        raise ValueError(f"weight: expected shape {_LAYOUT_SHAPES[weight_layout]} with D = {dim} "
+                         f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
+                         f"{tuple(weight.shape)}{hint}")
     if vocab == 0:
         raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
     if bias is not None:
@@ -79,35 +90,47 @@ def check_linear_head(hidden, weight, bias, weight_layout):
     return hidden, weight, bias, vocab
 
 
-def linear_logprobs_flat(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
-                         temperature, return_entropy, backend):
-    """Dispatch the linear_logprobs primitive on validated, flattened [N, D] inputs."""
-    problem = dispatch.linear_problem(op, hidden, weight, bias, weight_layout=weight_layout,
+def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
+                         temperature, return_entropy, backend, vocab_axis=None):
+    """Dispatch the linear_logprobs primitive on validated inputs: hidden [..., D] with rows
+    [...] (targets, row_valid). Returns (logp [...], entropy [...] | None)."""
+    n_rows = math.prod(targets.shape)
+    flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
+    problem = dispatch.linear_problem(op, flat_hidden, weight, bias, weight_layout=weight_layout,
                                       return_entropy=return_entropy)
     choice = dispatch.record(op, dispatch.select(op, problem, backend))
-    return choice.impl(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-                       weight_layout=weight_layout, temperature=float(temperature),
-                       return_entropy=bool(return_entropy))
+
+    def standalone_backward():
+        backward = dispatch.select(op, problem, primitive="linear_logprobs_backward",
+                                   strict=False)
+        return dispatch.record("linear_logprobs_backward", backward).impl
+
+    return logprob_core.linear_logprobs(
+        choice.impl, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+        weight_layout=weight_layout, temperature=float(temperature),
+        return_entropy=bool(return_entropy), backward=standalone_backward,
+        vocab_axis=vocab_axis, record=dispatch.plan_recorder(op))
 
 
 def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
-                    ignore_index=None, return_entropy=False, backend=None):
+                    ignore_index=None, return_entropy=False, backend=None, vocab_axis=None):
     """token_logprobs(hidden @ W^T + bias, targets) without materialising the logits.
 
     hidden: [..., D]; weight: [V, D] (``"vd"``, LM head / tied embedding) or
     [D, V] (``"dv"``, a Flax Dense kernel); bias: [V] or None.
-    Differentiable in hidden, weight and bias.
+    Differentiable in hidden, weight and bias. Inside ``jax.shard_map``,
+    ``vocab_axis`` names the mesh axis over which weight (and bias) hold consecutive
+    vocabulary slices; targets stay global ids and the results are the global ones.
     """
-    hidden, weight, bias, vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
     targets = check.integer("targets", targets)
     check.shape("targets", targets, hidden.shape[:-1], "hidden.shape[:-1]")
     check.positive("temperature", temperature)
+    vocab = global_vocab(local_vocab, vocab_axis)
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
-    lead = targets.shape
-    n_rows = math.prod(lead)
-    out = linear_logprobs_flat(
-        hidden.reshape(n_rows, hidden.shape[-1]), weight, bias, targets.reshape(n_rows),
-        row_valid.reshape(n_rows), op="linear_logprobs", weight_layout=weight_layout,
-        temperature=temperature, return_entropy=return_entropy, backend=backend)
-    return _unflatten(out, lead, return_entropy)
+    logp, entropy = linear_logprobs_rows(
+        hidden, weight, bias, targets, row_valid, op="linear_logprobs",
+        weight_layout=weight_layout, temperature=temperature, return_entropy=return_entropy,
+        backend=backend, vocab_axis=vocab_axis)
+    return (logp, entropy) if return_entropy else logp

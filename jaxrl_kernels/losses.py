@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, rl_math
+from jaxrl_kernels import dispatch, logprob_core, rl_math, sharding
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import check_linear_head, linear_logprobs_flat
+from jaxrl_kernels.logprobs import check_linear_head, global_vocab, linear_logprobs_rows
 
 _sg = jax.lax.stop_gradient
 
@@ -74,7 +74,7 @@ def kl_penalty(logp, ref_logp, estimator="k3"):
 
 
 def aggregate(values, mask, mode="token_mean", *, max_len=None):
-    """Loss aggregation of per-token [B, T] values under a {0,1} mask (see SPEC)."""
+    """Loss aggregation of per-token [B, T] values under a {0,1} mask (modes: docs/api.md)."""
     values = _per_token("values", values)
     mask = _mask(mask, values.shape)
     return rl_math.aggregate(values, mask, _agg_mode(mode), _max_len(max_len))
@@ -127,8 +127,10 @@ def _group_advantages(rewards, group_size, group_boundaries, normalize_std, std_
     choice = dispatch.record("group_advantages",
                              dispatch.select("group_advantages", problem, backend,
                                              strict=strict))
-    adv = choice.impl(rewards.astype(jnp.float32), ids.astype(jnp.int32), groups,
-                      normalize_std=bool(normalize_std), std_ddof=int(std_ddof), eps=eps)
+    # Groups may straddle any split of B: every device computes all of them from the [B] rewards.
+    rewards = sharding.replicated(rewards.astype(jnp.float32))
+    adv = choice.impl(rewards, ids.astype(jnp.int32), groups, normalize_std=bool(normalize_std),
+                      std_ddof=int(std_ddof), eps=eps)
     return adv if ok is None else jnp.where(ok, adv, jnp.nan)
 
 
@@ -143,15 +145,37 @@ def policy_gradient_loss(logp, advantages, mask, *, loss_agg_mode="token_mean", 
 
 # -- PPO -----------------------------------------------------------------------------------
 
-def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len):
-    check.clip_options(clip_low, clip_high, dual_clip)
+def _variants(ratio_level, policy_loss, tis_level, tis_mode):
+    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
+                tis_mode=tis_mode)
+
+
+def _policy_options(ratio_level, policy_loss, tis_level, tis_mode, dual_clip):
+    """The policy-loss variant options (SPEC "Policy-loss variants")."""
+    check.option("ratio_level", ratio_level, rl_math.RATIO_LEVELS)
+    check.option("policy_loss", policy_loss, rl_math.POLICY_LOSSES)
+    check.option("tis_level", tis_level, rl_math.TIS_LEVELS)
+    check.option("tis_mode", tis_mode, rl_math.TIS_MODES)
+    if policy_loss == "cispo" and dual_clip is not None:
+        raise ValueError(f"dual_clip: expected None with policy_loss='cispo' (CISPO has no dual "
+                         f"clip), got {dual_clip!r}")
+    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
+                tis_mode=tis_mode)
+
+
+def _tis_options(rollout_logp, tis_cap):
     if (rollout_logp is None) != (tis_cap is None):
         raise ValueError("rollout_logp / tis_cap: truncated importance sampling needs both "
                          f"(got rollout_logp={'set' if rollout_logp is not None else None}, "
                          f"tis_cap={tis_cap!r})")
     if tis_cap is not None:
         check.positive("tis_cap", tis_cap)
+
+
+def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
+                kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len, variants):
+    check.clip_options(clip_low, clip_high, dual_clip)
+    _tis_options(rollout_logp, tis_cap)
     check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
     if ref_logp is None and kl_coef != 0:
         raise ValueError(f"ref_logp: required when kl_coef != 0 (kl_coef={kl_coef!r})")
@@ -161,11 +185,14 @@ def _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp,
                              tis_cap=tis_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
                              entropy_coef=entropy_coef,
                              loss_agg_mode=rl_math.canonical_mode(_agg_mode(loss_agg_mode)),
-                             max_len=_max_len(max_len))
+                             max_len=_max_len(max_len),
+                             **_policy_options(dual_clip=dual_clip, **variants))
 
 
 def _run_ppo(op, inputs, cfg, backend, strict):
-    problem = dispatch.Problem(op, n_rows=inputs.logp.size)
+    options = (("ratio_level", cfg.ratio_level), ("policy_loss", cfg.policy_loss),
+               ("tis_level", cfg.tis_level), ("tis_mode", cfg.tis_mode))
+    problem = dispatch.Problem(op, n_rows=inputs.logp.size, extra=options)
     choice = dispatch.select(op, problem, backend, primitive="ppo_loss", strict=strict)
     return dispatch.record("ppo_loss", choice).impl(inputs, cfg)
 
@@ -173,6 +200,7 @@ def _run_ppo(op, inputs, cfg, backend, strict):
 def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
              rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
              entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None,
+             ratio_level="token", policy_loss="ppo", tis_level="token", tis_mode="truncate",
              backend=None):
     """PPO's clipped-surrogate loss on per-token log-probs [B, T]; returns (loss, metrics).
 
@@ -180,11 +208,19 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
     dual clip c: where A < 0, pg = min(pg, -A·c); TIS: pg ·= sg(min(exp(old - rollout), tis_cap));
     per-token = pg + kl_coef·KL(logp, ref_logp) - entropy_coef·entropy, aggregated under mask.
     Gradients reach logp and entropy only.
+
+    Variants (SPEC "Policy-loss variants"): ``ratio_level="sequence"`` (GSPO) puts
+    r = exp(ℓ_b), ℓ_b = clip(masked mean of logp - old_logp over sequence b, ±20), on every
+    token of b, with d r / d logp_bt = exp(ℓ_b); ``policy_loss="cispo"``:
+    pg = -A·sg(clip(r, 1-clip_low, 1+clip_high))·logp; ``tis_level="sequence"`` uses the
+    sequence's clipped masked sum of old - rollout as every token's log-weight;
+    ``tis_mode="mask"`` weights 1 where exp(log-weight) <= tis_cap, else 0.
     """
     logp = _per_token("logp", logp)
     shape = logp.shape
     cfg = _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len)
+                      kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len,
+                      _variants(ratio_level, policy_loss, tis_level, tis_mode))
     inputs = rl_math.PPOInputs(
         logp=logp.astype(jnp.float32),
         old_logp=_sg(_per_token("old_logp", old_logp, shape).astype(jnp.float32)),
@@ -198,7 +234,7 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
 
 # -- GRPO and the fused-from-logits ops ----------------------------------------------------
 
-def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask):
+def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axis=None):
     policy_logits = check.floating("policy_logits", policy_logits)
     check.rank("policy_logits", policy_logits, 3, "[B, T, V]")
     ref_logits = check.floating("ref_logits", ref_logits)
@@ -208,40 +244,41 @@ def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask):
     check.shape("actions", actions, shape, "[B, T]")
     old_logp = _per_token("old_logp", old_logp, shape).astype(jnp.float32)
     mask = _mask(mask, shape)
-    vocab = policy_logits.shape[-1]
-    if vocab == 0:
+    if policy_logits.shape[-1] == 0:
         raise ValueError("policy_logits: expected a non-empty vocabulary axis, got V = 0")
+    vocab = global_vocab(policy_logits.shape[-1], vocab_axis)
     check.targets_in_range("actions", actions, vocab, None if not check.is_concrete(mask)
                            else np.asarray(mask) == 0)
     return policy_logits, ref_logits, actions, _sg(old_logp), mask
 
 
-def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, backend):
+def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, backend,
+                     vocab_axis):
     batch, steps, vocab = policy_logits.shape
-    n_rows = batch * steps
-    problem = dispatch.Problem(op, n_rows=n_rows, vocab=vocab,
+    problem = dispatch.Problem(op, n_rows=batch * steps, vocab=vocab,
                                dtype=dispatch.dtype_name(policy_logits))
     choice = dispatch.record(op, dispatch.select(op, problem, backend))
-    logp, ref_logp = choice.impl(policy_logits.reshape(n_rows, vocab),
-                                 ref_logits.reshape(n_rows, vocab),
-                                 actions.reshape(n_rows).astype(jnp.int32),
-                                 mask.reshape(n_rows) != 0, temperature=float(temperature))
-    return logp.reshape(batch, steps), _sg(ref_logp.reshape(batch, steps))
+    logp, ref_logp = logprob_core.paired_logprobs(
+        choice.impl, policy_logits, ref_logits, actions.astype(jnp.int32), mask != 0,
+        temperature=float(temperature), vocab_axis=vocab_axis,
+        record=dispatch.plan_recorder(op))
+    return logp, _sg(ref_logp)
 
 
 def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator="k3",
-             temperature=1.0, backend=None):
+             temperature=1.0, backend=None, vocab_axis=None):
     """(ratio, kl) per token from policy and reference logits [B, T, V], in one pass.
 
     ratio = exp(logp_π - old_logp); kl = kl_penalty(logp_π, logp_ref). Where
     mask == 0: ratio = 1, kl = 0, no gradient. Gradient reaches policy_logits only.
+    Inside ``jax.shard_map``, ``vocab_axis`` names the axis splitting the vocabulary.
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
-        policy_logits, ref_logits, actions, old_logp, mask)
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
     check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
     check.positive("temperature", temperature)
     logp, ref_logp = _paired_logprobs("ratio_kl", policy_logits, ref_logits, actions, mask,
-                                      temperature, backend)
+                                      temperature, backend, vocab_axis)
     valid = mask != 0
     ratio = jnp.where(valid, jnp.exp(logp - old_logp), 1.0)
     kl = jnp.where(valid, rl_math.kl_penalty(logp, ref_logp, kl_estimator), 0.0)
@@ -260,50 +297,59 @@ def _grpo_advantages(rewards, advantages, batch, group_size, group_boundaries, n
                                  backend, strict=False))
 
 
-def _grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, *, clip_low, clip_high,
-                        dual_clip, beta, kl_estimator, loss_agg_mode):
-    """(loss, policy_loss, kl): aggregate(pg + β·kl), aggregate(pg), aggregate(kl)."""
-    ratio = rl_math.importance_ratio(logp, old_logp)
-    pg, _, _ = rl_math.clipped_surrogate(ratio, advantages[:, None], clip_low, clip_high,
-                                         dual_clip)
-    kl = (jnp.zeros_like(logp) if ref_logp is None
-          else rl_math.kl_penalty(logp, ref_logp, kl_estimator))
-    agg = lambda v: rl_math.aggregate(v, mask, loss_agg_mode)
-    return agg(pg + beta * kl), agg(pg), agg(kl)
+def _grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, rollout_logp, cfg):
+    """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
+    the per-token policy term of ppo_loss (``rl_math.policy_surrogate``) and β = cfg.kl_coef."""
+    inputs = rl_math.PPOInputs(
+        logp=logp, old_logp=old_logp,
+        advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
+        rollout_logp=rollout_logp, ref_logp=ref_logp)
+    return rl_math.grpo_loss(inputs, cfg)
 
 
-def _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode):
+def _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                 rollout_logp, tis_cap, variants):
     check.clip_options(clip_low, clip_high, dual_clip)
     check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
-    return rl_math.canonical_mode(_agg_mode(loss_agg_mode))
+    _tis_options(rollout_logp, tis_cap)
+    return rl_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                             tis_cap=tis_cap, kl_coef=beta, kl_estimator=kl_estimator,
+                             loss_agg_mode=rl_math.canonical_mode(_agg_mode(loss_agg_mode)),
+                             **_policy_options(dual_clip=dual_clip, **variants))
 
 
 def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, group_size=None,
               group_boundaries=None, advantages=None, clip_low=0.2, clip_high=0.2,
               dual_clip=None, beta=0.0, kl_estimator="k3", loss_agg_mode="token_mean",
-              normalize_std=True, eps=1e-6, temperature=1.0, backend=None):
+              normalize_std=True, eps=1e-6, temperature=1.0, ratio_level="token",
+              policy_loss="ppo", tis_level="token", tis_mode="truncate", rollout_logp=None,
+              tis_cap=None, backend=None, vocab_axis=None):
     """GRPO from logits [B, T, V]: returns (loss, policy_loss, kl).
 
     advantages = group_advantages(rewards) unless given ([B]); per token pg as in
-    ppo_loss, kl = kl_penalty(logp, logp_ref); loss = aggregate(pg + β·kl).
+    ppo_loss (every policy-loss variant; rollout correction with ``rollout_logp`` [B, T]
+    and ``tis_cap``, an addition beyond SPEC's signature), kl = kl_penalty(logp, logp_ref);
+    loss = aggregate(pg + β·kl).
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
-        policy_logits, ref_logits, actions, old_logp, mask)
-    mode = _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode)
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
+    cfg = _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                       rollout_logp, tis_cap,
+                       _variants(ratio_level, policy_loss, tis_level, tis_mode))
     check.positive("temperature", temperature)
+    rollout_logp = _sg(_optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = _grpo_advantages(rewards, advantages, policy_logits.shape[0], group_size,
                            group_boundaries, normalize_std, eps, backend)
     logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
-                                      temperature, backend)
-    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, clip_low=clip_low,
-                               clip_high=clip_high, dual_clip=dual_clip, beta=beta,
-                               kl_estimator=kl_estimator, loss_agg_mode=mode)
+                                      temperature, backend, vocab_axis)
+    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
 
 
 # -- fused from hidden states ------------------------------------------------------------
 
-def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask):
-    hidden, weight, bias, vocab = check_linear_head(hidden, weight, bias, weight_layout)
+def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis):
+    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    vocab = global_vocab(local_vocab, vocab_axis)
     check.rank("hidden", hidden, 3, "[B, T, D]")
     shape = hidden.shape[:2]
     actions = check.integer("actions", actions)
@@ -316,34 +362,36 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask)
 
 
 def _linear_logprobs(op, hidden, weight, bias, actions, mask, weight_layout, temperature,
-                     return_entropy, backend):
-    batch, steps, dim = hidden.shape
-    logp, entropy = linear_logprobs_flat(
-        hidden.reshape(batch * steps, dim), weight, bias, actions.reshape(-1),
-        mask.reshape(-1) != 0, op=op, weight_layout=weight_layout, temperature=temperature,
-        return_entropy=return_entropy, backend=backend)
-    return logp.reshape(batch, steps), (None if entropy is None else entropy.reshape(batch, steps))
+                     return_entropy, backend, vocab_axis):
+    return linear_logprobs_rows(
+        hidden, weight, bias, actions, mask != 0, op=op, weight_layout=weight_layout,
+        temperature=temperature, return_entropy=return_entropy, backend=backend,
+        vocab_axis=vocab_axis)
 
 
 def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias=None,
                     weight_layout="vd", temperature=1.0, clip_low=0.2, clip_high=0.2,
                     dual_clip=None, rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0,
                     kl_estimator="k3", entropy_coef=0.0, loss_agg_mode="token_mean",
-                    max_len=None, backend=None):
+                    max_len=None, ratio_level="token", policy_loss="ppo", tis_level="token",
+                    tis_mode="truncate", backend=None, vocab_axis=None):
     """ppo_loss on log-probs of a linear LM head, never holding [B, T, V] logits.
 
     hidden: [B, T, D]; weight [V, D] ("vd") or [D, V] ("dv"). The entropy is
-    computed in the same pass when entropy_coef != 0. Returns (loss, metrics).
+    computed in the same pass when entropy_coef != 0. Returns (loss, metrics). Inside
+    ``jax.shard_map``, ``vocab_axis`` names the axis splitting the weight's vocabulary.
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
-        hidden, weight, bias, weight_layout, actions, old_logp, mask)
+        hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
     shape = mask.shape
     check.positive("temperature", temperature)
     with_entropy = entropy_coef != 0
     cfg = _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len)
+                      kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len,
+                      _variants(ratio_level, policy_loss, tis_level, tis_mode))
     logp, entropy = _linear_logprobs("linear_ppo_loss", hidden, weight, bias, actions, mask,
-                                     weight_layout, temperature, with_entropy, backend)
+                                     weight_layout, temperature, with_entropy, backend,
+                                     vocab_axis)
     inputs = rl_math.PPOInputs(
         logp=logp, old_logp=old_logp, advantages=_advantages(advantages, shape), mask=mask,
         rollout_logp=_sg(_optional_per_token("rollout_logp", rollout_logp, shape)),
@@ -355,23 +403,28 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                      weight_layout="vd", ref_logp=None, group_size=None, group_boundaries=None,
                      advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
                      kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
-                     temperature=1.0, backend=None):
+                     temperature=1.0, ratio_level="token", policy_loss="ppo", tis_level="token",
+                     tis_mode="truncate", rollout_logp=None, tis_cap=None, backend=None,
+                     vocab_axis=None):
     """grpo_loss on log-probs of a linear LM head; ref_logp [B, T] precomputed.
 
     ref_logp=None means no reference: kl = 0, and beta must be 0 (else ValueError).
-    Returns (loss, policy_loss, kl); never holds [B, T, V] logits.
+    ``rollout_logp`` / ``tis_cap`` as in grpo_loss. Returns (loss, policy_loss, kl); never
+    holds [B, T, V] logits. Inside ``jax.shard_map``, ``vocab_axis`` names the axis splitting
+    the weight's vocabulary.
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
-        hidden, weight, bias, weight_layout, actions, old_logp, mask)
-    mode = _grpo_options(clip_low, clip_high, dual_clip, kl_estimator, loss_agg_mode)
+        hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
+    cfg = _grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                       rollout_logp, tis_cap,
+                       _variants(ratio_level, policy_loss, tis_level, tis_mode))
     check.positive("temperature", temperature)
     if ref_logp is None and beta != 0:
         raise ValueError(f"ref_logp: required when beta != 0 (beta={beta!r})")
     ref_logp = _sg(_optional_per_token("ref_logp", ref_logp, mask.shape))
+    rollout_logp = _sg(_optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = _grpo_advantages(rewards, advantages, hidden.shape[0], group_size, group_boundaries,
                            normalize_std, eps, backend)
     logp, _ = _linear_logprobs("linear_grpo_loss", hidden, weight, bias, actions, mask,
-                               weight_layout, temperature, False, backend)
-    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, clip_low=clip_low,
-                               clip_high=clip_high, dual_clip=dual_clip, beta=beta,
-                               kl_estimator=kl_estimator, loss_agg_mode=mode)
+                               weight_layout, temperature, False, backend, vocab_axis)
+    return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)

@@ -30,8 +30,13 @@ AGGREGATION_MODES = (
     "seq_mean_token_sum_norm",
 )
 AGGREGATION_ALIASES = {"sequence_mean": "seq_mean_token_mean"}
+RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo", "cispo")
+TIS_LEVELS = ("token", "sequence")
+TIS_MODES = ("truncate", "mask")
 LOG_RATIO_CLIP = 20.0
 KL_LOG_RATIO_CLIP = 20.0
+TIS_LOG_WEIGHT_CLIP = 20.0
 
 
 # -- softmax statistics on tiles ---------------------------------------------------------
@@ -80,6 +85,47 @@ def online_softmax_finalize(stats):
     return lse, entropy
 
 
+def combine_vocab_shards(stats, target_rel, holds_target, axes):
+    """Row statistics of the whole vocabulary from those of each device's slice of it.
+
+    ``stats = (m, s[, a])`` over this device's columns, ``target_rel = z_target − m`` where
+    ``holds_target`` (this slice holds the target column). Over the mesh ``axes`` (none: one
+    slice, returned as is) only these per-row values cross devices:
+    ``m* = max m``, ``s* = Σ s·e``, ``a* = Σ e·(a + s·(m − m*))`` with ``e = exp(m − m*)``, and
+    the target's ``z_t − m* = target_rel + m − m*`` from the one slice that holds it.
+    Returns ``(stats*, target_rel*, holders)``: holders counts the slices that hold the target
+    (1 for a target inside [0, V), 0 outside).
+    """
+    holders = holds_target.astype(jnp.int32)
+    if not axes:
+        return tuple(stats), jnp.where(holds_target, target_rel, 0.0), holders
+    m = stats[0]
+    m_all = jax.lax.pmax(m, axes)
+    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    shift = jnp.where(m == -jnp.inf, 0.0, m - m_safe)
+    scale = jnp.exp(m - m_safe)
+    out = (m_all, jax.lax.psum(stats[1] * scale, axes))
+    if len(stats) == 3:
+        a = jnp.where(stats[1] > 0, stats[2] + stats[1] * shift, 0.0) * scale
+        out += (jax.lax.psum(a, axes),)
+    target = jax.lax.psum(jnp.where(holds_target, target_rel + shift, 0.0), axes)
+    return out, target, jax.lax.psum(holders, axes)
+
+
+def finalize_row_stats(stats, target_rel, holders, row_valid):
+    """(logp, entropy | None, lse, active) per row from whole-vocabulary statistics.
+
+    ``logp = (z_t − m) − log s`` (exact even where |z| ~ 1e4), ``entropy = log s − a/s``,
+    ``lse = m + log s``. ``active`` rows (valid, target inside the vocabulary) are the ones
+    with a gradient; invalid rows give 0, out-of-range targets NaN.
+    """
+    log_s = jnp.log(stats[1])
+    entropy = log_s - stats[2] / stats[1] if len(stats) == 3 else None
+    in_range = holders == 1
+    logp, entropy = finalize_logprob(target_rel, log_s, entropy, in_range, row_valid)
+    return logp, entropy, stats[0] + log_s, row_valid & in_range
+
+
 def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature):
     """d loss / d logits on a tile, from per-row cotangents of logp and entropy.
 
@@ -110,6 +156,9 @@ def finalize_logprob(target_z, lse, entropy, target_in_range, row_valid):
 
 # -- KL, ratios, surrogates ----------------------------------------------------------------
 
+_sg = jax.lax.stop_gradient
+
+
 def kl_penalty(logp, ref_logp, estimator: str = "k3"):
     """Per-token KL estimate with d = ref_logp - logp (see SPEC)."""
     d = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
@@ -130,6 +179,15 @@ def importance_ratio(logp, old_logp):
     return jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
 
 
+def sequence_ratio(logp, seq_log_ratio):
+    """GSPO's ratio on every token of a sequence: r = sg(exp(ℓ_b)) · exp(logp - sg(logp)).
+
+    ``seq_log_ratio`` is ℓ_b per row ([rows]); the value is exp(ℓ_b) on each token
+    and its derivative with respect to logp_bt is exp(ℓ_b).
+    """
+    return jnp.exp(_sg(seq_log_ratio))[:, None] * jnp.exp(logp - _sg(logp))
+
+
 def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):
     """PPO's pessimistic surrogate per token.
 
@@ -148,9 +206,28 @@ def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):
     return jnp.where(dual, bound, pg), clipped, dual
 
 
-def tis_weight(old_logp, rollout_logp, cap):
-    """Truncated importance weight min(exp(old - rollout), cap), without gradient."""
-    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - rollout_logp), cap))
+def cispo_surrogate(ratio, advantages, logp, clip_low, clip_high):
+    """CISPO: pg = -A · sg(clip(r, 1-clip_low, 1+clip_high)) · logp.
+
+    Every token keeps the gradient -A·clip(r). Returns (pg, outside), ``outside``
+    marking the tokens whose r lies outside [1-clip_low, 1+clip_high].
+    """
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    weight = _sg(jnp.clip(ratio, low, high))
+    outside = (ratio < low) | (ratio > high)
+    return -advantages * weight * logp, outside
+
+
+def tis_weight(log_weight, cap, mode: str = "truncate"):
+    """Rollout-correction weight from a log-weight, without gradient.
+
+    ``"truncate"``: min(exp(w), cap); ``"mask"``: 1 where exp(w) <= cap, else 0
+    (NaN stays NaN).
+    """
+    w = jnp.exp(log_weight)
+    if mode == "truncate":
+        return _sg(jnp.minimum(w, cap))
+    return _sg(jnp.where(w > cap, 0.0, jnp.where(w <= cap, 1.0, jnp.nan)))
 
 
 # -- aggregation -------------------------------------------------------------------------
@@ -163,24 +240,55 @@ def canonical_mode(mode: str) -> str:
     return mode
 
 
+def masked_row_sums(values: dict, mask) -> dict:
+    """Σ_t m·v per sequence ([B, T] -> [B]) for each entry of ``values``."""
+    mask = mask.astype(jnp.float32)
+    return {k: jnp.sum(mask * v.astype(jnp.float32), axis=-1) for k, v in values.items()}
+
+
+def aggregate_sequence_sums(seq_sum, seq_count, mode: str, seq_len: int, max_len=None):
+    """The aggregation of SPEC from per-sequence Σ_t m·x ([B]) and Σ_t m ([B]).
+
+    ``"token_mean"``: Σ_b seq_sum / max(Σ_b seq_count, 1);
+    ``"seq_mean_token_mean"``: mean of seq_sum / seq_count over sequences with a
+    valid token (0 if none); ``"seq_mean_token_sum"``: Σ_b seq_sum / B;
+    ``"seq_mean_token_sum_norm"``: Σ_b seq_sum / (B · max_len), max_len = T by default.
+    """
+    mode = canonical_mode(mode)
+    batch = seq_sum.shape[0]
+    if mode == "token_mean":
+        return jnp.sum(seq_sum) / jnp.maximum(jnp.sum(seq_count), 1.0)
+    if mode == "seq_mean_token_sum":
+        return jnp.sum(seq_sum) / batch
+    if mode == "seq_mean_token_sum_norm":
+        length = seq_len if max_len is None else max_len
+        return jnp.sum(seq_sum) / (batch * length)
+    has_tokens = seq_count > 0
+    per_seq = jnp.where(has_tokens, seq_sum / jnp.where(has_tokens, seq_count, 1.0), 0.0)
+    return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
+
+
+def aggregation_weights(seq_count, mode: str, seq_len: int, max_len=None):
+    """w [B] with aggregate(x) = Σ_b w_b · Σ_t m·x_bt: the derivative of the aggregation
+    with respect to each valid token's value, one per sequence."""
+    mode = canonical_mode(mode)
+    batch = seq_count.shape[0]
+    if mode == "token_mean":
+        return jnp.broadcast_to(1.0 / jnp.maximum(jnp.sum(seq_count), 1.0), (batch,))
+    if mode == "seq_mean_token_sum":
+        return jnp.full((batch,), 1.0 / batch, jnp.float32)
+    if mode == "seq_mean_token_sum_norm":
+        length = seq_len if max_len is None else max_len
+        return jnp.full((batch,), 1.0 / (batch * length), jnp.float32)
+    has_tokens = seq_count > 0
+    per_seq = jnp.where(has_tokens, 1.0 / jnp.where(has_tokens, seq_count, 1.0), 0.0)
+    return per_seq / jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
+
+
 def aggregate(values, mask, mode: str = "token_mean", max_len=None):
     """Reduce per-token [B, T] values to a scalar under ``mask`` (see SPEC)."""
-    mode = canonical_mode(mode)
-    values = values.astype(jnp.float32)
-    mask = mask.astype(jnp.float32)
-    masked = mask * values
-    if mode == "token_mean":
-        return jnp.sum(masked) / jnp.maximum(jnp.sum(mask), 1.0)
-    seq_sum = jnp.sum(masked, axis=-1)
-    if mode == "seq_mean_token_sum":
-        return jnp.mean(seq_sum)
-    if mode == "seq_mean_token_sum_norm":
-        length = values.shape[-1] if max_len is None else max_len
-        return jnp.sum(masked) / (values.shape[0] * length)
-    count = jnp.sum(mask, axis=-1)
-    has_tokens = count > 0
-    per_seq = jnp.where(has_tokens, seq_sum / jnp.where(has_tokens, count, 1.0), 0.0)
-    return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
+    sums = masked_row_sums({"x": values, "count": jnp.ones_like(values)}, mask)
+    return aggregate_sequence_sums(sums["x"], sums["count"], mode, values.shape[-1], max_len)
 
 
 def masked_mean(values, mask):
@@ -206,6 +314,19 @@ def group_advantages(rewards, segment_ids, num_groups: int, *, normalize_std=Tru
 
 
 # -- the PPO loss -----------------------------------------------------------------------
+#
+# The reference (``ppo_loss``) is written token by token: per-sequence sums of
+# ``sequence_summands`` give ``sequence_terms`` (ℓ_b, the sequence TIS log-weight), then
+# ``ppo_per_token`` gives each token's loss and metric parts, then ``loss_and_metrics``
+# aggregates their per-sequence sums.
+#
+# A kernel does the forward in one pass over the tokens instead (``forward_summands`` ->
+# per-sequence sums -> ``sums_to_token_terms`` -> ``loss_and_metrics``): the sums of the
+# policy term are linear in what a token contributes once ℓ_b and the sequence weight are
+# fixed, so it sums those contributions and applies ℓ_b and the weight per sequence
+# afterwards. The backward is token-local given the [B] sequence terms (they carry no
+# gradient): d loss / d per_token_bt = m_bt · ``aggregation_weights``_b, pulled back through
+# ``ppo_per_token``.
 
 class PPOInputs(NamedTuple):
     """[B, T] float32 arrays (advantages already broadcast); optional ones may be None."""
@@ -230,32 +351,187 @@ class PPOConfig:
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token_mean"
     max_len: int | None = None
+    ratio_level: str = "token"
+    policy_loss: str = "ppo"
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
 
 
-def ppo_per_token(x: PPOInputs, cfg: PPOConfig):
-    """Per-token loss and the per-token quantities the metrics average."""
-    ratio = importance_ratio(x.logp, x.old_logp)
-    pg, clipped, dual = clipped_surrogate(ratio, x.advantages, cfg.clip_low, cfg.clip_high,
-                                          cfg.dual_clip)
+class SequenceTerms(NamedTuple):
+    """Per-sequence values ([B], or [rows] of a tile) that every token of the sequence uses;
+    None where the options do not need them. Neither carries a gradient."""
+
+    log_ratio: jax.Array | None = None        # ℓ_b (ratio_level="sequence")
+    tis_log_weight: jax.Array | None = None   # masked Σ (old - rollout), clipped (tis_level="sequence")
+
+
+def tis_enabled(x: PPOInputs, cfg: PPOConfig) -> bool:
+    """Rollout correction applies when both rollout_logp and tis_cap are given."""
+    return x.rollout_logp is not None and cfg.tis_cap is not None
+
+
+def sequence_summands(x: PPOInputs, cfg: PPOConfig) -> dict:
+    """Per-token values whose masked sums over a sequence ``sequence_terms`` needs
+    (empty for token-level options)."""
+    out = {}
+    if cfg.ratio_level == "sequence":
+        out["count"] = jnp.ones_like(x.logp)
+        out["log_ratio"] = x.logp - x.old_logp
+    if cfg.tis_level == "sequence" and tis_enabled(x, cfg):
+        out["tis_log_weight"] = x.old_logp - x.rollout_logp
+    return out
+
+
+def sequence_terms(sums: dict, cfg: PPOConfig) -> SequenceTerms:
+    """From the per-sequence sums of ``sequence_summands``:
+
+    ℓ_b = clip(Σ_t m·(logp - old_logp) / max(Σ_t m, 1), -20, 20) and
+    the TIS log-weight clip(Σ_t m·(old_logp - rollout_logp), -20, 20).
+    """
+    log_ratio = tis_log_weight = None
+    if "log_ratio" in sums:
+        mean = sums["log_ratio"] / jnp.maximum(sums["count"], 1.0)
+        log_ratio = _sg(jnp.clip(mean, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+    if "tis_log_weight" in sums:
+        tis_log_weight = _sg(jnp.clip(sums["tis_log_weight"], -TIS_LOG_WEIGHT_CLIP,
+                                      TIS_LOG_WEIGHT_CLIP))
+    return SequenceTerms(log_ratio, tis_log_weight)
+
+
+def _per_row(values, like):
+    """[rows] values on every token of their row, shaped like ``like`` [rows, T]."""
+    return jnp.broadcast_to(values[:, None], like.shape)
+
+
+def _surrogate(ratio, x: PPOInputs, cfg: PPOConfig):
+    """(pg, clipped, dual_clipped) of the chosen policy loss, before rollout correction."""
+    if cfg.policy_loss == "cispo":
+        pg, clipped = cispo_surrogate(ratio, x.advantages, x.logp, cfg.clip_low, cfg.clip_high)
+        return pg, clipped, jnp.zeros_like(clipped)
+    return clipped_surrogate(ratio, x.advantages, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+
+
+def _tis_parts(weight, cfg: PPOConfig) -> dict:
+    parts = {"tis_weight": weight}
+    if cfg.tis_mode == "mask":
+        parts["tis_masked"] = (weight == 0).astype(jnp.float32)
+    return parts
+
+
+def policy_surrogate(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()):
+    """The policy term pg per token and the per-token quantities its metrics average.
+
+    r is the token ratio exp(clip(logp - old_logp, ±20)) or, with ratio_level
+    "sequence", :func:`sequence_ratio`; pg is PPO's clipped surrogate of r or CISPO's;
+    with rollout correction, pg ·= the stop-gradient weight of :func:`tis_weight` on the
+    token's log-weight (old - rollout) or its sequence's.
+    """
+    token_ratio = importance_ratio(x.logp, x.old_logp)
+    ratio = token_ratio if cfg.ratio_level == "token" else sequence_ratio(x.logp, seq.log_ratio)
+    pg, clipped, dual = _surrogate(ratio, x, cfg)
     parts = {
-        "ratio": ratio,
+        "ratio": token_ratio,
         "clipped": clipped.astype(jnp.float32),
         "dual_clipped": dual.astype(jnp.float32),
         "approx_kl": kl_penalty(x.logp, x.old_logp, "k3"),
     }
-    if x.rollout_logp is not None and cfg.tis_cap is not None:
-        weight = tis_weight(x.old_logp, x.rollout_logp, cfg.tis_cap)
+    if tis_enabled(x, cfg):
+        log_weight = (x.old_logp - x.rollout_logp if cfg.tis_level == "token"
+                      else _per_row(seq.tis_log_weight, x.logp))
+        weight = tis_weight(log_weight, cfg.tis_cap, cfg.tis_mode)
         pg = pg * weight
-        parts["tis_weight"] = weight
-    per_token = pg
+        parts.update(_tis_parts(weight, cfg))
+    return pg, parts
+
+
+def _penalties(x: PPOInputs, cfg: PPOConfig):
+    """(kl_coef·KL - entropy_coef·entropy or None, their metric parts)."""
+    rest, parts = None, {}
     if x.ref_logp is not None:
-        kl = kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl
-        parts["kl"] = kl
+        parts["kl"] = kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator)
+        rest = cfg.kl_coef * parts["kl"]
     if x.entropy is not None:
-        per_token = per_token - cfg.entropy_coef * x.entropy
         parts["entropy"] = x.entropy
-    return per_token, parts
+        bonus = -cfg.entropy_coef * x.entropy
+        rest = bonus if rest is None else rest + bonus
+    return rest, parts
+
+
+def ppo_per_token(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()):
+    """Per-token loss pg + kl_coef·KL - entropy_coef·entropy and the metric parts."""
+    pg, parts = policy_surrogate(x, cfg, seq)
+    rest, extra = _penalties(x, cfg)
+    return (pg if rest is None else pg + rest), {**parts, **extra}
+
+
+def token_summands(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = SequenceTerms()) -> dict:
+    """Per-token values whose masked per-sequence sums ``loss_and_metrics`` needs."""
+    per_token, parts = ppo_per_token(x, cfg, seq)
+    return {"loss": per_token, "count": jnp.ones_like(per_token), **parts}
+
+
+def forward_summands(x: PPOInputs, cfg: PPOConfig) -> dict:
+    """Per-token values whose masked per-sequence sums determine the loss and the metrics
+    without knowing the sequence terms first (the one-pass forward of a kernel).
+
+    With the token ratio, pg itself (times a token TIS weight). With the sequence ratio
+    every token's pg is a function of ℓ_b scaled by the token's own data: PPO's
+    surrogate is positively homogeneous in A, pg_t = w_t·|A_t|·pg(r_b, sign A_t), so the
+    sums of w·A⁺, w·A⁻ and the counts of A > 0 and A < 0 suffice; CISPO's is linear in
+    A·logp, pg_t = -clip(r_b)·w_t·A_t·logp_t. A sequence TIS weight multiplies the
+    whole sequence and is applied to the sums.
+    """
+    out = {"count": jnp.ones_like(x.logp), **sequence_summands(x, cfg)}
+    out["ratio"] = importance_ratio(x.logp, x.old_logp)
+    out["approx_kl"] = kl_penalty(x.logp, x.old_logp, "k3")
+    rest, parts = _penalties(x, cfg)
+    if rest is not None:
+        out["rest"] = rest
+    out.update(parts)
+    weight = 1.0
+    if tis_enabled(x, cfg) and cfg.tis_level == "token":
+        weight = tis_weight(x.old_logp - x.rollout_logp, cfg.tis_cap, cfg.tis_mode)
+        out.update(_tis_parts(weight, cfg))
+    a = x.advantages
+    if cfg.ratio_level == "token":
+        pg, clipped, dual = _surrogate(out["ratio"], x, cfg)
+        out.update(pg=pg * weight, clipped=clipped.astype(jnp.float32),
+                   dual_clipped=dual.astype(jnp.float32))
+    elif cfg.policy_loss == "cispo":
+        out["a_logp"] = weight * a * x.logp
+    else:
+        out.update(a_pos=weight * jnp.maximum(a, 0.0), a_neg=weight * jnp.maximum(-a, 0.0),
+                   n_pos=(a > 0).astype(jnp.float32), n_neg=(a < 0).astype(jnp.float32))
+    return out
+
+
+def sums_to_token_terms(sums: dict, cfg: PPOConfig) -> dict:
+    """The per-sequence sums of ``token_summands`` from those of ``forward_summands``."""
+    seq = sequence_terms(sums, cfg)
+    out = {k: sums[k] for k in ("count", "ratio", "approx_kl", "kl", "entropy", "tis_weight",
+                                "tis_masked") if k in sums}
+    if cfg.ratio_level == "token":
+        pg, clipped, dual = sums["pg"], sums["clipped"], sums["dual_clipped"]
+    elif cfg.policy_loss == "cispo":
+        ratio = jnp.exp(seq.log_ratio)
+        pg, outside = cispo_surrogate(ratio, sums["a_logp"], 1.0, cfg.clip_low, cfg.clip_high)
+        clipped, dual = sums["count"] * outside, jnp.zeros_like(pg)
+    else:
+        ratio = jnp.exp(seq.log_ratio)
+        pos, clip_pos, _ = clipped_surrogate(ratio, 1.0, cfg.clip_low, cfg.clip_high,
+                                             cfg.dual_clip)
+        neg, clip_neg, dual_neg = clipped_surrogate(ratio, -1.0, cfg.clip_low, cfg.clip_high,
+                                                    cfg.dual_clip)
+        pg = sums["a_pos"] * pos + sums["a_neg"] * neg
+        clipped = sums["n_pos"] * clip_pos + sums["n_neg"] * clip_neg
+        dual = sums["n_neg"] * dual_neg
+    if seq.tis_log_weight is not None:
+        weight = tis_weight(seq.tis_log_weight, cfg.tis_cap, cfg.tis_mode)
+        pg = pg * weight
+        out.update({k: sums["count"] * v for k, v in _tis_parts(weight, cfg).items()})
+    out["loss"] = pg + sums["rest"] if "rest" in sums else pg
+    out["clipped"], out["dual_clipped"] = clipped, dual
+    return out
 
 
 METRIC_NAMES = {
@@ -266,13 +542,37 @@ METRIC_NAMES = {
     "kl": "kl",
     "entropy": "entropy",
     "tis_weight": "tis_weight_mean",
+    "tis_masked": "tis_mask_fraction",
 }
 
 
-def ppo_loss(x: PPOInputs, cfg: PPOConfig):
-    """(loss, metrics): aggregate(per-token loss); metrics are masked token means."""
-    per_token, parts = ppo_per_token(x, cfg)
-    loss = aggregate(per_token, x.mask, cfg.loss_agg_mode, cfg.max_len)
-    metrics = {METRIC_NAMES[k]: jax.lax.stop_gradient(masked_mean(v, x.mask))
-               for k, v in parts.items()}
+def loss_and_metrics(sums: dict, cfg: PPOConfig, seq_len: int):
+    """(loss, metrics) from the per-sequence sums of ``token_summands`` ([B] each):
+    the loss aggregated as ``cfg.loss_agg_mode`` says, each metric a masked token mean."""
+    loss = aggregate_sequence_sums(sums["loss"], sums["count"], cfg.loss_agg_mode, seq_len,
+                                   cfg.max_len)
+    count = jnp.maximum(jnp.sum(sums["count"]), 1.0)
+    metrics = {METRIC_NAMES[k]: _sg(jnp.sum(sums[k]) / count) for k in METRIC_NAMES
+               if k in sums}
     return loss, metrics
+
+
+def ppo_loss(x: PPOInputs, cfg: PPOConfig):
+    """(loss, metrics) of SPEC's ppo_loss, in plain jnp, token by token."""
+    seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
+    sums = masked_row_sums(token_summands(x, cfg, seq), x.mask)
+    return loss_and_metrics(sums, cfg, x.logp.shape[-1])
+
+
+def grpo_loss(x: PPOInputs, cfg: PPOConfig):
+    """(loss, policy_loss, kl) of SPEC's grpo_loss with β = ``cfg.kl_coef``:
+    aggregate(pg + β·kl), aggregate(pg), aggregate(kl); kl = 0 without ref_logp."""
+    seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
+    pg, _ = policy_surrogate(x, cfg, seq)
+    kl = (jnp.zeros_like(pg) if x.ref_logp is None
+          else kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator))
+    sums = masked_row_sums({"loss": pg + cfg.kl_coef * kl, "pg": pg, "kl": kl,
+                            "count": jnp.ones_like(pg)}, x.mask)
+    agg = lambda k: aggregate_sequence_sums(sums[k], sums["count"], cfg.loss_agg_mode,
+                                            pg.shape[-1], cfg.max_len)
+    return agg("loss"), agg("pg"), agg("kl")

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_RANK = 32
+"""The most dimensions an op accepts where it takes any leading shape ``[..., X]``."""
 
 
 def is_concrete(x: Any) -> bool:
@@ -42,19 +44,35 @@ def integer(name: str, x: Any) -> jax.Array:
 
 
 def mask(name: str, x: Any) -> jax.Array:
+    """A bool, float or integer mask whose values are 0 or 1.
+
+    The values are checked only when ``x`` is concrete; under tracing they cannot be,
+    and a value outside {0, 1} then simply weights its token by that value.
+    """
     x = as_array(name, x)
     if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.floating)
             or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"{name}: expected a bool or float {{0,1}} mask, got {x.dtype}")
+    if x.dtype != jnp.bool_ and is_concrete(x):
+        values = np.asarray(x)
+        bad = (values != 0) & (values != 1)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"{name}: expected values 0 or 1, got {values[pos].item()!r} at "
+                             f"position {pos}")
     return x
 
 
 def rank(name: str, x: jax.Array, ranks: int | Sequence[int], what: str = "") -> None:
+    """``x.ndim`` must be one of ``ranks``; a range up to JAX's limit reads "at least k-D"."""
     allowed = (ranks,) if isinstance(ranks, int) else tuple(ranks)
     if x.ndim not in allowed:
-        want = " or ".join(str(r) for r in allowed)
+        if isinstance(ranks, range) and ranks.step == 1 and ranks.stop > MAX_RANK:
+            want = f"at least {ranks.start}-D"
+        else:
+            want = "rank " + " or ".join(str(r) for r in allowed)
         extra = f" ({what})" if what else ""
-        raise ValueError(f"{name}: expected rank {want}{extra}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected {want}{extra}, got shape {tuple(x.shape)}")
 
 
 def shape(name: str, x: jax.Array, expected: Sequence[int], what: str) -> None:

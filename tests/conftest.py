@@ -25,6 +25,12 @@ import inspect
 import os
 import zlib
 
+# Eight host devices for the many-device tests (test_sharding.py); single-device tests still run
+# on device 0. Must be set before jax starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -12,7 +12,9 @@ Gradients are analytic (no finite differences, no autodiff):
 * The PPO surrogate is piecewise smooth; on the piece that a token is on, the
   derivative w.r.t. ``logp`` is ``-A r`` (unclipped branch, log-ratio inside
   [-20, 20]) or 0 (clipped / dual-clipped branch or clipped log-ratio), times
-  the stop-gradient TIS weight.
+  the stop-gradient TIS weight. With SPEC's sequence-level ratio, ``-A exp(l_b)``
+  on the unclipped branch (SPEC's stop-gradient form: no factor for a clipped l_b,
+  no coupling between tokens); with CISPO, ``-A clip(r)`` on every token.
 * ``aggregate`` is linear in its values: ``aggregate(x) = sum(w * x)`` with
   weights :func:`aggregate_weights` that depend on the mask only.
 """
@@ -255,44 +257,80 @@ def group_advantages_vjp(rewards, g, *, group_size=None, group_boundaries=None,
 # ----------------------------------------------------------------------------- PPO
 
 
-def ppo_token_terms(logp, old_logp, advantages, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                    rollout_logp=None, tis_cap=None, dt=F64):
-    """Per-token surrogate pieces: dict with pg, dpg (d pg / d logp), r, clipped, dual, tis."""
+def ppo_token_terms(logp, old_logp, advantages, *, mask=None, clip_low=0.2, clip_high=0.2,
+                    dual_clip=None, rollout_logp=None, tis_cap=None, ratio_level="token",
+                    policy_loss="ppo", tis_level="token", tis_mode="truncate", dt=F64):
+    """Per-token surrogate pieces: dict with pg, dpg (d pg / d logp), r, clipped, dual, tis.
+
+    SPEC "Policy-loss variants": ``ratio_level="sequence"``: r_bt = exp(l_b) with
+    l_b = clip(sum_t m (logp - old) / max(sum_t m, 1), -20, 20), and d r_bt / d logp_bt =
+    exp(l_b) (SPEC's stop-gradient form). ``policy_loss="cispo"``: pg = -A clip(r) logp with
+    clip(r) constant, so d pg / d logp = -A clip(r); "clipped" = r outside the clip range.
+    TIS log-weight: old - rollout per token, or clip(sum_t m (old - rollout), -20, 20) per
+    sequence; weight min(exp(w), cap) ("truncate") or [exp(w) <= cap] ("mask"); pg and its
+    derivative are multiplied by the weight. ``r`` is always the token-level ratio (for
+    ratio_mean); ``r_used`` the one the surrogate uses.
+    """
     lp = np.asarray(f64(logp), dt)
     old = np.asarray(f64(old_logp), dt)
     a = np.asarray(f64(advantages), dt)
     if a.ndim == 1 and lp.ndim == 2:
         a = a[:, None]
     a = np.broadcast_to(a, lp.shape)
+    m = None if mask is None else np.asarray(f64(mask), dt)
     raw = lp - old
     lr = np.clip(raw, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
     lr_inside = np.abs(raw) < LOG_RATIO_CLIP
-    r = np.exp(lr)
-    unclipped = -a * r
-    clipped_val = -a * np.clip(r, dt(1 - clip_low), dt(1 + clip_high))
-    clip_taken = clipped_val > unclipped
-    pg = np.maximum(unclipped, clipped_val)
-    dpg = np.where(clip_taken, 0, -a * r * lr_inside)
+    r_tok = np.exp(lr)
+    if ratio_level == "sequence":
+        count = np.maximum(m.sum(1, keepdims=True), 1)
+        ell = np.clip((m * raw).sum(1, keepdims=True) / count, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+        r = np.broadcast_to(np.exp(ell), lp.shape)
+        dr = r
+    else:
+        r, dr = r_tok, r_tok * lr_inside
+    low, high = dt(1 - clip_low), dt(1 + clip_high)
     dual_taken = np.zeros(lp.shape, bool)
-    if dual_clip is not None:
-        cap = -a * dt(dual_clip)
-        dual_taken = (a < 0) & (cap < pg)
-        pg = np.where(dual_taken, cap, pg)
-        dpg = np.where(dual_taken, 0, dpg)
+    if policy_loss == "cispo":
+        w = np.clip(r, low, high)
+        pg = -a * w * lp
+        dpg = -a * w
+        clip_taken = (r < low) | (r > high)
+    else:
+        unclipped = -a * r
+        clipped_val = -a * np.clip(r, low, high)
+        clip_taken = clipped_val > unclipped
+        pg = np.maximum(unclipped, clipped_val)
+        dpg = np.where(clip_taken, 0, -a * dr)
+        if dual_clip is not None:
+            cap = -a * dt(dual_clip)
+            dual_taken = (a < 0) & (cap < pg)
+            pg = np.where(dual_taken, cap, pg)
+            dpg = np.where(dual_taken, 0, dpg)
     tis = None
     if rollout_logp is not None and tis_cap is not None:
-        tis = np.minimum(np.exp(old - np.asarray(f64(rollout_logp), dt)), dt(tis_cap))
+        log_w = old - np.asarray(f64(rollout_logp), dt)
+        if tis_level == "sequence":
+            log_w = np.broadcast_to(np.clip((m * log_w).sum(1, keepdims=True), -20, 20), lp.shape)
+        if tis_mode == "mask":
+            tis = (np.exp(log_w) <= dt(tis_cap)).astype(dt)
+        else:
+            tis = np.minimum(np.exp(log_w), dt(tis_cap))
         pg = pg * tis
         dpg = dpg * tis
-    return dict(pg=pg, dpg=dpg, r=r, clipped=clip_taken, dual=dual_taken, tis=tis)
+    return dict(pg=pg, dpg=dpg, r=r_tok, r_used=r, clipped=clip_taken, dual=dual_taken, tis=tis)
 
 
 def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
              rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
-             entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None, dt=F64):
+             entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None,
+             ratio_level="token", policy_loss="ppo", tis_level="token", tis_mode="truncate",
+             dt=F64):
     """``(loss, metrics, d_logp, d_entropy, per_token)``; d_entropy is None without entropy."""
-    t = ppo_token_terms(logp, old_logp, advantages, clip_low=clip_low, clip_high=clip_high,
-                        dual_clip=dual_clip, rollout_logp=rollout_logp, tis_cap=tis_cap, dt=dt)
+    t = ppo_token_terms(logp, old_logp, advantages, mask=mask, clip_low=clip_low,
+                        clip_high=clip_high, dual_clip=dual_clip, rollout_logp=rollout_logp,
+                        tis_cap=tis_cap, ratio_level=ratio_level, policy_loss=policy_loss,
+                        tis_level=tis_level, tis_mode=tis_mode, dt=dt)
     per_token = t["pg"].copy()
     d_tok = t["dpg"].copy()
     kl = None
@@ -318,6 +356,8 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
         metrics["entropy"] = masked_mean(entropy, mask, dt)
     if t["tis"] is not None:
         metrics["tis_weight_mean"] = masked_mean(t["tis"], mask, dt)
+        if tis_mode == "mask":
+            metrics["tis_mask_fraction"] = masked_mean(t["tis"] == 0, mask, dt)
     return loss, metrics, d_logp, d_ent, per_token
 
 
@@ -357,14 +397,14 @@ def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator
 
 def _grpo_from_logp(lp, ref_lp, old_logp, rewards, mask, *, group_size, group_boundaries,
                     advantages, clip_low, clip_high, dual_clip, beta, kl_estimator,
-                    loss_agg_mode, normalize_std, eps, dt, max_len=None):
+                    loss_agg_mode, normalize_std, eps, dt, max_len=None, **variants):
     if advantages is None:
         adv = group_advantages(rewards, group_size=group_size, group_boundaries=group_boundaries,
                                normalize_std=normalize_std, eps=eps, dt=dt)
     else:
         adv = np.asarray(f64(advantages), dt)
-    t = ppo_token_terms(lp, old_logp, adv, clip_low=clip_low, clip_high=clip_high,
-                        dual_clip=dual_clip, dt=dt)
+    t = ppo_token_terms(lp, old_logp, adv, mask=mask, clip_low=clip_low, clip_high=clip_high,
+                        dual_clip=dual_clip, dt=dt, **variants)
     if ref_lp is None:
         kl = np.zeros_like(lp)
         dkl = np.zeros_like(lp)
@@ -386,15 +426,17 @@ def _grpo_from_logp(lp, ref_lp, old_logp, rewards, mask, *, group_size, group_bo
 def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, group_size=None,
               group_boundaries=None, advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None,
               beta=0.0, kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True,
-              eps=1e-6, dt=F64):
-    """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> d policy_logits."""
+              eps=1e-6, dt=F64, **variants):
+    """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> d policy_logits.
+
+    ``variants``: ratio_level, policy_loss, tis_level, tis_mode, rollout_logp, tis_cap."""
     lp, _ = token_logprobs(policy_logits, actions, dt=dt)
     ref_lp, _ = token_logprobs(ref_logits, actions, dt=dt)
     outs, d_logp, scale = _grpo_from_logp(
         lp, ref_lp, old_logp, rewards, mask, group_size=group_size,
         group_boundaries=group_boundaries, advantages=advantages, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, beta=beta, kl_estimator=kl_estimator,
-        loss_agg_mode=loss_agg_mode, normalize_std=normalize_std, eps=eps, dt=dt)
+        loss_agg_mode=loss_agg_mode, normalize_std=normalize_std, eps=eps, dt=dt, **variants)
 
     def vjp(g_loss, g_pl, g_kl):
         return token_logprobs_vjp(policy_logits, actions, d_logp(g_loss, g_pl, g_kl), dt=dt)
@@ -426,7 +468,7 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                      weight_layout="vd", ref_logp=None, group_size=None, group_boundaries=None,
                      advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
                      kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
-                     dt=F64):
+                     dt=F64, **variants):
     """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> (dh, dw, db)."""
     lp, _ = linear_logprobs(hidden, weight, actions, bias, weight_layout=weight_layout, dt=dt)
     outs, d_logp, scale = _grpo_from_logp(
@@ -434,7 +476,7 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
         group_size=group_size, group_boundaries=group_boundaries, advantages=advantages,
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, beta=beta,
         kl_estimator=kl_estimator, loss_agg_mode=loss_agg_mode, normalize_std=normalize_std,
-        eps=eps, dt=dt)
+        eps=eps, dt=dt, **variants)
 
     def vjp(g_loss, g_pl, g_kl):
         return linear_logprobs_vjp(hidden, weight, actions, d_logp(g_loss, g_pl, g_kl), None, bias,

@@ -3,7 +3,7 @@ the automatic choice. Large problems are only traced (jax.make_jaxpr / explain o
 ShapeDtypeStructs), so nothing big is allocated.
 
 Which backend ran is observed through the traced program: the jaxpr of ``backend=None``
-must equal the jaxpr of the backend that SPEC's rules select.
+must equal the jaxpr of the backend that the rules of docs/api.md select.
 """
 
 import jax
@@ -45,7 +45,7 @@ def specs(op, n_rows, vocab, d=8):
 
 VOCAB_OPS = ["token_logprobs", "linear_logprobs", "ratio_kl", "grpo_loss", "linear_ppo_loss",
              "linear_grpo_loss"]
-BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]          # the ops whose SPEC signature has backend=
+BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]          # the ops whose documented signature has backend=
 
 
 def jaxpr(op, args, kwargs, backend):
@@ -77,12 +77,32 @@ AT = (2048, 32768)         # 4 * N * V = 256 MiB exactly (not above)
 def test_available_backends(op):
     got = jk.available_backends(op)
     assert isinstance(got, tuple) and all(isinstance(x, str) for x in got)
-    assert "reference" in got
-    assert list(got) == [b for b in ALL if b in got], f"not best-first: {got}"
-    if op in VOCAB_OPS:
-        assert "chunked" in got
+    assert "reference" in got and "chunked" in got
+    assert set(got) <= set(ALL) and len(set(got)) == len(got)
     if ON_CPU:
         assert "ffi" not in got
+
+
+@pytest.mark.skipif(not ON_CPU, reason="CPU selection rules")
+@pytest.mark.parametrize("op", BACKEND_OPS + ["group_advantages"])
+def test_available_backends_on_cpu_in_the_order_automatic_choice_uses(op):
+    """reference (ordinary sizes), then chunked (large vocabularies, or asked for), then pallas
+    (interpret mode, only when asked for)."""
+    got = jk.available_backends(op)
+    want = ("reference", "chunked", "pallas") if "pallas" in got else ("reference", "chunked")
+    assert got == want
+    if op == "group_advantages":
+        return
+    args, kwargs = specs(op, *SMALL)
+    assert auto_is(op, args, kwargs, got[0])
+    if op in VOCAB_OPS:
+        args, kwargs = specs(op, *ABOVE)
+        assert auto_is(op, args, kwargs, got[1])
+
+
+def test_every_backend_name_is_listed_in_dispatch():
+    from jaxrl_kernels import dispatch
+    assert set(dispatch.BACKENDS) == set(ALL)
 
 
 def test_available_backends_unknown_op():

@@ -1,6 +1,6 @@
-"""Bad input: every error SPEC lists raises the right type naming the argument; unknown option
-strings list the valid ones; out-of-range concrete targets raise naming the first bad position,
-traced ones give NaN at exactly those positions."""
+"""Bad input: every error docs/api.md lists raises the right type naming the argument; unknown
+option strings list the valid ones; out-of-range concrete targets raise naming the first bad
+position, traced ones give NaN at exactly those positions; messages say the fix."""
 
 import re
 
@@ -338,3 +338,62 @@ def test_nan_inputs_propagate():
     assert np.isnan(float(loss)) and np.isnan(float(metrics["ratio_mean"]))
     assert np.isnan(float(jk.aggregate(logp, A["mask"])))
     assert np.isnan(np.asarray(jk.kl_penalty(logp, tok()))[0, 1])
+
+
+# ----------------------------------------------------------------------------- messages that say the fix
+
+
+@pytest.mark.parametrize("layout,weight,fits", [
+    ("vd", jnp.ones((D, V)), "dv"),        # a [D, V] Dense kernel passed as the default "vd"
+    ("dv", jnp.ones((V, D)), "vd"),        # a [V, D] embedding passed as "dv"
+])
+@pytest.mark.parametrize("op", ["linear_logprobs", "linear_ppo_loss", "linear_grpo_loss"])
+def test_weight_in_the_other_layout_names_it(op, layout, weight, fits):
+    msg = expect(ValueError, "weight", op, weight=weight, weight_layout=layout)
+    assert f"weight_layout={fits!r}" in msg, msg
+    assert f"({weight.shape[0]}, {weight.shape[1]})" in msg, msg
+
+
+def test_weight_fitting_no_layout_suggests_none():
+    msg = expect(ValueError, "weight", "linear_logprobs", weight=jnp.ones((V, D + 1)))
+    assert "'dv'" not in msg and str(D) in msg, msg
+
+
+@pytest.mark.parametrize("op,name,over", [
+    ("token_logprobs", "logits", dict(logits=jnp.zeros(()), targets=jnp.zeros((), jnp.int32))),
+    ("linear_logprobs", "hidden", dict(hidden=jnp.ones(()), targets=jnp.zeros((), jnp.int32))),
+])
+def test_scalar_logits_say_at_least_1d(op, name, over):
+    msg = expect(ValueError, name, op, **over)
+    assert "at least 1-D" in msg and " or " not in msg, msg
+
+
+MASK_OPS = ["aggregate", "ppo_loss", "policy_gradient_loss", "ratio_kl", "grpo_loss",
+            "linear_ppo_loss", "linear_grpo_loss"]
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, np.nan])
+@pytest.mark.parametrize("op", MASK_OPS)
+def test_concrete_mask_outside_0_1_raises(op, value):
+    mask = np.ones((B, T), np.float32)
+    mask[1, 2] = value
+    msg = expect(ValueError, "mask", op, mask=jnp.asarray(mask))
+    assert "(1, 2)" in msg and "0 or 1" in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [jnp.bool_, jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8])
+@pytest.mark.parametrize("op", MASK_OPS)
+def test_mask_of_0_and_1_accepted_in_any_dtype(op, dtype):
+    mask = jnp.asarray(np.array([[1, 0, 1], [0, 1, 1]]), dtype)
+    call_op(op, mask=mask)
+
+
+def test_integer_mask_outside_0_1_raises():
+    expect(ValueError, "mask", "aggregate", mask=jnp.full((B, T), 2, jnp.int32))
+
+
+def test_traced_mask_is_not_checked():
+    """Under jit the values cannot be seen: a 0.5 weight is applied as given."""
+    mask = jnp.asarray([[1.0, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    got = jax.jit(lambda m: jk.aggregate(A["logp"] * 0 + 2.0, m))(mask)
+    assert float(got) == pytest.approx(2.0 * 1.5 / 1.5)

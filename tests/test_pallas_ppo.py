@@ -1,8 +1,9 @@
 """The Pallas PPO-loss and group-advantage kernels against the float64 oracle.
 
 CPU: interpret mode with explicit plans, so that [rows, T] tiles are partial in both
-directions, a forward program adds several row tiles, and several programs' partial sums
-are combined. GPU (marked ``gpu``): B=128, T=512 and bitwise determinism.
+directions, a sum program adds several T tiles (one of them past the end), and several
+T splits' partial sums are combined. GPU (marked ``gpu``): B=128, T=512 and bitwise
+determinism.
 """
 
 import jax
@@ -15,15 +16,19 @@ from conftest import assert_close, assert_zero, cotangent, random_mask
 from jaxrl_kernels import rl_math
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 
-# block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T; 2 row tiles per program,
-# so 2 programs; the second plan has one row per tile and 7 programs.
-PLANS = {"multi_tile": pl_ppo.Plan(2, 4, 2, 1), "row_tiles": pl_ppo.Plan(1, 16, 1, 1)}
+# block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
+# 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
+# splits); "row_tiles" has one row per tile and one T tile covering T.
+PLANS = {"multi_tile": pl_ppo.Plan(2, 4, 2, 1), "t_splits": pl_ppo.Plan(2, 4, 1, 1),
+         "row_tiles": pl_ppo.Plan(1, 16, 1, 1)}
 MODES = rl_math.AGGREGATION_MODES
 
 
 def _batch(rng, b, t, *, empty_rows=(1,)):
     lp = -np.abs(rng.standard_normal((b, t))) * 2 - 0.05
-    old = lp + 0.3 * rng.standard_normal((b, t))
+    # per-sequence offsets: sequence ratios exp(l_b) on both sides of the clip range too
+    seq_shift = rng.choice([-1, 1], (b, 1)) * (0.05 + 0.35 * rng.random((b, 1)))
+    old = lp - seq_shift + 0.3 * rng.standard_normal((b, t))
     arrays = dict(
         logp=lp, old_logp=old, advantages=rng.standard_normal((b, t)),
         rollout_logp=old + 0.4 * rng.standard_normal((b, t)),
@@ -49,7 +54,8 @@ def _check(rng, arrays, mask, cfg: rl_math.PPOConfig, use, plan):
         arrays["logp"], arrays["old_logp"], arrays["advantages"], mask, clip_low=cfg.clip_low,
         clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, tis_cap=cfg.tis_cap,
         kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-        loss_agg_mode=cfg.loss_agg_mode, max_len=cfg.max_len, **orc)
+        loss_agg_mode=cfg.loss_agg_mode, max_len=cfg.max_len, ratio_level=cfg.ratio_level,
+        policy_loss=cfg.policy_loss, tis_level=cfg.tis_level, tis_mode=cfg.tis_mode, **orc)
     scale = oracle.aggregate(np.abs(per_token), mask, cfg.loss_agg_mode, cfg.max_len)
     assert_close(loss, want_loss, scale=scale, name="loss")
     assert set(metrics) == set(want_m)
@@ -79,6 +85,44 @@ def test_every_option_every_mode(rng, mode, plan):
                             kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02,
                             loss_agg_mode=mode, max_len=13 if mode.endswith("norm") else None)
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
+
+
+# (ratio_level, policy_loss, tis_level, tis_mode): each value twice, with each plan
+VARIANTS = [("sequence", "ppo", "sequence", "mask"), ("sequence", "cispo", "token", "truncate"),
+            ("token", "cispo", "sequence", "mask"), ("token", "ppo", "token", "truncate")]
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("variant", VARIANTS, ids="-".join)
+def test_policy_variants_every_plan(rng, variant, plan):
+    """The sequence sums (l_b, the sequence TIS log-weight) add up over T splits and tiles
+    that end past T, and over fully masked sequences."""
+    arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
+    ratio_level, policy_loss, tis_level, tis_mode = variant
+    cfg = rl_math.PPOConfig(clip_low=0.15, clip_high=0.25, tis_cap=1.5, kl_coef=0.1,
+                            entropy_coef=0.02, loss_agg_mode="seq_mean_token_mean",
+                            ratio_level=ratio_level, policy_loss=policy_loss,
+                            tis_level=tis_level, tis_mode=tis_mode,
+                            dual_clip=2.5 if policy_loss == "ppo" else None)
+    _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
+
+
+def test_forward_sums_hold_the_sequence_sums(rng):
+    """The one forward pass gives, per sequence, Σ m and the sums SPEC's l_b and sequence
+    TIS log-weight need (when those options are on), over T splits."""
+    arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
+    x = _inputs(arrays, mask, ALL)
+    tokens = {k: v for k, v in x._asdict().items() if v is not None}
+    plan = PLANS["t_splits"]
+    token_level = pl_ppo.forward_sums(tokens, rl_math.PPOConfig(tis_cap=2.0), plan)
+    assert "log_ratio" not in token_level and "tis_log_weight" not in token_level
+    cfg = rl_math.PPOConfig(tis_cap=2.0, ratio_level="sequence", tis_level="sequence")
+    sums = pl_ppo.forward_sums(tokens, cfg, plan)
+    assert_close(sums["count"], mask.sum(1))
+    d = arrays["logp"] - arrays["old_logp"]
+    assert_close(sums["log_ratio"], (mask * d).sum(1), scale=np.abs(d).sum(1))
+    w = arrays["old_logp"] - arrays["rollout_logp"]
+    assert_close(sums["tis_log_weight"], (mask * w).sum(1), scale=np.abs(w).sum(1))
 
 
 @pytest.mark.parametrize("estimator", ["k1", "abs", "k2"])
@@ -140,12 +184,18 @@ def test_jit_vmap_and_determinism(rng):
 
 
 def test_plan_heuristic():
-    for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1)]:
+    cdiv = lambda a, b: -(-a // b)
+    for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1), (8, 32768), (1, 100000)]:
         plan = pl_ppo.make_plan(b, t)
         assert plan.block_t & (plan.block_t - 1) == 0 and plan.block_t <= 1024
         assert plan.block_rows * plan.block_t <= max(pl_ppo.TILE_ELEMENTS, plan.block_t)
-        programs = -(-(-(-b // plan.block_rows)) // plan.chunks_per_program)
-        assert 1 <= programs <= pl_ppo.MAX_FORWARD_PROGRAMS
+        row_tiles, t_tiles = cdiv(b, plan.block_rows), cdiv(t, plan.block_t)
+        splits = cdiv(t_tiles, plan.t_tiles_per_program)
+        assert 1 <= plan.t_tiles_per_program <= t_tiles
+        # T is split only while the grid is short of MIN_SUM_PROGRAMS programs
+        assert splits == 1 or row_tiles * (splits - 1) < pl_ppo.MIN_SUM_PROGRAMS
+    long = pl_ppo.make_plan(8, 32768)
+    assert long.t_tiles_per_program < 32   # small B, long T: T is split over programs
 
 
 # ----------------------------------------------------------------------------- group advantages
@@ -200,6 +250,29 @@ def test_gpu_ppo_real_size(rng, mode):
     first, again = step(x.logp), step(x.logp)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t", [(128, 512), (3, 20000)])
+@pytest.mark.parametrize("variant", VARIANTS + [("sequence", "ppo", "token", "truncate"),
+                                                ("token", "cispo", "token", "truncate")],
+                         ids="-".join)
+def test_gpu_policy_variants_real_size(rng, variant, b, t):
+    """The new options at realistic sizes (incl. long T split over programs): oracle values,
+    metrics, gradients, and bitwise-equal reruns."""
+    arrays, mask = _batch(rng, b, t, empty_rows=(1,))
+    ratio_level, policy_loss, tis_level, tis_mode = variant
+    cfg = rl_math.PPOConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05,
+                            entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean",
+                            ratio_level=ratio_level, policy_loss=policy_loss,
+                            tis_level=tis_level, tis_mode=tis_mode)
+    _check(rng, arrays, mask, cfg, ALL, None)
+    x = _inputs(arrays, mask, ALL)
+    step = jax.jit(jax.value_and_grad(
+        lambda lp: pl_ppo.ppo_loss(x._replace(logp=lp), cfg)[0]))
+    first, again = step(x.logp), step(x.logp)
+    for a, b_ in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        assert np.asarray(a).tobytes() == np.asarray(b_).tobytes()
 
 
 @pytest.mark.gpu

@@ -2,8 +2,8 @@
 # On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
-#   STEPS="tests ffi linear logits ppo demo tunix"   what to run, in order (tunix needs the
-#                                              wheels of .whl/tunix, see README "Use with tunix")
+#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward, many_devices,
+#                                              tunix: needs the wheels of .whl/tunix)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
@@ -37,10 +37,12 @@ step() {  # step <seconds> <command...>: run it under a time limit, then re-pack
   timeout "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
   (cd "$OUT" && tar czf results.tar.gz results)
 }
-for s in ${STEPS-tests ffi linear logits ppo demo tunix}; do
+for s in ${STEPS-tests ffi linear logits ppo demo}; do
   case $s in
     tests) step 240 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
+    backward) step 300 python3 -m benchmarks.bench_linear --backward ;;
+    many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     tunix) step 540 python3 -m benchmarks.bench_tunix ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac

@@ -12,12 +12,11 @@ covered (``col < c·size``) are masked out.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import rl_math
+from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.reference import linear_logits, matmul_precision
 
 CHUNK_BYTES = 4 * 2**20
@@ -79,17 +78,10 @@ def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
     return [(stats, *rl_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
 
 
-def _outputs(stats, entropy, target_z, targets, row_valid, vocab):
-    """Per-row outputs, with logp = (z_t - m) - log s taken relative to the row max."""
-    in_range = (targets >= 0) & (targets < vocab)
-    return rl_math.finalize_logprob(target_z - stats[0], jnp.log(stats[1]), entropy, in_range,
-                                    row_valid)
-
-
-def _masked_cotangents(row_valid, g_logp, g_ent):
-    g_logp = jnp.where(row_valid, g_logp, 0.0)
-    g_ent = None if g_ent is None else jnp.where(row_valid, g_ent, 0.0)
-    return g_logp, g_ent
+def _relative(stats, target_z):
+    """``(m, s, a | None, z_target − m)``: the per-row statistics of ``logprob_core``."""
+    a = stats[2] if len(stats) == 3 else None
+    return stats[0], stats[1], a, target_z - stats[0]
 
 
 # -- log-probs from logits ---------------------------------------------------------------
@@ -101,80 +93,36 @@ def _logits_chunk(logits, temperature):
     return chunk
 
 
-def _logits_backward(logits, targets, row_valid, lse, entropy, g_logp, g_ent, temperature):
+def token_stats(logits, targets, row_valid, *, temperature, with_entropy):
+    n_rows, vocab = logits.shape
+    [(stats, _, _, target_z)] = _softmax_stats(
+        lambda s, n: (_logits_chunk(logits, temperature)(s, n),), n_rows, vocab, targets,
+        with_entropy)
+    return _relative(stats, target_z)
+
+
+def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature):
+    n_rows, vocab = policy_logits.shape
+    policy_chunk = _logits_chunk(policy_logits, temperature)
+    ref_chunk = _logits_chunk(ref_logits, temperature)
+    streams = _softmax_stats(lambda s, n: (policy_chunk(s, n), ref_chunk(s, n)), n_rows, vocab,
+                             targets, False)
+    return tuple(_relative(stats, target_z) for stats, _, _, target_z in streams)
+
+
+def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature):
     """d loss / d logits, written chunk by chunk into one buffer of the logits' dtype."""
     n_rows, vocab = logits.shape
-    g_logp, g_ent = _masked_cotangents(row_valid, g_logp, g_ent)
     z_chunk = _logits_chunk(logits, temperature)
 
     def body(d_logits, start, cols, fresh, size):
         is_target = cols[None, :] == targets[:, None]
         dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
-                                       g_ent, temperature)
-        dz = jnp.where(row_valid[:, None], dz, 0.0).astype(d_logits.dtype)
+                                       g_ent, temperature).astype(d_logits.dtype)
         old = jax.lax.dynamic_slice_in_dim(d_logits, start, size, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(d_logits, jnp.where(fresh, dz, old), start, 1)
 
     return _scan_chunks(body, jnp.zeros_like(logits), n_rows, vocab)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _token_logprobs(logits, targets, row_valid, temperature, return_entropy):
-    return _token_logprobs_fwd(logits, targets, row_valid, temperature, return_entropy)[0]
-
-
-def _token_logprobs_fwd(logits, targets, row_valid, temperature, return_entropy):
-    n_rows, vocab = logits.shape
-    [(stats, lse, entropy, target_z)] = _softmax_stats(
-        lambda s, n: (_logits_chunk(logits, temperature)(s, n),), n_rows, vocab, targets,
-        return_entropy)
-    out = _outputs(stats, entropy, target_z, targets, row_valid, vocab)
-    return out, (logits, targets, row_valid, lse, entropy)
-
-
-def _token_logprobs_bwd(temperature, return_entropy, res, g):
-    logits, targets, row_valid, lse, entropy = res
-    g_logp, g_ent = g
-    d_logits = _logits_backward(logits, targets, row_valid, lse, entropy, g_logp,
-                                g_ent if return_entropy else None, temperature)
-    return d_logits, None, None
-
-
-_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
-
-
-def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy):
-    return _token_logprobs(logits, targets, row_valid, temperature, return_entropy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _paired_logprobs(policy_logits, ref_logits, targets, row_valid, temperature):
-    return _paired_logprobs_fwd(policy_logits, ref_logits, targets, row_valid, temperature)[0]
-
-
-def _paired_logprobs_fwd(policy_logits, ref_logits, targets, row_valid, temperature):
-    n_rows, vocab = policy_logits.shape
-    policy_chunk = _logits_chunk(policy_logits, temperature)
-    ref_chunk = _logits_chunk(ref_logits, temperature)
-    (stats, lse, _, tz), (ref_stats, _, _, ref_tz) = _softmax_stats(
-        lambda s, n: (policy_chunk(s, n), ref_chunk(s, n)), n_rows, vocab, targets, False)
-    logp, _ = _outputs(stats, None, tz, targets, row_valid, vocab)
-    ref_logp, _ = _outputs(ref_stats, None, ref_tz, targets, row_valid, vocab)
-    return (logp, ref_logp), (policy_logits, targets, row_valid, lse, ref_logits)
-
-
-def _paired_logprobs_bwd(temperature, res, g):
-    policy_logits, targets, row_valid, lse, ref_logits = res
-    d_policy = _logits_backward(policy_logits, targets, row_valid, lse, None, g[0], None,
-                                temperature)
-    return d_policy, jnp.zeros_like(ref_logits), None, None
-
-
-_paired_logprobs.defvjp(_paired_logprobs_fwd, _paired_logprobs_bwd)
-
-
-def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature):
-    return _paired_logprobs(policy_logits, ref_logits, targets, row_valid, temperature)
 
 
 # -- log-probs of a linear head -----------------------------------------------------------
@@ -192,15 +140,24 @@ def _linear_chunk(hidden, weight, bias, weight_layout, temperature):
     return chunk
 
 
-def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-                             g_ent, *, weight_layout, temperature):
+def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                 with_entropy):
+    n_rows = hidden.shape[0]
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
+    [(stats, _, _, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows, vocab,
+                                               targets, with_entropy)
+    return _relative(stats, target_z)
+
+
+def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature):
     """(d_hidden, d_weight, d_bias | None) from per-row cotangents, chunk by chunk.
 
     For each vocabulary chunk: dz = d loss/d logits (float32), then
     d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32.
     """
     n_rows, vocab = hidden.shape[0], (weight.shape[0] if weight_layout == "vd" else weight.shape[1])
-    g_logp, g_ent = _masked_cotangents(row_valid, g_logp, g_ent)
     z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
     hidden32 = hidden.astype(jnp.float32)
     hi = matmul_precision(jnp.float32)
@@ -211,7 +168,7 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
         is_target = cols[None, :] == targets[:, None]
         dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
                                        g_ent, temperature)
-        dz = jnp.where(row_valid[:, None] & fresh, dz, 0.0)
+        dz = jnp.where(fresh, dz, 0.0)
         w = _weight_chunk(weight, start, size, weight_layout).astype(jnp.float32)
         if weight_layout == "vd":
             d_hidden = d_hidden + jnp.matmul(dz, w, precision=hi)
@@ -236,47 +193,11 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
             None if bias is None else d_bias.astype(bias.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                     return_entropy):
-    return _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout,
-                                temperature, return_entropy)[0]
-
-
-def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                         return_entropy):
-    n_rows = hidden.shape[0]
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
-    [(stats, lse, entropy, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows,
-                                                       vocab, targets, return_entropy)
-    out = _outputs(stats, entropy, target_z, targets, row_valid, vocab)
-    return out, (hidden, weight, bias, targets, row_valid, lse, entropy)
-
-
-def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
-    hidden, weight, bias, targets, row_valid, lse, entropy = res
-    g_logp, g_ent = g
-    d_hidden, d_weight, d_bias = linear_logprobs_backward(
-        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-        g_ent if return_entropy else None, weight_layout=weight_layout, temperature=temperature)
-    return d_hidden, d_weight, d_bias, None, None
-
-
-_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
-
-
-def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy):
-    return _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout,
-                            temperature, return_entropy)
-
-
 OPS = {
-    "token_logprobs": token_logprobs,
-    "paired_logprobs": paired_logprobs,
-    "linear_logprobs": linear_logprobs,
-    "linear_logprobs_backward": linear_logprobs_backward,
+    "token_logprobs": Parts(token_stats, token_backward),
+    "paired_logprobs": Parts(paired_stats, token_backward),
+    "linear_logprobs": Parts(linear_stats, linear_backward),
+    "linear_logprobs_backward": linear_backward,
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }

@@ -18,13 +18,12 @@ runs once per batch element (``vmap_method="sequential"``).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, rl_math
+from jaxrl_kernels import dispatch, logprob_core
+from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"
 SERVED_DTYPES = ("bfloat16", "float16")
@@ -97,50 +96,32 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
                 temperature=np.float32(temperature))
 
 
-def _vocab(weight, weight_layout):
-    return weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                     return_entropy):
-    return _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout,
-                                temperature, return_entropy)[0]
-
-
-def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                         return_entropy):
+def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                 with_entropy):
+    """The row statistics of ``logprob_core`` from the custom call's finalized outputs: with
+    ``m = lse`` the sum of exponentials is 1, ``a = −entropy`` and ``z_target − m = logp``."""
     logp, entropy, lse = _forward_call(hidden, weight, bias, targets, row_valid, weight_layout,
                                        temperature)
-    out_entropy = None
-    if return_entropy:
-        vocab = _vocab(weight, weight_layout)
-        in_range = (targets >= 0) & (targets < vocab)
-        _, out_entropy = rl_math.finalize_logprob(logp, jnp.zeros_like(logp), entropy, in_range,
-                                                  row_valid)
-    return (logp, out_entropy), (hidden, weight, bias, targets, row_valid, lse, entropy)
-
-
-def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, res, g):
-    hidden, weight, bias, targets, row_valid, lse, entropy = res
-    g_logp, g_ent = g
-    problem = dispatch.linear_problem("linear_logprobs", hidden, weight, bias,
-                                      weight_layout=weight_layout, return_entropy=return_entropy)
-    backward = dispatch.select("linear_logprobs", problem, primitive="linear_logprobs_backward",
-                               strict=False)
-    d_hidden, d_weight, d_bias = dispatch.record("linear_logprobs_backward", backward).impl(
-        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-        g_ent if return_entropy else None, weight_layout=weight_layout, temperature=temperature)
-    return d_hidden, d_weight, d_bias, None, None
-
-
-_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+    return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
 def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                     return_entropy):
-    return _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout,
-                            float(temperature), bool(return_entropy))
+    """The ``linear_logprobs`` primitive on [N, D] hidden states (backward from dispatch)."""
+    problem = dispatch.linear_problem("linear_logprobs", hidden, weight, bias,
+                                      weight_layout=weight_layout, return_entropy=return_entropy)
+
+    def backward():
+        choice = dispatch.select("linear_logprobs", problem,
+                                 primitive="linear_logprobs_backward", strict=False)
+        return dispatch.record("linear_logprobs_backward", choice).impl
+
+    return logprob_core.linear_logprobs(
+        PARTS, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+        weight_layout=weight_layout, temperature=float(temperature),
+        return_entropy=bool(return_entropy), backward=backward)
 
 
-OPS = {"linear_logprobs": linear_logprobs}
+PARTS = Parts(linear_stats, backward=None)  # the backward is the one dispatch picks
+
+OPS = {"linear_logprobs": PARTS}

@@ -1,4 +1,9 @@
-"""The reference backend: plain jnp, materialises float32 logits. The oracle the others match."""
+"""The reference backend: plain jnp, materialises float32 logits. The oracle the others match.
+
+Its log-prob ops are ``logprob_core.Whole``: jax differentiates them itself, and under sharding
+they run as plain jnp (XLA's partitioner for Auto mesh axes; ``shard_map`` with collectives
+over a split vocabulary otherwise).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import rl_math
+from jaxrl_kernels.logprob_core import Whole
 
 
 def unavailable_reason() -> str | None:
@@ -31,42 +37,66 @@ def linear_logits(hidden, weight, bias, weight_layout):
     return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
-def _logprobs_from_z(z, targets, row_valid, return_entropy):
-    vocab = z.shape[-1]
-    logp_all = jax.nn.log_softmax(z, axis=-1)
-    in_range = (targets >= 0) & (targets < vocab)
-    safe = jnp.where(in_range & row_valid, targets, 0)
-    logp = jnp.take_along_axis(logp_all, safe[:, None], axis=-1)[:, 0]
+def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
+    """Log-probs (and entropies) of z [N, V_local]; the vocabulary may be split over
+    ``vocab_axes`` (this device holds ids [i·V_local, (i+1)·V_local)). Plain jnp: jax
+    differentiates it, collectives included (the max only shifts, so it carries no gradient)."""
+    local_vocab = z.shape[-1]
+    offset = jax.lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
+    t_local = targets - offset
+    psum = (lambda x: jax.lax.psum(x, vocab_axes)) if vocab_axes else (lambda x: x)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+    if vocab_axes:
+        m = jax.lax.pmax(m, vocab_axes)
+    shifted = z - m[:, None]
+    e = jnp.exp(shifted)
+    log_s = jnp.log(psum(jnp.sum(e, axis=-1)))
+    is_target = jnp.arange(local_vocab)[None, :] == t_local[:, None]
+    target_rel = psum(jnp.sum(jnp.where(is_target, shifted, 0.0), axis=-1))
+    holders = psum(jnp.sum(is_target.astype(jnp.int32), axis=-1))
     entropy = None
     if return_entropy:
-        p = jnp.exp(logp_all)
-        entropy = -jnp.sum(p * jnp.where(p > 0, logp_all, 0.0), axis=-1)
-    return rl_math.finalize_logprob(logp, jnp.zeros_like(logp), entropy, in_range, row_valid)
+        p = e / jnp.exp(log_s)[:, None]
+        entropy = log_s - psum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
+    return rl_math.finalize_logprob(target_rel, log_s, entropy, holders == 1, row_valid)
 
 
-def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy):
-    z = logits.astype(jnp.float32) / temperature
-    return _logprobs_from_z(z, targets, row_valid, return_entropy)
+def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
+    shape = targets.shape
+    flat = [None if x is None else x.reshape((-1,) + x.shape[n_row_dims:]) for x in operands]
+    logp, entropy = fn(*flat, targets.reshape(-1), row_valid.reshape(-1), **kw)
+    return logp.reshape(shape), None if entropy is None else entropy.reshape(shape)
 
 
-def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature):
-    logp, _ = token_logprobs(policy_logits, targets, row_valid, temperature=temperature,
-                             return_entropy=False)
-    ref, _ = token_logprobs(jax.lax.stop_gradient(ref_logits), targets, row_valid,
-                            temperature=temperature, return_entropy=False)
+def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
+                   n_row_dims=1):
+    def flat(logits, targets, row_valid):
+        z = logits.astype(jnp.float32) / temperature
+        return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
+    return _flat_rows(lambda x, t, v: flat(x, t, v), n_row_dims, targets, row_valid, logits)
+
+
+def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),
+                    n_row_dims=1):
+    kw = dict(temperature=temperature, return_entropy=False, vocab_axes=vocab_axes,
+              n_row_dims=n_row_dims)
+    logp, _ = token_logprobs(policy_logits, targets, row_valid, **kw)
+    ref, _ = token_logprobs(jax.lax.stop_gradient(ref_logits), targets, row_valid, **kw)
     return logp, ref
 
 
 def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy):
-    z = linear_logits(hidden, weight, bias, weight_layout) / temperature
-    return _logprobs_from_z(z, targets, row_valid, return_entropy)
+                    return_entropy, vocab_axes=(), n_row_dims=1):
+    def flat(hidden, targets, row_valid):
+        z = linear_logits(hidden, weight, bias, weight_layout) / temperature
+        return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
+    return _flat_rows(flat, n_row_dims, targets, row_valid, hidden)
 
 
 OPS = {
-    "token_logprobs": token_logprobs,
-    "paired_logprobs": paired_logprobs,
-    "linear_logprobs": linear_logprobs,
+    "token_logprobs": Whole(token_logprobs),
+    "paired_logprobs": Whole(paired_logprobs),
+    "linear_logprobs": Whole(linear_logprobs),
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }

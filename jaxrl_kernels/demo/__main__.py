@@ -1,80 +1,105 @@
-"""Command line: ``python -m jaxrl_kernels.demo [--algo grpo] [--out DIR] ...``."""
+"""Command line: ``python -m jaxrl_kernels.demo [--algo grpo] [--out DIR] [--resume DIR] ...``.
+
+One flag per field of :class:`~jaxrl_kernels.demo.train.Config`, its help text taken
+from the field. Every mistake the command line can catch (a bad value, an impossible
+model, a missing or foreign checkpoint, a flag that contradicts the checkpoint being
+resumed, a backend that cannot run here) ends the program with one line on stderr
+and exit status 2, before anything is compiled.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import sys
 
-from jaxrl_kernels.demo.algos import ALGOS
+import jaxrl_kernels as jrk
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.demo import checkpoint, train
 
-_HELP = {
-    "algo": "RL algorithm",
-    "digits": "digits per operand of the addition task",
-    "held_out": "number of operand pairs held out for evaluation",
-    "d_model": "model width",
-    "layers": "transformer layers",
-    "heads": "attention heads",
-    "warmup_steps": "supervised warm-start steps (kept short on purpose)",
-    "warmup_batch": "warm-start batch size",
-    "warmup_lr": "warm-start learning rate",
-    "steps": "RL steps",
-    "batch_size": "prompts per RL step",
-    "group_size": "answers sampled per prompt",
-    "lr": "RL learning rate (adamw, global-norm clipping 1.0)",
-    "lr_warmup": "RL steps over which the learning rate ramps up from 0",
-    "temperature": "sampling temperature (the losses score the same tempered policy)",
-    "kl_coef": "KL coefficient to the frozen warm-start policy (grpo, ppo)",
-    "clip_low": "PPO/GRPO ratio clip below 1",
-    "clip_high": "PPO/GRPO ratio clip above 1",
-    "dual_clip": "PPO dual clip constant (> 1)",
-    "tis_cap": "PPO truncated importance sampling cap against the sampler's log-probs",
-    "ppo_epochs": "PPO passes over each rollout batch",
-    "ppo_minibatches": "PPO minibatches per pass",
-    "eval_every": "held-out evaluation every N RL steps",
-    "seed": "random seed",
-    "backend": "jaxrl_kernels backend for every op (default: automatic)",
-    "out": "write log.json, curves.png and checkpoint.msgpack here",
-    "resume": "continue RL from a checkpoint.msgpack written by --out",
-}
+PROG = "python -m jaxrl_kernels.demo"
+RL_GROUP = "RL algorithm and loss"  # the title of RLConfig's fields, which name no group
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line on stderr, not the usage block."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG, argument_default=argparse.SUPPRESS,
+        description="Warm-start a small Flax transformer on addition, then fine-tune it with "
+                    "RL through jaxrl_kernels' fused ops; prints held-out accuracy before and "
+                    "after. Defaults are in brackets.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for field in dataclasses.fields(train.Config):
+        title = field.metadata.get("group", RL_GROUP)
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
+        helptext, default = field.metadata["help"], field.default
+        if field.name == "tie_embeddings":
+            group.add_argument("--untied-head", dest="tie_embeddings", action="store_false",
+                               help="a separate [D, V] LM head (layout 'dv') instead of the tied "
+                                    "[V, D] token embedding (layout 'vd')")
+            continue
+        kind = field.metadata.get("type") or {int: int, float: float}.get(type(default), str)
+        kwargs = {"help": helptext if default is None else f"{helptext} [{default}]",
+                  "metavar": field.metadata.get("metavar") or {int: "N", float: "X"}.get(kind)}
+        if "choices" in field.metadata:
+            kwargs["choices"] = field.metadata["choices"]
+            kwargs["metavar"] = "{" + ",".join(field.metadata["choices"]) + "}"
+        group.add_argument(train.flag(field.name), type=kind, **kwargs)
+    run_group = groups["run"]
+    run_group.add_argument("--no-progress", dest="progress", action="store_false",
+                           help="no progress bar")
+    return parser
 
 
 def parse_args(argv=None):
-    from jaxrl_kernels.demo.train import Config
+    """``(Config, progress)`` from the command line; exits with one line on any mistake."""
+    parser = _parser()
+    given = vars(parser.parse_args(argv))
+    progress = given.pop("progress", True)
+    env = os.environ.get(dispatch.ENV_VAR)
+    if env and env not in dispatch.BACKENDS:
+        parser.error(f"environment variable {dispatch.ENV_VAR}={env!r} is not a backend; "
+                     f"valid: {', '.join(dispatch.BACKENDS)}")
+    try:
+        if "resume" in given:
+            cfg = train.resume_config(given.pop("resume"), **given)
+        else:
+            cfg = train.Config(**given)
+    except checkpoint.CheckpointError as err:
+        parser.error(f"--resume: {err}")
+    except ValueError as err:
+        parser.error(_with_flag(str(err)))
+    if cfg.backend is not None and cfg.backend not in jrk.available_backends("linear_logprobs"):
+        parser.error(f"--backend {cfg.backend}: cannot run here; available: "
+                     f"{', '.join(jrk.available_backends('linear_logprobs'))}")
+    return cfg, progress
 
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxrl_kernels.demo",
-        description="Warm-start a small Flax transformer on addition, then fine-tune it with "
-                    "RL using jaxrl_kernels' fused ops; prints held-out accuracy before/after.")
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        default = field.default
-        if field.name == "tie_embeddings":
-            parser.add_argument("--untied-head", dest="tie_embeddings", action="store_false",
-                                help="separate [D, V] LM head (layout 'dv') instead of the "
-                                     "tied [V, D] embedding (layout 'vd')")
-            continue
-        kind = {bool: bool, int: int, float: float}.get(type(default), str)
-        kwargs = {"default": default, "help": f"{_HELP.get(field.name, '')} (default: {default})"}
-        if field.name == "algo":
-            kwargs["choices"] = ALGOS
-        if field.name == "backend":
-            kwargs["choices"] = ("reference", "chunked", "pallas", "ffi")
-        parser.add_argument(flag, type=kind, **kwargs)
-    parser.add_argument("--no-progress", dest="progress", action="store_false",
-                        help="no progress bar")
-    args = vars(parser.parse_args(argv))
-    progress = args.pop("progress")
-    return Config(**args), progress
+
+def _with_flag(message: str) -> str:
+    """``"d_model: expected ..."`` -> ``"--d-model: expected ..."`` (the name the user typed)."""
+    match = re.match(r"(\w+): ", message)
+    if match and match.group(1) in {f.name for f in dataclasses.fields(train.Config)}:
+        return train.flag(match.group(1)) + message[match.end() - 2:]
+    return message
 
 
 def main(argv=None) -> int:
     cfg, progress = parse_args(argv)
-    import jaxrl_kernels as jrk
-    from jaxrl_kernels.demo.train import run
-
-    with jrk.use_backend(cfg.backend):
-        run(cfg, progress=progress)
+    try:
+        with jrk.use_backend(cfg.backend):
+            train.run(cfg, progress=progress)
+    except NotImplementedError as err:  # an explicit backend that cannot serve these inputs
+        print(f"{PROG}: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Training steps: the supervised warm start and five RL algorithms.
+"""Training steps: the supervised warm start and seven RL algorithms.
 
 Every step is one jitted function ``(state, prompts, sums, key) -> (state,
 metrics)``; an RL step samples ``group_size`` answers per prompt with
@@ -18,12 +18,26 @@ With rewards ``r`` of a batch of ``B = prompts * group_size`` answers:
   ``ppo_minibatches`` minibatches, dual clip, and truncated importance
   sampling ``min(exp(old_logp - rollout_logp), tis_cap)`` against the
   sampler's own log-probs.
+* ``gspo``: as ``ppo``, with one ratio per answer (``ratio_level="sequence"``:
+  the exponentiated mean of its tokens' log-ratios), the small clip range of
+  the GSPO paper and per-answer loss aggregation; no dual clip.
+* ``cispo``: as ``ppo``, with ``policy_loss="cispo"``: every token keeps the
+  gradient of ``-A * logp``, weighted by its clipped, stopped ratio; no dual
+  clip.
 * ``reinforce``: ``policy_gradient_loss`` with ``A = r - mean(r)``.
 * ``best_of_n``: ``policy_gradient_loss`` with ``A = 1`` on the best answer of
   each group when it is correct and 0 elsewhere (the NLL of the chosen
   answers).
 * ``reward_weighted``: ``policy_gradient_loss`` with ``A = r`` (NLL weighted by
   reward).
+
+``rollout_correction`` weighs the policy-gradient term of ``grpo``, ``ppo``,
+``gspo`` and ``cispo`` by the trainer's and the sampler's log-probs of the
+sampled tokens, ``w = exp(old_logp - rollout_logp)`` per token or per answer,
+truncated at ``tis_cap`` or zero above it (the ops' ``tis_level`` and
+``tis_mode``). Here the sampler and the trainer hold the same parameters, so
+the two differ only by rounding and ``w`` stays close to 1 (metric
+``tis_weight_mean``); with a separate inference engine they differ more.
 
 The sampler draws from ``softmax(logits / temperature)`` and every loss scores
 that same distribution: ``linear_logprobs`` and ``linear_ppo_loss`` take
@@ -42,42 +56,112 @@ import jax.numpy as jnp
 import optax
 
 import jaxrl_kernels as jrk
+from jaxrl_kernels import dispatch, rl_math
+from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling
 from jaxrl_kernels.demo.task import AdditionTask
 
-ALGOS = ("grpo", "ppo", "reinforce", "best_of_n", "reward_weighted")
+ALGOS = ("grpo", "ppo", "gspo", "cispo", "reinforce", "best_of_n", "reward_weighted")
+GROUP_ALGOS = ("grpo", "ppo", "gspo", "cispo", "best_of_n")  # compare answers within a group
+PPO_STYLE = ("ppo", "gspo", "cispo")  # several updates per rollout through linear_ppo_loss
+ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
+                       "sequence-mask")
+
+# The defaults of the fields declared with ``default=None`` below: the first value that applies.
+ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {"rollout_correction": "token-truncate"},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "dual_clip": None,
+             "loss_agg_mode": "seq_mean_token_mean"},
+    # No lower bound on the weight, as in the CISPO paper; one pass over each rollout, since
+    # every token keeps a gradient (two passes at lr 5e-4 collapse on the default task).
+    "cispo": {"dual_clip": None, "clip_low": 0.99, "ppo_epochs": 1},
+    "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "loss_agg_mode": "token_mean",
+          "rollout_correction": "none", "ppo_epochs": 2},
+}
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
 
 
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A config field whose ``help`` becomes its command-line help (see ``demo.__main__``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+def per_algo(name: str, help: str, kind: type, **meta: Any) -> Any:
+    """A field whose default depends on ``algo`` (:data:`ALGO_DEFAULTS`); None asks for it."""
+    common = ALGO_DEFAULTS["*"][name]
+    shown = lambda v: "off" if v is None else v
+    special = "".join(f"; {algo}: {shown(d[name])}" for algo, d in ALGO_DEFAULTS.items()
+                      if algo != "*" and name in d)
+    return option(None, f"{help} [{shown(common)}{special}]", type=kind, **meta)
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    algo: str = "grpo"
-    group_size: int = 8
-    temperature: float = 1.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 3.0
-    tis_cap: float = 2.0
-    ppo_epochs: int = 2
-    ppo_minibatches: int = 2
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token_mean"
-    backend: str | None = None
+    """What an RL step computes: the algorithm and its loss options.
+
+    Invalid values raise ``ValueError`` naming the field when the config is built.
+    """
+
+    algo: str = option("grpo", "RL algorithm", choices=ALGOS)
+    group_size: int = option(8, "answers sampled per prompt")
+    temperature: float = option(1.0, "sampling temperature; the losses score the same "
+                                     "tempered policy")
+    kl_coef: float = option(0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo, "
+                                 "gspo, cispo)")
+    kl_estimator: str = option("k3", "KL estimator", choices=rl_math.KL_ESTIMATORS)
+    clip_low: float | None = per_algo("clip_low", "ratio clip below 1 (grpo, ppo, gspo, "
+                                                   "cispo)", float)
+    clip_high: float | None = per_algo("clip_high", "ratio clip above 1 (grpo, ppo, gspo, "
+                                                     "cispo)", float)
+    dual_clip: float | None = per_algo("dual_clip", "dual clip constant, > 1 (ppo, gspo)", float)
+    rollout_correction: str | None = per_algo(
+        "rollout_correction", "weigh the policy gradient by exp(trainer - sampler log-probs) "
+        "per token or per answer, truncated at --tis-cap or masked above it (grpo, ppo, gspo, "
+        "cispo)", str, choices=ROLLOUT_CORRECTIONS)
+    tis_cap: float = option(2.0, "the cap of --rollout-correction")
+    ppo_epochs: int | None = per_algo("ppo_epochs", "passes over each rollout batch (ppo, gspo, "
+                                                     "cispo)", int)
+    ppo_minibatches: int = option(2, "minibatches per pass (ppo, gspo, cispo)")
+    entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo, gspo, cispo)")
+    loss_agg_mode: str | None = per_algo("loss_agg_mode", "loss aggregation", str,
+                                         choices=rl_math.AGGREGATION_MODES)
+    backend: str | None = option(None, "jaxrl_kernels backend for every op; automatic choice "
+                                       "when not given", choices=dispatch.BACKENDS)
 
     def __post_init__(self):
-        if self.algo not in ALGOS:
-            raise ValueError(f"algo: expected one of {', '.join(ALGOS)}, got {self.algo!r}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size: expected >= 1, got {self.group_size}")
-        if self.algo in ("grpo", "ppo", "best_of_n") and self.group_size < 2:
-            raise ValueError(f"group_size: {self.algo} compares answers within a group, "
-                             f"expected >= 2, got {self.group_size}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        check.option("algo", self.algo, ALGOS)
+        defaults = {**ALGO_DEFAULTS["*"], **ALGO_DEFAULTS.get(self.algo, {})}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: only while being built
+        at_least("group_size", self.group_size, 2 if self.algo in GROUP_ALGOS else 1,
+                 f"{self.algo} compares answers within a group" if self.algo in GROUP_ALGOS
+                 else "")
+        check.positive("temperature", self.temperature)
+        check.option("kl_estimator", self.kl_estimator, rl_math.KL_ESTIMATORS)
+        check.clip_options(self.clip_low, self.clip_high, self.dual_clip)
+        check.positive("tis_cap", self.tis_cap)
+        at_least("ppo_epochs", self.ppo_epochs, 1)
+        at_least("ppo_minibatches", self.ppo_minibatches, 1)
+        check.option("loss_agg_mode", self.loss_agg_mode, rl_math.AGGREGATION_MODES)
+        check.option("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if self.rollout_correction != "none" and self.algo not in ("grpo",) + PPO_STYLE:
+            raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "
+                             f"policy_gradient_loss, has no importance weight), got "
+                             f"{self.rollout_correction!r}")
+        if self.algo == "cispo" and self.dual_clip is not None:
+            raise ValueError(f"dual_clip: cispo has no dual clip, got {self.dual_clip}")
+        if self.backend is not None:
+            check.option("backend", self.backend, dispatch.BACKENDS)
+
+
+def at_least(name: str, value: Any, low: int, why: str = "") -> None:
+    """``value`` must be an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected an int >= {low}{because}, got {value!r}")
 
 
 def make_optimizer(lr: float, *, warmup: int = 0, clip_norm: float = 1.0,
@@ -150,8 +234,18 @@ def _grpo_loss(lm, cfg, params, batch, ref_logp):
         hidden, weight, batch["actions"], old_logp, batch["rewards"], batch["mask"],
         weight_layout=layout, ref_logp=ref_logp, group_size=cfg.group_size,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend)
+        kl_estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend,
+        **_rollout_correction(cfg, batch))
     return loss, {"policy_loss": policy_loss, "kl": kl}
+
+
+def _rollout_correction(cfg, batch) -> dict[str, Any]:
+    """The ops' importance-weight arguments for ``cfg.rollout_correction``."""
+    if cfg.rollout_correction == "none":
+        return {}
+    level, mode = cfg.rollout_correction.split("-")
+    return {"rollout_logp": batch["rollout_logp"], "tis_cap": cfg.tis_cap, "tis_level": level,
+            "tis_mode": mode}
 
 
 def _pg_advantages(batch, cfg):
@@ -184,10 +278,11 @@ def _ppo_loss(lm, cfg, params, batch):
     return jrk.linear_ppo_loss(
         hidden, weight, batch["actions"], batch["old_logp"], batch["advantages"], batch["mask"],
         weight_layout=layout, temperature=cfg.temperature, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, rollout_logp=batch["rollout_logp"],
-        tis_cap=cfg.tis_cap, ref_logp=batch.get("ref_logp"), kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-        loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend)
+        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ref_logp=batch.get("ref_logp"),
+        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
+        loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend,
+        ratio_level="sequence" if cfg.algo == "gspo" else "token",
+        policy_loss="cispo" if cfg.algo == "cispo" else "ppo", **_rollout_correction(cfg, batch))
 
 
 def _ppo_update(lm, cfg, optimizer, state, batch, key):
@@ -240,7 +335,7 @@ def make_rl_step(lm, task: AdditionTask, optimizer, cfg: RLConfig) -> Callable:
         batch = {"prompts": prompts, "actions": actions, "mask": mask,
                  "rollout_logp": rollout_logp, "rewards": scores["reward"],
                  "correct": scores["correct"]}
-        if cfg.algo == "ppo":
+        if cfg.algo in PPO_STYLE:
             params, opt_state, loss, extra = _ppo_update(lm, cfg, optimizer, state, batch,
                                                          update_key)
         else:

@@ -16,6 +16,16 @@ import jax
 import jax.numpy as jnp
 
 
+def check_dims(d_model: int, layers: int, heads: int) -> None:
+    """ValueError naming the field unless the sizes make a model: positive, heads divide d_model."""
+    for name, value in (("d_model", d_model), ("layers", layers), ("heads", heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if d_model % heads:
+        raise ValueError(f"d_model: expected a multiple of heads={heads} (each head gets "
+                         f"d_model / heads features), got {d_model}")
+
+
 class Block(nn.Module):
     d_model: int
     heads: int
@@ -43,9 +53,7 @@ class CausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"d_model: expected a multiple of heads={self.heads}, got {self.d_model}")
+        check_dims(self.d_model, self.layers, self.heads)
         t = tokens.shape[-1]
         x = nn.Embed(self.vocab, self.d_model, name="embed")(tokens)
         pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.d_model))

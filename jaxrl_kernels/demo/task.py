@@ -33,6 +33,7 @@ import numpy as np
 PLUS, EQUALS, EOS, PAD = 10, 11, 12, 13
 VOCAB = 14
 _SPLIT_SEED = 20240611
+MAX_DIGITS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +55,19 @@ class AdditionTask:
     def seq_len(self) -> int:
         return self.prompt_len + self.max_new
 
+    def __post_init__(self):
+        if isinstance(self.digits, bool) or self.digits not in range(1, MAX_DIGITS + 1):
+            raise ValueError(f"digits: expected 1..{MAX_DIGITS} (the task enumerates all "
+                             f"(10^digits)^2 operand pairs), got {self.digits!r}")
+        n = 10 ** self.digits
+        if not 0 < self.held_out < n * n // 2:
+            raise ValueError(f"held_out: expected 1..{n * n // 2 - 1} for digits={self.digits} "
+                             f"(less than half of the {n * n} operand pairs), got "
+                             f"{self.held_out}")
+
     def _pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """All operand pairs as flat indices, split into (train pool, held-out)."""
         n = 10 ** self.digits
-        if not 0 < self.held_out < n * n // 2:
-            raise ValueError(f"held_out: expected 1..{n * n // 2 - 1} for digits={self.digits}, "
-                             f"got {self.held_out}")
         order = np.random.default_rng(_SPLIT_SEED).permutation(n * n)
         return np.sort(order[self.held_out:]), np.sort(order[:self.held_out])
 

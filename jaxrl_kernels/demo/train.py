@@ -2,13 +2,15 @@
 
 1. Supervised warm start: ``warmup_steps`` steps of teacher-forced NLL on correct
    answers (deliberately short, so the policy is right only part of the time).
-2. RL: ``steps`` steps of the chosen algorithm (see :mod:`algos`) on prompts
-   drawn from the training pool; each step's prompts and sampling key are a
-   pure function of ``(seed, step)``, so a run resumed from a checkpoint takes
-   the same steps as an uninterrupted one.
+2. RL up to ``steps`` steps in total of the chosen algorithm (see :mod:`algos`)
+   on prompts drawn from the training pool; each step's prompts and sampling
+   key are a pure function of ``(seed, step)``, so a run resumed from a
+   checkpoint takes the same steps as an uninterrupted one.
 3. Held-out evaluation (greedy decoding on prompts training never sees) before
    RL, every ``eval_every`` steps and at the end; a final table; with ``out``,
-   a JSON log, a PNG plot and the final checkpoint.
+   a JSON log, a PNG plot and a checkpoint holding the state, the
+   configuration and the log, which :func:`resume_config` and :func:`run`
+   continue (a resumed run skips the warm start and extends the log).
 """
 
 from __future__ import annotations
@@ -27,57 +29,139 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import algos, checkpoint
+from jaxrl_kernels.demo.algos import option
 from jaxrl_kernels.demo.model import CausalLM
+from jaxrl_kernels.demo.model import check_dims as model_check_dims
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import EOS, VOCAB, AdditionTask
 
 
-@dataclasses.dataclass
-class Config:
-    algo: str = "grpo"
-    digits: int = 2
-    held_out: int = 500
-    d_model: int = 64
-    layers: int = 2
-    heads: int = 4
-    tie_embeddings: bool = True
-    warmup_steps: int = 350
-    warmup_batch: int = 64
-    warmup_lr: float = 1e-3
-    steps: int = 800
-    batch_size: int = 16
-    group_size: int = 8
-    lr: float = 5e-4
-    lr_warmup: int = 20
-    temperature: float = 1.0
-    kl_coef: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float = 3.0
-    tis_cap: float = 2.0
-    ppo_epochs: int = 2
-    ppo_minibatches: int = 2
-    eval_every: int = 50
-    seed: int = 0
-    backend: str | None = None
-    out: str | None = None
-    resume: str | None = None
+TASK, TRAINING, RUN = "task and model", "training", "run"
+RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
+"""The fields a resumed run may change; every other one comes from the checkpoint."""
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def flag_text(name: str, value: Any) -> str:
+    """How the command line spells ``name=value``."""
+    if name == "tie_embeddings":
+        return "--untied-head" if value is False else ""
+    return f"{flag(name)} {value}".strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(algos.RLConfig):
+    """A whole run: the RL step's options (:class:`algos.RLConfig`) plus task, model, training.
+
+    ``steps`` is the total number of RL steps, those of a resumed checkpoint included.
+    Invalid values raise ``ValueError`` naming the field when the config is built.
+    """
+
+    digits: int = option(2, "digits per operand of the addition task", group=TASK)
+    held_out: int = option(500, "operand pairs held out for evaluation", group=TASK)
+    d_model: int = option(64, "model width", group=TASK)
+    layers: int = option(2, "transformer layers", group=TASK)
+    heads: int = option(4, "attention heads", group=TASK)
+    tie_embeddings: bool = option(True, "LM head tied to the [V, D] token embedding (layout "
+                                        "'vd'); else a separate [D, V] head (layout 'dv')",
+                                  group=TASK)
+    warmup_steps: int = option(350, "supervised warm-start steps, kept short on purpose",
+                               group=TRAINING)
+    warmup_batch: int = option(64, "warm-start batch size", group=TRAINING)
+    warmup_lr: float = option(1e-3, "warm-start learning rate", group=TRAINING)
+    steps: int = option(800, "RL steps in total, counting those a resumed checkpoint has done",
+                        group=TRAINING)
+    batch_size: int = option(16, "prompts per RL step", group=TRAINING)
+    lr: float = option(5e-4, "RL learning rate (adamw, global-norm clipping 1.0)",
+                       group=TRAINING)
+    lr_warmup: int = option(20, "RL steps over which the learning rate ramps up from 0",
+                            group=TRAINING)
+    seed: int = option(0, "random seed", group=TRAINING)
+    eval_every: int = option(50, "held-out evaluation every this many RL steps", group=RUN)
+    out: str | None = option(None, "write log.json, curves.png and checkpoint.msgpack to this "
+                                   "directory; with --resume, the checkpoint's directory when "
+                                   "not given", group=RUN, metavar="DIR")
+    resume: str | None = option(None, "continue a run: its --out directory or its "
+                                      "checkpoint.msgpack; the configuration comes from the "
+                                      "checkpoint, and only " + ", ".join(
+                                          flag_text(n, "") for n in RESUMABLE[:-1])
+                                      + " may differ", group=RUN, metavar="PATH")
+
+    def __post_init__(self):
+        super().__post_init__()
+        AdditionTask(digits=self.digits, held_out=self.held_out)  # raises on a bad task
+        model_check_dims(self.d_model, self.layers, self.heads)
+        for name, low in (("warmup_steps", 0), ("warmup_batch", 1), ("steps", 1),
+                          ("batch_size", 1), ("lr_warmup", 0), ("seed", 0), ("eval_every", 1)):
+            algos.at_least(name, getattr(self, name), low)
+        check.positive("warmup_lr", self.warmup_lr)
+        check.positive("lr", self.lr)
+        rollouts = self.batch_size * self.group_size
+        if self.algo in algos.PPO_STYLE and rollouts % self.ppo_minibatches:
+            raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch "
+                             f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}")
 
     def rl_config(self) -> algos.RLConfig:
-        return algos.RLConfig(
-            algo=self.algo, group_size=self.group_size, temperature=self.temperature,
-            kl_coef=self.kl_coef, clip_low=self.clip_low, clip_high=self.clip_high,
-            dual_clip=self.dual_clip, tis_cap=self.tis_cap, ppo_epochs=self.ppo_epochs,
-            ppo_minibatches=self.ppo_minibatches, backend=self.backend)
+        """The RL step's part: what the jitted RL program depends on."""
+        return algos.RLConfig(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(algos.RLConfig)})
+
+
+def resume_config(path: str, **changes: Any) -> Config:
+    """The configuration to continue the run saved at ``path`` (its directory or checkpoint).
+
+    ``changes`` are fields given for the resumed run: those in :data:`RESUMABLE` replace
+    the saved ones (``out`` defaults to the checkpoint's directory); any other must equal
+    the saved value, else ``ValueError`` names each conflict.
+    """
+    saved = checkpoint.load(path)
+    base = _saved_config(saved)
+    conflicts = [f"{flag_text(k, v)} (the checkpoint has {k}={getattr(base, k)})"
+                 for k, v in changes.items() if k not in RESUMABLE and v != getattr(base, k)]
+    if conflicts:
+        raise ValueError(f"resume: a resumed run keeps the checkpoint's configuration; drop "
+                         f"{'; '.join(conflicts)}")
+    kept = {k: v for k, v in changes.items() if k in RESUMABLE}
+    kept.setdefault("out", os.path.dirname(saved.path) or ".")
+    cfg = dataclasses.replace(base, **kept, resume=saved.path)
+    _check_resumable(cfg, saved)
+    return cfg
+
+
+def _saved_config(saved: checkpoint.Saved) -> Config:
+    known = {f.name for f in dataclasses.fields(Config)}
+    if set(saved.config) != known:
+        raise checkpoint.CheckpointError(
+            f"{saved.path}: written by another version of the demo (its configuration has "
+            f"fields {sorted(set(saved.config) ^ known)} that this version "
+            "does not share)")
+    return Config(**saved.config)
+
+
+def _check_resumable(cfg: Config, saved: checkpoint.Saved) -> None:
+    """``cfg`` may continue ``saved``: same fixed fields, and steps left to take."""
+    base = _saved_config(saved)
+    differ = [f.name for f in dataclasses.fields(Config)
+              if f.name not in RESUMABLE and getattr(cfg, f.name) != getattr(base, f.name)]
+    if differ:
+        raise ValueError(f"resume: {', '.join(differ)} differ from the checkpoint's "
+                         "configuration; build the config with resume_config()")
+    if cfg.steps <= saved.step:
+        raise ValueError(f"steps: the checkpoint has done {saved.step} RL steps and steps is the "
+                         f"total, so expected more than {saved.step}, got {cfg.steps}")
 
 
 # The jitted programs are cached by what they depend on, so building a second Demo
 # with the same model and options (a resumed run, a notebook re-run, the tests) reuses
 # the compiled programs instead of compiling them again.
 @functools.lru_cache(maxsize=32)
-def _model(digits: int, d_model: int, layers: int, heads: int, tie: bool) -> CausalLM:
-    max_len = AdditionTask(digits=digits).seq_len - 1
+def _model(max_len: int, d_model: int, layers: int, heads: int, tie: bool) -> CausalLM:
     return CausalLM(vocab=VOCAB, max_len=max_len, d_model=d_model, layers=layers, heads=heads,
                     tie_embeddings=tie)
 
@@ -111,11 +195,13 @@ class Demo:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.task = AdditionTask(digits=cfg.digits, held_out=cfg.held_out)
-        model_key = (cfg.digits, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
+        model_key = (self.task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads,
+                     cfg.tie_embeddings)
         self.lm = _model(*model_key)
         self.init_fn = _init_program(model_key)
         self.sft_optimizer, self.sft_step = _sft_program(model_key, cfg.warmup_lr, cfg.backend)
-        updates_per_step = cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo == "ppo" else 1
+        updates_per_step = (cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo in algos.PPO_STYLE
+                            else 1)
         self.rl_optimizer, self.rl_step = _rl_program(
             model_key, self.task, cfg.lr, cfg.lr_warmup * updates_per_step, cfg.rl_config())
         self.evaluate_fn = _eval_program(model_key, self.task, cfg.temperature)
@@ -174,44 +260,33 @@ def _round(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
-    """Run the demo end to end; returns the log (also written under ``cfg.out``)."""
+    """Run the demo end to end; returns the log (also written under ``cfg.out``).
+
+    With ``cfg.resume`` (build such a config with :func:`resume_config`) the run continues
+    the checkpoint's: its state, and its log, which the new steps extend.
+    """
     stream = stream if stream is not None else sys.stdout
     t_start = time.perf_counter()
     demo = Demo(cfg)
-    log: dict[str, Any] = {"config": dataclasses.asdict(cfg), "warm_start": [], "rl": [],
-                           "evals": []}
-
     if cfg.resume:
-        template = demo.init_state(demo.init_params())
-        state = checkpoint.restore(cfg.resume, template)
-        first = int(state["step"])
-        warm_seconds = 0.0
+        saved = checkpoint.load(cfg.resume)
+        _check_resumable(cfg, saved)
+        state = checkpoint.restore(saved, demo.init_state(demo.init_params()))
+        log = saved.history
+        log["resumed_at"] = log.get("resumed_at", []) + [saved.step]
+        warm_seconds = None
     else:
-        params = demo.init_params()
-        opt_state = demo.sft_optimizer.init(params)
-        bar = Progress(cfg.warmup_steps, "warm start", enabled=progress)
-        t0 = time.perf_counter()
-        for i in range(cfg.warmup_steps):
-            params, opt_state, loss = demo.sft_step(params, opt_state, *demo.sft_batch(i))
-            if (i + 1) % 10 == 0 or i + 1 == cfg.warmup_steps:
-                loss = float(loss)
-                log["warm_start"].append({"step": i + 1, "nll": loss})
-                bar.update(i + 1, nll=loss)
-        bar.close()
-        jax.block_until_ready(params)
-        warm_seconds = time.perf_counter() - t0
-        state = demo.init_state(params)
-        first = 0
+        log = {"warm_start": [], "rl": [], "evals": [], "resumed_at": []}
+        state, warm_seconds = _warm_start(demo, log, progress)
+    log["config"] = dataclasses.asdict(cfg)
+    first = int(state["step"])
 
     before = demo.evaluate(state["ref_params"])
-    log["evals"].append({"step": 0, **_round(before)})
-    if cfg.resume:
-        current = demo.evaluate(state["params"])
-        log["evals"].append({"step": first, **_round(current)})
-
+    if not cfg.resume:
+        log["evals"].append({"step": 0, **_round(before)})
+    last = log["evals"][-1]
     bar = Progress(cfg.steps - first, f"RL {cfg.algo}", enabled=progress)
     step_seconds, compile_seconds, tokens = 0.0, 0.0, 0.0
-    last = before
     for step in range(first, cfg.steps):
         t0 = time.perf_counter()
         state, metrics = demo.step(state, step)
@@ -232,7 +307,6 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
     after = demo.evaluate(state["params"])
 
     peak, peak_kind = peak_memory()
-    rl_steps = max(cfg.steps - first, 0)
     summary = {
         "algo": cfg.algo,
         "device": f"{jax.default_backend()} ({jax.local_devices()[0].device_kind})",
@@ -245,11 +319,12 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         "held_out_reward_after": after["reward"],
         "sampled_reward_before": before["sampled_reward"],
         "sampled_reward_after": after["sampled_reward"],
-        "train_reward_first": log["rl"][0]["reward"] if log["rl"] else float("nan"),
-        "train_reward_last10": (float(np.mean([r["reward"] for r in log["rl"][-10:]]))
-                                if log["rl"] else float("nan")),
-        "tokens_per_second": tokens / step_seconds if step_seconds > 0 else float("nan"),
-        "rl_step_ms": 1e3 * step_seconds / max(rl_steps - 1, 1),
+        "train_reward_first": log["rl"][0]["reward"],
+        "train_reward_last10": float(np.mean([r["reward"] for r in log["rl"][-10:]])),
+        "rl_steps_this_run": cfg.steps - first,
+        "resumed_from_step": first if cfg.resume else None,
+        "tokens_per_second": tokens / step_seconds if step_seconds > 0 else None,
+        "rl_step_ms": 1e3 * step_seconds / (cfg.steps - first - 1) if step_seconds > 0 else None,
         "rl_first_step_seconds": compile_seconds,
         "warm_start_seconds": warm_seconds,
         "peak_memory_bytes": peak,
@@ -264,11 +339,30 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         with open(os.path.join(cfg.out, "log.json"), "w") as f:
             json.dump(log, f, indent=1)
         plot(log, os.path.join(cfg.out, "curves.png"))
-        checkpoint.save(os.path.join(cfg.out, "checkpoint.msgpack"), state)
-        print(f"wrote {cfg.out}/log.json, {cfg.out}/curves.png, {cfg.out}/checkpoint.msgpack",
+        checkpoint.save(os.path.join(cfg.out, checkpoint.FILENAME), state,
+                        config=log["config"], history=log)
+        print(f"wrote {cfg.out}/log.json, {cfg.out}/curves.png, {cfg.out}/{checkpoint.FILENAME}",
               file=stream)
     log["state"] = state
     return log
+
+
+def _warm_start(demo: Demo, log: dict[str, Any], progress: bool) -> tuple[algos.State, float]:
+    """The supervised warm start; returns the initial RL state and its duration in seconds."""
+    cfg = demo.cfg
+    params = demo.init_params()
+    opt_state = demo.sft_optimizer.init(params)
+    bar = Progress(cfg.warmup_steps, "warm start", enabled=progress)
+    t0 = time.perf_counter()
+    for i in range(cfg.warmup_steps):
+        params, opt_state, loss = demo.sft_step(params, opt_state, *demo.sft_batch(i))
+        if (i + 1) % 10 == 0 or i + 1 == cfg.warmup_steps:
+            loss = float(loss)
+            log["warm_start"].append({"step": i + 1, "nll": loss})
+            bar.update(i + 1, nll=loss)
+    bar.close()
+    jax.block_until_ready(params)
+    return demo.init_state(params), time.perf_counter() - t0
 
 
 def format_table(s: dict[str, Any], cfg: Config) -> str:
@@ -294,36 +388,53 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
         f"{'':38s}{'warm start':>12s}{'after RL':>12s}{'change':>12s}",
     ]
     lines += [f"{a:38s}{b:>12s}{c:>12s}{d:>12s}" for a, b, c, d in rows]
+    if s["tokens_per_second"] is None:
+        throughput = (f"one step this run, {s['rl_first_step_seconds']:.1f} s including "
+                      "compilation (no steady-state rate)")
+    else:
+        throughput = (f"{s['tokens_per_second']:,.0f} sampled tokens/s ({s['rl_step_ms']:.1f} "
+                      f"ms/step; first step incl. compile {s['rl_first_step_seconds']:.1f} s)")
+    if s["resumed_from_step"] is None:
+        phases = f"warm start {s['warm_start_seconds']:.1f} s"
+    else:
+        n = s["rl_steps_this_run"]
+        phases = f"resumed at RL step {s['resumed_from_step']}, {n} step{'s' * (n != 1)} this run"
     lines += [
-        f"{'RL throughput':38s}{s['tokens_per_second']:,.0f} sampled tokens/s "
-        f"({s['rl_step_ms']:.1f} ms/step; first step incl. compile "
-        f"{s['rl_first_step_seconds']:.1f} s)",
+        f"{'RL throughput':38s}{throughput}",
         f"{'peak memory':38s}{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({s['peak_memory_kind']})",
-        f"{'wall time':38s}{s['wall_seconds']:.1f} s (warm start {s['warm_start_seconds']:.1f} s)",
+        f"{'wall time':38s}{s['wall_seconds']:.1f} s ({phases})",
     ]
     return "\n".join(lines)
 
 
 def plot(log: dict[str, Any], path: str) -> None:
+    """Three panels: the warm start's NLL, the RL reward, held-out accuracy; resumes marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
+    warm = log["warm_start"]
+    ax0.plot([w["step"] for w in warm], [w["nll"] for w in warm], "o-", ms=2)
+    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token",
+            title="supervised warm start")
     steps = [r["step"] for r in log["rl"]]
-    ax1.plot(steps, [r["reward"] for r in log["rl"]], lw=0.8, alpha=0.5, label="train (sampled)")
+    rewards = [r["reward"] for r in log["rl"]]
+    ax1.plot(steps, rewards, lw=0.8, alpha=0.5, label="train (sampled)")
     if len(steps) >= 10:
-        kernel = np.ones(10) / 10
-        smooth = np.convolve([r["reward"] for r in log["rl"]], kernel, mode="valid")
+        smooth = np.convolve(rewards, np.ones(10) / 10, mode="valid")
         ax1.plot(steps[9:], smooth, lw=1.6, label="train, 10-step mean")
     ev = log["evals"]
     ax1.plot([e["step"] for e in ev], [e["sampled_reward"] for e in ev], "o-", ms=3,
              label="held-out (sampled)")
     ax1.set(xlabel="RL step", ylabel="mean reward", title="reward")
-    ax1.legend(fontsize=8)
     ax2.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3)
-    ax2.set(xlabel="RL step (0 = warm start)", ylabel="accuracy (%)",
+    ax2.set(xlabel="RL step (0 = after the warm start)", ylabel="accuracy (%)",
             title="held-out accuracy (greedy)")
+    for ax in (ax1, ax2):
+        for i, step in enumerate(log.get("resumed_at", [])):
+            ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if i == 0 else None)
+    ax1.legend(fontsize=8)
     cfg = log["config"]
     fig.suptitle(f"jaxrl_kernels demo: {cfg['algo']}, seed {cfg['seed']}")
     fig.tight_layout()

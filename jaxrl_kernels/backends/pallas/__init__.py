@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = {
+_SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),
     "ppo": ("ppo_loss", "group_advantages"),
     "linear": ("linear_logprobs", "linear_logprobs_backward"),
@@ -26,7 +26,7 @@ for _name, _primitives in _SUBMODULES.items():
             _MISSING[_p] = f"pallas.{_name} is not available: {_err}"
         continue
     for _p in _primitives:
-        OPS[_p] = getattr(_mod, _p)
+        OPS[_p] = _mod.OPS[_p]
         _DECLINERS[_p] = getattr(_mod, "declines", None)
 
 

@@ -34,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import logprob_core, rl_math
+from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.pallas import common
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -63,7 +64,7 @@ class Config:
     target_k: int = 128
     grad: TileConfig = TileConfig()
     chunk_bytes: int = 32 * 2**20  # dz buffers of one backward chunk (see _chunk_size)
-    grad_mode: str = "concat"  # how 16-bit dz enters the GEMMs (see linear_logprobs_backward)
+    grad_mode: str = "f16"  # how 16-bit dz enters the GEMMs (see linear_backward)
     epilogue: str = "softmax"  # "max": running max only -- the bare-GEMM timing variant
 
 
@@ -286,28 +287,25 @@ def _target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
     )(*args)
 
 
-def _forward(hidden, weight, bias, targets, row_valid, *, layout, temperature, return_entropy,
-             config):
-    """(logp, entropy | None, lse): the op's outputs and the saved per-row lse."""
-    vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                 with_entropy, config=None):
+    """The row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``."""
+    config = config or DEFAULT_CONFIG
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     scale = 1.0 / temperature
-    parts = _stats_call(hidden, weight, bias, layout=layout, scale=scale,
-                        with_entropy=return_entropy, config=config)
+    parts = _stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
+                        with_entropy=with_entropy, config=config)
     stats = _merge_splits(tuple(parts))
-    lse, entropy = rl_math.online_softmax_finalize(stats)
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
-    target_z = _target_call(hidden, weight, bias, safe, layout=layout, scale=scale,
+    target_z = _target_call(hidden, weight, bias, safe, layout=weight_layout, scale=scale,
                             config=config)
-    # logp = (z_t - m) - log s: relative to the row max, exact even where |z| ~ 1e4.
-    logp, entropy = rl_math.finalize_logprob(target_z - stats[0], jnp.log(stats[1]), entropy,
-                                             in_range, row_valid)
-    return logp, entropy, lse
+    return stats[0], stats[1], (stats[2] if with_entropy else None), target_z - stats[0]
 
 
 # -- backward ------------------------------------------------------------------------------
 
-GRAD_MODES = ("split", "concat", "tf32", "bf16")
+GRAD_MODES = ("f16", "split", "concat", "tf32", "bf16")
 
 
 def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, temperature,
@@ -406,27 +404,57 @@ def _chunk_size(n_rows: int, vocab: int, bytes_per_entry: int, config: Config) -
     return min(size, vocab)
 
 
+def _row_bound(g_logp, g_ent, entropy, temperature):
+    """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0)."""
+    bound = jnp.abs(g_logp)
+    if g_ent is not None:
+        bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
+    bound = bound / temperature
+    return jnp.where(bound > 0, bound, 1.0).astype(jnp.float32)
+
+
+def _pow2_at_least(x):
+    """The smallest power of two >= x (1 for x <= 0 or not finite)."""
+    ok = jnp.isfinite(x) & (x > 0)
+    return jnp.where(ok, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, x, 1.0)))), 1.0)
+
+
+def _pow2_range(amax, target=2.0 ** 14):
+    """A power of two σ with σ·amax <= target: float16 operands keep their range (max 65504)
+    and leave the subnormals to what is 2^-24 of the largest value."""
+    return target / _pow2_at_least(amax.astype(jnp.float32))
+
+
 def _tf32():
     """TF32 products with float32 accumulation; interpret mode (CPU) has exact float32 instead."""
     return (lax.DotAlgorithmPreset.TF32_TF32_F32 if jax.default_backend() == "gpu"
             else lax.Precision.HIGHEST)
 
 
-def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-                             g_ent, *, weight_layout, temperature, config=None):
+def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature, config=None):
     """(d_hidden, d_weight, d_bias | None) of linear_logprobs from per-row cotangents.
 
-    ``lse`` [N] is the per-row logsumexp of z, ``entropy`` [N] the entropy output (both are
-    ignored on rows that are invalid or whose target is out of range; those rows get no
-    gradient). ``g_ent``/``entropy`` may be None. For each vocabulary chunk c, in order:
+    The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
+    rows without a gradient, whose cotangents are 0), ``entropy`` [N] the entropy output;
+    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term. For each
+    vocabulary chunk c, in order:
     dz = d loss/d logits (``rl_math.logprob_grad_tile``), d_hidden += dz·W_c (float32),
     d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz.
 
-    Precision of the two products for 16-bit inputs (``config.grad_mode``): rounding dz once
-    to bf16 (2^-8 relative, mode "bf16") can exceed SPEC's bf16 tolerance wherever one term
-    dominates a sum, so by default dz goes in as two bf16 parts hi + lo (2^-16; "split": four
-    GEMMs, "concat": two GEMMs over hi|lo stacked along the contraction) or as float32 with
-    TF32 products ("tf32", 2^-11). float32 inputs: float32 dz, full-precision float32 GEMMs.
+    Precision of the two products for 16-bit inputs (``config.grad_mode``). By default
+    ("f16") the kernel writes ``G = dz / s`` per row, with
+    ``s = (|g| + |g_ent|·(1/e + |H|)) / T`` a bound of |dz| on the row (|onehot − p| <= 1 and
+    |p (log p + H)| <= 1/e + |H|), so G lies in [−1, 1] and float16 holds it to 2^-11 -- three
+    bits more than bf16, at bf16's cost. The GEMMs then run on float16 operands with float32
+    accumulation and the scales outside them, all exact powers of two except ``s``:
+    ``d_hidden = s · (G · W16_c) / σ_c`` with ``W16_c = σ_c · W_c``, and
+    ``d_W_c = (S / σ_h) · Gᵀ · h16`` with ``h16 = σ_h · (s / S) · h``; σ_c, σ_h, S are powers of
+    two that keep the float16 operands within range. Two GEMM-equivalents, as for float32.
+    The other modes exist to measure what precision costs: "bf16" (dz rounded once to bf16,
+    2^-8, which can exceed SPEC's bf16 tolerance), "split" / "concat" (dz as two bf16 parts
+    hi + lo, 2^-16: four GEMMs, or two over hi|lo stacked along the contraction), "tf32"
+    (float32 dz, TF32 products). float32 inputs: float32 dz, full-precision float32 GEMMs.
     """
     config = config or DEFAULT_CONFIG
     layout = weight_layout
@@ -438,18 +466,22 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
     if mode not in GRAD_MODES + ("f32",):
         raise ValueError(f"config.grad_mode: unknown {mode!r}; valid: {', '.join(GRAD_MODES)}")
     parts = {"split": "pair", "concat": "concat"}.get(mode, "one")
-    dz_dtype = jnp.float32 if mode in ("f32", "tf32") else compute_dtype
-    operand_dtype = jnp.float32 if mode == "tf32" else compute_dtype
+    dz_dtype = {"f32": jnp.float32, "tf32": jnp.float32, "f16": jnp.float16}.get(mode,
+                                                                                compute_dtype)
+    operand_dtype = jnp.float32 if mode == "tf32" else dz_dtype
     precision = {"f32": lax.Precision.HIGHEST, "tf32": _tf32()}.get(mode)
 
-    active = row_valid & (targets >= 0) & (targets < vocab)
-    targets = jnp.where(active, targets, -1).astype(jnp.int32)
-    lse = jnp.where(active, lse, jnp.inf).astype(jnp.float32)  # p = 0 on inactive rows
-    g_logp = jnp.where(active, g_logp, 0.0).astype(jnp.float32)
-    if g_ent is not None:
-        entropy = jnp.where(active, entropy, 0.0).astype(jnp.float32)
-        g_ent = jnp.where(active, g_ent, 0.0).astype(jnp.float32)
+    targets = targets.astype(jnp.int32)
     hidden_op = hidden.astype(operand_dtype)
+    if mode == "f16":
+        row_scale = _row_bound(g_logp, g_ent, entropy, temperature)
+        g_logp = g_logp / row_scale
+        g_ent = None if g_ent is None else g_ent / row_scale
+        top = _pow2_at_least(jnp.max(row_scale))
+        scaled_h = hidden.astype(jnp.float32) * (row_scale / top)[:, None]
+        sigma_h = _pow2_range(jnp.max(jnp.abs(scaled_h)))
+        hidden_op = (scaled_h * sigma_h).astype(jnp.float16)
+        d_w_scale = top / sigma_h
 
     def dot(a, b, contract):
         return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
@@ -480,8 +512,18 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
         buffers, d_b = _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp,
                                   entropy, g_ent, layout=layout, temperature=temperature,
                                   parts=parts, dz_dtype=dz_dtype, config=config)
-        w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(operand_dtype)
-        d_h, d_w = products(buffers, w_c, size)
+        w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis)
+        if mode == "f16":
+            sigma_c = _pow2_range(jnp.max(jnp.abs(w_c)).astype(jnp.float32))
+            d_h, d_w = products(buffers, (w_c.astype(jnp.float32) * sigma_c).astype(jnp.float16),
+                                size)
+            d_h, d_w = d_h * (row_scale / sigma_c)[:, None], d_w * d_w_scale
+            if d_bias is not None:
+                d_b = lax.dot_general(row_scale, buffers[0].astype(jnp.float32),
+                                      (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+        else:
+            d_h, d_w = products(buffers, w_c.astype(operand_dtype), size)
         d_hidden = d_hidden + d_h
         d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
                                                    axis=w_axis)
@@ -502,41 +544,22 @@ def linear_logprobs_backward(hidden, weight, bias, targets, row_valid, lse, entr
             None if bias is None else d_bias.astype(bias.dtype))
 
 
-# -- the primitive --------------------------------------------------------------------------
+# -- the parts of logprob_core, and the primitive built from them ---------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _linear_logprobs(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                     return_entropy, config):
-    logp, entropy, _ = _forward(hidden, weight, bias, targets, row_valid, layout=weight_layout,
-                                temperature=temperature, return_entropy=return_entropy,
-                                config=config)
-    return logp, entropy
-
-
-def _linear_logprobs_fwd(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                         return_entropy, config):
-    logp, entropy, lse = _forward(hidden, weight, bias, targets, row_valid,
-                                  layout=weight_layout, temperature=temperature,
-                                  return_entropy=return_entropy, config=config)
-    return (logp, entropy), (hidden, weight, bias, targets, row_valid, lse, entropy)
-
-
-def _linear_logprobs_bwd(weight_layout, temperature, return_entropy, config, res, g):
-    hidden, weight, bias, targets, row_valid, lse, entropy = res
-    g_logp, g_ent = g
-    d_hidden, d_weight, d_bias = linear_logprobs_backward(
-        hidden, weight, bias, targets, row_valid, lse, entropy, g_logp,
-        g_ent if return_entropy else None, weight_layout=weight_layout,
-        temperature=temperature, config=config)
-    return d_hidden, d_weight, d_bias, None, None
-
-
-_linear_logprobs.defvjp(_linear_logprobs_fwd, _linear_logprobs_bwd)
+def kernel_parts(config: Config | None = None) -> Parts:
+    """The ``logprob_core.Parts`` of these kernels under ``config``."""
+    config = config or DEFAULT_CONFIG
+    return Parts(functools.partial(linear_stats, config=config),
+                 functools.partial(linear_backward, config=config))
 
 
 def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                     return_entropy, config=None):
-    """The ``linear_logprobs`` primitive (see ``dispatch``): (logp [N], entropy [N] | None)."""
-    return _linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-                            weight_layout, float(temperature), bool(return_entropy),
-                            config or DEFAULT_CONFIG)
+    """The ``linear_logprobs`` primitive on [N, D] hidden states: (logp [N], entropy [N] | None)."""
+    return logprob_core.linear_logprobs(
+        kernel_parts(config), hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+        weight_layout=weight_layout, temperature=float(temperature),
+        return_entropy=bool(return_entropy))
+
+
+OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}

@@ -36,7 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import logprob_core, rl_math
+from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.pallas import common
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -114,7 +115,9 @@ def _tile_columns(j, block_v: int, vocab: int):
 
 
 def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temperature: float,
-                    block_v: int, tiles_per_split: int, finalize: bool):
+                    block_v: int, tiles_per_split: int):
+    """Outputs: (m, s[, a]) of each input for this (row, split), then z_target of each input
+    (written by split 0; 0 where the target is not a column of these logits)."""
     x_refs, out_refs = refs[:n_in], refs[n_in:]
     vocab = x_refs[0].shape[-1]
     n_tiles = pl.cdiv(vocab, block_v)
@@ -133,37 +136,24 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
         return tuple(new)
 
     safe_target = jnp.where(valid & in_range, target, 0)
-    target_z = [_scaled(ref[safe_target], temperature) for ref in x_refs]  # issued before the walk
+    target_z = [jnp.where(in_range, _scaled(ref[safe_target], temperature), 0.0)
+                for ref in x_refs]  # issued before the walk
     init = tuple(rl_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
+    pos = 0
+    for st in stats:
+        for val in st:
+            out_refs[pos][...] = val
+            pos += 1
 
-    if finalize:
-        # outputs: logp_k for each input, lse of input 0, entropy of input 0 if asked
-        live = valid & in_range
+    @pl.when(pl.program_id(1) == 0)
+    def _():
         for k in range(n_in):
-            lse, ent = rl_math.online_softmax_finalize(stats[k])
-            logp, ent = rl_math.finalize_logprob(target_z[k], lse, ent, in_range, valid)
-            out_refs[k][...] = logp
-            if k == 0:
-                out_refs[n_in][...] = jnp.where(live, lse, 0.0)
-                if entropy:
-                    out_refs[n_in + 1][...] = ent
-    else:
-        # outputs: (m, s[, a]) per input, then target_z per input (written by split 0)
-        pos = 0
-        for st in stats:
-            for val in st:
-                out_refs[pos][...] = val
-                pos += 1
-
-        @pl.when(pl.program_id(1) == 0)
-        def _():
-            for k in range(n_in):
-                out_refs[pos + k][...] = target_z[k]
+            out_refs[pos + k][...] = target_z[k]
 
 
-def _grad_kernel(target_ref, valid_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool,
-                 temperature: float, block_v: int, tiles_per_split: int):
+def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, temperature: float,
+                 block_v: int, tiles_per_split: int):
     if entropy:
         ent_ref, g_ent_ref, dx_ref = refs
     else:
@@ -171,8 +161,8 @@ def _grad_kernel(target_ref, valid_ref, x_ref, lse_ref, g_ref, *refs, entropy: b
     vocab = x_ref.shape[-1]
     n_tiles = pl.cdiv(vocab, block_v)
     target = target_ref[...]
-    live = valid_ref[...] & (target >= 0) & (target < vocab)
     lse, g = lse_ref[...], g_ref[...]
+    live = lse != jnp.inf  # rows without a gradient come with lse = +inf: no reads
     ent, g_ent = (ent_ref[...], g_ent_ref[...]) if entropy else (None, None)
     lo = pl.program_id(1) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, n_tiles)
@@ -195,42 +185,32 @@ def _row_specs(count: int, vocab: int | None = None):
 
 
 def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: Plan):
-    """(logp per input, lse of input 0, entropy of input 0 or None)."""
+    """Per input, the row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``
+    (entropy statistics for input 0 only, when asked)."""
     n, vocab = xs[0].shape
     n_in = len(xs)
-    finalize = plan.splits == 1
-    f32 = jnp.float32
-    if finalize:
-        out_shape = [jax.ShapeDtypeStruct((n,), f32)] * (n_in + 1 + entropy)
-        out_specs = _row_specs(len(out_shape))
-    else:
-        n_stats = 2 * n_in + entropy
-        out_shape = ([jax.ShapeDtypeStruct((n, plan.splits), f32)] * n_stats
-                     + [jax.ShapeDtypeStruct((n,), f32)] * n_in)
-        out_specs = ([pl.BlockSpec((None, None), lambda i, s: (i, s))] * n_stats
-                     + _row_specs(n_in))
+    n_stats = 2 * n_in + entropy
     kernel = functools.partial(
         _forward_kernel, n_in=n_in, entropy=entropy, temperature=temperature,
-        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab), finalize=finalize)
+        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
     outs = pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
         in_specs=_row_specs(2) + _row_specs(n_in, vocab),
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=([pl.BlockSpec((None, None), lambda i, s: (i, s))] * n_stats
+                   + _row_specs(n_in)),
+        out_shape=([jax.ShapeDtypeStruct((n, plan.splits), jnp.float32)] * n_stats
+                   + [jax.ShapeDtypeStruct((n,), jnp.float32)] * n_in),
         compiler_params=common.compiler_params(plan.num_warps, plan.num_stages),
         interpret=common.interpret(),
         name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
     )(targets, row_valid, *xs)
-    if finalize:
-        return list(outs[:n_in]), outs[n_in], (outs[n_in + 1] if entropy else None)
-    return _combine_splits(outs, targets, row_valid, vocab, n_in=n_in, entropy=entropy)
+    return _combine_splits(outs, n_in=n_in, entropy=entropy)
 
 
-def _combine_splits(outs, targets, row_valid, vocab, *, n_in: int, entropy: bool):
-    """Merge per-split statistics in split order (deterministic) and finalise."""
-    pos, logps = 0, []
-    in_range = (targets >= 0) & (targets < vocab)
+def _combine_splits(outs, *, n_in: int, entropy: bool):
+    """Merge the per-split statistics of each input in split order (deterministic)."""
+    pos, result = 0, []
     for k in range(n_in):
         width = 3 if (entropy and k == 0) else 2
         parts = outs[pos:pos + width]
@@ -238,16 +218,13 @@ def _combine_splits(outs, targets, row_valid, vocab, *, n_in: int, entropy: bool
         stats = tuple(p[:, 0] for p in parts)
         for j in range(1, parts[0].shape[1]):
             stats = rl_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
-        lse, ent = rl_math.online_softmax_finalize(stats)
-        logp, ent = rl_math.finalize_logprob(outs[2 * n_in + entropy + k], lse, ent, in_range,
-                                             row_valid)
-        logps.append(logp)
-        if k == 0:
-            lse0, ent0 = jnp.where(row_valid & in_range, lse, 0.0), ent
-    return logps, lse0, ent0
+        target_z = outs[2 * n_in + entropy + k]
+        a = stats[2] if width == 3 else None
+        result.append((stats[0], stats[1], a, target_z - stats[0]))
+    return result
 
 
-def _backward(x, targets, row_valid, lse, g, ent, g_ent, *, temperature: float, plan: Plan):
+def _backward(x, targets, lse, g, ent, g_ent, *, temperature: float, plan: Plan):
     n, vocab = x.shape
     entropy = ent is not None
     block_v, num_warps = plan.backward()
@@ -258,94 +235,73 @@ def _backward(x, targets, row_valid, lse, g, ent, g_ent, *, temperature: float, 
     return pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
-        in_specs=_row_specs(2) + _row_specs(1, vocab) + _row_specs(2 + len(extra)),
+        in_specs=_row_specs(1) + _row_specs(1, vocab) + _row_specs(2 + len(extra)),
         out_specs=_row_specs(1, vocab)[0],
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=common.compiler_params(num_warps, 2),
         interpret=common.interpret(),
         name="logprobs_bwd",
-    )(targets, row_valid, x, lse, g.astype(jnp.float32), *extra)
+    )(targets, x, lse, g.astype(jnp.float32), *extra)
 
 
-# -- token_logprobs ---------------------------------------------------------------------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _token_logprobs(logits, targets, row_valid, temperature, entropy, plan):
-    (logp,), _, ent = _forward([logits], targets, row_valid, temperature=temperature,
-                               entropy=entropy, plan=plan)
-    return (logp, ent) if entropy else logp
-
-
-def _token_logprobs_fwd(logits, targets, row_valid, temperature, entropy, plan):
-    (logp,), lse, ent = _forward([logits], targets, row_valid, temperature=temperature,
-                                 entropy=entropy, plan=plan)
-    out = (logp, ent) if entropy else logp
-    return out, (logits, targets, row_valid, lse, ent)
-
-
-def _token_logprobs_bwd(temperature, entropy, plan, res, cot):
-    logits, targets, row_valid, lse, ent = res
-    g, g_ent = cot if entropy else (cot, None)
-    dx = _backward(logits, targets, row_valid, lse, g, ent, g_ent, temperature=temperature,
-                   plan=plan)
-    return dx, None, None
-
-
-_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
-
+# -- the two parts of logprob_core, and the primitives built from them ----------------------
 
 def _checked_plan(logits, plan, entropy=False):
     n, vocab = logits.shape
     return plan or make_plan(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
 
 
-def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,
-                   plan: Plan | None = None):
-    """Primitive ``token_logprobs``: ``(logp[N], entropy[N] | None)``."""
-    n = logits.shape[0]
-    if n == 0:
+def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None):
+    if logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
-        return empty, (empty if return_entropy else None)
-    out = _token_logprobs(logits, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
-                          float(temperature), bool(return_entropy),
-                          _checked_plan(logits, plan, bool(return_entropy)))
-    return out if return_entropy else (out, None)
+        return empty, empty, (empty if with_entropy else None), empty
+    (stats,) = _forward([logits], targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
+                        temperature=float(temperature), entropy=bool(with_entropy),
+                        plan=_checked_plan(logits, plan, bool(with_entropy)))
+    return stats
 
 
-# -- paired_logprobs --------------------------------------------------------------------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _paired_logprobs(policy, ref, targets, row_valid, temperature, plan):
-    (logp, ref_logp), _, _ = _forward([policy, ref], targets, row_valid, temperature=temperature,
-                                      entropy=False, plan=plan)
-    return logp, ref_logp
-
-
-def _paired_fwd(policy, ref, targets, row_valid, temperature, plan):
-    (logp, ref_logp), lse, _ = _forward([policy, ref], targets, row_valid,
-                                        temperature=temperature, entropy=False, plan=plan)
-    return (logp, ref_logp), (policy, targets, row_valid, lse)
-
-
-def _paired_bwd(temperature, plan, res, cot):
-    policy, targets, row_valid, lse = res
-    dx = _backward(policy, targets, row_valid, lse, cot[0], None, None, temperature=temperature,
-                   plan=plan)
-    return dx, None, None, None
-
-
-_paired_logprobs.defvjp(_paired_fwd, _paired_bwd)
-
-
-def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
-                    plan: Plan | None = None):
-    """Primitive ``paired_logprobs``: ``(logp[N], ref_logp[N])``, gradient to policy only."""
+def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature, plan=None):
     if policy_logits.shape != ref_logits.shape:
         raise ValueError(f"ref_logits: expected shape {policy_logits.shape}, "
                          f"got {ref_logits.shape}")
     if policy_logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
-        return empty, empty
-    return _paired_logprobs(policy_logits, lax.stop_gradient(ref_logits), targets.astype(jnp.int32),
-                            row_valid.astype(jnp.bool_), float(temperature),
-                            _checked_plan(policy_logits, plan))
+        return (empty, empty, None, empty), (empty, empty, None, empty)
+    return tuple(_forward([policy_logits, ref_logits], targets.astype(jnp.int32),
+                          row_valid.astype(jnp.bool_), temperature=float(temperature),
+                          entropy=False, plan=_checked_plan(policy_logits, plan)))
+
+
+def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, plan=None):
+    if logits.shape[0] == 0:
+        return jnp.zeros_like(logits)
+    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent,
+                     temperature=float(temperature),
+                     plan=_checked_plan(logits, plan, entropy is not None))
+
+
+def kernel_parts(plan: Plan | None = None, *, paired: bool = False) -> Parts:
+    """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given."""
+    stats = paired_stats if paired else token_stats
+    return Parts(functools.partial(stats, plan=plan),
+                 functools.partial(token_backward, plan=plan))
+
+
+def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,
+                   plan: Plan | None = None):
+    """Primitive ``token_logprobs`` on [N, V] logits: ``(logp[N], entropy[N] | None)``."""
+    return logprob_core.token_logprobs(kernel_parts(plan), logits, targets.astype(jnp.int32),
+                                       row_valid.astype(jnp.bool_), temperature=float(temperature),
+                                       return_entropy=bool(return_entropy))
+
+
+def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
+                    plan: Plan | None = None):
+    """Primitive ``paired_logprobs``: ``(logp[N], ref_logp[N])``, gradient to policy only."""
+    return logprob_core.paired_logprobs(kernel_parts(plan, paired=True), policy_logits, ref_logits,
+                                        targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
+                                        temperature=float(temperature))
+
+
+OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}

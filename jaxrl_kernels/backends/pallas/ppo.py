@@ -1,26 +1,28 @@
 """Pallas kernels for the PPO loss over [B, T] and for group-normalised advantages.
 
-``ppo_loss`` forward: each program walks a contiguous run of sequences in
-[rows, T] tiles, evaluates ``rl_math.ppo_per_token`` on every tile and keeps,
-per sequence, the masked sums Σ_t m·loss and Σ_t m; per program it reduces
+``ppo_loss`` runs as small stages, kernels that map [B, T] tokens to per-sequence values
+with plain jnp in between, so that no kernel holds state that crosses sequences or
+T-ranges (a device holding part of T runs the same kernels on its part; the per-sequence
+sums are what crosses):
 
-    sum = Σ m·loss,  count = Σ m,
-    seq_sum = Σ_b [Σ_t m·loss / Σ_t m]   (over sequences with a valid token),
-    seq_count = #sequences with a valid token,
-    Σ m·part  for every metric part (ratio, clipped, approx_kl, ...),
+1. :func:`forward_sums` (kernel): per sequence, the masked sums Σ_t m·v of
+   ``rl_math.forward_summands`` over the tokens of the input: Σ m, the policy term (or,
+   for ``ratio_level="sequence"``, what it is linear in), Σ m·(logp - old_logp) and
+   Σ m·(old_logp - rollout_logp) where the sequence-level options need them, and every
+   metric part. One pass, whatever the options.
+2. jnp: ``rl_math.sums_to_token_terms`` applies ℓ_b and the sequence TIS weight per
+   sequence; ``rl_math.loss_and_metrics`` aggregates (all four modes) and takes the
+   masked-mean metrics. ``rl_math.sequence_terms`` gives the [B] terms the backward uses.
+3. :func:`token_grads` (kernel, the backward): given per-sequence coefficients
+   c_b = g · ``rl_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
+   token's d logp (and d entropy) is the pull-back of c_b·m through
+   ``rl_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
+   for branch. ℓ_b carries no gradient (SPEC), so this is token-local. Nothing flows to
+   old/rollout/ref log-probs, advantages or the mask.
 
-and writes those few floats. The programs' rows are then added in program
-order (deterministic, no atomics) and turned into the loss of the chosen
-aggregation (``rl_math.aggregate``'s four modes) and the masked-mean metrics.
-The per-sequence token counts are kept for the backward.
-
-``ppo_loss`` backward: one program per [rows, T] tile computes the weight each
-token has in the aggregation (``m / max(count, 1)``, ``m / (count_b ·
-max(seq_count, 1))``, ``m / B`` or ``m / (B · max_len)``) and pulls the scalar
-cotangent times that weight back through ``rl_math.ppo_per_token`` with
-``jax.vjp`` (so the derivative is the reference's, branch for branch), writing
-d logp and d entropy once. Nothing flows to old/rollout/ref log-probs,
-advantages or the mask.
+The sum kernel runs on a grid of (row tile, T split): each program adds its
+``t_tiles_per_program`` [rows, T] tiles in order and writes [rows, K] partial sums; the
+splits' partials are then added in split order (deterministic, no atomics).
 
 ``group_advantages``: one program per group scans the rewards for its members
 (count, mean, then the centred sum of squares) and writes
@@ -40,57 +42,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import rl_math, sharding
 from jaxrl_kernels.backends.pallas import common
 
 TILE_ELEMENTS = 2048
 """Tokens per [rows, T] tile: 8 per thread at 8 warps for each of up to 7 inputs."""
 
-MAX_FORWARD_PROGRAMS = 256
-"""The forward's programs (about two per H100 SM); each adds whole sequences."""
+MIN_SUM_PROGRAMS = 264
+"""The sum kernels split T until they have about this many programs (two per H100 SM)."""
 
 _FIELDS = rl_math.PPOInputs._fields
-_TOTALS = ("sum", "count", "seq_sum", "seq_count")
-_VEC = 16  # partial sums per program, padded to a power of two
+_SEQ_FIELDS = rl_math.SequenceTerms._fields
 
 
 class Plan(NamedTuple):
     block_rows: int
     block_t: int
-    chunks_per_program: int  # forward: row tiles per program
+    t_tiles_per_program: int  # sum kernels: the T tiles one program adds
     num_warps: int
 
 
 def make_plan(batch: int, seq_len: int, *, block_t: int | None = None,
-              max_programs: int = MAX_FORWARD_PROGRAMS) -> Plan:
-    """The heuristic: a ``TILE_ELEMENTS`` tile as wide as T allows (≤ 1024), and
-    the row tiles spread over at most ``max_programs`` forward programs."""
+              min_programs: int = MIN_SUM_PROGRAMS) -> Plan:
+    """The heuristic: a ``TILE_ELEMENTS`` tile as wide as T allows (≤ 1024); the sum
+    kernels split T into ranges of whole tiles until there are ~``min_programs`` programs."""
     if block_t is None:
         block_t = min(pl.next_power_of_2(seq_len), 1024)
     block_rows = max(1, min(pl.next_power_of_2(batch), TILE_ELEMENTS // block_t))
-    chunks = pl.cdiv(batch, block_rows)
+    row_tiles, t_tiles = pl.cdiv(batch, block_rows), pl.cdiv(seq_len, block_t)
+    splits = min(t_tiles, max(1, pl.cdiv(min_programs, row_tiles)))
     num_warps = max(1, min(8, block_rows * block_t // 256))
-    return Plan(block_rows, block_t, pl.cdiv(chunks, max_programs), num_warps)
+    return Plan(block_rows, block_t, pl.cdiv(t_tiles, splits), num_warps)
 
 
 def declines(primitive: str, problem) -> str | None:
     return None
-
-
-def _part_names(names, cfg) -> tuple[str, ...]:
-    """The metric parts ``rl_math.ppo_per_token`` returns for these inputs, in order."""
-    dummy = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
-    shapes = jax.eval_shape(
-        lambda d: rl_math.ppo_per_token(rl_math.PPOInputs(**d), cfg)[1], dummy)
-    return tuple(shapes)
-
-
-def _load_tile(refs, names, rows, cols, ok):
-    tile = {}
-    for name, ref in zip(names, refs):
-        val = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0)
-        tile[name] = val.astype(jnp.float32)
-    return rl_math.PPOInputs(**tile)
 
 
 def _tile_index(i, j, plan: Plan, batch: int, seq_len: int):
@@ -100,170 +86,186 @@ def _tile_index(i, j, plan: Plan, batch: int, seq_len: int):
     return rows, cols, row_ok, row_ok[:, None] & (cols < seq_len)[None, :]
 
 
-# -- ppo_loss forward -------------------------------------------------------------------------
+def _load_tokens(refs, names, rows, cols, ok) -> rl_math.PPOInputs:
+    """A [rows, cols] tile of every token input (0 outside the arrays)."""
+    tile = {}
+    for name, ref in zip(names, refs):
+        val = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0)
+        tile[name] = val.astype(jnp.float32)
+    return rl_math.PPOInputs(**tile)
 
-def _forward_kernel(*refs, names, parts, cfg, plan: Plan, batch: int, seq_len: int):
-    in_refs = refs[:len(names)]
-    partial_ref, counts_ref = refs[len(names):]
-    keys = _TOTALS + parts
-    n_t = pl.cdiv(seq_len, plan.block_t)
-    zeros_rows = jnp.zeros((plan.block_rows,), jnp.float32)
-    first_chunk = pl.program_id(0) * plan.chunks_per_program  # (read outside the loops)
 
-    def chunk(c, acc):
-        i = first_chunk + c
+def _load_rows(refs, names, rows, row_ok) -> dict:
+    """The [rows] entries of per-sequence inputs (0 outside the arrays)."""
+    return {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(names, refs)}
 
-        def tile(j, row_acc):
-            rows, cols, _, ok = _tile_index(i, j, plan, batch, seq_len)
-            x = _load_tile(in_refs, names, rows, cols, ok)
-            per_token, vals = rl_math.ppo_per_token(x, cfg)
-            m = x.mask
-            out = {"sum": row_acc["sum"] + jnp.sum(m * per_token, axis=1),
-                   "count": row_acc["count"] + jnp.sum(m, axis=1)}
-            for k in parts:
-                out[k] = row_acc[k] + jnp.sum(m * vals[k].astype(jnp.float32), axis=1)
-            return out
 
-        init = {k: zeros_rows for k in ("sum", "count") + parts}
-        row_acc = lax.fori_loop(0, n_t, tile, init)
-        rows, _, row_ok, _ = _tile_index(i, 0, plan, batch, seq_len)
-        plgpu.store(counts_ref.at[rows], row_acc["count"], mask=row_ok)
-        has = row_acc["count"] > 0
-        per_seq = jnp.where(has, row_acc["sum"] / jnp.where(has, row_acc["count"], 1.0), 0.0)
-        new = {"seq_sum": acc["seq_sum"] + jnp.sum(per_seq),
-               "seq_count": acc["seq_count"] + jnp.sum(has.astype(jnp.float32))}
-        for k in ("sum", "count") + parts:
-            new[k] = acc[k] + jnp.sum(row_acc[k])
-        return new
+def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...]]:
+    names = tuple(n for n in order if fields.get(n) is not None)
+    return names, tuple(fields[n] for n in names)
 
-    acc = lax.fori_loop(0, plan.chunks_per_program, chunk,
-                        {k: jnp.float32(0.0) for k in keys})
-    slot = jnp.arange(_VEC, dtype=jnp.int32)
-    vec = jnp.zeros((_VEC,), jnp.float32)
+
+# -- kind (a): [B, T] tokens -> per-sequence sums [B, K] ---------------------------------------
+
+def _sum_keys(summands, names) -> tuple[str, ...]:
+    """The keys ``summands(tokens)`` returns for these inputs, in order."""
+    tokens = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
+    return tuple(jax.eval_shape(lambda t: summands(rl_math.PPOInputs(**t)), tokens))
+
+
+def _row_sums_kernel(*refs, summands, keys, names, plan: Plan, batch: int, seq_len: int,
+                     width: int):
+    tok_refs, out_ref = refs[:len(names)], refs[len(names)]
+    i, split = pl.program_id(0), pl.program_id(1)
+    rows = _tile_index(i, 0, plan, batch, seq_len)[0]
+
+    def tile(j, acc):
+        _, cols, _, ok = _tile_index(i, split * plan.t_tiles_per_program + j, plan, batch,
+                                     seq_len)
+        x = _load_tokens(tok_refs, names, rows, cols, ok)
+        values = summands(x)
+        return {k: acc[k] + jnp.sum(x.mask * values[k].astype(jnp.float32), axis=1)
+                for k in keys}
+
+    zeros = jnp.zeros((plan.block_rows,), jnp.float32)
+    acc = lax.fori_loop(0, plan.t_tiles_per_program, tile, {k: zeros for k in keys})
+    slot = jnp.arange(width, dtype=jnp.int32)[None, :]
+    out = jnp.zeros((plan.block_rows, width), jnp.float32)
     for idx, k in enumerate(keys):
-        vec = jnp.where(slot == idx, acc[k], vec)
-    partial_ref[...] = vec
+        out = jnp.where(slot == idx, acc[k][:, None], out)
+    out_ref[...] = out
 
 
-def _finalize(totals: dict, cfg: rl_math.PPOConfig, batch: int, seq_len: int, parts):
-    """Loss and metrics from the summed totals, as ``rl_math.ppo_loss`` defines them."""
-    mode = rl_math.canonical_mode(cfg.loss_agg_mode)
-    count = jnp.maximum(totals["count"], 1.0)
-    if mode == "token_mean":
-        loss = totals["sum"] / count
-    elif mode == "seq_mean_token_mean":
-        loss = totals["seq_sum"] / jnp.maximum(totals["seq_count"], 1.0)
-    elif mode == "seq_mean_token_sum":
-        loss = totals["sum"] / batch
-    else:
-        length = seq_len if cfg.max_len is None else cfg.max_len
-        loss = totals["sum"] / (batch * length)
-    metrics = {rl_math.METRIC_NAMES[k]: totals[k] / count for k in parts}
-    return loss, metrics
-
-
-def _forward(arrays, names, cfg, plan: Plan):
+def _row_sums(summands, name: str, tokens: dict, plan: Plan) -> dict:
+    """{key: [B]} masked per-sequence sums Σ_t m·v of ``summands(tokens)``."""
+    names, arrays = _present(tokens, _FIELDS)
+    keys = _sum_keys(summands, names)
     batch, seq_len = arrays[0].shape
-    parts = _part_names(names, cfg)
-    n_programs = pl.cdiv(pl.cdiv(batch, plan.block_rows), plan.chunks_per_program)
-    kernel = functools.partial(_forward_kernel, names=names, parts=parts, cfg=cfg, plan=plan,
-                               batch=batch, seq_len=seq_len)
-    partials, counts = pl.pallas_call(
+    row_tiles = pl.cdiv(batch, plan.block_rows)
+    splits = pl.cdiv(pl.cdiv(seq_len, plan.block_t), plan.t_tiles_per_program)
+    width = pl.next_power_of_2(len(keys))
+    kernel = functools.partial(_row_sums_kernel, summands=summands, keys=keys, names=names,
+                               plan=plan, batch=batch, seq_len=seq_len, width=width)
+    partials = pl.pallas_call(
         kernel,
-        grid=(n_programs,),
+        grid=(row_tiles, splits),
         in_specs=[pl.BlockSpec()] * len(arrays),
-        out_specs=[pl.BlockSpec((None, _VEC), lambda g: (g, 0)), pl.BlockSpec()],
-        out_shape=[jax.ShapeDtypeStruct((n_programs, _VEC), jnp.float32),
-                   jax.ShapeDtypeStruct((batch,), jnp.float32)],
+        out_specs=pl.BlockSpec((None, plan.block_rows, width), lambda i, s: (s, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * plan.block_rows, width),
+                                       jnp.float32),
         compiler_params=common.compiler_params(plan.num_warps, 2),
         interpret=common.interpret(),
-        name="ppo_loss_fwd",
+        name=name,
     )(*arrays)
-    summed = partials[0]
-    for g in range(1, n_programs):  # program order: bitwise reproducible
-        summed = summed + partials[g]
-    totals = {k: summed[idx] for idx, k in enumerate(_TOTALS + parts)}
-    loss, metrics = _finalize(totals, cfg, batch, seq_len, parts)
-    return loss, metrics, (totals["count"], totals["seq_count"], counts)
+    total = partials[0]
+    for s in range(1, splits):  # split order: bitwise reproducible
+        total = total + partials[s]
+    return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
-# -- ppo_loss backward ------------------------------------------------------------------------
+def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan | None) -> dict:
+    """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``, where the tokens
+    live (``sharding.run``): a device holding part of T adds its part, then the parts are
+    summed over the mesh axes that split T. ``plan=None``: the heuristic, per device."""
+    names, arrays = _present(tokens, _FIELDS)
+    summands = functools.partial(rl_math.forward_summands, cfg=cfg)
+    keys = _sum_keys(summands, names)
 
-def _token_weight(m, row_count, count, seq_count, cfg, batch: int, seq_len: int):
-    """∂ aggregate / ∂ per_token for each token of a tile."""
-    mode = rl_math.canonical_mode(cfg.loss_agg_mode)
-    if mode == "token_mean":
-        return m / jnp.maximum(count, 1.0)
-    if mode == "seq_mean_token_mean":
-        has = row_count > 0
-        per_row = jnp.where(has, 1.0 / jnp.where(has, row_count, 1.0), 0.0)
-        return m * per_row[:, None] / jnp.maximum(seq_count, 1.0)
-    if mode == "seq_mean_token_sum":
-        return m / batch
-    length = seq_len if cfg.max_len is None else cfg.max_len
-    return m / (batch * length)
+    def local(layout, *arrays):
+        sums = sharding.kernel_region(
+            lambda *a: _row_sums(summands, "ppo_loss_fwd", dict(zip(names, a)),
+                                 plan or make_plan(*a[0].shape)), *arrays)
+        t_axes = layout.row_axes[1]
+        return tuple(lax.psum(sums[k], t_axes) if t_axes else sums[k] for k in keys)
+
+    sums = sharding.run(local, arrays, ("rr",) * len(arrays), ("r",) * len(keys))
+    return dict(zip(keys, sums))
 
 
-def _backward_kernel(*refs, names, cfg, plan: Plan, batch: int, seq_len: int):
-    in_refs = refs[:len(names)]
-    scalars_ref, counts_ref, dlogp_ref = refs[len(names):len(names) + 3]
-    dent_ref = refs[len(names) + 3] if "entropy" in names else None
+# -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
+
+def _grads_kernel(*refs, names, seq_names, cfg, plan: Plan, batch: int, seq_len: int):
+    tok_refs = refs[:len(names)]
+    seq_refs = refs[len(names):len(names) + len(seq_names)]
+    coef_ref, dlogp_ref = refs[len(names) + len(seq_names):len(names) + len(seq_names) + 2]
+    dent_ref = refs[-1] if "entropy" in names else None
     rows, cols, row_ok, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
-    x = _load_tile(in_refs, names, rows, cols, ok)
-    row_count = plgpu.load(counts_ref.at[rows], mask=row_ok, other=0.0)
-    coef = scalars_ref[0] * _token_weight(x.mask, row_count, scalars_ref[1], scalars_ref[2], cfg,
-                                          batch, seq_len)
+    x = _load_tokens(tok_refs, names, rows, cols, ok)
+    seq = rl_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
+    coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
 
     def per_token(logp, entropy):
-        return rl_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg)[0]
+        return rl_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg, seq)[0]
 
     _, pull = jax.vjp(per_token, x.logp, x.entropy)
-    d_logp, d_ent = pull(coef)
+    d_logp, d_ent = pull(coef[:, None] * x.mask)
     plgpu.store(dlogp_ref.at[rows[:, None], cols[None, :]], d_logp, mask=ok)
     if dent_ref is not None:
         plgpu.store(dent_ref.at[rows[:, None], cols[None, :]], d_ent, mask=ok)
 
 
-def _backward(arrays, names, cfg, plan: Plan, residuals, g_loss):
-    batch, seq_len = arrays[0].shape
-    count, seq_count, counts = residuals
-    scalars = jnp.stack([jnp.asarray(g_loss, jnp.float32), count, seq_count,
-                         jnp.float32(0.0)])
+def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPOConfig,
+                plan: Plan | None):
+    """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
+    coef_b · m_bt, where the tokens live (``sharding.run``)."""
+    names, arrays = _present(tokens, _FIELDS)
+    seq_names, seq_arrays = _present(seq._asdict(), _SEQ_FIELDS)
+
+    def local(layout, *args):
+        return tuple(sharding.kernel_region(
+            lambda *a: _token_grads(a[:len(names)], names, a[len(names):-1], seq_names, a[-1],
+                                    cfg, plan), *args))
+
     n_out = 1 + ("entropy" in names)
-    kernel = functools.partial(_backward_kernel, names=names, cfg=cfg, plan=plan, batch=batch,
-                               seq_len=seq_len)
+    return sharding.run(local, arrays + seq_arrays + (coef,),
+                        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1), ("rr",) * n_out)
+
+
+def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
+    batch, seq_len = arrays[0].shape
+    plan = plan or make_plan(batch, seq_len)
+    n_out = 1 + ("entropy" in names)
+    kernel = functools.partial(_grads_kernel, names=names, seq_names=seq_names, cfg=cfg,
+                               plan=plan, batch=batch, seq_len=seq_len)
     any_spec = pl.BlockSpec()
-    grads = pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
-        in_specs=[any_spec] * (len(arrays) + 2),
+        in_specs=[any_spec] * (len(arrays) + len(seq_arrays) + 1),
         out_specs=[any_spec] * n_out,
         out_shape=[jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)] * n_out,
         compiler_params=common.compiler_params(plan.num_warps, 1),
         interpret=common.interpret(),
         name="ppo_loss_bwd",
-    )(*arrays, scalars, counts)
-    return grads
+    )(*arrays, *seq_arrays, coef))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _ppo_loss(arrays, names, cfg, plan):
-    loss, metrics, _ = _forward(arrays, names, cfg, plan)
+# -- the primitive -------------------------------------------------------------------------------
+
+def _forward(tokens: dict, cfg, plan: Plan):
+    sums = forward_sums(tokens, cfg, plan)
+    loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
+                                             tokens["logp"].shape[1])
+    return loss, metrics, (rl_math.sequence_terms(sums, cfg), sums["count"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ppo_loss(tokens, cfg, plan):
+    loss, metrics, _ = _forward(tokens, cfg, plan)
     return loss, metrics
 
 
-def _ppo_loss_fwd(arrays, names, cfg, plan):
-    loss, metrics, residuals = _forward(arrays, names, cfg, plan)
-    return (loss, metrics), (arrays, residuals)
+def _ppo_loss_fwd(tokens, cfg, plan):
+    loss, metrics, residuals = _forward(tokens, cfg, plan)
+    return (loss, metrics), (tokens, residuals)
 
 
-def _ppo_loss_bwd(names, cfg, plan, res, cot):
-    arrays, residuals = res
-    grads = iter(_backward(arrays, names, cfg, plan, residuals, cot[0]))
-    out = []
-    for name in names:
-        out.append(next(grads) if name in ("logp", "entropy") else None)
-    return (tuple(out),)
+def _ppo_loss_bwd(cfg, plan, res, cot):
+    tokens, (seq, counts) = res
+    seq_len = tokens["logp"].shape[1]
+    coef = cot[0] * rl_math.aggregation_weights(counts, cfg.loss_agg_mode, seq_len, cfg.max_len)
+    grads = dict(zip(("logp", "entropy"), token_grads(tokens, seq, coef, cfg, plan)))
+    return ({n: grads.get(n) for n in tokens},)
 
 
 _ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
@@ -274,13 +276,11 @@ def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: 
     fields = ppo_inputs._asdict()
     if config.tis_cap is None:
         fields["rollout_logp"] = None  # unused without a cap, as in rl_math
-    names = tuple(n for n in _FIELDS if fields[n] is not None)
-    arrays = tuple(jnp.asarray(fields[n], jnp.float32) for n in names)
-    batch, seq_len = arrays[0].shape
+    tokens = {n: jnp.asarray(v, jnp.float32) for n, v in fields.items() if v is not None}
+    batch, seq_len = tokens["logp"].shape
     if batch * seq_len == 0:  # no token: no kernel to launch; rl_math defines the empty values
         return rl_math.ppo_loss(ppo_inputs, config)
-    plan = plan or make_plan(batch, seq_len)
-    loss, metrics = _ppo_loss(arrays, names, config, plan)
+    loss, metrics = _ppo_loss(tokens, config, plan)  # plan None: the heuristic per device
     return loss, {k: lax.stop_gradient(v) for k, v in metrics.items()}
 
 
@@ -335,7 +335,7 @@ def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, st
     kernel = functools.partial(_group_kernel, normalize_std=normalize_std, std_ddof=std_ddof,
                                eps=eps, block=block)
     any_spec = pl.BlockSpec()
-    return pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid=(num_groups,),
         in_specs=[any_spec, any_spec],
@@ -344,7 +344,11 @@ def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, st
         compiler_params=common.compiler_params(max(1, min(4, block // 256)), 1),
         interpret=common.interpret(),
         name="group_advantages",
-    )(rewards, segment_ids)
+    )
+    # Groups may straddle any split of B: every device runs the kernel on all [B] rewards.
+    (adv,) = sharding.run(lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
+                          (rewards, segment_ids), ("-", "-"), ("-",))
+    return adv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -376,3 +380,6 @@ def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, st
         return jnp.zeros(rewards.shape, jnp.float32)
     return _group_advantages(rewards, jnp.asarray(segment_ids, jnp.int32), int(num_groups),
                              bool(normalize_std), int(std_ddof), float(eps))
+
+
+OPS = {"ppo_loss": ppo_loss, "group_advantages": group_advantages}

@@ -1,0 +1,38 @@
+"""Two processes joined by jax.distributed (CPU, gloo collectives), 4 devices each: no process
+sees every device, and linear_logprobs / linear_grpo_loss still compute rows where they live and
+use the vocabulary-sharded weight in place (see multiprocess_worker.py)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+def test_two_processes(backend, kind):
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, WORKER, str(i), port, backend, kind], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+        assert f"process {i}: ok" in out

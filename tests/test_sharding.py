@@ -1,0 +1,409 @@
+"""Many devices (8 host devices, mesh data=2 × model=4): every op on sharded inputs.
+
+For every op × backend (conftest's list: pallas in interpret mode with JAXRL_TEST_PALLAS=1) × {Auto, Explicit} mesh axes × {rows over ``data``, vocabulary over
+``model``, both}: values and gradients (random cotangents) equal the unsharded call of the same
+backend (float32, 1e-5 of scale), the compiled program all-gathers none of the hidden states,
+logits or weight (nor a device's share of them), and d_weight / d_logits come back sharded like
+the weight / logits. Inside ``jax.shard_map`` with ``vocab_axis``: the global results, compared
+with the unsharded call and with the float64 oracle, including entropy, temperature,
+ignore_index and out-of-range targets under tracing (NaN exactly there).
+
+Vocabulary sizes are chosen so that every kernel walks several vocabulary tiles per device
+(chunked: ``CHUNK_BYTES`` is made small; pallas linear: 256-column tiles over V_local = 2048).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxrl_kernels as jk
+import oracle
+from conftest import assert_close, rand, random_mask
+from jaxrl_kernels.backends import chunked
+
+
+B, T, D, V = 4, 8, 32, 8192
+AXES = ("data", "model")
+LAYOUTS = {"rows": ("data", None), "vocab": (None, "model"), "both": ("data", "model")}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 64 * 1024)  # 512 columns of 32 rows
+
+
+def make_mesh(kind: str):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (conftest forces 8 host devices on CPU)")
+    return jax.make_mesh((2, 4), AXES, axis_types=(getattr(AxisType, kind),) * 2)
+
+
+# -- the check ---------------------------------------------------------------------------------
+
+def _all_gathers(hlo: str) -> list[int]:
+    """Element counts of every all-gather result in a compiled HLO text (each element of a
+    combined one's tuple)."""
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
+        for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1)) if m else ():
+            sizes.append(int(np.prod([int(d) for d in t.group(1).split(",") if d])))
+    return sizes
+
+
+def _spec(x):
+    spec = tuple(x.sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=()):
+    """``fn(*args)`` on arrays placed by ``specs`` against the unsharded call.
+
+    diff: positions of args to differentiate (a scalar of the outputs with random weights);
+    big: positions of the arrays no all-gather may rebuild (even a device's share);
+    like: (grad index, arg position) pairs whose gradient must be sharded like the argument.
+    """
+    rng = np.random.default_rng(0)
+    outs = jax.eval_shape(fn, *args)
+    weights = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+               for o in jax.tree.leaves(outs)]
+
+    def scalar(*a):
+        return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
+                   for o, w in zip(jax.tree.leaves(fn(*a)), weights))
+
+    def both(*a):
+        out = fn(*a)
+        return out, (jax.grad(scalar, argnums=diff)(*a) if diff else ())
+
+    want_out, want_grad = jax.jit(both)(*args)
+    placed = [x if s is None else jax.device_put(x, NamedSharding(mesh, P(*s)))
+              for x, s in zip(args, specs)]
+    compiled = jax.jit(both).lower(*placed).compile()
+    got_out, got_grad = compiled(*placed)
+    for name, got, want in (("output", got_out, want_out), ("gradient", got_grad, want_grad)):
+        for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            w = np.asarray(w, np.float64)
+            fin = np.isfinite(w)
+            np.testing.assert_array_equal(np.isnan(np.asarray(g)), np.isnan(w),
+                                          err_msg=f"{name} {i}: NaN positions")
+            scale = max(float(np.max(np.abs(w[fin]), initial=0.0)), 1e-3)
+            err = float(np.max(np.abs(np.asarray(g, np.float64)[fin] - w[fin]), initial=0.0))
+            assert err <= 1e-5 * scale, f"{name} {i}: max error {err:.3e} > 1e-5 × {scale:.3e}"
+    if big:
+        limit = min(args[i].size for i in big) // 8  # below any device's share
+        gathers = [n for n in _all_gathers(compiled.as_text()) if n >= limit]
+        assert not gathers, f"all-gathers of {gathers} elements (limit {limit})"
+    for g_index, a_index in like:
+        assert _spec(got_grad[g_index]) == _spec(placed[a_index]), (
+            f"gradient {g_index} sharded {_spec(got_grad[g_index])}, "
+            f"argument {_spec(placed[a_index])}")
+    return got_out
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+def head(rng, layout="vd"):
+    h, _ = rand(rng, (B, T, D))
+    w, _ = rand(rng, (V, D) if layout == "vd" else (D, V), scale=2.0 / np.sqrt(D))
+    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+    return h, w, acts, mask
+
+
+def w_spec(layout, vocab_entry):
+    return (vocab_entry, None) if layout == "vd" else (None, vocab_entry)
+
+
+MESHES = ["Auto", "Explicit"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mesh_kind", MESHES)
+@pytest.mark.parametrize("weight_layout", ["vd", "dv"])
+def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
+    if backend == "pallas" and weight_layout == "dv" and layout != "both":
+        pytest.skip("pallas in interpret mode: the dv layout runs only in the 'both' layout")
+    h, w, acts, _ = head(rng, weight_layout)
+    b, _ = rand(rng, (V,), scale=0.3)
+    rows, vocab = LAYOUTS[layout]
+    fn = functools.partial(_linear_logprobs, backend=backend, weight_layout=weight_layout)
+    check_sharded(fn, (h, w, b, acts),
+                  [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
+                  make_mesh(mesh_kind), diff=(0, 1, 2), big=(0, 1), like=((1, 1), (2, 2)))
+
+
+def _linear_logprobs(h, w, b, acts, *, backend, weight_layout):
+    return jk.linear_logprobs(h, w, acts, b, weight_layout=weight_layout, return_entropy=True,
+                              temperature=0.8, backend=backend)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mesh_kind", MESHES)
+def test_token_logprobs(rng, backend, mesh_kind, layout):
+    logits, _ = rand(rng, (B, T, V), scale=2.0)
+    t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
+    t[2, 3] = -100
+    rows, vocab = LAYOUTS[layout]
+    fn = lambda x, t: jk.token_logprobs(x, t, return_entropy=True, temperature=1.3,
+                                        ignore_index=-100, backend=backend)
+    check_sharded(fn, (logits, jnp.asarray(t)), [(rows, None, vocab), (rows, None)],
+                  make_mesh(mesh_kind), diff=(0,), big=(0,), like=((0, 0),))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mesh_kind", MESHES)
+def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
+    pol, _ = rand(rng, (B, T, V), scale=2.0)
+    ref, _ = rand(rng, (B, T, V), scale=2.0)
+    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    rewards, _ = rand(rng, (B,))
+    rows, vocab = LAYOUTS[layout]
+
+    def fn(pol, ref, acts, old, rewards, mask):
+        loss = jk.grpo_loss(pol, ref, acts, old, rewards, mask, group_size=2, beta=0.05,
+                            backend=backend)
+        ratio, kl = jk.ratio_kl(pol, ref, acts, old, mask, backend=backend)
+        return loss, ratio, kl
+
+    logit_spec = (rows, None, vocab)
+    check_sharded(fn, (pol, ref, acts, old, rewards, mask),
+                  [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
+                  make_mesh(mesh_kind), diff=(0,), big=(0, 1), like=((0, 0),))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mesh_kind", MESHES)
+def test_linear_losses(rng, backend, mesh_kind, layout):
+    h, w, acts, mask = head(rng)
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    adv, _ = rand(rng, (B,))
+    ref, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    rows, vocab = LAYOUTS[layout]
+
+    def fn(h, w, acts, old, adv, ref, mask):
+        ppo, metrics = jk.linear_ppo_loss(h, w, acts, old, adv, mask, entropy_coef=0.01,
+                                          ref_logp=ref, kl_coef=0.1, dual_clip=3.0,
+                                          loss_agg_mode="seq_mean_token_mean", backend=backend)
+        grpo = jk.linear_grpo_loss(h, w, acts, old, adv, mask, ref_logp=ref, group_size=2,
+                                   beta=0.04, backend=backend)
+        return ppo, metrics, grpo
+
+    check_sharded(fn, (h, w, acts, old, adv, ref, mask),
+                  [(rows, None, None), (vocab, None), (rows, None), (rows, None), (rows,),
+                   (rows, None), (rows, None)],
+                  make_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),))
+
+
+@pytest.mark.parametrize("mesh_kind", MESHES)
+def test_ppo_loss_and_group_advantages(rng, backend, mesh_kind):
+    logp, _ = rand(rng, (B, T), scale=0.3, loc=-5.0)
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-5.0)
+    ent, _ = rand(rng, (B, T), scale=1.0, loc=3.0)
+    rewards, _ = rand(rng, (B,))
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+
+    def fn(logp, old, ent, rewards, mask):
+        adv = jk.group_advantages(rewards, group_size=2, backend=backend)
+        return jk.ppo_loss(logp, old, adv, mask, entropy=ent, entropy_coef=0.01,
+                           loss_agg_mode="seq_mean_token_mean", backend=backend), adv
+
+    check_sharded(fn, (logp, old, ent, rewards, mask),
+                  [("data", None), ("data", None), ("data", None), ("data",), ("data", None)],
+                  make_mesh(mesh_kind), diff=(0, 2, 3))
+
+
+# -- inside shard_map: vocab_axis ----------------------------------------------------------------
+
+def _check_vma(backend):
+    """Pallas in interpret mode cannot be traced under shard_map's varying-axes check (its
+    interpreter's loops trip over it); compiled kernels on a GPU can (gpu tests)."""
+    return backend != "pallas" or jax.default_backend() == "gpu"
+
+
+def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit"):
+    """``fn`` as a jitted shard_map over the test mesh, taking global arrays."""
+    mesh = make_mesh(mesh_kind)
+    inner = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_vma=check_vma)
+
+    def mapped(*args):  # traceable: reshards its (global) arguments to in_specs
+        return inner(*(jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)))
+    return mapped, jax.jit(mapped)
+
+
+def test_linear_logprobs_vocab_axis(rng, backend, weight_layout="vd"):
+    """Global log-probs and entropies (and, through jax.grad of the shard_map, the gradients of
+    the row-split hidden states and of the weight slices) from vocabulary slices; bad traced
+    targets give NaN, ignored ones 0."""
+    for weight_layout in ("vd", "dv"):
+        h, w, _, _ = head(rng, weight_layout)
+        t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
+        t[0, 1], t[1, 2], t[3, 4] = V + 3, -7, -100
+        t = jnp.asarray(t)
+        kw = dict(weight_layout=weight_layout, temperature=0.7, ignore_index=-100,
+                  return_entropy=True, backend=backend)
+        g_lp, g_ent = (jnp.asarray(rng.standard_normal((B, T)), jnp.float32) for _ in range(2))
+        ws = P("model", None) if weight_layout == "vd" else P(None, "model")
+        rows = P("data", None)
+        sharded, _ = _in_shard_map(
+            lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="model", **kw),
+            (P("data", None, None), ws, rows), (rows, rows), check_vma=_check_vma(backend))
+
+        def scalar(out):
+            fin = lambda x: jnp.where(jnp.isnan(x), 0.0, x)
+            return jnp.sum(fin(out[0]) * g_lp) + jnp.sum(fin(out[1]) * g_ent)
+
+        unsharded = lambda h, w, t: jk.linear_logprobs(h, w, t, **kw)
+        mesh = make_mesh("Explicit")
+        placed = (jax.device_put(h, NamedSharding(mesh, P("data", None, None))),
+                  jax.device_put(w, NamedSharding(mesh, ws)),
+                  jax.device_put(t, NamedSharding(mesh, rows)))
+        (lp, ent), (dh, dw) = jax.jit(lambda h, w, t: (
+            sharded(h, w, t), jax.grad(lambda h, w: scalar(sharded(h, w, t)), (0, 1))(h, w)))(
+            *placed)
+        (lp0, ent0), (dh0, dw0) = jax.jit(lambda h, w, t: (
+            unsharded(h, w, t), jax.grad(lambda h, w: scalar(unsharded(h, w, t)), (0, 1))(h, w)))(
+            h, w, t)
+        want = oracle.linear_logprobs(np.asarray(h, np.float64), np.asarray(w, np.float64),
+                                      np.asarray(t), weight_layout=weight_layout,
+                                      temperature=0.7, ignore_index=-100)
+        for got, base, w64, name in ((lp, lp0, want[0], "logp"), (ent, ent0, want[1], "entropy")):
+            assert_close(got, w64, name=name, scale=10.0)
+            assert_close(got, np.asarray(base), name=f"{name} vs unsharded")
+        assert np.isnan(np.asarray(lp)[0, 1]) and np.isnan(np.asarray(lp)[1, 2])
+        assert np.asarray(lp)[3, 4] == 0 and np.asarray(ent)[3, 4] == 0
+        assert_close(dh, np.asarray(dh0), name="d_hidden vs unsharded")
+        assert_close(dw, np.asarray(dw0), name="d_weight vs unsharded")
+        assert _spec(dw) == _spec(placed[1])
+
+
+def test_linear_logprobs_vocab_axis_grad_inside(rng, backend):
+    """Gradients taken inside the shard_map body, the way a training step written per device
+    does it: d_weight is summed over the row split, d_hidden over the vocabulary split."""
+    if not _check_vma(backend):
+        pytest.skip("needs shard_map's varying-axes types (check_vma=True)")
+    h, w, t, _ = head(rng)
+
+    def local(h, w, t):
+        value, grads = jax.value_and_grad(lambda h, w: jnp.sum(jk.linear_logprobs(
+            h, w, t, vocab_axis="model", backend=backend)), argnums=(0, 1))(h, w)
+        return jax.lax.psum(value, "data"), grads
+
+    _, call = _in_shard_map(local, (P("data", None, None), P("model", None), P("data", None)),
+                            (P(), (P("data", None, None), P("model", None))))
+    got = call(h, w, t)
+    want = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(jk.linear_logprobs(
+        h, w, t, backend=backend)), argnums=(0, 1)))(h, w)
+    for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, np.asarray(wv))
+
+
+def test_logits_ops_vocab_axis(rng, backend):
+    """token_logprobs, ratio_kl and grpo_loss on vocabulary slices of the logits."""
+    pol, _ = rand(rng, (B, T, V), scale=2.0)
+    ref, _ = rand(rng, (B, T, V), scale=2.0)
+    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    rewards, _ = rand(rng, (B,))
+
+    def ops(pol, ref, acts, old, rewards, mask, vocab_axis=None):
+        lp, ent = jk.token_logprobs(pol, acts, return_entropy=True, temperature=1.2,
+                                    backend=backend, vocab_axis=vocab_axis)
+        ratio, kl = jk.ratio_kl(pol, ref, acts, old, mask, backend=backend,
+                                vocab_axis=vocab_axis)
+        loss, pg, grpo_kl = jk.grpo_loss(pol, ref, acts, old, rewards, mask, group_size=2,
+                                         beta=0.1, backend=backend, vocab_axis=vocab_axis)
+        return lp, ent, ratio, kl, jnp.stack([loss, pg, grpo_kl])
+
+    args = (pol, ref, acts, old, rewards, mask)
+    vocab3, rows = P(None, None, "model"), P(None, None)
+    specs = (vocab3, vocab3, rows, rows, P(None), rows)
+    mapped, call = _in_shard_map(functools.partial(ops, vocab_axis="model"), specs,
+                                 (rows,) * 4 + (P(),), check_vma=_check_vma(backend))
+    for g, w in zip(call(*args), jax.jit(ops)(*args)):
+        assert_close(g, np.asarray(w))
+    scalar = lambda out: jnp.sum(out[4]) + jnp.sum(jnp.log(out[2]))
+    got = jax.jit(jax.grad(lambda p: scalar(mapped(p, *args[1:]))))(pol)
+    want = jax.jit(jax.grad(lambda p: scalar(ops(p, *args[1:]))))(pol)
+    assert_close(got, np.asarray(want), name="d_policy_logits")
+
+
+def test_linear_losses_vocab_axis(rng, backend):
+    h, w, acts, mask = head(rng)
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    adv, _ = rand(rng, (B,))
+
+    def losses(h, w, vocab_axis=None):
+        ppo, _ = jk.linear_ppo_loss(h, w, acts, old, adv, mask, entropy_coef=0.02,
+                                    backend=backend, vocab_axis=vocab_axis)
+        grpo, _, _ = jk.linear_grpo_loss(h, w, acts, old, adv, mask, group_size=2,
+                                         backend=backend, vocab_axis=vocab_axis)
+        return ppo + grpo
+
+    mapped, _ = _in_shard_map(lambda h, w: losses(h, w, "model"), (P(), P("model", None)), P(),
+                              check_vma=_check_vma(backend))
+    got = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1)))(h, w)
+    want = jax.jit(jax.value_and_grad(losses, argnums=(0, 1)))(h, w)
+    for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, np.asarray(wv))
+
+
+def test_vocab_axis_errors(rng):
+    h, w, acts, _ = head(rng)
+    with pytest.raises(ValueError, match="vocab_axis='model' is only valid inside jax.shard_map"):
+        jk.linear_logprobs(h, w, acts, vocab_axis="model")
+    _, call = _in_shard_map(lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="tensor"),
+                            (P(), P("model", None), P()), P())
+    with pytest.raises(ValueError, match="'tensor' is not an axis of the mesh"):
+        call(h, w, acts)
+
+
+def test_explain_says_how_a_sharded_call_is_served(rng):
+    h, w, acts, _ = head(rng)
+    mesh = make_mesh("Explicit")
+    hh = jax.device_put(h, NamedSharding(mesh, P("data", None, None)))
+    ww = jax.device_put(w, NamedSharding(mesh, P("model", None)))
+    tt = jax.device_put(acts, NamedSharding(mesh, P("data", None)))
+    text = jk.explain("linear_logprobs", hh, ww, tt)
+    assert "layout: Explicit mesh axes: shard_map" in text
+    assert "rows split over dim 0: ['data']" in text
+    assert "vocabulary split over ['model'] (vocabulary-parallel)" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["pallas", "ffi"])
+def test_vocab_axis_compiled_kernels_under_vma_checks(rng, backend_name):
+    """On a GPU, the compiled kernels inside a user's shard_map with check_vma=True (a mesh of
+    this one GPU: the varying-axes types are the same as on many)."""
+    if backend_name not in jk.available_backends("linear_logprobs"):
+        pytest.skip(f"{backend_name} is not available here")
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(AxisType.Explicit,))
+    h = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4096, 256)) / 16, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, 4096, 64), jnp.int32)
+
+    def loss(h, w, t, vocab_axis=None):
+        lp, ent = jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend_name,
+                                     vocab_axis=vocab_axis)
+        return jnp.sum(lp) + 0.5 * jnp.sum(ent)
+
+    mapped = jax.shard_map(lambda h, w, t: jax.value_and_grad(
+        lambda h, w: loss(h, w, t, "model"), argnums=(0, 1))(h, w), mesh=mesh,
+        in_specs=(P(), P("model", None), P()), out_specs=(P(), (P(), P("model", None))))
+    placed = [jax.device_put(x, NamedSharding(mesh, s))
+              for x, s in zip((h, w, t), (P(), P("model", None), P()))]
+    got = jax.jit(mapped)(*placed)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(h, w, t)
+    for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(wv, np.float32))
