@@ -4,6 +4,7 @@
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward, many_devices,
 #                                              side_by_side, e2e)
+#                                              tunix: needs the wheels of .whl/tunix)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
@@ -16,6 +17,13 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels the image lacks (nvidia-cutlass)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+# tunix and the few of its dependencies that the image lacks (google-tunix, google-metrax, clu,
+# tensorboardX, perfetto: ~1.1 MB), for the tunix step and tests/test_tunix.py.
+if compgen -G ".whl/tunix/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-tunix .whl/tunix/*.whl && export PYTHONPATH=/tmp/site-tunix${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c 'import tunix, flax, jax; print("tunix", tunix.__version__, "flax", flax.__version__, "jax", jax.__version__)'
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
@@ -42,6 +50,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
           --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
       fi; python3 -m benchmarks.linear_side_by_side' ;;
     e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
+    tunix) step 540 python3 -m benchmarks.bench_tunix ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done

@@ -1,0 +1,180 @@
+"""tunix's GRPO and PPO policy losses on log-probs that never pass through [B, T, V] logits.
+
+Both have tunix's policy-loss signature ``fn(model, train_example, algo_config, pad_id, eos_id,
+**kwargs) -> (loss, aux)`` and return what tunix's ``"grpo"`` / ``"ppo"`` losses return: the
+same loss, the same ``aux`` keys and values, the same gradient for every model parameter. The
+only O(B·T·V) work, the log-probs (and entropies) of the completion, is
+:func:`jaxrl_kernels.linear_logprobs` on the model's final hidden states
+(:mod:`.logprobs`); the rest is O(B·T) arithmetic on [B, T] arrays, written here with tunix's
+definitions (:mod:`.token_math` lists where they differ from SPEC's ``ppo_loss``).
+
+GRPO (tunix ``grpo_loss_fn``), per completion token with A the advantage ([B] or [B, T]),
+ε = ``epsilon``, ε_h = ``epsilon_high`` (default ε), old = ``old_per_token_logps`` (or
+stop_gradient(logp) when None):
+
+* ℓ = clip(logp − old, ±20); ``loss_algo="gspo-token"`` replaces it by
+  min(logp − sg(logp) + sg(ℓ̄_b), 10), ℓ̄_b the masked mean of ℓ over sequence b;
+* r = exp(ℓ); pg = max(−A·r, −A·clip(r, 1 − ε, 1 + ε_h)); dual clip c = ``epsilon_c``: where
+  A < 0, pg = min(pg, −c·A);
+* pg ·= ``sampler_is_weights`` when the example has them;
+* loss = agg(pg) + β·agg(KL) (β = ``beta``; KL by ``kl_loss_mode`` and ``kl_clamp_value``,
+  when the example has ``ref_per_token_logps``), agg = ``loss_agg_mode``.
+
+PPO (tunix ``ppo_policy_loss_fn``): r = exp(logp − old) (no clip), the same clipped surrogate
+with ``epsilon_low`` / ``epsilon_high`` and dual clip, loss = mean(pg) − ``entropy_coef``·mean(H)
+(+ ``kl_coef``·mean(KL "kl") when the config has a positive ``kl_coef``), means taken as
+Σ m·x / (Σ m + 1e-8). The value (critic) loss is tunix's own: it has no vocabulary axis.
+
+Both take ``backend=`` (jaxrl_kernels' backend for the log-probs; None = automatic).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import jaxrl_kernels as jk
+from jaxrl_kernels.integrations.tunix import token_math as tm
+from jaxrl_kernels.integrations.tunix.logprobs import policy_logprobs
+
+LOSS_ALGOS = ("grpo", "gspo-token")
+LOG_RATIO_CLIP = 20.0
+GSPO_LOG_RATIO_MAX = 10.0
+
+_sg = jax.lax.stop_gradient
+
+
+def _example_logprobs(model, example, pad_id, eos_id, temperature, return_entropy, backend):
+    return policy_logprobs(
+        model, example.prompt_ids, example.completion_ids, pad_id=pad_id, eos_id=eos_id,
+        segment_ids=getattr(example, "segment_ids", None),
+        segment_positions=getattr(example, "segment_positions", None),
+        temperature=temperature, return_entropy=return_entropy, backend=backend)
+
+
+def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
+    """(pg, unclipped, clipped, dual_clipped): tunix's clipped surrogate with optional dual clip."""
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
+    pg = jnp.maximum(unclipped, clipped).astype(jnp.float32)
+    if dual_clip is None:
+        return pg, unclipped, clipped, jnp.zeros(pg.shape, jnp.float32)
+    bound = -dual_clip * adv
+    dual = ((pg > bound) & (adv < 0.0)).astype(jnp.float32)
+    return jnp.where(adv < 0.0, jnp.minimum(bound, pg), pg), unclipped, clipped, dual
+
+
+def _grpo_log_ratio(logp, old, mask, loss_algo):
+    """(clipped log-ratio ℓ used for the ratio, tunix's ppo_kl diagnostic)."""
+    log_ratio = logp - old
+    ppo_kl = tm.masked_mean(-log_ratio, mask)
+    log_ratio = jnp.clip(log_ratio, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    if loss_algo == "gspo-token":
+        per_seq = jnp.sum(log_ratio * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
+        log_ratio = jnp.minimum(logp - _sg(logp) + _sg(per_seq)[:, None], GSPO_LOG_RATIO_MAX)
+    return log_ratio, ppo_kl
+
+
+def _grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
+    adv = jnp.broadcast_to(adv, mask.shape)
+    return {
+        "is_ratio/mean": tm.masked_mean(ratio, mask),
+        "is_ratio/max": tm.masked_max(ratio, mask, 0.0),
+        "is_ratio/min": tm.masked_min(ratio, mask),
+        "log_ratio/abs_mean": tm.masked_mean(jnp.abs(log_ratio), mask),
+        "pg_loss/unclipped_mean": tm.masked_mean(unclipped, mask),
+        "pg_loss/clipped_mean": tm.masked_mean(clipped, mask),
+        "advantage/abs_mean": tm.masked_mean(jnp.abs(adv), mask),
+        "advantage/max": tm.masked_max(adv, mask, -jnp.inf),
+        "advantage/min": tm.masked_min(adv, mask),
+        "advantage/nonzero_frac": tm.masked_mean((jnp.abs(adv) > 1e-8).astype(jnp.float32), mask),
+    }
+
+
+def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, *, backend=None,
+                     **kwargs):
+    """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux)."""
+    del kwargs  # tunix passes nothing else to its own GRPO loss either
+    mode = algo_config.loss_agg_mode
+    tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
+    tm.check_option("loss_algo", algo_config.loss_algo, LOSS_ALGOS)
+    epsilon = algo_config.epsilon
+    epsilon_high = getattr(algo_config, "epsilon_high", epsilon)
+    beta = algo_config.beta
+    mask = train_example.completion_mask
+
+    logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id,
+                                      algo_config.temperature, True, backend)
+    adv = train_example.advantages.astype(jnp.float32)
+    adv = adv if adv.ndim == 2 else adv[:, None]
+    old = train_example.old_per_token_logps
+    old = _sg(logp) if old is None else old.astype(jnp.float32)
+
+    log_ratio, ppo_kl = _grpo_log_ratio(logp, old, mask, algo_config.loss_algo)
+    ratio = jnp.exp(log_ratio)
+    pg, unclipped, clipped, dual = _surrogate(ratio, adv, epsilon, epsilon_high,
+                                              getattr(algo_config, "epsilon_c", None))
+    weights = getattr(train_example, "sampler_is_weights", None)
+    if weights is not None:
+        weights = weights.astype(jnp.float32)
+        pg = pg * weights
+    loss = tm.aggregate(pg, mask, mode)
+
+    aux = {
+        "kl": 0.0,
+        "kl_loss": 0.0,
+        "pg_loss": loss,
+        "pg_clipfrac": tm.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "ppo_kl": ppo_kl,
+        "pg_clipfrac_lower": tm.aggregate(dual, mask, mode),
+        **_grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask),
+        "sampler_is/weight_mean": (jnp.float32(1.0) if weights is None
+                                   else tm.masked_mean(weights, mask)),
+        "sampler_is/weight_min": (jnp.float32(1.0) if weights is None
+                                  else tm.masked_min(weights, mask)),
+    }
+    ref = train_example.ref_per_token_logps
+    if ref is not None:
+        kl = tm.kl_divergence(logp, ref, algo_config.kl_loss_mode, algo_config.kl_clamp_value)
+        aux["kl"] = jk.aggregate(kl, mask, "token_mean")
+        aux["kl_loss"] = tm.aggregate(kl, mask, mode)
+        if beta is not None and beta != 0.0:
+            loss = loss + beta * aux["kl_loss"]
+    aux["entropy"] = tm.aggregate(entropy, mask, mode)
+    return loss, aux
+
+
+def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, *, backend=None,
+                    **kwargs):
+    """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux)."""
+    del kwargs
+    old = train_example.old_per_token_logps
+    if old is None:
+        raise ValueError("train_example.old_per_token_logps: PPO's ratio needs the rollout "
+                         "policy's log-probs, got None")
+    entropy_coef = algo_config.entropy_coef
+    with_entropy = entropy_coef is not None and entropy_coef != 0.0
+    mask = train_example.completion_mask
+
+    logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id, 1.0, with_entropy,
+                                      backend)
+    adv = train_example.advantages
+    ratio = jnp.exp(logp - old)
+    pg, unclipped, clipped, dual = _surrogate(ratio, adv, algo_config.epsilon_low,
+                                              algo_config.epsilon_high,
+                                              getattr(algo_config, "epsilon_c", None))
+    aux = {
+        "pg_clipfrac": tm.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+        "pg_clipfrac_lower": tm.masked_mean(dual, mask),
+    }
+    loss = tm.masked_mean(pg, mask)
+    if with_entropy:
+        aux["loss/entropy"] = tm.masked_mean(entropy, mask)
+        loss = loss - entropy_coef * aux["loss/entropy"]
+    kl_coef = getattr(algo_config, "kl_coef", 0.0)
+    if kl_coef > 0.0 and train_example.ref_per_token_logps is not None:
+        kl = tm.kl_divergence(logp, train_example.ref_per_token_logps, "kl",
+                              getattr(algo_config, "kl_clamp_value", None))
+        aux["kl"] = tm.masked_mean(kl, mask)
+        loss = loss + kl_coef * aux["kl"]
+    return loss, aux

@@ -1,0 +1,82 @@
+"""tunix's token-level reductions and KL estimates, on [B, T] arrays.
+
+These are tunix's definitions, which differ from SPEC's in places, so the registered losses
+reproduce tunix's numbers. Where the two agree, SPEC's op is used (:func:`jaxrl_kernels.aggregate`,
+:func:`jaxrl_kernels.kl_penalty`). With m the completion mask, x per-token values, n_b = Σ_t m_bt,
+R = max(#{b : n_b > 0}, 1) (rows with a completion token) and T the completion length:
+
+* ``masked_mean``: Σ m·x / (Σ m + 1e-8)  (tunix's diagnostics and PPO loss)
+* ``"token-mean"``: Σ m·x / max(Σ m, 1)  (= SPEC "token_mean")
+* ``"sequence-mean-token-mean"``: Σ_b [Σ_t m·x / max(n_b, 1)] / R  (= SPEC "seq_mean_token_mean")
+* ``"sequence-mean-token-scale"``: Σ_b [Σ_t m·x / T] / R
+* ``"seq-mean-token-sum"``: Σ_{b: n_b > 0} Σ_t m·x / R
+* ``"sequence-mean-token-sum-norm"``: Σ m·x / R
+
+KL methods, d = ref_logp - logp: ``"kl"``: -d (SPEC "k1"); ``"mse_kl"``: d²/2 (SPEC "k2");
+``"low_var_kl"``: exp(d) - d - 1 with no clip on d (SPEC's "k3" clips d to [-20, 20] first).
+A ``clamp_value`` c then clips the estimate to [-c, c].
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import jaxrl_kernels as jk
+
+AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
+             "seq-mean-token-sum", "sequence-mean-token-sum-norm")
+KL_METHODS = ("kl", "mse_kl", "low_var_kl")
+_SPEC_MODES = {"token-mean": "token_mean", "sequence-mean-token-mean": "seq_mean_token_mean"}
+_SPEC_KL = {"kl": "k1", "mse_kl": "k2"}
+
+
+def check_option(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}: unknown option {value!r}; valid: {', '.join(valid)}")
+
+
+def masked_mean(values, mask):
+    """Σ m·x / (Σ m + 1e-8), float32."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(values.astype(jnp.float32) * mask) / (jnp.sum(mask) + 1e-8)
+
+
+def masked_max(values, mask, empty):
+    """max of x over m > 0; ``empty`` (the identity of the max: -inf, or 0 for ratios) elsewhere."""
+    return jnp.max(jnp.where(mask > 0, values, empty))
+
+
+def masked_min(values, mask):
+    """min of x over m > 0; +inf when the mask is empty."""
+    return jnp.min(jnp.where(mask > 0, values, jnp.inf))
+
+
+def aggregate(values, mask, mode: str):
+    """tunix's ``loss_agg_mode`` reduction of per-token [B, T] values (see the module doc)."""
+    check_option("loss_agg_mode", mode, AGG_MODES)
+    if mode in _SPEC_MODES:
+        return jk.aggregate(values.astype(jnp.float32), mask, _SPEC_MODES[mode])
+    mask = mask.astype(jnp.float32)
+    row_sums = jnp.sum(values.astype(jnp.float32) * mask, axis=-1)
+    has_tokens = jnp.sum(mask, axis=-1) > 0
+    rows = jnp.maximum(jnp.sum(has_tokens), 1).astype(jnp.float32)
+    if mode == "sequence-mean-token-scale":
+        return jnp.sum(row_sums / values.shape[-1]) / rows
+    if mode == "seq-mean-token-sum":
+        return jnp.sum(jnp.where(has_tokens, row_sums, 0.0)) / rows
+    return jnp.sum(row_sums) / rows  # sequence-mean-token-sum-norm
+
+
+def kl_divergence(logp, ref_logp, method: str, clamp_value=None):
+    """tunix's per-token KL estimate of the policy from the reference (see the module doc)."""
+    check_option("kl_loss_mode", method, KL_METHODS)
+    logp = logp.astype(jnp.float32)
+    ref_logp = ref_logp.astype(jnp.float32)
+    if method in _SPEC_KL:
+        kl = jk.kl_penalty(logp, ref_logp, _SPEC_KL[method])
+    else:
+        d = ref_logp - logp
+        kl = jnp.exp(d) - d - 1.0
+    if clamp_value is not None:
+        kl = jnp.clip(kl, -clamp_value, clamp_value)
+    return kl

@@ -1,0 +1,318 @@
+"""The tunix integration: "jaxrl_grpo" / "jaxrl_ppo" against tunix's own "grpo" / "ppo".
+
+On tiny random float32 tunix models (Qwen3 with an lm_head [D, V], Qwen3 with tied
+embeddings, Gemma3), the same TrainExample through both losses gives the same loss, the same
+value of every aux key and the same gradient of every parameter (1e-5 of scale), over the
+options tunix's losses read; a jitted tunix actor train step agrees; the compiled program of our
+loss holds no [B, T, V] buffer; unsupported models and options raise one clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tunix", reason="the tunix extra is not installed (pip install -e .[tunix])")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxrl_kernels as jk  # noqa: E402
+import tunix_support as ts  # noqa: E402
+from jaxrl_kernels.integrations import tunix as jt  # noqa: E402
+
+VOCAB = 61  # odd, so a [D, V] weight and a [V, D] table are told apart by shape
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: ts.make_model(family, VOCAB, seed=i)
+            for i, family in enumerate(("qwen3", "qwen3_tied", "gemma3"))}
+
+
+def compare(model, example, config, tunix_name, ours_name, **ours_kwargs):
+    want = ts.loss_and_grads(tunix_name, model, example, config)
+    got = ts.loss_and_grads(ours_name, model, example, config, **ours_kwargs)
+    ts.assert_same(got, want)
+    return got
+
+
+# Each GRPO case sets one aggregation mode and spreads the other options over the cases:
+# loss_algo, epsilon / epsilon_high, dual clip, beta (0, > 0, None), every KL mode and a clamp,
+# temperature (1, 0 = "none" in tunix, others), sampler IS weights, old log-probs None,
+# advantages [B] and [B, T], packed sequences. Every example has an empty completion row.
+GRPO_CASES = {
+    "token-mean": (dict(loss_algo="grpo", beta=0.04, kl_loss_mode="kl"),
+                   1.0, ts.ExampleSpec()),
+    "sequence-mean-token-mean": (
+        dict(loss_algo="gspo-token", beta=0.0, epsilon_high=0.28, kl_loss_mode="low_var_kl"),
+        0.7, ts.ExampleSpec(old=False, sampler_is=True)),
+    "sequence-mean-token-scale": (
+        dict(loss_algo="grpo", beta=0.04, epsilon_c=3.0, kl_loss_mode="mse_kl",
+             kl_clamp_value=0.05), 0.0, ts.ExampleSpec(sampler_is=True, token_advantages=True)),
+    "seq-mean-token-sum": (
+        dict(loss_algo="gspo-token", beta=None, epsilon=0.1, epsilon_high=0.3, epsilon_c=2.0),
+        1.3, ts.ExampleSpec(ref=False)),
+    "sequence-mean-token-sum-norm": (
+        dict(loss_algo="grpo", beta=0.1, kl_loss_mode="low_var_kl", kl_clamp_value=0.2),
+        1.0, ts.ExampleSpec(old=False, sampler_is=True)),
+}
+
+
+@pytest.mark.parametrize("mode", list(GRPO_CASES))
+def test_grpo_options_match_tunix(models, mode):
+    options, temperature, spec = GRPO_CASES[mode]
+    model = models["qwen3"]
+    config = ts.grpo_config(temperature, loss_agg_mode=mode, **options)
+    example = ts.make_example(model, VOCAB, spec, seed=len(mode), temperature=temperature)
+    _, aux, _ = compare(model, example, config, "grpo", "jaxrl_grpo")
+    if spec.old:  # old log-probs away from the policy's: both surrogate branches are taken
+        assert float(aux["pg_clipfrac"]) > 0
+    else:  # old = stop_gradient(logp): every ratio is 1
+        assert float(aux["is_ratio/max"]) == float(aux["is_ratio/min"]) == 1.0
+
+
+def test_grpo_packed_sequences_match_tunix(models):
+    model = models["qwen3"]
+    config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04)
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(packed=True, completion_len=9))
+    compare(model, example, config, "grpo", "jaxrl_grpo")
+
+
+PPO_CASES = {
+    "plain": dict(),
+    "entropy_dual_clip": dict(entropy_coef=0.01, epsilon_c=3.0, epsilon_low=0.1,
+                              epsilon_high=0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(PPO_CASES))
+def test_ppo_options_match_tunix(models, case):
+    model = models["qwen3"]
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=3,
+                              ppo=True)
+    _, aux, _ = compare(model, example, ts.ppo_config(**PPO_CASES[case]), "ppo", "jaxrl_ppo")
+    assert ("loss/entropy" in aux) == (case == "entropy_dual_clip")
+
+
+class KLConfig:
+    """A PPO config with the optional attributes tunix's PPO loss reads with getattr."""
+
+    def __init__(self):
+        self.epsilon_low, self.epsilon_high, self.epsilon_c = 0.2, 0.2, None
+        self.entropy_coef, self.kl_coef, self.kl_clamp_value = None, 0.1, 0.3
+
+
+def test_ppo_kl_coef_matches_tunix(models):
+    model = models["qwen3"]
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=4,
+                              ppo=True)
+    _, aux, _ = compare(model, example, KLConfig(), "ppo", "jaxrl_ppo")
+    assert "kl" in aux
+
+
+@pytest.mark.parametrize("family,lean", [("qwen3_tied", "reference"), ("gemma3", "chunked")])
+def test_model_families_match_tunix(models, family, lean):
+    """Tied-embedding heads ([V, D]), one family per CPU backend: GRPO, and PPO with entropy."""
+    model = models[family]
+    grpo = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
+                          kl_loss_mode="low_var_kl", epsilon_c=3.0)
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=5,
+                              temperature=0.7)
+    compare(model, example, grpo, "grpo", "jaxrl_grpo", backend=lean)
+    ppo_example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=6,
+                                  ppo=True)
+    compare(model, ppo_example, ts.ppo_config(entropy_coef=0.05), "ppo", "jaxrl_ppo",
+            backend=lean)
+
+
+def test_untied_head_on_chunked_backend(models):
+    model = models["qwen3"]
+    config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04, kl_loss_mode="kl")
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=7)
+    compare(model, example, config, "grpo", "jaxrl_grpo", backend="chunked")
+
+
+@pytest.mark.gpu
+def test_gpu_automatic_backend_matches_tunix():
+    """On a GPU the automatic backend (pallas; ffi declines float32) against tunix's loss, both
+    with float32 matmuls at full precision."""
+    model = ts.make_model("qwen3_tied", 1031)
+    config = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
+                            kl_loss_mode="low_var_kl")
+    with jax.default_matmul_precision("highest"):
+        example = ts.make_example(model, 1031, ts.ExampleSpec(batch=8, completion_len=64),
+                                  temperature=0.7)
+        compare(model, example, config, "grpo", "jaxrl_grpo")
+
+
+def test_heads_found():
+    untied, tied = ts.make_model("qwen3", VOCAB), ts.make_model("qwen3_tied", VOCAB)
+    head = jt.find_head(untied)
+    assert (head.layout, head.weight.shape) == ("dv", (16, VOCAB))
+    head = jt.find_head(tied)
+    assert (head.layout, head.weight.shape) == ("vd", (VOCAB, 16))
+    assert jt.find_head(ts.make_model("gemma3", VOCAB)).layout == "vd"
+
+
+def test_other_families_qualify():
+    """Qwen2 (lm_head) and Gemma without a soft-cap (tied) expose what the losses need."""
+    from tunix.models.gemma import model as gemma
+    from tunix.models.qwen2 import model as qwen2
+
+    config = qwen2.ModelConfig(num_layers=1, vocab_size=VOCAB, embed_dim=16, hidden_dim=24,
+                               num_heads=2, head_dim=8, num_kv_heads=1, rope_theta=10_000,
+                               norm_eps=1e-6)
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(0))
+    jt.check_model(model)
+    assert jt.find_head(model).layout == "dv"
+    config = dataclasses.replace(
+        gemma.ModelConfig.gemma_2b(), num_layers=1, num_embed=VOCAB, embed_dim=16,
+        hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1,
+        attention_types=(gemma.AttentionType.GLOBAL,))
+    model = gemma.Gemma(config, rngs=nnx.Rngs(0))
+    jt.check_model(model)
+    assert jt.find_head(model).layout == "vd"
+
+
+# -- the tunix actor train step ------------------------------------------------------------
+
+def actor_step(model, loss_name, config, example):
+    """One jitted step of tunix's RL actor Trainer (what GRPOLearner drives), AdamW."""
+    from tunix.rl import function_registry
+    from tunix.rl import trainer as rl_trainer
+    from tunix.sft import peft_trainer
+
+    loss_fn = function_registry.get_policy_loss_fn(loss_name)
+    trainer = rl_trainer.Trainer(model, optax.adamw(1e-2),
+                                 peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=2),
+                                 custom_checkpoint_metadata_fn=dict)
+    trainer.with_loss_fn(lambda model, train_example, algo_config: loss_fn(
+        model, train_example, algo_config=algo_config, pad_id=ts.PAD_ID, eos_id=ts.EOS_ID),
+        has_aux=True)
+    trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": config})
+    train_step, _ = trainer.jit_train_and_eval_step()
+    loss, aux, grad_norm = train_step(example)
+    return loss, aux, grad_norm, nnx.state(model, nnx.Param)
+
+
+def test_actor_train_step_matches_tunix():
+    config = ts.grpo_config(1.0, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
+                            kl_loss_mode="low_var_kl")
+    base = ts.make_model("qwen3", VOCAB, seed=11)
+    example = ts.make_example(base, VOCAB, ts.ExampleSpec(sampler_is=True), seed=11)
+    graphdef, state = nnx.split(base)
+    fresh = lambda: nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # noqa: E731
+    want = actor_step(fresh(), "grpo", config, example)
+    got = actor_step(fresh(), "jaxrl_grpo", config, example)
+    ts.assert_same((got[0], got[1], got[3]), (want[0], want[1], want[3]))
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
+    moved = max(float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(state)))
+    assert moved > 1e-3  # the step did update the parameters
+
+
+# -- no [B, T, V] buffer ----------------------------------------------------------------------
+
+SHAPE = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
+
+
+def largest_buffer(loss_name, model, example, config):
+    """Element count of the largest array in the compiled value_and_grad program."""
+    from tunix.rl import function_registry
+
+    loss_fn = function_registry.get_policy_loss_fn(loss_name)
+    graphdef, state = nnx.split(model)
+
+    def objective(state, example):
+        return loss_fn(nnx.merge(graphdef, state), example, config, ts.PAD_ID, ts.EOS_ID)
+
+    text = jax.jit(jax.value_and_grad(objective, has_aux=True)).lower(state, example) \
+        .compile().as_text()
+    return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in SHAPE.findall(text))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_tied"])
+def test_compiled_loss_holds_no_logits(family):
+    """V = 65543, 32 completion tokens: tunix's program holds [B, L, V] logits; ours, with the
+    chunked backend, holds nothing as large as the [B, T, V] completion logits (its largest
+    buffers are the [V, D] weight and its gradient, and [B·T, 32768] vocabulary chunks)."""
+    vocab, spec = 65543, ts.ExampleSpec(batch=2, prompt_len=3, completion_len=16, ref=True)
+    model = ts.make_model(family, vocab)
+    example = ts.make_example(model, vocab, spec)
+    config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04)
+    completion_logits = spec.batch * spec.completion_len * vocab
+    # The probe sees tunix's logits:
+    assert largest_buffer("grpo", model, example, config) >= completion_logits
+    with jk.use_backend("chunked"):
+        ours = largest_buffer("jaxrl_grpo", model, example, config)
+    assert ours < completion_logits
+    assert ours <= max(16 * vocab, spec.batch * spec.completion_len * 32768)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def test_model_without_hidden_states_is_refused():
+    from tunix.models.llama3 import model as llama3
+
+    config = llama3.ModelConfig(num_layers=1, vocab_size=VOCAB, embed_dim=16, hidden_dim=24,
+                                num_heads=2, head_dim=8, num_kv_heads=1, rope_theta=10_000,
+                                norm_eps=1e-6)
+    model = llama3.Llama3(config, rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="Llama3.*output_hidden_states"):
+        jt.check_model(model)
+
+
+def test_softcapped_logits_are_refused():
+    from tunix.models.gemma import model as gemma
+
+    config = dataclasses.replace(
+        gemma.ModelConfig.gemma2_2b(), num_layers=1, num_embed=VOCAB, embed_dim=16,
+        hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1, sliding_window_size=4,
+        attention_types=(gemma.AttentionType.GLOBAL,))
+    model = gemma.Gemma(config, rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="final_logits_softcap = 30.0"):
+        jt.check_model(model)
+
+
+def test_bad_options_raise(models):
+    model = models["qwen3"]
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(), seed=1)
+    config = ts.grpo_config(1.0, loss_agg_mode="token-mean")
+    config.loss_agg_mode = "token-sum"
+    with pytest.raises(ValueError, match="loss_agg_mode.*'token-sum'.*token-mean"):
+        jt.grpo_policy_loss(model, example, config, ts.PAD_ID, ts.EOS_ID)
+    config = ts.grpo_config(1.0, loss_agg_mode="token-mean", kl_loss_mode="k3")
+    with pytest.raises(ValueError, match="kl_loss_mode.*'k3'.*low_var_kl"):
+        jt.grpo_policy_loss(model, example, config, ts.PAD_ID, ts.EOS_ID)
+    ppo_example = ts.make_example(model, VOCAB, ts.ExampleSpec(old=False), ppo=True)
+    with pytest.raises(ValueError, match="old_per_token_logps"):
+        jt.ppo_policy_loss(model, ppo_example, ts.ppo_config(), ts.PAD_ID, ts.EOS_ID)
+
+
+def test_registered_names():
+    from tunix.rl import function_registry
+
+    assert function_registry.get_policy_loss_fn("jaxrl_grpo") is jt.grpo_policy_loss
+    assert function_registry.get_policy_loss_fn("jaxrl_ppo") is jt.ppo_policy_loss
+
+
+# -- many devices ----------------------------------------------------------------------------
+
+def test_sharded_fsdp2_tp4_matches_tunix():
+    """tests/tunix_sharded.py on 8 host devices, (fsdp=2, tp=4) mesh, the models' shardings."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    script = os.path.join(os.path.dirname(__file__), "tunix_sharded.py")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "tunix sharded: all equal" in run.stdout
