@@ -147,7 +147,7 @@ BWD_VARIANTS = {
     "bwd f16, grad 128x128x64 w8 s3, 64 MiB": dict(chunk_bytes=64 * 2**20),
     "bwd concat, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="concat",
                                                       chunk_bytes=32 * 2**20),
-    "bwd bf16 dz (below SPEC precision), 16 MiB": dict(grad_mode="bf16"),
+    "bwd bf16 dz (below docs/api.md precision), 16 MiB": dict(grad_mode="bf16"),
 }
 
 

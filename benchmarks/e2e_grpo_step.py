@@ -6,7 +6,7 @@ backward, and ``optax.adamw``, on B sequences of T=1024 tokens. Two loss paths:
 - ``jaxrl_kernels``: ``jk.linear_grpo_loss(hidden, W, ...)`` on the hidden states and the
   tied embedding W [V, D] (layout "vd"), automatic backend; no [B, T, V] logits;
 - ``materialised``: logits = hidden Wᵀ in float32 [B, T, V], log_softmax, gather, then the
-  same GRPO math in jnp (SPEC's formulas: group-normalised advantages, clipped surrogate,
+  same GRPO math in jnp (our formulas: group-normalised advantages, clipped surrogate,
   token mean).
 
 The model (random init, seed 0): d_model 1024, 14 pre-LayerNorm blocks (16 heads, MLP 4x,
@@ -121,7 +121,7 @@ def build(cfg: Config):
 # -- the losses --------------------------------------------------------------------------
 
 def grpo_from_logp(logp, old_logp, rewards, mask, group, clip=0.2, eps=1e-6):
-    """SPEC's GRPO in jnp: adv = (r − mean_g)/(std_g + eps); pg = max(−A·r, −A·clip(r));
+    """our GRPO in jnp: adv = (r − mean_g)/(std_g + eps); pg = max(−A·r, −A·clip(r));
     loss = Σ m·pg / max(Σ m, 1) with r = exp(clip(logp − old_logp, −20, 20))."""
     import jax.numpy as jnp
 

@@ -4,35 +4,33 @@ Every public op describes its call as a :class:`Problem` and asks :func:`select`
 for the implementation of a *primitive* (the backend-specific piece of work):
 
 =================  ===========================================================
-primitive          what a backend implements (inputs already validated, flat)
+primitive          what a backend implements
 =================  ===========================================================
-token_logprobs     ``(logits[N,V], targets[N], row_valid[N], *, temperature,
-                   return_entropy) -> (logp[N], entropy[N] | None)``
-paired_logprobs    ``(policy_logits[N,V], ref_logits[N,V], targets[N],
-                   row_valid[N], *, temperature) -> (logp[N], ref_logp[N])``,
-                   gradient to ``policy_logits`` only
-linear_logprobs    ``(hidden[N,D], weight, bias[V] | None, targets[N],
-                   row_valid[N], *, weight_layout, temperature,
-                   return_entropy) -> (logp[N], entropy[N] | None)``
-linear_logprobs    ``(hidden, weight, bias, targets, row_valid, lse[N],
+token_logprobs     log-probs of logits [..., V]: a ``logprob_core.Parts``
+                   (kernel backends: per-device row statistics + backward) or
+                   a ``logprob_core.Whole`` (reference: plain jnp)
+paired_logprobs    the same for policy and reference logits sharing targets,
+                   gradient to the policy only
+linear_logprobs    the same for a linear head (hidden, weight, bias);
+                   ``ffi``'s Parts have no backward of their own
+linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
 _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
-                   d_bias | None)``: the backward alone, for forwards
-                   (``ffi``) that have none of their own
+                   d_bias | None)``: the backward alone, for ``ffi``
 ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
                    normalize_std, std_ddof, eps) -> adv[B]``
 =================  ===========================================================
 
-Rows with ``row_valid == False`` give 0 and no gradient and never index the
-vocabulary with their target; valid rows whose target lies outside ``[0, V)``
-give NaN.
+``logprob_core`` states the contract of the log-prob parts (targets outside a device's
+vocabulary slice, rows without a gradient) and holds the one custom_vjp and the sharding
+(``sharding.run``) that every kernel backend shares.
 
 Backends are modules under ``jaxrl_kernels.backends`` imported on first use.
 Each exposes ``OPS`` (primitive -> callable), ``unavailable_reason() -> str |
 None`` (can it run in this process at all) and ``declines(primitive, problem)
--> str | None`` (can it serve these inputs). The selection rules of SPEC.md
+-> str | None`` (can it serve these inputs). The automatic-choice rules (docs/api.md)
 live in :func:`_automatic_policy`; nothing else in the package decides.
 """
 
@@ -156,7 +154,7 @@ def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
 
 
 def _automatic_policy(name: str, primitive: str, problem: Problem) -> str | None:
-    """SPEC's automatic-choice rules beyond what a backend can serve."""
+    """The automatic-choice rules (docs/api.md) beyond what a backend can serve."""
     on_gpu = problem.platform in ("gpu", "cuda", "rocm")
     if name == "ffi" and primitive != "linear_logprobs":
         return "ffi serves only the linear_logprobs forward"

@@ -151,7 +151,7 @@ def _variants(ratio_level, policy_loss, tis_level, tis_mode):
 
 
 def _policy_options(ratio_level, policy_loss, tis_level, tis_mode, dual_clip):
-    """The policy-loss variant options (SPEC "Policy-loss variants")."""
+    """The policy-loss variant options (docs/api.md "Policy-loss variants")."""
     check.option("ratio_level", ratio_level, rl_math.RATIO_LEVELS)
     check.option("policy_loss", policy_loss, rl_math.POLICY_LOSSES)
     check.option("tis_level", tis_level, rl_math.TIS_LEVELS)
@@ -209,7 +209,7 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
     per-token = pg + kl_coef·KL(logp, ref_logp) - entropy_coef·entropy, aggregated under mask.
     Gradients reach logp and entropy only.
 
-    Variants (SPEC "Policy-loss variants"): ``ratio_level="sequence"`` (GSPO) puts
+    Variants (docs/api.md "Policy-loss variants"): ``ratio_level="sequence"`` (GSPO) puts
     r = exp(ℓ_b), ℓ_b = clip(masked mean of logp - old_logp over sequence b, ±20), on every
     token of b, with d r / d logp_bt = exp(ℓ_b); ``policy_loss="cispo"``:
     pg = -A·sg(clip(r, 1-clip_low, 1+clip_high))·logp; ``tis_level="sequence"`` uses the
@@ -328,7 +328,7 @@ def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, gr
 
     advantages = group_advantages(rewards) unless given ([B]); per token pg as in
     ppo_loss (every policy-loss variant; rollout correction with ``rollout_logp`` [B, T]
-    and ``tis_cap``, an addition beyond SPEC's signature), kl = kl_penalty(logp, logp_ref);
+    and ``tis_cap``, an addition beyond our signature), kl = kl_penalty(logp, logp_ref);
     loss = aggregate(pg + β·kl).
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(

@@ -160,7 +160,7 @@ _sg = jax.lax.stop_gradient
 
 
 def kl_penalty(logp, ref_logp, estimator: str = "k3"):
-    """Per-token KL estimate with d = ref_logp - logp (see SPEC)."""
+    """Per-token KL estimate with d = ref_logp - logp (see docs/api.md)."""
     d = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
     if estimator == "k1":
         return -d
@@ -247,7 +247,7 @@ def masked_row_sums(values: dict, mask) -> dict:
 
 
 def aggregate_sequence_sums(seq_sum, seq_count, mode: str, seq_len: int, max_len=None):
-    """The aggregation of SPEC from per-sequence Σ_t m·x ([B]) and Σ_t m ([B]).
+    """The aggregation of docs/api.md from per-sequence Σ_t m·x ([B]) and Σ_t m ([B]).
 
     ``"token_mean"``: Σ_b seq_sum / max(Σ_b seq_count, 1);
     ``"seq_mean_token_mean"``: mean of seq_sum / seq_count over sequences with a
@@ -286,7 +286,7 @@ def aggregation_weights(seq_count, mode: str, seq_len: int, max_len=None):
 
 
 def aggregate(values, mask, mode: str = "token_mean", max_len=None):
-    """Reduce per-token [B, T] values to a scalar under ``mask`` (see SPEC)."""
+    """Reduce per-token [B, T] values to a scalar under ``mask`` (see docs/api.md)."""
     sums = masked_row_sums({"x": values, "count": jnp.ones_like(values)}, mask)
     return aggregate_sequence_sums(sums["x"], sums["count"], mode, values.shape[-1], max_len)
 
@@ -558,14 +558,14 @@ def loss_and_metrics(sums: dict, cfg: PPOConfig, seq_len: int):
 
 
 def ppo_loss(x: PPOInputs, cfg: PPOConfig):
-    """(loss, metrics) of SPEC's ppo_loss, in plain jnp, token by token."""
+    """(loss, metrics) of our ppo_loss, in plain jnp, token by token."""
     seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
     sums = masked_row_sums(token_summands(x, cfg, seq), x.mask)
     return loss_and_metrics(sums, cfg, x.logp.shape[-1])
 
 
 def grpo_loss(x: PPOInputs, cfg: PPOConfig):
-    """(loss, policy_loss, kl) of SPEC's grpo_loss with β = ``cfg.kl_coef``:
+    """(loss, policy_loss, kl) of our grpo_loss with β = ``cfg.kl_coef``:
     aggregate(pg + β·kl), aggregate(pg), aggregate(kl); kl = 0 without ref_logp."""
     seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
     pg, _ = policy_surrogate(x, cfg, seq)

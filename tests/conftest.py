@@ -6,7 +6,7 @@ on CPU). Cases too slow for interpret mode carry ``@pytest.mark.pallas_slow`` (o
 wrapped with :func:`pallas_slow`) and are skipped for ``backend="pallas"`` unless
 ``JAXRL_TEST_PALLAS_SLOW=1``.
 
-Tolerances (SPEC "Numerics"), see :func:`assert_close`:
+Tolerances (docs/api.md "Numerics"), see :func:`assert_close`:
 
 * float32 inputs: ``|got - want| <= 1e-5 * S`` elementwise, ``S`` = the largest magnitude
   of the float64 result (at least SCALE_FLOOR), or a larger condition scale a test passes:
@@ -44,7 +44,7 @@ RTOL_F32 = 1e-5
 LOW_PRECISION_SLACK = 1e-3
 # S is at least this: a result that is exactly 0 in exact arithmetic (e.g. every gradient at V = 1)
 # comes out as rounding noise of O(eps * operands); operands in these tests are O(1), so an
-# absolute 1e-8 (f32) is allowed there. Exact zeros that SPEC promises are checked by assert_zero.
+# absolute 1e-8 (f32) is allowed there. Exact zeros that docs/api.md promises are checked by assert_zero.
 SCALE_FLOOR = 1e-3
 
 LOW_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -97,7 +97,7 @@ def rng(request):
 
 def call(fn, backend, *args, **kwargs):
     """Call a public op on ``backend``: through ``backend=`` where the op takes it,
-    else inside ``use_backend`` (ops whose SPEC signature has no backend argument)."""
+    else inside ``use_backend`` (ops whose docs/api.md signature has no backend argument)."""
     import jaxrl_kernels as jk
 
     if "backend" in inspect.signature(fn).parameters:
@@ -153,7 +153,7 @@ def _half_ulp_rel(dtype):
 def assert_close(got, want, *, in_dtype=jnp.float32, want32=None, scale=None, name="value"):
     """Check ``got`` (a library output) against the float64 oracle ``want``.
 
-    ``in_dtype``: the dtype of the op's floating inputs (selects the SPEC tolerance);
+    ``in_dtype``: the dtype of the op's floating inputs (selects the docs/api.md tolerance);
     ``want32``: the oracle evaluated in float32 on the same inputs (needed for bf16/f16);
     ``scale``: a condition scale S (at least max|want| is always used).
     NaN must be at exactly the same positions; +-inf must match exactly.

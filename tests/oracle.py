@@ -1,9 +1,9 @@
-"""An independent NumPy implementation of every SPEC.md op and of its gradients.
+"""An independent NumPy implementation of every docs/api.md op and of its gradients.
 
-Written from the formulas of SPEC.md only; it never imports ``jaxrl_kernels``
+Written from the formulas of docs/api.md only; it never imports ``jaxrl_kernels``
 nor jax. Every function takes ``dt`` (default float64): with ``dt=np.float32``
 it evaluates *the same formula* in float32, which is what the low-precision
-tolerance of SPEC "Numerics" is measured against.
+tolerance of docs/api.md "Numerics" is measured against.
 
 Gradients are analytic (no finite differences, no autodiff):
 
@@ -12,8 +12,8 @@ Gradients are analytic (no finite differences, no autodiff):
 * The PPO surrogate is piecewise smooth; on the piece that a token is on, the
   derivative w.r.t. ``logp`` is ``-A r`` (unclipped branch, log-ratio inside
   [-20, 20]) or 0 (clipped / dual-clipped branch or clipped log-ratio), times
-  the stop-gradient TIS weight. With SPEC's sequence-level ratio, ``-A exp(l_b)``
-  on the unclipped branch (SPEC's stop-gradient form: no factor for a clipped l_b,
+  the stop-gradient TIS weight. With our sequence-level ratio, ``-A exp(l_b)``
+  on the unclipped branch (our stop-gradient form: no factor for a clipped l_b,
   no coupling between tokens); with CISPO, ``-A clip(r)`` on every token.
 * ``aggregate`` is linear in its values: ``aggregate(x) = sum(w * x)`` with
   weights :func:`aggregate_weights` that depend on the mask only.
@@ -190,7 +190,7 @@ def aggregate_weights(mask, mode="token_mean", max_len=None, dt=F64):
 
 
 def aggregate(values, mask, mode="token_mean", max_len=None, dt=F64):
-    """SPEC's loss aggregation; see :func:`aggregate_weights`."""
+    """our loss aggregation; see :func:`aggregate_weights`."""
     x = np.asarray(f64(values), dt)
     w = aggregate_weights(mask, mode, max_len, dt)
     return np.sum(w * x, dtype=dt)
@@ -262,9 +262,9 @@ def ppo_token_terms(logp, old_logp, advantages, *, mask=None, clip_low=0.2, clip
                     policy_loss="ppo", tis_level="token", tis_mode="truncate", dt=F64):
     """Per-token surrogate pieces: dict with pg, dpg (d pg / d logp), r, clipped, dual, tis.
 
-    SPEC "Policy-loss variants": ``ratio_level="sequence"``: r_bt = exp(l_b) with
+    docs/api.md "Policy-loss variants": ``ratio_level="sequence"``: r_bt = exp(l_b) with
     l_b = clip(sum_t m (logp - old) / max(sum_t m, 1), -20, 20), and d r_bt / d logp_bt =
-    exp(l_b) (SPEC's stop-gradient form). ``policy_loss="cispo"``: pg = -A clip(r) logp with
+    exp(l_b) (our stop-gradient form). ``policy_loss="cispo"``: pg = -A clip(r) logp with
     clip(r) constant, so d pg / d logp = -A clip(r); "clipped" = r outside the clip range.
     TIS log-weight: old - rollout per token, or clip(sum_t m (old - rollout), -20, 20) per
     sequence; weight min(exp(w), cap) ("truncate") or [exp(w) <= cap] ("mask"); pg and its

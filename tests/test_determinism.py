@@ -1,4 +1,4 @@
-"""Two runs on the same inputs give bitwise-identical outputs and gradients (SPEC "Numerics")."""
+"""Two runs on the same inputs give bitwise-identical outputs and gradients (docs/api.md "Numerics")."""
 
 import jax
 import jax.numpy as jnp

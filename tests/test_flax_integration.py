@@ -116,7 +116,7 @@ def _grads_match_reference(kind, backend):
     assert scale > 0 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
         err = float(jnp.max(jnp.abs(a - b)))
-        # both within 1e-5 (SPEC, f32) of the exact gradient: they differ by at most ~2e-5
+        # both within 1e-5 (docs/api.md, f32) of the exact gradient: they differ by at most ~2e-5
         assert err <= 2e-5 * scale, f"{jax.tree_util.keystr(path)}: |g - g_ref| = {err:.3e}"
 
 

@@ -122,7 +122,7 @@ def test_tiny_tiles_many_splits_and_chunks(rng, dtype, layout):
 @pytest.mark.parametrize("mode,layout", [("split", "dv"), ("concat", "vd"), ("concat", "dv"),
                                          ("tf32", "vd")])
 def test_grad_modes_bf16(rng, mode, layout):
-    """Every SPEC-precise way of feeding 16-bit dz to the GEMMs, over several chunks + a tail."""
+    """Every docs/api.md-precise way of feeding 16-bit dz to the GEMMs, over several chunks + a tail."""
     case, wide = make_case(rng, 21, 40, 150, jnp.bfloat16, layout, bias=True, invalid=(4,))
     config = dataclasses.replace(TINY, grad=pallas_linear.TileConfig(16, 32, 16, 4, 2),
                                  chunk_bytes=21 * 4 * 64, grad_mode=mode)
@@ -249,7 +249,7 @@ def test_declines_float64():
 
 
 def _device_oracle(h, w, b, t, valid, g_lp, g_ent, *, layout, temperature, dtype, rows=512):
-    """SPEC's formulas in ``dtype`` (float64 or float32, full precision) on the device, in row
+    """our formulas in ``dtype`` (float64 or float32, full precision) on the device, in row
     chunks: (logp, entropy, d_hidden, d_weight, d_bias) as device arrays (call it and use the
     results inside ``jax.enable_x64`` for float64)."""
     prec = jax.lax.Precision.HIGHEST

@@ -108,7 +108,7 @@ def test_policy_variants_every_plan(rng, variant, plan):
 
 
 def test_forward_sums_hold_the_sequence_sums(rng):
-    """The one forward pass gives, per sequence, Σ m and the sums SPEC's l_b and sequence
+    """The one forward pass gives, per sequence, Σ m and the sums our l_b and sequence
     TIS log-weight need (when those options are on), over T splits."""
     arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
     x = _inputs(arrays, mask, ALL)

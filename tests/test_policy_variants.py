@@ -1,10 +1,10 @@
-"""Policy-loss variants (SPEC "Policy-loss variants") against the float64 oracle.
+"""Policy-loss variants (docs/api.md "Policy-loss variants") against the float64 oracle.
 
 ``ratio_level`` (token / sequence = GSPO), ``policy_loss`` (ppo / cispo), ``tis_level``
 (token / sequence) and ``tis_mode`` (truncate / mask) on ppo_loss: the full cross-product
 with the four aggregations, advantages [B] and [B, T], with and without fully masked
 sequences, on reference and chunked; a covering subset on pallas (interpret mode; the rest
-of the grid carries ``pallas_slow``). Values, every metric and the gradient (SPEC's
+of the grid carries ``pallas_slow``). Values, every metric and the gradient (docs/api.md's
 stop-gradient semantics) each time. Then grpo_loss, linear_ppo_loss and linear_grpo_loss
 with the options through their fused paths, and every bad combination's ValueError.
 """
@@ -240,12 +240,12 @@ def test_aggregation_weights_are_the_aggregate_derivative(rng, mode):
     assert_close(got[:, None] * mask, want)
 
 
-# ----------------------------------------------------------------------------- SPEC semantics
+# ----------------------------------------------------------------------------- docs/api.md semantics
 
 
 def test_sequence_ratio_gradient_is_exp_of_sequence_log_ratio(backend, rng):
     """ratio_level="sequence", no clipping reached: loss = token_mean(-A_b exp(l_b)), and
-    d loss / d logp_bt = -A_b exp(l_b) m_bt / sum(m) (no 1/|sequence| factor: SPEC's
+    d loss / d logp_bt = -A_b exp(l_b) m_bt / sum(m) (no 1/|sequence| factor: docs/api.md's
     stop-gradient form r = sg(exp(l_b)) exp(logp - sg(logp)))."""
     b, t = 4, 6
     lp64 = -np.abs(rng.standard_normal((b, t))) - 0.1

@@ -20,7 +20,7 @@ from tunix.rl.ppo import ppo_learner
 import jaxrl_kernels.integrations.tunix  # noqa: F401  (registers jaxrl_grpo / jaxrl_ppo)
 
 PAD_ID, EOS_ID = 0, 1
-RTOL = 1e-5  # float32: |got - want| <= RTOL * scale (SPEC "Numerics")
+RTOL = 1e-5  # float32: |got - want| <= RTOL * scale (docs/api.md "Numerics")
 
 
 def model_config(family: str, vocab: int, dim: int = 16, heads: int = 2, kv_heads: int = 1):

@@ -1,8 +1,10 @@
-"""The chunked backend: jnp + custom_vjp, walking the vocabulary in chunks.
+"""The chunked backend: jnp, walking the vocabulary in chunks.
 
 No float32 [N, V] buffer is ever live: the forward scans vocabulary chunks of
 ``size`` columns with the online softmax of ``rl_math``; the backward scans
-them again, recomputing each chunk's softmax from the saved per-row lse.
+them again, recomputing each chunk's softmax from the saved per-row lse. These
+are the two ``logprob_core.Parts`` of each op; ``logprob_core`` holds the
+custom_vjp and the sharding.
 
 Chunks never pad or copy their input: chunk ``c`` reads columns
 ``[start, start + size)`` with ``start = min(c·size, V - size)``; when the last

@@ -8,8 +8,9 @@ hidden and weight tiles into shared memory with TMA, multiplies them with wgmma 
 accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ exp,
 Σ exp·z) in registers; logits never reach device memory. Outputs logp, the unmasked
 entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
-Backward (``jax.custom_vjp``): the ``linear_logprobs_backward`` primitive of the backend
-that ``dispatch`` picks for it (pallas on a GPU), from the saved lse and entropy.
+These are the row statistics of ``logprob_core`` (which holds the custom_vjp and the
+sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend that
+``dispatch`` picks for it (pallas on a GPU), from the saved lse and entropy.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call

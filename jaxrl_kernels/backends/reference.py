@@ -73,7 +73,7 @@ def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy, v
     def flat(logits, targets, row_valid):
         z = logits.astype(jnp.float32) / temperature
         return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
-    return _flat_rows(lambda x, t, v: flat(x, t, v), n_row_dims, targets, row_valid, logits)
+    return _flat_rows(flat, n_row_dims, targets, row_valid, logits)
 
 
 def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),

@@ -54,8 +54,8 @@ class TileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """What tunes the op. The defaults meet SPEC; ``grad_mode="bf16"`` (one bf16 rounding of
-    dz, below SPEC's bf16 tolerance) and ``epilogue="max"`` (no softmax at all) exist only to
+    """What tunes the op. The defaults meet docs/api.md; ``grad_mode="bf16"`` (one bf16 rounding of
+    dz, below our bf16 tolerance) and ``epilogue="max"`` (no softmax at all) exist only to
     measure what precision and the softmax epilogue cost (benchmarks/bench_linear.py)."""
 
     forward: TileConfig = TileConfig(128, 256, 64, 8, 4)
@@ -452,7 +452,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     ``d_W_c = (S / σ_h) · Gᵀ · h16`` with ``h16 = σ_h · (s / S) · h``; σ_c, σ_h, S are powers of
     two that keep the float16 operands within range. Two GEMM-equivalents, as for float32.
     The other modes exist to measure what precision costs: "bf16" (dz rounded once to bf16,
-    2^-8, which can exceed SPEC's bf16 tolerance), "split" / "concat" (dz as two bf16 parts
+    2^-8, which can exceed our bf16 tolerance), "split" / "concat" (dz as two bf16 parts
     hi + lo, 2^-16: four GEMMs, or two over hi|lo stacked along the contraction), "tf32"
     (float32 dz, TF32 products). float32 inputs: float32 dz, full-precision float32 GEMMs.
     """

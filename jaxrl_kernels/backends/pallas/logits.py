@@ -6,23 +6,22 @@ For each row of ``z = logits / T`` (``T`` the temperature), with target ``t``:
     logp     = z_t - lse
     entropy  = lse - Σ_v softmax(z)_v · z_v
 
-Forward: one program per (row, split of the vocabulary) walks its tiles of V
-once, folding each tile into the online statistics of ``rl_math`` (running max,
-Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy and reference
-statistics through the same walk. Tiles that run past V are masked loads; the
-logits are never padded or copied. Only per-row values leave the kernel (logp,
-lse, entropy), or per-(row, split) statistics that ``rl_math.online_softmax_merge``
-combines when the rows are too few to fill the GPU.
+Forward (the ``stats`` part of ``logprob_core``): one program per (row, split of the
+vocabulary) walks its tiles of V once, folding each tile into the online statistics of
+``rl_math`` (running max, Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy
+and reference statistics through the same walk. Tiles that run past V are masked loads;
+the logits are never padded or copied. Only per-(row, split) statistics and the target's
+logit leave the kernel; ``rl_math.online_softmax_merge`` combines the splits in order.
 
-Backward (``jax.custom_vjp``): one program per (row, split) recomputes
+Backward (the ``backward`` part): one program per (row, split) recomputes
 ``p = exp(z - lse)`` tile by tile from the saved lse and writes
-``d logits = rl_math.logprob_grad_tile(...)`` once, in the logits' dtype, with
-the per-row cotangents (the per-token coefficient) folded in.
+``d logits = rl_math.logprob_grad_tile(...)`` once, in the logits' dtype, with the per-row
+cotangents folded in. Rows without a gradient come with ``lse = +inf`` and read nothing.
 
-Rows with ``row_valid == False`` read no logits, give 0 and a zero gradient;
-valid rows whose target lies outside ``[0, V)`` give NaN (and a zero gradient,
-as the reference's ``where`` does). The target is only used to index when the
-row is valid and the target in range; no address outside the logits is formed.
+Rows with ``row_valid == False`` read no logits. The target is only used to index when the
+row is valid and the target inside this device's columns; no address outside the logits is
+formed. ``logprob_core`` holds the custom_vjp, the outputs (0 for invalid rows, NaN for
+out-of-range targets) and the sharding.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ sums are what crosses):
    c_b = g · ``rl_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
    token's d logp (and d entropy) is the pull-back of c_b·m through
    ``rl_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
-   for branch. ℓ_b carries no gradient (SPEC), so this is token-local. Nothing flows to
+   for branch. ℓ_b carries no gradient (docs/api.md), so this is token-local. Nothing flows to
    old/rollout/ref log-probs, advantages or the mask.
 
 The sum kernel runs on a grid of (row tile, T split): each program adds its

@@ -6,7 +6,7 @@ same loss, the same ``aux`` keys and values, the same gradient for every model p
 only O(B·T·V) work, the log-probs (and entropies) of the completion, is
 :func:`jaxrl_kernels.linear_logprobs` on the model's final hidden states
 (:mod:`.logprobs`); the rest is O(B·T) arithmetic on [B, T] arrays, written here with tunix's
-definitions (:mod:`.token_math` lists where they differ from SPEC's ``ppo_loss``).
+definitions (:mod:`.token_math` lists where they differ from our ``ppo_loss``).
 
 GRPO (tunix ``grpo_loss_fn``), per completion token with A the advantage ([B] or [B, T]),
 ε = ``epsilon``, ε_h = ``epsilon_high`` (default ε), old = ``old_per_token_logps`` (or

@@ -1,19 +1,19 @@
 """tunix's token-level reductions and KL estimates, on [B, T] arrays.
 
-These are tunix's definitions, which differ from SPEC's in places, so the registered losses
-reproduce tunix's numbers. Where the two agree, SPEC's op is used (:func:`jaxrl_kernels.aggregate`,
+These are tunix's definitions, which differ from our in places, so the registered losses
+reproduce tunix's numbers. Where the two agree, our op is used (:func:`jaxrl_kernels.aggregate`,
 :func:`jaxrl_kernels.kl_penalty`). With m the completion mask, x per-token values, n_b = Σ_t m_bt,
 R = max(#{b : n_b > 0}, 1) (rows with a completion token) and T the completion length:
 
 * ``masked_mean``: Σ m·x / (Σ m + 1e-8)  (tunix's diagnostics and PPO loss)
-* ``"token-mean"``: Σ m·x / max(Σ m, 1)  (= SPEC "token_mean")
-* ``"sequence-mean-token-mean"``: Σ_b [Σ_t m·x / max(n_b, 1)] / R  (= SPEC "seq_mean_token_mean")
+* ``"token-mean"``: Σ m·x / max(Σ m, 1)  (= docs/api.md "token_mean")
+* ``"sequence-mean-token-mean"``: Σ_b [Σ_t m·x / max(n_b, 1)] / R  (= docs/api.md "seq_mean_token_mean")
 * ``"sequence-mean-token-scale"``: Σ_b [Σ_t m·x / T] / R
 * ``"seq-mean-token-sum"``: Σ_{b: n_b > 0} Σ_t m·x / R
 * ``"sequence-mean-token-sum-norm"``: Σ m·x / R
 
-KL methods, d = ref_logp - logp: ``"kl"``: -d (SPEC "k1"); ``"mse_kl"``: d²/2 (SPEC "k2");
-``"low_var_kl"``: exp(d) - d - 1 with no clip on d (SPEC's "k3" clips d to [-20, 20] first).
+KL methods, d = ref_logp - logp: ``"kl"``: -d (docs/api.md "k1"); ``"mse_kl"``: d²/2 (docs/api.md "k2");
+``"low_var_kl"``: exp(d) - d - 1 with no clip on d (our "k3" clips d to [-20, 20] first).
 A ``clamp_value`` c then clips the estimate to [-c, c].
 """
 
