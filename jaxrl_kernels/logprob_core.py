@@ -65,18 +65,19 @@ def _finish(plan, stats, target_rel, targets_local, local_vocab, row_valid):
     return rl_math.finalize_row_stats(stats, target_rel, holders, row_valid)
 
 
-def _masked_cotangents(active, lse, entropy, g, g_ent):
-    """No gradient on inactive rows: g = g_ent = 0 and lse = +inf there (p = 0)."""
+def _backward_rows(plan, vocab_operand, local_vocab, targets, lse, entropy, active, g, g_ent):
+    """The backward part's per-row inputs, flat: this device's target ids, and no gradient on
+    inactive rows (g = g_ent = 0 and lse = +inf there, so p = 0)."""
+    flat = lambda x: None if x is None else x.reshape(-1)
+    g, g_ent = (flat(plan.output_cotangent(c, vocab_operand)) for c in (g, g_ent))
+    active = flat(active)
     g = jnp.where(active, g.astype(jnp.float32), 0.0)
-    lse = jnp.where(active, lse, jnp.inf)
+    lse = jnp.where(active, flat(lse), jnp.inf)
     if g_ent is not None:
         g_ent = jnp.where(active, g_ent.astype(jnp.float32), 0.0)
-        entropy = jnp.where(active, entropy, 0.0)
-    return lse, entropy, g, g_ent
-
-
-def _zeros_or(g, like):
-    return jnp.zeros(like.shape, jnp.float32) if g is None else g
+        entropy = jnp.where(active, flat(entropy), 0.0)
+    t_local = flat(targets) - plan.vocab_offset(local_vocab)
+    return t_local, lse, entropy, g, g_ent
 
 
 # -- logits [..., V] --------------------------------------------------------------------------
@@ -177,12 +178,9 @@ def _token_backward(parts, logits, targets, lse, entropy, active, g, g_ent, *, t
     rows = "r" * k
 
     def local_backward(plan, logits, targets, lse, entropy, active, g, g_ent):
-        x, t = _rows_flat(logits, k), targets.reshape(-1)
-        g, g_ent = (plan.output_cotangent(c, logits) for c in (g, g_ent))
-        lse, entropy, g, g_ent = _masked_cotangents(
-            active.reshape(-1), lse.reshape(-1), None if entropy is None else entropy.reshape(-1),
-            g.reshape(-1), None if g_ent is None else g_ent.reshape(-1))
-        t_local = t - plan.vocab_offset(x.shape[-1])
+        x = _rows_flat(logits, k)
+        t_local, lse, entropy, g, g_ent = _backward_rows(plan, logits, x.shape[-1], targets, lse,
+                                                         entropy, active, g, g_ent)
         d = sharding.kernel_region(
             lambda *a: parts.backward(*a, temperature=temperature), x, t_local, lse, entropy,
             g, g_ent)
@@ -236,12 +234,9 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
 
     def local_backward(backward_fn, plan, hidden, weight, bias, targets, lse, entropy, active, g,
                        g_ent):
-        h, t = _rows_flat(hidden, k), targets.reshape(-1)
-        g, g_ent = (plan.output_cotangent(c, weight) for c in (g, g_ent))
-        lse, entropy, g, g_ent = _masked_cotangents(
-            active.reshape(-1), lse.reshape(-1), None if entropy is None else entropy.reshape(-1),
-            g.reshape(-1), None if g_ent is None else g_ent.reshape(-1))
-        t_local = t - plan.vocab_offset(local_vocab(weight))
+        h = _rows_flat(hidden, k)
+        t_local, lse, entropy, g, g_ent = _backward_rows(plan, weight, local_vocab(weight),
+                                                         targets, lse, entropy, active, g, g_ent)
         dh, dw, db = sharding.kernel_region(
             lambda *a: backward_fn(*a, weight_layout=weight_layout, temperature=temperature),
             h, weight, bias, t_local, lse, entropy, g, g_ent)

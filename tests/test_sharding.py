@@ -118,6 +118,17 @@ def head(rng, layout="vd"):
     return h, w, acts, mask
 
 
+def logits_inputs(rng):
+    """Policy and reference logits [B, T, V], actions, old log-probs, rewards, a mask."""
+    pol, _ = rand(rng, (B, T, V), scale=2.0)
+    ref, _ = rand(rng, (B, T, V), scale=2.0)
+    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
+    rewards, _ = rand(rng, (B,))
+    return pol, ref, acts, old, rewards, mask
+
+
 def w_spec(layout, vocab_entry):
     return (vocab_entry, None) if layout == "vd" else (None, vocab_entry)
 
@@ -161,12 +172,7 @@ def test_token_logprobs(rng, backend, mesh_kind, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mesh_kind", MESHES)
 def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
-    pol, _ = rand(rng, (B, T, V), scale=2.0)
-    ref, _ = rand(rng, (B, T, V), scale=2.0)
-    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
-    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
-    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
-    rewards, _ = rand(rng, (B,))
+    pol, ref, acts, old, rewards, mask = logits_inputs(rng)
     rows, vocab = LAYOUTS[layout]
 
     def fn(pol, ref, acts, old, rewards, mask):
@@ -310,12 +316,7 @@ def test_linear_logprobs_vocab_axis_grad_inside(rng, backend):
 
 def test_logits_ops_vocab_axis(rng, backend):
     """token_logprobs, ratio_kl and grpo_loss on vocabulary slices of the logits."""
-    pol, _ = rand(rng, (B, T, V), scale=2.0)
-    ref, _ = rand(rng, (B, T, V), scale=2.0)
-    acts = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
-    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
-    old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
-    rewards, _ = rand(rng, (B,))
+    pol, ref, acts, old, rewards, mask = logits_inputs(rng)
 
     def ops(pol, ref, acts, old, rewards, mask, vocab_axis=None):
         lp, ent = jk.token_logprobs(pol, acts, return_entropy=True, temperature=1.2,
