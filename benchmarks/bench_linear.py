@@ -91,6 +91,20 @@ def measure(call, h, w, t, g, gemm, want_bwd=True):
     return row
 
 
+def measure_variants(variants, base, h, w, t, g, gemm):
+    """One row per (name, call): forward and forward+backward, or the error (the others go on)."""
+    rows = []
+    for name, call in variants:
+        try:
+            row = measure(call, h, w, t, g, gemm)
+        except Exception as err:
+            traceback.print_exc()
+            row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        rows.append({**base, "impl": name, **row})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def public(backend, **kw):
     def call(h, w, t):
         out = jk.linear_logprobs(h, w, t, backend=backend, **kw)
@@ -117,14 +131,7 @@ def table(sizes, backends):
         variants = [(name, public(name)) for name in backends]
         if "pallas" in backends:
             variants.insert(1, ("pallas+entropy", public("pallas", return_entropy=True)))
-        for name, call in variants:
-            try:
-                row = measure(call, h, w, t, g, gemm)
-            except Exception as err:  # report, keep measuring the others
-                traceback.print_exc()
-                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-            rows.append({**base, "impl": name, **row})
-            print(rows[-1], flush=True)
+        rows += measure_variants(variants, base, h, w, t, g, gemm)
         del h, w
     return rows
 
@@ -163,14 +170,7 @@ def backward_table(sizes):
             if layout == "vd":
                 variants += [(name, primitive(make_config(**kw)))
                              for name, kw in BWD_VARIANTS.items()]
-            for name, call in variants:
-                try:
-                    row = measure(call, h, w, t, g, gemm)
-                except Exception as err:
-                    traceback.print_exc()
-                    row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-                rows.append({**base, "impl": name, **row})
-                print(rows[-1], flush=True)
+            rows += measure_variants(variants, base, h, w, t, g, gemm)
             del h, w
     return rows
 

@@ -11,7 +11,6 @@ the compiled forward+backward (arguments and outputs not counted); errors are
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import time
@@ -101,12 +100,7 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--deadline", type=float, required=True)
-    parser.add_argument("--smoke", action="store_true", help="two timed runs each")
-    args = parser.parse_args()
+    args = shared.worker_args(__doc__.split("\n")[0])
     budget = shared.Budget(args.deadline)
     data = shared.load_inputs(args.data)
     n, d, v = (int(x) for x in data["size"])

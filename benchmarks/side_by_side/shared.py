@@ -11,6 +11,7 @@ uniform in [0, V).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
@@ -105,3 +106,13 @@ def read_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
 def error_text(err: BaseException, limit: int = 300) -> str:
     msg = " ".join(str(err).split())
     return f"{type(err).__name__}: {msg[:limit]}"
+
+
+def worker_args(description: str) -> argparse.Namespace:
+    """The command line every framework worker takes from the driver."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, required=True)
+    parser.add_argument("--smoke", action="store_true", help="two timed runs each")
+    return parser.parse_args()

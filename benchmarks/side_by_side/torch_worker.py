@@ -16,7 +16,6 @@ Liger and Cut Cross-Entropy are cross-entropy losses: their per-token loss (redu
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import traceback
@@ -136,12 +135,7 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--deadline", type=float, required=True)
-    parser.add_argument("--smoke", action="store_true", help="two timed runs each")
-    args = parser.parse_args()
+    args = shared.worker_args(__doc__.split("\n")[0])
     budget = shared.Budget(args.deadline)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = shared.load_inputs(args.data)
