@@ -12,6 +12,10 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD ncu --clock-control none -k regex:'stats|gemm|nvjet' \
         --section SpeedOfLight --section WarpStateStats \
         python3 -m benchmarks.bench_linear --profile                   # what limits the forward
+    PYTHONPATH=$PWD ncu --clock-control none --profile-from-start off --csv \
+        --metrics gpu__time_duration.sum python3 -m benchmarks.bench_linear \
+        --profile-backward vd > ncu.csv                                  # each kernel of fwd+bwd
+    python3 -m benchmarks.bench_linear --ncu-summary ncu.csv
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -38,6 +42,7 @@ SIZES = {
             (8192, 4096, 151936)],
     "sweep": [(4096, 2048, 131072)],
     "backward": [(4096, 2048, 131072), (8192, 4096, 131072)],
+    "backward_base": [(4096, 2048, 131072)],
 }
 
 COLUMNS = ["N", "D", "V", "impl", "fwd_ms", "fwd_x_gemm", "fwdbwd_ms", "fwdbwd_x_gemm",
@@ -149,17 +154,32 @@ FWD_VARIANTS = {
 GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also timed with the epilogue cut to a running max
 
 BWD_VARIANTS = {
-    "bwd f16 (default), grad 128x128x64 w8 s3, 32 MiB": dict(),
-    "bwd f16, grad 128x128x64 w8 s3, 16 MiB": dict(chunk_bytes=16 * 2**20),
-    "bwd f16, grad 128x128x64 w8 s3, 64 MiB": dict(chunk_bytes=64 * 2**20),
-    "bwd concat, grad 128x128x64 w8 s3, 32 MiB": dict(grad_mode="concat",
-                                                      chunk_bytes=32 * 2**20),
-    "bwd bf16 dz (below docs/api.md precision), 16 MiB": dict(grad_mode="bf16"),
+    "pallas fwd+bwd, f16 G (Triton recompute), 32 MiB": dict(),
+    "pallas fwd+bwd, bf16 dz (below docs/api.md precision), 32 MiB": dict(grad_mode="bf16"),
 }
 
 
-def backward_table(sizes):
-    """The backward variants and the automatic choice (both weight layouts) per size."""
+def ffi_variant(layout, backward):
+    """linear_logprobs with the ffi forward and the given backward part (logprob_core)."""
+    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.backends import ffi
+
+    parts = logprob_core.Parts(ffi.linear_stats, backward)
+
+    def call(h, w, t):
+        valid = jnp.ones(t.shape, jnp.bool_)
+        return logprob_core.linear_logprobs(parts, h, w, None, t, valid, weight_layout=layout,
+                                            temperature=1.0, return_entropy=False)[0]
+    return call
+
+
+def backward_table(sizes, with_reference=True):
+    """The automatic choice, the ffi backward at three chunk sizes, the ffi forward with the
+    Triton-recompute backward, pallas variants and XLA's materialised path, both weight
+    layouts, per size."""
+    import functools
+    from jaxrl_kernels.backends import ffi
+
     rows = []
     for n, d, v in sizes:
         for layout in ("vd", "dv"):
@@ -167,9 +187,18 @@ def backward_table(sizes):
             gemm = gemm_ms(h, w, layout)
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
+            if ffi.unavailable_reason() is None:
+                for mib in (16, 64):
+                    variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
+                        layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
+                variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
+                    layout, pallas_linear.linear_backward)))
             if layout == "vd":
                 variants += [(name, primitive(make_config(**kw)))
                              for name, kw in BWD_VARIANTS.items()]
+            if with_reference:
+                variants.append((f"reference (XLA materialised), {layout}",
+                                 public("reference", weight_layout=layout)))
             rows += measure_variants(variants, base, h, w, t, g, gemm)
             del h, w
     return rows
@@ -229,6 +258,37 @@ def profile_targets():
     jax.block_until_ready(fwdbwd(h, w, t, g))
 
 
+def _cuda_profiler():
+    """(start, stop) of the CUDA profiler API, from the CUDA runtime library jax loaded."""
+    import ctypes
+    import glob
+    import site
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for root in site.getsitepackages():
+        names += sorted(glob.glob(f"{root}/nvidia/**/libcudart.so*", recursive=True))
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            return lib.cudaProfilerStart, lib.cudaProfilerStop
+        except OSError:
+            continue
+    raise OSError("no CUDA runtime library found for cudaProfilerStart")
+
+
+def profile_backward(layouts, n=4096, d=2048, v=131072):
+    """One automatic forward+backward per layout between cudaProfilerStart/Stop, compiled and
+    warmed up first (``ncu --profile-from-start off`` then sees only those kernels)."""
+    start, stop = _cuda_profiler()
+    for layout in layouts:
+        h, w, t, g = inputs(n, d, v, layout)
+        _, fwdbwd = op_fns(public(None, weight_layout=layout))
+        jax.block_until_ready(fwdbwd(h, w, t, g))
+        start()
+        jax.block_until_ready(fwdbwd(h, w, t, g))
+        stop()
+        print(f"profiled {layout}: N={n} D={d} V={v}", flush=True)
+
+
 def ncu_summary(path):
     """Per-kernel-name totals of an ``ncu --csv --metrics gpu__time_duration.sum`` log."""
     import csv
@@ -256,6 +316,9 @@ def main():
     parser.add_argument("--backward", action="store_true",
                         help="backward variants and the automatic choice, both layouts")
     parser.add_argument("--profile", action="store_true", help="one call of each, for ncu")
+    parser.add_argument("--profile-backward", metavar="LAYOUTS",
+                        help="one automatic fwd+bwd per layout (e.g. vd,dv) inside "
+                             "cudaProfilerStart/Stop")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
@@ -263,6 +326,9 @@ def main():
         return
     if args.profile:
         profile_targets()
+        return
+    if args.profile_backward:
+        profile_backward(args.profile_backward.split(","))
         return
     print(common.metadata(), flush=True)
     if args.backward:

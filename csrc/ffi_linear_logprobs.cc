@@ -10,6 +10,7 @@
 // JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only).
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 
@@ -48,12 +49,14 @@ std::string dims_str(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
-                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
-                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
-                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
-                              float temperature) {
+// The head's shapes and dtype, checked as both kernels need them.
+struct Head {
+  int64_t n = 0, d = 0, v = 0;
+  jaxrl_sm90::DType dtype = jaxrl_sm90::DType::kBF16;
+};
+
+ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, bool weight_dv,
+                      bool has_bias, float temperature, Head& head) {
   using jaxrl_sm90::DType;
   auto hd = hidden.dimensions();
   auto wd = weight.dimensions();
@@ -67,11 +70,10 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
                                        (weight_dv ? " (layout dv: [D, V])" : " (layout vd: [V, D])"));
   if (hidden.element_type() != weight.element_type())
     return ffi::Error::InvalidArgument("hidden and weight must have the same dtype");
-  DType dtype;
   if (hidden.element_type() == ffi::DataType::BF16) {
-    dtype = DType::kBF16;
+    head.dtype = DType::kBF16;
   } else if (hidden.element_type() == ffi::DataType::F16) {
-    dtype = DType::kF16;
+    head.dtype = DType::kF16;
   } else {
     return ffi::Error::InvalidArgument("hidden/weight must be bfloat16 or float16");
   }
@@ -83,16 +85,37 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
     return ffi::Error::InvalidArgument("V must be a multiple of 8 for the dv layout (16-byte TMA row stride)");
   if (has_bias && static_cast<int64_t>(bias.element_count()) != v)
     return ffi::Error::InvalidArgument("bias must be [V]");
-  if (static_cast<int64_t>(targets.element_count()) != n || static_cast<int64_t>(row_valid.element_count()) != n ||
-      static_cast<int64_t>(logp->element_count()) != n || static_cast<int64_t>(entropy->element_count()) != n ||
-      static_cast<int64_t>(lse->element_count()) != n)
-    return ffi::Error::InvalidArgument("targets, row_valid and the results must all be [N]");
   if (!(temperature > 0.f)) return ffi::Error::InvalidArgument("temperature must be > 0");
+  head.n = n;
+  head.d = d;
+  head.v = v;
+  return ffi::Error::Success();
+}
+
+bool all_rows(int64_t n, std::initializer_list<size_t> counts) {
+  for (size_t c : counts)
+    if (static_cast<int64_t>(c) != n) return false;
+  return true;
+}
+
+ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
+                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
+                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
+                              float temperature) {
+  Head head;
+  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  if (checked.failure()) return checked;
+  const int64_t n = head.n;
+  if (!all_rows(n, {targets.element_count(), row_valid.element_count(), logp->element_count(),
+                    entropy->element_count(), lse->element_count()}))
+    return ffi::Error::InvalidArgument("targets, row_valid and the results must all be [N]");
   if (n == 0) return ffi::Error::Success();
 
   const int sms = sm_count(device);
   if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
-  jaxrl_sm90::Plan plan = jaxrl_sm90::choose_plan(static_cast<int>(n), static_cast<int>(v), sms,
+  jaxrl_sm90::Plan plan = jaxrl_sm90::choose_plan(static_cast<int>(n), static_cast<int>(head.v), sms,
                                                   env_int("JAXRL_KERNELS_SM90_SPLITS", 0));
   // XLA's FFI allocator accepts alignments up to 16 bytes (its buffers are 256-aligned anyway).
   const size_t scratch_bytes = jaxrl_sm90::partials_bytes(plan, static_cast<int>(n));
@@ -111,12 +134,57 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   args.lse = lse->typed_data();
   args.partials = static_cast<float*>(*buf);
   args.n = static_cast<int>(n);
-  args.v = static_cast<int>(v);
-  args.d = static_cast<int>(d);
-  args.dtype = dtype;
+  args.v = static_cast<int>(head.v);
+  args.d = static_cast<int>(head.d);
+  args.dtype = head.dtype;
   args.weight_dv = weight_dv;
   args.temperature = temperature;
   std::string why = jaxrl_sm90::launch(args, plan, stream);
+  if (!why.empty()) return ffi::Error::Internal(why);
+  return ffi::Error::Success();
+}
+
+ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+                          ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
+                          ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
+                          ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F16> out, bool weight_dv,
+                          bool has_bias, bool has_entropy, float temperature) {
+  Head head;
+  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  if (checked.failure()) return checked;
+  const int64_t n = head.n;
+  if (!all_rows(n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count()}))
+    return ffi::Error::InvalidArgument("targets, lse, alpha and beta must all be [N]");
+  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != n)
+    return ffi::Error::InvalidArgument("gamma must be [N]");
+  if (start.element_count() != 1) return ffi::Error::InvalidArgument("start must hold one element");
+  auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != n || od[1] > head.v)
+    return ffi::Error::InvalidArgument("the result must be [N, size] with size <= V, got " + dims_str(od));
+  if (n == 0 || od[1] == 0) return ffi::Error::Success();
+
+  const int sms = sm_count(device);
+  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+  jaxrl_sm90::GradArgs args;
+  args.hidden = hidden.untyped_data();
+  args.weight = weight.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.targets = targets.typed_data();
+  args.lse = lse.typed_data();
+  args.alpha = alpha.typed_data();
+  args.beta = beta.typed_data();
+  args.gamma = has_entropy ? gamma.typed_data() : nullptr;
+  args.start = start.typed_data();
+  args.out = out->untyped_data();
+  args.n = static_cast<int>(n);
+  args.v = static_cast<int>(head.v);
+  args.d = static_cast<int>(head.d);
+  args.size = static_cast<int>(od[1]);
+  args.dtype = head.dtype;
+  args.weight_dv = weight_dv;
+  args.temperature = temperature;
+  jaxrl_sm90::Plan plan = jaxrl_sm90::choose_grad_plan(args.n, args.size, sms);
+  std::string why = jaxrl_sm90::launch_grad(args, plan, stream);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
 }
@@ -138,4 +206,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, LinearLogprobsImpl
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("weight_dv")
                                   .Attr<bool>("has_bias")
+                                  .Attr<float>("temperature"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, LinearGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F16>>()
+                                  .Attr<bool>("weight_dv")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_entropy")
                                   .Attr<float>("temperature"));

@@ -10,13 +10,16 @@
 namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 
 PYBIND11_MODULE(_sm90, m) {
-  m.doc() = "SM90 (Hopper) fused linear log-prob forward as an XLA FFI custom call.";
+  m.doc() = "SM90 (Hopper) fused linear log-prob kernels (forward; backward logit-gradient stage) as XLA FFI custom calls.";
   m.def("registrations", []() {
     py::dict out;
     out["jaxrl_kernels_sm90_linear_logprobs"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
+    out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
+        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
     return out;
   }, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
@@ -33,6 +36,17 @@ PYBIND11_MODULE(_sm90, m) {
     return out;
   }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
      "The persistent-grid plan the handler uses for N rows and V columns.");
+  m.def("grad_plan", [](int n, int size, int num_sms) {
+    jaxrl_sm90::Plan p = jaxrl_sm90::choose_grad_plan(n, size, num_sms);
+    py::dict out;
+    out["row_blocks"] = p.row_blocks;
+    out["vocab_tiles"] = p.vocab_tiles;
+    out["splits"] = p.splits;
+    out["group_rows"] = p.group_rows;
+    out["grid"] = p.grid;
+    return out;
+  }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
+     "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
   m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
     jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
     return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);

@@ -1,4 +1,4 @@
-// Host side of the SM90 forward: plan, TMA descriptors, launches.
+// Host side of the SM90 kernels: plans, the forward's combine kernel, launches.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -119,6 +119,26 @@ std::string launch(const Args& args, const Plan& plan, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("combine_kernel launch: ") + cudaGetErrorString(err);
   return {};
+}
+
+Plan choose_grad_plan(int n, int size, int num_sms) {
+  Plan plan;
+  plan.row_blocks = (n + kBlockM - 1) / kBlockM;
+  plan.vocab_tiles = (size + kBlockN - 1) / kBlockN;
+  plan.splits = plan.vocab_tiles;  // one tile a unit
+  plan.group_rows = std::min(plan.row_blocks, 16);
+  const long long units = static_cast<long long>(plan.row_blocks) * plan.splits;
+  plan.grid = static_cast<int>(std::min<long long>(std::max(1, num_sms), units));
+  plan.makespan = (units + plan.grid - 1) / plan.grid;
+  return plan;
+}
+
+std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
+  if (args.n == 0 || args.size == 0) return {};
+  if (args.dtype == DType::kBF16) {
+    return args.weight_dv ? launch_grad_bf16_dv(args, plan, stream) : launch_grad_bf16_vd(args, plan, stream);
+  }
+  return args.weight_dv ? launch_grad_f16_dv(args, plan, stream) : launch_grad_f16_vd(args, plan, stream);
 }
 
 std::string build_info() {

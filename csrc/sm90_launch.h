@@ -1,5 +1,6 @@
-// Host interface between the XLA FFI handler (plain C++) and the CUDA launcher.
+// Host interface between the XLA FFI handlers (plain C++) and the CUDA launchers.
 //
+// Forward (`launch`):
 // The SM90 forward computes, for every row n of hidden [N, D] and the vocabulary
 // projection W (weight [V, D] "vd" or [D, V] "dv", optional f32 bias [V]):
 //   z_v = (hidden_n . W_v + bias_v) / T
@@ -62,6 +63,32 @@ inline size_t partials_bytes(const Plan& plan, int n) {
 // Enqueues both kernels on `stream`. Returns an empty string on success, else
 // the reason. Never synchronises, never allocates device memory.
 std::string launch(const Args& args, const Plan& plan, cudaStream_t stream);
+
+// Backward, first stage (`launch_grad`): for the vocabulary chunk [start, start + size)
+// (start a multiple of 256, read from device memory so one compiled call serves every
+// chunk of a loop), G[n, c] = d loss / d z[n, start + c] / s_n as float16 [N, size]; see
+// sm90_grad_kernel.cuh for the formula and the per-row coefficients.
+struct GradArgs {
+  const void* hidden = nullptr;
+  const void* weight = nullptr;
+  const float* bias = nullptr;      // [V] or null
+  const int32_t* targets = nullptr; // [N]
+  const float* lse = nullptr;       // [N]
+  const float* alpha = nullptr;     // [N]
+  const float* beta = nullptr;      // [N]
+  const float* gamma = nullptr;     // [N] or null
+  const int32_t* start = nullptr;   // [1], device memory
+  void* out = nullptr;              // [N, size] float16
+  int n = 0, v = 0, d = 0, size = 0;
+  DType dtype = DType::kBF16;
+  bool weight_dv = false;
+  float temperature = 1.0f;
+};
+
+// One unit per 128 x 256 tile of the chunk, ordered for L2 reuse like the forward's.
+Plan choose_grad_plan(int n, int size, int num_sms);
+
+std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t stream);
 
 // Information about the build, for the Python module.
 std::string build_info();

@@ -12,11 +12,13 @@ token_logprobs     log-probs of logits [..., V]: a ``logprob_core.Parts``
 paired_logprobs    the same for policy and reference logits sharing targets,
                    gradient to the policy only
 linear_logprobs    the same for a linear head (hidden, weight, bias);
-                   ``ffi``'s Parts have no backward of their own
+                   ``ffi``'s Parts have no backward of their own: dispatch
+                   picks one (``ffi``'s own on Hopper)
 linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
 _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
                    d_bias | None)``: the backward alone, for ``ffi``
+                   (served by ffi, pallas and chunked)
 ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
@@ -156,8 +158,8 @@ def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
 def _automatic_policy(name: str, primitive: str, problem: Problem) -> str | None:
     """The automatic-choice rules (docs/api.md) beyond what a backend can serve."""
     on_gpu = problem.platform in ("gpu", "cuda", "rocm")
-    if name == "ffi" and primitive != "linear_logprobs":
-        return "ffi serves only the linear_logprobs forward"
+    if name == "ffi" and primitive not in ("linear_logprobs", "linear_logprobs_backward"):
+        return "ffi serves only linear_logprobs (forward and backward)"
     if name == "pallas" and not on_gpu:
         return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
     if name == "chunked" and primitive in STANDALONE_BACKWARDS:

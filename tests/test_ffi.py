@@ -40,7 +40,7 @@ def test_extension_built_and_imports():
         pytest.skip("no nvcc on PATH (or JAXRL_KERNELS_BUILD_CUDA=OFF): pure-Python install")
     assert ffi._sm90 is not None, f"nvcc on PATH, but no extension: {ffi._IMPORT_ERROR}"
     assert "sm_90a" in ffi._sm90.build_info()
-    assert list(ffi._sm90.registrations()) == [ffi.TARGET]
+    assert sorted(ffi._sm90.registrations()) == sorted([ffi.TARGET, ffi.GRAD_TARGET])
 
 
 @pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
@@ -91,7 +91,34 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     assert ("weight_dv = true" in fwd) == (layout == "dv")
     assert ("has_bias = true" in fwd) == with_bias
     grad = jax.jit(jax.grad(logp_sum, argnums=(0, 1))).trace(h, w, b)
-    assert f"custom_call @{ffi.TARGET}" in grad.lower(lowering_platforms=("cuda",)).as_text()
+    text = grad.lower(lowering_platforms=("cuda",)).as_text()
+    assert f"custom_call @{ffi.TARGET}" in text
+    # the backward dispatch picks at lowering time (platform cpu here): the ffi backward's
+    # own custom call when asked for directly
+    bwd = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=0.7))
+    n, v = t.shape[0], w.shape[0] if layout == "vd" else w.shape[1]
+    rows = jnp.ones((n,), jnp.float32)
+    text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
+    assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
+
+
+@pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
+def test_grad_planner_one_unit_per_tile(n, size, sms):
+    if ffi._sm90 is None:
+        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
+    m = ffi._sm90
+    plan = m.grad_plan(n, size, sms)
+    rows, tiles = -(-n // m.TILE_ROWS), -(-size // m.TILE_COLS)
+    assert plan["splits"] == plan["vocab_tiles"] == tiles and plan["row_blocks"] == rows
+    assert 1 <= plan["grid"] <= sms
+    seen = np.zeros((rows, tiles), np.int64)
+    for u in range(rows * tiles):
+        p, s, begin, end = m.decode_unit(u, rows, tiles, plan["group_rows"], tiles)
+        assert end == begin + 1 == s + 1
+        seen[p, begin] += 1
+    assert (seen == 1).all()
 
 
 def _problem(**kw):
@@ -113,7 +140,7 @@ def _problem(**kw):
 def test_declines_what_the_kernel_does_not_serve(kw, expect):
     why = ffi.declines("linear_logprobs", _problem(**kw))
     assert (why is None) if expect is None else (expect in why), why
-    assert "linear_logprobs only" in ffi.declines("token_logprobs", _problem())
+    assert "linear_logprobs and its backward only" in ffi.declines("token_logprobs", _problem())
 
 
 def test_unavailable_without_extension(monkeypatch):
@@ -245,6 +272,84 @@ def test_gpu_gradients_through_custom_vjp(layout, dtype):
                                      want32):
         assert got.dtype == p.dtype and got.shape == p.shape, name
         assert_close(got, w_, in_dtype=dtype, want32=w32, name=name)
+
+
+# (N, D, V, layout, dtype, bias, entropy, temperature, chunk columns): ragged rows (N % 128),
+# several chunks and a tail (odd in the last vd case: 16-bit stores), a masked last tile.
+GRAD_CASES = [
+    (257, 136, 1000, "vd", jnp.bfloat16, True, True, 0.8, 256),
+    (130, 64, 1001, "vd", jnp.float16, False, True, 1.0, 512),
+    (129, 72, 2056, "dv", jnp.bfloat16, True, False, 1.3, 768),
+    (1, 64, 300, "dv", jnp.float16, False, True, 1.0, 256),
+    (2048, 1024, 32768, "vd", jnp.bfloat16, False, True, 1.0, 4096),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols", GRAD_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy, temperature,
+                                      cols):
+    """The ffi backward part (grad custom call + head_grad) against the float64 VJP, with
+    ignored rows (lse = +inf, zero cotangents) and a target outside [0, V)."""
+    h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
+    b32 = None if b is None else b.astype(jnp.float32)
+    t = np.asarray(t).copy()
+    if n > 3:
+        t[1] = v + 5  # out of range: no one-hot term
+    h64, w64 = (np.asarray(x).astype(np.float64) for x in (h, w))
+    b64 = None if b is None else np.asarray(b).astype(np.float64)
+    z = oracle.linear_logits(h64, w64, b64, weight_layout=layout) / temperature
+    zmax = z.max(axis=1, keepdims=True)
+    lse = (zmax + np.log(np.exp(z - zmax).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(z - lse[:, None])
+    ent = lse - (p * z).sum(axis=1)
+    rng = np.random.default_rng(n + d)
+    g = rng.standard_normal(n)
+    g_ent = rng.standard_normal(n) if entropy else None
+    active = np.ones(n, bool)
+    active[::5] = False  # no gradient: lse = +inf, cotangents 0
+    g = np.where(active, g, 0.0)
+    g_ent = None if g_ent is None else np.where(active, g_ent, 0.0)
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    got = jax.jit(lambda *a: ffi.linear_backward(
+        *a, weight_layout=layout, temperature=temperature, chunk_bytes=2 * n * cols))(
+        h, w, b32, jnp.asarray(t), f32(np.where(active, lse, np.inf)), f32(ent), f32(g),
+        f32(g_ent))
+    onehot = np.zeros_like(z)
+    ok = (t >= 0) & (t < v)
+    onehot[np.flatnonzero(ok), t[ok]] = 1.0
+    dz = g[:, None] * (onehot - p)
+    if g_ent is not None:
+        dz -= g_ent[:, None] * p * (np.log(np.maximum(p, 1e-300)) + ent[:, None])
+    dz = np.where(active[:, None], dz, 0.0) / temperature
+    w_vd = w64 if layout == "vd" else w64.T
+    d_w = dz.T @ h64
+    want = (dz @ w_vd, d_w if layout == "vd" else d_w.T, dz.sum(axis=0))
+    for name, got_x, want_x in zip(("d_hidden", "d_weight", "d_bias"), got, want):
+        if name == "d_bias" and b is None:
+            assert got_x is None
+            continue
+        got_x = np.asarray(got_x, np.float64)
+        err = np.linalg.norm(got_x - want_x) / max(np.linalg.norm(want_x), 1e-30)
+        # float16 G (2^-11) and float32 accumulation, output rounded to the input dtype
+        assert err < 2.0e-3 + float(jnp.finfo(dtype).eps), (name, err)
+    assert not np.asarray(got[0], np.float64)[~active].any(), "ignored rows get no gradient"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_backward_bitwise_deterministic_and_chosen():
+    h, w, _, t = _gpu_inputs(1024, 512, 32768, "vd", jnp.bfloat16, False, seed=4)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal(1024), jnp.float32)
+    f = jax.jit(jax.grad(lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, t)), argnums=(0, 1)))
+    first = [np.asarray(x) for x in f(h, w)]
+    again = [np.asarray(x) for x in f(h, w)]
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
+    text = jax.jit(f).lower(h, w).as_text()
+    assert f"custom_call @{ffi.GRAD_TARGET}" in text
 
 
 @pytest.mark.gpu

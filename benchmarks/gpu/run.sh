@@ -2,7 +2,8 @@
 # On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
-#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward, many_devices,
+#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
+#                                              backward_base, profile, many_devices,
 #                                              side_by_side, e2e)
 #                                              tunix: needs the wheels of .whl/tunix)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
@@ -43,7 +44,17 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     tests) step 300 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
     demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
-    backward) step 300 python3 -m benchmarks.bench_linear --backward ;;
+    backward) step 420 python3 -m benchmarks.bench_linear --backward ;;
+    backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
+    profile) step 240 bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+      for layout in vd dv; do  # each kernel of one automatic fwd+bwd (N=4096, D=2048, V=131072)
+        "$ncu" --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
+          python3 -m benchmarks.bench_linear --profile-backward $layout \
+          > "$BENCH_RESULTS/ncu_backward_$layout.csv" 2> "$BENCH_RESULTS/ncu_backward_$layout.err"
+        echo "== ncu, automatic fwd+bwd, $layout"
+        python3 -m benchmarks.bench_linear --ncu-summary "$BENCH_RESULTS/ncu_backward_$layout.csv" \
+          | tee "$BENCH_RESULTS/ncu_backward_$layout.txt"
+      done' ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

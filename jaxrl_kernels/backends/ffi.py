@@ -1,4 +1,4 @@
-"""The ``ffi`` backend: the SM90 (Hopper) linear log-prob forward as an XLA FFI custom call.
+"""The ``ffi`` backend: the SM90 (Hopper) linear log-prob kernels as XLA FFI custom calls.
 
 With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv"``):
 ``logp = z[target] - lse(z)``, ``entropy = lse(z) - Σ softmax(z)·z``.
@@ -10,7 +10,10 @@ accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ
 entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
 These are the row statistics of ``logprob_core`` (which holds the custom_vjp and the
 sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend that
-``dispatch`` picks for it (pallas on a GPU), from the saved lse and entropy.
+``dispatch`` picks for it -- this one's on Hopper: ``head_grad.backward`` with the second
+custom call, ``jaxrl_kernels_sm90_linear_logprobs_grad``, writing each vocabulary chunk's
+logit gradient G = dz / s (float16 [N, C]) from the same TMA + wgmma mainloop, recomputing
+the chunk's logits with the saved lse; XLA's GEMMs do the rest.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -24,9 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels import dispatch, logprob_core
+from jaxrl_kernels.backends import head_grad
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"
+GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
+GRAD_CHUNK_BYTES = 32 * 2**20
+"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns)."""
+TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
 
@@ -59,8 +67,8 @@ def unavailable_reason() -> str | None:
 
 def declines(primitive: str, problem) -> str | None:
     """Why the kernel does not serve these inputs (None if it does)."""
-    if primitive != "linear_logprobs":
-        return f"ffi implements linear_logprobs only, not {primitive!r}"
+    if primitive not in OPS:
+        return f"ffi implements linear_logprobs and its backward only, not {primitive!r}"
     if problem.dtype not in SERVED_DTYPES:
         return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
                 "(wgmma operands)")
@@ -97,6 +105,40 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
                 temperature=np.float32(temperature))
 
 
+def _write_grad(hidden, weight, bias, targets, weight_layout):
+    """``head_grad.WriteGrad`` on the grad custom call."""
+    has_bias = bias is not None
+    bias32 = bias.astype(jnp.float32) if has_bias else jnp.zeros((0,), jnp.float32)
+
+    def write(rows, start, size):
+        alpha, beta, gamma = rows.coefficients()
+        has_entropy = gamma is not None
+        call = jax.ffi.ffi_call(GRAD_TARGET,
+                                jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
+                                vmap_method="sequential")
+        return call(hidden, weight, bias32, targets.astype(jnp.int32), rows.lse, alpha, beta,
+                    gamma if has_entropy else jnp.zeros((0,), jnp.float32),
+                    jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+                    weight_dv=weight_layout == "dv", has_bias=has_bias, has_entropy=has_entropy,
+                    temperature=np.float32(rows.temperature))
+    return write
+
+
+def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES):
+    """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
+    grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
+    if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
+        raise NotImplementedError(
+            f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
+            "or both float16 (dispatch should have declined this call)")
+    return head_grad.backward(
+        hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
+        temperature=temperature,
+        write_grad=_write_grad(hidden, weight, bias, targets, weight_layout),
+        chunk_bytes=chunk_bytes, align=TILE_COLS)
+
+
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                  with_entropy):
     """The row statistics of ``logprob_core`` from the custom call's finalized outputs: with
@@ -125,4 +167,4 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
 
 PARTS = Parts(linear_stats, backward=None)  # the backward is the one dispatch picks
 
-OPS = {"linear_logprobs": PARTS}
+OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}

@@ -11,12 +11,12 @@ Forward
   * the S partials of a row are combined in a fixed pairwise tree
     (``rl_math.online_softmax_merge``) and finalized.
   * :func:`_target_call`: the target logit ``h · W[target] + b[target]`` as a gather-dot.
-Backward (``jax.custom_vjp``, :func:`linear_logprobs_backward`)
+Backward (:func:`linear_backward`)
   per vocabulary chunk of C columns, :func:`_grad_call` recomputes the chunk's logits and
   writes ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse) -- for 16-bit
-  inputs as two 16-bit parts hi | lo (see :func:`linear_logprobs_backward` for why); XLA's
-  GEMMs then add ``dz · W_c`` to a float32 d_hidden and write ``d_W_c = dzᵀ · hidden``.
-  C bounds the extra memory; no atomics, the order of every sum is fixed.
+  inputs scaled per row into float16 (``head_grad``); XLA's GEMMs then add ``dz · W_c`` to a
+  float32 d_hidden and write ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; no
+  atomics, the order of every sum is fixed.
 
 W is read in place in either layout; ragged edges of N, V and D are masked in the kernels.
 float32 inputs use full-precision (IEEE) float32 dots, 16-bit inputs 16-bit operands with
@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_kernels import logprob_core, rl_math
 from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.backends import head_grad
 from jaxrl_kernels.backends.pallas import common
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -63,7 +64,7 @@ class Config:
     target_rows: int = 16  # rows of one gather-dot program
     target_k: int = 128
     grad: TileConfig = TileConfig()
-    chunk_bytes: int = 32 * 2**20  # dz buffers of one backward chunk (see _chunk_size)
+    chunk_bytes: int = 32 * 2**20  # dz buffers of one backward chunk (head_grad.chunk_columns)
     grad_mode: str = "f16"  # how 16-bit dz enters the GEMMs (see linear_backward)
     epilogue: str = "softmax"  # "max": running max only -- the bare-GEMM timing variant
 
@@ -394,41 +395,21 @@ def _grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy,
     return tuple(outs[:n_buf]), (jnp.sum(outs[n_buf], axis=0) if bias is not None else None)
 
 
-def _chunk_size(n_rows: int, vocab: int, bytes_per_entry: int, config: Config) -> int:
-    """Columns per backward chunk, a multiple of the tile: the dz buffers fit ``chunk_bytes``
-    and at most 1/32 of what float32 [N, V] logits would take (small problems stay small)."""
-    bn = config.grad.block_vocab
-    budget = min(config.chunk_bytes, n_rows * vocab * 4 // 32)
-    size = budget // (bytes_per_entry * max(n_rows, 1))
-    size = max(bn, size - size % bn)
-    return min(size, vocab)
-
-
-def _row_bound(g_logp, g_ent, entropy, temperature):
-    """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0)."""
-    bound = jnp.abs(g_logp)
-    if g_ent is not None:
-        bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
-    bound = bound / temperature
-    return jnp.where(bound > 0, bound, 1.0).astype(jnp.float32)
-
-
-def _pow2_at_least(x):
-    """The smallest power of two >= x (1 for x <= 0 or not finite)."""
-    ok = jnp.isfinite(x) & (x > 0)
-    return jnp.where(ok, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, x, 1.0)))), 1.0)
-
-
-def _pow2_range(amax, target=2.0 ** 14):
-    """A power of two σ with σ·amax <= target: float16 operands keep their range (max 65504)
-    and leave the subnormals to what is 2^-24 of the largest value."""
-    return target / _pow2_at_least(amax.astype(jnp.float32))
-
-
 def _tf32():
     """TF32 products with float32 accumulation; interpret mode (CPU) has exact float32 instead."""
     return (lax.DotAlgorithmPreset.TF32_TF32_F32 if jax.default_backend() == "gpu"
             else lax.Precision.HIGHEST)
+
+
+def _write_grad(hidden, weight, bias, targets, *, layout, config):
+    """``head_grad.WriteGrad`` on the Triton grad kernel: G = dz / s as float16."""
+    def write(rows: head_grad.RowGrad, start, size):
+        (g16,), _ = _grad_call(start, size, hidden, weight, bias, targets, rows.lse, rows.g,
+                               rows.entropy, rows.g_ent, layout=layout,
+                               temperature=rows.temperature, parts="one",
+                               dz_dtype=jnp.float16, config=config)
+        return g16  # the kernel's column sums of dz are unused: head_grad takes d_bias from G
+    return write
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
@@ -437,24 +418,15 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
 
     The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
     rows without a gradient, whose cotangents are 0), ``entropy`` [N] the entropy output;
-    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term. For each
-    vocabulary chunk c, in order:
-    dz = d loss/d logits (``rl_math.logprob_grad_tile``), d_hidden += dz·W_c (float32),
-    d_W_c = dzᵀ·hidden, d_b_c = Σ_rows dz.
+    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term.
 
-    Precision of the two products for 16-bit inputs (``config.grad_mode``). By default
-    ("f16") the kernel writes ``G = dz / s`` per row, with
-    ``s = (|g| + |g_ent|·(1/e + |H|)) / T`` a bound of |dz| on the row (|onehot − p| <= 1 and
-    |p (log p + H)| <= 1/e + |H|), so G lies in [−1, 1] and float16 holds it to 2^-11 -- three
-    bits more than bf16, at bf16's cost. The GEMMs then run on float16 operands with float32
-    accumulation and the scales outside them, all exact powers of two except ``s``:
-    ``d_hidden = s · (G · W16_c) / σ_c`` with ``W16_c = σ_c · W_c``, and
-    ``d_W_c = (S / σ_h) · Gᵀ · h16`` with ``h16 = σ_h · (s / S) · h``; σ_c, σ_h, S are powers of
-    two that keep the float16 operands within range. Two GEMM-equivalents, as for float32.
-    The other modes exist to measure what precision costs: "bf16" (dz rounded once to bf16,
-    2^-8, which can exceed our bf16 tolerance), "split" / "concat" (dz as two bf16 parts
-    hi + lo, 2^-16: four GEMMs, or two over hi|lo stacked along the contraction), "tf32"
-    (float32 dz, TF32 products). float32 inputs: float32 dz, full-precision float32 GEMMs.
+    16-bit inputs, by default (``config.grad_mode="f16"``): ``head_grad.backward``, with
+    :func:`_grad_call` writing each chunk's G = dz / s in float16 -- two GEMM-equivalents per
+    chunk. float32 inputs: per chunk, float32 dz, d_hidden += dz·W_c, d_W_c = dzᵀ·hidden and
+    d_b_c = Σ_rows dz with full-precision float32 GEMMs. The other modes exist to measure what
+    precision costs: "bf16" (dz rounded once to bf16, 2^-8, which can exceed our bf16
+    tolerance), "split" / "concat" (dz as two bf16 parts hi + lo, 2^-16: four GEMMs, or two
+    over hi|lo stacked along the contraction), "tf32" (float32 dz, TF32 products).
     """
     config = config or DEFAULT_CONFIG
     layout = weight_layout
@@ -465,23 +437,18 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     mode = "f32" if compute_dtype.itemsize == 4 else config.grad_mode
     if mode not in GRAD_MODES + ("f32",):
         raise ValueError(f"config.grad_mode: unknown {mode!r}; valid: {', '.join(GRAD_MODES)}")
+    targets = targets.astype(jnp.int32)
+    if mode == "f16":
+        return head_grad.backward(
+            hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
+            weight_layout=layout, temperature=temperature,
+            write_grad=_write_grad(hidden, weight, bias, targets, layout=layout, config=config),
+            chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab)
     parts = {"split": "pair", "concat": "concat"}.get(mode, "one")
-    dz_dtype = {"f32": jnp.float32, "tf32": jnp.float32, "f16": jnp.float16}.get(mode,
-                                                                                compute_dtype)
+    dz_dtype = {"f32": jnp.float32, "tf32": jnp.float32}.get(mode, compute_dtype)
     operand_dtype = jnp.float32 if mode == "tf32" else dz_dtype
     precision = {"f32": lax.Precision.HIGHEST, "tf32": _tf32()}.get(mode)
-
-    targets = targets.astype(jnp.int32)
     hidden_op = hidden.astype(operand_dtype)
-    if mode == "f16":
-        row_scale = _row_bound(g_logp, g_ent, entropy, temperature)
-        g_logp = g_logp / row_scale
-        g_ent = None if g_ent is None else g_ent / row_scale
-        top = _pow2_at_least(jnp.max(row_scale))
-        scaled_h = hidden.astype(jnp.float32) * (row_scale / top)[:, None]
-        sigma_h = _pow2_range(jnp.max(jnp.abs(scaled_h)))
-        hidden_op = (scaled_h * sigma_h).astype(jnp.float16)
-        d_w_scale = top / sigma_h
 
     def dot(a, b, contract):
         return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
@@ -513,17 +480,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
                                   entropy, g_ent, layout=layout, temperature=temperature,
                                   parts=parts, dz_dtype=dz_dtype, config=config)
         w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis)
-        if mode == "f16":
-            sigma_c = _pow2_range(jnp.max(jnp.abs(w_c)).astype(jnp.float32))
-            d_h, d_w = products(buffers, (w_c.astype(jnp.float32) * sigma_c).astype(jnp.float16),
-                                size)
-            d_h, d_w = d_h * (row_scale / sigma_c)[:, None], d_w * d_w_scale
-            if d_bias is not None:
-                d_b = lax.dot_general(row_scale, buffers[0].astype(jnp.float32),
-                                      (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
-        else:
-            d_h, d_w = products(buffers, w_c.astype(operand_dtype), size)
+        d_h, d_w = products(buffers, w_c.astype(operand_dtype), size)
         d_hidden = d_hidden + d_h
         d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
                                                    axis=w_axis)
@@ -532,7 +489,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         return d_hidden, d_weight, d_bias
 
     bytes_per_entry = jnp.dtype(dz_dtype).itemsize * (1 if parts == "one" else 2)
-    size = _chunk_size(n_rows, vocab, bytes_per_entry, config)
+    size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, config.grad.block_vocab,
+                                   bytes_per_entry)
     n_full, rest = divmod(vocab, size)
     carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
              None if bias is None else jnp.zeros((vocab,), jnp.float32))

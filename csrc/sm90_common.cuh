@@ -1,0 +1,234 @@
+// What the SM90 kernels share: the tile configuration, the TMA producer and the wgmma
+// mainloop that computes one 128 x 256 logit tile  y = hidden[rows] . W[cols]^T  in fp32
+// registers, and the bias tile loader.
+//
+// A CTA is 3 warpgroups: warpgroup 0 issues TMA loads (one elected thread), warpgroups 1
+// and 2 each own 64 rows of the tile and multiply with wgmma m64n256k16. A consumer
+// thread's 128 accumulators acc(i) hold
+//   row    = 64 cwg + 16 warp + lane / 4 + 8 ((i >> 1) & 1),
+//   column = 8 (i >> 2) + 2 (lane % 4) + (i & 1).
+// The kernels differ only in what they do with a finished tile (their epilogue).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "sm90_launch.h"
+#include "sm90_plan.h"
+
+namespace jaxrl_sm90 {
+
+using namespace cute;
+
+constexpr int kBlockK = 64;
+
+constexpr int kThreads = 384;
+constexpr int kConsumerThreads = 256;
+
+// ---- small PTX helpers -------------------------------------------------------------
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// 16-byte asynchronous global->shared copy; bytes beyond `src_bytes` are zero-filled.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ---- compile-time configuration -----------------------------------------------------
+
+template <class T, bool kDv>
+struct Config {
+  using Element = T;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using BK = Int<kBlockK>;
+  static constexpr GMMA::Major kMajorB = kDv ? GMMA::Major::MN : GMMA::Major::K;
+
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             make_shape(BM{}, BK{}, Int<kStages>{})));
+  using SmemAtomB = conditional_t<kDv, GMMA::Layout_MN_SW128_Atom<T>, GMMA::Layout_K_SW128_Atom<T>>;
+  using SmemLayoutB = decltype(tile_to_shape(SmemAtomB{}, make_shape(BN{}, BK{}, Int<kStages>{})));
+
+  using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, BK>, GMMA::Major::K, kMajorB>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
+
+  static constexpr uint32_t kTmaBytes = (kBlockM + kBlockN) * kBlockK * sizeof(T);
+
+  // Global tensors as TMA sees them: hidden (N, D) K-major; weight as (V, D).
+  static auto gmem_a(const T* p, int n, int d) {
+    return make_tensor(make_gmem_ptr(p), make_shape(n, d), make_stride(static_cast<int64_t>(d), _1{}));
+  }
+  static auto gmem_b(const T* p, int v, int d) {
+    if constexpr (kDv) {
+      return make_tensor(make_gmem_ptr(p), make_shape(v, d), make_stride(_1{}, static_cast<int64_t>(v)));
+    } else {
+      return make_tensor(make_gmem_ptr(p), make_shape(v, d), make_stride(static_cast<int64_t>(d), _1{}));
+    }
+  }
+  static auto make_tma_a(const T* p, int n, int d) {
+    return make_tma_atom(SM90_TMA_LOAD{}, gmem_a(p, n, d), SmemLayoutA{}(_, _, 0), make_shape(BM{}, BK{}));
+  }
+  static auto make_tma_b(const T* p, int v, int d) {
+    return make_tma_atom(SM90_TMA_LOAD{}, gmem_b(p, v, d), SmemLayoutB{}(_, _, 0), make_shape(BN{}, BK{}));
+  }
+  using TmaA = decltype(make_tma_a(nullptr, 1, 8));
+  using TmaB = decltype(make_tma_b(nullptr, 8, 8));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutA>, 1024> a;
+    alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutB>, 1024> b;
+    alignas(16) float bias[2][2][kBlockN];  // [consumer warpgroup][tile parity][column]
+    typename Pipeline::SharedStorage pipe;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage) + 1024;  // + manual 1 KiB alignment
+};
+
+// The work of one launch: units (row block, range of vocabulary tiles) dealt round-robin to
+// the persistent CTAs; weight tile vt is read at column tile vt + vt_offset of W.
+struct Units {
+  int n_rows, vocab, depth;
+  int row_blocks, splits, vocab_tiles, group_rows, num_units;
+};
+
+template <class Cfg>
+__device__ __forceinline__ typename Cfg::SharedStorage& shared_storage(char* raw) {
+  return *reinterpret_cast<typename Cfg::SharedStorage*>(
+      (reinterpret_cast<uintptr_t>(raw) + 1023) & ~static_cast<uintptr_t>(1023));
+}
+
+template <class Cfg>
+__device__ __forceinline__ typename Cfg::Pipeline make_pipeline(typename Cfg::SharedStorage& smem,
+                                                                 int warp_group, int warp_idx,
+                                                                 int lane_predicate) {
+  using Pipeline = typename Cfg::Pipeline;
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = Cfg::kTmaBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = (warp_idx == 0 && lane_predicate) ? 1 : 0;
+  pp.num_consumers = kConsumerThreads;
+  return Pipeline(smem.pipe, pp, Shape<_1, _1, _1>{});
+}
+
+// Producer warpgroup: one elected thread streams, for every unit of this CTA and every
+// vocabulary tile of it, the K tiles of hidden and weight into the pipeline.
+template <class Cfg, class SA, class SB>
+__device__ __forceinline__ void produce_tiles(typename Cfg::Pipeline& pipeline, const typename Cfg::TmaA& tma_a,
+                                              const typename Cfg::TmaB& tma_b, SA& sA, SB& sB, const Units& g,
+                                              int vt_offset, int warp_idx, int lane_predicate) {
+  using Pipeline = typename Cfg::Pipeline;
+  cutlass::arch::warpgroup_reg_dealloc<40>();
+  if (!(warp_idx == 0 && lane_predicate)) return;
+  const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
+  Tensor mA = tma_a.get_tma_tensor(make_shape(g.n_rows, g.depth));
+  Tensor mB = tma_b.get_tma_tensor(make_shape(g.vocab, g.depth));
+  Tensor gA = local_tile(mA, make_shape(typename Cfg::BM{}, typename Cfg::BK{}), make_coord(_, _));
+  Tensor gB = local_tile(mB, make_shape(typename Cfg::BN{}, typename Cfg::BK{}), make_coord(_, _));
+  auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
+  auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+  auto wstate = cutlass::make_producer_start_state<Pipeline>();
+  for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
+    Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
+    for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        pipeline.producer_acquire(wstate);
+        auto* bar = pipeline.producer_get_barrier(wstate);
+        copy(tma_a.with(*bar), tAgA(_, w.row_block, kt), tAsA(_, wstate.index()));
+        copy(tma_b.with(*bar), tBgB(_, vt + vt_offset, kt), tBsB(_, wstate.index()));
+        ++wstate;
+      }
+    }
+  }
+}
+
+// Consumers: acc = hidden tile . weight tile over all of D, releasing each stage as soon as
+// the wgmma that read it has retired.
+template <class Cfg, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_tile(typename Cfg::Pipeline& pipeline, cutlass::PipelineState<kStages>& rstate,
+                                         Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc, int k_tiles) {
+  pipeline.consumer_wait(rstate);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+    cute::gemm(mma, tCrA(_, _, kb, rstate.index()), tCrB(_, _, kb, rstate.index()), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  auto release = rstate;
+  ++rstate;
+  for (int kt = 1; kt < k_tiles; ++kt) {
+    pipeline.consumer_wait(rstate);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    cute::gemm(mma, tCrA(_, _, _, rstate.index()), tCrB(_, _, _, rstate.index()), acc);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    pipeline.consumer_release(release);
+    ++release;
+    ++rstate;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  pipeline.consumer_release(release);
+}
+
+// Starts the asynchronous copy of bias[col0, col0 + 256) into `tile` (columns past V read
+// as 0); 64 threads of the consumer warpgroup copy 16 bytes each. Wait with
+// `bias_tile_wait`.
+__device__ __forceinline__ void bias_tile_start(float* tile, const float* bias, int col0, int vocab, int ct) {
+  int t = ct % 128;
+  if (t < kBlockN / 4) {
+    int col = col0 + 4 * t;
+    int avail = max(0, min(4, vocab - col));
+    const float* src = avail > 0 ? bias + col : bias;
+    cp_async_16(tile + 4 * t, src, 4 * avail);
+  }
+  cp_async_commit();
+}
+__device__ __forceinline__ void bias_tile_wait(int cwg) {
+  cp_async_wait_all();
+  named_sync(8 + cwg, 128);
+}
+
+// The raw accumulator of column offset `rel` (0 <= rel < 256) of row half r, read with
+// compile-time register indices (the caller checks that this thread holds it).
+template <class Acc>
+__device__ __forceinline__ float acc_at(const Acc& acc, int r, int rel) {
+  const int jt = rel >> 3;
+  float v = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    if (j == jt) v = (rel & 1) ? acc(4 * j + 2 * r + 1) : acc(4 * j + 2 * r);
+  }
+  return v;
+}
+
+template <class Kernel>
+std::string set_smem_limit(Kernel kernel, int bytes) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
+  return {};
+}
+
+}  // namespace jaxrl_sm90

@@ -1,0 +1,271 @@
+// SM90 (Hopper) fused linear log-prob forward: TMA -> shared memory -> wgmma,
+// with the softmax statistics reduced in registers so logits never leave the SM.
+//
+// The tiles come from the shared mainloop (sm90_common.cuh). For every row a consumer
+// thread keeps, for the raw logits y = hidden . w_v + b_v (z = y / T) of its own 64
+// columns of each tile, with c1 = log2(e) / T and d = (y - m) c1 (base-2 units):
+//   m = running max of y,   s = sum 2^d,   a = sum 2^d d.
+// At the end of a unit (row block, vocabulary split) the four lanes that share a
+// row merge their statistics and lane 0 writes (m, s, a) to
+// `partials[split][0..2][row]`; `combine_kernel` merges the splits into (M, S, A):
+//   lse = M / T + ln S,  entropy = ln2 (log2 S - A / S),  logp = (y_t - M) / T - ln S.
+// The raw target logit y_t is picked out of the accumulators by the one thread
+// that holds it and stored in the logp output, which the combine kernel rewrites.
+#pragma once
+
+#include "sm90_common.cuh"
+
+namespace jaxrl_sm90 {
+
+// ---- statistics helpers --------------------------------------------------------------
+
+// Merge two (m, s, a) triples: m raw logits (before 1/T), s and a in base-2 units
+// relative to m c1. m == -inf marks "nothing seen".
+__device__ __forceinline__ void merge_stats(float& m, float& s, float& a, float m2, float s2, float a2,
+                                            float c1) {
+  float mx = fmaxf(m, m2);
+  float d1 = (m - mx) * c1, d2 = (m2 - mx) * c1;
+  float w1 = (m == -INFINITY) ? 0.f : ex2(d1);
+  float w2 = (m2 == -INFINITY) ? 0.f : ex2(d2);
+  float t1 = (m == -INFINITY) ? 0.f : w1 * (a + s * d1);
+  float t2 = (m2 == -INFINITY) ? 0.f : w2 * (a2 + s2 * d2);
+  s = w1 * s + w2 * s2;
+  a = t1 + t2;
+  m = mx;
+}
+
+// Fold one 64-row x 256-column accumulator tile into this thread's row statistics.
+// acc(i): row = base + 8 * ((i >> 1) & 1), column = 8 * (i >> 2) + 2 * (lane % 4) + (i & 1).
+template <bool kMasked, class Acc>
+__device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool has_bias, int col_limit,
+                                          float c1, bool first, float (&m)[2], float (&s)[2],
+                                          float (&a)[2]) {
+  constexpr int kJ = kBlockN / 8;
+  if (has_bias) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kJ; ++j) {
+      float2 b = *reinterpret_cast<const float2*>(bias_s + 8 * j);
+      acc(4 * j + 0) += b.x;
+      acc(4 * j + 1) += b.y;
+      acc(4 * j + 2) += b.x;
+      acc(4 * j + 3) += b.y;
+    }
+  }
+  // col_limit = V - (first column this lane holds); column offset 8j + e is valid iff < col_limit.
+  if constexpr (kMasked) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kJ; ++j) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        if (8 * j + e >= col_limit) {
+          acc(4 * j + e) = -INFINITY;
+          acc(4 * j + 2 + e) = -INFINITY;
+        }
+      }
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    float mx0 = -INFINITY, mx1 = -INFINITY, mx2 = -INFINITY, mx3 = -INFINITY;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kJ; j += 2) {
+      mx0 = fmaxf(mx0, acc(4 * j + 2 * r));
+      mx1 = fmaxf(mx1, acc(4 * j + 2 * r + 1));
+      mx2 = fmaxf(mx2, acc(4 * j + 4 + 2 * r));
+      mx3 = fmaxf(mx3, acc(4 * j + 4 + 2 * r + 1));
+    }
+    float tmax = fmaxf(fmaxf(mx0, mx1), fmaxf(mx2, mx3));
+    float m_new = fmaxf(m[r], tmax);
+    if (first) {
+      s[r] = 0.f;
+      a[r] = 0.f;
+    } else {
+      float delta = (m[r] - m_new) * c1;  // <= 0
+      float scale = ex2(delta);
+      a[r] = scale * (a[r] + s[r] * delta);
+      s[r] = scale * s[r];
+    }
+    m[r] = m_new;
+    float mc = m_new * c1;
+    float s0 = 0.f, s1 = 0.f, a0 = 0.f, a1 = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kJ; ++j) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        float d = fmaf(acc(4 * j + 2 * r + e), c1, -mc);
+        float pz = ex2(d);
+        if constexpr (kMasked) {
+          bool valid = 8 * j + e < col_limit;
+          pz = valid ? pz : 0.f;
+          d = valid ? d : 0.f;
+        }
+        if (e == 0) {
+          s0 += pz;
+          a0 = fmaf(pz, d, a0);
+        } else {
+          s1 += pz;
+          a1 = fmaf(pz, d, a1);
+        }
+      }
+    }
+    s[r] += s0 + s1;
+    a[r] += a0 + a1;
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------
+
+struct StatsParams {
+  const float* bias;
+  const int32_t* targets;
+  const uint8_t* row_valid;
+  float* target_logit;  // the logp output, holding the raw target logit until combine_kernel runs
+  float* partials;
+  Units units;
+  float c1;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    linear_lse_kernel(const __grid_constant__ StatsParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
+                      const __grid_constant__ typename Cfg::TmaB tma_b) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  auto& smem = shared_storage<Cfg>(smem_raw);
+  const Units& g = p.units;
+
+  const int warp_group = threadIdx.x / 128;
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int lane_predicate = cute::elect_one_sync();
+  if (warp_idx == 0 && lane_predicate) {
+    cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+  }
+  auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
+  __syncthreads();
+
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::SmemLayoutA{});  // (BM, BK, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemLayoutB{});  // (BN, BK, PIPE)
+
+  if (warp_group == 0) {
+    produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, 0, warp_idx, lane_predicate);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int cwg = ct / 128;          // consumer warpgroup 0/1: rows [64 cwg, 64 cwg + 64)
+  const int lane = threadIdx.x % 32;
+  const int q = lane % 4;
+  const int row_in_tile = cwg * 64 + ((ct / 32) % 4) * 16 + lane / 4;  // and + 8
+  const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
+
+  typename Cfg::TiledMma mma;
+  auto thr = mma.get_slice(ct);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE) descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
+  static_assert(decltype(size(acc))::value == 128, "one m64n256 accumulator per thread");
+
+  cutlass::PipelineState<kStages> rstate;
+  const bool has_bias = p.bias != nullptr;
+  const float c1 = p.c1;
+
+  for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
+    Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
+    int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
+    int tgt[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      int t = -1;
+      if (rows[r] < g.n_rows && p.row_valid[rows[r]]) {
+        t = p.targets[rows[r]];
+        if (t < 0 || t >= g.vocab) t = -1;
+      }
+      tgt[r] = t;
+    }
+    float m[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+
+    for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
+      const int col0 = vt * kBlockN;
+      float* bias_tile = smem.bias[cwg][vt & 1];
+      if (has_bias) bias_tile_start(bias_tile, p.bias, col0, g.vocab, ct);
+      mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
+      if (has_bias) bias_tile_wait(cwg);
+
+      // ---- the target logit, held by exactly one thread of one tile ----
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        int rel = tgt[r] - col0;
+        if (rel >= 0 && rel < kBlockN && ((rel >> 1) & 3) == q) {
+          float v = acc_at(acc, r, rel);
+          if (has_bias) v += bias_tile[rel];
+          p.target_logit[rows[r]] = v;
+        }
+      }
+
+      // ---- fold the tile into the running statistics ----
+      const float* bias_lane = bias_tile + 2 * q;
+      const int col_limit = g.vocab - col0 - 2 * q;
+      const bool first = (vt == w.vt_begin);
+      if (col0 + kBlockN > g.vocab) {
+        fold_tile<true>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
+      } else {
+        fold_tile<false>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
+      }
+    }
+
+    // ---- merge the four lanes of each row and write this unit's partials ----
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      float mm = m[r], ss = s[r], aa = a[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int off = 1; off <= 2; off <<= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, mm, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, ss, off);
+        float a2 = __shfl_xor_sync(0xffffffffu, aa, off);
+        merge_stats(mm, ss, aa, m2, s2, a2, c1);
+      }
+      if (q == 0 && rows[r] < g.n_rows) {
+        size_t base = static_cast<size_t>(w.split) * 3 * g.n_rows + rows[r];
+        p.partials[base] = mm;
+        p.partials[base + g.n_rows] = ss;
+        p.partials[base + 2 * static_cast<size_t>(g.n_rows)] = aa;
+      }
+    }
+  }
+#endif
+}
+
+// ---- host launch of one instantiation --------------------------------------------------
+
+inline Units units_of(const Plan& plan, int n, int v, int d) {
+  return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
+          plan.row_blocks * plan.splits};
+}
+
+template <class T, bool kDv>
+std::string launch_typed(const Args& args, const Plan& plan, cudaStream_t stream) {
+  using Cfg = Config<T, kDv>;
+  auto kernel = &linear_lse_kernel<Cfg>;
+  std::string why = set_smem_limit(kernel, Cfg::kSmemBytes);
+  if (!why.empty()) return why;
+
+  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(args.hidden), args.n, args.d);
+  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(args.weight), args.v, args.d);
+
+  StatsParams p;
+  p.bias = args.bias;
+  p.targets = args.targets;
+  p.row_valid = args.row_valid;
+  p.target_logit = args.logp;
+  p.partials = args.partials;
+  p.units = units_of(plan, args.n, args.v, args.d);
+  p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
+
+  kernel<<<plan.grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tma_a, tma_b);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string("linear_lse_kernel launch: ") + cudaGetErrorString(err);
+  return {};
+}
+
+}  // namespace jaxrl_sm90

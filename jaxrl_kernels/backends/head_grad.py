@@ -1,0 +1,137 @@
+"""The backward of a 16-bit linear head in two GEMMs per vocabulary chunk, shared by the kernel
+backends (``pallas``, ``ffi``), which supply only the kernel that writes the logit gradient.
+
+With ``z = (hidden @ Wᵀ + b) / T``, saved ``lse`` and per-row cotangents ``g`` (of logp) and
+``g_ent`` (of the entropy H), ``dz = (g (onehot − p) − g_ent p (log p + H)) / T``. Per row,
+``s = (|g| + |g_ent| (1/e + |H|)) / T`` bounds |dz| (|onehot − p| <= 1 and
+|p (log p + H)| <= 1/e + |H|), so ``G = dz / s`` lies in [−1, 1] and float16 holds it to 2⁻¹¹:
+three bits more than bf16, at bf16's GEMM speed. For each chunk of C vocabulary columns, in
+order, a backend kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits) and
+XLA's GEMMs (float16 operands, float32 accumulation) add
+
+    acc      += G_c · W16_c                      W16 = σ_W · W            (float16)
+    d_W_c     = (S / σ_h) · G_cᵀ · h16            h16 = σ_h (s / S) · hidden (float16)
+    d_b_c     = Σ_n s_n G_c[n]
+
+and at the end ``d_hidden = (s / σ_W) · acc``. σ_W, σ_h and S are powers of two that keep the
+float16 operands in range, so every scale is exact except s. Extra memory: the float32
+accumulator [N, D], h16 [N, D], and per chunk G_c, W16_c and the float32 d_W_c. No atomics:
+every sum has a fixed order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+@dataclasses.dataclass(frozen=True)
+class RowGrad:
+    """What the logit-gradient kernel needs per row [N]: ``lse``, the cotangents already divided
+    by the row bound s (``g``, ``g_ent`` | None), the ``entropy`` | None and the temperature."""
+
+    lse: jax.Array
+    g: jax.Array
+    g_ent: jax.Array | None
+    entropy: jax.Array | None
+    temperature: float
+
+    def coefficients(self):
+        """(alpha, beta, gamma | None) with G = alpha [v = target] − p (beta + gamma log p)."""
+        inv_t = 1.0 / self.temperature
+        if self.g_ent is None:
+            return self.g * inv_t, self.g * inv_t, None
+        return (self.g * inv_t, (self.g + self.g_ent * self.entropy) * inv_t,
+                self.g_ent * inv_t)
+
+
+WriteGrad = Callable[[RowGrad, jax.Array, int], jax.Array]
+"""``(rows, start, size) -> G`` float16 [N, size] for vocabulary columns [start, start + size)."""
+
+
+def row_bound(g_logp, g_ent, entropy, temperature):
+    """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0)."""
+    bound = jnp.abs(g_logp)
+    if g_ent is not None:
+        bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
+    bound = bound / temperature
+    return jnp.where(bound > 0, bound, 1.0).astype(jnp.float32)
+
+
+def pow2_at_least(x):
+    """The smallest power of two >= x (1 for x <= 0 or not finite)."""
+    ok = jnp.isfinite(x) & (x > 0)
+    return jnp.where(ok, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, x, 1.0)))), 1.0)
+
+
+def pow2_range(amax, target=2.0 ** 14):
+    """A power of two σ with σ·amax <= target: float16 operands keep their range (max 65504)
+    and leave the subnormals to what is 2⁻²⁴ of the largest value."""
+    return target / pow2_at_least(amax.astype(jnp.float32))
+
+
+def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
+                  bytes_per_entry: int = 2) -> int:
+    """Columns per chunk: the chunk's logit gradient fits ``chunk_bytes``, a multiple of
+    ``align`` (the kernel's vocabulary tile), and at most 1/32 of what float32 [N, V] logits
+    would take (small problems stay small)."""
+    budget = min(chunk_bytes, n_rows * vocab * 4 // 32)
+    size = budget // (bytes_per_entry * max(n_rows, 1))
+    size = max(align, size - size % align)
+    return min(size, vocab)
+
+
+def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
+             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int):
+    """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
+    the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
+    lse = +inf, g = g_ent = 0)."""
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    w_axis = 0 if weight_layout == "vd" else 1
+
+    s = row_bound(g_logp, g_ent, entropy, temperature)
+    rows = RowGrad(lse, g_logp / s, None if g_ent is None else g_ent / s,
+                   None if g_ent is None else entropy, temperature)
+    top = pow2_at_least(jnp.max(s))
+    scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
+    sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
+    h16 = (scaled_h * sigma_h).astype(jnp.float16)
+    sigma_w = pow2_range(jnp.max(jnp.abs(weight)).astype(jnp.float32))
+    d_w_scale = top / sigma_h
+
+    def dot(a, b, contract):
+        return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+    def chunk(carry, start, size):
+        acc, d_weight, d_bias = carry
+        g16 = write_grad(rows, start, size)
+        w16 = (lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+               * sigma_w).astype(jnp.float16)
+        if weight_layout == "vd":
+            acc = acc + dot(g16, w16, ((1,), (0,)))
+            d_w = dot(g16, h16, ((0,), (0,)))
+        else:
+            acc = acc + dot(g16, w16, ((1,), (1,)))
+            d_w = dot(h16, g16, ((0,), (0,)))
+        d_weight = lax.dynamic_update_slice_in_dim(
+            d_weight, (d_w * d_w_scale).astype(weight.dtype), start, axis=w_axis)
+        if d_bias is not None:
+            d_b = dot(s, g16.astype(jnp.float32), ((0,), (0,)))
+            d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
+        return acc, d_weight, d_bias
+
+    size = chunk_columns(n_rows, vocab, chunk_bytes, align)
+    n_full, rest = divmod(vocab, size)
+    carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
+             None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
+    if rest:
+        carry = chunk(carry, n_full * size, rest)
+    acc, d_weight, d_bias = carry
+    d_hidden = acc * (s / sigma_w)[:, None]
+    return (d_hidden.astype(hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
