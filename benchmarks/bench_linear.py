@@ -188,9 +188,11 @@ def backward_table(sizes, with_reference=True):
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
-                for mib in (16, 64):
+                for mib in (16, 64, 128):
                     variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
                         layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
+                variants.append((f"ffi fwd + ffi bwd in a fori_loop, {layout}", ffi_variant(
+                    layout, functools.partial(ffi.linear_backward, max_unrolled=0))))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":

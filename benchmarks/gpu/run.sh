@@ -48,6 +48,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
     profile) step 240 bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
       for layout in vd dv; do  # each kernel of one automatic fwd+bwd (N=4096, D=2048, V=131072)
+        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
         "$ncu" --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
           python3 -m benchmarks.bench_linear --profile-backward $layout \
           > "$BENCH_RESULTS/ncu_backward_$layout.csv" 2> "$BENCH_RESULTS/ncu_backward_$layout.err"

@@ -125,7 +125,8 @@ def _write_grad(hidden, weight, bias, targets, weight_layout):
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES):
+                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES,
+                    max_unrolled=head_grad.MAX_UNROLLED):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
     grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
     if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
@@ -136,7 +137,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,
         write_grad=_write_grad(hidden, weight, bias, targets, weight_layout),
-        chunk_bytes=chunk_bytes, align=TILE_COLS)
+        chunk_bytes=chunk_bytes, align=TILE_COLS, max_unrolled=max_unrolled)
 
 
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,

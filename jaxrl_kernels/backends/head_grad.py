@@ -48,6 +48,8 @@ class RowGrad:
                 self.g_ent * inv_t)
 
 
+MAX_UNROLLED = 64
+
 WriteGrad = Callable[[RowGrad, jax.Array, int], jax.Array]
 """``(rows, start, size) -> G`` float16 [N, size] for vocabulary columns [start, start + size)."""
 
@@ -85,10 +87,13 @@ def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
-             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int):
+             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
+             max_unrolled: int = MAX_UNROLLED):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
-    lse = +inf, g = g_ent = 0)."""
+    lse = +inf, g = g_ent = 0). Up to ``max_unrolled`` chunks are unrolled into straight-line
+    code (no device while loop, whose every iteration waits on the host for its condition);
+    more run in a ``fori_loop``."""
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1
@@ -128,7 +133,11 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     n_full, rest = divmod(vocab, size)
     carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
              None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
+    if n_full <= max_unrolled:
+        for c in range(n_full):
+            carry = chunk(carry, c * size, size)
+    else:
+        carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
     if rest:
         carry = chunk(carry, n_full * size, rest)
     acc, d_weight, d_bias = carry
