@@ -12,10 +12,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD ncu --clock-control none -k regex:'stats|gemm|nvjet' \
         --section SpeedOfLight --section WarpStateStats \
         python3 -m benchmarks.bench_linear --profile                   # what limits the forward
-    PYTHONPATH=$PWD ncu --clock-control none --profile-from-start off --csv \
-        --metrics gpu__time_duration.sum python3 -m benchmarks.bench_linear \
-        --profile-backward vd > ncu.csv                                  # each kernel of fwd+bwd
-    python3 -m benchmarks.bench_linear --ncu-summary ncu.csv
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --profile-backward vd,dv  # per kernel
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -260,35 +257,52 @@ def profile_targets():
     jax.block_until_ready(fwdbwd(h, w, t, g))
 
 
-def _cuda_profiler():
-    """(start, stop) of the CUDA profiler API, from the CUDA runtime library jax loaded."""
-    import ctypes
-    import glob
-    import site
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for root in site.getsitepackages():
-        names += sorted(glob.glob(f"{root}/nvidia/**/libcudart.so*", recursive=True))
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-            return lib.cudaProfilerStart, lib.cudaProfilerStop
-        except OSError:
-            continue
-    raise OSError("no CUDA runtime library found for cudaProfilerStart")
-
-
 def profile_backward(layouts, n=4096, d=2048, v=131072):
-    """One automatic forward+backward per layout between cudaProfilerStart/Stop, compiled and
-    warmed up first (``ncu --profile-from-start off`` then sees only those kernels)."""
-    start, stop = _cuda_profiler()
+    """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
+    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    out = common.results_dir()
     for layout in layouts:
         h, w, t, g = inputs(n, d, v, layout)
         _, fwdbwd = op_fns(public(None, weight_layout=layout))
+        (out / f"profile_{layout}.hlo.txt").write_text(
+            fwdbwd.lower(h, w, t, g).compile().as_text())
         jax.block_until_ready(fwdbwd(h, w, t, g))
-        start()
-        jax.block_until_ready(fwdbwd(h, w, t, g))
-        stop()
-        print(f"profiled {layout}: N={n} D={d} V={v}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                jax.block_until_ready(fwdbwd(h, w, t, g))
+            [path] = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+            with gzip.open(path) as f:
+                trace = json.load(f)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        meta = [e for e in events if e.get("ph") == "M"]
+        gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
+                    "GPU" in str(e.get("args", {}).get("name", ""))}
+        # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
+        streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
+                   e.get("name") == "thread_name" and
+                   "stream" in str(e.get("args", {}).get("name", "")).lower()}
+        totals = collections.defaultdict(lambda: [0, 0.0])
+        span = [float("inf"), 0.0]
+        for e in events:
+            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and "dur" in e:
+                name = e["name"][:70]
+                totals[name][0] += 1
+                totals[name][1] += e["dur"] / 1e3
+                span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
+        lines = [f"{layout}: N={n} D={d} V={v}, device events {sum(c for c, _ in totals.values())}, "
+                 f"busy {sum(ms for _, ms in totals.values()):.3f} ms of a "
+                 f"{(span[1] - span[0]) / 1e3:.3f} ms span"]
+        for name, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:25]:
+            lines.append(f"{ms:9.3f} ms {count:5d}x  {name}")
+        text = "\n".join(lines)
+        (out / f"profile_{layout}.txt").write_text(text + "\n")
+        print(text, flush=True)
 
 
 def ncu_summary(path):
@@ -319,8 +333,8 @@ def main():
                         help="backward variants and the automatic choice, both layouts")
     parser.add_argument("--profile", action="store_true", help="one call of each, for ncu")
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
-                        help="one automatic fwd+bwd per layout (e.g. vd,dv) inside "
-                             "cudaProfilerStart/Stop")
+                        help="per-kernel device time of one automatic fwd+bwd per layout "
+                             "(e.g. vd,dv), from a jax profiler trace")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:

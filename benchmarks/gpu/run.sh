@@ -46,16 +46,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
     backward) step 420 python3 -m benchmarks.bench_linear --backward ;;
     backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
-    profile) step 240 bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-      for layout in vd dv; do  # each kernel of one automatic fwd+bwd (N=4096, D=2048, V=131072)
-        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
-        "$ncu" --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \
-          python3 -m benchmarks.bench_linear --profile-backward $layout \
-          > "$BENCH_RESULTS/ncu_backward_$layout.csv" 2> "$BENCH_RESULTS/ncu_backward_$layout.err"
-        echo "== ncu, automatic fwd+bwd, $layout"
-        python3 -m benchmarks.bench_linear --ncu-summary "$BENCH_RESULTS/ncu_backward_$layout.csv" \
-          | tee "$BENCH_RESULTS/ncu_backward_$layout.txt"
-      done' ;;
+    profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
