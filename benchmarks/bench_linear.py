@@ -305,6 +305,32 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         print(text, flush=True)
 
 
+def grad_kernel_table(n=4096, d=2048, v=131072):
+    """The ffi backward's logit-gradient kernel alone, one call per chunk width C (from column
+    0), against the forward kernel over all of V: per-launch cost vs steady state."""
+    from jaxrl_kernels.backends import ffi, head_grad
+
+    rows = []
+    for layout in ("vd", "dv"):
+        h, w, t, g = inputs(n, d, v, layout)
+        gemm = gemm_ms(h, w, layout)
+        valid = jnp.ones(t.shape, jnp.bool_)
+        fwd = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, valid, layout, 1.0))
+        lse = fwd(h, w, t)[2]
+        base = {"N": n, "D": d, "V": v, "gemm_ms": gemm, "layout": layout}
+        rows.append({**base, "impl": "ffi forward kernel (all V)", "ms": timed(fwd, h, w, t),
+                     "ms_per_V": None})
+        for cols in (4096, 8192, 16384, 32768, v):
+            write = ffi._write_grad(h, w, None, t, layout)
+            fn = jax.jit(lambda h, w, t, lse, g, cols=cols, write=write: write(
+                head_grad.RowGrad(lse, g, None, None, 1.0), 0, cols))
+            ms = timed(fn, h, w, t, lse, g)
+            rows.append({**base, "impl": f"grad kernel, C={cols}", "ms": ms,
+                         "ms_per_V": ms * v / cols})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def ncu_summary(path):
     """Per-kernel-name totals of an ``ncu --csv --metrics gpu__time_duration.sum`` log."""
     import csv
@@ -335,6 +361,8 @@ def main():
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
                         help="per-kernel device time of one automatic fwd+bwd per layout "
                              "(e.g. vd,dv), from a jax profiler trace")
+    parser.add_argument("--grad-kernel", action="store_true",
+                        help="the ffi logit-gradient kernel alone at several chunk widths")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
@@ -342,6 +370,12 @@ def main():
         return
     if args.profile:
         profile_targets()
+        return
+    if args.grad_kernel:
+        print(common.metadata(), flush=True)
+        rows = grad_kernel_table()
+        print(common.write_results("bench_grad_kernel", rows,
+                                   ["N", "D", "V", "layout", "impl", "ms", "ms_per_V", "gemm_ms"]))
         return
     if args.profile_backward:
         profile_backward(args.profile_backward.split(","))

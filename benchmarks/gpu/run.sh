@@ -3,7 +3,8 @@
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
-#                                              backward_base, profile, many_devices,
+#                                              backward_base, profile, grad_kernel,
+#                                              many_devices,
 #                                              side_by_side, e2e)
 #                                              tunix: needs the wheels of .whl/tunix)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
@@ -46,6 +47,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
     backward) step 420 python3 -m benchmarks.bench_linear --backward ;;
     backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
+    grad_kernel) step 200 python3 -m benchmarks.bench_linear --grad-kernel ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
