@@ -185,11 +185,13 @@ def backward_table(sizes, with_reference=True):
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
-                for mib in (16, 64, 128):
-                    variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
-                        layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
-                variants.append((f"ffi fwd + ffi bwd in a fori_loop, {layout}", ffi_variant(
-                    layout, functools.partial(ffi.linear_backward, max_unrolled=0))))
+                for mib in (32, 64, 128):
+                    for unroll in (64, 0):
+                        how = "unrolled" if unroll else "fori_loop"
+                        variants.append((f"ffi bwd {mib} MiB chunks, {how}, {layout}", ffi_variant(
+                            layout, functools.partial(ffi.linear_backward,
+                                                      chunk_bytes=mib * 2**20,
+                                                      max_unrolled=unroll))))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":
@@ -321,9 +323,9 @@ def grad_kernel_table(n=4096, d=2048, v=131072):
         rows.append({**base, "impl": "ffi forward kernel (all V)", "ms": timed(fwd, h, w, t),
                      "ms_per_V": None})
         for cols in (4096, 8192, 16384, 32768, v):
-            write = ffi._write_grad(h, w, None, t, layout)
+            write = ffi._write_grad(None, t, layout)
             fn = jax.jit(lambda h, w, t, lse, g, cols=cols, write=write: write(
-                head_grad.RowGrad(lse, g, None, None, 1.0), 0, cols))
+                head_grad.RowGrad(lse, g, None, None, 1.0), 0, cols, h, w))
             ms = timed(fn, h, w, t, lse, g)
             rows.append({**base, "impl": f"grad kernel, C={cols}", "ms": ms,
                          "ms_per_V": ms * v / cols})

@@ -105,12 +105,12 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
                 temperature=np.float32(temperature))
 
 
-def _write_grad(hidden, weight, bias, targets, weight_layout):
+def _write_grad(bias, targets, weight_layout):
     """``head_grad.WriteGrad`` on the grad custom call."""
     has_bias = bias is not None
     bias32 = bias.astype(jnp.float32) if has_bias else jnp.zeros((0,), jnp.float32)
 
-    def write(rows, start, size):
+    def write(rows, start, size, hidden, weight):
         alpha, beta, gamma = rows.coefficients()
         has_entropy = gamma is not None
         call = jax.ffi.ffi_call(GRAD_TARGET,
@@ -136,7 +136,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,
-        write_grad=_write_grad(hidden, weight, bias, targets, weight_layout),
+        write_grad=_write_grad(bias, targets, weight_layout),
         chunk_bytes=chunk_bytes, align=TILE_COLS, max_unrolled=max_unrolled)
 
 

@@ -401,9 +401,9 @@ def _tf32():
             else lax.Precision.HIGHEST)
 
 
-def _write_grad(hidden, weight, bias, targets, *, layout, config):
+def _write_grad(bias, targets, *, layout, config):
     """``head_grad.WriteGrad`` on the Triton grad kernel: G = dz / s as float16."""
-    def write(rows: head_grad.RowGrad, start, size):
+    def write(rows: head_grad.RowGrad, start, size, hidden, weight):
         (g16,), _ = _grad_call(start, size, hidden, weight, bias, targets, rows.lse, rows.g,
                                rows.entropy, rows.g_ent, layout=layout,
                                temperature=rows.temperature, parts="one",
@@ -442,7 +442,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         return head_grad.backward(
             hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
             weight_layout=layout, temperature=temperature,
-            write_grad=_write_grad(hidden, weight, bias, targets, layout=layout, config=config),
+            write_grad=_write_grad(bias, targets, layout=layout, config=config),
             chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab)
     parts = {"split": "pair", "concat": "concat"}.get(mode, "one")
     dz_dtype = {"f32": jnp.float32, "tf32": jnp.float32}.get(mode, compute_dtype)
