@@ -152,7 +152,6 @@ GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also timed with the epilogue cut to a 
 
 BWD_VARIANTS = {
     "pallas fwd+bwd, f16 G (Triton recompute), 32 MiB": dict(),
-    "pallas fwd+bwd, bf16 dz (below docs/api.md precision), 32 MiB": dict(grad_mode="bf16"),
 }
 
 
@@ -185,13 +184,9 @@ def backward_table(sizes, with_reference=True):
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
-                for mib in (32, 64, 128):
-                    for unroll in (64, 0):
-                        how = "unrolled" if unroll else "fori_loop"
-                        variants.append((f"ffi bwd {mib} MiB chunks, {how}, {layout}", ffi_variant(
-                            layout, functools.partial(ffi.linear_backward,
-                                                      chunk_bytes=mib * 2**20,
-                                                      max_unrolled=unroll))))
+                for mib in (32, 128):
+                    variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
+                        layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":

@@ -48,8 +48,6 @@ class RowGrad:
                 self.g_ent * inv_t)
 
 
-MAX_UNROLLED = 64
-
 WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array], jax.Array]
 """``(rows, start, size, hidden, weight) -> G`` float16 [N, size] for vocabulary columns
 [start, start + size)."""
@@ -88,14 +86,11 @@ def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
-             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
-             max_unrolled: int = MAX_UNROLLED):
+             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
-    lse = +inf, g = g_ent = 0). Up to ``max_unrolled`` chunks are unrolled into straight-line
-    code: a device while loop waits on the host for its condition every iteration. An
-    optimization barrier makes each chunk's kernel wait for the previous chunk's results, so
-    XLA keeps one chunk's buffers live, not all of them. More chunks run in a ``fori_loop``."""
+    lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they were no
+    faster on an H100: bench_linear_backward.md at d9bcddf)."""
     n_rows, dim = hidden.shape
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1
@@ -113,7 +108,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     def dot(a, b, contract):
         return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
-    def chunk(carry, start, size, hidden=hidden, weight=weight):
+    def chunk(carry, start, size):
         acc, d_weight, d_bias = carry
         g16 = write_grad(rows, start, size, hidden, weight)
         w16 = (lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
@@ -135,13 +130,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     n_full, rest = divmod(vocab, size)
     carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
              None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    if n_full <= max_unrolled:
-        operands = (hidden, weight)
-        for c in range(n_full):
-            carry = chunk(carry, c * size, size, *operands)
-            operands, carry = lax.optimization_barrier((operands, carry))
-    else:
-        carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
+    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
     if rest:
         carry = chunk(carry, n_full * size, rest)
     acc, d_weight, d_bias = carry
