@@ -11,6 +11,8 @@ compiled program with its bytes (the hidden states, logits or weight must never 
 ``reference`` is XLA's materialised path under GSPMD: what a JAX user gets without us.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices              # N=8192, D=4096, V=131072 bf16
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base
+                                                     # one GPU, N=4096 (B=8, T=512), D=2048
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --smoke      # tiny, e.g. on CPU with
         XLA_FLAGS=--xla_force_host_platform_device_count=8
 
@@ -51,6 +53,13 @@ def collectives(hlo: str) -> list[str]:
             if m.group(0).endswith("-start("):
                 break  # an async start's tuple repeats the operand as its result
     return sorted(set(out))
+
+
+SIZES = {  # B, T, D, V
+    "smoke": (8, 16, 64, 1024),
+    "base": (8, 512, 2048, 131072),
+    "large": (16, 512, 4096, 131072),
+}
 
 
 def inputs(b, t, d, v, seed=0):
@@ -126,11 +135,16 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (any device)")
     parser.add_argument("--explicit", action="store_true", help="Explicit mesh axes")
     parser.add_argument("--backends", default="reference,auto")
+    parser.add_argument("--layouts", default="1dev,rows,vocab")
+    parser.add_argument("--sizes", default="large", choices=sorted(SIZES))
     args = parser.parse_args()
-    sizes = (8, 16, 64, 1024) if args.smoke else (16, 512, 4096, 131072)  # B, T, D, V
+    sizes = SIZES["smoke" if args.smoke else args.sizes]
+    layouts = args.layouts.split(",")
     rows = run(sizes, ["linear_logprobs", "linear_grpo_loss"], args.backends.split(","),
-               ["1dev", "rows", "vocab"], AxisType.Explicit if args.explicit else AxisType.Auto)
-    name = "bench_many_devices" + ("_smoke" if args.smoke else "")
+               layouts, AxisType.Explicit if args.explicit else AxisType.Auto)
+    name = ("bench_many_devices" + ("_smoke" if args.smoke else "")
+            + ("" if args.sizes == "large" else f"_{args.sizes}")
+            + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts)))
     print(common.write_results(name, rows, COLUMNS + ["error"]))
 
 

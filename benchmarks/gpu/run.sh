@@ -4,6 +4,7 @@
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
 #                                              backward_base, profile, grad_kernel,
+#                                              linear_ffi, one_device,
 #                                              many_devices,
 #                                              side_by_side, e2e)
 #                                              tunix: needs the wheels of .whl/tunix)
@@ -47,6 +48,9 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
     backward) step 420 python3 -m benchmarks.bench_linear --backward ;;
     backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
+    linear_ffi) step 300 python3 -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
+    one_device) step 300 bash -c 'python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
+      python3 -m benchmarks.bench_many_devices --layouts 1dev' ;;
     grad_kernel) step 200 python3 -m benchmarks.bench_linear --grad-kernel ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
