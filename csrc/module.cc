@@ -12,6 +12,21 @@ namespace py = pybind11;
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 
+namespace {
+
+py::dict plan_dict(const jaxrl_sm90::Plan& p) {
+  py::dict out;
+  out["row_blocks"] = p.row_blocks;
+  out["vocab_tiles"] = p.vocab_tiles;
+  out["splits"] = p.splits;
+  out["group_rows"] = p.group_rows;
+  out["grid"] = p.grid;
+  out["makespan"] = p.makespan;
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_sm90, m) {
   m.doc() = "SM90 (Hopper) fused linear log-prob kernels (forward; backward logit-gradient stage) as XLA FFI custom calls.";
   m.def("registrations", []() {
@@ -25,26 +40,13 @@ PYBIND11_MODULE(_sm90, m) {
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
   m.def("plan", [](int n, int v, int num_sms, int force_splits) {
     jaxrl_sm90::Plan p = jaxrl_sm90::choose_plan(n, v, num_sms, force_splits);
-    py::dict out;
-    out["row_blocks"] = p.row_blocks;
-    out["vocab_tiles"] = p.vocab_tiles;
-    out["splits"] = p.splits;
-    out["group_rows"] = p.group_rows;
-    out["grid"] = p.grid;
-    out["makespan"] = p.makespan;
+    py::dict out = plan_dict(p);
     out["partials_bytes"] = jaxrl_sm90::partials_bytes(p, n);
     return out;
   }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
-     "The persistent-grid plan the handler uses for N rows and V columns.");
+     "The persistent-grid plan the forward handler uses for N rows and V columns.");
   m.def("grad_plan", [](int n, int size, int num_sms) {
-    jaxrl_sm90::Plan p = jaxrl_sm90::choose_grad_plan(n, size, num_sms);
-    py::dict out;
-    out["row_blocks"] = p.row_blocks;
-    out["vocab_tiles"] = p.vocab_tiles;
-    out["splits"] = p.splits;
-    out["group_rows"] = p.group_rows;
-    out["grid"] = p.grid;
-    return out;
+    return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
   }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
      "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
   m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {

@@ -224,10 +224,48 @@ __device__ __forceinline__ float acc_at(const Acc& acc, int r, int rel) {
   return v;
 }
 
-template <class Kernel>
-std::string set_smem_limit(Kernel kernel, int bytes) {
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+// Where a consumer thread's accumulators sit in the tile (see the top of this file).
+struct ConsumerLane {
+  int ct;           // 0..255 among the consumers
+  int cwg;          // consumer warpgroup: rows [64 cwg, 64 cwg + 64) of the tile
+  int q;            // lane % 4: the column pair within each group of 8
+  int row_in_tile;  // its first row; the second is + 8
+};
+
+__device__ __forceinline__ ConsumerLane consumer_lane() {
+  const int ct = threadIdx.x - 128;
+  const int lane = threadIdx.x % 32;
+  return {ct, ct / 128, lane % 4, (ct / 128) * 64 + ((ct / 32) % 4) * 16 + lane / 4};
+}
+
+template <class Cfg>
+__device__ __forceinline__ void prefetch_tma(const typename Cfg::TmaA& tma_a, const typename Cfg::TmaB& tma_b,
+                                             int warp_idx, int lane_predicate) {
+  if (warp_idx == 0 && lane_predicate) {
+    cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+  }
+}
+
+inline Units units_of(const Plan& plan, int n, int v, int d) {
+  return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
+          plan.row_blocks * plan.splits};
+}
+
+// Host side shared by the kernels: raise the shared-memory limit, build the TMA descriptors of
+// hidden [n, d] and the weight (as (v, d)), launch `kernel` on the persistent grid.
+template <class Cfg, class Params>
+std::string launch_tiles(void (*kernel)(Params, typename Cfg::TmaA, typename Cfg::TmaB), const Params& p,
+                         const void* hidden, const void* weight, int n, int v, int d, int grid,
+                         cudaStream_t stream, const char* name) {
+  using T = typename Cfg::Element;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
+  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(hidden), n, d);
+  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(weight), v, d);
+  kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tma_a, tma_b);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string(name) + " launch: " + cudaGetErrorString(err);
   return {};
 }
 

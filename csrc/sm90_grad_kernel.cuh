@@ -81,10 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
   const int lane_predicate = cute::elect_one_sync();
-  if (warp_idx == 0 && lane_predicate) {
-    cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
-  }
+  prefetch_tma<Cfg>(tma_a, tma_b, warp_idx, lane_predicate);
   auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
   __syncthreads();
 
@@ -96,11 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int ct = threadIdx.x - 128;
-  const int cwg = ct / 128;
-  const int lane = threadIdx.x % 32;
-  const int q = lane % 4;
-  const int row_in_tile = cwg * 64 + ((ct / 32) % 4) * 16 + lane / 4;
+  const auto [ct, cwg, q, row_in_tile] = consumer_lane();
   const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
 
   typename Cfg::TiledMma mma;
@@ -159,13 +152,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <class T, bool kDv>
 std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
-  auto kernel = &linear_grad_kernel<Cfg>;
-  std::string why = set_smem_limit(kernel, Cfg::kSmemBytes);
-  if (!why.empty()) return why;
-
-  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(args.hidden), args.n, args.d);
-  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(args.weight), args.v, args.d);
-
   GradParams p;
   p.bias = args.bias;
   p.targets = args.targets;
@@ -175,15 +161,11 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.gamma = args.gamma;
   p.start = args.start;
   p.out = static_cast<__half*>(args.out);
-  p.units = {args.n, args.v, args.d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
-             plan.row_blocks * plan.splits};
+  p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;
   p.inv_t = 1.0f / args.temperature;
-
-  kernel<<<plan.grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tma_a, tma_b);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("linear_grad_kernel launch: ") + cudaGetErrorString(err);
-  return {};
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
+                           plan.grid, stream, "linear_grad_kernel");
 }
 
 }  // namespace jaxrl_sm90

@@ -137,10 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp_group = threadIdx.x / 128;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
   const int lane_predicate = cute::elect_one_sync();
-  if (warp_idx == 0 && lane_predicate) {
-    cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
-  }
+  prefetch_tma<Cfg>(tma_a, tma_b, warp_idx, lane_predicate);
   auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
   __syncthreads();
 
@@ -152,11 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int ct = threadIdx.x - 128;  // 0..255
-  const int cwg = ct / 128;          // consumer warpgroup 0/1: rows [64 cwg, 64 cwg + 64)
-  const int lane = threadIdx.x % 32;
-  const int q = lane % 4;
-  const int row_in_tile = cwg * 64 + ((ct / 32) % 4) * 16 + lane / 4;  // and + 8
+  const auto [ct, cwg, q, row_in_tile] = consumer_lane();
   const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
 
   typename Cfg::TiledMma mma;
@@ -238,21 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host launch of one instantiation --------------------------------------------------
 
-inline Units units_of(const Plan& plan, int n, int v, int d) {
-  return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
-          plan.row_blocks * plan.splits};
-}
-
 template <class T, bool kDv>
 std::string launch_typed(const Args& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
-  auto kernel = &linear_lse_kernel<Cfg>;
-  std::string why = set_smem_limit(kernel, Cfg::kSmemBytes);
-  if (!why.empty()) return why;
-
-  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(args.hidden), args.n, args.d);
-  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(args.weight), args.v, args.d);
-
   StatsParams p;
   p.bias = args.bias;
   p.targets = args.targets;
@@ -261,11 +242,8 @@ std::string launch_typed(const Args& args, const Plan& plan, cudaStream_t stream
   p.partials = args.partials;
   p.units = units_of(plan, args.n, args.v, args.d);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-
-  kernel<<<plan.grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tma_a, tma_b);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("linear_lse_kernel launch: ") + cudaGetErrorString(err);
-  return {};
+  return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
+                           plan.grid, stream, "linear_lse_kernel");
 }
 
 }  // namespace jaxrl_sm90

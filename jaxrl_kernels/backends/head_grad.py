@@ -85,13 +85,30 @@ def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
     return min(size, vocab)
 
 
+def zero_grads(hidden, weight, bias):
+    """The carry of the chunk loop: float32 d_hidden (or its accumulator), d_weight in W's
+    dtype, float32 d_bias | None."""
+    return (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
+            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+
+
+def run_chunks(chunk, carry, vocab: int, size: int):
+    """``carry`` after ``chunk(carry, start, width)`` over the vocabulary in order: a
+    ``fori_loop`` over the full chunks of ``size`` columns, then the narrower rest."""
+    n_full, rest = divmod(vocab, size)
+    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
+    if rest:
+        carry = chunk(carry, n_full * size, rest)
+    return carry
+
+
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
              temperature, write_grad: WriteGrad, chunk_bytes: int, align: int):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they were no
     faster on an H100: bench_linear_backward.md at d9bcddf)."""
-    n_rows, dim = hidden.shape
+    n_rows = hidden.shape[0]
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1
 
@@ -126,14 +143,9 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return acc, d_weight, d_bias
 
-    size = chunk_columns(n_rows, vocab, chunk_bytes, align)
-    n_full, rest = divmod(vocab, size)
-    carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
-             None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
-    if rest:
-        carry = chunk(carry, n_full * size, rest)
-    acc, d_weight, d_bias = carry
+    acc, d_weight, d_bias = run_chunks(
+        chunk, zero_grads(hidden, weight, bias), vocab,
+        chunk_columns(n_rows, vocab, chunk_bytes, align))
     d_hidden = acc * (s / sigma_w)[:, None]
     return (d_hidden.astype(hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))

@@ -430,7 +430,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     """
     config = config or DEFAULT_CONFIG
     layout = weight_layout
-    n_rows, dim = hidden.shape
+    n_rows = hidden.shape[0]
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
     w_axis = 0 if layout == "vd" else 1
     compute_dtype = jnp.dtype(jnp.result_type(hidden, weight))
@@ -491,12 +491,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     bytes_per_entry = jnp.dtype(dz_dtype).itemsize * (1 if parts == "one" else 2)
     size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, config.grad.block_vocab,
                                    bytes_per_entry)
-    n_full, rest = divmod(vocab, size)
-    carry = (jnp.zeros((n_rows, dim), jnp.float32), jnp.zeros_like(weight),
-             None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    carry = lax.fori_loop(0, n_full, lambda c, carry: chunk(carry, c * size, size), carry)
-    if rest:
-        carry = chunk(carry, n_full * size, rest)
+    carry = head_grad.run_chunks(chunk, head_grad.zero_grads(hidden, weight, bias), vocab, size)
     d_hidden, d_weight, d_bias = carry
     return (d_hidden.astype(hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
