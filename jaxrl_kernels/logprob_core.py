@@ -201,9 +201,9 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
                     temperature, return_entropy, backward=None, vocab_axis=None, record=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits.
 
-    ``backward``: the standalone backward to use when ``parts.backward`` is None (a forward-only
-    backend such as ``ffi``); a callable ``() -> backward function``, asked at trace time of
-    the backward pass.
+    ``backward``: the standalone backward to use when ``parts.backward`` is None (a backend
+    whose backward dispatch picks separately, such as ``ffi``); a callable
+    ``() -> backward function``, asked at trace time of the backward pass.
     """
     if isinstance(parts, Whole):
         return _whole(parts, (hidden, weight, bias), _head_roles(targets.ndim, weight_layout),

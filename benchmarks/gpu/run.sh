@@ -4,7 +4,7 @@
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
 #                                              backward_base, profile, grad_kernel,
-#                                              linear_ffi, one_device,
+#                                              linear_ffi, one_device, memcheck,
 #                                              many_devices,
 #                                              side_by_side, e2e)
 #                                              tunix: needs the wheels of .whl/tunix)
@@ -51,6 +51,10 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     linear_ffi) step 300 python3 -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
     one_device) step 300 bash -c 'python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
       python3 -m benchmarks.bench_many_devices --layouts 1dev' ;;
+    memcheck) step 300 bash -c 'sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" "$sanitizer" \
+        --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 python3 tests/ffi_memcheck.py \
+        2>&1 | tee "$BENCH_RESULTS/ffi_memcheck.txt"; exit ${PIPESTATUS[0]}' ;;
     grad_kernel) step 200 python3 -m benchmarks.bench_linear --grad-kernel ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
