@@ -51,8 +51,10 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     linear_ffi) step 300 python3 -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
     one_device) step 300 bash -c 'python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
       python3 -m benchmarks.bench_many_devices --layouts 1dev' ;;
+    # memcheck: XLA's GEMM autotuning under the sanitizer is very slow (a 330 s run finished
+    # two cases), hence autotune level 0
     memcheck) step 300 bash -c 'sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" "$sanitizer" \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" "$sanitizer" \
         --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 python3 tests/ffi_memcheck.py \
         2>&1 | tee "$BENCH_RESULTS/ffi_memcheck.txt"; exit ${PIPESTATUS[0]}' ;;
     grad_kernel) step 200 python3 -m benchmarks.bench_linear --grad-kernel ;;
