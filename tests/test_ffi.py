@@ -143,6 +143,20 @@ def test_declines_what_the_kernel_does_not_serve(kw, expect):
     assert "linear_logprobs and its backward only" in ffi.declines("token_logprobs", _problem())
 
 
+def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
+    """On a Hopper GPU (simulated: ffi available) the backward primitive goes to ffi for the
+    inputs the kernels serve and to pallas for the others (float32 here)."""
+    monkeypatch.setattr(ffi, "unavailable_reason", lambda: None)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    pick = lambda **kw: dispatch.select("linear_logprobs", _problem(**kw),
+                                        primitive="linear_logprobs_backward", strict=False)
+    assert pick().backend == "ffi" and pick().impl is ffi.linear_backward
+    assert pick(weight_layout="dv", dtype="float16").backend == "ffi"
+    choice = pick(dtype="float32")
+    assert choice.backend == "pallas" and "float32" in dict(choice.declined)["ffi"]
+    assert dispatch.select("linear_logprobs", _problem()).backend == "ffi"
+
+
 def test_unavailable_without_extension(monkeypatch):
     monkeypatch.setattr(ffi, "_sm90", None)
     monkeypatch.setattr(ffi, "_IMPORT_ERROR", "ImportError: test")
