@@ -320,7 +320,7 @@ def grad_kernel_table(n=4096, d=2048, v=131072):
         for cols in (4096, 8192, 16384, 32768, v):
             write = ffi._write_grad(None, t, layout)
             fn = jax.jit(lambda h, w, t, lse, g, cols=cols, write=write: write(
-                head_grad.RowGrad(lse, g, None, None, 1.0), 0, cols, h, w))
+                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, cols, h, w))
             ms = timed(fn, h, w, t, lse, g)
             rows.append({**base, "impl": f"grad kernel, C={cols}", "ms": ms,
                          "ms_per_V": ms * v / cols})

@@ -90,16 +90,24 @@ def declines(primitive: str, problem) -> str | None:
     return None
 
 
-def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature):
-    """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
+def _check_served(hidden, weight):
     if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
         raise NotImplementedError(
             f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
             "or both float16 (dispatch should have declined this call)")
+
+
+def _f32_or_empty(x):
+    """An optional operand as the custom calls take it: float32, or [0] when absent."""
+    return jnp.zeros((0,), jnp.float32) if x is None else x.astype(jnp.float32)
+
+
+def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature):
+    """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
+    _check_served(hidden, weight)
     n_rows = hidden.shape[0]
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     has_bias = bias is not None
-    bias32 = bias.astype(jnp.float32) if has_bias else jnp.zeros((0,), jnp.float32)
+    bias32 = _f32_or_empty(bias)
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (row, row, row), vmap_method="sequential")
     return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
@@ -108,21 +116,18 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
 
 
 def _write_grad(bias, targets, weight_layout):
-    """``head_grad.WriteGrad`` on the grad custom call."""
-    has_bias = bias is not None
-    bias32 = bias.astype(jnp.float32) if has_bias else jnp.zeros((0,), jnp.float32)
+    """``head_grad.WriteGrad`` on the grad custom call (operands prepared once, outside the
+    chunk loop)."""
+    bias32, targets32 = _f32_or_empty(bias), targets.astype(jnp.int32)
 
     def write(rows, start, size, hidden, weight):
-        alpha, beta, gamma = rows.coefficients()
-        has_entropy = gamma is not None
         call = jax.ffi.ffi_call(GRAD_TARGET,
                                 jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
                                 vmap_method="sequential")
-        return call(hidden, weight, bias32, targets.astype(jnp.int32), rows.lse, alpha, beta,
-                    gamma if has_entropy else jnp.zeros((0,), jnp.float32),
-                    jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-                    weight_dv=weight_layout == "dv", has_bias=has_bias, has_entropy=has_entropy,
-                    temperature=np.float32(rows.temperature))
+        return call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
+                    _f32_or_empty(rows.gamma), jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+                    weight_dv=weight_layout == "dv", has_bias=bias is not None,
+                    has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature))
     return write
 
 
@@ -130,10 +135,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
                     weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
     grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
-    if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
-        raise NotImplementedError(
-            f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
-            "or both float16 (dispatch should have declined this call)")
+    _check_served(hidden, weight)
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,

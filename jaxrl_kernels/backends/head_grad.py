@@ -15,8 +15,8 @@ XLA's GEMMs (float16 operands, float32 accumulation) add
 
 and at the end ``d_hidden = (s / σ_W) · acc``. σ_W, σ_h and S are powers of two that keep the
 float16 operands in range, so every scale is exact except s. Extra memory: the float32
-accumulator [N, D], h16 [N, D], and per chunk G_c, W16_c and the float32 d_W_c. No atomics:
-every sum has a fixed order.
+accumulator [N, D], h16 [N, D], and per chunk G_c, W16_c and d_W_c (XLA fuses the scale and
+the cast to W's dtype into the GEMM). No atomics: every sum has a fixed order.
 """
 
 from __future__ import annotations
@@ -28,24 +28,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+
 @dataclasses.dataclass(frozen=True)
 class RowGrad:
-    """What the logit-gradient kernel needs per row [N]: ``lse``, the cotangents already divided
-    by the row bound s (``g``, ``g_ent`` | None), the ``entropy`` | None and the temperature."""
+    """What the logit-gradient kernel needs per row [N], in two forms (a kernel uses one):
+    ``lse``, the cotangents already divided by the row bound s (``g``, ``g_ent`` | None), the
+    ``entropy`` | None and the temperature; and the coefficients of
+    ``G = alpha [v = target] − p (beta + gamma log p)`` (``gamma`` None without ``g_ent``).
+    Built once per backward by :meth:`of`, outside the chunk loop."""
 
     lse: jax.Array
     g: jax.Array
     g_ent: jax.Array | None
     entropy: jax.Array | None
     temperature: float
+    alpha: jax.Array
+    beta: jax.Array
+    gamma: jax.Array | None
 
-    def coefficients(self):
-        """(alpha, beta, gamma | None) with G = alpha [v = target] − p (beta + gamma log p)."""
-        inv_t = 1.0 / self.temperature
-        if self.g_ent is None:
-            return self.g * inv_t, self.g * inv_t, None
-        return (self.g * inv_t, (self.g + self.g_ent * self.entropy) * inv_t,
-                self.g_ent * inv_t)
+    @classmethod
+    def of(cls, lse, g, g_ent, entropy, temperature) -> RowGrad:
+        inv_t = 1.0 / temperature
+        if g_ent is None:
+            return cls(lse, g, None, None, temperature, g * inv_t, g * inv_t, None)
+        return cls(lse, g, g_ent, entropy, temperature, g * inv_t, (g + g_ent * entropy) * inv_t,
+                   g_ent * inv_t)
 
 
 WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array], jax.Array]
@@ -113,13 +120,13 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     w_axis = 0 if weight_layout == "vd" else 1
 
     s = row_bound(g_logp, g_ent, entropy, temperature)
-    rows = RowGrad(lse, g_logp / s, None if g_ent is None else g_ent / s,
-                   None if g_ent is None else entropy, temperature)
+    rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
+                      temperature)
     top = pow2_at_least(jnp.max(s))
     scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
     sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
     h16 = (scaled_h * sigma_h).astype(jnp.float16)
-    sigma_w = pow2_range(jnp.max(jnp.abs(weight)).astype(jnp.float32))
+    sigma_w = pow2_range(jnp.max(jnp.abs(weight)))
     d_w_scale = top / sigma_h
 
     def dot(a, b, contract):
