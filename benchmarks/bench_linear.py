@@ -169,7 +169,7 @@ def ffi_variant(layout, backward):
     return call
 
 
-def backward_table(sizes, with_reference=True):
+def backward_table(sizes):
     """The automatic choice, the ffi backward at three chunk sizes, the ffi forward with the
     Triton-recompute backward, pallas variants and XLA's materialised path, both weight
     layouts, per size."""
@@ -192,9 +192,8 @@ def backward_table(sizes, with_reference=True):
             if layout == "vd":
                 variants += [(name, primitive(make_config(**kw)))
                              for name, kw in BWD_VARIANTS.items()]
-            if with_reference:
-                variants.append((f"reference (XLA materialised), {layout}",
-                                 public("reference", weight_layout=layout)))
+            variants.append((f"reference (XLA materialised), {layout}",
+                             public("reference", weight_layout=layout)))
             rows += measure_variants(variants, base, h, w, t, g, gemm)
             del h, w
     return rows
