@@ -13,6 +13,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
         --section SpeedOfLight --section WarpStateStats \
         python3 -m benchmarks.bench_linear --profile                   # what limits the forward
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --profile-backward vd,dv  # per kernel
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --kernels      # SM90 kernels vs one GEMM
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -170,7 +171,8 @@ def ffi_variant(layout, backward):
 
 
 def backward_table(sizes):
-    """The automatic choice, the ffi backward at three chunk sizes, the ffi forward with the
+    """The automatic choice, the ffi backward at three more chunk sizes and with d_weight
+    zero-filled before its loop, the ffi forward with the
     Triton-recompute backward, pallas variants and XLA's materialised path, both weight
     layouts, per size."""
     import functools
@@ -184,9 +186,12 @@ def backward_table(sizes):
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
-                for mib in (32, 128):
+                for mib in (32, 66, 128):  # 66 MiB: 33 tiles of 256 columns at N=4096
                     variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
                         layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
+                variants.append((f"ffi fwd + ffi bwd, d_weight zero-filled first, {layout}",
+                                 ffi_variant(layout, functools.partial(
+                                     ffi.linear_backward, weight_grad_init=jnp.zeros_like))))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":
@@ -301,29 +306,37 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         print(text, flush=True)
 
 
-def grad_kernel_table(n=4096, d=2048, v=131072):
-    """The ffi backward's logit-gradient kernel alone, one call per chunk width C (from column
-    0), against the forward kernel over all of V: per-launch cost vs steady state."""
+def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
+    """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
+    the forward (statistics + combine) and the backward's logit-gradient kernel (one launch,
+    C = V), with the consumer warpgroups' epilogues in turns (the default) and at the same
+    time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at every call)."""
+    import os
     from jaxrl_kernels.backends import ffi, head_grad
 
     rows = []
-    for layout in ("vd", "dv"):
-        h, w, t, g = inputs(n, d, v, layout)
-        gemm = gemm_ms(h, w, layout)
-        valid = jnp.ones(t.shape, jnp.bool_)
-        fwd = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, valid, layout, 1.0))
-        lse = fwd(h, w, t)[2]
-        base = {"N": n, "D": d, "V": v, "gemm_ms": gemm, "layout": layout}
-        rows.append({**base, "impl": "ffi forward kernel (all V)", "ms": timed(fwd, h, w, t),
-                     "ms_per_V": None})
-        for cols in (4096, 8192, 16384, 32768, v):
+    for n, d, v in sizes:
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, v, layout)
+            gemm = gemm_ms(h, w, layout)
+            valid = jnp.ones(t.shape, jnp.bool_)
+            fwd = jax.jit(lambda h, w, t, layout=layout: ffi._forward_call(
+                h, w, None, t, valid, layout, 1.0))
+            lse = fwd(h, w, t)[2]
             write = ffi._write_grad(None, t, layout)
-            fn = jax.jit(lambda h, w, t, lse, g, cols=cols, write=write: write(
-                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, cols, h, w))
-            ms = timed(fn, h, w, t, lse, g)
-            rows.append({**base, "impl": f"grad kernel, C={cols}", "ms": ms,
-                         "ms_per_V": ms * v / cols})
-            print(rows[-1], flush=True)
+            grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
+                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
+            base = {"N": n, "D": d, "V": v, "layout": layout, "gemm_ms": gemm}
+            for epilogue in ("turns", "free"):
+                os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = "1" if epilogue == "free" else "0"
+                for kernel, fn, args in (("forward", fwd, (h, w, t)),
+                                         ("logit gradient", grad, (h, w, lse, g))):
+                    ms = timed(fn, *args)
+                    rows.append({**base, "kernel": kernel, "epilogue": epilogue, "ms": ms,
+                                 "x_gemm": ms / gemm})
+                    print(rows[-1], flush=True)
+            os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
+            del h, w
     return rows
 
 
@@ -357,8 +370,8 @@ def main():
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
                         help="per-kernel device time of one automatic fwd+bwd per layout "
                              "(e.g. vd,dv), from a jax profiler trace")
-    parser.add_argument("--grad-kernel", action="store_true",
-                        help="the ffi logit-gradient kernel alone at several chunk widths")
+    parser.add_argument("--kernels", action="store_true",
+                        help="the SM90 forward and logit-gradient kernels alone, beside one GEMM")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
@@ -367,11 +380,12 @@ def main():
     if args.profile:
         profile_targets()
         return
-    if args.grad_kernel:
+    if args.kernels:
         print(common.metadata(), flush=True)
-        rows = grad_kernel_table()
-        print(common.write_results("bench_grad_kernel", rows,
-                                   ["N", "D", "V", "layout", "impl", "ms", "ms_per_V", "gemm_ms"]))
+        rows = kernel_table()
+        print(common.write_results("bench_sm90_kernels", rows, ["N", "D", "V", "layout", "kernel",
+                                                                "epilogue", "ms", "x_gemm",
+                                                                "gemm_ms"]))
         return
     if args.profile_backward:
         profile_backward(args.profile_backward.split(","))

@@ -11,6 +11,7 @@ namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -35,6 +36,7 @@ PYBIND11_MODULE(_sm90, m) {
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
     out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
+    out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
     return out;
   }, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");

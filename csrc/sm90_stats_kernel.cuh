@@ -162,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const float c1 = p.c1;
+  EpilogueTurns turns{cwg, g.ordered_epilogue};
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
@@ -184,6 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_bias) bias_tile_start(bias_tile, p.bias, col0, g.vocab, ct);
       mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
       if (has_bias) bias_tile_wait(cwg);
+      turns.begin();
 
       // ---- the target logit, held by exactly one thread of one tile ----
       CUTLASS_PRAGMA_UNROLL
@@ -205,6 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         fold_tile<false>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
       }
+      turns.end();
     }
 
     // ---- merge the four lanes of each row and write this unit's partials ----
@@ -226,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  turns.finish();
 #endif
 }
 

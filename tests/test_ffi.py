@@ -22,7 +22,7 @@ import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, cotangent
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends import ffi, head_grad
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 
@@ -40,7 +40,8 @@ def test_extension_built_and_imports():
         pytest.skip("no nvcc on PATH (or JAXRL_KERNELS_BUILD_CUDA=OFF): pure-Python install")
     assert ffi._sm90 is not None, f"nvcc on PATH, but no extension: {ffi._IMPORT_ERROR}"
     assert "sm_90a" in ffi._sm90.build_info()
-    assert sorted(ffi._sm90.registrations()) == sorted([ffi.TARGET, ffi.GRAD_TARGET])
+    assert sorted(ffi._sm90.registrations()) == sorted(
+        [ffi.TARGET, ffi.GRAD_TARGET, ffi.UNINITIALIZED_TARGET])
 
 
 @pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
@@ -102,6 +103,8 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
         lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
+    # d_weight starts as a buffer nobody writes (the chunk loop covers every column), not zeros
+    assert f"stablehlo.custom_call @{ffi.UNINITIALIZED_TARGET}" in text
 
 
 @pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
@@ -350,6 +353,31 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
         # float16 G (2^-11) and float32 accumulation, output rounded to the input dtype
         assert err < 2.0e-3 + float(jnp.finfo(dtype).eps), (name, err)
     assert not np.asarray(got[0], np.float64)[~active].any(), "ignored rows get no gradient"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_epilogue_turns_change_no_bit(layout, monkeypatch):
+    """The consumer warpgroups' epilogues in turns (default) or at once
+    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read at every call) give the same bits, with a
+    ragged last tile and a bias."""
+    n, v = 300, 2056
+    h, w, b, t = _gpu_inputs(n, 256, v, layout, jnp.bfloat16, True, seed=11)
+    b32 = b.astype(jnp.float32)
+    rv = jnp.ones((n,), bool)
+    g = jnp.asarray(np.random.default_rng(1).standard_normal(n), jnp.float32)
+    fwd = jax.jit(lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9))
+    lse = fwd(h, w)[2]
+    rows = head_grad.RowGrad.of(lse, g, None, None, 0.9)
+    grad = jax.jit(lambda h, w, rows: ffi._write_grad(b32, t, layout)(rows, 0, v, h, w))
+    outs = {}
+    for free in ("0", "1"):
+        monkeypatch.setenv("JAXRL_KERNELS_SM90_FREE_EPILOGUE", free)
+        outs[free] = [np.asarray(x) for x in (*fwd(h, w), grad(h, w, rows))]
+    for a, b_ in zip(outs["0"], outs["1"]):
+        assert a.tobytes() == b_.tobytes()
+    assert np.isfinite(outs["0"][3].astype(np.float32)).all()
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
+UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). At N=4096,
 D=2048, V=131072 on an H100 (bench_linear_backward.md, fori_loop rows), fwd+bwd took 15.5 / 15.5
@@ -131,8 +132,16 @@ def _write_grad(bias, targets, weight_layout):
     return write
 
 
+def uninitialized_like(x):
+    """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
+    a loop carry that the loop overwrites in full: the backward's d_weight, which would
+    otherwise be zero-filled first (0.3 ms at V·D = 2²⁸ on an H100)."""
+    return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
+
+
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES):
+                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES,
+                    weight_grad_init=uninitialized_like):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
     grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
     _check_served(hidden, weight)
@@ -140,7 +149,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,
         write_grad=_write_grad(bias, targets, weight_layout),
-        chunk_bytes=chunk_bytes, align=TILE_COLS)
+        chunk_bytes=chunk_bytes, align=TILE_COLS, weight_grad_init=weight_grad_init)
 
 
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,

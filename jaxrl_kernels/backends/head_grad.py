@@ -92,10 +92,11 @@ def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
     return min(size, vocab)
 
 
-def zero_grads(hidden, weight, bias):
+def zero_grads(hidden, weight, bias, weight_grad_init=jnp.zeros_like):
     """The carry of the chunk loop: float32 d_hidden (or its accumulator), d_weight in W's
-    dtype, float32 d_bias | None."""
-    return (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
+    dtype (``weight_grad_init(weight)``: zeros, or a buffer the loop overwrites in full),
+    float32 d_bias | None."""
+    return (jnp.zeros(hidden.shape, jnp.float32), weight_grad_init(weight),
             None if bias is None else jnp.zeros(bias.shape, jnp.float32))
 
 
@@ -110,11 +111,13 @@ def run_chunks(chunk, carry, vocab: int, size: int):
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
-             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int):
+             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
+             weight_grad_init=jnp.zeros_like):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they were no
-    faster on an H100: bench_linear_backward.md at d9bcddf)."""
+    faster on an H100: bench_linear_backward.md at d9bcddf); they write every column of
+    d_weight, so ``weight_grad_init`` may leave its buffer unwritten."""
     n_rows = hidden.shape[0]
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1
@@ -151,7 +154,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
         return acc, d_weight, d_bias
 
     acc, d_weight, d_bias = run_chunks(
-        chunk, zero_grads(hidden, weight, bias), vocab,
+        chunk, zero_grads(hidden, weight, bias, weight_grad_init), vocab,
         chunk_columns(n_rows, vocab, chunk_bytes, align))
     d_hidden = acc * (s / sigma_w)[:, None]
     return (d_hidden.astype(hidden.dtype), d_weight,
