@@ -306,13 +306,6 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         print(text, flush=True)
 
 
-KERNEL_SCHEDULES = {  # handler knobs, read at every call
-    "turns": {},
-    "free": {"JAXRL_KERNELS_SM90_FREE_EPILOGUE": "1"},
-    "turns, G evict-first": {"JAXRL_KERNELS_SM90_EVICT_FIRST": "1"},
-}
-
-
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
     the forward (statistics + combine) and the backward's logit-gradient kernel (one launch,
@@ -334,18 +327,15 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
                 head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
             base = {"N": n, "D": d, "V": v, "layout": layout, "gemm_ms": gemm}
-            for epilogue, env in KERNEL_SCHEDULES.items():
-                os.environ.update(env)
+            for epilogue in ("turns", "free"):
+                os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = "1" if epilogue == "free" else "0"
                 for kernel, fn, args in (("forward", fwd, (h, w, t)),
                                          ("logit gradient", grad, (h, w, lse, g))):
-                    if kernel == "forward" and "JAXRL_KERNELS_SM90_EVICT_FIRST" in env:
-                        continue  # a grad-kernel store hint
                     ms = timed(fn, *args)
                     rows.append({**base, "kernel": kernel, "epilogue": epilogue, "ms": ms,
                                  "x_gemm": ms / gemm})
                     print(rows[-1], flush=True)
-                for name in env:
-                    os.environ.pop(name)
+            os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
             del h, w
     return rows
 

@@ -186,7 +186,6 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   args.dtype = head.dtype;
   args.weight_dv = weight_dv;
   args.temperature = temperature;
-  args.evict_first = env_int("JAXRL_KERNELS_SM90_EVICT_FIRST", 0) != 0;
   jaxrl_sm90::Plan plan = jaxrl_sm90::choose_grad_plan(args.n, args.size, sms);
   plan.ordered_epilogue = env_int("JAXRL_KERNELS_SM90_FREE_EPILOGUE", 0) == 0;
   std::string why = jaxrl_sm90::launch_grad(args, plan, stream);

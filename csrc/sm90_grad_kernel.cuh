@@ -31,25 +31,14 @@ struct GradParams {
   Units units;            // vocab = V of W; vocab_tiles = the chunk's tiles
   int size;
   float inv_t;
-  bool evict_first;
 };
-
-template <class V>
-__device__ __forceinline__ void store(V* ptr, V value, bool evict_first) {
-  if (evict_first) {
-    __stcs(ptr, value);
-  } else {
-    *ptr = value;
-  }
-}
 
 // G for one row half r of a finished tile, stored to out_row[8 j + e] (this lane's columns
 // of the tile, 2 q already added) where 8 j + e < col_limit.
 template <bool kEntropy, class Acc>
 __device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const float* bias_lane, bool has_bias,
                                                float lse, float alpha, float beta, float gamma, int tgt_rel,
-                                               float inv_t, __half* out_row, int col_limit, bool paired,
-                                               bool evict_first) {
+                                               float inv_t, __half* out_row, int col_limit, bool paired) {
   constexpr float kLog2e = 1.4426950408889634f;
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kBlockN / 8; ++j) {
@@ -71,10 +60,10 @@ __device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const floa
     }
     const int c = 8 * j;
     if (paired && c + 1 < col_limit) {
-      store(reinterpret_cast<__half2*>(out_row + c), __floats2half2_rn(gv[0], gv[1]), evict_first);
+      *reinterpret_cast<__half2*>(out_row + c) = __floats2half2_rn(gv[0], gv[1]);
     } else {
-      if (c < col_limit) store(out_row + c, __float2half_rn(gv[0]), evict_first);
-      if (c + 1 < col_limit) store(out_row + c + 1, __float2half_rn(gv[1]), evict_first);
+      if (c < col_limit) out_row[c] = __float2half_rn(gv[0]);
+      if (c + 1 < col_limit) out_row[c + 1] = __float2half_rn(gv[1]);
     }
   }
 }
@@ -151,10 +140,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int tgt_rel = tgt[r] - col0 - 2 * q;  // the target is element 8 j + e == tgt_rel
         if (p.gamma) {
           write_grad_row<true>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], gamma[r], tgt_rel,
-                               p.inv_t, out_row, col_limit, paired, p.evict_first);
+                               p.inv_t, out_row, col_limit, paired);
         } else {
           write_grad_row<false>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], 0.f, tgt_rel,
-                                p.inv_t, out_row, col_limit, paired, p.evict_first);
+                                p.inv_t, out_row, col_limit, paired);
         }
       }
       turns.end();
@@ -179,7 +168,6 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;
   p.inv_t = 1.0f / args.temperature;
-  p.evict_first = args.evict_first;
   return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
                            plan.grid, stream, "linear_grad_kernel");
 }

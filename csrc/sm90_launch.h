@@ -84,7 +84,6 @@ struct GradArgs {
   DType dtype = DType::kBF16;
   bool weight_dv = false;
   float temperature = 1.0f;
-  bool evict_first = false;  // store G with the evict-first cache hint
 };
 
 // One unit per 128 x 256 tile of the chunk, ordered for L2 reuse like the forward's.

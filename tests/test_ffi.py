@@ -358,11 +358,10 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_gpu_schedule_knobs_change_no_bit(layout, monkeypatch):
+def test_gpu_epilogue_turns_change_no_bit(layout, monkeypatch):
     """The consumer warpgroups' epilogues in turns (default) or at once
-    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1), and G stored with or without the evict-first hint
-    (JAXRL_KERNELS_SM90_EVICT_FIRST=1), give the same bits (the knobs are read at every
-    call), with a ragged last tile and a bias."""
+    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read at every call) give the same bits, with a
+    ragged last tile and a bias."""
     n, v = 300, 2056
     h, w, b, t = _gpu_inputs(n, 256, v, layout, jnp.bfloat16, True, seed=11)
     b32 = b.astype(jnp.float32)
@@ -370,17 +369,15 @@ def test_gpu_schedule_knobs_change_no_bit(layout, monkeypatch):
     g = jnp.asarray(np.random.default_rng(1).standard_normal(n), jnp.float32)
     fwd = jax.jit(lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9))
     lse = fwd(h, w)[2]
-    grad = jax.jit(lambda h, w, lse, g: ffi._write_grad(b32, t, layout)(
-        head_grad.RowGrad.of(lse, g, None, None, 0.9), 0, v, h, w))
-    outs = []
-    for knob in ("", "JAXRL_KERNELS_SM90_FREE_EPILOGUE", "JAXRL_KERNELS_SM90_EVICT_FIRST"):
-        for name in ("JAXRL_KERNELS_SM90_FREE_EPILOGUE", "JAXRL_KERNELS_SM90_EVICT_FIRST"):
-            monkeypatch.setenv(name, "1" if name == knob else "0")
-        outs.append([np.asarray(x) for x in (*fwd(h, w), grad(h, w, lse, g))])
-    for other in outs[1:]:
-        for a, b_ in zip(outs[0], other):
-            assert a.tobytes() == b_.tobytes()
-    assert np.isfinite(outs[0][3].astype(np.float32)).all()
+    rows = head_grad.RowGrad.of(lse, g, None, None, 0.9)
+    grad = jax.jit(lambda h, w, rows: ffi._write_grad(b32, t, layout)(rows, 0, v, h, w))
+    outs = {}
+    for free in ("0", "1"):
+        monkeypatch.setenv("JAXRL_KERNELS_SM90_FREE_EPILOGUE", free)
+        outs[free] = [np.asarray(x) for x in (*fwd(h, w), grad(h, w, rows))]
+    for a, b_ in zip(outs["0"], outs["1"]):
+        assert a.tobytes() == b_.tobytes()
+    assert np.isfinite(outs["0"][3].astype(np.float32)).all()
 
 
 @pytest.mark.gpu
