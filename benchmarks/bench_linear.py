@@ -308,9 +308,9 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
 
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
-    the forward (statistics + combine) and the backward's logit-gradient kernel (one launch,
-    C = V), with the consumer warpgroups' epilogues in turns (the default) and at the same
-    time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at every call)."""
+    the forward (statistics + combine) with its consumer warpgroups' epilogues in turns (the
+    default) and at the same time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at
+    every call), and the backward's logit-gradient kernel in one launch (C = V)."""
     import os
     from jaxrl_kernels.backends import ffi, head_grad
 
@@ -327,14 +327,14 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
                 head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
             base = {"N": n, "D": d, "V": v, "layout": layout, "gemm_ms": gemm}
-            for epilogue in ("turns", "free"):
+            for kernel, epilogue, fn, args in (("forward", "turns", fwd, (h, w, t)),
+                                               ("forward", "free", fwd, (h, w, t)),
+                                               ("logit gradient", "free", grad, (h, w, lse, g))):
                 os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = "1" if epilogue == "free" else "0"
-                for kernel, fn, args in (("forward", fwd, (h, w, t)),
-                                         ("logit gradient", grad, (h, w, lse, g))):
-                    ms = timed(fn, *args)
-                    rows.append({**base, "kernel": kernel, "epilogue": epilogue, "ms": ms,
-                                 "x_gemm": ms / gemm})
-                    print(rows[-1], flush=True)
+                ms = timed(fn, *args)
+                rows.append({**base, "kernel": kernel, "epilogue": epilogue, "ms": ms,
+                             "x_gemm": ms / gemm})
+                print(rows[-1], flush=True)
             os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
             del h, w
     return rows

@@ -111,7 +111,6 @@ struct Config {
 struct Units {
   int n_rows, vocab, depth;
   int row_blocks, splits, vocab_tiles, group_rows, num_units;
-  bool ordered_epilogue;
 };
 
 template <class Cfg>
@@ -243,31 +242,6 @@ __device__ __forceinline__ ConsumerLane consumer_lane() {
   return {ct, ct / 128, lane % 4, (ct / 128) * 64 + ((ct / 32) % 4) * 16 + lane / 4};
 }
 
-// The two consumer warpgroups take turns at the epilogue of a tile: warpgroup 0 first, then
-// warpgroup 1, then warpgroup 0 on the next tile. Both multiply the same tile, so while one
-// runs its epilogue (exp on the SFU, stores) the other's wgmma has the tensor cores to itself;
-// warpgroup 1 ends up a few K stages behind warpgroup 0, which the 4-stage pipeline absorbs.
-// Named barrier 10 + w means "warpgroup w's turn"; each turn is handed over by one bar.arrive.
-struct EpilogueTurns {
-  static constexpr int kBarrier = 10;  // 8 and 9 are the bias tiles'
-  int cwg;
-  bool on;
-  bool started = false;
-
-  __device__ __forceinline__ void begin() {
-    if (on && (cwg == 1 || started)) named_sync(kBarrier + cwg, kConsumerThreads);
-    started = true;
-  }
-  __device__ __forceinline__ void end() {
-    if (on) named_arrive(kBarrier + 1 - cwg, kConsumerThreads);
-  }
-  // Warpgroup 1's last hand-over has no turn after it; warpgroup 0 takes it here so that no
-  // barrier is left half-arrived when the CTA exits.
-  __device__ __forceinline__ void finish() {
-    if (on && cwg == 0 && started) named_sync(kBarrier, kConsumerThreads);
-  }
-};
-
 template <class Cfg>
 __device__ __forceinline__ void prefetch_tma(const typename Cfg::TmaA& tma_a, const typename Cfg::TmaB& tma_b,
                                              int warp_idx, int lane_predicate) {
@@ -279,7 +253,7 @@ __device__ __forceinline__ void prefetch_tma(const typename Cfg::TmaA& tma_a, co
 
 inline Units units_of(const Plan& plan, int n, int v, int d) {
   return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
-          plan.row_blocks * plan.splits, plan.ordered_epilogue};
+          plan.row_blocks * plan.splits};
 }
 
 // Host side shared by the kernels: raise the shared-memory limit, build the TMA descriptors of

@@ -105,7 +105,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const bool paired = (p.size % 2) == 0;  // 4-byte aligned column pairs
-  EpilogueTurns turns{cwg, g.ordered_epilogue};
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
@@ -130,7 +129,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
       if (has_bias) bias_tile_wait(cwg);
 
-      turns.begin();
       const float* bias_lane = bias_tile + 2 * q;
       const int col_limit = p.size - local0 - 2 * q;
       CUTLASS_PRAGMA_UNROLL
@@ -146,10 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 p.inv_t, out_row, col_limit, paired);
         }
       }
-      turns.end();
     }
   }
-  turns.finish();
 #endif
 }
 

@@ -22,7 +22,7 @@ import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, cotangent
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.backends import ffi, head_grad
+from jaxrl_kernels.backends import ffi
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 
@@ -97,7 +97,7 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     # the backward dispatch picks at lowering time (platform cpu here): the ffi backward's
     # own custom call when asked for directly
     bwd = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=0.7))
-    n, v = t.shape[0], w.shape[0] if layout == "vd" else w.shape[1]
+    n = t.shape[0]
     rows = jnp.ones((n,), jnp.float32)
     text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
         lowering_platforms=("cuda",)).as_text()
@@ -359,25 +359,21 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
 @needs_sm90
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_gpu_epilogue_turns_change_no_bit(layout, monkeypatch):
-    """The consumer warpgroups' epilogues in turns (default) or at once
-    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read at every call) give the same bits, with a
-    ragged last tile and a bias."""
-    n, v = 300, 2056
+    """The forward kernel's consumer warpgroups at the epilogue in turns (default) or at once
+    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read at every call): the same bits, with a bias, a
+    ragged last tile, several tiles per unit and an odd row count."""
+    n, v = 301, 2056 * 3
     h, w, b, t = _gpu_inputs(n, 256, v, layout, jnp.bfloat16, True, seed=11)
     b32 = b.astype(jnp.float32)
     rv = jnp.ones((n,), bool)
-    g = jnp.asarray(np.random.default_rng(1).standard_normal(n), jnp.float32)
     fwd = jax.jit(lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9))
-    lse = fwd(h, w)[2]
-    rows = head_grad.RowGrad.of(lse, g, None, None, 0.9)
-    grad = jax.jit(lambda h, w, rows: ffi._write_grad(b32, t, layout)(rows, 0, v, h, w))
     outs = {}
     for free in ("0", "1"):
         monkeypatch.setenv("JAXRL_KERNELS_SM90_FREE_EPILOGUE", free)
-        outs[free] = [np.asarray(x) for x in (*fwd(h, w), grad(h, w, rows))]
+        outs[free] = [np.asarray(x) for x in fwd(h, w)]
     for a, b_ in zip(outs["0"], outs["1"]):
         assert a.tobytes() == b_.tobytes()
-    assert np.isfinite(outs["0"][3].astype(np.float32)).all()
+    assert np.isfinite(outs["0"][0]).all()
 
 
 @pytest.mark.gpu
