@@ -7,7 +7,9 @@
 #                                              linear_ffi, one_device, memcheck,
 #                                              many_devices,
 #                                              side_by_side, e2e)
-#                                              tunix: needs the wheels of .whl/tunix)
+#                                              tunix: needs the wheels of .whl/tunix;
+#                                              stage_jax, tests_new_jax: GPU tests on a newer
+#                                              jax, see split_jax_wheels.sh)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 set -uo pipefail
@@ -66,6 +68,14 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
       fi; python3 -m benchmarks.linear_side_by_side' ;;
     e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
     tunix) step 540 python3 -m benchmarks.bench_tunix ;;
+    # a newer jax than the image's, carried in parts by earlier calls (split_jax_wheels.sh);
+    # installed over the image's jax, so it is the run's last step
+    stage_jax) step 60 bash -c 'mkdir -p /tmp/jax-parts && cp .whl-jax/part-* /tmp/jax-parts/ && ls -l /tmp/jax-parts' ;;
+    tests_new_jax) step 420 bash -c 'rm -rf /tmp/jax-wheels && mkdir -p /tmp/jax-wheels &&
+      cat /tmp/jax-parts/part-* | tar xf - -C /tmp/jax-wheels &&
+      python3 -m pip install -q --no-index --no-deps --force-reinstall /tmp/jax-wheels/wheels/*.whl &&
+      python3 -c "import jax; print(\"jax\", jax.__version__, jax.devices())" &&
+      python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests_new_jax.txt"; exit ${PIPESTATUS[0]}' ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done
