@@ -66,10 +66,14 @@ def timed(fn, *args, budget_ms=2500.0):
     return common.median_ms(fn, *args, warmup=2, runs=runs)
 
 
-def gemm_ms(h, w, layout="vd"):
+def gemm_call(layout="vd"):
+    """hidden [N, D] x weight -> [N, V] logits in bf16, jitted (XLA's GEMM)."""
     dims = (((1,), (1,)), ((), ())) if layout == "vd" else (((1,), (0,)), ((), ()))
-    fn = jax.jit(lambda h, w: jax.lax.dot_general(h, w, dims))
-    return timed(fn, h, w)
+    return jax.jit(lambda h, w: jax.lax.dot_general(h, w, dims))
+
+
+def gemm_ms(h, w, layout="vd"):
+    return timed(gemm_call(layout), h, w)
 
 
 def op_fns(call):
@@ -306,11 +310,16 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         print(text, flush=True)
 
 
-def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
+ROUNDS = 3
+
+
+def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
     the forward (statistics + combine) with its consumer warpgroups' epilogues in turns (the
     default) and at the same time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at
-    every call), and the backward's logit-gradient kernel in one launch (C = V)."""
+    every call), and the backward's logit-gradient kernel in one launch (C = V). After a
+    second of GEMMs to bring the clocks up, the four are timed in turn, ROUNDS times; each
+    row is the median of its rounds' medians."""
     import os
     from jaxrl_kernels.backends import ffi, head_grad
 
@@ -318,7 +327,8 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
     for n, d, v in sizes:
         for layout in ("vd", "dv"):
             h, w, t, g = inputs(n, d, v, layout)
-            gemm = gemm_ms(h, w, layout)
+            gemm_fn = gemm_call(layout)
+            common.warm_up(gemm_fn, h, w)
             valid = jnp.ones(t.shape, jnp.bool_)
             fwd = jax.jit(lambda h, w, t, layout=layout: ffi._forward_call(
                 h, w, None, t, valid, layout, 1.0))
@@ -326,16 +336,25 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072))):
             write = ffi._write_grad(None, t, layout)
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
                 head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
-            base = {"N": n, "D": d, "V": v, "layout": layout, "gemm_ms": gemm}
-            for kernel, epilogue, fn, args in (("forward", "turns", fwd, (h, w, t)),
-                                               ("forward", "free", fwd, (h, w, t)),
-                                               ("logit gradient", "free", grad, (h, w, lse, g))):
-                os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = "1" if epilogue == "free" else "0"
-                ms = timed(fn, *args)
-                rows.append({**base, "kernel": kernel, "epilogue": epilogue, "ms": ms,
-                             "x_gemm": ms / gemm})
-                print(rows[-1], flush=True)
+            variants = {("gemm", ""): (gemm_fn, (h, w)),
+                        ("forward", "turns"): (fwd, (h, w, t)),
+                        ("forward", "free"): (fwd, (h, w, t)),
+                        ("logit gradient", "free"): (grad, (h, w, lse, g))}
+            times = {key: [] for key in variants}
+            for _ in range(ROUNDS):  # interleaved, so that clock drift hits every variant alike
+                for (kernel, epilogue), (fn, args) in variants.items():
+                    os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = str(int(epilogue == "free"))
+                    times[kernel, epilogue].append(timed(fn, *args))
             os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
+            gemm = float(np.median(times["gemm", ""]))
+            for (kernel, epilogue), ms in times.items():
+                if kernel == "gemm":
+                    continue
+                ms = float(np.median(ms))
+                rows.append({"N": n, "D": d, "V": v, "layout": layout, "kernel": kernel,
+                             "epilogue": epilogue, "ms": ms, "x_gemm": ms / gemm,
+                             "gemm_ms": gemm, "rounds": ROUNDS})
+                print(rows[-1], flush=True)
             del h, w
     return rows
 
@@ -385,7 +404,7 @@ def main():
         rows = kernel_table()
         print(common.write_results("bench_sm90_kernels", rows, ["N", "D", "V", "layout", "kernel",
                                                                 "epilogue", "ms", "x_gemm",
-                                                                "gemm_ms"]))
+                                                                "gemm_ms", "rounds"]))
         return
     if args.profile_backward:
         profile_backward(args.profile_backward.split(","))

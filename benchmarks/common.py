@@ -32,6 +32,14 @@ def median_ms(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 2
     return 1e3 * statistics.median(times)
 
 
+def warm_up(fn: Callable[..., Any], *args: Any, seconds: float = 1.0) -> None:
+    """Run ``fn(*args)`` back to back for ``seconds``: an idle GPU's clocks take a moment to
+    rise, and the first variant timed would pay for it."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        jax.block_until_ready(fn(*args))
+
+
 def temp_mib(jitted: Callable[..., Any], *args: Any) -> float:
     """XLA's temp buffer size of the compiled function, in MiB."""
     analysis = jitted.lower(*args).compile().memory_analysis()

@@ -74,8 +74,8 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     tests_new_jax) step 420 bash -c 'rm -rf /tmp/jax-wheels && mkdir -p /tmp/jax-wheels &&
       cat /tmp/jax-parts/part-* | tar xf - -C /tmp/jax-wheels &&
       python3 -m pip install -q --no-index --no-deps --force-reinstall /tmp/jax-wheels/wheels/*.whl &&
-      python3 -c "import jax; print(\"jax\", jax.__version__, jax.devices())" &&
-      python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests_new_jax.txt"; exit ${PIPESTATUS[0]}' ;;
+      python3 -c "import jax; print(\"jax\", jax.__version__, jax.devices())" | tee "$BENCH_RESULTS/gpu_tests_new_jax.txt" &&
+      python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee -a "$BENCH_RESULTS/gpu_tests_new_jax.txt"; exit ${PIPESTATUS[0]}' ;;
     *)     step 200 python3 -m "benchmarks.bench_$s" ;;
   esac
 done
