@@ -310,16 +310,17 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         print(text, flush=True)
 
 
-ROUNDS = 3
+ROUNDS = 4
 
 
-def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (8192, 4096, 151936))):
+def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 131072),
+                        (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
     the forward (statistics + combine) with its consumer warpgroups' epilogues in turns (the
     default) and at the same time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at
     every call), and the backward's logit-gradient kernel in one launch (C = V). After a
-    second of GEMMs to bring the clocks up, the four are timed in turn, ROUNDS times; each
-    row is the median of its rounds' medians."""
+    second of GEMMs to bring the clocks up, the four are timed in turn, ROUNDS times, each
+    round starting one further along; each row is the median of its rounds' medians."""
     import os
     from jaxrl_kernels.backends import ffi, head_grad
 
@@ -341,8 +342,10 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (8192, 4096, 
                         ("forward", "free"): (fwd, (h, w, t)),
                         ("logit gradient", "free"): (grad, (h, w, lse, g))}
             times = {key: [] for key in variants}
-            for _ in range(ROUNDS):  # interleaved, so that clock drift hits every variant alike
-                for (kernel, epilogue), (fn, args) in variants.items():
+            order = list(variants)
+            for r in range(ROUNDS):  # interleaved and rotated: drift and order hit all alike
+                for kernel, epilogue in order[r % len(order):] + order[:r % len(order)]:
+                    fn, args = variants[kernel, epilogue]
                     os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = str(int(epilogue == "free"))
                     times[kernel, epilogue].append(timed(fn, *args))
             os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
