@@ -316,12 +316,10 @@ ROUNDS = 4
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 131072),
                         (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
-    the forward (statistics + combine) with its consumer warpgroups' epilogues in turns (the
-    default) and at the same time (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read by the handler at
-    every call), and the backward's logit-gradient kernel in one launch (C = V). After a
-    second of GEMMs to bring the clocks up, the four are timed in turn, ROUNDS times, each
-    round starting one further along; each row is the median of its rounds' medians."""
-    import os
+    the forward (statistics + combine) and the backward's logit-gradient kernel in one launch
+    (C = V). After a second of GEMMs to bring the clocks up, the three are timed in turn,
+    ROUNDS times, each round starting one further along (drift and order hit all alike); each
+    row is the median of its rounds' medians."""
     from jaxrl_kernels.backends import ffi, head_grad
 
     rows = []
@@ -337,26 +335,19 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 
             write = ffi._write_grad(None, t, layout)
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
                 head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
-            variants = {("gemm", ""): (gemm_fn, (h, w)),
-                        ("forward", "turns"): (fwd, (h, w, t)),
-                        ("forward", "free"): (fwd, (h, w, t)),
-                        ("logit gradient", "free"): (grad, (h, w, lse, g))}
-            times = {key: [] for key in variants}
+            variants = {"gemm": (gemm_fn, (h, w)), "forward": (fwd, (h, w, t)),
+                        "logit gradient": (grad, (h, w, lse, g))}
+            times = {name: [] for name in variants}
             order = list(variants)
-            for r in range(ROUNDS):  # interleaved and rotated: drift and order hit all alike
-                for kernel, epilogue in order[r % len(order):] + order[:r % len(order)]:
-                    fn, args = variants[kernel, epilogue]
-                    os.environ["JAXRL_KERNELS_SM90_FREE_EPILOGUE"] = str(int(epilogue == "free"))
-                    times[kernel, epilogue].append(timed(fn, *args))
-            os.environ.pop("JAXRL_KERNELS_SM90_FREE_EPILOGUE")
-            gemm = float(np.median(times["gemm", ""]))
-            for (kernel, epilogue), ms in times.items():
-                if kernel == "gemm":
-                    continue
-                ms = float(np.median(ms))
-                rows.append({"N": n, "D": d, "V": v, "layout": layout, "kernel": kernel,
-                             "epilogue": epilogue, "ms": ms, "x_gemm": ms / gemm,
-                             "gemm_ms": gemm, "rounds": ROUNDS})
+            for r in range(ROUNDS):
+                for name in order[r % len(order):] + order[:r % len(order)]:
+                    fn, args = variants[name]
+                    times[name].append(timed(fn, *args))
+            gemm = float(np.median(times["gemm"]))
+            for name in ("forward", "logit gradient"):
+                ms = float(np.median(times[name]))
+                rows.append({"N": n, "D": d, "V": v, "layout": layout, "kernel": name, "ms": ms,
+                             "x_gemm": ms / gemm, "gemm_ms": gemm, "rounds": ROUNDS})
                 print(rows[-1], flush=True)
             del h, w
     return rows
@@ -406,8 +397,8 @@ def main():
         print(common.metadata(), flush=True)
         rows = kernel_table()
         print(common.write_results("bench_sm90_kernels", rows, ["N", "D", "V", "layout", "kernel",
-                                                                "epilogue", "ms", "x_gemm",
-                                                                "gemm_ms", "rounds"]))
+                                                                "ms", "x_gemm", "gemm_ms",
+                                                                "rounds"]))
         return
     if args.profile_backward:
         profile_backward(args.profile_backward.split(","))

@@ -7,9 +7,7 @@
 // them). Attributes: weight_dv, has_bias, temperature. Scratch (3 floats per row
 // per vocabulary split) comes from the FFI scratch allocator; the handler only
 // enqueues kernels on XLA's stream: no device allocation, no synchronisation.
-// JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only);
-// JAXRL_KERNELS_SM90_FREE_EPILOGUE=1 lets the forward's consumer warpgroups run their
-// epilogues at the same time instead of in turns (measurement only).
+// JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only).
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
@@ -119,7 +117,6 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
   jaxrl_sm90::Plan plan = jaxrl_sm90::choose_plan(static_cast<int>(n), static_cast<int>(head.v), sms,
                                                   env_int("JAXRL_KERNELS_SM90_SPLITS", 0));
-  plan.epilogue_turns = env_int("JAXRL_KERNELS_SM90_FREE_EPILOGUE", 0) == 0;
   // XLA's FFI allocator accepts alignments up to 16 bytes (its buffers are 256-aligned anyway).
   const size_t scratch_bytes = jaxrl_sm90::partials_bytes(plan, static_cast<int>(n));
   auto buf = scratch.Allocate(scratch_bytes, 16);

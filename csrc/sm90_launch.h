@@ -30,7 +30,6 @@ struct Plan {
   int group_rows = 0;   // row blocks per L2 group (units are ordered group, split, row)
   int grid = 0;         // persistent CTAs (<= number of SMs)
   long long makespan = 0;  // most 128x256 tiles any CTA computes
-  bool epilogue_turns = true;  // forward: consumer warpgroups take turns at the epilogue
 };
 
 struct Args {

@@ -115,33 +115,6 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
 
 // ---- the kernel ------------------------------------------------------------------------
 
-// The two consumer warpgroups take turns at the epilogue of a tile: warpgroup 0
-// first, then warpgroup 1, then warpgroup 0 on the next tile. Both multiply the same tile, so
-// while one folds its accumulators (exp on the SFU) the other's wgmma has the tensor cores to
-// itself; warpgroup 1 ends up a few K stages behind warpgroup 0, which the 4-stage pipeline
-// absorbs. The forward runs 4-5 % faster so (bench_sm90_kernels.md); the grad kernel, whose
-// epilogue is mostly stores, does not, and does without. Named barrier 10 + w means
-// "warpgroup w's turn"; each turn is handed over by one bar.arrive.
-struct EpilogueTurns {
-  static constexpr int kBarrier = 10;  // 8 and 9 are the bias tiles'
-  int cwg;
-  bool on;
-  bool started = false;
-
-  __device__ __forceinline__ void begin() {
-    if (on && (cwg == 1 || started)) named_sync(kBarrier + cwg, kConsumerThreads);
-    started = true;
-  }
-  __device__ __forceinline__ void end() {
-    if (on) named_arrive(kBarrier + 1 - cwg, kConsumerThreads);
-  }
-  // Warpgroup 1's last hand-over has no turn after it; warpgroup 0 takes it here so that no
-  // barrier is left half-arrived when the CTA exits.
-  __device__ __forceinline__ void finish() {
-    if (on && cwg == 0 && started) named_sync(kBarrier, kConsumerThreads);
-  }
-};
-
 struct StatsParams {
   const float* bias;
   const int32_t* targets;
@@ -150,7 +123,6 @@ struct StatsParams {
   float* partials;
   Units units;
   float c1;
-  bool epilogue_turns;
 };
 
 template <class Cfg>
@@ -190,7 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const float c1 = p.c1;
-  EpilogueTurns turns{cwg, p.epilogue_turns};
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
@@ -213,7 +184,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_bias) bias_tile_start(bias_tile, p.bias, col0, g.vocab, ct);
       mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
       if (has_bias) bias_tile_wait(cwg);
-      turns.begin();
 
       // ---- the target logit, held by exactly one thread of one tile ----
       CUTLASS_PRAGMA_UNROLL
@@ -235,7 +205,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         fold_tile<false>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
       }
-      turns.end();
     }
 
     // ---- merge the four lanes of each row and write this unit's partials ----
@@ -257,7 +226,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  turns.finish();
 #endif
 }
 
@@ -274,7 +242,6 @@ std::string launch_typed(const Args& args, const Plan& plan, cudaStream_t stream
   p.partials = args.partials;
   p.units = units_of(plan, args.n, args.v, args.d);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-  p.epilogue_turns = plan.epilogue_turns;
   return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
                            plan.grid, stream, "linear_lse_kernel");
 }

@@ -357,27 +357,6 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_gpu_epilogue_turns_change_no_bit(layout, monkeypatch):
-    """The forward kernel's consumer warpgroups at the epilogue in turns (default) or at once
-    (JAXRL_KERNELS_SM90_FREE_EPILOGUE=1, read at every call): the same bits, with a bias, a
-    ragged last tile, several tiles per unit and an odd row count."""
-    n, v = 301, 2056 * 3
-    h, w, b, t = _gpu_inputs(n, 256, v, layout, jnp.bfloat16, True, seed=11)
-    b32 = b.astype(jnp.float32)
-    rv = jnp.ones((n,), bool)
-    fwd = jax.jit(lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9))
-    outs = {}
-    for free in ("0", "1"):
-        monkeypatch.setenv("JAXRL_KERNELS_SM90_FREE_EPILOGUE", free)
-        outs[free] = [np.asarray(x) for x in fwd(h, w)]
-    for a, b_ in zip(outs["0"], outs["1"]):
-        assert a.tobytes() == b_.tobytes()
-    assert np.isfinite(outs["0"][0]).all()
-
-
-@pytest.mark.gpu
-@needs_sm90
 def test_gpu_backward_bitwise_deterministic_and_chosen():
     h, w, _, t = _gpu_inputs(1024, 512, 32768, "vd", jnp.bfloat16, False, seed=4)
     g = jnp.asarray(np.random.default_rng(0).standard_normal(1024), jnp.float32)
