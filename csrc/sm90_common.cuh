@@ -26,8 +26,6 @@ namespace jaxrl_sm90 {
 using namespace cute;
 
 constexpr int kBlockK = 64;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;

@@ -33,55 +33,38 @@ struct GradParams {
   float inv_t;
 };
 
-// What one row needs to turn raw logits y into G, in base-2 units:
-//   log2 p = y scale - offset,   scale = log2(e) / T,   offset = lse log2(e),
-//   G = alpha [v == target] - p (beta + gamma2 log2 p),   gamma2 = gamma ln 2.
-struct RowCoef {
-  float scale, offset, alpha, beta, gamma2;
-};
-
-// The non-one-hot part of G from a raw logit (bias added): one FFMA, one EX2, one FMUL (two
-// ops more with entropy). Without entropy, rows with lse = +inf get p = 0 and G = -0 * 0;
-// with it, log2 p is held finite so that gamma2 log2 p stays 0 * finite there.
-template <bool kEntropy>
-__device__ __forceinline__ float grad_term(float y, const RowCoef& c) {
-  float d = fmaf(y, c.scale, -c.offset);
-  if constexpr (kEntropy) {
-    d = fmaxf(d, -65536.f);
-    return -ex2(d) * fmaf(c.gamma2, d, c.beta);
-  } else {
-    return -ex2(d) * c.beta;
-  }
-}
-
 // G for one row half r of a finished tile, stored to out_row[8 j + e] (this lane's columns
-// of the tile, 2 q already added) where 8 j + e < col_limit. The one-hot term is added
-// afterwards by the one lane that holds the target column (tgt_rel = 8 j + e there), which
-// rewrites that element: the loop over the tile stays free of per-element compares.
-template <bool kEntropy, bool kBias, class Acc>
-__device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const float* bias_lane, const RowCoef& c,
-                                               int tgt_rel, __half* out_row, int col_limit, bool paired) {
+// of the tile, 2 q already added) where 8 j + e < col_limit.
+template <bool kEntropy, class Acc>
+__device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const float* bias_lane, bool has_bias,
+                                               float lse, float alpha, float beta, float gamma, int tgt_rel,
+                                               float inv_t, __half* out_row, int col_limit, bool paired) {
+  constexpr float kLog2e = 1.4426950408889634f;
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kBlockN / 8; ++j) {
-    float y0 = acc(4 * j + 2 * r), y1 = acc(4 * j + 2 * r + 1);
-    if constexpr (kBias) {
+    float b0 = 0.f, b1 = 0.f;
+    if (has_bias) {
       float2 b = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
-      y0 += b.x;
-      y1 += b.y;
+      b0 = b.x;
+      b1 = b.y;
     }
-    const float g0 = grad_term<kEntropy>(y0, c), g1 = grad_term<kEntropy>(y1, c);
-    const int col = 8 * j;
-    if (paired && col + 1 < col_limit) {
-      *reinterpret_cast<__half2*>(out_row + col) = __floats2half2_rn(g0, g1);
+    float gv[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      float y = acc(4 * j + 2 * r + e) + (e ? b1 : b0);
+      // ln p, kept finite so that p = 0 times the coefficients stays 0 on rows with lse = +inf
+      float d = fmaxf(fmaf(y, inv_t, -lse), -30000.f);
+      float pz = ex2(d * kLog2e);
+      float v = kEntropy ? -pz * fmaf(gamma, d, beta) : -pz * beta;
+      gv[e] = (8 * j + e == tgt_rel) ? v + alpha : v;
+    }
+    const int c = 8 * j;
+    if (paired && c + 1 < col_limit) {
+      *reinterpret_cast<__half2*>(out_row + c) = __floats2half2_rn(gv[0], gv[1]);
     } else {
-      if (col < col_limit) out_row[col] = __float2half_rn(g0);
-      if (col + 1 < col_limit) out_row[col + 1] = __float2half_rn(g1);
+      if (c < col_limit) out_row[c] = __float2half_rn(gv[0]);
+      if (c + 1 < col_limit) out_row[c + 1] = __float2half_rn(gv[1]);
     }
-  }
-  if (tgt_rel >= 0 && tgt_rel < col_limit && (tgt_rel & 6) == 0) {
-    float y = acc_at(acc, r, tgt_rel);  // acc_at reads columns 8 (rel >> 3) + (rel & 1) of this lane
-    if constexpr (kBias) y += bias_lane[tgt_rel];
-    out_row[tgt_rel] = __float2half_rn(grad_term<kEntropy>(y, c) + c.alpha);
   }
 }
 
@@ -126,14 +109,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
     int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
-    RowCoef coef[2];
+    float lse[2], alpha[2], beta[2], gamma[2];
     int tgt[2];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const bool in = rows[r] < g.n_rows;
-      const float lse = in ? p.lse[rows[r]] : INFINITY;
-      coef[r] = {kLog2e * p.inv_t, kLog2e * lse, in ? p.alpha[rows[r]] : 0.f, in ? p.beta[rows[r]] : 0.f,
-                 (in && p.gamma) ? kLn2 * p.gamma[rows[r]] : 0.f};
+      lse[r] = in ? p.lse[rows[r]] : INFINITY;
+      alpha[r] = in ? p.alpha[rows[r]] : 0.f;
+      beta[r] = in ? p.beta[rows[r]] : 0.f;
+      gamma[r] = (in && p.gamma) ? p.gamma[rows[r]] : 0.f;
       tgt[r] = in ? p.targets[rows[r]] : -1;
     }
 
@@ -153,15 +137,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         __half* out_row = p.out + static_cast<size_t>(rows[r]) * p.size + local0 + 2 * q;
         const int tgt_rel = tgt[r] - col0 - 2 * q;  // the target is element 8 j + e == tgt_rel
         if (p.gamma) {
-          if (has_bias) {
-            write_grad_row<true, true>(acc, r, bias_lane, coef[r], tgt_rel, out_row, col_limit, paired);
-          } else {
-            write_grad_row<true, false>(acc, r, bias_lane, coef[r], tgt_rel, out_row, col_limit, paired);
-          }
-        } else if (has_bias) {
-          write_grad_row<false, true>(acc, r, bias_lane, coef[r], tgt_rel, out_row, col_limit, paired);
+          write_grad_row<true>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], gamma[r], tgt_rel,
+                               p.inv_t, out_row, col_limit, paired);
         } else {
-          write_grad_row<false, false>(acc, r, bias_lane, coef[r], tgt_rel, out_row, col_limit, paired);
+          write_grad_row<false>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], 0.f, tgt_rel,
+                                p.inv_t, out_row, col_limit, paired);
         }
       }
     }
