@@ -92,7 +92,7 @@ def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
     return min(size, vocab)
 
 
-def zero_grads(hidden, weight, bias, weight_grad_init=jnp.zeros_like):
+def initial_grads(hidden, weight, bias, weight_grad_init=jnp.zeros_like):
     """The carry of the chunk loop: float32 d_hidden (or its accumulator), d_weight in W's
     dtype (``weight_grad_init(weight)``: zeros, or a buffer the loop overwrites in full),
     float32 d_bias | None."""
@@ -154,7 +154,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
         return acc, d_weight, d_bias
 
     acc, d_weight, d_bias = run_chunks(
-        chunk, zero_grads(hidden, weight, bias, weight_grad_init), vocab,
+        chunk, initial_grads(hidden, weight, bias, weight_grad_init), vocab,
         chunk_columns(n_rows, vocab, chunk_bytes, align))
     d_hidden = acc * (s / sigma_w)[:, None]
     return (d_hidden.astype(hidden.dtype), d_weight,

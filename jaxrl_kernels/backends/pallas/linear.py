@@ -491,7 +491,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     bytes_per_entry = jnp.dtype(dz_dtype).itemsize * (1 if parts == "one" else 2)
     size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, config.grad.block_vocab,
                                    bytes_per_entry)
-    carry = head_grad.run_chunks(chunk, head_grad.zero_grads(hidden, weight, bias), vocab, size)
+    carry = head_grad.run_chunks(chunk, head_grad.initial_grads(hidden, weight, bias), vocab, size)
     d_hidden, d_weight, d_bias = carry
     return (d_hidden.astype(hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
