@@ -109,10 +109,15 @@ struct Units {
   int row_blocks, splits, vocab_tiles, group_rows, num_units;
 };
 
+// The kernel's shared storage (Cfg::SharedStorage first) at the 1 KiB-aligned start of the
+// dynamic shared memory.
+template <class Storage>
+__device__ __forceinline__ Storage& aligned_shared(char* raw) {
+  return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~static_cast<uintptr_t>(1023));
+}
 template <class Cfg>
 __device__ __forceinline__ typename Cfg::SharedStorage& shared_storage(char* raw) {
-  return *reinterpret_cast<typename Cfg::SharedStorage*>(
-      (reinterpret_cast<uintptr_t>(raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  return aligned_shared<typename Cfg::SharedStorage>(raw);
 }
 
 template <class Cfg>
@@ -253,17 +258,18 @@ inline Units units_of(const Plan& plan, int n, int v, int d) {
 }
 
 // Host side shared by the kernels: raise the shared-memory limit, build the TMA descriptors of
-// hidden [n, d] and the weight (as (v, d)), launch `kernel` on the persistent grid.
+// hidden [n, d] and the weight (as (v, d)), launch `kernel` on the persistent grid with
+// `smem_bytes` of dynamic shared memory.
 template <class Cfg, class Params>
 std::string launch_tiles(void (*kernel)(Params, typename Cfg::TmaA, typename Cfg::TmaB), const Params& p,
                          const void* hidden, const void* weight, int n, int v, int d, int grid,
-                         cudaStream_t stream, const char* name) {
+                         cudaStream_t stream, const char* name, int smem_bytes = Cfg::kSmemBytes) {
   using T = typename Cfg::Element;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
   auto tma_a = Cfg::make_tma_a(static_cast<const T*>(hidden), n, d);
   auto tma_b = Cfg::make_tma_b(static_cast<const T*>(weight), v, d);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tma_a, tma_b);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, tma_a, tma_b);
   err = cudaGetLastError();
   if (err != cudaSuccess) return std::string(name) + " launch: " + cudaGetErrorString(err);
   return {};

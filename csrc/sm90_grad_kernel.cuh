@@ -33,48 +33,129 @@ struct GradParams {
   float inv_t;
 };
 
+// G of one logit y (bias added) of a row with coefficients (lse, alpha, beta, gamma).
+template <bool kEntropy>
+__device__ __forceinline__ float grad_of_logit(float y, float inv_t, float lse, float alpha, float beta,
+                                               float gamma, bool is_target) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  // ln p, kept finite so that p = 0 times the coefficients stays 0 on rows with lse = +inf
+  const float d = fmaxf(fmaf(y, inv_t, -lse), -30000.f);
+  const float pz = ex2(d * kLog2e);
+  const float v = kEntropy ? -pz * fmaf(gamma, d, beta) : -pz * beta;
+  return is_target ? v + alpha : v;
+}
+
+// The per-row inputs of G for this lane's two rows (row_in_tile and row_in_tile + 8).
+struct LaneRows {
+  float lse[2], alpha[2], beta[2], gamma[2];
+  int tgt_rel[2];  // target column - (tile's first column + 2 q): element 8 j + e is the target
+};
+
 // G for one row half r of a finished tile, stored to out_row[8 j + e] (this lane's columns
 // of the tile, 2 q already added) where 8 j + e < col_limit.
 template <bool kEntropy, class Acc>
 __device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const float* bias_lane, bool has_bias,
-                                               float lse, float alpha, float beta, float gamma, int tgt_rel,
-                                               float inv_t, __half* out_row, int col_limit, bool paired) {
-  constexpr float kLog2e = 1.4426950408889634f;
+                                               const LaneRows& c, float inv_t, __half* out_row, int col_limit,
+                                               bool paired) {
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kBlockN / 8; ++j) {
-    float b0 = 0.f, b1 = 0.f;
+    float b[2] = {0.f, 0.f};
     if (has_bias) {
-      float2 b = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
-      b0 = b.x;
-      b1 = b.y;
+      float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
+      b[0] = bb.x;
+      b[1] = bb.y;
     }
     float gv[2];
     CUTLASS_PRAGMA_UNROLL
     for (int e = 0; e < 2; ++e) {
-      float y = acc(4 * j + 2 * r + e) + (e ? b1 : b0);
-      // ln p, kept finite so that p = 0 times the coefficients stays 0 on rows with lse = +inf
-      float d = fmaxf(fmaf(y, inv_t, -lse), -30000.f);
-      float pz = ex2(d * kLog2e);
-      float v = kEntropy ? -pz * fmaf(gamma, d, beta) : -pz * beta;
-      gv[e] = (8 * j + e == tgt_rel) ? v + alpha : v;
+      gv[e] = grad_of_logit<kEntropy>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
+                                      c.gamma[r], 8 * j + e == c.tgt_rel[r]);
     }
-    const int c = 8 * j;
-    if (paired && c + 1 < col_limit) {
-      *reinterpret_cast<__half2*>(out_row + c) = __floats2half2_rn(gv[0], gv[1]);
+    const int col = 8 * j;
+    if (paired && col + 1 < col_limit) {
+      *reinterpret_cast<__half2*>(out_row + col) = __floats2half2_rn(gv[0], gv[1]);
     } else {
-      if (c < col_limit) out_row[c] = __float2half_rn(gv[0]);
-      if (c + 1 < col_limit) out_row[c + 1] = __float2half_rn(gv[1]);
+      if (col < col_limit) out_row[col] = __float2half_rn(gv[0]);
+      if (col + 1 < col_limit) out_row[col + 1] = __float2half_rn(gv[1]);
     }
   }
 }
 
+// The staged epilogue: each consumer warp writes its 16 rows of G through a 16 x 64 slice of
+// shared memory, a quarter of the tile's columns at a time. Its 16-byte chunks are
+// XOR-swizzled by row (chunk k of row r sits at k ^ (r % 8)), so that both the writes in the
+// accumulator layout (4 bytes a lane) and the row reads (16 bytes a lane) are free of bank
+// conflicts; each global store then writes 128 contiguous bytes of four rows.
+constexpr int kStageCols = 64;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+
 template <class Cfg>
+struct GradStorage {
+  typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
+  alignas(128) __half stage[kConsumerWarps][16 * kStageCols];
+};
+
+template <bool kEntropy, class Acc>
+__device__ __forceinline__ void write_grad_tile_staged(const Acc& acc, const float* bias_lane, bool has_bias,
+                                                       const LaneRows& c, float inv_t, __half* stage,
+                                                       __half* out, int warp_row0, int n_rows, int size,
+                                                       int local0, bool vector_ok) {
+  const int lane = threadIdx.x % 32;
+  const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
+  CUTLASS_PRAGMA_UNROLL
+  for (int quarter = 0; quarter < kBlockN / kStageCols; ++quarter) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int jj = 0; jj < kStageCols / 8; ++jj) {
+      const int j = quarter * (kStageCols / 8) + jj;
+      float b[2] = {0.f, 0.f};
+      if (has_bias) {
+        float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
+        b[0] = bb.x;
+        b[1] = bb.y;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        float gv[2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          gv[e] = grad_of_logit<kEntropy>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
+                                          c.gamma[r], 8 * j + e == c.tgt_rel[r]);
+        }
+        __half* slot = stage + (row_w + 8 * r) * kStageCols + (jj ^ row_w) * 8 + 2 * q;
+        *reinterpret_cast<__half2*>(slot) = __floats2half2_rn(gv[0], gv[1]);
+      }
+    }
+    __syncwarp();
+    CUTLASS_PRAGMA_UNROLL
+    for (int it = 0; it < 4; ++it) {
+      const int row = 4 * it + lane / 8, k = lane % 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kStageCols + (k ^ (row % 8)) * 8);
+      const int col = local0 + quarter * kStageCols + 8 * k;
+      if (warp_row0 + row < n_rows && col < size) {
+        __half* dst = out + static_cast<size_t>(warp_row0 + row) * size + col;
+        if (vector_ok && col + 8 <= size) {
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else {
+          const __half* h = reinterpret_cast<const __half*>(&v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 8; ++e) {
+            if (col + e < size) dst[e] = h[e];
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
+template <class Cfg, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_grad_kernel(const __grid_constant__ GradParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
                        const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  auto& smem = shared_storage<Cfg>(smem_raw);
+  auto& storage = aligned_shared<GradStorage<Cfg>>(smem_raw);
+  auto& smem = storage.main;
   const Units& g = p.units;
   const int start = *p.start;
 
@@ -105,19 +186,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const bool paired = (p.size % 2) == 0;  // 4-byte aligned column pairs
+  const bool vector_ok = (p.size % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  __half* stage = storage.stage[ct / 32];
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
-    int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
-    float lse[2], alpha[2], beta[2], gamma[2];
+    const int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
+    LaneRows c;
     int tgt[2];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 2; ++r) {
       const bool in = rows[r] < g.n_rows;
-      lse[r] = in ? p.lse[rows[r]] : INFINITY;
-      alpha[r] = in ? p.alpha[rows[r]] : 0.f;
-      beta[r] = in ? p.beta[rows[r]] : 0.f;
-      gamma[r] = (in && p.gamma) ? p.gamma[rows[r]] : 0.f;
+      c.lse[r] = in ? p.lse[rows[r]] : INFINITY;
+      c.alpha[r] = in ? p.alpha[rows[r]] : 0.f;
+      c.beta[r] = in ? p.beta[rows[r]] : 0.f;
+      c.gamma[r] = (in && p.gamma) ? p.gamma[rows[r]] : 0.f;
       tgt[r] = in ? p.targets[rows[r]] : -1;
     }
 
@@ -130,18 +213,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_bias) bias_tile_wait(cwg);
 
       const float* bias_lane = bias_tile + 2 * q;
-      const int col_limit = p.size - local0 - 2 * q;
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        if (rows[r] >= g.n_rows) continue;
-        __half* out_row = p.out + static_cast<size_t>(rows[r]) * p.size + local0 + 2 * q;
-        const int tgt_rel = tgt[r] - col0 - 2 * q;  // the target is element 8 j + e == tgt_rel
+      for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
+      if constexpr (kStaged) {
+        const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
         if (p.gamma) {
-          write_grad_row<true>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], gamma[r], tgt_rel,
-                               p.inv_t, out_row, col_limit, paired);
+          write_grad_tile_staged<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows,
+                                       p.size, local0, vector_ok);
         } else {
-          write_grad_row<false>(acc, r, bias_lane, has_bias, lse[r], alpha[r], beta[r], 0.f, tgt_rel,
-                                p.inv_t, out_row, col_limit, paired);
+          write_grad_tile_staged<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows,
+                                        p.size, local0, vector_ok);
+        }
+      } else {
+        const int col_limit = p.size - local0 - 2 * q;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          if (rows[r] >= g.n_rows) continue;
+          __half* out_row = p.out + static_cast<size_t>(rows[r]) * p.size + local0 + 2 * q;
+          if (p.gamma) {
+            write_grad_row<true>(acc, r, bias_lane, has_bias, c, p.inv_t, out_row, col_limit, paired);
+          } else {
+            write_grad_row<false>(acc, r, bias_lane, has_bias, c, p.inv_t, out_row, col_limit, paired);
+          }
         }
       }
     }
@@ -164,8 +257,13 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;
   p.inv_t = 1.0f / args.temperature;
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
-                           plan.grid, stream, "linear_grad_kernel");
+  constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
+  if (args.staged_stores) {
+    return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, true>, p, args.hidden, args.weight, args.n, args.v, args.d,
+                             plan.grid, stream, "linear_grad_kernel", kSmemBytes);
+  }
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, args.hidden, args.weight, args.n, args.v, args.d,
+                           plan.grid, stream, "linear_grad_kernel", kSmemBytes);
 }
 
 }  // namespace jaxrl_sm90

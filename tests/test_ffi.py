@@ -22,7 +22,7 @@ import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, cotangent
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends import ffi, head_grad
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 
@@ -353,6 +353,53 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
         # float16 G (2^-11) and float32 accumulation, output rounded to the input dtype
         assert err < 2.0e-3 + float(jnp.finfo(dtype).eps), (name, err)
     assert not np.asarray(got[0], np.float64)[~active].any(), "ignored rows get no gradient"
+
+
+# (N, D, V, layout, dtype, bias, start, size): the chunk [start, start + size) of the grad call;
+# ragged rows, widths that are odd, not a multiple of 8 (element stores) or of 256 (a partial
+# tile), and a chunk that starts past column 0.
+G_CASES = [
+    (257, 136, 1000, "vd", jnp.bfloat16, True, 256, 489),
+    (130, 64, 2056, "dv", jnp.float16, False, 0, 2056),
+    (1, 64, 304, "vd", jnp.float16, True, 0, 301),
+    (1000, 512, 8192, "dv", jnp.bfloat16, False, 4096, 4096),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("direct_stores", [False, True], ids=["staged", "direct"])
+@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,start,size", G_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start, size,
+                                        direct_stores, monkeypatch):
+    """Every element of the grad call's G = alpha [v = target] - beta p (float16) against
+    float64, for both ways the kernel stores G (through shared memory, or from registers:
+    JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES), which must also agree bit for bit."""
+    h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=3 * n + v)
+    b32 = None if b is None else b.astype(jnp.float32)
+    h64, w64 = (np.asarray(x).astype(np.float64) for x in (h, w))
+    z = oracle.linear_logits(h64, w64, None if b is None else np.asarray(b).astype(np.float64),
+                             weight_layout=layout)
+    zmax = z.max(axis=1, keepdims=True)
+    lse = (zmax + np.log(np.exp(z - zmax).sum(axis=1, keepdims=True)))[:, 0]
+    g = np.random.default_rng(n).uniform(-1.0, 1.0, n)
+    rows = head_grad.RowGrad.of(jnp.asarray(lse, jnp.float32), jnp.asarray(g, jnp.float32), None,
+                                None, 1.0)
+    write = ffi._write_grad(b32, t, layout)
+    call = jax.jit(lambda h, w: write(rows, start, size, h, w))
+    if direct_stores:
+        monkeypatch.setenv("JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES", "1")
+    got = np.asarray(call(h, w), np.float64)
+    cols = np.arange(start, start + size)
+    onehot = (np.asarray(t)[:, None] == cols[None, :])
+    want = g[:, None] * (onehot - np.exp(z[:, cols] - lse[:, None]))
+    assert got.shape == (n, size)
+    # float16 rounding (2^-11 relative) plus the float32 logits and ex2.approx
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
+    monkeypatch.setenv("JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES", "0" if direct_stores else "1")
+    other = np.asarray(call(h, w), np.float64)
+    np.testing.assert_array_equal(got, other)
 
 
 @pytest.mark.gpu

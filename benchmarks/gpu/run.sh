@@ -59,7 +59,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" "$sanitizer" \
         --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 python3 tests/ffi_memcheck.py \
         2>&1 | tee "$BENCH_RESULTS/ffi_memcheck.txt"; exit ${PIPESTATUS[0]}' ;;
-    kernels) step 240 python3 -m benchmarks.bench_linear --kernels ;;
+    kernels) step 360 python3 -m benchmarks.bench_linear --kernels ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 300 python3 -m benchmarks.bench_many_devices ;;
     side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
