@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 import traceback
 
@@ -314,34 +313,13 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
 ROUNDS = 4
 
 
-DIRECT_STORES_ENV = "JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES"
-
-
-def with_env(fn, name, value):
-    """``fn`` run with the environment variable ``name`` set to ``value`` (the FFI handlers
-    read their measurement switches at every call)."""
-    def run(*args):
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return jax.block_until_ready(fn(*args))
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-    return run
-
-
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 131072),
                         (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
     the forward (statistics + combine) and the backward's logit-gradient kernel in one launch
-    (C = V), its G stored through shared memory (the default) and straight from registers.
-    After a second of GEMMs to bring the clocks up, the four are timed in turn, ROUNDS times,
-    each round starting one further along (drift and order hit all alike); each row is the
-    median of its rounds' medians, and ``same_G`` says whether both store paths wrote the same
-    bits."""
+    (C = V). After a second of GEMMs to bring the clocks up, the three are timed in turn,
+    ROUNDS times, each round starting one further along (drift and order hit all alike); each
+    row is the median of its rounds' medians."""
     from jaxrl_kernels.backends import ffi, head_grad
 
     rows = []
@@ -357,11 +335,8 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 
             write = ffi._write_grad(None, t, layout)
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
                 head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
-            direct = with_env(grad, DIRECT_STORES_ENV, "1")
             variants = {"gemm": (gemm_fn, (h, w)), "forward": (fwd, (h, w, t)),
-                        "logit gradient": (grad, (h, w, lse, g)),
-                        "logit gradient, direct stores": (direct, (h, w, lse, g))}
-            same = bool(jnp.array_equal(grad(h, w, lse, g), direct(h, w, lse, g)))
+                        "logit gradient": (grad, (h, w, lse, g))}
             times = {name: [] for name in variants}
             order = list(variants)
             for r in range(ROUNDS):
@@ -372,8 +347,7 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 
             for name in list(variants)[1:]:
                 ms = float(np.median(times[name]))
                 rows.append({"N": n, "D": d, "V": v, "layout": layout, "kernel": name, "ms": ms,
-                             "x_gemm": ms / gemm, "gemm_ms": gemm, "rounds": ROUNDS,
-                             "same_G": same if "gradient" in name else None})
+                             "x_gemm": ms / gemm, "gemm_ms": gemm, "rounds": ROUNDS})
                 print(rows[-1], flush=True)
             del h, w
     return rows
@@ -424,7 +398,7 @@ def main():
         rows = kernel_table()
         print(common.write_results("bench_sm90_kernels", rows, ["N", "D", "V", "layout", "kernel",
                                                                 "ms", "x_gemm", "gemm_ms",
-                                                                "rounds", "same_G"]))
+                                                                "rounds"]))
         return
     if args.profile_backward:
         profile_backward(args.profile_backward.split(","))

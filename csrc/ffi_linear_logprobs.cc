@@ -7,9 +7,7 @@
 // them). Attributes: weight_dv, has_bias, temperature. Scratch (3 floats per row
 // per vocabulary split) comes from the FFI scratch allocator; the handler only
 // enqueues kernels on XLA's stream: no device allocation, no synchronisation.
-// JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only);
-// JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES=1 has the grad kernel store G from registers instead of
-// through shared memory (measurement only).
+// JAXRL_KERNELS_SM90_SPLITS=S forces the split count (tuning only).
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
@@ -185,7 +183,6 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   args.dtype = head.dtype;
   args.weight_dv = weight_dv;
   args.temperature = temperature;
-  args.staged_stores = env_int("JAXRL_KERNELS_SM90_GRAD_DIRECT_STORES", 0) == 0;
   jaxrl_sm90::Plan plan = jaxrl_sm90::choose_grad_plan(args.n, args.size, sms);
   std::string why = jaxrl_sm90::launch_grad(args, plan, stream);
   if (!why.empty()) return ffi::Error::Internal(why);

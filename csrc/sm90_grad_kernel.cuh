@@ -51,41 +51,13 @@ struct LaneRows {
   int tgt_rel[2];  // target column - (tile's first column + 2 q): element 8 j + e is the target
 };
 
-// G for one row half r of a finished tile, stored to out_row[8 j + e] (this lane's columns
-// of the tile, 2 q already added) where 8 j + e < col_limit.
-template <bool kEntropy, class Acc>
-__device__ __forceinline__ void write_grad_row(const Acc& acc, int r, const float* bias_lane, bool has_bias,
-                                               const LaneRows& c, float inv_t, __half* out_row, int col_limit,
-                                               bool paired) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    float b[2] = {0.f, 0.f};
-    if (has_bias) {
-      float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
-      b[0] = bb.x;
-      b[1] = bb.y;
-    }
-    float gv[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      gv[e] = grad_of_logit<kEntropy>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
-                                      c.gamma[r], 8 * j + e == c.tgt_rel[r]);
-    }
-    const int col = 8 * j;
-    if (paired && col + 1 < col_limit) {
-      *reinterpret_cast<__half2*>(out_row + col) = __floats2half2_rn(gv[0], gv[1]);
-    } else {
-      if (col < col_limit) out_row[col] = __float2half_rn(gv[0]);
-      if (col + 1 < col_limit) out_row[col + 1] = __float2half_rn(gv[1]);
-    }
-  }
-}
-
-// The staged epilogue: each consumer warp writes its 16 rows of G through a 16 x 64 slice of
-// shared memory, a quarter of the tile's columns at a time. Its 16-byte chunks are
-// XOR-swizzled by row (chunk k of row r sits at k ^ (r % 8)), so that both the writes in the
-// accumulator layout (4 bytes a lane) and the row reads (16 bytes a lane) are free of bank
-// conflicts; each global store then writes 128 contiguous bytes of four rows.
+// The epilogue: each consumer warp writes its 16 rows of G through a 16 x 64 slice of shared
+// memory, a quarter of the tile's columns at a time. Its 16-byte chunks are XOR-swizzled by
+// row (chunk k of row r sits at k ^ (r % 8)), so that both the writes in the accumulator
+// layout (4 bytes a lane) and the row reads (16 bytes a lane) are free of bank conflicts; each
+// global store then writes 128 contiguous bytes of four rows. Stored straight from the
+// accumulator layout, 4 bytes a lane, the kernel took 1.14-1.27 x one GEMM, against
+// 1.05-1.15 x this way (benchmarks/results/bench_sm90_kernels_c4fed7c.md).
 constexpr int kStageCols = 64;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 
@@ -96,10 +68,9 @@ struct GradStorage {
 };
 
 template <bool kEntropy, class Acc>
-__device__ __forceinline__ void write_grad_tile_staged(const Acc& acc, const float* bias_lane, bool has_bias,
-                                                       const LaneRows& c, float inv_t, __half* stage,
-                                                       __half* out, int warp_row0, int n_rows, int size,
-                                                       int local0, bool vector_ok) {
+__device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
+                                                const LaneRows& c, float inv_t, __half* stage, __half* out,
+                                                int warp_row0, int n_rows, int size, int local0, bool vector_ok) {
   const int lane = threadIdx.x % 32;
   const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
   CUTLASS_PRAGMA_UNROLL
@@ -148,7 +119,7 @@ __device__ __forceinline__ void write_grad_tile_staged(const Acc& acc, const flo
   }
 }
 
-template <class Cfg, bool kStaged>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_grad_kernel(const __grid_constant__ GradParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
                        const __grid_constant__ typename Cfg::TmaB tma_b) {
@@ -185,7 +156,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
-  const bool paired = (p.size % 2) == 0;  // 4-byte aligned column pairs
   const bool vector_ok = (p.size % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   __half* stage = storage.stage[ct / 32];
 
@@ -215,27 +185,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* bias_lane = bias_tile + 2 * q;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
-      if constexpr (kStaged) {
-        const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
-        if (p.gamma) {
-          write_grad_tile_staged<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows,
-                                       p.size, local0, vector_ok);
-        } else {
-          write_grad_tile_staged<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows,
-                                        p.size, local0, vector_ok);
-        }
+      const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
+      if (p.gamma) {
+        write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
+                              local0, vector_ok);
       } else {
-        const int col_limit = p.size - local0 - 2 * q;
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < 2; ++r) {
-          if (rows[r] >= g.n_rows) continue;
-          __half* out_row = p.out + static_cast<size_t>(rows[r]) * p.size + local0 + 2 * q;
-          if (p.gamma) {
-            write_grad_row<true>(acc, r, bias_lane, has_bias, c, p.inv_t, out_row, col_limit, paired);
-          } else {
-            write_grad_row<false>(acc, r, bias_lane, has_bias, c, p.inv_t, out_row, col_limit, paired);
-          }
-        }
+        write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
+                               local0, vector_ok);
       }
     }
   }
@@ -258,11 +214,7 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.size = args.size;
   p.inv_t = 1.0f / args.temperature;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
-  if (args.staged_stores) {
-    return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, true>, p, args.hidden, args.weight, args.n, args.v, args.d,
-                             plan.grid, stream, "linear_grad_kernel", kSmemBytes);
-  }
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, args.hidden, args.weight, args.n, args.v, args.d,
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
                            plan.grid, stream, "linear_grad_kernel", kSmemBytes);
 }
 

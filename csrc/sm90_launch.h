@@ -83,7 +83,6 @@ struct GradArgs {
   DType dtype = DType::kBF16;
   bool weight_dv = false;
   float temperature = 1.0f;
-  bool staged_stores = true;  // G through shared memory, 16-byte stores (false: from registers)
 };
 
 // One unit per 128 x 256 tile of the chunk, ordered for L2 reuse like the forward's.
