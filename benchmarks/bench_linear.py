@@ -193,6 +193,8 @@ def backward_table(sizes):
                 for mib in (32, 66, 128):  # 66 MiB: 33 tiles of 256 columns at N=4096
                     variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
                         layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
+                variants.append((f"ffi fwd + ffi bwd, XLA converts W, {layout}", ffi_variant(
+                    layout, functools.partial(ffi.linear_backward, weight_copy=False))))
                 variants.append((f"ffi fwd + ffi bwd, d_weight zero-filled first, {layout}",
                                  ffi_variant(layout, functools.partial(
                                      ffi.linear_backward, weight_grad_init=jnp.zeros_like))))
@@ -313,11 +315,50 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
 ROUNDS = 4
 
 
+def rotated(variants, rounds=ROUNDS):
+    """{name: (fn, args)} timed in turn, ``rounds`` times, each round starting one further
+    along (drift and order hit all alike): {name: median of its rounds' medians}."""
+    times = {name: [] for name in variants}
+    order = list(variants)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            fn, args = variants[name]
+            times[name].append(timed(fn, *args))
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
+def weight_copy_table(sizes):
+    """Forward+backward with the chunk's float16 weight copy written by the grad kernel's
+    producer warps against XLA's convert of each chunk, both layouts, in rotated rounds."""
+    import functools
+    from jaxrl_kernels.backends import ffi
+
+    rows = []
+    for n, d, v in sizes:
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, v, layout)
+            gemm_fn = gemm_call(layout)
+            common.warm_up(gemm_fn, h, w)
+            variants = {"gemm": (gemm_fn, (h, w))}
+            for name, copy in (("grad kernel writes W16", True), ("XLA converts W", False)):
+                fwdbwd = op_fns(ffi_variant(layout, functools.partial(
+                    ffi.linear_backward, weight_copy=copy)))[1]
+                variants[name] = (fwdbwd, (h, w, t, g))
+            times = rotated(variants, rounds=2 * ROUNDS)
+            for name in list(variants)[1:]:
+                rows.append({"N": n, "D": d, "V": v, "layout": layout, "impl": name,
+                             "fwdbwd_ms": times[name], "gemm_ms": times["gemm"],
+                             "rounds": 2 * ROUNDS})
+                print(rows[-1], flush=True)
+            del h, w
+    return rows
+
+
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 131072),
                         (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
     the forward (statistics + combine) and the backward's logit-gradient kernel in one launch
-    (C = V). After a second of GEMMs to bring the clocks up, the three are timed in turn,
+    (C = V, with its float16 copy of W). After a second of GEMMs to bring the clocks up, the three are timed in turn,
     ROUNDS times, each round starting one further along (drift and order hit all alike); each
     row is the median of its rounds' medians."""
     from jaxrl_kernels.backends import ffi, head_grad
@@ -334,18 +375,17 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 
             lse = fwd(h, w, t)[2]
             write = ffi._write_grad(None, t, layout)
             grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
-                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w))
+                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0))
+            plain = ffi._write_grad(None, t, layout, weight_copy=False)
+            grad_plain = jax.jit(lambda h, w, lse, g, v=v, write=plain: write(
+                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0)[0])
             variants = {"gemm": (gemm_fn, (h, w)), "forward": (fwd, (h, w, t)),
-                        "logit gradient": (grad, (h, w, lse, g))}
-            times = {name: [] for name in variants}
-            order = list(variants)
-            for r in range(ROUNDS):
-                for name in order[r % len(order):] + order[:r % len(order)]:
-                    fn, args = variants[name]
-                    times[name].append(timed(fn, *args))
-            gemm = float(np.median(times["gemm"]))
+                        "logit gradient": (grad, (h, w, lse, g)),
+                        "logit gradient, no weight copy": (grad_plain, (h, w, lse, g))}
+            times = rotated(variants)
+            gemm = times["gemm"]
             for name in list(variants)[1:]:
-                ms = float(np.median(times[name]))
+                ms = times[name]
                 rows.append({"N": n, "D": d, "V": v, "layout": layout, "kernel": name, "ms": ms,
                              "x_gemm": ms / gemm, "gemm_ms": gemm, "rounds": ROUNDS})
                 print(rows[-1], flush=True)
@@ -383,12 +423,20 @@ def main():
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
                         help="per-kernel device time of one automatic fwd+bwd per layout "
                              "(e.g. vd,dv), from a jax profiler trace")
+    parser.add_argument("--weight-copy", action="store_true",
+                        help="fwd+bwd: the grad kernel's W16 copy against XLA's convert")
     parser.add_argument("--kernels", action="store_true",
                         help="the SM90 forward and logit-gradient kernels alone, beside one GEMM")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
         ncu_summary(args.ncu_summary)
+        return
+    if args.weight_copy:
+        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
+        print(common.write_results("bench_weight_copy", weight_copy_table(sizes),
+                                   ["N", "D", "V", "layout", "impl", "fwdbwd_ms", "gemm_ms",
+                                    "rounds"]))
         return
     if args.profile:
         profile_targets()

@@ -144,10 +144,15 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   return ffi::Error::Success();
 }
 
+// The backward's first stage for one vocabulary chunk [start, start + size): operands as the
+// forward's plus lse, alpha, beta, gamma (f32 [N]; gamma [0] without has_entropy), start (s32
+// [1]) and w_scale (f32 [1], sigma_W); results G (f16 [N, size]) and the chunk's weight copy
+// f16(sigma_W W) (f16 [size, D] or [D, size]). See sm90_grad_kernel.cuh.
 ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
                           ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
-                          ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F16> out, bool weight_dv,
+                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale,
+                          ffi::ResultBuffer<ffi::F16> out, ffi::ResultBuffer<ffi::F16> w16, bool weight_dv,
                           bool has_bias, bool has_entropy, float temperature) {
   Head head;
   ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
@@ -157,10 +162,20 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
     return ffi::Error::InvalidArgument("targets, lse, alpha and beta must all be [N]");
   if (has_entropy && static_cast<int64_t>(gamma.element_count()) != n)
     return ffi::Error::InvalidArgument("gamma must be [N]");
-  if (start.element_count() != 1) return ffi::Error::InvalidArgument("start must hold one element");
+  if (start.element_count() != 1 || w_scale.element_count() != 1)
+    return ffi::Error::InvalidArgument("start and w_scale must hold one element each");
   auto od = out->dimensions();
   if (od.size() != 2 || od[0] != n || od[1] > head.v)
     return ffi::Error::InvalidArgument("the result must be [N, size] with size <= V, got " + dims_str(od));
+  auto wd16 = w16->dimensions();
+  const int64_t w16_size = weight_dv ? (wd16.size() == 2 ? wd16[1] : -1) : (wd16.size() == 2 ? wd16[0] : -1);
+  const int64_t w16_depth = weight_dv ? (wd16.size() == 2 ? wd16[0] : -1) : (wd16.size() == 2 ? wd16[1] : -1);
+  const bool write_w16 = w16->element_count() != 0;  // an empty result: no weight copy wanted
+  if (write_w16 && (w16_size != od[1] || w16_depth != head.d))
+    return ffi::Error::InvalidArgument("the weight copy must be [size, D] (vd) or [D, size] (dv), got " +
+                                       dims_str(wd16));
+  // With no rows the kernel does not run and the weight copy stays unwritten: the GEMMs that
+  // read it contract over zero rows.
   if (n == 0 || od[1] == 0) return ffi::Error::Success();
 
   const int sms = sm_count(device);
@@ -176,6 +191,8 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   args.gamma = has_entropy ? gamma.typed_data() : nullptr;
   args.start = start.typed_data();
   args.out = out->untyped_data();
+  args.w_scale = w_scale.typed_data();
+  args.w16 = write_w16 ? w16->untyped_data() : nullptr;
   args.n = static_cast<int>(n);
   args.v = static_cast<int>(head.v);
   args.d = static_cast<int>(head.d);
@@ -228,6 +245,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, LinearGradImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F16>>()
                                   .Attr<bool>("weight_dv")
                                   .Attr<bool>("has_bias")

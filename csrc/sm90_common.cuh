@@ -56,6 +56,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <class T, bool kDv>
 struct Config {
   using Element = T;
+  static constexpr bool kWeightDv = kDv;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
   using BK = Int<kBlockK>;

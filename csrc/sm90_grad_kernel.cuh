@@ -28,6 +28,9 @@ struct GradParams {
   const float* gamma;     // [N] or null
   const int32_t* start;   // device scalar: the chunk's first column, a multiple of 256
   __half* out;            // [N, size]
+  const void* weight;     // W, read directly for its float16 copy
+  const float* w_scale;   // device scalar sigma_W
+  __half* w16;            // [size, D] ("vd") or [D, size] ("dv")
   Units units;            // vocab = V of W; vocab_tiles = the chunk's tiles
   int size;
   float inv_t;
@@ -119,6 +122,64 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
   }
 }
 
+// The producer warpgroup's warps 1-3 (warp 0 streams the tiles) have nothing to do but wait;
+// they write the chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])
+// for the d_hidden GEMM that follows, in 16-byte vectors spread over all CTAs (its memory
+// traffic runs under the tensor-core-bound tiles instead of in a pass of its own). W's
+// columns are its rows in "vd" (one contiguous block) and strided rows of 8k elements in "dv".
+constexpr int kCopyThreads = 96;
+constexpr int kCopyInFlight = 4;
+
+template <class Cfg>
+__device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start, int tid) {
+  using T = typename Cfg::Element;
+  const float scale = *p.w_scale;
+  const int64_t depth = p.units.depth, vocab = p.units.vocab, size = p.size;
+  const int64_t row_vecs = Cfg::kWeightDv ? size / 8 : 0;
+  const int64_t vecs = size * depth / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
+  const T* weight = static_cast<const T*>(p.weight);
+  auto offsets = [&](int64_t i, int64_t& src, int64_t& dst) {
+    if constexpr (Cfg::kWeightDv) {
+      const int64_t row = i / row_vecs, col = 8 * (i - row * row_vecs);
+      src = row * vocab + start + col;
+      dst = row * size + col;
+    } else {
+      src = static_cast<int64_t>(start) * depth + 8 * i;
+      dst = 8 * i;
+    }
+  };
+  for (int64_t base = blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid; base < vecs;
+       base += kCopyInFlight * stride) {
+    uint4 raw[kCopyInFlight];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kCopyInFlight; ++k) {
+      const int64_t i = base + k * stride;
+      if (i < vecs) {
+        int64_t src, dst;
+        offsets(i, src, dst);
+        raw[k] = __ldg(reinterpret_cast<const uint4*>(weight + src));
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kCopyInFlight; ++k) {
+      const int64_t i = base + k * stride;
+      if (i < vecs) {
+        int64_t src, dst;
+        offsets(i, src, dst);
+        const T* w = reinterpret_cast<const T*>(&raw[k]);
+        uint4 out;
+        __half2* o = reinterpret_cast<__half2*>(&out);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          o[e] = __floats2half2_rn(static_cast<float>(w[2 * e]) * scale, static_cast<float>(w[2 * e + 1]) * scale);
+        }
+        *reinterpret_cast<uint4*>(p.w16 + dst) = out;
+      }
+    }
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_grad_kernel(const __grid_constant__ GradParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
@@ -142,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp_group == 0) {
     produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, start / kBlockN, warp_idx, lane_predicate);
+    if (warp_idx > 0 && p.w16 != nullptr) copy_weight_chunk<Cfg>(p, start, threadIdx.x - 32);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<232>();
@@ -210,6 +272,9 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.gamma = args.gamma;
   p.start = args.start;
   p.out = static_cast<__half*>(args.out);
+  p.weight = args.weight;
+  p.w_scale = args.w_scale;
+  p.w16 = static_cast<__half*>(args.w16);
   p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;
   p.inv_t = 1.0f / args.temperature;

@@ -67,7 +67,8 @@ std::string launch(const Args& args, const Plan& plan, cudaStream_t stream);
 // Backward, first stage (`launch_grad`): for the vocabulary chunk [start, start + size)
 // (start a multiple of 256, read from device memory so one compiled call serves every
 // chunk of a loop), G[n, c] = d loss / d z[n, start + c] / s_n as float16 [N, size]; see
-// sm90_grad_kernel.cuh for the formula and the per-row coefficients.
+// sm90_grad_kernel.cuh for the formula and the per-row coefficients. Alongside, the float16
+// copy of the chunk's weight columns scaled by sigma_W, for the d_hidden GEMM that follows.
 struct GradArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -78,7 +79,9 @@ struct GradArgs {
   const float* beta = nullptr;      // [N]
   const float* gamma = nullptr;     // [N] or null
   const int32_t* start = nullptr;   // [1], device memory
+  const float* w_scale = nullptr;   // [1], device memory: sigma_W
   void* out = nullptr;              // [N, size] float16
+  void* w16 = nullptr;              // [size, D] ("vd") or [D, size] ("dv") float16: f16(sigma_W W) of the chunk
   int n = 0, v = 0, d = 0, size = 0;
   DType dtype = DType::kBF16;
   bool weight_dv = false;

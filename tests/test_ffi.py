@@ -373,7 +373,8 @@ G_CASES = [
 def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start, size):
     """Every element of the grad call's G = alpha [v = target] - beta p (float16) against
     float64: each lands where it belongs, whichever store path (16-byte rows, or single
-    elements at a ragged edge) wrote it."""
+    elements at a ragged edge) wrote it; and its second result, the chunk's weight copy
+    float16(σ_W · W), equal bit for bit to the conversion in numpy."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=3 * n + v)
     b32 = None if b is None else b.astype(jnp.float32)
     h64, w64 = (np.asarray(x).astype(np.float64) for x in (h, w))
@@ -385,13 +386,18 @@ def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start
     rows = head_grad.RowGrad.of(jnp.asarray(lse, jnp.float32), jnp.asarray(g, jnp.float32), None,
                                 None, 1.0)
     write = ffi._write_grad(b32, t, layout)
-    got = np.asarray(jax.jit(lambda h, w: write(rows, start, size, h, w))(h, w), np.float64)
+    sigma_w = 8.0 if dtype == jnp.bfloat16 else 0.25
+    got, w16 = jax.jit(lambda h, w: write(rows, start, size, h, w, sigma_w))(h, w)
+    got = np.asarray(got, np.float64)
     cols = np.arange(start, start + size)
     onehot = (np.asarray(t)[:, None] == cols[None, :])
     want = g[:, None] * (onehot - np.exp(z[:, cols] - lse[:, None]))
     assert got.shape == (n, size)
     # float16 rounding (2^-11 relative) plus the float32 logits and ex2.approx
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
+    w_chunk = np.asarray(w, np.float32)[cols] if layout == "vd" else np.asarray(w, np.float32)[:, cols]
+    assert w16.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(w16), (w_chunk * sigma_w).astype(np.float16))
 
 
 @pytest.mark.gpu

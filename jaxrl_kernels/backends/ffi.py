@@ -13,7 +13,8 @@ sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend t
 ``dispatch`` picks for it -- this one's on Hopper: ``head_grad.backward`` with the second
 custom call, ``jaxrl_kernels_sm90_linear_logprobs_grad``, writing each vocabulary chunk's
 logit gradient G = dz / s (float16 [N, C]) from the same TMA + wgmma mainloop, recomputing
-the chunk's logits with the saved lse; XLA's GEMMs do the rest.
+the chunk's logits with the saved lse, and the chunk's float16 weight copy from its otherwise
+idle producer warps; XLA's GEMMs do the rest.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -116,19 +117,24 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
                 temperature=np.float32(temperature))
 
 
-def _write_grad(bias, targets, weight_layout):
+def _write_grad(bias, targets, weight_layout, weight_copy=True):
     """``head_grad.WriteGrad`` on the grad custom call (operands prepared once, outside the
-    chunk loop)."""
+    chunk loop); ``weight_copy=False`` leaves the chunk's float16 weight copy to XLA."""
     bias32, targets32 = _f32_or_empty(bias), targets.astype(jnp.int32)
 
-    def write(rows, start, size, hidden, weight):
+    def write(rows, start, size, hidden, weight, sigma_w):
+        depth = hidden.shape[1]
+        w16_shape = (0, 0) if not weight_copy else (size, depth) if weight_layout == "vd" else (depth, size)
         call = jax.ffi.ffi_call(GRAD_TARGET,
-                                jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
+                                (jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
+                                 jax.ShapeDtypeStruct(w16_shape, jnp.float16)),
                                 vmap_method="sequential")
-        return call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
-                    _f32_or_empty(rows.gamma), jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-                    weight_dv=weight_layout == "dv", has_bias=bias is not None,
-                    has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature))
+        g16, w16 = call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
+                        _f32_or_empty(rows.gamma), jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+                        jnp.reshape(jnp.asarray(sigma_w, jnp.float32), (1,)),
+                        weight_dv=weight_layout == "dv", has_bias=bias is not None,
+                        has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature))
+        return g16, (w16 if weight_copy else None)
     return write
 
 
@@ -142,14 +148,14 @@ def uninitialized_like(x):
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
                     weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES,
-                    weight_grad_init=uninitialized_like):
+                    weight_grad_init=uninitialized_like, weight_copy=True):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
     grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
     _check_served(hidden, weight)
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,
-        write_grad=_write_grad(bias, targets, weight_layout),
+        write_grad=_write_grad(bias, targets, weight_layout, weight_copy),
         chunk_bytes=chunk_bytes, align=TILE_COLS, weight_grad_init=weight_grad_init)
 
 

@@ -6,8 +6,9 @@ With ``z = (hidden @ Wᵀ + b) / T``, saved ``lse`` and per-row cotangents ``g``
 ``s = (|g| + |g_ent| (1/e + |H|)) / T`` bounds |dz| (|onehot − p| <= 1 and
 |p (log p + H)| <= 1/e + |H|), so ``G = dz / s`` lies in [−1, 1] and float16 holds it to 2⁻¹¹:
 three bits more than bf16, at bf16's GEMM speed. For each chunk of C vocabulary columns, in
-order, a backend kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits) and
-XLA's GEMMs (float16 operands, float32 accumulation) add
+order, a backend kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits), and
+``W16_c`` if it can (else XLA converts it), and XLA's GEMMs (float16 operands, float32
+accumulation) add
 
     acc      += G_c · W16_c                      W16 = σ_W · W            (float16)
     d_W_c     = (S / σ_h) · G_cᵀ · h16            h16 = σ_h (s / S) · hidden (float16)
@@ -55,9 +56,11 @@ class RowGrad:
                    g_ent * inv_t)
 
 
-WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array], jax.Array]
-"""``(rows, start, size, hidden, weight) -> G`` float16 [N, size] for vocabulary columns
-[start, start + size)."""
+WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array, jax.Array],
+                     tuple[jax.Array, jax.Array | None]]
+"""``(rows, start, size, hidden, weight, sigma_w) -> (G, W16 | None)``: G float16 [N, size] for
+vocabulary columns [start, start + size), and, if the kernel writes it too, the chunk's
+W16 = float16(σ_W · W[those columns]) in W's layout (None: ``backward`` converts it)."""
 
 
 def row_bound(g_logp, g_ent, entropy, temperature):
@@ -137,9 +140,10 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
 
     def chunk(carry, start, size):
         acc, d_weight, d_bias = carry
-        g16 = write_grad(rows, start, size, hidden, weight)
-        w16 = (lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
-               * sigma_w).astype(jnp.float16)
+        g16, w16 = write_grad(rows, start, size, hidden, weight, sigma_w)
+        if w16 is None:
+            w16 = (lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+                   * sigma_w).astype(jnp.float16)
         if weight_layout == "vd":
             acc = acc + dot(g16, w16, ((1,), (0,)))
             d_w = dot(g16, h16, ((0,), (0,)))

@@ -403,12 +403,14 @@ def _tf32():
 
 def _write_grad(bias, targets, *, layout, config):
     """``head_grad.WriteGrad`` on the Triton grad kernel: G = dz / s as float16."""
-    def write(rows: head_grad.RowGrad, start, size, hidden, weight):
+    def write(rows: head_grad.RowGrad, start, size, hidden, weight, sigma_w):
         (g16,), _ = _grad_call(start, size, hidden, weight, bias, targets, rows.lse, rows.g,
                                rows.entropy, rows.g_ent, layout=layout,
                                temperature=rows.temperature, parts="one",
                                dz_dtype=jnp.float16, config=config)
-        return g16  # the kernel's column sums of dz are unused: head_grad takes d_bias from G
+        # the kernel's column sums of dz are unused (head_grad takes d_bias from G), and
+        # head_grad converts the weight chunk
+        return g16, None
     return write
 
 
