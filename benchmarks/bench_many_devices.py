@@ -144,7 +144,8 @@ def main():
                layouts, AxisType.Explicit if args.explicit else AxisType.Auto)
     name = ("bench_many_devices" + ("_smoke" if args.smoke else "")
             + ("" if args.sizes == "large" else f"_{args.sizes}")
-            + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts)))
+            + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts))
+            + ("_explicit" if args.explicit else ""))
     print(common.write_results(name, rows, COLUMNS + ["error"]))
 
 
