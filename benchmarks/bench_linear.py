@@ -14,6 +14,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
         python3 -m benchmarks.bench_linear --profile                   # what limits the forward
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --profile-backward vd,dv  # per kernel
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --kernels      # SM90 kernels vs one GEMM
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --fused        # one-call ffi backward A/B
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -175,10 +176,9 @@ def ffi_variant(layout, backward):
 
 
 def backward_table(sizes):
-    """The automatic choice, the ffi backward at three more chunk sizes and with d_weight
-    zero-filled before its loop, the ffi forward with the
-    Triton-recompute backward, pallas variants and XLA's materialised path, both weight
-    layouts, per size."""
+    """The automatic choice, the ffi backward at two more chunk sizes and as a loop of XLA
+    GEMMs, the ffi forward with the Triton-recompute backward, pallas variants and XLA's
+    materialised path, both weight layouts, per size."""
     import functools
     from jaxrl_kernels.backends import ffi
 
@@ -190,14 +190,12 @@ def backward_table(sizes):
             base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
-                for mib in (32, 66, 128):  # 66 MiB: 33 tiles of 256 columns at N=4096
+                for mib in (32, 128):
                     variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
                         layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
-                variants.append((f"ffi fwd + ffi bwd, XLA converts W, {layout}", ffi_variant(
-                    layout, functools.partial(ffi.linear_backward, weight_copy=False))))
-                variants.append((f"ffi fwd + ffi bwd, d_weight zero-filled first, {layout}",
-                                 ffi_variant(layout, functools.partial(
-                                     ffi.linear_backward, weight_grad_init=jnp.zeros_like))))
+                variants.append((f"ffi fwd + ffi bwd as a loop of XLA GEMMs, {layout}",
+                                 ffi_variant(layout, functools.partial(ffi.linear_backward,
+                                                                       gemms="xla"))))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":
@@ -327,9 +325,13 @@ def rotated(variants, rounds=ROUNDS):
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-def weight_copy_table(sizes):
-    """Forward+backward with the chunk's float16 weight copy written by the grad kernel's
-    producer warps against XLA's convert of each chunk, both layouts, in rotated rounds."""
+FUSED_CHUNKS_MIB = (16, 32, 64, 128)
+
+
+def fused_table(sizes):
+    """Forward+backward with the ffi backward as one custom call (CUTLASS GEMMs) at several
+    chunk sizes, against the same chunks as a loop of the grad call and XLA's GEMMs, both
+    layouts, timed in rotated rounds after a second of GEMMs; each row with XLA's temp size."""
     import functools
     from jaxrl_kernels.backends import ffi
 
@@ -340,15 +342,20 @@ def weight_copy_table(sizes):
             gemm_fn = gemm_call(layout)
             common.warm_up(gemm_fn, h, w)
             variants = {"gemm": (gemm_fn, (h, w))}
-            for name, copy in (("grad kernel writes W16", True), ("XLA converts W", False)):
+            for mib in FUSED_CHUNKS_MIB:
                 fwdbwd = op_fns(ffi_variant(layout, functools.partial(
-                    ffi.linear_backward, weight_copy=copy)))[1]
-                variants[name] = (fwdbwd, (h, w, t, g))
-            times = rotated(variants, rounds=2 * ROUNDS)
+                    ffi.linear_backward, chunk_bytes=mib * 2**20)))[1]
+                variants[f"one call, CUTLASS GEMMs, {mib} MiB chunks"] = (fwdbwd, (h, w, t, g))
+            fwdbwd = op_fns(ffi_variant(layout, functools.partial(ffi.linear_backward,
+                                                                  gemms="xla")))[1]
+            variants["grad call in a loop of XLA GEMMs, 64 MiB chunks"] = (fwdbwd, (h, w, t, g))
+            times = rotated(variants)
             for name in list(variants)[1:]:
+                fn, args = variants[name]
                 rows.append({"N": n, "D": d, "V": v, "layout": layout, "impl": name,
-                             "fwdbwd_ms": times[name], "gemm_ms": times["gemm"],
-                             "rounds": 2 * ROUNDS})
+                             "fwdbwd_ms": times[name], "fwdbwd_x_gemm": times[name] / times["gemm"],
+                             "fwdbwd_temp_mib": common.temp_mib(fn, *args),
+                             "gemm_ms": times["gemm"], "rounds": ROUNDS})
                 print(rows[-1], flush=True)
             del h, w
     return rows
@@ -423,8 +430,9 @@ def main():
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
                         help="per-kernel device time of one automatic fwd+bwd per layout "
                              "(e.g. vd,dv), from a jax profiler trace")
-    parser.add_argument("--weight-copy", action="store_true",
-                        help="fwd+bwd: the grad kernel's W16 copy against XLA's convert")
+    parser.add_argument("--fused", action="store_true",
+                        help="fwd+bwd: the one-call ffi backward at several chunk sizes against "
+                             "the loop of XLA GEMMs")
     parser.add_argument("--kernels", action="store_true",
                         help="the SM90 forward and logit-gradient kernels alone, beside one GEMM")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
@@ -432,11 +440,12 @@ def main():
     if args.ncu_summary:
         ncu_summary(args.ncu_summary)
         return
-    if args.weight_copy:
+    if args.fused:
         sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
-        print(common.write_results("bench_weight_copy", weight_copy_table(sizes),
-                                   ["N", "D", "V", "layout", "impl", "fwdbwd_ms", "gemm_ms",
-                                    "rounds"]))
+        print(common.metadata(), flush=True)
+        print(common.write_results("bench_fused_backward", fused_table(sizes),
+                                   ["N", "D", "V", "layout", "impl", "fwdbwd_ms", "fwdbwd_x_gemm",
+                                    "fwdbwd_temp_mib", "gemm_ms", "rounds"]))
         return
     if args.profile:
         profile_targets()

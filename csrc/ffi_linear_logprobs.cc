@@ -189,7 +189,7 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   args.alpha = alpha.typed_data();
   args.beta = beta.typed_data();
   args.gamma = has_entropy ? gamma.typed_data() : nullptr;
-  args.start = start.typed_data();
+  args.start_ptr = start.typed_data();
   args.out = out->untyped_data();
   args.w_scale = w_scale.typed_data();
   args.w16 = write_w16 ? w16->untyped_data() : nullptr;
@@ -202,6 +202,76 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   args.temperature = temperature;
   jaxrl_sm90::Plan plan = jaxrl_sm90::choose_grad_plan(args.n, args.size, sms);
   std::string why = jaxrl_sm90::launch_grad(args, plan, stream);
+  if (!why.empty()) return ffi::Error::Internal(why);
+  return ffi::Error::Success();
+}
+
+// The whole backward (BackwardArgs in sm90_launch.h): operands as the grad call's (no start or
+// w_scale) plus h16 (f16 [N, D]), the row bound s (f32 [N]) and scalars (f32 [4]: sigma_W,
+// d_weight's scale, 1, 0); results the float32 d_hidden accumulator [N, D], d_weight (W's
+// shape and dtype), d_bias (f32 [V], or [0] without has_bias) and the workspace (u8, of
+// backward_workspace_bytes); attribute chunk, the columns per chunk.
+ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+                              ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
+                              ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
+                              ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale,
+                              ffi::Buffer<ffi::F32> scalars, ffi::ResultBuffer<ffi::F32> acc,
+                              ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
+                              ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, bool has_entropy,
+                              float temperature, int64_t chunk) {
+  Head head;
+  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  if (checked.failure()) return checked;
+  const int64_t n = head.n;
+  if (!all_rows(n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count(),
+                    row_scale.element_count()}))
+    return ffi::Error::InvalidArgument("targets, lse, alpha, beta and the row scale must all be [N]");
+  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != n)
+    return ffi::Error::InvalidArgument("gamma must be [N]");
+  if (scalars.element_count() != 4) return ffi::Error::InvalidArgument("scalars must hold 4 elements");
+  if (h16.element_count() != static_cast<size_t>(n * head.d) || acc->element_count() != h16.element_count())
+    return ffi::Error::InvalidArgument("h16 and the d_hidden accumulator must be [N, D]");
+  if (d_weight->element_type() != weight.element_type() || d_weight->element_count() != weight.element_count())
+    return ffi::Error::InvalidArgument("d_weight must have the weight's shape and dtype");
+  if (has_bias && static_cast<int64_t>(d_bias->element_count()) != head.v)
+    return ffi::Error::InvalidArgument("d_bias must be [V]");
+  if (chunk <= 0 || chunk % jaxrl_sm90::kBlockN != 0 || chunk >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("chunk must be a positive multiple of 256");
+  const size_t need = jaxrl_sm90::backward_workspace_bytes(static_cast<int>(n), static_cast<int>(head.v),
+                                                           static_cast<int>(head.d), static_cast<int>(chunk),
+                                                           weight_dv, head.dtype);
+  if (workspace->element_count() < need)
+    return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
+                                       std::to_string(workspace->element_count()));
+  const int sms = sm_count(device);
+  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+
+  jaxrl_sm90::BackwardArgs args;
+  jaxrl_sm90::GradArgs& g = args.grad;
+  g.hidden = hidden.untyped_data();
+  g.weight = weight.untyped_data();
+  g.bias = has_bias ? bias.typed_data() : nullptr;
+  g.targets = targets.typed_data();
+  g.lse = lse.typed_data();
+  g.alpha = alpha.typed_data();
+  g.beta = beta.typed_data();
+  g.gamma = has_entropy ? gamma.typed_data() : nullptr;
+  g.n = static_cast<int>(n);
+  g.v = static_cast<int>(head.v);
+  g.d = static_cast<int>(head.d);
+  g.dtype = head.dtype;
+  g.weight_dv = weight_dv;
+  g.temperature = temperature;
+  args.h16 = h16.typed_data();
+  args.row_scale = row_scale.typed_data();
+  args.scalars = scalars.typed_data();
+  args.acc = acc->typed_data();
+  args.d_weight = d_weight->untyped_data();
+  args.d_bias = has_bias ? d_bias->typed_data() : nullptr;
+  args.workspace = workspace->untyped_data();
+  args.chunk = static_cast<int>(chunk);
+  args.sm_count = sms;
+  std::string why = jaxrl_sm90::launch_backward(args, stream);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
 }
@@ -231,6 +301,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, LinearLogprobsImpl
                                   .Attr<bool>("weight_dv")
                                   .Attr<bool>("has_bias")
                                   .Attr<float>("temperature"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, LinearBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<bool>("weight_dv")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_entropy")
+                                  .Attr<float>("temperature")
+                                  .Attr<int64_t>("chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, LinearGradImpl,
                               ffi::Ffi::Bind()

@@ -11,6 +11,7 @@ namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 
 namespace {
@@ -36,6 +37,8 @@ PYBIND11_MODULE(_sm90, m) {
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
     out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
+    out["jaxrl_kernels_sm90_linear_logprobs_backward"] =
+        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearBackward));
     out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
     return out;
   }, "FFI target name -> handler capsule.");
@@ -51,6 +54,11 @@ PYBIND11_MODULE(_sm90, m) {
     return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
   }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
      "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
+  m.def("backward_workspace_bytes", [](int n, int v, int d, int chunk, bool weight_dv, bool bf16) {
+    return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv,
+                                                bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16);
+  }, py::arg("n"), py::arg("v"), py::arg("d"), py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"),
+     "Bytes of the backward custom call's workspace result.");
   m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
     jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
     return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);

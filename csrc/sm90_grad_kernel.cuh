@@ -26,13 +26,14 @@ struct GradParams {
   const float* alpha;     // [N]
   const float* beta;      // [N]
   const float* gamma;     // [N] or null
-  const int32_t* start;   // device scalar: the chunk's first column, a multiple of 256
-  __half* out;            // [N, size]
-  const void* weight;     // W, read directly for its float16 copy
-  const float* w_scale;   // device scalar sigma_W
-  __half* w16;            // [size, D] ("vd") or [D, size] ("dv")
-  Units units;            // vocab = V of W; vocab_tiles = the chunk's tiles
-  int size;
+  const int32_t* start_ptr;  // device scalar: the chunk's first column, or null: `start`
+  int start;                 // a multiple of 256
+  __half* out;               // [N, ld]: columns [size, ld) are written as 0
+  const void* weight;        // W, read directly for its float16 copy
+  const float* w_scale;      // device scalar sigma_W
+  __half* w16;               // [ld, D] ("vd", rows [size, ld) 0) or [D, size] ("dv"), or null
+  Units units;               // vocab = V of W; vocab_tiles = the chunk's tiles
+  int size, ld;              // size <= ld <= vocab_tiles * 256; "dv" has ld == size
   float inv_t;
 };
 
@@ -73,7 +74,8 @@ struct GradStorage {
 template <bool kEntropy, class Acc>
 __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
                                                 const LaneRows& c, float inv_t, __half* stage, __half* out,
-                                                int warp_row0, int n_rows, int size, int local0, bool vector_ok) {
+                                                int warp_row0, int n_rows, int size, int ld, int local0,
+                                                bool vector_ok) {
   const int lane = threadIdx.x % 32;
   const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
   CUTLASS_PRAGMA_UNROLL
@@ -105,15 +107,15 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
       const int row = 4 * it + lane / 8, k = lane % 8;
       const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kStageCols + (k ^ (row % 8)) * 8);
       const int col = local0 + quarter * kStageCols + 8 * k;
-      if (warp_row0 + row < n_rows && col < size) {
-        __half* dst = out + static_cast<size_t>(warp_row0 + row) * size + col;
+      if (warp_row0 + row < n_rows && col < ld) {
+        __half* dst = out + static_cast<size_t>(warp_row0 + row) * ld + col;
         if (vector_ok && col + 8 <= size) {
           *reinterpret_cast<uint4*>(dst) = v;
-        } else {
+        } else {  // the ragged end of the chunk; its padding columns up to ld get 0
           const __half* h = reinterpret_cast<const __half*>(&v);
           CUTLASS_PRAGMA_UNROLL
           for (int e = 0; e < 8; ++e) {
-            if (col + e < size) dst[e] = h[e];
+            if (col + e < ld) dst[e] = col + e < size ? h[e] : __float2half(0.f);
           }
         }
       }
@@ -126,7 +128,8 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
 // they write the chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])
 // for the d_hidden GEMM that follows, in 16-byte vectors spread over all CTAs (its memory
 // traffic runs under the tensor-core-bound tiles instead of in a pass of its own). W's
-// columns are its rows in "vd" (one contiguous block) and strided rows of 8k elements in "dv".
+// columns are its rows in "vd" (one contiguous block, padded with zero rows up to ld) and
+// strided rows of 8k elements in "dv".
 constexpr int kCopyThreads = 96;
 constexpr int kCopyInFlight = 4;
 
@@ -136,7 +139,8 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
   const float scale = *p.w_scale;
   const int64_t depth = p.units.depth, vocab = p.units.vocab, size = p.size;
   const int64_t row_vecs = Cfg::kWeightDv ? size / 8 : 0;
-  const int64_t vecs = size * depth / 8;
+  const int64_t vecs = (Cfg::kWeightDv ? size : p.ld) * depth / 8;
+  const int64_t src_vecs = size * depth / 8;  // "vd": vectors past this are padding
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
   const T* weight = static_cast<const T*>(p.weight);
   auto offsets = [&](int64_t i, int64_t& src, int64_t& dst) {
@@ -158,7 +162,8 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
       if (i < vecs) {
         int64_t src, dst;
         offsets(i, src, dst);
-        raw[k] = __ldg(reinterpret_cast<const uint4*>(weight + src));
+        raw[k] = (Cfg::kWeightDv || i < src_vecs) ? __ldg(reinterpret_cast<const uint4*>(weight + src))
+                                                  : make_uint4(0, 0, 0, 0);
       }
     }
     CUTLASS_PRAGMA_UNROLL
@@ -189,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto& storage = aligned_shared<GradStorage<Cfg>>(smem_raw);
   auto& smem = storage.main;
   const Units& g = p.units;
-  const int start = *p.start;
+  const int start = p.start_ptr ? *p.start_ptr : p.start;
 
   const int warp_group = threadIdx.x / 128;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
@@ -218,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
-  const bool vector_ok = (p.size % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   __half* stage = storage.stage[ct / 32];
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
@@ -250,10 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
       if (p.gamma) {
         write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
-                              local0, vector_ok);
+                              p.ld, local0, vector_ok);
       } else {
         write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
-                               local0, vector_ok);
+                               p.ld, local0, vector_ok);
       }
     }
   }
@@ -270,6 +275,7 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.alpha = args.alpha;
   p.beta = args.beta;
   p.gamma = args.gamma;
+  p.start_ptr = args.start_ptr;
   p.start = args.start;
   p.out = static_cast<__half*>(args.out);
   p.weight = args.weight;
@@ -277,6 +283,7 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.w16 = static_cast<__half*>(args.w16);
   p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;
+  p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
   return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,

@@ -78,11 +78,14 @@ struct GradArgs {
   const float* alpha = nullptr;     // [N]
   const float* beta = nullptr;      // [N]
   const float* gamma = nullptr;     // [N] or null
-  const int32_t* start = nullptr;   // [1], device memory
+  const int32_t* start_ptr = nullptr;  // [1], device memory, or null: `start`
+  int start = 0;
   const float* w_scale = nullptr;   // [1], device memory: sigma_W
-  void* out = nullptr;              // [N, size] float16
-  void* w16 = nullptr;              // [size, D] ("vd") or [D, size] ("dv") float16: f16(sigma_W W) of the chunk
+  void* out = nullptr;              // [N, ld] float16 (columns [size, ld) written as 0)
+  void* w16 = nullptr;              // [ld, D] ("vd", rows past size 0) or [D, size] ("dv") float16:
+                                    // f16(sigma_W W) of the chunk, or null
   int n = 0, v = 0, d = 0, size = 0;
+  int ld = 0;                       // G's row stride; 0: size
   DType dtype = DType::kBF16;
   bool weight_dv = false;
   float temperature = 1.0f;
@@ -92,6 +95,34 @@ struct GradArgs {
 Plan choose_grad_plan(int n, int size, int num_sms);
 
 std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t stream);
+
+// The whole backward of the head (`launch_backward`, sm90_backward.cu): for each vocabulary
+// chunk of `chunk` columns in order, the grad kernel above writes G_c and W16_c, and two
+// CUTLASS GEMMs (sm90_head_gemm.cuh) consume them:
+//   acc   = G_c . W16_c + (c > 0) acc                 float32 [N, D]
+//   d_W_c = dw_scale G_c^T . h16                      W's dtype, in place in d_weight
+//   d_b_c = sum_n s_n G_c[n]                          float32, with a bias
+// acc is d_hidden up to the row scale s / sigma_W, applied by the caller. Scalars live in
+// device memory: scalars = {sigma_W, dw_scale, 1, 0}.
+struct BackwardArgs {
+  GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, n, v, d,
+                                    // dtype, weight_dv, temperature (start/out/w16/size: per chunk)
+  const void* h16 = nullptr;        // [N, D] float16
+  const float* row_scale = nullptr; // [N] s (for d_bias), or null without a bias
+  const float* scalars = nullptr;   // [4] device: sigma_W, dw_scale, 1, 0
+  float* acc = nullptr;             // [N, D] out
+  void* d_weight = nullptr;         // W's shape and dtype, out
+  float* d_bias = nullptr;          // [V] out, or null
+  void* workspace = nullptr;        // backward_workspace_bytes(...)
+  int chunk = 0;                    // columns per chunk, a multiple of 256
+  int sm_count = 0;
+};
+
+// Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight and the
+// GEMMs' own workspace, each 256-byte aligned.
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype);
+
+std::string launch_backward(const BackwardArgs& args, cudaStream_t stream);
 
 // Information about the build, for the Python module.
 std::string build_info();

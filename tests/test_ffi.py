@@ -41,7 +41,7 @@ def test_extension_built_and_imports():
     assert ffi._sm90 is not None, f"nvcc on PATH, but no extension: {ffi._IMPORT_ERROR}"
     assert "sm_90a" in ffi._sm90.build_info()
     assert sorted(ffi._sm90.registrations()) == sorted(
-        [ffi.TARGET, ffi.GRAD_TARGET, ffi.UNINITIALIZED_TARGET])
+        [ffi.TARGET, ffi.GRAD_TARGET, ffi.BACKWARD_TARGET, ffi.UNINITIALIZED_TARGET])
 
 
 @pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
@@ -95,16 +95,44 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     text = grad.lower(lowering_platforms=("cuda",)).as_text()
     assert f"custom_call @{ffi.TARGET}" in text
     # the backward dispatch picks at lowering time (platform cpu here): the ffi backward's
-    # own custom call when asked for directly
-    bwd = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=0.7))
+    # own custom call when asked for directly: one call for every chunk, no loop
     n = t.shape[0]
     rows = jnp.ones((n,), jnp.float32)
-    text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
+
+    def backward_text(**kw):
+        bwd = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=0.7, **kw))
+        return bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    text = backward_text()
+    assert text.count(f"stablehlo.custom_call @{ffi.BACKWARD_TARGET}") == 1
+    assert "stablehlo.while" not in text and ffi.GRAD_TARGET + "(" not in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
-    # d_weight starts as a buffer nobody writes (the chunk loop covers every column), not zeros
+    # gemms="xla": the grad call in a loop of XLA GEMMs; d_weight starts as a buffer nobody
+    # writes (the chunk loop covers every column), not zeros
+    text = backward_text(gemms="xla")
+    assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
     assert f"stablehlo.custom_call @{ffi.UNINITIALIZED_TARGET}" in text
+    assert ffi.BACKWARD_TARGET not in text
+
+
+@pytest.mark.parametrize("n,v,d,chunk,layout", [(4096, 131072, 2048, 8192, "vd"),
+                                                (300, 1001, 64, 512, "vd"), (37, 77, 64, 256, "vd"),
+                                                (129, 2056, 72, 768, "dv"), (1, 304, 64, 256, "dv")])
+def test_backward_workspace_holds_its_buffers(n, v, d, chunk, layout):
+    """The fused backward's workspace: G [N, ld] and the weight copy (ld = the widest chunk
+    rounded up to 8 columns), a d_weight tail buffer exactly when a "vd" last chunk is not a
+    multiple of 8 wide, and the GEMMs' own workspace, each 256-byte aligned."""
+    if ffi._sm90 is None:
+        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
+    up = lambda x, a: -(-x // a) * a
+    widest, last = min(chunk, v), v - (v - 1) // chunk * chunk
+    ld = up(widest, 8)
+    core = up(2 * n * ld, 256) + up(2 * ld * d, 256)
+    tail = up(2 * up(last, 8) * d, 256) if layout == "vd" and last % 8 else 0
+    got = ffi._sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", True)
+    assert got % 256 == 0 and core + tail <= got <= core + tail + 2**20
+    assert got == ffi._sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", False)
 
 
 @pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
@@ -295,6 +323,7 @@ def test_gpu_gradients_through_custom_vjp(layout, dtype):
 # several chunks and a tail (odd in the last vd case: 16-bit stores), a masked last tile.
 GRAD_CASES = [
     (257, 136, 1000, "vd", jnp.bfloat16, True, True, 0.8, 256),
+    (37, 64, 77, "vd", jnp.float16, True, False, 1.0, 256),
     (130, 64, 1001, "vd", jnp.float16, False, True, 1.0, 512),
     (129, 72, 2056, "dv", jnp.bfloat16, True, False, 1.3, 768),
     (1, 64, 304, "dv", jnp.float16, False, True, 1.0, 256),
@@ -304,12 +333,15 @@ GRAD_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("gemms", ["cutlass", "xla"])
 @pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols", GRAD_CASES,
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy, temperature,
-                                      cols):
-    """The ffi backward part (grad custom call + head_grad) against the float64 VJP, with
-    ignored rows (lse = +inf, zero cotangents) and a target outside [0, V)."""
+                                      cols, gemms):
+    """The ffi backward part against the float64 VJP, with ignored rows (lse = +inf, zero
+    cotangents) and a target outside [0, V): the fused custom call (CUTLASS GEMMs; chunks of
+    `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer) and the
+    grad call in head_grad's loop of XLA GEMMs."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
     b32 = None if b is None else b.astype(jnp.float32)
     t = np.asarray(t).copy()
@@ -331,7 +363,8 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
     g_ent = None if g_ent is None else np.where(active, g_ent, 0.0)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     got = jax.jit(lambda *a: ffi.linear_backward(
-        *a, weight_layout=layout, temperature=temperature, chunk_bytes=2 * n * cols))(
+        *a, weight_layout=layout, temperature=temperature, chunk_bytes=2 * n * cols,
+        gemms=gemms))(
         h, w, b32, jnp.asarray(t), f32(np.where(active, lse, np.inf)), f32(ent), f32(g),
         f32(g_ent))
     onehot = np.zeros_like(z)
@@ -349,6 +382,7 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
             assert got_x is None
             continue
         got_x = np.asarray(got_x, np.float64)
+        assert np.isfinite(got_x).all(), name  # every element written
         err = np.linalg.norm(got_x - want_x) / max(np.linalg.norm(want_x), 1e-30)
         # float16 G (2^-11) and float32 accumulation, output rounded to the input dtype
         assert err < 2.0e-3 + float(jnp.finfo(dtype).eps), (name, err)
@@ -411,7 +445,7 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
     for a, b in zip(first, again):
         assert a.tobytes() == b.tobytes()
     text = jax.jit(f).lower(h, w).as_text()
-    assert f"custom_call @{ffi.GRAD_TARGET}" in text
+    assert f"custom_call @{ffi.BACKWARD_TARGET}" in text
 
 
 @pytest.mark.gpu

@@ -10,11 +10,15 @@ accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ
 entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
 These are the row statistics of ``logprob_core`` (which holds the custom_vjp and the
 sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend that
-``dispatch`` picks for it -- this one's on Hopper: ``head_grad.backward`` with the second
-custom call, ``jaxrl_kernels_sm90_linear_logprobs_grad``, writing each vocabulary chunk's
-logit gradient G = dz / s (float16 [N, C]) from the same TMA + wgmma mainloop, recomputing
-the chunk's logits with the saved lse, and the chunk's float16 weight copy from its otherwise
-idle producer warps; XLA's GEMMs do the rest.
+``dispatch`` picks for it -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
+hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
+that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +
+wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
+[N, C]), and the chunk's float16 weight copy from its otherwise idle producer warps; two
+CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator and write Gᵀ · h16 straight
+into d_weight (``csrc/sm90_backward.cu``). ``gemms="xla"`` runs the same chunks as
+``head_grad.backward`` instead: a ``fori_loop`` of the grad custom call
+(``jaxrl_kernels_sm90_linear_logprobs_grad``) and XLA's GEMMs, for comparison.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -33,6 +37,7 @@ from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
+BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"
 UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). At N=4096,
@@ -146,12 +151,47 @@ def uninitialized_like(x):
     return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
 
 
+def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature, chunk_bytes):
+    n_rows, depth = hidden.shape
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
+    scaled = head_grad.Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
+    rows = scaled.rows
+    workspace = _sm90.backward_workspace_bytes(n_rows, vocab, depth, chunk, weight_layout == "dv",
+                                               hidden.dtype == jnp.bfloat16)
+    scalars = jnp.stack([scaled.sigma_w, scaled.d_w_scale, jnp.float32(1), jnp.float32(0)])
+    call = jax.ffi.ffi_call(
+        BACKWARD_TARGET,
+        (jax.ShapeDtypeStruct((n_rows, depth), jnp.float32),
+         jax.ShapeDtypeStruct(weight.shape, weight.dtype),
+         jax.ShapeDtypeStruct((vocab,) if bias is not None else (0,), jnp.float32),
+         jax.ShapeDtypeStruct((workspace,), jnp.uint8)),
+        vmap_method="sequential")
+    acc, d_weight, d_bias, _ = call(
+        hidden, weight, _f32_or_empty(bias), targets.astype(jnp.int32), rows.lse, rows.alpha,
+        rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars.astype(jnp.float32),
+        weight_dv=weight_layout == "dv", has_bias=bias is not None,
+        has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
+        chunk=np.int64(chunk))
+    return (scaled.finish(acc, hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
+
+
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES,
+                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES, gemms="cutlass",
                     weight_grad_init=uninitialized_like, weight_copy=True):
-    """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part) on the
-    grad custom call: ``head_grad.backward``, two XLA GEMMs per chunk of C columns."""
+    """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
+    custom call over all chunks of C columns (``gemms="cutlass"``), or the grad custom call in
+    ``head_grad.backward``'s loop of XLA GEMMs (``gemms="xla"``, which alone reads
+    ``weight_grad_init`` and ``weight_copy``)."""
     _check_served(hidden, weight)
+    if gemms == "cutlass":
+        return _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
+                               weight_layout=weight_layout, temperature=temperature,
+                               chunk_bytes=chunk_bytes)
+    if gemms != "xla":
+        raise ValueError(f"gemms must be 'cutlass' or 'xla', got {gemms!r}")
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature,

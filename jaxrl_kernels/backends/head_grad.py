@@ -1,5 +1,7 @@
 """The backward of a 16-bit linear head in two GEMMs per vocabulary chunk, shared by the kernel
-backends (``pallas``, ``ffi``), which supply only the kernel that writes the logit gradient.
+backends: ``Scaled`` prepares what every chunk needs, ``backward`` runs the chunks as XLA
+GEMMs in a loop around a backend kernel that writes the logit gradient (``pallas``), and
+``ffi`` runs the same chunks in one custom call with its own GEMMs.
 
 With ``z = (hidden @ Wᵀ + b) / T``, saved ``lse`` and per-row cotangents ``g`` (of logp) and
 ``g_ent`` (of the entropy H), ``dz = (g (onehot − p) − g_ent p (log p + H)) / T``. Per row,
@@ -7,7 +9,7 @@ With ``z = (hidden @ Wᵀ + b) / T``, saved ``lse`` and per-row cotangents ``g``
 |p (log p + H)| <= 1/e + |H|), so ``G = dz / s`` lies in [−1, 1] and float16 holds it to 2⁻¹¹:
 three bits more than bf16, at bf16's GEMM speed. For each chunk of C vocabulary columns, in
 order, a backend kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits), and
-``W16_c`` if it can (else XLA converts it), and XLA's GEMMs (float16 operands, float32
+``W16_c`` if it can (else XLA converts it), and two GEMMs (float16 operands, float32
 accumulation) add
 
     acc      += G_c · W16_c                      W16 = σ_W · W            (float16)
@@ -16,8 +18,9 @@ accumulation) add
 
 and at the end ``d_hidden = (s / σ_W) · acc``. σ_W, σ_h and S are powers of two that keep the
 float16 operands in range, so every scale is exact except s. Extra memory: the float32
-accumulator [N, D], h16 [N, D], and per chunk G_c, W16_c and d_W_c (XLA fuses the scale and
-the cast to W's dtype into the GEMM). No atomics: every sum has a fixed order.
+accumulator [N, D], h16 [N, D], and per chunk G_c, W16_c, and with XLA's GEMMs d_W_c (XLA
+fuses the scale and the cast to W's dtype into the GEMM, then copies it into d_weight). No
+atomics: every sum has a fixed order.
 """
 
 from __future__ import annotations
@@ -113,6 +116,34 @@ def run_chunks(chunk, carry, vocab: int, size: int):
     return carry
 
 
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """What every 16-bit head backward computes before its chunks: the row bound ``s``, the
+    kernel's per-row ``rows``, ``h16`` = float16(σ_h (s / S) · hidden), σ_W, and the scale of
+    d_W = ``d_w_scale`` · Gᵀ · h16. ``finish`` turns the float32 accumulator of G · W16
+    into d_hidden."""
+
+    s: jax.Array
+    rows: RowGrad
+    h16: jax.Array
+    sigma_w: jax.Array
+    d_w_scale: jax.Array
+
+    @classmethod
+    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature) -> Scaled:
+        s = row_bound(g_logp, g_ent, entropy, temperature)
+        rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
+                          temperature)
+        top = pow2_at_least(jnp.max(s))
+        scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
+        sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
+        return cls(s, rows, (scaled_h * sigma_h).astype(jnp.float16),
+                   pow2_range(jnp.max(jnp.abs(weight))), top / sigma_h)
+
+    def finish(self, acc, dtype):
+        return (acc * (self.s / self.sigma_w)[:, None]).astype(dtype)
+
+
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
              temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
              weight_grad_init=jnp.zeros_like):
@@ -124,16 +155,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     n_rows = hidden.shape[0]
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1
-
-    s = row_bound(g_logp, g_ent, entropy, temperature)
-    rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
-                      temperature)
-    top = pow2_at_least(jnp.max(s))
-    scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
-    sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
-    h16 = (scaled_h * sigma_h).astype(jnp.float16)
-    sigma_w = pow2_range(jnp.max(jnp.abs(weight)))
-    d_w_scale = top / sigma_h
+    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
+    rows, h16, sigma_w = scaled.rows, scaled.h16, scaled.sigma_w
 
     def dot(a, b, contract):
         return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
@@ -151,15 +174,14 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
             acc = acc + dot(g16, w16, ((1,), (1,)))
             d_w = dot(h16, g16, ((0,), (0,)))
         d_weight = lax.dynamic_update_slice_in_dim(
-            d_weight, (d_w * d_w_scale).astype(weight.dtype), start, axis=w_axis)
+            d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype), start, axis=w_axis)
         if d_bias is not None:
-            d_b = dot(s, g16.astype(jnp.float32), ((0,), (0,)))
+            d_b = dot(scaled.s, g16.astype(jnp.float32), ((0,), (0,)))
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return acc, d_weight, d_bias
 
     acc, d_weight, d_bias = run_chunks(
         chunk, initial_grads(hidden, weight, bias, weight_grad_init), vocab,
         chunk_columns(n_rows, vocab, chunk_bytes, align))
-    d_hidden = acc * (s / sigma_w)[:, None]
-    return (d_hidden.astype(hidden.dtype), d_weight,
+    return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))

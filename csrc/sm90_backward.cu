@@ -1,0 +1,143 @@
+// The linear-head backward as one launch sequence on XLA's stream (BackwardArgs in
+// sm90_launch.h): per vocabulary chunk, the grad kernel (sm90_grad_kernel.cuh) and the two
+// CUTLASS GEMMs (sm90_head_gemm.h), in order, with no host synchronisation and no copies but
+// the one for a "vd" tail that TMA cannot address in place.
+#include <algorithm>
+#include <string>
+
+#include <cuda_fp16.h>
+
+#include "sm90_head_gemm.h"
+#include "sm90_launch.h"
+
+namespace jaxrl_sm90 {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+int round8(int x) { return (x + 7) / 8 * 8; }
+
+// Byte offsets into the workspace.
+struct Workspace {
+  size_t g = 0, w16 = 0, tail = 0, gemm = 0, total = 0;
+};
+
+// The chunk widths are min(chunk, V - start) for start = 0, chunk, 2 chunk, ...; G and the
+// weight copy are sized for the widest, with rows padded to a multiple of 8 columns. In
+// "vd", a last chunk whose width is not a multiple of 8 has its d_weight rows written to
+// `tail` (padded to 8) and copied in place: TMA needs the contiguous extent in 16-byte units.
+Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype) {
+  const int widest = std::min(chunk, v);
+  const int last = v - (v - 1) / chunk * chunk;
+  const int ld = round8(widest);
+  Workspace w;
+  w.g = 0;
+  w.w16 = w.g + align_up(2ull * n * ld);
+  w.tail = w.w16 + align_up(2ull * ld * d);
+  const bool tail = !weight_dv && last % 8 != 0;
+  w.gemm = w.tail + (tail ? align_up(2ull * round8(last) * d) : 0);
+  size_t gemm = 0;
+  for (int width : {widest, last}) {
+    gemm = std::max(gemm, gemm_d_hidden_workspace(weight_dv, n, d, round8(width)));
+    gemm = std::max(gemm, weight_dv ? gemm_d_weight_workspace(dtype, d, width, n)
+                                    : gemm_d_weight_workspace(dtype, round8(width), d, n));
+  }
+  w.total = w.gemm + align_up(gemm);
+  return w;
+}
+
+// d_b[c] = sum_n s[n] G[n, c] over the chunk's columns, every sum in a fixed order: 32
+// columns a block, 8 row slices summed in order at the end.
+__global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const float* __restrict__ s, int n,
+                                 int size, float* __restrict__ out) {
+  __shared__ float part[8][33];
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (col < size) {
+    for (int r = threadIdx.y; r < n; r += 8) acc = fmaf(s[r], __half2float(g[r * ld + col]), acc);
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < size) {
+    float total = 0.f;
+    for (int k = 0; k < 8; ++k) total += part[k][threadIdx.x];
+    out[col] = total;
+  }
+}
+
+std::string cuda_error(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype) {
+  return workspace_of(n, v, d, chunk, weight_dv, dtype).total;
+}
+
+std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
+  const GradArgs& base = a.grad;
+  const int n = base.n, v = base.v, d = base.d;
+  const size_t weight_bytes = 2ull * v * d;
+  if (n == 0) {  // no rows: every gradient is 0 (acc is empty)
+    if (cudaMemsetAsync(a.d_weight, 0, weight_bytes, stream) != cudaSuccess) return cuda_error("memset d_weight");
+    if (a.d_bias && cudaMemsetAsync(a.d_bias, 0, sizeof(float) * v, stream) != cudaSuccess)
+      return cuda_error("memset d_bias");
+    return {};
+  }
+  if (a.chunk <= 0 || a.chunk % kBlockN != 0) return "chunk must be a positive multiple of 256";
+  const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype);
+  char* ws = static_cast<char*>(a.workspace);
+  __half* g = reinterpret_cast<__half*>(ws + w.g);
+  __half* w16 = reinterpret_cast<__half*>(ws + w.w16);
+  char* d_weight = static_cast<char*>(a.d_weight);
+  const float* sigma_w = a.scalars;
+  const float* dw_scale = a.scalars + 1;
+  const float* one = a.scalars + 2;
+
+  std::string why;
+  for (int start = 0; start < v; start += a.chunk) {
+    const int size = std::min(a.chunk, v - start);
+    const int ld = round8(size);
+    GradArgs grad = base;
+    grad.start_ptr = nullptr;
+    grad.start = start;
+    grad.size = size;
+    grad.ld = ld;
+    grad.out = g;
+    grad.w16 = w16;
+    grad.w_scale = sigma_w;
+    why = launch_grad(grad, choose_grad_plan(n, size, a.sm_count), stream);
+    if (!why.empty()) return why;
+
+    // acc (+)= G[:, :ld] . W16: the padding columns of G and rows of W16 are 0.
+    why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, one,
+                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream);
+    if (!why.empty()) return why;
+
+    if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G
+      why = gemm_d_weight(base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale,
+                          ws + w.gemm, a.sm_count, stream);
+    } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
+      why = gemm_d_weight(base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d, dw_scale,
+                          ws + w.gemm, a.sm_count, stream);
+    } else {
+      why = gemm_d_weight(base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm,
+                          a.sm_count, stream);
+      if (why.empty() && cudaMemcpyAsync(d_weight + 2ull * start * d, ws + w.tail, 2ull * size * d,
+                                         cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+        why = cuda_error("copy of the d_weight tail");
+    }
+    if (!why.empty()) return why;
+
+    if (a.d_bias) {
+      bias_grad_kernel<<<(size + 31) / 32, dim3(32, 8), 0, stream>>>(g, ld, a.row_scale, n, size, a.d_bias + start);
+      why = cuda_error("bias_grad_kernel launch");
+      if (!why.empty()) return why;
+    }
+  }
+  return {};
+}
+
+}  // namespace jaxrl_sm90

@@ -1,0 +1,115 @@
+// The two GEMMs of the linear-head backward per vocabulary chunk (float16 operands, float32
+// accumulation), as CUTLASS SM90 kernels: TMA loads, wgmma, a persistent warp-specialized
+// cooperative schedule and a TMA epilogue, built from CUTLASS's collective builders.
+//
+//   d_hidden:  acc = G . W16 + beta acc        float32 [N, D], updated in place (beta 0 on the
+//                                               first chunk, so acc is never zero-filled)
+//   d_weight:  out = scale (A . B)             W's dtype, written in place into the chunk's
+//                                               rows ("vd") or columns ("dv") of d_weight
+//
+// Row-major names: D[M, N] = A[M, K] . B[K, N]. CUTLASS's layout tags say which extent is
+// contiguous: A RowMajor is K-contiguous, B ColumnMajor is K-contiguous, D RowMajor is
+// N-contiguous. Strides are passed with their leading dimensions, so d_weight's chunk is
+// addressed in place inside the whole [V, D] or [D, V] array.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+namespace jaxrl_sm90 {
+
+// ElementC void: no source operand (D = alpha acc).
+template <class ElementD, class ElementC, class LayoutA, class LayoutB>
+struct HeadGemm {
+  using LayoutD = cutlass::layout::RowMajor;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  static constexpr int kAlignC = 16 / sizeof(cute::conditional_t<cute::is_void_v<ElementC>, ElementD, ElementC>);
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD, kAlignC, ElementD, LayoutD,
+      16 / sizeof(ElementD), cutlass::epilogue::TmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::half_t, LayoutA, 8, cutlass::half_t, LayoutB, 8,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+};
+
+// One GEMM of M x N x K with leading dimensions lda, ldb, ldd (elements); c may alias d (same
+// layout). alpha, beta: device scalars; beta null means 0 and c is not read (nor is it
+// without a source type). The workspace is the caller's, of at least
+// `head_gemm_workspace<G>(m, n, k)` bytes.
+template <class G>
+cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, const void* b, int64_t ldb,
+                              const void* c, void* d, int64_t ldd, const float* alpha, const float* beta,
+                              void* workspace, int sm_count, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  using ElementA = typename Kernel::ElementA;
+  using ElementB = typename Kernel::ElementB;
+  using ElementC = typename Kernel::ElementC;
+  using ElementD = typename Kernel::ElementD;
+  // Strides are (M, K, L) for A, (N, K, L) for B, (M, N, L) for C and D; one of the first two
+  // modes is the static 1 the layout tag implies, the other the leading dimension.
+  typename G::StrideA sa{};
+  typename G::StrideB sb{};
+  typename G::StrideD sd{};
+  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(sa))>, int64_t>) {
+    cute::get<0>(sa) = lda;
+  } else {
+    cute::get<1>(sa) = lda;
+  }
+  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(sb))>, int64_t>) {
+    cute::get<0>(sb) = ldb;
+  } else {
+    cute::get<1>(sb) = ldb;
+  }
+  cute::get<0>(sd) = ldd;
+  typename G::StrideC sc{};
+  cute::get<0>(sc) = ldd;
+
+  typename Kernel::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<const ElementA*>(a), sa, static_cast<const ElementB*>(b), sb},
+      {{}, static_cast<const ElementC*>(c), sc, static_cast<ElementD*>(d), sd}};
+  args.epilogue.thread.alpha_ptr = alpha;
+  args.epilogue.thread.beta = 0.f;
+  args.epilogue.thread.beta_ptr = beta;
+  args.hw_info.sm_count = sm_count;
+
+  typename G::Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) return status;
+  status = gemm.initialize(args, workspace, stream);
+  if (status != cutlass::Status::kSuccess) return status;
+  return gemm.run(stream);
+}
+
+template <class G>
+size_t head_gemm_workspace(int m, int n, int k) {
+  typename G::Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {m, n, k, 1};
+  return G::Gemm::get_workspace_size(args);
+}
+
+}  // namespace jaxrl_sm90

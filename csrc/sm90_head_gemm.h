@@ -1,0 +1,31 @@
+// The backward's two GEMMs (sm90_head_gemm.cuh), as plain functions for the host code; each
+// instantiation lives in its own translation unit so the heavy templates compile in parallel.
+// Operands are float16, accumulation float32, every matrix row-major with a leading dimension
+// (elements, a multiple of 8; base pointers 16-byte aligned). alpha and beta point to device
+// memory. An empty string means success, else the reason.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "sm90_launch.h"
+
+namespace jaxrl_sm90 {
+
+// acc[n, d] = alpha (g[n, :k] . w16) + beta acc, float32; w16 is [k, d] (w16_dv false) or
+// [d, k] (true).
+std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
+                          int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
+                          int sm_count, cudaStream_t stream);
+size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k);
+
+// out[m, n] = alpha (x[:k, :m]^T . y[:k, :n]) in `out_dtype` (row stride ldo).
+std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y,
+                          int64_t ldy, void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
+                          cudaStream_t stream);
+size_t gemm_d_weight_workspace(DType out_dtype, int m, int n, int k);
+
+}  // namespace jaxrl_sm90
