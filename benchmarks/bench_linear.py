@@ -305,6 +305,19 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
                  f"{(span[1] - span[0]) / 1e3:.3f} ms span"]
         for name, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:25]:
             lines.append(f"{ms:9.3f} ms {count:5d}x  {name}")
+        wall = common.median_ms(fwdbwd, h, w, t, g, warmup=2, runs=10)
+        lines.append(f"wall clock of one call (median of 10): {wall:.3f} ms; host threads' "
+                     "longest events in the traced call:")
+        names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+                 for e in meta if e.get("name") == "thread_name"}
+        host = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") not in gpu_pids and "dur" in e:
+                key = f"{names.get((e.get('pid'), e.get('tid')), '?')[:24]}: {e['name'][:60]}"
+                host[key][0] += 1
+                host[key][1] += e["dur"] / 1e3
+        for name, (count, ms) in sorted(host.items(), key=lambda kv: -kv[1][1])[:20]:
+            lines.append(f"{ms:9.3f} ms {count:5d}x  {name}")
         text = "\n".join(lines)
         (out / f"profile_{layout}.txt").write_text(text + "\n")
         print(text, flush=True)
