@@ -338,14 +338,13 @@ def rotated(variants, rounds=ROUNDS):
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-FUSED_CHUNKS_MIB = (16, 32, 64)
+FUSED_CHUNKS_MIB = (16, 32, 64, 128)
 
 
 def fused_table(sizes):
     """Forward+backward with the ffi backward as one custom call (CUTLASS GEMMs) at several
-    chunk sizes and without programmatic dependent launches, against the same chunks as a loop
-    of the grad call and XLA's GEMMs, both layouts, timed in rotated rounds after a second of
-    GEMMs; each row with XLA's temp size."""
+    chunk sizes, against the same chunks as a loop of the grad call and XLA's GEMMs, both
+    layouts, timed in rotated rounds after a second of GEMMs; each row with XLA's temp size."""
     import functools
     from jaxrl_kernels.backends import ffi
 
@@ -360,9 +359,6 @@ def fused_table(sizes):
                 fwdbwd = op_fns(ffi_variant(layout, functools.partial(
                     ffi.linear_backward, chunk_bytes=mib * 2**20)))[1]
                 variants[f"one call, CUTLASS GEMMs, {mib} MiB chunks"] = (fwdbwd, (h, w, t, g))
-            fwdbwd = op_fns(ffi_variant(layout, functools.partial(
-                ffi.linear_backward, dependent_launches=False)))[1]
-            variants["one call, CUTLASS GEMMs, 64 MiB chunks, plain launches"] = (fwdbwd, (h, w, t, g))
             fwdbwd = op_fns(ffi_variant(layout, functools.partial(ffi.linear_backward,
                                                                   gemms="xla")))[1]
             variants["grad call in a loop of XLA GEMMs, 64 MiB chunks"] = (fwdbwd, (h, w, t, g))

@@ -210,8 +210,7 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
 // w_scale) plus h16 (f16 [N, D]), the row bound s (f32 [N]) and scalars (f32 [4]: sigma_W,
 // d_weight's scale, 1, 0); results the float32 d_hidden accumulator [N, D], d_weight (W's
 // shape and dtype), d_bias (f32 [V], or [0] without has_bias) and the workspace (u8, of
-// backward_workspace_bytes); attributes chunk, the columns per chunk, and dependent_launches
-// (programmatic dependent launches between the chain's kernels).
+// backward_workspace_bytes); attribute chunk, the columns per chunk.
 ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
                               ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
@@ -219,7 +218,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Buffer<ffi::F32> scalars, ffi::ResultBuffer<ffi::F32> acc,
                               ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
                               ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, bool has_entropy,
-                              float temperature, int64_t chunk, bool dependent_launches) {
+                              float temperature, int64_t chunk) {
   Head head;
   ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
   if (checked.failure()) return checked;
@@ -272,7 +271,6 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   args.workspace = workspace->untyped_data();
   args.chunk = static_cast<int>(chunk);
   args.sm_count = sms;
-  args.dependent = dependent_launches;
   std::string why = jaxrl_sm90::launch_backward(args, stream);
   if (!why.empty()) return ffi::Error::Internal(why);
   return ffi::Error::Success();
@@ -327,8 +325,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, LinearBackwardImpl
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("has_entropy")
                                   .Attr<float>("temperature")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<bool>("dependent_launches"));
+                                  .Attr<int64_t>("chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, LinearGradImpl,
                               ffi::Ffi::Bind()

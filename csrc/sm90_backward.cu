@@ -1,9 +1,7 @@
 // The linear-head backward as one launch sequence on XLA's stream (BackwardArgs in
 // sm90_launch.h): per vocabulary chunk, the grad kernel (sm90_grad_kernel.cuh) and the two
 // CUTLASS GEMMs (sm90_head_gemm.h), in order, with no host synchronisation and no copies but
-// the one for a "vd" tail that TMA cannot address in place. With `dependent`, each kernel after
-// the first is a programmatic dependent launch: its start overlaps the end of the previous
-// one (the grad kernel computes its first tile before it waits to write).
+// the one for a "vd" tail that TMA cannot address in place.
 #include <algorithm>
 #include <string>
 
@@ -110,24 +108,23 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     grad.out = g;
     grad.w16 = w16;
     grad.w_scale = sigma_w;
-    grad.dependent = a.dependent && start > 0;  // overlaps the previous chunk's last GEMM
     why = launch_grad(grad, choose_grad_plan(n, size, a.sm_count), stream);
     if (!why.empty()) return why;
 
     // acc (+)= G[:, :ld] . W16: the padding columns of G and rows of W16 are 0.
     why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, one,
-                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, a.dependent, stream);
+                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream);
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G
       why = gemm_d_weight(base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale,
-                          ws + w.gemm, a.sm_count, a.dependent, stream);
+                          ws + w.gemm, a.sm_count, stream);
     } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
       why = gemm_d_weight(base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d, dw_scale,
-                          ws + w.gemm, a.sm_count, a.dependent, stream);
+                          ws + w.gemm, a.sm_count, stream);
     } else {
       why = gemm_d_weight(base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm,
-                          a.sm_count, a.dependent, stream);
+                          a.sm_count, stream);
       if (why.empty() && cudaMemcpyAsync(d_weight + 2ull * start * d, ws + w.tail, 2ull * size * d,
                                          cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
         why = cuda_error("copy of the d_weight tail");

@@ -48,11 +48,6 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes)
                : "memory");
 }
-// Programmatic dependent launch: wait until the grids this one depends on have finished and
-// their writes are visible; let the grid launched after this one start.
-__device__ __forceinline__ void wait_for_prior_grids() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;" :::); }
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
@@ -265,30 +260,18 @@ inline Units units_of(const Plan& plan, int n, int v, int d) {
 
 // Host side shared by the kernels: raise the shared-memory limit, build the TMA descriptors of
 // hidden [n, d] and the weight (as (v, d)), launch `kernel` on the persistent grid with
-// `smem_bytes` of dynamic shared memory; `dependent`: as a programmatic dependent launch, which
-// may start before the previous kernel on the stream ends (the kernel waits where it must).
+// `smem_bytes` of dynamic shared memory.
 template <class Cfg, class Params>
 std::string launch_tiles(void (*kernel)(Params, typename Cfg::TmaA, typename Cfg::TmaB), const Params& p,
                          const void* hidden, const void* weight, int n, int v, int d, int grid,
-                         cudaStream_t stream, const char* name, int smem_bytes = Cfg::kSmemBytes,
-                         bool dependent = false) {
+                         cudaStream_t stream, const char* name, int smem_bytes = Cfg::kSmemBytes) {
   using T = typename Cfg::Element;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
   auto tma_a = Cfg::make_tma_a(static_cast<const T*>(hidden), n, d);
   auto tma_b = Cfg::make_tma_b(static_cast<const T*>(weight), v, d);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = dependent ? 1 : 0;
-  err = cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_b);
-  if (err == cudaSuccess) err = cudaGetLastError();
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(p, tma_a, tma_b);
+  err = cudaGetLastError();
   if (err != cudaSuccess) return std::string(name) + " launch: " + cudaGetErrorString(err);
   return {};
 }

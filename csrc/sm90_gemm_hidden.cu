@@ -11,11 +11,11 @@ using HiddenDv = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layo
 
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, bool dependent, cudaStream_t stream) {
+                          int sm_count, cudaStream_t stream) {
   cutlass::Status st = w16_dv ? run_head_gemm<HiddenDv>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta,
-                                                        workspace, sm_count, dependent, stream)
+                                                        workspace, sm_count, stream)
                               : run_head_gemm<HiddenVd>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta,
-                                                        workspace, sm_count, dependent, stream);
+                                                        workspace, sm_count, stream);
   if (st != cutlass::Status::kSuccess) return std::string("d_hidden GEMM: ") + cutlassGetStatusString(st);
   return {};
 }

@@ -35,7 +35,6 @@ struct GradParams {
   Units units;               // vocab = V of W; vocab_tiles = the chunk's tiles
   int size, ld;              // size <= ld <= vocab_tiles * 256; "dv" has ld == size
   float inv_t;
-  bool dependent;            // launched as a programmatic dependent launch (see below)
 };
 
 // G of one logit y (bias added) of a row with coefficients (lse, alpha, beta, gamma).
@@ -207,15 +206,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::SmemLayoutA{});
   Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemLayoutB{});
 
-  // In the backward's chain (sm90_backward.cu) this kernel may start while the previous
-  // chunk's GEMMs still read G and the weight copy: it reads only inputs that were ready
-  // before the chain began, and waits for those GEMMs before its first write to either.
   if (warp_group == 0) {
     produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, start / kBlockN, warp_idx, lane_predicate);
-    if (warp_idx > 0 && p.w16 != nullptr) {
-      if (p.dependent) wait_for_prior_grids();
-      copy_weight_chunk<Cfg>(p, start, threadIdx.x - 32);
-    }
+    if (warp_idx > 0 && p.w16 != nullptr) copy_weight_chunk<Cfg>(p, start, threadIdx.x - 32);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<232>();
@@ -232,10 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool has_bias = p.bias != nullptr;
   const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   __half* stage = storage.stage[ct / 32];
-  bool waited = !p.dependent;
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
-    if (u + static_cast<int>(gridDim.x) >= g.num_units) allow_next_grid();  // this CTA's last unit
     Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
     const int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
     LaneRows c;
@@ -262,10 +253,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
       const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
-      if (!waited) {
-        wait_for_prior_grids();
-        waited = true;
-      }
       if (p.gamma) {
         write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
                               p.ld, local0, vector_ok);
@@ -298,10 +285,9 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.size = args.size;
   p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
-  p.dependent = args.dependent;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
   return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
-                           plan.grid, stream, "linear_grad_kernel", kSmemBytes, args.dependent);
+                           plan.grid, stream, "linear_grad_kernel", kSmemBytes);
 }
 
 }  // namespace jaxrl_sm90

@@ -55,14 +55,13 @@ struct HeadGemm {
 };
 
 // One GEMM of M x N x K with leading dimensions lda, ldb, ldd (elements); c may alias d (same
-// layout). `dependent`: a programmatic dependent launch (built with
-// CUTLASS_ENABLE_GDC_FOR_SM90, the kernel waits for the previous grid before it reads anything). alpha, beta: device scalars; beta null means 0 and c is not read (nor is it
+// layout). alpha, beta: device scalars; beta null means 0 and c is not read (nor is it
 // without a source type). The workspace is the caller's, of at least
 // `head_gemm_workspace<G>(m, n, k)` bytes.
 template <class G>
 cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, const void* b, int64_t ldb,
                               const void* c, void* d, int64_t ldd, const float* alpha, const float* beta,
-                              void* workspace, int sm_count, bool dependent, cudaStream_t stream) {
+                              void* workspace, int sm_count, cudaStream_t stream) {
   using Kernel = typename G::Kernel;
   using ElementA = typename Kernel::ElementA;
   using ElementB = typename Kernel::ElementB;
@@ -102,7 +101,7 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   if (status != cutlass::Status::kSuccess) return status;
   status = gemm.initialize(args, workspace, stream);
   if (status != cutlass::Status::kSuccess) return status;
-  return gemm.run(stream, nullptr, dependent);
+  return gemm.run(stream);
 }
 
 template <class G>

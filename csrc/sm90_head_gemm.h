@@ -2,8 +2,7 @@
 // instantiation lives in its own translation unit so the heavy templates compile in parallel.
 // Operands are float16, accumulation float32, every matrix row-major with a leading dimension
 // (elements, a multiple of 8; base pointers 16-byte aligned). alpha and beta point to device
-// memory. `dependent`: launched as a programmatic dependent launch (it waits for the previous
-// kernel on the stream before reading). An empty string means success, else the reason.
+// memory. An empty string means success, else the reason.
 #pragma once
 
 #include <cstddef>
@@ -20,13 +19,13 @@ namespace jaxrl_sm90 {
 // [d, k] (true).
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, bool dependent, cudaStream_t stream);
+                          int sm_count, cudaStream_t stream);
 size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k);
 
 // out[m, n] = alpha (x[:k, :m]^T . y[:k, :n]) in `out_dtype` (row stride ldo).
 std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y,
                           int64_t ldy, void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
-                          bool dependent, cudaStream_t stream);
+                          cudaStream_t stream);
 size_t gemm_d_weight_workspace(DType out_dtype, int m, int n, int k);
 
 }  // namespace jaxrl_sm90

@@ -86,8 +86,6 @@ struct GradArgs {
                                     // f16(sigma_W W) of the chunk, or null
   int n = 0, v = 0, d = 0, size = 0;
   int ld = 0;                       // G's row stride; 0: size
-  bool dependent = false;           // a programmatic dependent launch: starts while the previous
-                                    // kernel runs, waits for it before writing out or w16
   DType dtype = DType::kBF16;
   bool weight_dv = false;
   float temperature = 1.0f;
@@ -118,7 +116,6 @@ struct BackwardArgs {
   void* workspace = nullptr;        // backward_workspace_bytes(...)
   int chunk = 0;                    // columns per chunk, a multiple of 256
   int sm_count = 0;
-  bool dependent = true;            // programmatic dependent launches (false: plain launches)
 };
 
 // Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight and the

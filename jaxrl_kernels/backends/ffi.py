@@ -152,7 +152,7 @@ def uninitialized_like(x):
 
 
 def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes, dependent_launches):
+                    weight_layout, temperature, chunk_bytes):
     n_rows, depth = hidden.shape
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
@@ -173,24 +173,23 @@ def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars.astype(jnp.float32),
         weight_dv=weight_layout == "dv", has_bias=bias is not None,
         has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
-        chunk=np.int64(chunk), dependent_launches=bool(dependent_launches))
+        chunk=np.int64(chunk))
     return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
                     weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES, gemms="cutlass",
-                    dependent_launches=True, weight_grad_init=uninitialized_like, weight_copy=True):
+                    weight_grad_init=uninitialized_like, weight_copy=True):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
-    custom call over all chunks of C columns (``gemms="cutlass"``; ``dependent_launches``:
-    each kernel's start overlaps the previous one's end), or the grad custom call in
+    custom call over all chunks of C columns (``gemms="cutlass"``), or the grad custom call in
     ``head_grad.backward``'s loop of XLA GEMMs (``gemms="xla"``, which alone reads
     ``weight_grad_init`` and ``weight_copy``)."""
     _check_served(hidden, weight)
     if gemms == "cutlass":
         return _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
                                weight_layout=weight_layout, temperature=temperature,
-                               chunk_bytes=chunk_bytes, dependent_launches=dependent_launches)
+                               chunk_bytes=chunk_bytes)
     if gemms != "xla":
         raise ValueError(f"gemms must be 'cutlass' or 'xla', got {gemms!r}")
     return head_grad.backward(
