@@ -42,6 +42,7 @@ SIZES = {
     "sweep": [(4096, 2048, 131072)],
     "backward": [(4096, 2048, 131072), (8192, 4096, 131072)],
     "backward_base": [(4096, 2048, 131072)],
+    "backward_large": [(8192, 4096, 131072)],
 }
 
 COLUMNS = ["N", "D", "V", "impl", "fwd_ms", "fwd_x_gemm", "fwdbwd_ms", "fwdbwd_x_gemm",
@@ -338,7 +339,7 @@ def rotated(variants, rounds=ROUNDS):
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-FUSED_CHUNKS_MIB = (16, 32, 64, 128)
+FUSED_CHUNKS_MIB = (32, 64, 128)
 
 
 def fused_table(sizes):

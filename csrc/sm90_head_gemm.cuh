@@ -26,12 +26,16 @@
 
 namespace jaxrl_sm90 {
 
-// ElementC void: no source operand (D = alpha acc).
+// ElementC void: no source operand (D = alpha acc). 128 x 256 tiles on clusters of two CTAs
+// along M that share each B tile through TMA multicast. Against one-CTA clusters, at
+// N=8192, D=4096, V=131072 on an H100 the GEMMs took 2-8 % less device time, and at N=4096,
+// D=2048 the same; a ping-pong schedule with 64 x 256 tiles took 1.3-1.9 x as long
+// (benchmarks/NOTES_linear_backward.md).
 template <class ElementD, class ElementC, class LayoutA, class LayoutB>
 struct HeadGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   static constexpr int kAlignC = 16 / sizeof(cute::conditional_t<cute::is_void_v<ElementC>, ElementD, ElementC>);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
