@@ -295,12 +295,19 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
                    "stream" in str(e.get("args", {}).get("name", "")).lower()}
         totals = collections.defaultdict(lambda: [0, 0.0])
         span = [float("inf"), 0.0]
-        for e in events:
-            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams and "dur" in e:
-                name = e["name"][:70]
-                totals[name][0] += 1
-                totals[name][1] += e["dur"] / 1e3
-                span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
+        kernels = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and
+                          (e.get("pid"), e.get("tid")) in streams), key=lambda e: e["ts"])
+        after_grad = 0  # the backward's CUTLASS GEMMs: d_hidden, then d_weight, after each grad kernel
+        for e in kernels:
+            name = e["name"][:70]
+            if "grad_kernel" in name:
+                after_grad = 0
+            elif "GemmUniversal" in name:
+                name = ("d_hidden" if after_grad == 0 else "d_weight") + " GEMM (CUTLASS)"
+                after_grad += 1
+            totals[name][0] += 1
+            totals[name][1] += e["dur"] / 1e3
+            span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])]
         lines = [f"{layout}: N={n} D={d} V={v}, device events {sum(c for c, _ in totals.values())}, "
                  f"busy {sum(ms for _, ms in totals.values()):.3f} ms of a "
                  f"{(span[1] - span[0]) / 1e3:.3f} ms span"]
