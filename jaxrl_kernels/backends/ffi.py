@@ -40,9 +40,10 @@ GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"
 UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
-"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). At N=4096,
-D=2048, V=131072 on an H100 (bench_linear_backward.md, fori_loop rows), fwd+bwd took 15.5 / 15.5
-ms ("vd" / "dv") with 32 MiB, 14.7 / 15.1 with 64 MiB and 15.4 / 15.0 with 128 MiB."""
+"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100
+(bench_fused_backward*.md, one call, rotated rounds), fwd+bwd at N=4096, D=2048, V=131072 took
+15.6 / 14.6 / 14.5 ms ("vd") with 16 / 32 / 64 MiB and 56 / 80 / 128 MiB of temp memory; at
+N=8192, D=4096, 58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
