@@ -144,6 +144,37 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   return ffi::Error::Success();
 }
 
+// The operands both backward handlers take after the head's: targets, lse, alpha, beta and
+// gamma ([N] each; gamma [0] without has_entropy), checked with the head and copied into
+// `args` with everything but the chunk's own fields.
+ffi::Error grad_args_of(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias,
+                        ffi::Buffer<ffi::S32>& targets, ffi::Buffer<ffi::F32>& lse, ffi::Buffer<ffi::F32>& alpha,
+                        ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& gamma, bool weight_dv, bool has_bias,
+                        bool has_entropy, float temperature, jaxrl_sm90::GradArgs& args) {
+  Head head;
+  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  if (checked.failure()) return checked;
+  if (!all_rows(head.n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count()}))
+    return ffi::Error::InvalidArgument("targets, lse, alpha and beta must all be [N]");
+  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != head.n)
+    return ffi::Error::InvalidArgument("gamma must be [N]");
+  args.hidden = hidden.untyped_data();
+  args.weight = weight.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.targets = targets.typed_data();
+  args.lse = lse.typed_data();
+  args.alpha = alpha.typed_data();
+  args.beta = beta.typed_data();
+  args.gamma = has_entropy ? gamma.typed_data() : nullptr;
+  args.n = static_cast<int>(head.n);
+  args.v = static_cast<int>(head.v);
+  args.d = static_cast<int>(head.d);
+  args.dtype = head.dtype;
+  args.weight_dv = weight_dv;
+  args.temperature = temperature;
+  return ffi::Error::Success();
+}
+
 // The backward's first stage for one vocabulary chunk [start, start + size): operands as the
 // forward's plus lse, alpha, beta, gamma (f32 [N]; gamma [0] without has_entropy), start (s32
 // [1]) and w_scale (f32 [1], sigma_W); results G (f16 [N, size]) and the chunk's weight copy
@@ -154,52 +185,33 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale,
                           ffi::ResultBuffer<ffi::F16> out, ffi::ResultBuffer<ffi::F16> w16, bool weight_dv,
                           bool has_bias, bool has_entropy, float temperature) {
-  Head head;
-  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  jaxrl_sm90::GradArgs args;
+  ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
+                                    has_entropy, temperature, args);
   if (checked.failure()) return checked;
-  const int64_t n = head.n;
-  if (!all_rows(n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count()}))
-    return ffi::Error::InvalidArgument("targets, lse, alpha and beta must all be [N]");
-  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != n)
-    return ffi::Error::InvalidArgument("gamma must be [N]");
   if (start.element_count() != 1 || w_scale.element_count() != 1)
     return ffi::Error::InvalidArgument("start and w_scale must hold one element each");
   auto od = out->dimensions();
-  if (od.size() != 2 || od[0] != n || od[1] > head.v)
+  if (od.size() != 2 || od[0] != args.n || od[1] > args.v)
     return ffi::Error::InvalidArgument("the result must be [N, size] with size <= V, got " + dims_str(od));
   auto wd16 = w16->dimensions();
   const int64_t w16_size = weight_dv ? (wd16.size() == 2 ? wd16[1] : -1) : (wd16.size() == 2 ? wd16[0] : -1);
   const int64_t w16_depth = weight_dv ? (wd16.size() == 2 ? wd16[0] : -1) : (wd16.size() == 2 ? wd16[1] : -1);
   const bool write_w16 = w16->element_count() != 0;  // an empty result: no weight copy wanted
-  if (write_w16 && (w16_size != od[1] || w16_depth != head.d))
+  if (write_w16 && (w16_size != od[1] || w16_depth != args.d))
     return ffi::Error::InvalidArgument("the weight copy must be [size, D] (vd) or [D, size] (dv), got " +
                                        dims_str(wd16));
   // With no rows the kernel does not run and the weight copy stays unwritten: the GEMMs that
   // read it contract over zero rows.
-  if (n == 0 || od[1] == 0) return ffi::Error::Success();
+  if (args.n == 0 || od[1] == 0) return ffi::Error::Success();
 
   const int sms = sm_count(device);
   if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
-  jaxrl_sm90::GradArgs args;
-  args.hidden = hidden.untyped_data();
-  args.weight = weight.untyped_data();
-  args.bias = has_bias ? bias.typed_data() : nullptr;
-  args.targets = targets.typed_data();
-  args.lse = lse.typed_data();
-  args.alpha = alpha.typed_data();
-  args.beta = beta.typed_data();
-  args.gamma = has_entropy ? gamma.typed_data() : nullptr;
   args.start_ptr = start.typed_data();
   args.out = out->untyped_data();
   args.w_scale = w_scale.typed_data();
   args.w16 = write_w16 ? w16->untyped_data() : nullptr;
-  args.n = static_cast<int>(n);
-  args.v = static_cast<int>(head.v);
-  args.d = static_cast<int>(head.d);
   args.size = static_cast<int>(od[1]);
-  args.dtype = head.dtype;
-  args.weight_dv = weight_dv;
-  args.temperature = temperature;
   jaxrl_sm90::Plan plan = jaxrl_sm90::choose_grad_plan(args.n, args.size, sms);
   std::string why = jaxrl_sm90::launch_grad(args, plan, stream);
   if (!why.empty()) return ffi::Error::Internal(why);
@@ -219,49 +231,29 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
                               ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, bool has_entropy,
                               float temperature, int64_t chunk) {
-  Head head;
-  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  jaxrl_sm90::BackwardArgs args;
+  jaxrl_sm90::GradArgs& g = args.grad;
+  ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
+                                    has_entropy, temperature, g);
   if (checked.failure()) return checked;
-  const int64_t n = head.n;
-  if (!all_rows(n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count(),
-                    row_scale.element_count()}))
-    return ffi::Error::InvalidArgument("targets, lse, alpha, beta and the row scale must all be [N]");
-  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != n)
-    return ffi::Error::InvalidArgument("gamma must be [N]");
+  if (static_cast<int64_t>(row_scale.element_count()) != g.n)
+    return ffi::Error::InvalidArgument("the row scale must be [N]");
   if (scalars.element_count() != 4) return ffi::Error::InvalidArgument("scalars must hold 4 elements");
-  if (h16.element_count() != static_cast<size_t>(n * head.d) || acc->element_count() != h16.element_count())
+  if (h16.element_count() != static_cast<size_t>(g.n) * g.d || acc->element_count() != h16.element_count())
     return ffi::Error::InvalidArgument("h16 and the d_hidden accumulator must be [N, D]");
   if (d_weight->element_type() != weight.element_type() || d_weight->element_count() != weight.element_count())
     return ffi::Error::InvalidArgument("d_weight must have the weight's shape and dtype");
-  if (has_bias && static_cast<int64_t>(d_bias->element_count()) != head.v)
+  if (has_bias && static_cast<int64_t>(d_bias->element_count()) != g.v)
     return ffi::Error::InvalidArgument("d_bias must be [V]");
   if (chunk <= 0 || chunk % jaxrl_sm90::kBlockN != 0 || chunk >= (int64_t{1} << 31))
     return ffi::Error::InvalidArgument("chunk must be a positive multiple of 256");
-  const size_t need = jaxrl_sm90::backward_workspace_bytes(static_cast<int>(n), static_cast<int>(head.v),
-                                                           static_cast<int>(head.d), static_cast<int>(chunk),
-                                                           weight_dv, head.dtype);
+  const size_t need = jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype);
   if (workspace->element_count() < need)
     return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
                                        std::to_string(workspace->element_count()));
   const int sms = sm_count(device);
   if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
 
-  jaxrl_sm90::BackwardArgs args;
-  jaxrl_sm90::GradArgs& g = args.grad;
-  g.hidden = hidden.untyped_data();
-  g.weight = weight.untyped_data();
-  g.bias = has_bias ? bias.typed_data() : nullptr;
-  g.targets = targets.typed_data();
-  g.lse = lse.typed_data();
-  g.alpha = alpha.typed_data();
-  g.beta = beta.typed_data();
-  g.gamma = has_entropy ? gamma.typed_data() : nullptr;
-  g.n = static_cast<int>(n);
-  g.v = static_cast<int>(head.v);
-  g.d = static_cast<int>(head.d);
-  g.dtype = head.dtype;
-  g.weight_dv = weight_dv;
-  g.temperature = temperature;
   args.h16 = h16.typed_data();
   args.row_scale = row_scale.typed_data();
   args.scalars = scalars.typed_data();
@@ -279,6 +271,22 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 // The backward's d_weight before its chunk loop: a result buffer left as the allocator gave
 // it, since the loop writes every element (zeros first would cost a pass over all of W).
 ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+
+// The binding both backward handlers start with: stream, device, then hidden, weight, bias,
+// targets, lse, alpha, beta and gamma.
+auto bind_grad_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
 
 }  // namespace
 
@@ -303,17 +311,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, LinearLogprobsImpl
                                   .Attr<float>("temperature"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, LinearBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              bind_grad_operands()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -328,17 +326,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, LinearBackwardImpl
                                   .Attr<int64_t>("chunk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, LinearGradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              bind_grad_operands()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F16>>()
