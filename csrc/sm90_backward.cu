@@ -79,9 +79,8 @@ size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, 
 std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   const GradArgs& base = a.grad;
   const int n = base.n, v = base.v, d = base.d;
-  const size_t weight_bytes = 2ull * v * d;
   if (n == 0) {  // no rows: every gradient is 0 (acc is empty)
-    if (cudaMemsetAsync(a.d_weight, 0, weight_bytes, stream) != cudaSuccess) return cuda_error("memset d_weight");
+    if (cudaMemsetAsync(a.d_weight, 0, 2ull * v * d, stream) != cudaSuccess) return cuda_error("memset d_weight");
     if (a.d_bias && cudaMemsetAsync(a.d_bias, 0, sizeof(float) * v, stream) != cudaSuccess)
       return cuda_error("memset d_bias");
     return {};

@@ -58,6 +58,17 @@ struct HeadGemm {
   using StrideD = typename Kernel::StrideD;
 };
 
+// Sets the leading dimension of an (M or N, K, L) operand stride: its first mode when that is
+// dynamic (K-contiguous), else its second (the static 1 is the contiguous mode).
+template <class Stride>
+void set_leading_dim(Stride& stride, int64_t ld) {
+  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(stride))>, int64_t>) {
+    cute::get<0>(stride) = ld;
+  } else {
+    cute::get<1>(stride) = ld;
+  }
+}
+
 // One GEMM of M x N x K with leading dimensions lda, ldb, ldd (elements); c may alias d (same
 // layout). alpha, beta: device scalars; beta null means 0 and c is not read (nor is it
 // without a source type). The workspace is the caller's, of at least
@@ -71,24 +82,16 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   using ElementB = typename Kernel::ElementB;
   using ElementC = typename Kernel::ElementC;
   using ElementD = typename Kernel::ElementD;
-  // Strides are (M, K, L) for A, (N, K, L) for B, (M, N, L) for C and D; one of the first two
-  // modes is the static 1 the layout tag implies, the other the leading dimension.
+  // Strides are (M, K, L) for A, (N, K, L) for B, (M, N, L) for C and D (row-major: the
+  // leading dimension is the first mode).
   typename G::StrideA sa{};
   typename G::StrideB sb{};
-  typename G::StrideD sd{};
-  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(sa))>, int64_t>) {
-    cute::get<0>(sa) = lda;
-  } else {
-    cute::get<1>(sa) = lda;
-  }
-  if constexpr (cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(sb))>, int64_t>) {
-    cute::get<0>(sb) = ldb;
-  } else {
-    cute::get<1>(sb) = ldb;
-  }
-  cute::get<0>(sd) = ldd;
   typename G::StrideC sc{};
-  cute::get<0>(sc) = ldd;
+  typename G::StrideD sd{};
+  set_leading_dim(sa, lda);
+  set_leading_dim(sb, ldb);
+  set_leading_dim(sc, ldd);
+  set_leading_dim(sd, ldd);
 
   typename Kernel::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,

@@ -103,13 +103,13 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
 //   d_W_c = dw_scale G_c^T . h16                      W's dtype, in place in d_weight
 //   d_b_c = sum_n s_n G_c[n]                          float32, with a bias
 // acc is d_hidden up to the row scale s / sigma_W, applied by the caller. Scalars live in
-// device memory: scalars = {sigma_W, dw_scale, 1, 0}.
+// device memory: scalars = {sigma_W, dw_scale, 1}.
 struct BackwardArgs {
   GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, n, v, d,
                                     // dtype, weight_dv, temperature (start/out/w16/size: per chunk)
   const void* h16 = nullptr;        // [N, D] float16
   const float* row_scale = nullptr; // [N] s (for d_bias), or null without a bias
-  const float* scalars = nullptr;   // [4] device: sigma_W, dw_scale, 1, 0
+  const float* scalars = nullptr;   // [3] device: sigma_W, dw_scale, 1
   float* acc = nullptr;             // [N, D] out
   void* d_weight = nullptr;         // W's shape and dtype, out
   float* d_bias = nullptr;          // [V] out, or null

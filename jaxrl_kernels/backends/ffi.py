@@ -161,7 +161,7 @@ def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     rows = scaled.rows
     workspace = _sm90.backward_workspace_bytes(n_rows, vocab, depth, chunk, weight_layout == "dv",
                                                hidden.dtype == jnp.bfloat16)
-    scalars = jnp.stack([scaled.sigma_w, scaled.d_w_scale, jnp.float32(1), jnp.float32(0)])
+    scalars = jnp.stack([scaled.sigma_w, scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         BACKWARD_TARGET,
         (jax.ShapeDtypeStruct((n_rows, depth), jnp.float32),
@@ -171,7 +171,7 @@ def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         vmap_method="sequential")
     acc, d_weight, d_bias, _ = call(
         hidden, weight, _f32_or_empty(bias), targets.astype(jnp.int32), rows.lse, rows.alpha,
-        rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars.astype(jnp.float32),
+        rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars,
         weight_dv=weight_layout == "dv", has_bias=bias is not None,
         has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
         chunk=np.int64(chunk))
