@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import time
 import traceback
 
@@ -263,14 +265,117 @@ def profile_targets():
     jax.block_until_ready(fwdbwd(h, w, t, g))
 
 
-def profile_backward(layouts, n=4096, d=2048, v=131072):
-    """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
-    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
-    import collections
+def traced(fn, args, calls=1):
+    """Run ``calls`` synchronised calls of ``fn(*args)`` under a jax profiler trace (CUPTI):
+    (device kernels, host events, the trace's metadata events), each event a perfetto dict
+    with ts/dur in µs. Each call is wrapped in a host annotation named ``call<i>``."""
     import glob
     import gzip
     import json
     import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for i in range(calls):
+                with jax.profiler.TraceAnnotation(f"call{i}"):
+                    jax.block_until_ready(fn(*args))
+        [path] = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
+                "GPU" in str(e.get("args", {}).get("name", ""))}
+    # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
+    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
+               e.get("name") == "thread_name" and
+               "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    timed_events = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = sorted((e for e in timed_events if (e.get("pid"), e.get("tid")) in streams),
+                     key=lambda e: e["ts"])
+    host = sorted((e for e in timed_events if e.get("pid") not in gpu_pids),
+                  key=lambda e: e["ts"])
+    return kernels, host, meta
+
+
+def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8, trials=7):
+    """Where the wall clock of one forward+backward goes, against its device time: for the
+    automatic path per layout, XLA's materialised path and one GEMM, the median of
+    synchronised calls (host clock around ``block_until_ready``), the per-call time of
+    ``reps`` back-to-back calls with one synchronisation at the end (the host enqueues the
+    next call while the device runs this one, as in a training loop), and from a profiler
+    trace of ``calls`` synchronised calls: host start of the call → first kernel, the
+    kernels' span and busy time, last kernel → the host's return."""
+    import statistics
+
+    def pipelined_ms(fn, args):
+        per_call = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            per_call.append(1e3 * (time.perf_counter() - start) / reps)
+        return statistics.median(per_call)
+
+    rows = []
+    variants = {}
+    for layout in layouts:
+        h, w, t, g = inputs(n, d, v, layout)
+        variants[f"jaxrl_kernels {layout}"] = (op_fns(public(None, weight_layout=layout))[1],
+                                               (h, w, t, g))
+    h, w, t, g = inputs(n, d, v)
+    xla = lambda h, w, t: jnp.take_along_axis(jax.nn.log_softmax(jax.lax.dot_general(
+        h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), -1), t[:, None], 1)[:, 0]
+    variants["xla materialised vd"] = (op_fns(xla)[1], (h, w, t, g))
+    variants["gemm vd"] = (gemm_call("vd"), (h, w))
+    for name, (fn, args) in variants.items():
+        common.warm_up(fn, *args)
+        blocking = common.median_ms(fn, *args, warmup=2, runs=15)
+        piped = pipelined_ms(fn, args)
+        kernels, host, _ = traced(fn, args, calls)
+        marks = [e for e in host if re.fullmatch(r"call\d+", e["name"])]
+        lead, span, busy, tail = [], [], [], []
+        for m in marks:
+            end = m["ts"] + m["dur"]
+            mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
+            if not mine:
+                continue
+            first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
+            lead.append((first - m["ts"]) / 1e3)
+            span.append((last - first) / 1e3)
+            busy.append(sum(k["dur"] for k in mine) / 1e3)
+            tail.append((end - last) / 1e3)
+        def med(xs):  # the first traced call pays for starting the trace
+            return statistics.median(xs[1:] or xs) if xs else None
+        row = {"N": n, "D": d, "V": v, "impl": name, "blocking_ms": blocking,
+               "pipelined_ms": piped, "reps": reps, "trace_lead_ms": med(lead),
+               "trace_span_ms": med(span), "trace_busy_ms": med(busy), "trace_tail_ms": med(tail),
+               "traced_calls": len(span), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        rows.append(row)
+        print(row, flush=True)
+        if marks:  # what the host did before the last traced call's first kernel
+            m = marks[-1]
+            mine = [k for k in kernels if m["ts"] <= k["ts"] < m["ts"] + m["dur"]]
+            first = mine[0]["ts"] if mine else m["ts"] + m["dur"]
+            print(f"  last traced call: first kernel at +{(first - m['ts']) / 1e3:.3f} ms "
+                  f"({mine[0]['name'][:50] if mine else '-'}); host events before it:")
+            before = [e for e in host if m["ts"] <= e["ts"] < first and e is not m and
+                      e["dur"] >= 10.0][:30]
+            for e in before:
+                print(f"    +{(e['ts'] - m['ts']) / 1e3:7.3f} ms {e['dur'] / 1e3:7.3f} ms "
+                      f"{e['name'][:70]}")
+            gaps = sorted(((b["ts"] - (a["ts"] + a["dur"])) / 1e3, a["name"][:40], b["name"][:40])
+                          for a, b in zip(mine, mine[1:]))[-5:]
+            for gap, a, b in reversed(gaps):
+                print(f"    gap {gap:.3f} ms between {a} and {b}")
+    return rows
+
+
+def profile_backward(layouts, n=4096, d=2048, v=131072):
+    """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
+    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
+    import collections
 
     out = common.results_dir()
     for layout in layouts:
@@ -279,24 +384,9 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         (out / f"profile_{layout}.hlo.txt").write_text(
             fwdbwd.lower(h, w, t, g).compile().as_text())
         jax.block_until_ready(fwdbwd(h, w, t, g))
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp, create_perfetto_trace=True):
-                jax.block_until_ready(fwdbwd(h, w, t, g))
-            [path] = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-            with gzip.open(path) as f:
-                trace = json.load(f)
-        events = trace["traceEvents"] if isinstance(trace, dict) else trace
-        meta = [e for e in events if e.get("ph") == "M"]
-        gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
-                    "GPU" in str(e.get("args", {}).get("name", ""))}
-        # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
-        streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
-                   e.get("name") == "thread_name" and
-                   "stream" in str(e.get("args", {}).get("name", "")).lower()}
+        kernels, host, meta = traced(fwdbwd, (h, w, t, g))
         totals = collections.defaultdict(lambda: [0, 0.0])
         span = [float("inf"), 0.0]
-        kernels = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and
-                          (e.get("pid"), e.get("tid")) in streams), key=lambda e: e["ts"])
         after_grad = 0  # the backward's CUTLASS GEMMs: d_hidden, then d_weight, after each grad kernel
         for e in kernels:
             name = e["name"][:70]
@@ -318,13 +408,12 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
                      "longest events in the traced call:")
         names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
                  for e in meta if e.get("name") == "thread_name"}
-        host = collections.defaultdict(lambda: [0, 0.0])
-        for e in events:
-            if e.get("ph") == "X" and e.get("pid") not in gpu_pids and "dur" in e:
-                key = f"{names.get((e.get('pid'), e.get('tid')), '?')[:24]}: {e['name'][:60]}"
-                host[key][0] += 1
-                host[key][1] += e["dur"] / 1e3
-        for name, (count, ms) in sorted(host.items(), key=lambda kv: -kv[1][1])[:20]:
+        by_name = collections.defaultdict(lambda: [0, 0.0])
+        for e in host:
+            key = f"{names.get((e.get('pid'), e.get('tid')), '?')[:24]}: {e['name'][:60]}"
+            by_name[key][0] += 1
+            by_name[key][1] += e["dur"] / 1e3
+        for name, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]:
             lines.append(f"{ms:9.3f} ms {count:5d}x  {name}")
         text = "\n".join(lines)
         (out / f"profile_{layout}.txt").write_text(text + "\n")
@@ -456,6 +545,9 @@ def main():
                              "the loop of XLA GEMMs")
     parser.add_argument("--kernels", action="store_true",
                         help="the SM90 forward and logit-gradient kernels alone, beside one GEMM")
+    parser.add_argument("--timeline", action="store_true",
+                        help="fwd+bwd: synchronised wall clock against back-to-back calls and "
+                             "the device span of a profiler trace")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
@@ -467,6 +559,14 @@ def main():
         print(common.write_results("bench_fused_backward", fused_table(sizes),
                                    ["N", "D", "V", "layout", "impl", "fwdbwd_ms", "fwdbwd_x_gemm",
                                     "fwdbwd_temp_mib", "gemm_ms", "rounds"]))
+        return
+    if args.timeline:
+        print(common.metadata(), flush=True)
+        tag = "_nocmdbuf" if "enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else ""
+        print(common.write_results("bench_timeline" + tag, timeline(),
+                                   ["N", "D", "V", "impl", "blocking_ms", "pipelined_ms", "reps",
+                                    "trace_lead_ms", "trace_span_ms", "trace_busy_ms",
+                                    "trace_tail_ms", "traced_calls", "xla_flags"]))
         return
     if args.profile:
         profile_targets()

@@ -3,7 +3,7 @@
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
-#                                              backward_base, profile, kernels, fused,
+#                                              backward_base, profile, timeline, kernels, fused,
 #                                              linear_ffi, one_device, memcheck,
 #                                              many_devices,
 #                                              side_by_side, e2e)
@@ -61,6 +61,8 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
         2>&1 | tee "$BENCH_RESULTS/ffi_memcheck.txt"; exit ${PIPESTATUS[0]}' ;;
     fused) step 420 python3 -m benchmarks.bench_linear --fused --sizes ${FUSED_SIZES:-backward} ;;
     kernels) step 360 python3 -m benchmarks.bench_linear --kernels ;;
+    timeline) step 300 bash -c 'python3 -m benchmarks.bench_linear --timeline &&
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.bench_linear --timeline' ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 480 bash -c 'python3 -m benchmarks.bench_many_devices &&
       python3 -m benchmarks.bench_many_devices --explicit --backends auto' ;;
