@@ -265,59 +265,12 @@ def profile_targets():
     jax.block_until_ready(fwdbwd(h, w, t, g))
 
 
-def traced(fn, args, calls=1):
-    """Run ``calls`` synchronised calls of ``fn(*args)`` under a jax profiler trace (CUPTI):
-    (device kernels, host events, the trace's metadata events), each event a perfetto dict
-    with ts/dur in µs. Each call is wrapped in a host annotation named ``call<i>``."""
-    import glob
-    import gzip
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            for i in range(calls):
-                with jax.profiler.TraceAnnotation(f"call{i}"):
-                    jax.block_until_ready(fn(*args))
-        [path] = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    meta = [e for e in events if e.get("ph") == "M"]
-    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
-                "GPU" in str(e.get("args", {}).get("name", ""))}
-    # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
-    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
-               e.get("name") == "thread_name" and
-               "stream" in str(e.get("args", {}).get("name", "")).lower()}
-    timed_events = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    kernels = sorted((e for e in timed_events if (e.get("pid"), e.get("tid")) in streams),
-                     key=lambda e: e["ts"])
-    host = sorted((e for e in timed_events if e.get("pid") not in gpu_pids),
-                  key=lambda e: e["ts"])
-    return kernels, host, meta
-
-
-def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8, trials=7):
+def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8):
     """Where the wall clock of one forward+backward goes, against its device time: for the
     automatic path per layout, XLA's materialised path and one GEMM, the median of
-    synchronised calls (host clock around ``block_until_ready``), the per-call time of
-    ``reps`` back-to-back calls with one synchronisation at the end (the host enqueues the
-    next call while the device runs this one, as in a training loop), and from a profiler
-    trace of ``calls`` synchronised calls: host start of the call → first kernel, the
-    kernels' span and busy time, last kernel → the host's return."""
-    import statistics
-
-    def pipelined_ms(fn, args):
-        per_call = []
-        for _ in range(trials):
-            start = time.perf_counter()
-            for _ in range(reps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            per_call.append(1e3 * (time.perf_counter() - start) / reps)
-        return statistics.median(per_call)
-
+    synchronised calls (host clock around ``block_until_ready``), ``pipelined_ms``, and from
+    a profiler trace of ``calls`` synchronised calls (``call_spans``; the first one, which
+    pays for starting the trace, left out) the lead, span, busy time and tail."""
     rows = []
     variants = {}
     for layout in layouts:
@@ -325,35 +278,21 @@ def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8, tr
         variants[f"jaxrl_kernels {layout}"] = (op_fns(public(None, weight_layout=layout))[1],
                                                (h, w, t, g))
     h, w, t, g = inputs(n, d, v)
-    xla = lambda h, w, t: jnp.take_along_axis(jax.nn.log_softmax(jax.lax.dot_general(
-        h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32), -1), t[:, None], 1)[:, 0]
-    variants["xla materialised vd"] = (op_fns(xla)[1], (h, w, t, g))
+    variants["xla materialised vd"] = (op_fns(xla_materialised)[1], (h, w, t, g))
     variants["gemm vd"] = (gemm_call("vd"), (h, w))
     for name, (fn, args) in variants.items():
         common.warm_up(fn, *args)
         blocking = common.median_ms(fn, *args, warmup=2, runs=15)
-        piped = pipelined_ms(fn, args)
-        kernels, host, _ = traced(fn, args, calls)
-        marks = [e for e in host if re.fullmatch(r"call\d+", e["name"])]
-        lead, span, busy, tail = [], [], [], []
-        for m in marks:
-            end = m["ts"] + m["dur"]
-            mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
-            if not mine:
-                continue
-            first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
-            lead.append((first - m["ts"]) / 1e3)
-            span.append((last - first) / 1e3)
-            busy.append(sum(k["dur"] for k in mine) / 1e3)
-            tail.append((end - last) / 1e3)
-        def med(xs):  # the first traced call pays for starting the trace
-            return statistics.median(xs[1:] or xs) if xs else None
+        piped = common.pipelined_ms(fn, args, reps)
+        spans, kernels, host = common.call_spans(fn, args, calls)
+        med = [float(np.median(col)) for col in zip(*(spans[1:] or spans))] or [None] * 4
         row = {"N": n, "D": d, "V": v, "impl": name, "blocking_ms": blocking,
-               "pipelined_ms": piped, "reps": reps, "trace_lead_ms": med(lead),
-               "trace_span_ms": med(span), "trace_busy_ms": med(busy), "trace_tail_ms": med(tail),
-               "traced_calls": len(span), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+               "pipelined_ms": piped, "reps": reps, "trace_lead_ms": med[0],
+               "trace_span_ms": med[1], "trace_busy_ms": med[2], "trace_tail_ms": med[3],
+               "traced_calls": len(spans), "xla_flags": os.environ.get("XLA_FLAGS", "")}
         rows.append(row)
         print(row, flush=True)
+        marks = [e for e in host if re.fullmatch(r"call\d+", e["name"])]
         if marks:  # what the host did before the last traced call's first kernel
             m = marks[-1]
             mine = [k for k in kernels if m["ts"] <= k["ts"] < m["ts"] + m["dur"]]
@@ -372,6 +311,56 @@ def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8, tr
     return rows
 
 
+def xla_materialised(h, w, t):
+    """What a JAX user writes without us: float32 logits [N, V], log_softmax, gather."""
+    z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.take_along_axis(jax.nn.log_softmax(z, -1), t[:, None], 1)[:, 0]
+
+
+DEVICE_SIZES = [(4096, 2048, 32768), (4096, 2048, 131072), (4096, 2048, 151936)]
+
+
+def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
+    """Device time (profiler trace, ``call_spans``) of one GEMM, the automatic forward and the
+    automatic forward+backward, both weight layouts, and XLA's materialised forward+backward
+    ("vd"): per variant the median over ``rounds`` rotated rounds of ``calls`` synchronised
+    calls each (the first call of each trace left out) of the span from the first kernel's
+    start to the last one's end; beside it the synchronised wall clock and the back-to-back
+    per-call time (``pipelined_ms``). Ratios are to the GEMM of the same layout."""
+    rows = []
+    for n, d, v in sizes:
+        variants = {}
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, v, layout)
+            fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
+            variants[("gemm", layout)] = (gemm_call(layout), (h, w))
+            variants[("forward", layout)] = (fwd, (h, w, t))
+            variants[("forward+backward", layout)] = (fwdbwd, (h, w, t, g))
+        h, w, t, g = inputs(n, d, v)
+        variants[("xla materialised forward+backward", "vd")] = (op_fns(xla_materialised)[1],
+                                                                 (h, w, t, g))
+        for fn, args in variants.values():
+            common.warm_up(fn, *args, seconds=0.5)
+        spans = {key: [] for key in variants}
+        order = list(variants)
+        for r in range(rounds):
+            for key in order[r % len(order):] + order[:r % len(order)]:
+                fn, args = variants[key]
+                spans[key] += common.call_spans(fn, args, calls + 1)[0][1:]
+        for (impl, layout), (fn, args) in variants.items():
+            span = float(np.median([s[1] for s in spans[(impl, layout)]]))
+            gemm = float(np.median([s[1] for s in spans[("gemm", layout)]]))
+            rows.append({"N": n, "D": d, "V": v, "layout": layout, "impl": impl,
+                         "device_ms": span, "x_gemm": span / gemm,
+                         "busy_ms": float(np.median([s[2] for s in spans[(impl, layout)]])),
+                         "blocking_ms": common.median_ms(fn, *args, warmup=1, runs=10),
+                         "pipelined_ms": common.pipelined_ms(fn, args, reps=6, trials=5),
+                         "calls": len(spans[(impl, layout)])})
+            print(rows[-1], flush=True)
+        del variants
+    return rows
+
+
 def profile_backward(layouts, n=4096, d=2048, v=131072):
     """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
     trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
@@ -384,7 +373,7 @@ def profile_backward(layouts, n=4096, d=2048, v=131072):
         (out / f"profile_{layout}.hlo.txt").write_text(
             fwdbwd.lower(h, w, t, g).compile().as_text())
         jax.block_until_ready(fwdbwd(h, w, t, g))
-        kernels, host, meta = traced(fwdbwd, (h, w, t, g))
+        kernels, host, meta = common.traced(fwdbwd, (h, w, t, g))
         totals = collections.defaultdict(lambda: [0, 0.0])
         span = [float("inf"), 0.0]
         after_grad = 0  # the backward's CUTLASS GEMMs: d_hidden, then d_weight, after each grad kernel
@@ -548,6 +537,9 @@ def main():
     parser.add_argument("--timeline", action="store_true",
                         help="fwd+bwd: synchronised wall clock against back-to-back calls and "
                              "the device span of a profiler trace")
+    parser.add_argument("--device-times", action="store_true",
+                        help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
+                             "layouts, at V = 32768, 131072, 151936")
     parser.add_argument("--ncu-summary", help="summarize an ncu --csv duration log")
     args = parser.parse_args()
     if args.ncu_summary:
@@ -567,6 +559,13 @@ def main():
                                    ["N", "D", "V", "impl", "blocking_ms", "pipelined_ms", "reps",
                                     "trace_lead_ms", "trace_span_ms", "trace_busy_ms",
                                     "trace_tail_ms", "traced_calls", "xla_flags"]))
+        return
+    if args.device_times:
+        print(common.metadata(), flush=True)
+        sizes = DEVICE_SIZES if args.sizes == "all" else SIZES[args.sizes]
+        print(common.write_results("bench_device_times", device_table(sizes),
+                                   ["N", "D", "V", "layout", "impl", "device_ms", "x_gemm",
+                                    "busy_ms", "blocking_ms", "pipelined_ms", "calls"]))
         return
     if args.profile:
         profile_targets()

@@ -8,11 +8,15 @@ from the compiled executable (``memory_analysis``) and the device allocator.
 from __future__ import annotations
 
 import datetime
+import glob
+import gzip
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +42,63 @@ def warm_up(fn: Callable[..., Any], *args: Any, seconds: float = 1.0) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         jax.block_until_ready(fn(*args))
+
+
+def traced(fn, args, calls=1):
+    """Run ``calls`` synchronised calls of ``fn(*args)`` under a jax profiler trace (CUPTI):
+    (device kernels, host events, the trace's metadata events), each event a perfetto dict
+    with ts/dur in µs. Each call is wrapped in a host annotation named ``call<i>``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for i in range(calls):
+                with jax.profiler.TraceAnnotation(f"call{i}"):
+                    jax.block_until_ready(fn(*args))
+        [path] = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
+                "GPU" in str(e.get("args", {}).get("name", ""))}
+    # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
+    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
+               e.get("name") == "thread_name" and
+               "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    timed_events = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = sorted((e for e in timed_events if (e.get("pid"), e.get("tid")) in streams),
+                     key=lambda e: e["ts"])
+    host = sorted((e for e in timed_events if e.get("pid") not in gpu_pids),
+                  key=lambda e: e["ts"])
+    return kernels, host, meta
+
+
+def call_spans(fn, args, calls):
+    """Per synchronised call of ``fn(*args)`` in one profiler trace: (lead, span, busy, tail)
+    in ms: host start of the call → its first kernel, first kernel start → last kernel end,
+    the kernels' summed durations, last kernel end → the host's return."""
+    kernels, host, _ = traced(fn, args, calls)
+    out = []
+    for m in (e for e in host if re.fullmatch(r"call\d+", e["name"])):
+        end = m["ts"] + m["dur"]
+        mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
+        if mine:
+            first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
+            out.append(((first - m["ts"]) / 1e3, (last - first) / 1e3,
+                        sum(k["dur"] for k in mine) / 1e3, (end - last) / 1e3))
+    return out, kernels, host
+
+
+def pipelined_ms(fn, args, reps=8, trials=7):
+    """Per-call ms of ``reps`` back-to-back calls and one synchronisation (the host enqueues
+    the next call while the device runs this one, as a training loop does): median of trials."""
+    per_call = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append(1e3 * (time.perf_counter() - start) / reps)
+    return statistics.median(per_call)
 
 
 def temp_mib(jitted: Callable[..., Any], *args: Any) -> float:

@@ -14,7 +14,9 @@ D=2048, V=131072. One process per job, one after the other, so that memory pools
 
 Each worker loads the same bf16 bits and writes its rows as JSON lines; a framework that
 cannot run (missing wheel, out of memory, crash, time budget) gets rows that say why. Rows:
-impl, layout, N, D, V, fwd_ms, fwdbwd_ms (median ms), fwdbwd_extra_mb (MiB beyond inputs and
+impl, layout, N, D, V, fwd_ms, fwdbwd_ms (median ms by the host clock around a synchronised
+call), fwd_device_ms, fwdbwd_device_ms (median device time: CUDA events for torch, the
+kernels' span in a profiler trace for JAX), fwdbwd_extra_mb (MiB beyond inputs and
 outputs: XLA's temp size; torch's allocator peak less inputs and gradients), err_dh, err_dW
 (‖got − exact‖/‖exact‖), bitwise_repeat (two forward+backward runs give the same bits).
 Nothing is installed here: Liger, Cut Cross-Entropy and tokamax are imported if present.

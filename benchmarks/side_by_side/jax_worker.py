@@ -1,8 +1,10 @@
 """JAX rows of the side-by-side table: jaxrl_kernels, XLA with materialised logits, tokamax.
 
 Each implementation is a function ``logp(h, w, t) -> [N] float32``; its forward is
-``jax.jit(logp)`` and its forward+backward ``jax.jit(jax.grad(Σ g·logp, (h, w)))``. Times are
-medians around ``block_until_ready`` after warm-up; extra memory is XLA's temp buffer size of
+``jax.jit(logp)`` and its forward+backward ``jax.jit(jax.grad(Σ g·logp, (h, w)))``. Times
+after warm-up: ``*_ms`` the median host clock around a call and its ``block_until_ready``,
+``*_device_ms`` the median span from its first kernel's start to its last one's end in a
+profiler trace of synchronised calls (``common.call_spans``); extra memory is XLA's temp buffer size of
 the compiled forward+backward (arguments and outputs not counted); errors are
 ‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
 
@@ -63,11 +65,15 @@ def tokamax_impl(tokamax, implementation):
 
 
 def timed(fn, args, budget_ms, smoke):
+    """(wall ms, device ms): medians of synchronised calls, by the host clock and by the
+    kernels' span in a profiler trace (None where the trace has no device kernels)."""
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = 1e3 * (time.perf_counter() - start)
     runs = shared.runs_for(first, budget_ms, smoke)
-    return common.median_ms(fn, *args, warmup=1 if smoke else 2, runs=runs)
+    wall = common.median_ms(fn, *args, warmup=1 if smoke else 2, runs=runs)
+    spans = common.call_spans(fn, args, runs + 1)[0][1:]  # the first call starts the trace
+    return wall, (float(np.median([s[1] for s in spans])) if spans else None)
 
 
 @jax.jit
@@ -89,8 +95,8 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke):
     fwd = jax.jit(logp)
     fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile()
     row = {"fwdbwd_extra_mb": fwdbwd.memory_analysis().temp_size_in_bytes / 2**20}
-    row["fwd_ms"] = timed(fwd, (h, w, t), 2000.0, smoke)
-    row["fwdbwd_ms"] = timed(fwdbwd, (h, w), 2500.0, smoke)
+    row["fwd_ms"], row["fwd_device_ms"] = timed(fwd, (h, w, t), 2000.0, smoke)
+    row["fwdbwd_ms"], row["fwdbwd_device_ms"] = timed(fwdbwd, (h, w), 2500.0, smoke)
     dh, dw = fwdbwd(h, w)
     dh2, dw2 = fwdbwd(h, w)
     row["bitwise_repeat"] = same_bits(dh, dh2) and same_bits(dw, dw2)

@@ -25,7 +25,8 @@ WEIGHT_STD = 1.5  # times 1/sqrt(D)
 
 # The table's columns: the issue's, then what the row was run with and why it has no numbers.
 COLUMNS = ["impl", "layout", "N", "D", "V", "fwd_ms", "fwdbwd_ms", "fwdbwd_extra_mb", "err_dh",
-           "err_dW", "bitwise_repeat", "version", "note", "error"]
+           "err_dW", "bitwise_repeat", "fwd_device_ms", "fwdbwd_device_ms", "version", "note",
+           "error"]
 
 # (impl, layout) of each framework, in table order: the driver fills in a row with the reason
 # for every one a worker did not report (crash, time limit).

@@ -2,8 +2,10 @@
 
 Each implementation is a function ``logp(h, w, t) -> [N] float32``. Forward: under
 ``torch.no_grad`` with inputs that need no gradient. Forward+backward: ``torch.autograd.grad``
-of L = Σ g·logp with respect to h and W. Times: CUDA events around each run, median after
-warm-up (host clock after ``synchronize`` where there is no GPU). Extra memory:
+of L = Σ g·logp with respect to h and W. Times, medians after warm-up: ``*_ms`` by the host
+clock around a run and ``synchronize`` (as the JAX worker's around ``block_until_ready``),
+``*_device_ms`` by CUDA events around it (the JAX worker's device time is the kernels' span in
+a profiler trace). Extra memory:
 ``torch.cuda.max_memory_allocated`` during forward+backward above what was allocated before,
 less the returned gradients (so, like XLA's temp size, neither inputs nor outputs count).
 Errors: ‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
@@ -67,7 +69,8 @@ def _dist_version(name):
 
 
 class Clock:
-    """Milliseconds of one call: CUDA events on a GPU, the host clock otherwise."""
+    """Milliseconds of one call: ``ms`` by the host clock around the call and a
+    synchronisation, ``device_ms`` by CUDA events around it on a GPU (None elsewhere)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -77,24 +80,30 @@ class Clock:
             torch.cuda.synchronize()
 
     def ms(self, fn):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
+        self.sync()
         start = time.perf_counter()
         fn()
+        self.sync()
         return 1e3 * (time.perf_counter() - start)
 
+    def device_ms(self, fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
     def median(self, fn, budget_ms, smoke):
+        """(wall ms, device ms | None): medians after warm-up."""
         first = self.ms(fn)
         for _ in range(1 if smoke else 2):
             fn()
         self.sync()
         runs = shared.runs_for(first, budget_ms, smoke)
-        return statistics.median(self.ms(fn) for _ in range(runs))
+        wall = statistics.median(self.ms(fn) for _ in range(runs))
+        device = statistics.median(self.device_ms(fn) for _ in range(runs)) if self.cuda else None
+        return wall, device
 
 
 def rel_err(got, exact):
@@ -115,8 +124,9 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke):
         loss = (g * logp(hg, wg, t)).sum()
         return torch.autograd.grad(loss, (hg, wg))
 
-    row = {"fwd_ms": clock.median(fwd, 2000.0, smoke),
-           "fwdbwd_ms": clock.median(fwdbwd, 2500.0, smoke)}
+    row = {}
+    row["fwd_ms"], row["fwd_device_ms"] = clock.median(fwd, 2000.0, smoke)
+    row["fwdbwd_ms"], row["fwdbwd_device_ms"] = clock.median(fwdbwd, 2500.0, smoke)
     if clock.cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
