@@ -285,7 +285,7 @@ def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8):
         blocking = common.median_ms(fn, *args, warmup=2, runs=15)
         piped = common.pipelined_ms(fn, args, reps)
         spans, kernels, host = common.call_spans(fn, args, calls)
-        med = [float(np.median(col)) for col in zip(*(spans[1:] or spans))] or [None] * 4
+        med = [float(np.median(col)) for col in list(zip(*(spans[1:] or spans)))[:4]] or [None] * 4
         row = {"N": n, "D": d, "V": v, "impl": name, "blocking_ms": blocking,
                "pipelined_ms": piped, "reps": reps, "trace_lead_ms": med[0],
                "trace_span_ms": med[1], "trace_busy_ms": med[2], "trace_tail_ms": med[3],
@@ -358,6 +358,40 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
                          "calls": len(spans[(impl, layout)])})
             print(rows[-1], flush=True)
         del variants
+    return rows
+
+
+GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
+
+
+def gemm_schedules_table(sizes, rounds=2, calls=6):
+    """The backward's CUTLASS GEMMs under each tile-scheduler raster order and swizzle
+    (JAXRL_SM90_GEMM_SCHEDULE, read by the custom call at run time, so one compiled
+    forward+backward serves all): per layout and schedule the median device span of the
+    automatic forward+backward and the per-call device time of its CUTLASS GEMM kernels,
+    over ``rounds`` rotated rounds of ``calls`` traced calls."""
+    rows = []
+    for n, d, v in sizes:
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, v, layout)
+            fwdbwd = op_fns(public(None, weight_layout=layout))[1]
+            common.warm_up(fwdbwd, h, w, t, g)
+            got = {sch: [] for sch in GEMM_SCHEDULES}
+            for r in range(rounds):
+                order = GEMM_SCHEDULES[r % len(GEMM_SCHEDULES):] + GEMM_SCHEDULES[:r % len(GEMM_SCHEDULES)]
+                for sch in order:
+                    os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
+                    got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
+                                                  match="cutlass")[0][1:]
+            os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
+            for sch, spans in got.items():
+                rows.append({"N": n, "D": d, "V": v, "layout": layout,
+                             "schedule": sch or "default (heuristic, 1)",
+                             "fwdbwd_device_ms": float(np.median([x[1] for x in spans])),
+                             "gemms_ms": float(np.median([x[4] for x in spans])),
+                             "calls": len(spans)})
+                print(rows[-1], flush=True)
+            del h, w
     return rows
 
 
@@ -537,6 +571,8 @@ def main():
     parser.add_argument("--timeline", action="store_true",
                         help="fwd+bwd: synchronised wall clock against back-to-back calls and "
                              "the device span of a profiler trace")
+    parser.add_argument("--gemm-schedules", action="store_true",
+                        help="the backward's CUTLASS GEMMs under each raster order / swizzle")
     parser.add_argument("--device-times", action="store_true",
                         help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
                              "layouts, at V = 32768, 131072, 151936")
@@ -559,6 +595,13 @@ def main():
                                    ["N", "D", "V", "impl", "blocking_ms", "pipelined_ms", "reps",
                                     "trace_lead_ms", "trace_span_ms", "trace_busy_ms",
                                     "trace_tail_ms", "traced_calls", "xla_flags"]))
+        return
+    if args.gemm_schedules:
+        print(common.metadata(), flush=True)
+        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
+        print(common.write_results("bench_gemm_schedules", gemm_schedules_table(sizes),
+                                   ["N", "D", "V", "layout", "schedule", "fwdbwd_device_ms",
+                                    "gemms_ms", "calls"]))
         return
     if args.device_times:
         print(common.metadata(), flush=True)

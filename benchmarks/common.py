@@ -72,10 +72,11 @@ def traced(fn, args, calls=1):
     return kernels, host, meta
 
 
-def call_spans(fn, args, calls):
-    """Per synchronised call of ``fn(*args)`` in one profiler trace: (lead, span, busy, tail)
-    in ms: host start of the call → its first kernel, first kernel start → last kernel end,
-    the kernels' summed durations, last kernel end → the host's return."""
+def call_spans(fn, args, calls, match=None):
+    """Per synchronised call of ``fn(*args)`` in one profiler trace: (lead, span, busy, tail,
+    matched) in ms: host start of the call → its first kernel, first kernel start → last
+    kernel end, the kernels' summed durations, last kernel end → the host's return, and the
+    summed durations of the kernels whose name contains ``match`` (None without it)."""
     kernels, host, _ = traced(fn, args, calls)
     out = []
     for m in (e for e in host if re.fullmatch(r"call\d+", e["name"])):
@@ -83,8 +84,10 @@ def call_spans(fn, args, calls):
         mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
         if mine:
             first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
+            matched = None if match is None else sum(
+                k["dur"] for k in mine if match in k["name"]) / 1e3
             out.append(((first - m["ts"]) / 1e3, (last - first) / 1e3,
-                        sum(k["dur"] for k in mine) / 1e3, (end - last) / 1e3))
+                        sum(k["dur"] for k in mine) / 1e3, (end - last) / 1e3, matched))
     return out, kernels, host
 
 

@@ -219,8 +219,9 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
 }
 
 // The whole backward (BackwardArgs in sm90_launch.h): operands as the grad call's (no start or
-// w_scale) plus h16 (f16 [N, D]), the row bound s (f32 [N]) and scalars (f32 [3]: sigma_W,
-// d_weight's scale, 1); results the float32 d_hidden accumulator [N, D], d_weight (W's
+// w_scale: each chunk's weight copy is scaled by its own max |W|) plus h16 (f16 [N, D]), the
+// row bound s (f32 [N]) and scalars (f32 [2]: d_weight's scale, 1); results the float32
+// d_hidden accumulator [N, D] (d_hidden / s), d_weight (W's
 // shape and dtype), d_bias (f32 [V], or [0] without has_bias) and the workspace (u8, of
 // backward_workspace_bytes); attribute chunk, the columns per chunk.
 ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
@@ -238,7 +239,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   if (checked.failure()) return checked;
   if (static_cast<int64_t>(row_scale.element_count()) != g.n)
     return ffi::Error::InvalidArgument("the row scale must be [N]");
-  if (scalars.element_count() != 3) return ffi::Error::InvalidArgument("scalars must hold 3 elements");
+  if (scalars.element_count() != 2) return ffi::Error::InvalidArgument("scalars must hold 2 elements");
   if (h16.element_count() != static_cast<size_t>(g.n) * g.d || acc->element_count() != h16.element_count())
     return ffi::Error::InvalidArgument("h16 and the d_hidden accumulator must be [N, D]");
   if (d_weight->element_type() != weight.element_type() || d_weight->element_count() != weight.element_count())

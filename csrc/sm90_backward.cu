@@ -6,9 +6,11 @@
 #include <string>
 
 #include <cuda_fp16.h>
+#include <cutlass/numeric_types.h>
 
 #include "sm90_head_gemm.h"
 #include "sm90_launch.h"
+#include "sm90_weight_absmax.cuh"
 
 namespace jaxrl_sm90 {
 namespace {
@@ -19,8 +21,10 @@ int round8(int x) { return (x + 7) / 8 * 8; }
 
 // Byte offsets into the workspace.
 struct Workspace {
-  size_t g = 0, w16 = 0, tail = 0, gemm = 0, total = 0;
+  size_t g = 0, w16 = 0, tail = 0, wmax = 0, inv_scale = 0, gemm = 0, total = 0;
 };
+
+int chunks_of(int v, int chunk) { return (v + chunk - 1) / chunk; }
 
 // The chunk widths are min(chunk, V - start) for start = 0, chunk, 2 chunk, ...; G and the
 // weight copy are sized for the widest, with rows padded to a multiple of 8 columns. In
@@ -35,7 +39,9 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   w.w16 = w.g + align_up(2ull * n * ld);
   w.tail = w.w16 + align_up(2ull * ld * d);
   const bool tail = !weight_dv && last % 8 != 0;
-  w.gemm = w.tail + (tail ? align_up(2ull * round8(last) * d) : 0);
+  w.wmax = w.tail + (tail ? align_up(2ull * round8(last) * d) : 0);  // uint32 per chunk
+  w.inv_scale = w.wmax + align_up(4ull * chunks_of(v, chunk));         // float per chunk
+  w.gemm = w.inv_scale + align_up(4ull * chunks_of(v, chunk));
   size_t gemm = 0;
   for (int width : {widest, last}) {
     gemm = std::max(gemm, gemm_d_hidden_workspace(weight_dv, n, d, round8(width)));
@@ -65,6 +71,22 @@ __global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const
   }
 }
 
+// Folds max |W| over the columns [start, start + size) into *out, in the weight's dtype/layout.
+std::string launch_weight_absmax(DType dtype, bool weight_dv, const void* weight, int start, int size, int d, int v,
+                                 uint32_t* out, int sm_count, cudaStream_t stream) {
+  const dim3 grid(4 * sm_count), block(256);
+  if (dtype == DType::kBF16) {
+    auto w = static_cast<const cutlass::bfloat16_t*>(weight);
+    if (weight_dv) weight_absmax_kernel<cutlass::bfloat16_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    else weight_absmax_kernel<cutlass::bfloat16_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+  } else {
+    auto w = static_cast<const cutlass::half_t*>(weight);
+    if (weight_dv) weight_absmax_kernel<cutlass::half_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    else weight_absmax_kernel<cutlass::half_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+  }
+  return {};
+}
+
 std::string cuda_error(const char* what) {
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(err);
@@ -91,12 +113,19 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   __half* g = reinterpret_cast<__half*>(ws + w.g);
   __half* w16 = reinterpret_cast<__half*>(ws + w.w16);
   char* d_weight = static_cast<char*>(a.d_weight);
-  const float* sigma_w = a.scalars;
-  const float* dw_scale = a.scalars + 1;
-  const float* one = a.scalars + 2;
+  uint32_t* wmax = reinterpret_cast<uint32_t*>(ws + w.wmax);
+  float* inv_scale = reinterpret_cast<float*>(ws + w.inv_scale);
+  const float* dw_scale = a.scalars;
+  const float* one = a.scalars + 1;
 
-  std::string why;
-  for (int start = 0; start < v; start += a.chunk) {
+  // max |W| of the first chunk here; each grad kernel folds in the next chunk's
+  const int chunks = chunks_of(v, a.chunk);
+  if (cudaMemsetAsync(wmax, 0, sizeof(uint32_t) * chunks, stream) != cudaSuccess) return cuda_error("memset wmax");
+  launch_weight_absmax(base.dtype, base.weight_dv, base.weight, 0, std::min(a.chunk, v), d, v, wmax, a.sm_count,
+                       stream);
+  std::string why = cuda_error("weight_absmax_kernel launch");
+  if (!why.empty()) return why;
+  for (int c = 0, start = 0; start < v; ++c, start += a.chunk) {
     const int size = std::min(a.chunk, v - start);
     const int ld = round8(size);
     GradArgs grad = base;
@@ -106,12 +135,19 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     grad.ld = ld;
     grad.out = g;
     grad.w16 = w16;
-    grad.w_scale = sigma_w;
+    grad.w_scale = nullptr;
+    grad.wmax = wmax + c;
+    grad.inv_scale = inv_scale + c;
+    if (c + 1 < chunks) {
+      grad.next_wmax = wmax + c + 1;
+      grad.next_start = start + a.chunk;
+      grad.next_size = std::min(a.chunk, v - grad.next_start);
+    }
     why = launch_grad(grad, choose_grad_plan(n, size, a.sm_count), stream);
     if (!why.empty()) return why;
 
-    // acc (+)= G[:, :ld] . W16: the padding columns of G and rows of W16 are 0.
-    why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, one,
+    // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
+    why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,
                         start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream);
     if (!why.empty()) return why;
 

@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include "sm90_common.cuh"
+#include "sm90_weight_absmax.cuh"
 
 namespace jaxrl_sm90 {
 
@@ -30,7 +31,11 @@ struct GradParams {
   int start;                 // a multiple of 256
   __half* out;               // [N, ld]: columns [size, ld) are written as 0
   const void* weight;        // W, read directly for its float16 copy
-  const float* w_scale;      // device scalar sigma_W
+  const float* w_scale;      // device scalar sigma_W, or null: sigma from *wmax
+  const uint32_t* wmax;      // max |W| of this chunk (weight_absmax bits), when w_scale is null
+  float* inv_scale;          // where 1 / sigma goes (for the d_hidden GEMM), or null
+  uint32_t* next_wmax;       // max |W| of [next_start, next_start + next_size) folds in here, or null
+  int next_start, next_size;
   __half* w16;               // [ld, D] ("vd", rows [size, ld) 0) or [D, size] ("dv"), or null
   Units units;               // vocab = V of W; vocab_tiles = the chunk's tiles
   int size, ld;              // size <= ld <= vocab_tiles * 256; "dv" has ld == size
@@ -129,14 +134,17 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
 // for the d_hidden GEMM that follows, in 16-byte vectors spread over all CTAs (its memory
 // traffic runs under the tensor-core-bound tiles instead of in a pass of its own). W's
 // columns are its rows in "vd" (one contiguous block, padded with zero rows up to ld) and
-// strided rows of 8k elements in "dv".
+// strided rows of 8k elements in "dv". Without a given sigma_W they scale the chunk by its
+// own max |W| (sigma_W = weight_scale_of_max), and fold the next chunk's max |W| for the
+// next launch: W is read once more, under the tiles, instead of in a pass before them.
 constexpr int kCopyThreads = 96;
 constexpr int kCopyInFlight = 4;
 
 template <class Cfg>
 __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start, int tid) {
   using T = typename Cfg::Element;
-  const float scale = *p.w_scale;
+  const float scale = p.w_scale ? *p.w_scale : weight_scale_of_max(*p.wmax);
+  if (p.inv_scale && blockIdx.x == 0 && tid == 0) *p.inv_scale = 1.f / scale;  // exact: a power of two
   const int64_t depth = p.units.depth, vocab = p.units.vocab, size = p.size;
   const int64_t row_vecs = Cfg::kWeightDv ? size / 8 : 0;
   const int64_t vecs = (Cfg::kWeightDv ? size : p.ld) * depth / 8;
@@ -182,6 +190,10 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
         *reinterpret_cast<uint4*>(p.w16 + dst) = out;
       }
     }
+  }
+  if (p.next_wmax) {
+    fold_weight_absmax<T, Cfg::kWeightDv>(weight, p.next_start, p.next_size, depth, vocab,
+                                          blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid, stride, p.next_wmax);
   }
 }
 
@@ -280,6 +292,11 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.out = static_cast<__half*>(args.out);
   p.weight = args.weight;
   p.w_scale = args.w_scale;
+  p.wmax = args.wmax;
+  p.inv_scale = args.inv_scale;
+  p.next_wmax = args.next_wmax;
+  p.next_start = args.next_start;
+  p.next_size = args.next_size;
   p.w16 = static_cast<__half*>(args.w16);
   p.units = units_of(plan, args.n, args.v, args.d);
   p.size = args.size;

@@ -80,7 +80,11 @@ struct GradArgs {
   const float* gamma = nullptr;     // [N] or null
   const int32_t* start_ptr = nullptr;  // [1], device memory, or null: `start`
   int start = 0;
-  const float* w_scale = nullptr;   // [1], device memory: sigma_W
+  const float* w_scale = nullptr;   // [1], device memory: sigma_W; or null, and then:
+  const uint32_t* wmax = nullptr;   //   max |W| of the chunk (sm90_weight_absmax.cuh) gives sigma_W,
+  float* inv_scale = nullptr;       //   1 / sigma_W is written here,
+  uint32_t* next_wmax = nullptr;    //   and max |W| of the columns [next_start, next_start +
+  int next_start = 0, next_size = 0;  //   next_size) is folded into *next_wmax (if not null)
   void* out = nullptr;              // [N, ld] float16 (columns [size, ld) written as 0)
   void* w16 = nullptr;              // [ld, D] ("vd", rows past size 0) or [D, size] ("dv") float16:
                                     // f16(sigma_W W) of the chunk, or null
@@ -99,17 +103,18 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
 // The whole backward of the head (`launch_backward`, sm90_backward.cu): for each vocabulary
 // chunk of `chunk` columns in order, the grad kernel above writes G_c and W16_c, and two
 // CUTLASS GEMMs (sm90_head_gemm.cuh) consume them:
-//   acc   = G_c . W16_c + (c > 0) acc                 float32 [N, D]
+//   acc   = G_c . W16_c / sigma_c + (c > 0) acc      float32 [N, D]
 //   d_W_c = dw_scale G_c^T . h16                      W's dtype, in place in d_weight
 //   d_b_c = sum_n s_n G_c[n]                          float32, with a bias
-// acc is d_hidden up to the row scale s / sigma_W, applied by the caller. Scalars live in
-// device memory: scalars = {sigma_W, dw_scale, 1}.
+// W16_c is f16(sigma_c W_c) with sigma_c the power of two of the chunk's own max |W|, and the
+// GEMM's alpha is 1 / sigma_c, so acc is d_hidden up to the row scale s, applied by the caller.
+// Scalars live in device memory: scalars = {dw_scale, 1}.
 struct BackwardArgs {
   GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, n, v, d,
                                     // dtype, weight_dv, temperature (start/out/w16/size: per chunk)
   const void* h16 = nullptr;        // [N, D] float16
   const float* row_scale = nullptr; // [N] s (for d_bias), or null without a bias
-  const float* scalars = nullptr;   // [3] device: sigma_W, dw_scale, 1
+  const float* scalars = nullptr;   // [2] device: dw_scale, 1
   float* acc = nullptr;             // [N, D] out
   void* d_weight = nullptr;         // W's shape and dtype, out
   float* d_bias = nullptr;          // [V] out, or null

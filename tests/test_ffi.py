@@ -343,6 +343,30 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
     `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer) and the
     grad call in head_grad's loop of XLA GEMMs."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
+    _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_backward_weight_range_per_chunk(layout):
+    """Chunks of W whose magnitudes differ by 2^24, the largest beyond float16's range (max
+    |W| ~ 2^18): the fused backward scales each chunk's float16 weight copy by its own max
+    |W| (found by the previous chunk's kernel) and divides it out in the d_hidden GEMM; hidden
+    is scaled down so that the logits stay O(1)."""
+    n, d, v, cols = 300, 64, 1024, 256
+    h, w, b, t = _gpu_inputs(n, d, v, layout, jnp.bfloat16, False, seed=7)
+    exps = np.repeat(np.array([-6.0, 0.0, 8.0, 18.0]), cols)  # per vocabulary column
+    col_scale = jnp.asarray(np.exp2(exps), jnp.float32)
+    w = (w.astype(jnp.float32) * (col_scale[:, None] if layout == "vd" else col_scale[None, :])
+         ).astype(jnp.bfloat16)
+    h = (h.astype(jnp.float32) * 2.0 ** -18).astype(jnp.bfloat16)
+    for gemms in ("cutlass", "xla"):
+        _check_backward(h, w, b, t, layout, jnp.bfloat16, True, 1.0, cols, gemms)
+
+
+def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms):
+    n, v = h.shape[0], w.shape[0] if layout == "vd" else w.shape[1]
     b32 = None if b is None else b.astype(jnp.float32)
     t = np.asarray(t).copy()
     if n > 3:

@@ -14,7 +14,9 @@ sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend t
 hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
 that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +
 wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
-[N, C]), and the chunk's float16 weight copy from its otherwise idle producer warps; two
+[N, C]), and from its otherwise idle producer warps the chunk's float16 weight copy (scaled
+by a power of two from the chunk's max |W|, which the previous chunk's kernel found) and
+the next chunk's max |W|; two
 CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator and write Gᵀ · h16 straight
 into d_weight (``csrc/sm90_backward.cu``). ``gemms="xla"`` runs the same chunks as
 ``head_grad.backward`` instead: a ``fori_loop`` of the grad custom call
@@ -157,11 +159,12 @@ def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     n_rows, depth = hidden.shape
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
-    scaled = head_grad.Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
+    # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
+    scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature)
     rows = scaled.rows
     workspace = _sm90.backward_workspace_bytes(n_rows, vocab, depth, chunk, weight_layout == "dv",
                                                hidden.dtype == jnp.bfloat16)
-    scalars = jnp.stack([scaled.sigma_w, scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
+    scalars = jnp.stack([scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         BACKWARD_TARGET,
         (jax.ShapeDtypeStruct((n_rows, depth), jnp.float32),

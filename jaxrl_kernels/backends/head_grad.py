@@ -119,14 +119,15 @@ def run_chunks(chunk, carry, vocab: int, size: int):
 @dataclasses.dataclass(frozen=True)
 class Scaled:
     """What every 16-bit head backward computes before its chunks: the row bound ``s``, the
-    kernel's per-row ``rows``, ``h16`` = float16(σ_h (s / S) · hidden), σ_W, and the scale of
-    d_W = ``d_w_scale`` · Gᵀ · h16. ``finish`` turns the float32 accumulator of G · W16
-    into d_hidden."""
+    kernel's per-row ``rows``, ``h16`` = float16(σ_h (s / S) · hidden), σ_W (None where no
+    weight is given: the kernel scales each chunk's weight copy by its own max |W| and
+    divides it out again in the GEMM), and the scale of d_W = ``d_w_scale`` · Gᵀ · h16.
+    ``finish`` turns the float32 accumulator of G · W16 (/ σ) into d_hidden."""
 
     s: jax.Array
     rows: RowGrad
     h16: jax.Array
-    sigma_w: jax.Array
+    sigma_w: jax.Array | None
     d_w_scale: jax.Array
 
     @classmethod
@@ -137,11 +138,12 @@ class Scaled:
         top = pow2_at_least(jnp.max(s))
         scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
         sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
-        return cls(s, rows, (scaled_h * sigma_h).astype(jnp.float16),
-                   pow2_range(jnp.max(jnp.abs(weight))), top / sigma_h)
+        sigma_w = None if weight is None else pow2_range(jnp.max(jnp.abs(weight)))
+        return cls(s, rows, (scaled_h * sigma_h).astype(jnp.float16), sigma_w, top / sigma_h)
 
     def finish(self, acc, dtype):
-        return (acc * (self.s / self.sigma_w)[:, None]).astype(dtype)
+        scale = self.s if self.sigma_w is None else self.s / self.sigma_w
+        return (acc * scale[:, None]).astype(dtype)
 
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
