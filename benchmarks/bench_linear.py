@@ -364,7 +364,7 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
 GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
 
 
-def gemm_schedules_table(sizes, rounds=2, calls=6):
+def gemm_schedules_table(sizes, rounds=6, calls=3):
     """The backward's CUTLASS GEMMs under each tile-scheduler raster order and swizzle
     (JAXRL_SM90_GEMM_SCHEDULE, read by the custom call at run time, so one compiled
     forward+backward serves all): per layout and schedule the median device span of the
@@ -382,7 +382,7 @@ def gemm_schedules_table(sizes, rounds=2, calls=6):
                 for sch in order:
                     os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
                     got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
-                                                  match="cutlass")[0][1:]
+                                                  match="GemmUniversal")[0][1:]
             os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
             for sch, spans in got.items():
                 rows.append({"N": n, "D": d, "V": v, "layout": layout,

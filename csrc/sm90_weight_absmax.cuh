@@ -8,26 +8,40 @@
 
 namespace jaxrl_sm90 {
 
-// T: a 16-bit float type (cutlass::bfloat16_t, cutlass::half_t). This thread's share of the chunk, vector i = first, first + stride, ... of 8 elements;
-// the result is merged into *out by one atomicMax per warp (all 32 lanes must call it).
+// T: a 16-bit float type (cutlass::bfloat16_t, cutlass::half_t). This thread's share of the
+// chunk is its vectors of 8 elements first, first + stride, ..., with kInFlight loads in
+// flight; the result is merged into *out by one atomicMax per warp (all 32 lanes call this).
 template <class T, bool kDv>
 __device__ void fold_weight_absmax(const T* weight, int64_t start, int64_t size, int64_t depth, int64_t vocab,
                                    int64_t first, int64_t stride, uint32_t* out) {
-  const int64_t row_vecs = size / 8;  // "dv": vectors per row of the range (size % 8 == 0)
-  const int64_t vecs = size * depth / 8;
+  constexpr int kInFlight = 4;
+  // "dv": vector i is (row i / row_vecs, column start + 8 (i % row_vecs)); the quotient and
+  // remainder advance by those of the stride, with no division in the loop.
+  const int64_t row_vecs = kDv ? size / 8 : size * depth / 8;
+  const int64_t rows = kDv ? depth : 1;
+  if (row_vecs == 0) return;  // an empty range (the same for every lane)
+  const int64_t step_rows = stride / row_vecs, step_cols = stride % row_vecs;
+  int64_t row = first / row_vecs, col = first % row_vecs;
+  const T* base = weight + (kDv ? start : start * depth);
+  const int64_t pitch = kDv ? vocab : 0;
   uint32_t m = 0;
-  for (int64_t i = first; i < vecs; i += stride) {
-    int64_t src;
-    if constexpr (kDv) {
-      const int64_t row = i / row_vecs;
-      src = row * vocab + start + 8 * (i - row * row_vecs);
-    } else {
-      src = start * depth + 8 * i;
+  while (row < rows) {
+    uint4 raw[kInFlight];
+    int k = 0;
+    for (; k < kInFlight && row < rows; ++k) {
+      raw[k] = __ldg(reinterpret_cast<const uint4*>(base + row * pitch + 8 * col));
+      row += step_rows;
+      col += step_cols;
+      if (col >= row_vecs) {
+        col -= row_vecs;
+        ++row;
+      }
     }
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(weight + src));
-    const T* w = reinterpret_cast<const T*>(&raw);
+    for (int j = 0; j < k; ++j) {
+      const T* w = reinterpret_cast<const T*>(&raw[j]);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(fabsf(static_cast<float>(w[e]))));
+      for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(fabsf(static_cast<float>(w[e]))));
+    }
   }
   m = __reduce_max_sync(0xffffffffu, m);
   if (threadIdx.x % 32 == 0 && m != 0) atomicMax(out, m);

@@ -366,7 +366,7 @@ def test_gpu_backward_weight_range_per_chunk(layout):
 
 
 def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms):
-    n, v = h.shape[0], w.shape[0] if layout == "vd" else w.shape[1]
+    (n, d), v = h.shape, w.shape[0] if layout == "vd" else w.shape[1]
     b32 = None if b is None else b.astype(jnp.float32)
     t = np.asarray(t).copy()
     if n > 3:
