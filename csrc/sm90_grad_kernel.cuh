@@ -143,57 +143,41 @@ constexpr int kCopyInFlight = 4;
 template <class Cfg>
 __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start, int tid) {
   using T = typename Cfg::Element;
+  constexpr bool kDv = Cfg::kWeightDv;
   const float scale = p.w_scale ? *p.w_scale : weight_scale_of_max(*p.wmax);
   if (p.inv_scale && blockIdx.x == 0 && tid == 0) *p.inv_scale = 1.f / scale;  // exact: a power of two
   const int64_t depth = p.units.depth, vocab = p.units.vocab, size = p.size;
-  const int64_t row_vecs = Cfg::kWeightDv ? size / 8 : 0;
-  const int64_t vecs = (Cfg::kWeightDv ? size : p.ld) * depth / 8;
-  const int64_t src_vecs = size * depth / 8;  // "vd": vectors past this are padding
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid;
   const T* weight = static_cast<const T*>(p.weight);
-  auto offsets = [&](int64_t i, int64_t& src, int64_t& dst) {
-    if constexpr (Cfg::kWeightDv) {
-      const int64_t row = i / row_vecs, col = 8 * (i - row * row_vecs);
-      src = row * vocab + start + col;
-      dst = row * size + col;
-    } else {
-      src = static_cast<int64_t>(start) * depth + 8 * i;
-      dst = 8 * i;
-    }
-  };
-  for (int64_t base = blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid; base < vecs;
-       base += kCopyInFlight * stride) {
-    uint4 raw[kCopyInFlight];
+  // "vd" walks the ld rows of the copy, the ones past size reading as 0; "dv" walks W's range
+  const int64_t src_vecs = size * depth / 8;
+  VectorWalk it = weight_walk<kDv>(kDv ? size : p.ld, depth, first, stride);
+  while (it.more()) {
+    VectorWalk at = it;  // the loads walk ahead; `it` follows with the stores
+    uint4 raw[kCopyInFlight];  // compile-time indices only: the array stays in registers
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kCopyInFlight; ++k) {
-      const int64_t i = base + k * stride;
-      if (i < vecs) {
-        int64_t src, dst;
-        offsets(i, src, dst);
-        raw[k] = (Cfg::kWeightDv || i < src_vecs) ? __ldg(reinterpret_cast<const uint4*>(weight + src))
-                                                  : make_uint4(0, 0, 0, 0);
-      }
+    for (int j = 0; j < kCopyInFlight; ++j, at.next()) {
+      raw[j] = (at.more() && (kDv || at.col < src_vecs))
+                   ? __ldg(reinterpret_cast<const uint4*>(weight + weight_offset<kDv>(at, start, depth, vocab)))
+                   : make_uint4(0, 0, 0, 0);
     }
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kCopyInFlight; ++k) {
-      const int64_t i = base + k * stride;
-      if (i < vecs) {
-        int64_t src, dst;
-        offsets(i, src, dst);
-        const T* w = reinterpret_cast<const T*>(&raw[k]);
-        uint4 out;
-        __half2* o = reinterpret_cast<__half2*>(&out);
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          o[e] = __floats2half2_rn(static_cast<float>(w[2 * e]) * scale, static_cast<float>(w[2 * e + 1]) * scale);
-        }
-        *reinterpret_cast<uint4*>(p.w16 + dst) = out;
+    for (int j = 0; j < kCopyInFlight; ++j, it.next()) {
+      if (!it.more()) continue;
+      const T* w = reinterpret_cast<const T*>(&raw[j]);
+      uint4 out;
+      __half2* o = reinterpret_cast<__half2*>(&out);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        o[e] = __floats2half2_rn(static_cast<float>(w[2 * e]) * scale, static_cast<float>(w[2 * e + 1]) * scale);
       }
+      const int64_t dst = kDv ? it.row * size + 8 * it.col : 8 * it.col;
+      *reinterpret_cast<uint4*>(p.w16 + dst) = out;
     }
   }
   if (p.next_wmax) {
-    fold_weight_absmax<T, Cfg::kWeightDv>(weight, p.next_start, p.next_size, depth, vocab,
-                                          blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid, stride, p.next_wmax);
+    fold_weight_absmax<T, kDv>(weight, p.next_start, p.next_size, depth, vocab, first, stride, p.next_wmax);
   }
 }
 

@@ -8,36 +8,54 @@
 
 namespace jaxrl_sm90 {
 
+// Vectors first, first + stride, ... of a range of `rows` x `row_vecs` vectors of 8 elements,
+// as (row, col), stepped with no division (the producer warps that walk them run on 40
+// registers beside the tensor-core-bound consumers).
+struct VectorWalk {
+  int64_t row, col, rows, row_vecs, step_rows, step_cols;
+  __device__ __forceinline__ VectorWalk(int64_t rows_, int64_t row_vecs_, int64_t first, int64_t stride)
+      : row(first / row_vecs_), col(first % row_vecs_), rows(rows_), row_vecs(row_vecs_),
+        step_rows(stride / row_vecs_), step_cols(stride % row_vecs_) {}
+  __device__ __forceinline__ bool more() const { return row < rows; }
+  __device__ __forceinline__ void next() {
+    row += step_rows;
+    col += step_cols;
+    if (col >= row_vecs) {
+      col -= row_vecs;
+      ++row;
+    }
+  }
+};
+
+// The walk over W's columns [start, start + size) (size % 8 == 0 in "dv"): "vd" is one row of
+// size D / 8 vectors from W + start D; "dv" is D rows of size / 8 vectors, V apart, from W + start.
+template <bool kDv>
+__device__ __forceinline__ VectorWalk weight_walk(int64_t size, int64_t depth, int64_t first, int64_t stride) {
+  return kDv ? VectorWalk(depth, size / 8, first, stride) : VectorWalk(1, size * depth / 8, first, stride);
+}
+template <bool kDv>
+__device__ __forceinline__ int64_t weight_offset(const VectorWalk& it, int64_t start, int64_t depth, int64_t vocab) {
+  return kDv ? it.row * vocab + start + 8 * it.col : start * depth + 8 * it.col;
+}
+
 // T: a 16-bit float type (cutlass::bfloat16_t, cutlass::half_t). This thread's share of the
-// chunk is its vectors of 8 elements first, first + stride, ..., with kInFlight loads in
-// flight; the result is merged into *out by one atomicMax per warp (all 32 lanes call this).
+// range, 4 loads in flight, merged into *out by one atomicMax per warp (all 32 lanes call it).
 template <class T, bool kDv>
 __device__ void fold_weight_absmax(const T* weight, int64_t start, int64_t size, int64_t depth, int64_t vocab,
                                    int64_t first, int64_t stride, uint32_t* out) {
   constexpr int kInFlight = 4;
-  // "dv": vector i is (row i / row_vecs, column start + 8 (i % row_vecs)); the quotient and
-  // remainder advance by those of the stride, with no division in the loop.
-  const int64_t row_vecs = kDv ? size / 8 : size * depth / 8;
-  const int64_t rows = kDv ? depth : 1;
-  if (row_vecs == 0) return;  // an empty range (the same for every lane)
-  const int64_t step_rows = stride / row_vecs, step_cols = stride % row_vecs;
-  int64_t row = first / row_vecs, col = first % row_vecs;
-  const T* base = weight + (kDv ? start : start * depth);
-  const int64_t pitch = kDv ? vocab : 0;
+  if (size == 0) return;  // the same for every lane
   uint32_t m = 0;
-  while (row < rows) {
-    uint4 raw[kInFlight];
-    int k = 0;
-    for (; k < kInFlight && row < rows; ++k) {
-      raw[k] = __ldg(reinterpret_cast<const uint4*>(base + row * pitch + 8 * col));
-      row += step_rows;
-      col += step_cols;
-      if (col >= row_vecs) {
-        col -= row_vecs;
-        ++row;
-      }
+  VectorWalk it = weight_walk<kDv>(size, depth, first, stride);
+  while (it.more()) {
+    uint4 raw[kInFlight];  // compile-time indices only: the array stays in registers
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j, it.next()) {
+      raw[j] = it.more() ? __ldg(reinterpret_cast<const uint4*>(weight + weight_offset<kDv>(it, start, depth, vocab)))
+                         : make_uint4(0, 0, 0, 0);  // |0| adds nothing to the max
     }
-    for (int j = 0; j < k; ++j) {
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
       const T* w = reinterpret_cast<const T*>(&raw[j]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) m = max(m, __float_as_uint(fabsf(static_cast<float>(w[e]))));
