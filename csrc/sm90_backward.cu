@@ -71,8 +71,8 @@ __global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const
   }
 }
 
-// Folds max |W| over the columns [start, start + size) into *out, in the weight's dtype/layout.
-std::string launch_weight_absmax(DType dtype, bool weight_dv, const void* weight, int start, int size, int d, int v,
+// Folds max |W| over the columns [start, start + size) into *out (check with cuda_error).
+void launch_weight_absmax(DType dtype, bool weight_dv, const void* weight, int start, int size, int d, int v,
                                  uint32_t* out, int sm_count, cudaStream_t stream) {
   const dim3 grid(4 * sm_count), block(256);
   if (dtype == DType::kBF16) {
@@ -84,7 +84,6 @@ std::string launch_weight_absmax(DType dtype, bool weight_dv, const void* weight
     if (weight_dv) weight_absmax_kernel<cutlass::half_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
     else weight_absmax_kernel<cutlass::half_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
   }
-  return {};
 }
 
 std::string cuda_error(const char* what) {

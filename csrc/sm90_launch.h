@@ -123,8 +123,8 @@ struct BackwardArgs {
   int sm_count = 0;
 };
 
-// Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight and the
-// GEMMs' own workspace, each 256-byte aligned.
+// Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight, each
+// chunk's max |W| and 1 / sigma, and the GEMMs' own workspace, each 256-byte aligned.
 size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype);
 
 std::string launch_backward(const BackwardArgs& args, cudaStream_t stream);

@@ -122,13 +122,14 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
 def test_backward_workspace_holds_its_buffers(n, v, d, chunk, layout):
     """The fused backward's workspace: G [N, ld] and the weight copy (ld = the widest chunk
     rounded up to 8 columns), a d_weight tail buffer exactly when a "vd" last chunk is not a
-    multiple of 8 wide, and the GEMMs' own workspace, each 256-byte aligned."""
+    multiple of 8 wide, each chunk's max |W| and 1 / sigma, and the GEMMs' own workspace,
+    each 256-byte aligned."""
     if ffi._sm90 is None:
         pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
     up = lambda x, a: -(-x // a) * a
     widest, last = min(chunk, v), v - (v - 1) // chunk * chunk
     ld = up(widest, 8)
-    core = up(2 * n * ld, 256) + up(2 * ld * d, 256)
+    core = up(2 * n * ld, 256) + up(2 * ld * d, 256) + 2 * up(4 * -(-v // chunk), 256)
     tail = up(2 * up(last, 8) * d, 256) if layout == "vd" and last % 8 else 0
     got = ffi._sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", True)
     assert got % 256 == 0 and core + tail <= got <= core + tail + 2**20
