@@ -15,6 +15,9 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --profile-backward vd,dv  # per kernel
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --kernels      # SM90 kernels vs one GEMM
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --fused        # one-call ffi backward A/B
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
