@@ -38,6 +38,7 @@ import numpy as np
 
 import jaxrl_kernels as jk
 from benchmarks import common
+from benchmarks.side_by_side.jax_worker import xla_materialised
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 
 SIZES = {
@@ -268,6 +269,14 @@ def profile_targets():
     jax.block_until_ready(fwdbwd(h, w, t, g))
 
 
+def in_rotation(keys, rounds):
+    """``keys`` in turn, ``rounds`` times, each round starting one further along (so that
+    drift and order hit all alike)."""
+    keys = list(keys)
+    for r in range(rounds):
+        yield from keys[r % len(keys):] + keys[:r % len(keys)]
+
+
 def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8):
     """Where the wall clock of one forward+backward goes, against its device time: for the
     automatic path per layout, XLA's materialised path and one GEMM, the median of
@@ -314,12 +323,6 @@ def timeline(layouts=("vd", "dv"), n=4096, d=2048, v=131072, calls=6, reps=8):
     return rows
 
 
-def xla_materialised(h, w, t):
-    """What a JAX user writes without us: float32 logits [N, V], log_softmax, gather."""
-    z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return jnp.take_along_axis(jax.nn.log_softmax(z, -1), t[:, None], 1)[:, 0]
-
-
 DEVICE_SIZES = [(4096, 2048, 32768), (4096, 2048, 131072), (4096, 2048, 151936)]
 
 
@@ -345,11 +348,9 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
         for fn, args in variants.values():
             common.warm_up(fn, *args, seconds=0.5)
         spans = {key: [] for key in variants}
-        order = list(variants)
-        for r in range(rounds):
-            for key in order[r % len(order):] + order[:r % len(order)]:
-                fn, args = variants[key]
-                spans[key] += common.call_spans(fn, args, calls + 1)[0][1:]
+        for key in in_rotation(variants, rounds):
+            fn, args = variants[key]
+            spans[key] += common.call_spans(fn, args, calls + 1)[0][1:]
         for (impl, layout), (fn, args) in variants.items():
             span = float(np.median([s[1] for s in spans[(impl, layout)]]))
             gemm = float(np.median([s[1] for s in spans[("gemm", layout)]]))
@@ -380,12 +381,10 @@ def gemm_schedules_table(sizes, rounds=6, calls=3):
             fwdbwd = op_fns(public(None, weight_layout=layout))[1]
             common.warm_up(fwdbwd, h, w, t, g)
             got = {sch: [] for sch in GEMM_SCHEDULES}
-            for r in range(rounds):
-                order = GEMM_SCHEDULES[r % len(GEMM_SCHEDULES):] + GEMM_SCHEDULES[:r % len(GEMM_SCHEDULES)]
-                for sch in order:
-                    os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
-                    got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
-                                                  match="GemmUniversal")[0][1:]
+            for sch in in_rotation(GEMM_SCHEDULES, rounds):
+                os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
+                got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
+                                              match="GemmUniversal")[0][1:]
             os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
             for sch, spans in got.items():
                 rows.append({"N": n, "D": d, "V": v, "layout": layout,
@@ -450,14 +449,11 @@ ROUNDS = 4
 
 
 def rotated(variants, rounds=ROUNDS):
-    """{name: (fn, args)} timed in turn, ``rounds`` times, each round starting one further
-    along (drift and order hit all alike): {name: median of its rounds' medians}."""
+    """{name: (fn, args)} timed ``in_rotation``: {name: median of its rounds' medians}."""
     times = {name: [] for name in variants}
-    order = list(variants)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            fn, args = variants[name]
-            times[name].append(timed(fn, *args))
+    for name in in_rotation(variants, rounds):
+        fn, args = variants[name]
+        times[name].append(timed(fn, *args))
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
