@@ -18,6 +18,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --grad-store   # G stores: bulk vs per warp
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -366,32 +367,33 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
 
 
 GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
+GRAD_STORES = ("", "warp")
 
 
-def gemm_schedules_table(sizes, rounds=6, calls=3):
-    """The backward's CUTLASS GEMMs under each tile-scheduler raster order and swizzle
-    (JAXRL_SM90_GEMM_SCHEDULE, read by the custom call at run time, so one compiled
-    forward+backward serves all): per layout and schedule the median device span of the
-    automatic forward+backward and the per-call device time of its CUTLASS GEMM kernels,
-    over ``rounds`` rotated rounds of ``calls`` traced calls."""
+def env_variants_table(var, values, sizes, *, match, label, rounds=6, calls=3):
+    """The automatic forward+backward under each value of the environment variable ``var``
+    (read by the custom call at run time, so one compiled function serves all): per size,
+    layout and value, the median device span of the call and the per-call device time of
+    the kernels whose name contains ``match``, over ``rounds`` rotated rounds of ``calls``
+    traced calls."""
     rows = []
     for n, d, v in sizes:
         for layout in ("vd", "dv"):
             h, w, t, g = inputs(n, d, v, layout)
             fwdbwd = op_fns(public(None, weight_layout=layout))[1]
             common.warm_up(fwdbwd, h, w, t, g)
-            got = {sch: [] for sch in GEMM_SCHEDULES}
-            for sch in in_rotation(GEMM_SCHEDULES, rounds):
-                os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
-                got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
-                                              match="GemmUniversal")[0][1:]
-            os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
-            for sch, spans in got.items():
+            got = {value: [] for value in values}
+            for value in in_rotation(values, rounds):
+                os.environ[var] = value
+                got[value] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
+                                                match=match)[0][1:]
+            os.environ.pop(var, None)
+            for value, spans in got.items():
                 rows.append({"N": n, "D": d, "V": v, "layout": layout,
-                             "schedule": sch or "default (heuristic, 1)",
+                             label: value or "default",
                              "fwdbwd_device_ms": float(np.median([x[1] for x in spans])),
-                             "gemms_ms": float(np.median([x[4] for x in spans])),
-                             "calls": len(spans)})
+                             "matched_ms": float(np.median([x[4] for x in spans])),
+                             "matched": match, "calls": len(spans)})
                 print(rows[-1], flush=True)
             del h, w
     return rows
@@ -572,6 +574,9 @@ def main():
                              "the device span of a profiler trace")
     parser.add_argument("--gemm-schedules", action="store_true",
                         help="the backward's CUTLASS GEMMs under each raster order / swizzle")
+    parser.add_argument("--grad-store", action="store_true",
+                        help="the grad kernel's bulk asynchronous G stores against per-warp "
+                             "stores (JAXRL_SM90_GRAD_STORE)")
     parser.add_argument("--device-times", action="store_true",
                         help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
                              "layouts, at V = 32768, 131072, 151936")
@@ -598,9 +603,20 @@ def main():
     if args.gemm_schedules:
         print(common.metadata(), flush=True)
         sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
-        print(common.write_results("bench_gemm_schedules", gemm_schedules_table(sizes),
+        rows = env_variants_table("JAXRL_SM90_GEMM_SCHEDULE", GEMM_SCHEDULES, sizes,
+                                  match="GemmUniversal", label="schedule")
+        print(common.write_results("bench_gemm_schedules", rows,
                                    ["N", "D", "V", "layout", "schedule", "fwdbwd_device_ms",
-                                    "gemms_ms", "calls"]))
+                                    "matched_ms", "matched", "calls"]))
+        return
+    if args.grad_store:
+        print(common.metadata(), flush=True)
+        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
+        rows = env_variants_table("JAXRL_SM90_GRAD_STORE", GRAD_STORES, sizes,
+                                  match="grad_kernel", label="store")
+        print(common.write_results("bench_grad_store", rows,
+                                   ["N", "D", "V", "layout", "store", "fwdbwd_device_ms",
+                                    "matched_ms", "matched", "calls"]))
         return
     if args.device_times:
         print(common.metadata(), flush=True)
