@@ -17,8 +17,8 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --fused        # one-call ffi backward A/B
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks       # SM clock, power, back to back
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --grad-store   # G stores: bulk vs per warp
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -367,7 +367,6 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
 
 
 GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
-GRAD_STORES = ("", "warp")
 
 
 def env_variants_table(var, values, sizes, *, match, label, rounds=6, calls=3):
@@ -396,6 +395,77 @@ def env_variants_table(var, values, sizes, *, match, label, rounds=6, calls=3):
                              "matched": match, "calls": len(spans)})
                 print(rows[-1], flush=True)
             del h, w
+    return rows
+
+
+SMI_FIELDS = ("clocks.sm", "power.draw", "power.limit", "temperature.gpu",
+              "clocks_event_reasons.active")
+
+
+def sampled_gpu_state(run, period_ms=50, skip=10):
+    """``run()`` while nvidia-smi samples the SM clock, board power, power limit, temperature
+    and clock-event reasons every ``period_ms``: (run's result, {field: median over the
+    samples after the first ``skip``}, reasons as the most frequent bit mask)."""
+    import collections
+    import subprocess
+
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}",
+                            "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        result = run()
+    finally:
+        smi.terminate()
+        text = smi.communicate()[0]
+    samples = [[x.strip() for x in line.split(",")] for line in text.splitlines()]
+    samples = [x for x in samples if len(x) == len(SMI_FIELDS)][skip:]
+    state = {f: float(np.median([float(x[i]) for x in samples])) for i, f in
+             enumerate(SMI_FIELDS[:-1])} if samples else {}
+    state["reasons"] = collections.Counter(x[-1] for x in samples).most_common(1)[0][0] \
+        if samples else None
+    state["samples"] = len(samples)
+    return result, state
+
+
+def clocks_table(n=4096, d=2048, v=131072, seconds=4.0, sync_every=8):
+    """Each variant back to back for ``seconds`` (a synchronisation every ``sync_every``
+    calls, as a training loop runs), with the GPU's SM clock, power and clock-event reasons
+    sampled meanwhile (``sampled_gpu_state``): whether a tensor-core-bound loop runs at the
+    clock of a lone call, or at the board's power limit. Variants: one GEMM, our forward and
+    forward+backward in both layouts, XLA's materialised forward+backward."""
+    variants = {}
+    for layout in ("vd", "dv"):
+        h, w, t, g = inputs(n, d, v, layout)
+        fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
+        variants[("gemm", layout)] = (gemm_call(layout), (h, w))
+        variants[("forward", layout)] = (fwd, (h, w, t))
+        variants[("forward+backward", layout)] = (fwdbwd, (h, w, t, g))
+    h, w, t, g = inputs(n, d, v)
+    variants[("xla materialised forward+backward", "vd")] = (op_fns(xla_materialised)[1],
+                                                             (h, w, t, g))
+    rows = []
+    for (impl, layout), (fn, args) in variants.items():
+        common.warm_up(fn, *args, seconds=0.5)
+        time.sleep(1.0)  # every variant starts from an idle GPU
+
+        def loop(fn=fn, args=args):
+            calls, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                out = fn(*args)
+                calls += 1
+                if calls % sync_every == 0:
+                    jax.block_until_ready(out)
+            jax.block_until_ready(out)
+            return calls, time.perf_counter() - start
+
+        (calls, elapsed), state = sampled_gpu_state(loop)
+        rows.append({"N": n, "D": d, "V": v, "layout": layout, "impl": impl,
+                     "per_call_ms": 1e3 * elapsed / calls, "calls": calls,
+                     "sm_clock_mhz": state.get("clocks.sm"), "power_w": state.get("power.draw"),
+                     "power_limit_w": state.get("power.limit"),
+                     "temperature_c": state.get("temperature.gpu"),
+                     "clock_reasons": state.get("reasons"), "samples": state.get("samples")})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -574,9 +644,8 @@ def main():
                              "the device span of a profiler trace")
     parser.add_argument("--gemm-schedules", action="store_true",
                         help="the backward's CUTLASS GEMMs under each raster order / swizzle")
-    parser.add_argument("--grad-store", action="store_true",
-                        help="the grad kernel's bulk asynchronous G stores against per-warp "
-                             "stores (JAXRL_SM90_GRAD_STORE)")
+    parser.add_argument("--clocks", action="store_true",
+                        help="SM clock and power while GEMM, forward, fwd+bwd run back to back")
     parser.add_argument("--device-times", action="store_true",
                         help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
                              "layouts, at V = 32768, 131072, 151936")
@@ -609,14 +678,12 @@ def main():
                                    ["N", "D", "V", "layout", "schedule", "fwdbwd_device_ms",
                                     "matched_ms", "matched", "calls"]))
         return
-    if args.grad_store:
+    if args.clocks:
         print(common.metadata(), flush=True)
-        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
-        rows = env_variants_table("JAXRL_SM90_GRAD_STORE", GRAD_STORES, sizes,
-                                  match="grad_kernel", label="store")
-        print(common.write_results("bench_grad_store", rows,
-                                   ["N", "D", "V", "layout", "store", "fwdbwd_device_ms",
-                                    "matched_ms", "matched", "calls"]))
+        print(common.write_results("bench_clocks", clocks_table(),
+                                   ["N", "D", "V", "layout", "impl", "per_call_ms", "calls",
+                                    "sm_clock_mhz", "power_w", "power_limit_w",
+                                    "temperature_c", "clock_reasons", "samples"]))
         return
     if args.device_times:
         print(common.metadata(), flush=True)

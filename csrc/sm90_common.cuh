@@ -51,37 +51,21 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Bulk asynchronous shared->global copies (the TMA unit's 1-D form): `bytes` and both
-// addresses multiples of 16. A thread's copies form groups that only it can wait for.
-__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, int bytes) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(s), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until this thread's copies have read their shared memory (it may be written again).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// Until this thread's copies have completed.
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Makes this thread's generic-proxy shared-memory writes visible to bulk copies.
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // ---- compile-time configuration -----------------------------------------------------
 
-template <class T, bool kDv, int Stages = kStages>
+template <class T, bool kDv>
 struct Config {
   using Element = T;
   static constexpr bool kWeightDv = kDv;
-  static constexpr int kPipeStages = Stages;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
   using BK = Int<kBlockK>;
   static constexpr GMMA::Major kMajorB = kDv ? GMMA::Major::MN : GMMA::Major::K;
 
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                             make_shape(BM{}, BK{}, Int<Stages>{})));
+                                             make_shape(BM{}, BK{}, Int<kStages>{})));
   using SmemAtomB = conditional_t<kDv, GMMA::Layout_MN_SW128_Atom<T>, GMMA::Layout_K_SW128_Atom<T>>;
-  using SmemLayoutB = decltype(tile_to_shape(SmemAtomB{}, make_shape(BN{}, BK{}, Int<Stages>{})));
+  using SmemLayoutB = decltype(tile_to_shape(SmemAtomB{}, make_shape(BN{}, BK{}, Int<kStages>{})));
 
   using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, BK>, GMMA::Major::K, kMajorB>());
   using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
@@ -108,7 +92,7 @@ struct Config {
   using TmaA = decltype(make_tma_a(nullptr, 1, 8));
   using TmaB = decltype(make_tma_b(nullptr, 8, 8));
 
-  using Pipeline = cutlass::PipelineTmaAsync<Stages>;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutA>, 1024> a;
@@ -184,7 +168,7 @@ __device__ __forceinline__ void produce_tiles(typename Cfg::Pipeline& pipeline, 
 // Consumers: acc = hidden tile . weight tile over all of D, releasing each stage as soon as
 // the wgmma that read it has retired.
 template <class Cfg, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void mma_tile(typename Cfg::Pipeline& pipeline, cutlass::PipelineState<Cfg::kPipeStages>& rstate,
+__device__ __forceinline__ void mma_tile(typename Cfg::Pipeline& pipeline, cutlass::PipelineState<kStages>& rstate,
                                          Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc, int k_tiles) {
   pipeline.consumer_wait(rstate);
   warpgroup_fence_operand(acc);

@@ -13,8 +13,6 @@
 // tile, so nothing is reduced across CTAs and every element is written exactly once.
 #pragma once
 
-#include <cstdlib>
-
 #include <cuda_fp16.h>
 
 #include "sm90_common.cuh"
@@ -131,75 +129,6 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
   }
 }
 
-// The epilogue with asynchronous stores: each consumer warp writes its 16 rows x 256 columns
-// of G into its own rows of shared memory, and 16 of its lanes hand one row each to the TMA
-// unit as a bulk copy (512 bytes of a G row). The warps go on to the next tile's mainloop
-// while the copies drain, so the 64 KiB a tile writes no longer have every SM waiting on
-// HBM at the same moment. The copies must have read the rows before the next tile's
-// epilogue overwrites them (bulk_wait_read, a whole mainloop later). Rows are padded to 264
-// halves (528 bytes): the 4-byte writes of the accumulator layout land in 32 banks. Where
-// G's rows are not 16-byte aligned (ld % 8 != 0), the warp copies its rows itself.
-constexpr int kStageRow = kBlockN + 8;
-
-template <class Cfg>
-struct BulkGradStorage {
-  typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
-  alignas(128) __half stage[kConsumerWarps][16 * kStageRow];
-};
-
-template <bool kEntropy, class Acc>
-__device__ __forceinline__ void store_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
-                                                const LaneRows& c, float inv_t, __half* stage, __half* out,
-                                                int warp_row0, int n_rows, int size, int ld, int local0,
-                                                bool bulk_ok) {
-  const int lane = threadIdx.x % 32;
-  const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
-  if (lane < 16) bulk_wait_read();
-  __syncwarp();
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    float b[2] = {0.f, 0.f};
-    if (has_bias) {
-      float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
-      b[0] = bb.x;
-      b[1] = bb.y;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      float gv[2];
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        gv[e] = grad_of_logit<kEntropy>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
-                                        c.gamma[r], 8 * j + e == c.tgt_rel[r]);
-      }
-      *reinterpret_cast<__half2*>(stage + (row_w + 8 * r) * kStageRow + 8 * j + 2 * q) =
-          __floats2half2_rn(gv[0], gv[1]);
-    }
-  }
-  const int cols = min(kBlockN, ld - local0);  // written: the chunk's columns, then 0 up to ld
-  const int valid = size - local0;
-  if (valid < cols) {
-    __syncwarp();
-    const int pad = cols - valid;
-    for (int i = lane; i < 16 * pad; i += 32) stage[(i / pad) * kStageRow + valid + i % pad] = __float2half(0.f);
-  }
-  fence_async_shared();
-  __syncwarp();
-  if (bulk_ok) {
-    if (lane < 16) {
-      if (warp_row0 + lane < n_rows) {
-        bulk_store(out + static_cast<size_t>(warp_row0 + lane) * ld + local0, stage + lane * kStageRow, 2 * cols);
-      }
-      bulk_commit();
-    }
-  } else {
-    for (int i = lane; i < 16 * cols; i += 32) {
-      const int row = i / cols, col = i % cols;
-      if (warp_row0 + row < n_rows) out[static_cast<size_t>(warp_row0 + row) * ld + local0 + col] = stage[row * kStageRow + col];
-    }
-  }
-}
-
 // The producer warpgroup's warps 1-3 (warp 0 streams the tiles) have nothing to do but wait;
 // they write the chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])
 // for the d_hidden GEMM that follows, in 16-byte vectors spread over all CTAs (its memory
@@ -252,14 +181,13 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
   }
 }
 
-template <class Cfg, bool kBulk>
+template <class Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_grad_kernel(const __grid_constant__ GradParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
                        const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  using Storage = conditional_t<kBulk, BulkGradStorage<Cfg>, GradStorage<Cfg>>;
-  auto& storage = aligned_shared<Storage>(smem_raw);
+  auto& storage = aligned_shared<GradStorage<Cfg>>(smem_raw);
   auto& smem = storage.main;
   const Units& g = p.units;
   const int start = p.start_ptr ? *p.start_ptr : p.start;
@@ -289,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
 
-  cutlass::PipelineState<Cfg::kPipeStages> rstate;
+  cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
   __half* stage = storage.stage[ct / 32];
@@ -321,15 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
       const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
-      if constexpr (kBulk) {
-        if (p.gamma) {
-          store_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
-                                p.ld, local0, vector_ok);
-        } else {
-          store_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
-                                 p.ld, local0, vector_ok);
-        }
-      } else if (p.gamma) {
+      if (p.gamma) {
         write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
                               p.ld, local0, vector_ok);
       } else {
@@ -338,15 +258,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  if (kBulk && threadIdx.x % 32 < 16) bulk_wait();  // the last tile's copies, before the CTA exits
 #endif
 }
 
-template <class T, bool kDv, bool kBulk>
-std::string launch_grad_store(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
-  // the bulk stores' staging rows take one pipeline stage's shared memory
-  using Cfg = Config<T, kDv, kBulk ? kStages - 1 : kStages>;
-  using Storage = conditional_t<kBulk, BulkGradStorage<Cfg>, GradStorage<Cfg>>;
+template <class T, bool kDv>
+std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
+  using Cfg = Config<T, kDv>;
   GradParams p;
   p.bias = args.bias;
   p.targets = args.targets;
@@ -369,18 +286,9 @@ std::string launch_grad_store(const GradArgs& args, const Plan& plan, cudaStream
   p.size = args.size;
   p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
-  constexpr int kSmemBytes = sizeof(Storage) + 1024;  // + manual 1 KiB alignment
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, kBulk>, p, args.hidden, args.weight, args.n, args.v, args.d,
+  constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
                            plan.grid, stream, "linear_grad_kernel", kSmemBytes);
-}
-
-// JAXRL_SM90_GRAD_STORE=warp: the synchronous per-warp stores (A/B benchmark only).
-template <class T, bool kDv>
-std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
-  const char* mode = std::getenv("JAXRL_SM90_GRAD_STORE");
-  if (mode != nullptr && std::string(mode) == "warp") return launch_grad_store<T, kDv, false>(args, plan, stream);
-  return launch_grad_store<T, kDv, true>(args, plan, stream);
 }
 
 }  // namespace jaxrl_sm90

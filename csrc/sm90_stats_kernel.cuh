@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
   static_assert(decltype(size(acc))::value == 128, "one m64n256 accumulator per thread");
 
-  cutlass::PipelineState<Cfg::kPipeStages> rstate;
+  cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
   const float c1 = p.c1;
 

@@ -4,7 +4,7 @@
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
 #                                              backward_base, profile, timeline, device_times,
-#                                              gemm_schedules, grad_store, kernels, fused,
+#                                              gemm_schedules, clocks, kernels, fused,
 #                                              linear_ffi, one_device, memcheck,
 #                                              many_devices,
 #                                              side_by_side, e2e)
@@ -65,7 +65,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     timeline) step 300 bash -c 'python3 -m benchmarks.bench_linear --timeline &&
       XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.bench_linear --timeline' ;;
     gemm_schedules) step 420 python3 -m benchmarks.bench_linear --gemm-schedules --sizes ${FUSED_SIZES:-backward} ;;
-    grad_store) step 420 python3 -m benchmarks.bench_linear --grad-store --sizes ${FUSED_SIZES:-backward} ;;
+    clocks) step 300 python3 -m benchmarks.bench_linear --clocks ;;
     device_times) step 420 python3 -m benchmarks.bench_linear --device-times ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 480 bash -c 'python3 -m benchmarks.bench_many_devices &&
