@@ -17,7 +17,7 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --fused        # one-call ffi backward A/B
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks       # SM clock, power, back to back
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks ops   # SM clock, power, back to back
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
@@ -427,26 +427,19 @@ def sampled_gpu_state(run, period_ms=50, skip=10):
     return result, state
 
 
-def clocks_table(n=4096, d=2048, v=131072, seconds=4.0, sync_every=8):
-    """Each variant back to back for ``seconds`` (a synchronisation every ``sync_every``
-    calls, as a training loop runs), with the GPU's SM clock, power and clock-event reasons
-    sampled meanwhile (``sampled_gpu_state``): whether a tensor-core-bound loop runs at the
-    clock of a lone call, or at the board's power limit. Variants: one GEMM, our forward and
-    forward+backward in both layouts, XLA's materialised forward+backward."""
-    variants = {}
-    for layout in ("vd", "dv"):
-        h, w, t, g = inputs(n, d, v, layout)
-        fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
-        variants[("gemm", layout)] = (gemm_call(layout), (h, w))
-        variants[("forward", layout)] = (fwd, (h, w, t))
-        variants[("forward+backward", layout)] = (fwdbwd, (h, w, t, g))
-    h, w, t, g = inputs(n, d, v)
-    variants[("xla materialised forward+backward", "vd")] = (op_fns(xla_materialised)[1],
-                                                             (h, w, t, g))
-    rows = []
-    for (impl, layout), (fn, args) in variants.items():
-        common.warm_up(fn, *args, seconds=0.5)
-        time.sleep(1.0)  # every variant starts from an idle GPU
+def steady_state(variants, *, seconds=3.0, sync_every=8, rounds=2):
+    """Each variant ``{(impl, layout, V): (fn, args)}`` back to back for ``seconds`` (a
+    synchronisation every ``sync_every`` calls, as a training loop runs) with the GPU's SM
+    clock, power and clock-event reasons sampled meanwhile (``sampled_gpu_state``), each
+    starting from an idle GPU, in ``rounds`` rotated rounds: one row per variant, its
+    per-call time and sampled state the medians over its rounds, and the energy per call
+    (power x time)."""
+    got = {key: [] for key in variants}
+    for fn, args in variants.values():
+        common.warm_up(fn, *args, seconds=0.3)
+    for key in in_rotation(variants, rounds):
+        fn, args = variants[key]
+        time.sleep(1.0)
 
         def loop(fn=fn, args=args):
             calls, start = 0, time.perf_counter()
@@ -459,14 +452,62 @@ def clocks_table(n=4096, d=2048, v=131072, seconds=4.0, sync_every=8):
             return calls, time.perf_counter() - start
 
         (calls, elapsed), state = sampled_gpu_state(loop)
-        rows.append({"N": n, "D": d, "V": v, "layout": layout, "impl": impl,
-                     "per_call_ms": 1e3 * elapsed / calls, "calls": calls,
-                     "sm_clock_mhz": state.get("clocks.sm"), "power_w": state.get("power.draw"),
-                     "power_limit_w": state.get("power.limit"),
-                     "temperature_c": state.get("temperature.gpu"),
-                     "clock_reasons": state.get("reasons"), "samples": state.get("samples")})
+        got[key].append((1e3 * elapsed / calls, calls, state))
+    rows = []
+    for (impl, layout, vocab), runs in got.items():
+        med = lambda f: float(np.median([r[2][f] for r in runs if r[2].get(f) is not None]))
+        per_call = float(np.median([r[0] for r in runs]))
+        rows.append({"V": vocab, "layout": layout, "impl": impl, "per_call_ms": per_call,
+                     "calls": sum(r[1] for r in runs), "sm_clock_mhz": med("clocks.sm"),
+                     "power_w": med("power.draw"), "energy_j": per_call * med("power.draw") / 1e3,
+                     "power_limit_w": med("power.limit"), "temperature_c": med("temperature.gpu"),
+                     "clock_reasons": runs[-1][2].get("reasons"), "rounds": len(runs)})
         print(rows[-1], flush=True)
     return rows
+
+
+def clock_variants(kind, n=4096, d=2048, v=131072):
+    """The variant sets of ``--clocks``: "ops" (one GEMM, our forward and forward+backward in
+    both layouts, XLA's materialised forward+backward), "forward" (one GEMM and our forward
+    at V = 32768, 131072, 151936), "kernels" (the SM90 kernels alone over all of V, beside
+    one GEMM), "chunks" (forward+backward at several backward chunk sizes)."""
+    import functools
+    from jaxrl_kernels.backends import ffi, head_grad
+
+    variants = {}
+    for vocab in ((32768, 131072, 151936) if kind == "forward" else (v,)):
+        for layout in ("vd", "dv"):
+            h, w, t, g = inputs(n, d, vocab, layout)
+            variants[("gemm", layout, vocab)] = (gemm_call(layout), (h, w))
+            fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
+            if kind in ("ops", "forward"):
+                variants[("forward", layout, vocab)] = (fwd, (h, w, t))
+            if kind == "ops":
+                variants[("forward+backward", layout, vocab)] = (fwdbwd, (h, w, t, g))
+            elif kind == "kernels":
+                valid = jnp.ones(t.shape, jnp.bool_)
+                stats = jax.jit(lambda h, w, t, layout=layout: ffi._forward_call(
+                    h, w, None, t, valid, layout, 1.0))
+                lse = stats(h, w, t)[2]
+                for name, copy in (("logit gradient", True),
+                                   ("logit gradient, no weight copy", False)):
+                    write = ffi._write_grad(None, t, layout, weight_copy=copy)
+                    grad = jax.jit(lambda h, w, lse, g, write=write, copy=copy: write(
+                        head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, vocab, h, w,
+                        1.0)[:1 + copy])
+                    variants[(name, layout, vocab)] = (grad, (h, w, lse, g))
+                variants[("forward kernels", layout, vocab)] = (stats, (h, w, t))
+            elif kind == "chunks":
+                for mib in (24, 32, 48, 64):
+                    fwdbwd = op_fns(ffi_variant(layout, functools.partial(
+                        ffi.linear_backward, chunk_bytes=mib * 2**20)))[1]
+                    variants[(f"forward+backward, {mib} MiB chunks", layout, vocab)] = (
+                        fwdbwd, (h, w, t, g))
+    if kind == "ops":
+        h, w, t, g = inputs(n, d, v)
+        variants[("xla materialised forward+backward", "vd", v)] = (
+            op_fns(xla_materialised)[1], (h, w, t, g))
+    return variants
 
 
 def profile_backward(layouts, n=4096, d=2048, v=131072):
@@ -644,8 +685,9 @@ def main():
                              "the device span of a profiler trace")
     parser.add_argument("--gemm-schedules", action="store_true",
                         help="the backward's CUTLASS GEMMs under each raster order / swizzle")
-    parser.add_argument("--clocks", action="store_true",
-                        help="SM clock and power while GEMM, forward, fwd+bwd run back to back")
+    parser.add_argument("--clocks", choices=("ops", "forward", "kernels", "chunks"),
+                        help="SM clock, power and time per call of variants run back to back "
+                             "(see clock_variants)")
     parser.add_argument("--device-times", action="store_true",
                         help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
                              "layouts, at V = 32768, 131072, 151936")
@@ -680,10 +722,11 @@ def main():
         return
     if args.clocks:
         print(common.metadata(), flush=True)
-        print(common.write_results("bench_clocks", clocks_table(),
-                                   ["N", "D", "V", "layout", "impl", "per_call_ms", "calls",
+        rows = [{"N": 4096, "D": 2048, **row} for row in steady_state(clock_variants(args.clocks))]
+        print(common.write_results(f"bench_clocks_{args.clocks}", rows,
+                                   ["N", "D", "V", "layout", "impl", "per_call_ms", "energy_j",
                                     "sm_clock_mhz", "power_w", "power_limit_w",
-                                    "temperature_c", "clock_reasons", "samples"]))
+                                    "temperature_c", "clock_reasons", "calls", "rounds"]))
         return
     if args.device_times:
         print(common.metadata(), flush=True)

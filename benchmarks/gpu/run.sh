@@ -65,7 +65,8 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     timeline) step 300 bash -c 'python3 -m benchmarks.bench_linear --timeline &&
       XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.bench_linear --timeline' ;;
     gemm_schedules) step 420 python3 -m benchmarks.bench_linear --gemm-schedules --sizes ${FUSED_SIZES:-backward} ;;
-    clocks) step 300 python3 -m benchmarks.bench_linear --clocks ;;
+    clocks) step 540 bash -c 'for kind in ${CLOCKS:-ops forward kernels chunks}; do
+      python3 -m benchmarks.bench_linear --clocks $kind || exit 1; done' ;;
     device_times) step 420 python3 -m benchmarks.bench_linear --device-times ;;
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 480 bash -c 'python3 -m benchmarks.bench_many_devices &&
