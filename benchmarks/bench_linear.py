@@ -369,30 +369,30 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
 GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
 
 
-def env_variants_table(var, values, sizes, *, match, label, rounds=6, calls=3):
-    """The automatic forward+backward under each value of the environment variable ``var``
-    (read by the custom call at run time, so one compiled function serves all): per size,
-    layout and value, the median device span of the call and the per-call device time of
-    the kernels whose name contains ``match``, over ``rounds`` rotated rounds of ``calls``
-    traced calls."""
+def gemm_schedules_table(sizes, rounds=6, calls=3):
+    """The backward's CUTLASS GEMMs under each tile-scheduler raster order and swizzle
+    (JAXRL_SM90_GEMM_SCHEDULE, read by the custom call at run time, so one compiled
+    forward+backward serves all): per layout and schedule the median device span of the
+    automatic forward+backward and the per-call device time of its CUTLASS GEMM kernels,
+    over ``rounds`` rotated rounds of ``calls`` traced calls."""
     rows = []
     for n, d, v in sizes:
         for layout in ("vd", "dv"):
             h, w, t, g = inputs(n, d, v, layout)
             fwdbwd = op_fns(public(None, weight_layout=layout))[1]
             common.warm_up(fwdbwd, h, w, t, g)
-            got = {value: [] for value in values}
-            for value in in_rotation(values, rounds):
-                os.environ[var] = value
-                got[value] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
-                                                match=match)[0][1:]
-            os.environ.pop(var, None)
-            for value, spans in got.items():
+            got = {sch: [] for sch in GEMM_SCHEDULES}
+            for sch in in_rotation(GEMM_SCHEDULES, rounds):
+                os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
+                got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
+                                              match="GemmUniversal")[0][1:]
+            os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
+            for sch, spans in got.items():
                 rows.append({"N": n, "D": d, "V": v, "layout": layout,
-                             label: value or "default",
+                             "schedule": sch or "default (heuristic, 1)",
                              "fwdbwd_device_ms": float(np.median([x[1] for x in spans])),
-                             "matched_ms": float(np.median([x[4] for x in spans])),
-                             "matched": match, "calls": len(spans)})
+                             "gemms_ms": float(np.median([x[4] for x in spans])),
+                             "calls": len(spans)})
                 print(rows[-1], flush=True)
             del h, w
     return rows
@@ -472,31 +472,22 @@ def clock_variants(kind, n=4096, d=2048, v=131072):
     at V = 32768, 131072, 151936), "kernels" (the SM90 kernels alone over all of V, beside
     one GEMM), "chunks" (forward+backward at several backward chunk sizes)."""
     import functools
-    from jaxrl_kernels.backends import ffi, head_grad
+    from jaxrl_kernels.backends import ffi
 
     variants = {}
     for vocab in ((32768, 131072, 151936) if kind == "forward" else (v,)):
         for layout in ("vd", "dv"):
             h, w, t, g = inputs(n, d, vocab, layout)
             variants[("gemm", layout, vocab)] = (gemm_call(layout), (h, w))
-            fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
             if kind in ("ops", "forward"):
+                fwd, fwdbwd = op_fns(public(None, weight_layout=layout))
                 variants[("forward", layout, vocab)] = (fwd, (h, w, t))
-            if kind == "ops":
-                variants[("forward+backward", layout, vocab)] = (fwdbwd, (h, w, t, g))
+                if kind == "ops":
+                    variants[("forward+backward", layout, vocab)] = (fwdbwd, (h, w, t, g))
             elif kind == "kernels":
-                valid = jnp.ones(t.shape, jnp.bool_)
-                stats = jax.jit(lambda h, w, t, layout=layout: ffi._forward_call(
-                    h, w, None, t, valid, layout, 1.0))
-                lse = stats(h, w, t)[2]
-                for name, copy in (("logit gradient", True),
-                                   ("logit gradient, no weight copy", False)):
-                    write = ffi._write_grad(None, t, layout, weight_copy=copy)
-                    grad = jax.jit(lambda h, w, lse, g, write=write, copy=copy: write(
-                        head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, vocab, h, w,
-                        1.0)[:1 + copy])
-                    variants[(name, layout, vocab)] = (grad, (h, w, lse, g))
-                variants[("forward kernels", layout, vocab)] = (stats, (h, w, t))
+                for name, call in sm90_kernel_variants(h, w, t, g, layout).items():
+                    name = "forward kernels" if name == "forward" else name
+                    variants[(name, layout, vocab)] = call
             elif kind == "chunks":
                 for mib in (24, 32, 48, 64):
                     fwdbwd = op_fns(ffi_variant(layout, functools.partial(
@@ -606,6 +597,25 @@ def fused_table(sizes):
     return rows
 
 
+def sm90_kernel_variants(h, w, t, g, layout):
+    """The SM90 kernels alone over all of V (C = V) as jitted calls with their arguments:
+    "forward" (statistics + combine), "logit gradient" (with its float16 copy of W) and
+    "logit gradient, no weight copy"."""
+    from jaxrl_kernels.backends import ffi, head_grad
+
+    v = w.shape[0] if layout == "vd" else w.shape[1]
+    valid = jnp.ones(t.shape, jnp.bool_)
+    fwd = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, valid, layout, 1.0))
+    lse = fwd(h, w, t)[2]
+    variants = {"forward": (fwd, (h, w, t))}
+    for name, copy in (("logit gradient", True), ("logit gradient, no weight copy", False)):
+        write = ffi._write_grad(None, t, layout, weight_copy=copy)
+        grad = jax.jit(lambda h, w, lse, g, write=write, copy=copy: write(
+            head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0)[:1 + copy])
+        variants[name] = (grad, (h, w, lse, g))
+    return variants
+
+
 def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 131072),
                         (8192, 4096, 151936))):
     """The two SM90 kernels alone over all of V, each against one XLA GEMM of the same shape:
@@ -613,27 +623,13 @@ def kernel_table(sizes=((4096, 2048, 32768), (4096, 2048, 131072), (4096, 4096, 
     (C = V, with its float16 copy of W). After a second of GEMMs to bring the clocks up, the three are timed in turn,
     ROUNDS times, each round starting one further along (drift and order hit all alike); each
     row is the median of its rounds' medians."""
-    from jaxrl_kernels.backends import ffi, head_grad
-
     rows = []
     for n, d, v in sizes:
         for layout in ("vd", "dv"):
             h, w, t, g = inputs(n, d, v, layout)
             gemm_fn = gemm_call(layout)
             common.warm_up(gemm_fn, h, w)
-            valid = jnp.ones(t.shape, jnp.bool_)
-            fwd = jax.jit(lambda h, w, t, layout=layout: ffi._forward_call(
-                h, w, None, t, valid, layout, 1.0))
-            lse = fwd(h, w, t)[2]
-            write = ffi._write_grad(None, t, layout)
-            grad = jax.jit(lambda h, w, lse, g, v=v, write=write: write(
-                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0))
-            plain = ffi._write_grad(None, t, layout, weight_copy=False)
-            grad_plain = jax.jit(lambda h, w, lse, g, v=v, write=plain: write(
-                head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0)[0])
-            variants = {"gemm": (gemm_fn, (h, w)), "forward": (fwd, (h, w, t)),
-                        "logit gradient": (grad, (h, w, lse, g)),
-                        "logit gradient, no weight copy": (grad_plain, (h, w, lse, g))}
+            variants = {"gemm": (gemm_fn, (h, w)), **sm90_kernel_variants(h, w, t, g, layout)}
             times = rotated(variants)
             gemm = times["gemm"]
             for name in list(variants)[1:]:
@@ -714,15 +710,15 @@ def main():
     if args.gemm_schedules:
         print(common.metadata(), flush=True)
         sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
-        rows = env_variants_table("JAXRL_SM90_GEMM_SCHEDULE", GEMM_SCHEDULES, sizes,
-                                  match="GemmUniversal", label="schedule")
-        print(common.write_results("bench_gemm_schedules", rows,
+        print(common.write_results("bench_gemm_schedules", gemm_schedules_table(sizes),
                                    ["N", "D", "V", "layout", "schedule", "fwdbwd_device_ms",
-                                    "matched_ms", "matched", "calls"]))
+                                    "gemms_ms", "calls"]))
         return
     if args.clocks:
         print(common.metadata(), flush=True)
-        rows = [{"N": 4096, "D": 2048, **row} for row in steady_state(clock_variants(args.clocks))]
+        n, d = 4096, 2048
+        rows = [{"N": n, "D": d, **row}
+                for row in steady_state(clock_variants(args.clocks, n, d))]
         print(common.write_results(f"bench_clocks_{args.clocks}", rows,
                                    ["N", "D", "V", "layout", "impl", "per_call_ms", "energy_j",
                                     "sm_clock_mhz", "power_w", "power_limit_w",
