@@ -63,6 +63,7 @@ OP_PRIMITIVE: dict[str, str] = {
     "grpo_loss": "paired_logprobs",
     "linear_ppo_loss": "linear_logprobs",
     "linear_grpo_loss": "linear_logprobs",
+    "linear_policy_gradient_loss": "linear_logprobs",
     "ppo_loss": "ppo_loss",
     "group_advantages": "group_advantages",
 }
@@ -266,7 +267,7 @@ _recorder: contextvars.ContextVar[list[tuple[str, Choice | str]] | None] = conte
     "jaxrl_kernels_recorder", default=None)
 
 
-def record(op: str, choice: Choice) -> Choice:
+def record(op: str, choice: Choice | MemoryNote) -> Choice | MemoryNote:
     log = _recorder.get()
     if log is not None:
         log.append((op, choice))
@@ -306,11 +307,73 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         if isinstance(choice, str):  # a layout note from sharding.run
             lines.append(f"  layout: {choice}")
             continue
+        if isinstance(choice, MemoryNote):  # fast: the op's own line; lean: under its backend
+            lines.append(f"{step}: {choice.text}" if choice.mode == "fast"
+                         else f"  memory: {choice.text}")
+            continue
         how = "requested" if choice.explicit else "automatic"
         lines.append(f"{step}: {choice.backend} ({how})")
         for name, why in choice.declined:
             lines.append(f"  - {name} declined: {why}")
     return "\n".join(lines)
+
+
+# -- the memory mode of the linear-head ops ----------------------------------------------------
+
+MEMORY_MODES = ("lean", "fast")
+"""``memory=`` of the linear-head ops: ``"lean"`` (the default) keeps nothing ``[N, V]``-sized
+and recomputes the logits in the backward (4 GEMMs); ``"fast"`` keeps the forward's logits for
+the backward (3 GEMMs, ``saved_logits``); an int is a byte budget: ``"fast"`` when the kept
+logits fit in it, else ``"lean"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNote:
+    """What :func:`memory_mode` decided, for :func:`explain`."""
+
+    mode: str
+    text: str
+
+
+def _size(n_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{int(n_bytes)} bytes"
+
+
+def memory_mode(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
+                kept_dtype: Any, backend: str | None) -> MemoryNote:
+    """``"lean"`` or ``"fast"`` (``.mode``) for a linear-head op's ``memory=`` argument, with the
+    reason (``.text``; pass the note to :func:`record` for :func:`explain`). ``kept_bytes``:
+    what ``"fast"`` would keep from forward to backward."""
+    is_budget = isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
+    if not (is_budget or (isinstance(memory, str) and memory in MEMORY_MODES)):
+        raise ValueError(f"memory: expected 'lean', 'fast' or a byte budget (an int >= 0), "
+                         f"got {memory!r}")
+    size = _size(kept_bytes)
+    if is_budget:
+        if memory < 0:
+            raise ValueError(f"memory: a byte budget must be >= 0, got {memory}")
+        mode = "fast" if kept_bytes <= memory else "lean"
+        why = (f"memory={int(memory)}: a budget of {_size(int(memory))} "
+               f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps")
+    else:
+        mode, why = memory, f"memory={memory!r}"
+    if mode == "fast" and backend is not None:
+        raise ValueError(f"backend: {backend!r} serves memory='lean' only; memory='fast' computes "
+                         "the logits with XLA's GEMM and keeps them (pass backend=None)")
+    if mode == "fast":
+        text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
+                f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, 3 per "
+                "forward+backward")
+        wanted = requested_backend(None)
+        if wanted is not None:
+            text += f"; the backend override {wanted!r} applies to memory='lean' only"
+    else:
+        text = (f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
+                "(4 GEMMs per forward+backward)")
+    return MemoryNote(mode, text)
 
 
 def dtype_name(x: Any) -> str:

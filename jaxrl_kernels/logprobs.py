@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import dispatch, logprob_core, sharding
+from jaxrl_kernels import dispatch, logprob_core, saved_logits, sharding
 from jaxrl_kernels import validation as check
 
 WEIGHT_LAYOUTS = ("vd", "dv")
@@ -91,14 +91,31 @@ def check_linear_head(hidden, weight, bias, weight_layout):
 
 
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
-                         temperature, return_entropy, backend, vocab_axis=None):
+                         temperature, return_entropy, backend, vocab_axis=None, memory="lean"):
     """Dispatch the linear_logprobs primitive on validated inputs: hidden [..., D] with rows
-    [...] (targets, row_valid). Returns (logp [...], entropy [...] | None)."""
+    [...] (targets, row_valid). Returns (logp [...], entropy [...] | None).
+
+    ``memory``: ``"lean"``, ``"fast"`` or a byte budget (``dispatch.memory_mode``); ``"fast"``
+    keeps the logits for the backward (``saved_logits``)."""
     n_rows = math.prod(targets.shape)
+    local_vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    vocab = global_vocab(local_vocab, vocab_axis)
+    memory_note = dispatch.memory_mode(
+        op, memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
+        tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
+        backend)
+    if memory_note.mode == "fast":
+        dispatch.record(op, memory_note)
+        return saved_logits.linear_logprobs(
+            hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+            weight_layout=weight_layout, temperature=float(temperature),
+            return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
+            record=dispatch.plan_recorder(op))
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = dispatch.linear_problem(op, flat_hidden, weight, bias, weight_layout=weight_layout,
                                       return_entropy=return_entropy)
     choice = dispatch.record(op, dispatch.select(op, problem, backend))
+    dispatch.record(op, memory_note)
 
     def standalone_backward():
         backward = dispatch.select(op, problem, primitive="linear_logprobs_backward",
@@ -113,7 +130,8 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight
 
 
 def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
-                    ignore_index=None, return_entropy=False, backend=None, vocab_axis=None):
+                    ignore_index=None, return_entropy=False, backend=None, vocab_axis=None,
+                    memory="lean"):
     """token_logprobs(hidden @ W^T + bias, targets) without materialising the logits.
 
     hidden: [..., D]; weight: [V, D] (``"vd"``, LM head / tied embedding) or
@@ -121,6 +139,9 @@ def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", t
     Differentiable in hidden, weight and bias. Inside ``jax.shard_map``,
     ``vocab_axis`` names the mesh axis over which weight (and bias) hold consecutive
     vocabulary slices; targets stay global ids and the results are the global ones.
+    ``memory``: ``"lean"`` (default; nothing [N, V] kept, the backward recomputes the
+    logits), ``"fast"`` (the forward's logits kept for the backward in the head's 16-bit
+    dtype: one GEMM fewer, N·V·2 bytes more) or a byte budget (``"fast"`` when they fit).
     """
     hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
     targets = check.integer("targets", targets)
@@ -132,5 +153,5 @@ def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", t
     logp, entropy = linear_logprobs_rows(
         hidden, weight, bias, targets, row_valid, op="linear_logprobs",
         weight_layout=weight_layout, temperature=temperature, return_entropy=return_entropy,
-        backend=backend, vocab_axis=vocab_axis)
+        backend=backend, vocab_axis=vocab_axis, memory=memory)
     return (logp, entropy) if return_entropy else logp

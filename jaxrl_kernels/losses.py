@@ -362,11 +362,11 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask,
 
 
 def _linear_logprobs(op, hidden, weight, bias, actions, mask, weight_layout, temperature,
-                     return_entropy, backend, vocab_axis):
+                     return_entropy, backend, vocab_axis, memory):
     return linear_logprobs_rows(
         hidden, weight, bias, actions, mask != 0, op=op, weight_layout=weight_layout,
         temperature=temperature, return_entropy=return_entropy, backend=backend,
-        vocab_axis=vocab_axis)
+        vocab_axis=vocab_axis, memory=memory)
 
 
 def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias=None,
@@ -374,12 +374,13 @@ def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias
                     dual_clip=None, rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0,
                     kl_estimator="k3", entropy_coef=0.0, loss_agg_mode="token_mean",
                     max_len=None, ratio_level="token", policy_loss="ppo", tis_level="token",
-                    tis_mode="truncate", backend=None, vocab_axis=None):
+                    tis_mode="truncate", backend=None, vocab_axis=None, memory="lean"):
     """ppo_loss on log-probs of a linear LM head, never holding [B, T, V] logits.
 
     hidden: [B, T, D]; weight [V, D] ("vd") or [D, V] ("dv"). The entropy is
     computed in the same pass when entropy_coef != 0. Returns (loss, metrics). Inside
     ``jax.shard_map``, ``vocab_axis`` names the axis splitting the weight's vocabulary.
+    ``memory``: as in linear_logprobs (``"fast"`` keeps the logits: 3 GEMMs instead of 4).
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
         hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
@@ -391,7 +392,7 @@ def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias
                       _variants(ratio_level, policy_loss, tis_level, tis_mode))
     logp, entropy = _linear_logprobs("linear_ppo_loss", hidden, weight, bias, actions, mask,
                                      weight_layout, temperature, with_entropy, backend,
-                                     vocab_axis)
+                                     vocab_axis, memory)
     inputs = rl_math.PPOInputs(
         logp=logp, old_logp=old_logp, advantages=_advantages(advantages, shape), mask=mask,
         rollout_logp=_sg(_optional_per_token("rollout_logp", rollout_logp, shape)),
@@ -405,13 +406,13 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                      kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
                      temperature=1.0, ratio_level="token", policy_loss="ppo", tis_level="token",
                      tis_mode="truncate", rollout_logp=None, tis_cap=None, backend=None,
-                     vocab_axis=None):
+                     vocab_axis=None, memory="lean"):
     """grpo_loss on log-probs of a linear LM head; ref_logp [B, T] precomputed.
 
     ref_logp=None means no reference: kl = 0, and beta must be 0 (else ValueError).
     ``rollout_logp`` / ``tis_cap`` as in grpo_loss. Returns (loss, policy_loss, kl); never
     holds [B, T, V] logits. Inside ``jax.shard_map``, ``vocab_axis`` names the axis splitting
-    the weight's vocabulary.
+    the weight's vocabulary. ``memory``: as in linear_logprobs.
     """
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
         hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
@@ -426,5 +427,34 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
     adv = _grpo_advantages(rewards, advantages, hidden.shape[0], group_size, group_boundaries,
                            normalize_std, eps, backend)
     logp, _ = _linear_logprobs("linear_grpo_loss", hidden, weight, bias, actions, mask,
-                               weight_layout, temperature, False, backend, vocab_axis)
+                               weight_layout, temperature, False, backend, vocab_axis, memory)
     return _grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
+
+
+def linear_policy_gradient_loss(hidden, weight, actions, advantages, mask, *, bias=None,
+                                weight_layout="vd", temperature=1.0, loss_agg_mode="token_mean",
+                                max_len=None, backend=None, vocab_axis=None, memory="lean"):
+    """policy_gradient_loss on log-probs of a linear LM head: aggregate(−A · logp).
+
+    REINFORCE, reward-weighted and best-of-N fine-tuning, and plain NLL / SFT with A = 1,
+    from hidden [B, T, D] and the head (weight, bias, weight_layout as in linear_logprobs),
+    never holding [B, T, V] logits. advantages: [B, T] or [B] (no gradient). Returns the
+    loss. ``memory`` and ``vocab_axis``: as in linear_logprobs.
+    """
+    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    check.rank("hidden", hidden, 3, "[B, T, D]")
+    shape = hidden.shape[:2]
+    actions = check.integer("actions", actions)
+    check.shape("actions", actions, shape, "[B, T]")
+    mask = _mask(mask, shape)
+    advantages = _advantages(advantages, shape)
+    mode = _agg_mode(loss_agg_mode)
+    max_len = _max_len(max_len)
+    check.positive("temperature", temperature)
+    vocab = global_vocab(local_vocab, vocab_axis)
+    check.targets_in_range("actions", actions, vocab, None if not check.is_concrete(mask)
+                           else np.asarray(mask) == 0)
+    logp, _ = _linear_logprobs("linear_policy_gradient_loss", hidden, weight, bias, actions,
+                               mask, weight_layout, temperature, False, backend, vocab_axis,
+                               memory)
+    return rl_math.aggregate(-advantages * logp, mask, mode, max_len)

@@ -1,7 +1,12 @@
 """JAX rows of the side-by-side table: jaxrl_kernels, XLA with materialised logits, tokamax.
 
-Each implementation is a function ``logp(h, w, t) -> [N] float32``; its forward is
-``jax.jit(logp)`` and its forward+backward ``jax.jit(jax.grad(Σ g·logp, (h, w)))``. Times
+Each log-prob implementation is a function ``logp(h, w, t) -> [N] float32``; its forward is
+``jax.jit(logp)`` and its forward+backward ``jax.jit(jax.grad(Σ g·logp, (h, w)))``. Our
+losses are timed as users call them, ``jax.jit(jax.value_and_grad(loss, (h, w)))``, on a
+problem whose gradient is the same one up to a factor: B = N sequences of one token,
+advantages g, mask 1, token-mean aggregation, and (GRPO, PPO) old log-probs equal to the
+forward's own, so that every ratio is 1 and the loss is −(1/N)·Σ g·logp; their errors are
+taken after multiplying the gradient by −N. Times
 after warm-up: ``*_ms`` the median host clock around a call and its ``block_until_ready``,
 ``*_device_ms`` the median span from its first kernel's start to its last one's end in a
 profiler trace of synchronised calls (``common.call_spans``); extra memory is XLA's temp buffer size of
@@ -34,10 +39,45 @@ def ours(backend, layout):
     return logp
 
 
+def ours_fast(layout):
+    def logp(h, w, t):
+        return jk.linear_logprobs(h, w, t, weight_layout=layout, memory="fast")
+    return logp
+
+
+def ours_loss(op, layout, memory, h, w, t, g):
+    """``loss(h, w)`` of our loss ``op`` whose gradient is −(1/N)·∇ Σ g·logp (module doc)."""
+    n = h.shape[0]
+    mask = jnp.ones((n, 1), jnp.float32)
+    targets = t[:, None]
+    old = jax.jit(lambda h, w: jk.linear_logprobs(h, w, t, weight_layout=layout,
+                                                  memory=memory))(h, w)[:, None]
+    common = dict(weight_layout=layout, memory=memory)
+    if op == "linear_grpo_loss":
+        def loss(h, w):
+            return jk.linear_grpo_loss(h[:, None], w, targets, old, jnp.zeros(n), mask,
+                                       advantages=g, **common)[0]
+    elif op == "linear_ppo_loss":
+        def loss(h, w):
+            return jk.linear_ppo_loss(h[:, None], w, targets, old, g, mask, **common)[0]
+    else:
+        def loss(h, w):
+            return jk.linear_policy_gradient_loss(h[:, None], w, targets, g, mask, **common)
+    return loss
+
+
 def xla_materialised(h, w, t):
     """float32 logits [N, V] from the bf16 product, log_softmax, gather."""
     z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), t[:, None], axis=1)[:, 0]
+
+
+def jnp_bf16_materialised(h, w, t):
+    """bf16 logits [N, V] (the product's own dtype), log_softmax in float32, gather: the code
+    most JAX users write."""
+    z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=h.dtype)
+    return jnp.take_along_axis(jax.nn.log_softmax(z.astype(jnp.float32), axis=-1), t[:, None],
+                               axis=1)[:, 0]
 
 
 def import_tokamax():
@@ -88,18 +128,31 @@ def same_bits(a, b):
                                 jax.lax.bitcast_convert_type(b, width)))
 
 
-def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke):
-    def loss(h, w):
-        return jnp.sum(g * logp(h, w, t))
+def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke, loss=None):
+    """One row's numbers; ``loss`` (our losses): time ``value_and_grad(loss)`` instead, and
+    compare −N times its gradient with the exact one."""
+    scale = 1.0
+    if loss is None:
+        def loss(h, w):
+            return jnp.sum(g * logp(h, w, t))
 
-    fwd = jax.jit(logp)
-    fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile()
+        fwd = jax.jit(logp)
+        fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile()
+        fwd_args = (h, w, t)
+    else:
+        fwd = jax.jit(loss)
+        grads = jax.value_and_grad(loss, argnums=(0, 1))
+        fwdbwd = jax.jit(lambda h, w: grads(h, w)[1]).lower(h, w).compile()
+        fwd_args = (h, w)
+        scale = -float(h.shape[0])
     row = {"fwdbwd_extra_mb": fwdbwd.memory_analysis().temp_size_in_bytes / 2**20}
-    row["fwd_ms"], row["fwd_device_ms"] = timed(fwd, (h, w, t), 2000.0, smoke)
+    row["fwd_ms"], row["fwd_device_ms"] = timed(fwd, fwd_args, 2000.0, smoke)
     row["fwdbwd_ms"], row["fwdbwd_device_ms"] = timed(fwdbwd, (h, w), 2500.0, smoke)
     dh, dw = fwdbwd(h, w)
     dh2, dw2 = fwdbwd(h, w)
     row["bitwise_repeat"] = same_bits(dh, dh2) and same_bits(dw, dw2)
+    dh = dh.astype(jnp.float32) * scale
+    dw = dw.astype(jnp.float32) * scale
     row["err_dh"] = float(rel_err(dh, exact_dh))
     row["err_dW"] = float(rel_err(dw.T if layout == "dv" else dw, exact_dw))
     return row
@@ -123,7 +176,7 @@ def main():
     print("jax worker:", meta, flush=True)
     jax_version = f"jax {jax.__version__}"
 
-    impls = {}
+    impls = {}  # (impl, layout) -> (make, version, note, op, mode); make() -> (logp, loss)
     for backend, layout in ((None, "vd"), (None, "dv"), ("pallas", "vd"), ("chunked", "vd")):
         name = "jaxrl_kernels" + (f"[{backend}]" if backend else "")
         weight = w if layout == "vd" else w_dv
@@ -132,28 +185,50 @@ def main():
             note = "automatic: " + choice.splitlines()[0].split(": ", 1)[-1]
         else:
             note = f"backend={backend!r}"
-        impls[(name, layout)] = (lambda b=backend, lay=layout: ours(b, lay), jax_version, note)
-    impls[("xla materialised (jnp)", "vd")] = (
-        lambda: xla_materialised, jax_version, "float32 logits, log_softmax, gather; jit")
+        impls[(name, layout)] = (lambda b=backend, lay=layout: (ours(b, lay), None), jax_version,
+                                 note, "linear_logprobs", "lean")
+    for layout in ("vd", "dv"):
+        impls[("jaxrl_kernels memory=fast", layout)] = (
+            lambda lay=layout: (ours_fast(lay), None), jax_version,
+            "memory='fast': logits kept as bf16 for the backward (3 GEMMs)", "linear_logprobs",
+            "fast")
+    losses = [("linear_grpo_loss", lay, mem) for mem in ("lean", "fast") for lay in ("vd", "dv")]
+    losses += [("linear_ppo_loss", "vd", "fast"), ("linear_policy_gradient_loss", "vd", "fast")]
+    for op, layout, mem in losses:
+        name = f"jaxrl_kernels {op}" + (" memory=fast" if mem == "fast" else "")
+        impls[(name, layout)] = (
+            lambda op=op, lay=layout, mem=mem: (None, ours_loss(
+                op, lay, mem, h, w if lay == "vd" else w_dv, t, g)),
+            jax_version, "value_and_grad of the loss; B = N sequences of one token, ratio 1",
+            op, mem)
+    impls[("jnp_f32_materialised", "vd")] = (
+        lambda: (xla_materialised, None), jax_version,
+        "float32 logits, log_softmax, gather; jit", "linear_logprobs", "")
+    impls[("jnp_bf16_materialised", "vd")] = (
+        lambda: (jnp_bf16_materialised, None), jax_version,
+        "bf16 logits (dot with preferred_element_type=bf16), float32 log_softmax, gather; jit",
+        "linear_logprobs", "")
     try:
         tokamax, tnote = import_tokamax()
         tver = f"tokamax {tokamax.__version__}, {jax_version}"
         tnote += "logp = -(per-token loss, reduction='none'): L = sum(-g * loss) exactly"
         impls[("tokamax (default)", "dv")] = (
-            lambda: tokamax_impl(tokamax, None), tver,
+            lambda: (tokamax_impl(tokamax, None), None), tver,
             "implementation=None (mosaic_tpu declines off TPU, so 'xla': logits "
-            "materialised); " + tnote)
+            "materialised); " + tnote, "cross_entropy", "")
         impls[("tokamax chunked_xla", "dv")] = (
-            lambda: tokamax_impl(tokamax, "chunked_xla"), tver,
-            "implementation='chunked_xla'; " + tnote)
+            lambda: (tokamax_impl(tokamax, "chunked_xla"), None), tver,
+            "implementation='chunked_xla'; " + tnote, "cross_entropy", "")
     except Exception as err:  # a missing wheel or an incompatible version: say so in its rows
         traceback.print_exc()
         for key in (("tokamax (default)", "dv"), ("tokamax chunked_xla", "dv")):
-            impls[key] = (None, "", f"import failed: {shared.error_text(err)}")
+            impls[key] = (None, "", f"import failed: {shared.error_text(err)}",
+                          "cross_entropy", "")
 
     for name, layout in shared.IMPLS["jax"]:
-        make, version, note = impls[(name, layout)]
-        row = {"impl": name, "layout": layout, **base, "version": version, "note": note}
+        make, version, note, op, mode = impls[(name, layout)]
+        row = {"impl": name, "op": op, "mode": mode, "layout": layout, **base,
+               "version": version, "note": note}
         if make is None:
             row["error"], row["note"] = note, ""
         elif budget.spent():
@@ -161,8 +236,9 @@ def main():
         else:
             start = time.perf_counter()
             try:
-                row.update(measure(make(), h, w if layout == "vd" else w_dv, t, g, exact_dh,
-                                   exact_dw, layout, args.smoke))
+                logp, loss = make()
+                row.update(measure(logp, h, w if layout == "vd" else w_dv, t, g, exact_dh,
+                                   exact_dw, layout, args.smoke, loss=loss))
             except Exception as err:  # report, keep measuring the others
                 traceback.print_exc()
                 row["error"] = shared.error_text(err)

@@ -28,10 +28,17 @@ import torch
 from benchmarks.side_by_side import shared
 
 
-def torch_materialised(h, w, t):
+def torch_bf16_logits_f32_softmax(h, w, t):
     """bf16 logits [N, V], log_softmax in float32, gather."""
     z = h @ w.T
     return torch.log_softmax(z.float(), dim=-1).gather(1, t[:, None])[:, 0]
+
+
+def torch_bf16_materialised(h, w, t):
+    """bf16 logits [N, V] and ``F.cross_entropy`` on them, no upcast: the plain torch code."""
+    z = h @ w.T
+    loss = torch.nn.functional.cross_entropy(z, t, reduction="none")
+    return -loss.float()
 
 
 def liger():
@@ -173,14 +180,19 @@ def main():
     clock = Clock(device)
 
     makers = {
-        "torch materialised": lambda: (torch_materialised, "",
-                                       "bf16 logits, log_softmax in float32, gather; eager"),
+        "torch_bf16_materialised": lambda: (
+            torch_bf16_materialised, "", "bf16 logits, F.cross_entropy(reduction='none') on "
+            "them (no upcast), logp = -loss; eager"),
+        "torch_bf16_logits_f32_softmax": lambda: (
+            torch_bf16_logits_f32_softmax, "", "bf16 logits, log_softmax in float32, gather; "
+            "eager"),
         "liger-kernel fused linear CE": liger,
         "cut-cross-entropy filter_eps='high'": lambda: cce("high"),
         "cut-cross-entropy filter_eps=None": lambda: cce(None),
     }
     for impl, layout in shared.IMPLS["torch"]:
-        row = {"impl": impl, "layout": layout, **base, "version": torch_version, "note": ""}
+        row = {"impl": impl, "op": "cross_entropy", "mode": "", "layout": layout, **base,
+               "version": torch_version, "note": ""}
         start = time.perf_counter()
         logp = None
         try:
@@ -192,7 +204,7 @@ def main():
             row["error"] = "import failed: " + shared.error_text(err)
         if logp is None:
             pass
-        elif impl != "torch materialised" and device.type != "cuda":
+        elif not impl.startswith("torch_") and device.type != "cuda":
             row["error"] = "skipped: its Triton kernels need a CUDA GPU (torch device: cpu)"
         elif budget.spent():
             row["error"] = "skipped: the PyTorch worker's time budget was spent"

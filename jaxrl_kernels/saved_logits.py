@@ -1,0 +1,178 @@
+"""``memory="fast"``: the linear head's logits kept from the forward pass (3 GEMMs, not 4).
+
+The lean ops never hold the ``[N, V]`` logits, so their backward recomputes them: one GEMM
+forward, three backward (logits again, ``d_hidden``, ``d_weight``). Here the forward's GEMM
+writes ``z = h·Wᵀ`` once, in the head's 16-bit dtype (float32 for float32 inputs), and the
+backward reads it back: one GEMM forward, two backward. The price is ``N·V·itemsize`` bytes
+held from the forward to the backward (1 GiB at N = 4096, V = 131072, bfloat16).
+
+With ``z̃ = (z + b) / T`` in float32 per row::
+
+    lse = log Σ_v exp z̃_v              (from the kept, rounded z)
+    logp = z̃_t − lse                    (z̃_t recomputed exactly: hidden · W[t], N·D work)
+    entropy = lse − Σ_v softmax(z̃)_v · z̃_v
+    dz = g · (onehot_t − p) − g_H · p · (log p + H),  p = exp(z̃ − lse)   (rl_math)
+    d_hidden = dz·W / T,  d_weight = dzᵀ·h / T,  d_bias = Σ_rows dz / T
+
+so only ``lse`` (and ``p`` in the backward) see the rounding of ``z`` to 16 bits, as in the
+plain bf16-logits code users write. Rows, vocabulary splits, the custom_vjp's residuals and
+the per-device reductions follow :mod:`logprob_core` and :mod:`sharding` exactly as the lean
+ops do; the two per-device pieces below are plain jnp (XLA's GEMMs and fusions).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_kernels import logprob_core, rl_math, sharding
+from jaxrl_kernels.backends.reference import matmul_precision
+
+def kept_dtype(hidden_dtype, weight_dtype):
+    """The dtype the forward keeps the logits in: the head's when 16-bit, else float32."""
+    dtype = jnp.result_type(hidden_dtype, weight_dtype)
+    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
+def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
+    """Bytes of the logits the forward keeps for the backward."""
+    return n_rows * vocab * jnp.dtype(kept_dtype(hidden_dtype, weight_dtype)).itemsize
+
+
+def _product(hidden, weight, weight_layout):
+    """``hidden @ Wᵀ`` [N, V] in :func:`kept_dtype` (float32 accumulation)."""
+    dtype = jnp.result_type(hidden, weight)
+    contract = 1 if weight_layout == "vd" else 0
+    return jax.lax.dot_general(
+        hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
+        precision=matmul_precision(dtype),
+        preferred_element_type=kept_dtype(hidden.dtype, weight.dtype))
+
+
+def _scaled(z, bias, temperature):
+    """z̃ = (z + b) / T in float32."""
+    z = z.astype(jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
+    """z̃ at each row's target column, in float32 from the operands (exact, not rounded);
+    anything for a target outside this device's columns."""
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    t = jnp.clip(t_local, 0, vocab - 1)
+    rows = weight[t] if weight_layout == "vd" else weight[:, t].T
+    z_t = jnp.sum(hidden.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
+    if bias is not None:
+        z_t = z_t + bias[t].astype(jnp.float32)
+    return z_t if temperature == 1.0 else z_t / temperature
+
+
+def local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
+                  temperature, with_entropy):
+    """One device's rows [N, D] and columns: (logp, entropy | None, lse, active, z [N, V])."""
+    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    t_local = targets - plan.vocab_offset(vocab)
+    z = _product(hidden, weight, weight_layout)
+    zs = _scaled(z, bias, temperature)
+    m = jnp.max(zs, axis=-1)
+    shifted = zs - m[:, None]
+    e = jnp.exp(shifted)
+    stats = (m, jnp.sum(e, axis=-1))
+    if with_entropy:
+        stats += (jnp.sum(e * shifted, axis=-1),)
+    target_rel = _target_logits(hidden, weight, bias, t_local, weight_layout, temperature) - m
+    logp, entropy, lse, active = logprob_core._finish(plan, stats, target_rel, t_local, vocab,
+                                                      row_valid)
+    return logp, entropy, lse, active, z
+
+
+def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
+                   temperature):
+    """(d_hidden, d_weight, d_bias | None) on one device from the kept logits; rows without a
+    gradient arrive with g = g_ent = 0 and lse = +inf (``logprob_core._backward_rows``)."""
+    vocab = z.shape[1]
+    is_target = jnp.arange(vocab)[None, :] == t_local[:, None]
+    dz = rl_math.logprob_grad_tile(_scaled(z, bias, temperature), lse, entropy, is_target, g,
+                                   g_ent, temperature)
+    dtype = jnp.result_type(hidden, weight)
+    hi = matmul_precision(dtype)
+    dz_op = dz.astype(dtype)
+    w_contract = 0 if weight_layout == "vd" else 1
+    d_hidden = jax.lax.dot_general(dz_op, weight.astype(dtype), (((1,), (w_contract,)), ((), ())),
+                                   precision=hi, preferred_element_type=hidden.dtype)
+    if weight_layout == "vd":
+        d_weight = jax.lax.dot_general(dz_op, hidden.astype(dtype), (((0,), (0,)), ((), ())),
+                                       precision=hi, preferred_element_type=weight.dtype)
+    else:
+        d_weight = jax.lax.dot_general(hidden.astype(dtype), dz_op, (((0,), (0,)), ((), ())),
+                                       precision=hi, preferred_element_type=weight.dtype)
+    d_bias = None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)
+    return d_hidden, d_weight, d_bias
+
+
+def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                    return_entropy, vocab_axis=None, record=None):
+    """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
+
+    Same arguments and layouts as ``logprob_core.linear_logprobs`` (rows ``[...]``, global
+    target ids, ``vocab_axis`` inside ``jax.shard_map``)."""
+    k = targets.ndim
+    rows = "r" * k
+    h_roles, w_roles, b_roles = logprob_core._head_roles(k, weight_layout)
+    n_out = 2 if return_entropy else 1
+    options = dict(weight_layout=weight_layout, temperature=temperature)
+
+    def forward(plan, hidden, weight, bias, targets, row_valid):
+        shape = targets.shape
+        flat = logprob_core._rows_flat
+        outs = local_forward(plan, flat(hidden, k), weight, bias, targets.reshape(-1),
+                             row_valid.reshape(-1), with_entropy=return_entropy, **options)
+        logp, ent, lse, active, z = outs
+        per_row = (logp, ent)[:n_out] + (lse, active)
+        return tuple(o.reshape(shape) for o in per_row) + (z.reshape(shape + z.shape[-1:]),)
+
+    def backward(plan, hidden, weight, bias, z, targets, lse, entropy, active, g, g_ent):
+        vocab = z.shape[-1]
+        t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
+            plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
+        h = logprob_core._rows_flat(hidden, k)
+        dh, dw, db = local_backward(h, weight, bias, z.reshape(-1, vocab), t_local, lse, entropy,
+                                    g, g_ent, **options)
+        return (plan.reduce_cotangent(dh.reshape(hidden.shape), hidden, h_roles),
+                plan.reduce_cotangent(dw, weight, w_roles),
+                plan.reduce_cotangent(db, bias, b_roles))
+
+    def run_forward(hidden, weight, bias, targets, row_valid):
+        outs = sharding.run(forward, (hidden, weight, bias, targets, row_valid),
+                            (h_roles, w_roles, b_roles, rows, rows),
+                            (rows,) * (n_out + 2) + (rows + "v",), vocab_axis=vocab_axis,
+                            record=record)
+        logp, ent = outs[0], (outs[1] if return_entropy else None)
+        lse, active, z = outs[n_out:]
+        return (logp, ent), (lse, active, z)
+
+    @jax.custom_vjp
+    def op(hidden, weight, bias, targets, row_valid):
+        return run_forward(hidden, weight, bias, targets, row_valid)[0]
+
+    def fwd(hidden, weight, bias, targets, row_valid):
+        out, (lse, active, z) = run_forward(hidden, weight, bias, targets, row_valid)
+        return out, (hidden, weight, bias, targets, z, lse, out[1], active)
+
+    def bwd(res, cot):
+        hidden, weight, bias, targets, z, lse, ent, active = res
+        g, g_ent = cot
+        g_ent = g_ent if return_entropy else None
+        grads = sharding.run(
+            backward, (hidden, weight, bias, z, targets, lse, ent, active, g, g_ent),
+            (h_roles, w_roles, b_roles, rows + "v") + (rows,) * 6,
+            (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
+            vocab_axis=vocab_axis)
+        dh, dw = grads[0], grads[1]
+        db = grads[2].astype(bias.dtype) if bias is not None else None
+        return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
+
+    op.defvjp(fwd, bwd)
+    return op(hidden, weight, bias, targets, row_valid)
