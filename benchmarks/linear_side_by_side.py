@@ -42,7 +42,7 @@ from benchmarks.workers import failure, run_worker
 
 # seconds: (full, smoke); each worker stops starting new rows at its budget and is killed
 # GRACE seconds after it.
-BUDGETS = {"exact": (120, 300), "jax": (360, 600), "torch": (120, 300)}
+BUDGETS = {"exact": (120, 300), "jax": (280, 600), "torch": (90, 300)}
 GRACE = 45
 
 

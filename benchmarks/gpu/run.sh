@@ -71,7 +71,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
     many_devices) step 480 bash -c 'python3 -m benchmarks.bench_many_devices &&
       python3 -m benchmarks.bench_many_devices --explicit --backends auto' ;;
-    side_by_side) step 480 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
+    side_by_side) step 545 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
       fi; python3 -m benchmarks.linear_side_by_side' ;;
