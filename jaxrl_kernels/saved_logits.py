@@ -25,28 +25,67 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import dataclasses
+
 from jaxrl_kernels import logprob_core, rl_math, sharding
+from jaxrl_kernels.backends import head_grad
 from jaxrl_kernels.backends.reference import matmul_precision
 
-def kept_dtype(hidden_dtype, weight_dtype):
-    """The dtype the forward keeps the logits in: the head's when 16-bit, else float32."""
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How the fast mode runs (the defaults are what the ops use).
+
+    ``kept``: the dtype the logits are kept in for 16-bit heads (float32 heads keep float32).
+    ``lse``: ``"one_pass"`` (one read of the kept logits: a running (max, Σ exp) reduction)
+    or ``"two_pass"`` (the max, then Σ exp). ``vocab_blocks``: the backward writes the
+    logits' gradient in this many vocabulary blocks (1: all at once; more: less memory, more
+    and smaller GEMMs). ``grad``: the dtype of the logits' gradient in the backward GEMMs of
+    a 16-bit head: ``"head"`` (the head's own dtype) or ``"float16"`` (scaled per row as in
+    ``head_grad.Scaled``: three more bits than bfloat16, for a float16 copy of W and h).
+    """
+
+    kept: str = "bfloat16"
+    lse: str = "one_pass"
+    vocab_blocks: int = 1
+    grad: str = "head"
+
+
+DEFAULT = Config()
+
+
+def kept_dtype(hidden_dtype, weight_dtype, config: Config = DEFAULT):
+    """The dtype the forward keeps the logits in: ``config.kept`` for a 16-bit head, else
+    float32."""
     dtype = jnp.result_type(hidden_dtype, weight_dtype)
-    return dtype if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+    return jnp.dtype(config.kept) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
 
 
-def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
+def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
+               config: Config = DEFAULT) -> int:
     """Bytes of the logits the forward keeps for the backward."""
-    return n_rows * vocab * jnp.dtype(kept_dtype(hidden_dtype, weight_dtype)).itemsize
+    return n_rows * vocab * kept_dtype(hidden_dtype, weight_dtype, config).itemsize
 
 
-def _product(hidden, weight, weight_layout):
+def _product(hidden, weight, weight_layout, config):
     """``hidden @ Wᵀ`` [N, V] in :func:`kept_dtype` (float32 accumulation)."""
     dtype = jnp.result_type(hidden, weight)
     contract = 1 if weight_layout == "vd" else 0
     return jax.lax.dot_general(
         hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
         precision=matmul_precision(dtype),
-        preferred_element_type=kept_dtype(hidden.dtype, weight.dtype))
+        preferred_element_type=kept_dtype(hidden.dtype, weight.dtype, config))
+
+
+def _max_and_sum_exp(zs):
+    """Per row ``(m, Σ exp(z − m))`` in one reduction over the columns."""
+    def combine(x, y):
+        m = jnp.maximum(x[0], y[0])
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+        return m, x[1] * jnp.exp(x[0] - m_safe) + y[1] * jnp.exp(y[0] - m_safe)
+
+    return jax.lax.reduce((zs, jnp.ones_like(zs)), (jnp.float32(-jnp.inf), jnp.float32(0.0)),
+                          combine, (1,))
 
 
 def _scaled(z, bias, temperature):
@@ -70,50 +109,120 @@ def _target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
 
 
 def local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
-                  temperature, with_entropy):
+                  temperature, with_entropy, config=DEFAULT):
     """One device's rows [N, D] and columns: (logp, entropy | None, lse, active, z [N, V])."""
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     t_local = targets - plan.vocab_offset(vocab)
-    z = _product(hidden, weight, weight_layout)
+    z = _product(hidden, weight, weight_layout, config)
     zs = _scaled(z, bias, temperature)
-    m = jnp.max(zs, axis=-1)
-    shifted = zs - m[:, None]
-    e = jnp.exp(shifted)
-    stats = (m, jnp.sum(e, axis=-1))
-    if with_entropy:
-        stats += (jnp.sum(e * shifted, axis=-1),)
+    if config.lse == "one_pass" and not with_entropy:
+        stats = _max_and_sum_exp(zs)
+        m = stats[0]
+    else:
+        m = jnp.max(zs, axis=-1)
+        shifted = zs - m[:, None]
+        e = jnp.exp(shifted)
+        stats = (m, jnp.sum(e, axis=-1))
+        if with_entropy:
+            stats += (jnp.sum(e * shifted, axis=-1),)
     target_rel = _target_logits(hidden, weight, bias, t_local, weight_layout, temperature) - m
     logp, entropy, lse, active = logprob_core._finish(plan, stats, target_rel, t_local, vocab,
                                                       row_valid)
     return logp, entropy, lse, active, z
 
 
-def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
-                   temperature):
-    """(d_hidden, d_weight, d_bias | None) on one device from the kept logits; rows without a
-    gradient arrive with g = g_ent = 0 and lse = +inf (``logprob_core._backward_rows``)."""
-    vocab = z.shape[1]
-    is_target = jnp.arange(vocab)[None, :] == t_local[:, None]
+def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent, *,
+                 weight_layout, temperature, acc_dtype, fresh=None, scaled=None):
+    """For the kept logits ``z`` [N, C] of columns ``cols``: (dz·W_c, d_W_c, d_b_c), with dz
+    zero outside the ``fresh`` columns (all when None). With ``scaled`` (a
+    ``head_grad.Scaled``; ``hidden`` and ``weight`` then its float16 h16 and σ_W·W), the
+    GEMMs take G = dz / s in float16 and return the float32 G·W16 and the scaled d_W_c."""
+    is_target = cols[None, :] == t_local[:, None]
+    if scaled is not None:
+        g, g_ent = scaled.rows.g, scaled.rows.g_ent
     dz = rl_math.logprob_grad_tile(_scaled(z, bias, temperature), lse, entropy, is_target, g,
                                    g_ent, temperature)
+    if fresh is not None:
+        dz = jnp.where(fresh, dz, 0.0)
+    if scaled is not None:
+        g16 = dz.astype(jnp.float16)
+        contract = (((1,), (0 if weight_layout == "vd" else 1,)), ((), ()))
+        acc = jax.lax.dot_general(g16, weight, contract, preferred_element_type=jnp.float32)
+        pair = (g16, hidden) if weight_layout == "vd" else (hidden, g16)
+        d_w = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        d_b = None if bias is None else jnp.sum(dz * scaled.s[:, None], axis=0)
+        return acc, d_w * scaled.d_w_scale, d_b
     dtype = jnp.result_type(hidden, weight)
     hi = matmul_precision(dtype)
     dz_op = dz.astype(dtype)
     w_contract = 0 if weight_layout == "vd" else 1
     d_hidden = jax.lax.dot_general(dz_op, weight.astype(dtype), (((1,), (w_contract,)), ((), ())),
-                                   precision=hi, preferred_element_type=hidden.dtype)
+                                   precision=hi, preferred_element_type=acc_dtype)
     if weight_layout == "vd":
         d_weight = jax.lax.dot_general(dz_op, hidden.astype(dtype), (((0,), (0,)), ((), ())),
                                        precision=hi, preferred_element_type=weight.dtype)
     else:
         d_weight = jax.lax.dot_general(hidden.astype(dtype), dz_op, (((0,), (0,)), ((), ())),
                                        precision=hi, preferred_element_type=weight.dtype)
-    d_bias = None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)
+    d_bias = None if bias is None else jnp.sum(dz, axis=0)
     return d_hidden, d_weight, d_bias
 
 
+def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
+                   temperature, config=DEFAULT):
+    """(d_hidden, d_weight, d_bias | None) on one device from the kept logits; rows without a
+    gradient arrive with g = g_ent = 0 and lse = +inf (``logprob_core._backward_rows``)."""
+    vocab = z.shape[1]
+    rows = (t_local, lse, entropy, g, g_ent)
+    options = dict(weight_layout=weight_layout, temperature=temperature)
+    blocks = max(1, min(config.vocab_blocks, vocab))
+    sixteen = jnp.dtype(jnp.result_type(hidden, weight)).itemsize == 2
+    if config.grad == "float16" and sixteen:
+        scaled = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature)
+        w16 = (weight.astype(jnp.float32) * scaled.sigma_w).astype(jnp.float16)
+        acc, d_w, d_b = _block_grads(scaled.h16, w16, bias, z, jnp.arange(vocab), *rows,
+                                     acc_dtype=jnp.float32, scaled=scaled, **options)
+        return (scaled.finish(acc, hidden.dtype), d_w.astype(weight.dtype),
+                None if bias is None else d_b.astype(bias.dtype))
+    if blocks == 1:
+        d_hidden, d_weight, d_bias = _block_grads(hidden, weight, bias, z, jnp.arange(vocab),
+                                                  *rows, acc_dtype=hidden.dtype, **options)
+        return d_hidden, d_weight, None if bias is None else d_bias.astype(bias.dtype)
+    # Blocks of `size` columns; the last one is pulled back to end at V, and the columns an
+    # earlier block already wrote (col < c·size) keep their values.
+    size = -(-vocab // blocks)
+    w_axis = 0 if weight_layout == "vd" else 1
+
+    def block(c, carry):
+        d_hidden, d_weight, d_bias = carry
+        start = jnp.minimum(c * size, vocab - size)
+        cols = start + jnp.arange(size)
+        fresh = cols >= c * size
+        z_c = jax.lax.dynamic_slice_in_dim(z, start, size, axis=1)
+        w_c = jax.lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis)
+        b_c = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        dh, dw, db = _block_grads(hidden, w_c, b_c, z_c, cols, *rows, acc_dtype=jnp.float32,
+                                  fresh=fresh, **options)
+        old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
+        keep = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
+        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, jnp.where(keep, dw, old), start,
+                                                       axis=w_axis)
+        if d_bias is not None:
+            old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
+            d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, jnp.where(fresh, db, old_b),
+                                                         start, 0)
+        return d_hidden + dh, d_weight, d_bias
+
+    init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(weight.shape, weight.dtype),
+            None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    d_hidden, d_weight, d_bias = jax.lax.fori_loop(0, blocks, block, init)
+    return (d_hidden.astype(hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
+
+
 def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy, vocab_axis=None, record=None):
+                    return_entropy, vocab_axis=None, record=None, config=DEFAULT):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
     Same arguments and layouts as ``logprob_core.linear_logprobs`` (rows ``[...]``, global
@@ -122,7 +231,7 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
     rows = "r" * k
     h_roles, w_roles, b_roles = logprob_core._head_roles(k, weight_layout)
     n_out = 2 if return_entropy else 1
-    options = dict(weight_layout=weight_layout, temperature=temperature)
+    options = dict(weight_layout=weight_layout, temperature=temperature, config=config)
 
     def forward(plan, hidden, weight, bias, targets, row_valid):
         shape = targets.shape
