@@ -74,13 +74,17 @@ def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
 
 
 def _product(hidden, weight, weight_layout, config):
-    """``hidden @ Wᵀ`` [N, V] in :func:`kept_dtype` (float32 accumulation)."""
+    """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to the head's dtype, kept
+    in :func:`kept_dtype` (float16 holds every bfloat16 value up to 65504 exactly)."""
     dtype = jnp.result_type(hidden, weight)
     contract = 1 if weight_layout == "vd" else 0
-    return jax.lax.dot_general(
+    # cuBLAS rounds its float32 accumulator to a 16-bit output itself; XLA's CPU dot would
+    # accumulate in the output's dtype, so there the product is taken in float32 and rounded.
+    out = dtype if jax.default_backend() == "gpu" else jnp.float32
+    z = jax.lax.dot_general(
         hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
-        precision=matmul_precision(dtype),
-        preferred_element_type=kept_dtype(hidden.dtype, weight.dtype, config))
+        precision=matmul_precision(dtype), preferred_element_type=out)
+    return z.astype(dtype).astype(kept_dtype(hidden.dtype, weight.dtype, config))
 
 
 def _max_and_sum_exp(zs):
