@@ -446,3 +446,34 @@ def test_fully_masked_rows_get_no_gradient_fast(rng):
     assert float(loss) == 0.0
     for g in grads:
         assert_zero(g)
+
+
+# -- on a GPU: XLA's GEMM (cuBLAS) rounds its float32 accumulator to the head's dtype -----------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_fast_matches_its_float64_formula(dtype, layout):
+    rng = np.random.default_rng(7)
+    n, vocab, d, temp = 1024, 32003, 256, 0.8
+    hidden, h64, weight, w64, bias, b64, targets = head(rng, (n,), vocab, d, dtype, layout, True)
+    t = jnp.asarray(targets, jnp.int32)
+    g, g_ent = cotangent(rng, (n,)), cotangent(rng, (n,))
+
+    def f(h, w, b):
+        return jk.linear_logprobs(h, w, t, b, weight_layout=layout, temperature=temp,
+                                  return_entropy=True, memory="fast")
+
+    (logp, ent), vjp = jax.vjp(jax.jit(f), hidden, weight, bias)
+    grads = vjp((g, g_ent))
+    kw = dict(weight_layout=layout, temperature=temp)
+    want = oracle.linear_logprobs(h64, w64, targets, b64, **kw)
+    g64, ge64 = np.asarray(g, np.float64), np.asarray(g_ent, np.float64)
+    want_g = oracle.linear_logprobs_vjp(h64, w64, targets, g64, ge64, b64, **kw)
+    values, grads_f = fast_formula(h64, w64, b64, targets, g64, ge64, layout=layout,
+                                   temperature=temp, ignore=-100, dtype=dtype)
+    zs = np.abs(oracle.linear_logits(h64, w64, b64, weight_layout=layout)).max() / temp
+    assert_close(logp, want[0], in_dtype=dtype, want32=values[0], scale=zs, name="logp")
+    assert_close(ent, want[1], in_dtype=dtype, want32=values[1], scale=zs, name="entropy")
+    for name, got, w, wf in zip(("d_hidden", "d_weight", "d_bias"), grads, want_g, grads_f):
+        assert_close(got, w, in_dtype=dtype, want32=wf, name=name)

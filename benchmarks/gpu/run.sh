@@ -75,7 +75,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
           --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
       fi; python3 -m benchmarks.linear_side_by_side' ;;
-    e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
+    e2e)   step 560 python3 -m benchmarks.e2e_grpo_step --budget ${E2E_BUDGET:-75} ;;
     tunix) step 540 python3 -m benchmarks.bench_tunix ;;
     # a newer jax than the image's, carried in parts by earlier calls (split_jax_wheels.sh);
     # installed over the image's jax, so it is the run's last step
