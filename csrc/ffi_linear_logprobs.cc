@@ -123,7 +123,7 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   if (!buf.has_value())
     return ffi::Error::Internal("scratch allocation of " + std::to_string(scratch_bytes) + " bytes failed");
 
-  jaxrl_sm90::Args args;
+  jaxrl_sm90::ForwardArgs args;
   args.hidden = hidden.untyped_data();
   args.weight = weight.untyped_data();
   args.bias = has_bias ? bias.typed_data() : nullptr;
