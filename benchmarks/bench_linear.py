@@ -18,7 +18,6 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks ops   # SM clock, power, back to back
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
 
 Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
 benchmarks/results (see benchmarks.common.write_results).
@@ -366,38 +365,6 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
     return rows
 
 
-GEMM_SCHEDULES = ("", "h1", "m1", "n1", "m2", "n2", "m4", "n4", "m8", "n8")
-
-
-def gemm_schedules_table(sizes, rounds=6, calls=3):
-    """The backward's CUTLASS GEMMs under each tile-scheduler raster order and swizzle
-    (JAXRL_SM90_GEMM_SCHEDULE, read by the custom call at run time, so one compiled
-    forward+backward serves all): per layout and schedule the median device span of the
-    automatic forward+backward and the per-call device time of its CUTLASS GEMM kernels,
-    over ``rounds`` rotated rounds of ``calls`` traced calls."""
-    rows = []
-    for n, d, v in sizes:
-        for layout in ("vd", "dv"):
-            h, w, t, g = inputs(n, d, v, layout)
-            fwdbwd = op_fns(public(None, weight_layout=layout))[1]
-            common.warm_up(fwdbwd, h, w, t, g)
-            got = {sch: [] for sch in GEMM_SCHEDULES}
-            for sch in in_rotation(GEMM_SCHEDULES, rounds):
-                os.environ["JAXRL_SM90_GEMM_SCHEDULE"] = sch
-                got[sch] += common.call_spans(fwdbwd, (h, w, t, g), calls + 1,
-                                              match="GemmUniversal")[0][1:]
-            os.environ.pop("JAXRL_SM90_GEMM_SCHEDULE", None)
-            for sch, spans in got.items():
-                rows.append({"N": n, "D": d, "V": v, "layout": layout,
-                             "schedule": sch or "default (heuristic, 1)",
-                             "fwdbwd_device_ms": float(np.median([x[1] for x in spans])),
-                             "gemms_ms": float(np.median([x[4] for x in spans])),
-                             "calls": len(spans)})
-                print(rows[-1], flush=True)
-            del h, w
-    return rows
-
-
 SMI_FIELDS = ("clocks.sm", "power.draw", "power.limit", "temperature.gpu",
               "clocks_event_reasons.active")
 
@@ -679,8 +646,6 @@ def main():
     parser.add_argument("--timeline", action="store_true",
                         help="fwd+bwd: synchronised wall clock against back-to-back calls and "
                              "the device span of a profiler trace")
-    parser.add_argument("--gemm-schedules", action="store_true",
-                        help="the backward's CUTLASS GEMMs under each raster order / swizzle")
     parser.add_argument("--clocks", choices=("ops", "forward", "kernels", "chunks"),
                         help="SM clock, power and time per call of variants run back to back "
                              "(see clock_variants)")
@@ -706,13 +671,6 @@ def main():
                                    ["N", "D", "V", "impl", "blocking_ms", "pipelined_ms", "reps",
                                     "trace_lead_ms", "trace_span_ms", "trace_busy_ms",
                                     "trace_tail_ms", "traced_calls", "xla_flags"]))
-        return
-    if args.gemm_schedules:
-        print(common.metadata(), flush=True)
-        sizes = SIZES["backward"] if args.sizes == "all" else SIZES[args.sizes]
-        print(common.write_results("bench_gemm_schedules", gemm_schedules_table(sizes),
-                                   ["N", "D", "V", "layout", "schedule", "fwdbwd_device_ms",
-                                    "gemms_ms", "calls"]))
         return
     if args.clocks:
         print(common.metadata(), flush=True)
