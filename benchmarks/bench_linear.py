@@ -182,11 +182,19 @@ def ffi_variant(layout, backward):
     return call
 
 
+def ffi_chunks(mib):
+    """``ffi.linear_backward`` with backward chunks of ``mib`` MiB."""
+    import functools
+    from jaxrl_kernels.backends import ffi
+
+    return functools.partial(ffi.linear_backward, config=ffi.Config(chunk_bytes=mib * 2**20))
+
+
 def backward_table(sizes):
     """The automatic choice, the ffi backward at two more chunk sizes and as a loop of XLA
     GEMMs, the ffi forward with the Triton-recompute backward, pallas variants and XLA's
     materialised path, both weight layouts, per size."""
-    import functools
+    from benchmarks.variants import ffi_xla_gemms
     from jaxrl_kernels.backends import ffi
 
     rows = []
@@ -198,11 +206,10 @@ def backward_table(sizes):
             variants = [(f"auto, {layout}", public(None, weight_layout=layout))]
             if ffi.unavailable_reason() is None:
                 for mib in (32, 128):
-                    variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}", ffi_variant(
-                        layout, functools.partial(ffi.linear_backward, chunk_bytes=mib * 2**20))))
+                    variants.append((f"ffi fwd + ffi bwd {mib} MiB chunks, {layout}",
+                                     ffi_variant(layout, ffi_chunks(mib))))
                 variants.append((f"ffi fwd + ffi bwd as a loop of XLA GEMMs, {layout}",
-                                 ffi_variant(layout, functools.partial(ffi.linear_backward,
-                                                                       gemms="xla"))))
+                                 ffi_variant(layout, ffi_xla_gemms.linear_backward)))
                 variants.append((f"ffi fwd + pallas (Triton) bwd, {layout}", ffi_variant(
                     layout, pallas_linear.linear_backward)))
             if layout == "vd":
@@ -438,9 +445,6 @@ def clock_variants(kind, n=4096, d=2048, v=131072):
     both layouts, XLA's materialised forward+backward), "forward" (one GEMM and our forward
     at V = 32768, 131072, 151936), "kernels" (the SM90 kernels alone over all of V, beside
     one GEMM), "chunks" (forward+backward at several backward chunk sizes)."""
-    import functools
-    from jaxrl_kernels.backends import ffi
-
     variants = {}
     for vocab in ((32768, 131072, 151936) if kind == "forward" else (v,)):
         for layout in ("vd", "dv"):
@@ -457,8 +461,7 @@ def clock_variants(kind, n=4096, d=2048, v=131072):
                     variants[(name, layout, vocab)] = call
             elif kind == "chunks":
                 for mib in (24, 32, 48, 64):
-                    fwdbwd = op_fns(ffi_variant(layout, functools.partial(
-                        ffi.linear_backward, chunk_bytes=mib * 2**20)))[1]
+                    fwdbwd = op_fns(ffi_variant(layout, ffi_chunks(mib)))[1]
                     variants[(f"forward+backward, {mib} MiB chunks", layout, vocab)] = (
                         fwdbwd, (h, w, t, g))
     if kind == "ops":
@@ -535,8 +538,7 @@ def fused_table(sizes):
     """Forward+backward with the ffi backward as one custom call (CUTLASS GEMMs) at several
     chunk sizes, against the same chunks as a loop of the grad call and XLA's GEMMs, both
     layouts, timed in rotated rounds after a second of GEMMs; each row with XLA's temp size."""
-    import functools
-    from jaxrl_kernels.backends import ffi
+    from benchmarks.variants import ffi_xla_gemms
 
     rows = []
     for n, d, v in sizes:
@@ -546,11 +548,9 @@ def fused_table(sizes):
             common.warm_up(gemm_fn, h, w)
             variants = {"gemm": (gemm_fn, (h, w))}
             for mib in FUSED_CHUNKS_MIB:
-                fwdbwd = op_fns(ffi_variant(layout, functools.partial(
-                    ffi.linear_backward, chunk_bytes=mib * 2**20)))[1]
+                fwdbwd = op_fns(ffi_variant(layout, ffi_chunks(mib)))[1]
                 variants[f"one call, CUTLASS GEMMs, {mib} MiB chunks"] = (fwdbwd, (h, w, t, g))
-            fwdbwd = op_fns(ffi_variant(layout, functools.partial(ffi.linear_backward,
-                                                                  gemms="xla")))[1]
+            fwdbwd = op_fns(ffi_variant(layout, ffi_xla_gemms.linear_backward))[1]
             variants["grad call in a loop of XLA GEMMs, 64 MiB chunks"] = (fwdbwd, (h, w, t, g))
             times = rotated(variants)
             for name in list(variants)[1:]:
@@ -568,6 +568,7 @@ def sm90_kernel_variants(h, w, t, g, layout):
     """The SM90 kernels alone over all of V (C = V) as jitted calls with their arguments:
     "forward" (statistics + combine), "logit gradient" (with its float16 copy of W) and
     "logit gradient, no weight copy"."""
+    from benchmarks.variants import ffi_xla_gemms
     from jaxrl_kernels.backends import ffi, head_grad
 
     v = w.shape[0] if layout == "vd" else w.shape[1]
@@ -576,7 +577,7 @@ def sm90_kernel_variants(h, w, t, g, layout):
     lse = fwd(h, w, t)[2]
     variants = {"forward": (fwd, (h, w, t))}
     for name, copy in (("logit gradient", True), ("logit gradient, no weight copy", False)):
-        write = ffi._write_grad(None, t, layout, weight_copy=copy)
+        write = ffi_xla_gemms.write_grad(None, t, layout, weight_copy=copy)
         grad = jax.jit(lambda h, w, lse, g, write=write, copy=copy: write(
             head_grad.RowGrad.of(lse, g, None, None, 1.0), 0, v, h, w, 1.0)[:1 + copy])
         variants[name] = (grad, (h, w, lse, g))

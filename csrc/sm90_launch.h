@@ -1,4 +1,4 @@
-// Host interface between the XLA FFI handlers (plain C++, ffi_linear_logprobs.cc) and the CUDA launchers.
+// Host interface between the XLA FFI handlers (plain C++, ffi_*.cc) and the CUDA launchers.
 // Each launcher takes an `...Args` struct of device pointers and sizes; the kernels' own
 // parameter structs (StatsParams, GradParams) extend these with what the launch derives
 // (the unit layout of the plan, 1/T), so the fields are named and copied once.
@@ -56,7 +56,8 @@ constexpr int kBlockN = 256;
 constexpr int kStages = 4;  // shared-memory pipeline depth (4 x 48 KiB)
 
 // Plan for N rows, V vocabulary entries on a device with `num_sms` SMs.
-// `force_splits` > 0 overrides the split count (tuning only).
+// `force_splits` > 0 sets the split count (ffi.Config.splits, the forward call's `splits`
+// attribute); 0 lets the planner choose.
 Plan choose_plan(int n, int v, int num_sms, int force_splits = 0);
 
 inline size_t partials_bytes(const Plan& plan, int n) {
