@@ -161,7 +161,7 @@ FWD_VARIANTS = {
     "256x128x64 w8 s4 tps8": dict(forward=(256, 128, 64, 8, 4), tiles_per_split=8),
     "128x128x64 w8 s4 tps8": dict(forward=(128, 128, 64, 8, 4), tiles_per_split=8),
 }
-GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also timed with the epilogue cut to a running max
+GEMM_ONLY = ("128x256x64 w8 s4 tps4",)  # also its statistics kernel alone, with and without softmax
 
 BWD_VARIANTS = {
     "pallas fwd+bwd, f16 G (Triton recompute), 32 MiB": dict(),
@@ -229,6 +229,23 @@ def make_config(base=pallas_linear.DEFAULT_CONFIG, **kw):
     return dataclasses.replace(base, **kw)
 
 
+def epilogue_rows(name, config, h, w, base, gemm):
+    """The statistics kernel alone under ``config``, and the same kernel with its softmax cut
+    to a running max (``variants/pallas_max_epilogue.py``): what the epilogue costs."""
+    import functools
+    from benchmarks.variants import pallas_max_epilogue
+
+    rows = []
+    for label, fn in ((" stats kernel alone", pallas_max_epilogue.stats_call),
+                      (" stats kernel alone, GEMM+max only", pallas_max_epilogue.max_call)):
+        call = jax.jit(functools.partial(fn, layout="vd", config=config))
+        ms = timed(call, h, w)
+        rows.append({**base, "impl": name + label, "fwd_ms": ms, "fwd_x_gemm": ms / gemm,
+                     "fwd_temp_mib": common.temp_mib(call, h, w)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def sweep(sizes):
     rows = []
     for n, d, v in sizes:
@@ -237,15 +254,14 @@ def sweep(sizes):
         base = {"N": n, "D": d, "V": v, "gemm_ms": gemm}
         rows.append({**base, "impl": "gemm (XLA, bf16 out)", "fwd_ms": gemm, "fwd_x_gemm": 1.0})
         for name, kw in FWD_VARIANTS.items():
-            for epilogue in ("softmax", "max") if name in GEMM_ONLY else ("softmax",):
-                cfg = make_config(**kw, epilogue=epilogue)
-                label = name + ("" if epilogue == "softmax" else " GEMM+max only")
-                try:
-                    row = measure(primitive(cfg), h, w, t, g, gemm, want_bwd=False)
-                except Exception as err:
-                    row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-                rows.append({**base, "impl": label, **row})
-                print(rows[-1], flush=True)
+            try:
+                row = measure(primitive(make_config(**kw)), h, w, t, g, gemm, want_bwd=False)
+            except Exception as err:
+                row = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            rows.append({**base, "impl": name, **row})
+            print(rows[-1], flush=True)
+            if name in GEMM_ONLY:
+                rows += epilogue_rows(name, make_config(**kw), h, w, base, gemm)
         for name, kw in BWD_VARIANTS.items():
             try:
                 row = measure(primitive(make_config(**kw)), h, w, t, g, gemm)
@@ -263,12 +279,17 @@ def sweep(sizes):
 
 
 def profile_targets():
-    """One call each of the pallas forward, its GEMM+max-only variant and XLA's GEMM at
-    N=4096, D=2048, V=131072 (for ``ncu -k regex:'stats|gemm|nvjet'``)."""
+    """One call each of the pallas forward, its statistics kernel with the epilogue cut to a
+    running max, XLA's GEMM and the pallas forward+backward at N=4096, D=2048, V=131072 (for
+    ``ncu -k regex:'stats|gemm|nvjet'``)."""
+    import functools
+    from benchmarks.variants import pallas_max_epilogue
+
     h, w, t, _ = inputs(4096, 2048, 131072)
-    for cfg in (pallas_linear.DEFAULT_CONFIG,
-                dataclasses.replace(pallas_linear.DEFAULT_CONFIG, epilogue="max")):
-        jax.block_until_ready(jax.jit(primitive(cfg))(h, w, t))
+    config = pallas_linear.DEFAULT_CONFIG
+    jax.block_until_ready(jax.jit(primitive(config))(h, w, t))
+    jax.block_until_ready(jax.jit(functools.partial(
+        pallas_max_epilogue.max_call, layout="vd", config=config))(h, w))
     dims = (((1,), (1,)), ((), ()))
     jax.block_until_ready(jax.jit(lambda h, w: jax.lax.dot_general(h, w, dims))(h, w))
     g = jnp.ones(t.shape, jnp.float32)
