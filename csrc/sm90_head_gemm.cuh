@@ -30,7 +30,7 @@ namespace jaxrl_sm90 {
 // along M that share each B tile through TMA multicast. Against one-CTA clusters, at
 // N=8192, D=4096, V=131072 on an H100 the GEMMs took 2-8 % less device time, and at N=4096,
 // D=2048 the same; a ping-pong schedule with 64 x 256 tiles took 1.3-1.9 x as long
-// (benchmarks/NOTES_linear_backward.md).
+// (docs/design/linear_backward.md).
 template <class ElementD, class ElementC, class LayoutA, class LayoutB>
 struct HeadGemm {
   using LayoutD = cutlass::layout::RowMajor;
@@ -103,7 +103,7 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   args.epilogue.thread.beta_ptr = beta;
   args.hw_info.sm_count = sm_count;
   // The tile scheduler keeps CUTLASS's defaults (heuristic raster order, no swizzle): every
-  // other order and swizzle measured within 1 % of them (benchmarks/NOTES_linear_backward.md).
+  // other order and swizzle measured within 1 % of them (docs/design/linear_backward.md).
 
   typename G::Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);
