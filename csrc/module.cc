@@ -1,6 +1,10 @@
-// Python module `jaxrl_kernels._sm90`: hands the XLA FFI handler to Python as a
-// PyCapsule (jax.ffi.register_ffi_target takes it) and exposes the host-side
-// work planner for tests.
+// Python module `jaxrl_kernels._sm90`: hands the XLA FFI handlers to Python as PyCapsules
+// (jaxrl_kernels/backends/ffi.py registers each with jax.ffi.register_ffi_target) and
+// exposes the host-side planners for tests and benchmarks. `registrations()` holds:
+//   jaxrl_kernels_sm90_linear_logprobs           the forward op          (ffi_forward.cc)
+//   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)
+//   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone   (ffi_variants.cc;
+//   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
 #include <pybind11/pybind11.h>
 
 #include "sm90_launch.h"
@@ -30,7 +34,10 @@ py::dict plan_dict(const jaxrl_sm90::Plan& p) {
 }  // namespace
 
 PYBIND11_MODULE(_sm90, m) {
-  m.doc() = "SM90 (Hopper) fused linear log-prob kernels (forward; backward logit-gradient stage) as XLA FFI custom calls.";
+  m.doc() =
+      "SM90 (Hopper) fused linear log-prob kernels as XLA FFI custom calls: the forward, the backward "
+      "(logit gradient and CUTLASS GEMMs per vocabulary chunk), and for measurement the logit-gradient "
+      "kernel alone and an unwritten buffer.";
   m.def("registrations", []() {
     py::dict out;
     out["jaxrl_kernels_sm90_linear_logprobs"] =
@@ -49,7 +56,8 @@ PYBIND11_MODULE(_sm90, m) {
     out["partials_bytes"] = jaxrl_sm90::partials_bytes(p, n);
     return out;
   }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
-     "The persistent-grid plan the forward handler uses for N rows and V columns.");
+     "The persistent-grid plan the forward handler uses for N rows and V columns (force_splits: "
+     "the call's `splits` attribute, 0 automatic).");
   m.def("grad_plan", [](int n, int size, int num_sms) {
     return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
   }, py::arg("n"), py::arg("size"), py::arg("num_sms"),

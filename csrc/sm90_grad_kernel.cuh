@@ -20,25 +20,12 @@
 
 namespace jaxrl_sm90 {
 
-struct GradParams {
-  const float* bias;      // [V] or null
-  const int32_t* targets; // [N]; ids outside [0, V) add no one-hot term
-  const float* lse;       // [N]
-  const float* alpha;     // [N]
-  const float* beta;      // [N]
-  const float* gamma;     // [N] or null
-  const int32_t* start_ptr;  // device scalar: the chunk's first column, or null: `start`
-  int start;                 // a multiple of 256
-  __half* out;               // [N, ld]: columns [size, ld) are written as 0
-  const void* weight;        // W, read directly for its float16 copy
-  const float* w_scale;      // device scalar sigma_W, or null: sigma from *wmax
-  const uint32_t* wmax;      // max |W| of this chunk (weight_absmax bits), when w_scale is null
-  float* inv_scale;          // where 1 / sigma goes (for the d_hidden GEMM), or null
-  uint32_t* next_wmax;       // max |W| of [next_start, next_start + next_size) folds in here, or null
-  int next_start, next_size;
-  __half* w16;               // [ld, D] ("vd", rows [size, ld) 0) or [D, size] ("dv"), or null
-  Units units;               // vocab = V of W; vocab_tiles = the chunk's tiles
-  int size, ld;              // size <= ld <= vocab_tiles * 256; "dv" has ld == size
+// The launch's GradArgs (sm90_launch.h: the chunk, its output G and weight copy, the max |W|
+// bookkeeping) with `ld` resolved (size <= ld <= vocab_tiles * 256; "dv" has ld == size),
+// and what the launch derives: the unit layout (vocab = V of W; vocab_tiles = the chunk's
+// tiles) and 1/T.
+struct GradParams : GradArgs {
+  Units units;
   float inv_t;
 };
 
@@ -173,7 +160,7 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
         o[e] = __floats2half2_rn(static_cast<float>(w[2 * e]) * scale, static_cast<float>(w[2 * e + 1]) * scale);
       }
       const int64_t dst = kDv ? it.row * size + 8 * it.col : 8 * it.col;
-      *reinterpret_cast<uint4*>(p.w16 + dst) = out;
+      *reinterpret_cast<uint4*>(static_cast<__half*>(p.w16) + dst) = out;
     }
   }
   if (p.next_wmax) {
@@ -219,7 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   cutlass::PipelineState<kStages> rstate;
   const bool has_bias = p.bias != nullptr;
-  const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0;
+  __half* const out = static_cast<__half*>(p.out);
+  const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   __half* stage = storage.stage[ct / 32];
 
   for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
@@ -250,10 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
       const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
       if (p.gamma) {
-        write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
+        write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
                               p.ld, local0, vector_ok);
       } else {
-        write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, p.out, warp_row0, g.n_rows, p.size,
+        write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
                                p.ld, local0, vector_ok);
       }
     }
@@ -265,26 +253,9 @@ template <class T, bool kDv>
 std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
   GradParams p;
-  p.bias = args.bias;
-  p.targets = args.targets;
-  p.lse = args.lse;
-  p.alpha = args.alpha;
-  p.beta = args.beta;
-  p.gamma = args.gamma;
-  p.start_ptr = args.start_ptr;
-  p.start = args.start;
-  p.out = static_cast<__half*>(args.out);
-  p.weight = args.weight;
-  p.w_scale = args.w_scale;
-  p.wmax = args.wmax;
-  p.inv_scale = args.inv_scale;
-  p.next_wmax = args.next_wmax;
-  p.next_start = args.next_start;
-  p.next_size = args.next_size;
-  p.w16 = static_cast<__half*>(args.w16);
-  p.units = units_of(plan, args.n, args.v, args.d);
-  p.size = args.size;
+  static_cast<GradArgs&>(p) = args;
   p.ld = args.ld > 0 ? args.ld : args.size;
+  p.units = units_of(plan, args.n, args.v, args.d);
   p.inv_t = 1.0f / args.temperature;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
   return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,

@@ -101,7 +101,7 @@ Plan choose_plan(int n, int v, int num_sms, int force_splits) {
   return plan;
 }
 
-std::string launch(const Args& args, const Plan& plan, cudaStream_t stream) {
+std::string launch(const ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   if (args.n == 0) return {};
   std::string why;
   if (args.dtype == DType::kBF16) {

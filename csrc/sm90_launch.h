@@ -1,4 +1,7 @@
-// Host interface between the XLA FFI handlers (plain C++) and the CUDA launchers.
+// Host interface between the XLA FFI handlers (plain C++, ffi_*.cc) and the CUDA launchers.
+// Each launcher takes an `...Args` struct of device pointers and sizes; the kernels' own
+// parameter structs (StatsParams, GradParams) extend these with what the launch derives
+// (the unit layout of the plan, 1/T), so the fields are named and copied once.
 //
 // Forward (`launch`):
 // The SM90 forward computes, for every row n of hidden [N, D] and the vocabulary
@@ -32,7 +35,7 @@ struct Plan {
   long long makespan = 0;  // most 128x256 tiles any CTA computes
 };
 
-struct Args {
+struct ForwardArgs {
   const void* hidden = nullptr;     // [N, D]
   const void* weight = nullptr;     // [V, D] or [D, V]
   const float* bias = nullptr;      // [V] or null
@@ -53,7 +56,8 @@ constexpr int kBlockN = 256;
 constexpr int kStages = 4;  // shared-memory pipeline depth (4 x 48 KiB)
 
 // Plan for N rows, V vocabulary entries on a device with `num_sms` SMs.
-// `force_splits` > 0 overrides the split count (tuning only).
+// `force_splits` > 0 sets the split count (ffi.Config.splits, the forward call's `splits`
+// attribute); 0 lets the planner choose.
 Plan choose_plan(int n, int v, int num_sms, int force_splits = 0);
 
 inline size_t partials_bytes(const Plan& plan, int n) {
@@ -62,7 +66,7 @@ inline size_t partials_bytes(const Plan& plan, int n) {
 
 // Enqueues both kernels on `stream`. Returns an empty string on success, else
 // the reason. Never synchronises, never allocates device memory.
-std::string launch(const Args& args, const Plan& plan, cudaStream_t stream);
+std::string launch(const ForwardArgs& args, const Plan& plan, cudaStream_t stream);
 
 // Backward, first stage (`launch_grad`): for the vocabulary chunk [start, start + size)
 // (start a multiple of 256, read from device memory so one compiled call serves every
@@ -73,13 +77,13 @@ struct GradArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
   const float* bias = nullptr;      // [V] or null
-  const int32_t* targets = nullptr; // [N]
+  const int32_t* targets = nullptr; // [N]; ids outside [0, V) add no one-hot term
   const float* lse = nullptr;       // [N]
   const float* alpha = nullptr;     // [N]
   const float* beta = nullptr;      // [N]
   const float* gamma = nullptr;     // [N] or null
   const int32_t* start_ptr = nullptr;  // [1], device memory, or null: `start`
-  int start = 0;
+  int start = 0;                    // the chunk's first column, a multiple of 256
   const float* w_scale = nullptr;   // [1], device memory: sigma_W; or null, and then:
   const uint32_t* wmax = nullptr;   //   max |W| of the chunk (sm90_weight_absmax.cuh) gives sigma_W,
   float* inv_scale = nullptr;       //   1 / sigma_W is written here,

@@ -115,14 +115,12 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
 
 // ---- the kernel ------------------------------------------------------------------------
 
-struct StatsParams {
-  const float* bias;
-  const int32_t* targets;
-  const uint8_t* row_valid;
-  float* target_logit;  // the logp output, holding the raw target logit until combine_kernel runs
-  float* partials;
+// The launch's ForwardArgs (the kernel reads bias, targets, row_valid, logp and partials)
+// and what the launch derives from them. `logp` holds the raw target logit until
+// combine_kernel runs.
+struct StatsParams : ForwardArgs {
   Units units;
-  float c1;
+  float c1;  // log2(e) / T
 };
 
 template <class Cfg>
@@ -192,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (rel >= 0 && rel < kBlockN && ((rel >> 1) & 3) == q) {
           float v = acc_at(acc, r, rel);
           if (has_bias) v += bias_tile[rel];
-          p.target_logit[rows[r]] = v;
+          p.logp[rows[r]] = v;  // the raw target logit, finished by combine_kernel
         }
       }
 
@@ -232,14 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- host launch of one instantiation --------------------------------------------------
 
 template <class T, bool kDv>
-std::string launch_typed(const Args& args, const Plan& plan, cudaStream_t stream) {
+std::string launch_typed(const ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
   StatsParams p;
-  p.bias = args.bias;
-  p.targets = args.targets;
-  p.row_valid = args.row_valid;
-  p.target_logit = args.logp;
-  p.partials = args.partials;
+  static_cast<ForwardArgs&>(p) = args;
   p.units = units_of(plan, args.n, args.v, args.d);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
   return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,

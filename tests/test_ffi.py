@@ -10,6 +10,7 @@ out-of-range targets; gradients through the custom_vjp; bitwise determinism.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -21,6 +22,7 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, cotangent
+from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.backends import ffi, head_grad
 
@@ -91,6 +93,7 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     assert f"stablehlo.custom_call @{ffi.TARGET}" in fwd
     assert ("weight_dv = true" in fwd) == (layout == "dv")
     assert ("has_bias = true" in fwd) == with_bias
+    assert "splits = 0 : i32" in fwd  # ffi.Config.splits: the planner chooses
     grad = jax.jit(jax.grad(logp_sum, argnums=(0, 1))).trace(h, w, b)
     text = grad.lower(lowering_platforms=("cuda",)).as_text()
     assert f"custom_call @{ffi.TARGET}" in text
@@ -108,9 +111,30 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     assert text.count(f"stablehlo.custom_call @{ffi.BACKWARD_TARGET}") == 1
     assert "stablehlo.while" not in text and ffi.GRAD_TARGET + "(" not in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
-    # gemms="xla": the grad call in a loop of XLA GEMMs; d_weight starts as a buffer nobody
-    # writes (the chunk loop covers every column), not zeros
-    text = backward_text(gemms="xla")
+
+
+def test_forward_splits_attribute_from_config():
+    """ffi.Config.splits reaches the forward custom call as its ``splits`` attribute."""
+    h, w, b, t = _inputs()
+    rv = jnp.ones(t.shape, bool)
+    stats = lambda h, w: ffi.linear_stats(h, w, None, t, rv, weight_layout="vd", temperature=1.0,
+                                          with_entropy=False, config=ffi.Config(splits=3))
+    text = jax.jit(stats).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.custom_call @{ffi.TARGET}" in text and "splits = 3 : i32" in text
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
+    """benchmarks/variants/ffi_xla_gemms.py (measurement only): the grad call in a loop of XLA
+    GEMMs; d_weight starts as a buffer nobody writes (the chunk loop covers every column)."""
+    from benchmarks.variants import ffi_xla_gemms
+
+    h, w, b, t = _inputs(layout=layout)
+    rows = jnp.ones((t.shape[0],), jnp.float32)
+    bwd = jax.jit(lambda *a: ffi_xla_gemms.linear_backward(*a, weight_layout=layout,
+                                                           temperature=0.7))
+    text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
     assert f"stablehlo.custom_call @{ffi.UNINITIALIZED_TARGET}" in text
     assert ffi.BACKWARD_TARGET not in text
@@ -342,7 +366,7 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
     """The ffi backward part against the float64 VJP, with ignored rows (lse = +inf, zero
     cotangents) and a target outside [0, V): the fused custom call (CUTLASS GEMMs; chunks of
     `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer) and the
-    grad call in head_grad's loop of XLA GEMMs."""
+    grad call in head_grad's loop of XLA GEMMs (benchmarks/variants/ffi_xla_gemms.py)."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
     _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms)
 
@@ -387,9 +411,12 @@ def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms
     g = np.where(active, g, 0.0)
     g_ent = None if g_ent is None else np.where(active, g_ent, 0.0)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    got = jax.jit(lambda *a: ffi.linear_backward(
-        *a, weight_layout=layout, temperature=temperature, chunk_bytes=2 * n * cols,
-        gemms=gemms))(
+    if gemms == "cutlass":
+        backward = functools.partial(ffi.linear_backward,
+                                     config=ffi.Config(chunk_bytes=2 * n * cols))
+    else:
+        backward = functools.partial(ffi_xla_gemms.linear_backward, chunk_bytes=2 * n * cols)
+    got = jax.jit(lambda *a: backward(*a, weight_layout=layout, temperature=temperature))(
         h, w, b32, jnp.asarray(t), f32(np.where(active, lse, np.inf)), f32(ent), f32(g),
         f32(g_ent))
     onehot = np.zeros_like(z)
@@ -430,7 +457,8 @@ G_CASES = [
 @pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,start,size", G_CASES,
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start, size):
-    """Every element of the grad call's G = alpha [v = target] - beta p (float16) against
+    """Every element of the grad call's G = alpha [v = target] - beta p (float16; the call
+    as benchmarks/variants/ffi_xla_gemms.py makes it) against
     float64: each lands where it belongs, whichever store path (16-byte rows, or single
     elements at a ragged edge) wrote it; and its second result, the chunk's weight copy
     float16(σ_W · W), equal bit for bit to the conversion in numpy."""
@@ -444,7 +472,7 @@ def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start
     g = np.random.default_rng(n).uniform(-1.0, 1.0, n)
     rows = head_grad.RowGrad.of(jnp.asarray(lse, jnp.float32), jnp.asarray(g, jnp.float32), None,
                                 None, 1.0)
-    write = ffi._write_grad(b32, t, layout)
+    write = ffi_xla_gemms.write_grad(b32, t, layout)
     sigma_w = 8.0 if dtype == jnp.bfloat16 else 0.25
     got, w16 = jax.jit(lambda h, w: write(rows, start, size, h, w, sigma_w))(h, w)
     got = np.asarray(got, np.float64)
@@ -471,6 +499,24 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
         assert a.tobytes() == b.tobytes()
     text = jax.jit(f).lower(h, w).as_text()
     assert f"custom_call @{ffi.BACKWARD_TARGET}" in text
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_forced_splits_agree_with_the_plan(layout):
+    """ffi.Config.splits (1, 7 and more splits than vocabulary tiles) against the planner's
+    choice: the same statistics up to the order of the split merge."""
+    h, w, b, t = _gpu_inputs(300, 256, 50000, layout, jnp.bfloat16, True, seed=5)
+    rv = jnp.ones(t.shape, bool)
+    b32 = b.astype(jnp.float32)
+    run = lambda splits: [np.asarray(x) for x in jax.jit(
+        lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9, ffi.Config(splits=splits))
+    )(h, w)]
+    want = run(0)
+    for splits in (1, 7, 1000):
+        for got, ref in zip(run(splits), want):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.gpu

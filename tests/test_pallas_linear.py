@@ -119,16 +119,6 @@ def test_tiny_tiles_many_splits_and_chunks(rng, dtype, layout):
     check(rng, case, wide, layout=layout, temperature=1.3, config=TINY)
 
 
-@pytest.mark.parametrize("mode,layout", [("split", "dv"), ("concat", "vd"), ("concat", "dv"),
-                                         ("tf32", "vd")])
-def test_grad_modes_bf16(rng, mode, layout):
-    """Every docs/api.md-precise way of feeding 16-bit dz to the GEMMs, over several chunks + a tail."""
-    case, wide = make_case(rng, 21, 40, 150, jnp.bfloat16, layout, bias=True, invalid=(4,))
-    config = dataclasses.replace(TINY, grad=pallas_linear.TileConfig(16, 32, 16, 4, 2),
-                                 chunk_bytes=21 * 4 * 64, grad_mode=mode)
-    check(rng, case, wide, layout=layout, config=config)
-
-
 @pytest.mark.parametrize("vocab,layout,dtype,entropy,bias", [
     (1, "vd", jnp.float32, True, False),
     (7, "dv", jnp.bfloat16, False, True),

@@ -16,11 +16,9 @@ that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the
 wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
 [N, C]), and from its otherwise idle producer warps the chunk's float16 weight copy (scaled
 by a power of two from the chunk's max |W|, which the previous chunk's kernel found) and
-the next chunk's max |W|; two
-CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator and write Gᵀ · h16 straight
-into d_weight (``csrc/sm90_backward.cu``). ``gemms="xla"`` runs the same chunks as
-``head_grad.backward`` instead: a ``fori_loop`` of the grad custom call
-(``jaxrl_kernels_sm90_linear_logprobs_grad``) and XLA's GEMMs, for comparison.
+the next chunk's max |W|; two CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator
+and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``). :class:`Config` holds what tunes them: the
+forward's vocabulary splits (0: the planner's choice) and the backward's chunk size.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -28,6 +26,8 @@ runs once per batch element (``vmap_method="sequential"``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,11 @@ from jaxrl_kernels import dispatch, logprob_core
 from jaxrl_kernels.backends import head_grad
 from jaxrl_kernels.logprob_core import Parts
 
-TARGET = "jaxrl_kernels_sm90_linear_logprobs"
+TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
+BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
+# Registered as well, but called only by benchmarks/variants/ffi_xla_gemms.py and tests
+# (csrc/ffi_variants.cc): the grad kernel alone over one chunk, and an unwritten buffer.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
-BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"
 UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100
@@ -49,6 +51,22 @@ N=8192, D=4096, 58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What tunes the SM90 kernels (docs/architecture.md: a Config is what a caller sets, the
+    C++ ``Plan`` what one shape makes of it), passed to them as custom-call attributes:
+    ``splits`` to the forward call, ``chunk_bytes`` as the backward call's ``chunk`` columns."""
+
+    splits: int = 0
+    """Vocabulary splits of the forward's persistent grid; 0: the planner's choice
+    (``choose_plan`` in csrc/sm90_launch.cu, ``_sm90.plan``)."""
+    chunk_bytes: int = GRAD_CHUNK_BYTES
+    """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``)."""
+
+
+DEFAULT_CONFIG = Config()
 
 try:
     from jaxrl_kernels import _sm90
@@ -112,7 +130,8 @@ def _f32_or_empty(x):
     return jnp.zeros((0,), jnp.float32) if x is None else x.astype(jnp.float32)
 
 
-def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature):
+def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
+                  config=DEFAULT_CONFIG):
     """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
     _check_served(hidden, weight)
     n_rows = hidden.shape[0]
@@ -122,40 +141,15 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
     call = jax.ffi.ffi_call(TARGET, (row, row, row), vmap_method="sequential")
     return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                 weight_dv=weight_layout == "dv", has_bias=has_bias,
-                temperature=np.float32(temperature))
+                temperature=np.float32(temperature), splits=np.int32(config.splits))
 
 
-def _write_grad(bias, targets, weight_layout, weight_copy=True):
-    """``head_grad.WriteGrad`` on the grad custom call (operands prepared once, outside the
-    chunk loop); ``weight_copy=False`` leaves the chunk's float16 weight copy to XLA."""
-    bias32, targets32 = _f32_or_empty(bias), targets.astype(jnp.int32)
-
-    def write(rows, start, size, hidden, weight, sigma_w):
-        depth = hidden.shape[1]
-        w16_shape = (0, 0) if not weight_copy else (size, depth) if weight_layout == "vd" else (depth, size)
-        call = jax.ffi.ffi_call(GRAD_TARGET,
-                                (jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
-                                 jax.ShapeDtypeStruct(w16_shape, jnp.float16)),
-                                vmap_method="sequential")
-        g16, w16 = call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
-                        _f32_or_empty(rows.gamma), jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-                        jnp.reshape(jnp.asarray(sigma_w, jnp.float32), (1,)),
-                        weight_dv=weight_layout == "dv", has_bias=bias is not None,
-                        has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature))
-        return g16, (w16 if weight_copy else None)
-    return write
-
-
-def uninitialized_like(x):
-    """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
-    a loop carry that the loop overwrites in full: the backward's d_weight, which would
-    otherwise be zero-filled first (0.32 ms at V·D = 2²⁸ on an H100:
-    benchmarks/results/profile_backward_vd_3bd01e1.txt)."""
-    return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
-
-
-def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes):
+def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
+                    weight_layout, temperature, config=None):
+    """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
+    custom call over all chunks of ``config.chunk_bytes``."""
+    _check_served(hidden, weight)
+    chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
     n_rows, depth = hidden.shape
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
@@ -182,33 +176,12 @@ def _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
             None if bias is None else d_bias.astype(bias.dtype))
 
 
-def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=GRAD_CHUNK_BYTES, gemms="cutlass",
-                    weight_grad_init=uninitialized_like, weight_copy=True):
-    """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
-    custom call over all chunks of C columns (``gemms="cutlass"``), or the grad custom call in
-    ``head_grad.backward``'s loop of XLA GEMMs (``gemms="xla"``, which alone reads
-    ``weight_grad_init`` and ``weight_copy``)."""
-    _check_served(hidden, weight)
-    if gemms == "cutlass":
-        return _fused_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
-                               weight_layout=weight_layout, temperature=temperature,
-                               chunk_bytes=chunk_bytes)
-    if gemms != "xla":
-        raise ValueError(f"gemms must be 'cutlass' or 'xla', got {gemms!r}")
-    return head_grad.backward(
-        hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
-        temperature=temperature,
-        write_grad=_write_grad(bias, targets, weight_layout, weight_copy),
-        chunk_bytes=chunk_bytes, align=TILE_COLS, weight_grad_init=weight_grad_init)
-
-
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                 with_entropy):
+                 with_entropy, config=None):
     """The row statistics of ``logprob_core`` from the custom call's finalized outputs: with
     ``m = lse`` the sum of exponentials is 1, ``a = −entropy`` and ``z_target − m = logp``."""
     logp, entropy, lse = _forward_call(hidden, weight, bias, targets, row_valid, weight_layout,
-                                       temperature)
+                                       temperature, config or DEFAULT_CONFIG)
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 

@@ -153,7 +153,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they were no
     faster on an H100: bench_linear_backward.md at d9bcddf); they write every column of
-    d_weight, so ``weight_grad_init`` may leave its buffer unwritten."""
+    d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
+    the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one)."""
     n_rows = hidden.shape[0]
     vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
     w_axis = 0 if weight_layout == "vd" else 1

@@ -1,0 +1,78 @@
+// The backward op's XLA FFI handler, `jaxrl_kernels_sm90_linear_logprobs_backward`
+// (jaxrl_kernels/backends/ffi.py: linear_backward): the whole backward of the head in one
+// call, launch_backward (sm90_backward.cu, BackwardArgs in sm90_launch.h).
+//
+// Operands: hidden, weight, bias, targets as the forward's; lse, alpha, beta, gamma (f32 [N];
+// gamma [0] without has_entropy: head_grad.RowGrad); h16 (f16 [N, D]), the row bound s
+// (f32 [N]) and scalars (f32 [2]: d_weight's scale, 1). Results: the float32 d_hidden
+// accumulator [N, D] (d_hidden / s), d_weight (W's shape and dtype), d_bias (f32 [V], or [0]
+// without has_bias) and the workspace (u8, of backward_workspace_bytes). Attributes:
+// weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256).
+#include <cstdint>
+#include <string>
+
+#include "ffi_common.h"
+
+namespace jaxrl_ffi {
+namespace {
+
+ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+                              ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
+                              ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
+                              ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale,
+                              ffi::Buffer<ffi::F32> scalars, ffi::ResultBuffer<ffi::F32> acc,
+                              ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
+                              ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, bool has_entropy,
+                              float temperature, int64_t chunk) {
+  jaxrl_sm90::BackwardArgs args;
+  jaxrl_sm90::GradArgs& g = args.grad;
+  ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
+                                    has_entropy, temperature, g);
+  if (checked.failure()) return checked;
+  if (static_cast<int64_t>(row_scale.element_count()) != g.n)
+    return ffi::Error::InvalidArgument("the row scale must be [N]");
+  if (scalars.element_count() != 2) return ffi::Error::InvalidArgument("scalars must hold 2 elements");
+  if (h16.element_count() != static_cast<size_t>(g.n) * g.d || acc->element_count() != h16.element_count())
+    return ffi::Error::InvalidArgument("h16 and the d_hidden accumulator must be [N, D]");
+  if (d_weight->element_type() != weight.element_type() || d_weight->element_count() != weight.element_count())
+    return ffi::Error::InvalidArgument("d_weight must have the weight's shape and dtype");
+  if (has_bias && static_cast<int64_t>(d_bias->element_count()) != g.v)
+    return ffi::Error::InvalidArgument("d_bias must be [V]");
+  if (chunk <= 0 || chunk % jaxrl_sm90::kBlockN != 0 || chunk >= (int64_t{1} << 31))
+    return ffi::Error::InvalidArgument("chunk must be a positive multiple of 256");
+  const size_t need = jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype);
+  if (workspace->element_count() < need)
+    return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
+                                       std::to_string(workspace->element_count()));
+  const int sms = sm_count(device);
+  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+
+  args.h16 = h16.typed_data();
+  args.row_scale = row_scale.typed_data();
+  args.scalars = scalars.typed_data();
+  args.acc = acc->typed_data();
+  args.d_weight = d_weight->untyped_data();
+  args.d_bias = has_bias ? d_bias->typed_data() : nullptr;
+  args.workspace = workspace->untyped_data();
+  args.chunk = static_cast<int>(chunk);
+  args.sm_count = sms;
+  return launched(jaxrl_sm90::launch_backward(args, stream));
+}
+
+}  // namespace
+}  // namespace jaxrl_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, jaxrl_ffi::LinearBackwardImpl,
+                              jaxrl_ffi::bind_grad_operands()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<bool>("weight_dv")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_entropy")
+                                  .Attr<float>("temperature")
+                                  .Attr<int64_t>("chunk"));
