@@ -4,7 +4,7 @@
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
 #                                              backward_base, profile, timeline, device_times,
-#                                              gemm_schedules, clocks, kernels, fused,
+#                                              clocks, kernels, fused,
 #                                              linear_ffi, one_device, memcheck,
 #                                              many_devices,
 #                                              side_by_side, e2e)
@@ -64,7 +64,6 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
     kernels) step 360 python3 -m benchmarks.bench_linear --kernels ;;
     timeline) step 300 bash -c 'python3 -m benchmarks.bench_linear --timeline &&
       XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.bench_linear --timeline' ;;
-    gemm_schedules) step 420 python3 -m benchmarks.bench_linear --gemm-schedules --sizes ${FUSED_SIZES:-backward} ;;
     clocks) step 540 bash -c 'for kind in ${CLOCKS:-ops forward kernels chunks}; do
       python3 -m benchmarks.bench_linear --clocks $kind || exit 1; done' ;;
     device_times) step 420 python3 -m benchmarks.bench_linear --device-times ;;
