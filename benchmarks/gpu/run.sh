@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
+# On an offline Hopper GPU machine: install the project, run the GPU tests, the
 # benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
 # after every step, so a run cut short still returns what it finished).
 #   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
@@ -20,7 +20,7 @@ export BENCH_RESULTS="$OUT/results" PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_RESULTS"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels the image lacks (nvidia-cutlass)
+if compgen -G ".whl/*.whl" >/dev/null; then  # wheels the image lacks (nvidia-cutlass), copied in beside the checkout
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -33,7 +33,8 @@ if compgen -G ".whl/tunix/*.whl" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -2
+# ON, not AUTO: a failed build is an error here, never a silent pure-Python install.
+JAXRL_KERNELS_BUILD_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
 echo "install took $(( $(date +%s) - start )) s"
 python3 -c 'import jax, jaxrl_kernels as jk; print(jax.devices(), {op: jk.available_backends(op) for op in ("linear_logprobs", "token_logprobs", "ppo_loss")})'
 
@@ -77,7 +78,7 @@ for s in ${STEPS-tests ffi linear logits ppo demo}; do
       fi; python3 -m benchmarks.linear_side_by_side' ;;
     e2e)   step 420 python3 -m benchmarks.e2e_grpo_step ;;
     tunix) step 540 python3 -m benchmarks.bench_tunix ;;
-    # a newer jax than the image's, carried in parts by earlier calls (split_jax_wheels.sh);
+    # a newer jax than the image's, copied in as parts (split_jax_wheels.sh);
     # installed over the image's jax, so it is the run's last step
     stage_jax) step 60 bash -c 'mkdir -p /tmp/jax-parts && cp .whl-jax/part-* /tmp/jax-parts/ && ls -l /tmp/jax-parts' ;;
     tests_new_jax) step 420 bash -c 'rm -rf /tmp/jax-wheels && mkdir -p /tmp/jax-wheels &&
