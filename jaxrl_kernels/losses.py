@@ -100,6 +100,8 @@ def _segments(batch, group_size, group_boundaries):
             raise ValueError(f"group_boundaries: expected strictly increasing values starting at "
                              f"0 and ending at B = {batch}, got {np.asarray(bounds).tolist()}")
         ok = None
+    else:
+        check.boundaries("group_boundaries", bounds, batch)  # check mode only
     ids = jnp.searchsorted(bounds[1:], jnp.arange(batch), side="right")
     return ids, bounds.shape[0] - 1, ok
 
@@ -247,8 +249,7 @@ def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axi
     if policy_logits.shape[-1] == 0:
         raise ValueError("policy_logits: expected a non-empty vocabulary axis, got V = 0")
     vocab = global_vocab(policy_logits.shape[-1], vocab_axis)
-    check.targets_in_range("actions", actions, vocab, None if not check.is_concrete(mask)
-                           else np.asarray(mask) == 0)
+    check.targets_in_range("actions", actions, vocab, mask=mask)
     return policy_logits, ref_logits, actions, _sg(old_logp), mask
 
 
@@ -356,8 +357,7 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask,
     check.shape("actions", actions, shape, "[B, T]")
     old_logp = _sg(_per_token("old_logp", old_logp, shape).astype(jnp.float32))
     mask = _mask(mask, shape)
-    check.targets_in_range("actions", actions, vocab, None if not check.is_concrete(mask)
-                           else np.asarray(mask) == 0)
+    check.targets_in_range("actions", actions, vocab, mask=mask)
     return hidden, weight, bias, actions, old_logp, mask
 
 
