@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 from benchmarks.side_by_side.jax_worker import xla_materialised
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 
@@ -662,6 +662,7 @@ def ncu_summary(path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
     parser.add_argument("--backends", default="pallas,chunked,reference")
     parser.add_argument("--sweep", action="store_true")

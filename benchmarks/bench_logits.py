@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 from jaxrl_kernels.backends.pallas import logits as pallas_logits
 
 BACKENDS = ("pallas", "reference", "chunked")
@@ -292,6 +292,7 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--ab", action="store_true",

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 
 BACKENDS = ("pallas", "reference", "chunked")
 SIZES = {"tiny": [(8, 16)], "base": [(128, 512)], "all": [(128, 512), (1024, 8192)]}
@@ -163,6 +163,7 @@ def run(size):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
     run(parser.parse_args().sizes)
 

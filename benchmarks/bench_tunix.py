@@ -38,6 +38,8 @@ import sys
 import time
 import traceback
 
+from benchmarks import output
+
 LOSSES = ("grpo", "jaxrl_grpo")
 PAD_ID, EOS_ID = 0, 1
 RESULT = "RESULT "
@@ -355,6 +357,7 @@ def driver(args):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, for CPU")
     parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
     parser.add_argument("--prompt", type=int)

@@ -49,6 +49,7 @@ import tempfile
 import time
 import traceback
 
+from benchmarks import output
 from benchmarks.workers import failure, run_worker
 
 PATHS = ("jaxrl_kernels", "materialised")
@@ -342,6 +343,7 @@ def worker(path, cfg, out, deadline, mem_limit_mib):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--budget", type=float, default=0,

@@ -9,7 +9,7 @@ What the train step needs from the model, and where each piece comes from:
 * hidden states: the decoder's output after its final norm, [B, T, D]. The model never
   applies its LM head; jaxrl_kernels does, without building the [B, T, V] logits.
 * the head weight and its layout: a tied embedding table is [V, D] (``weight_layout="vd"``);
-  an ``nnx.Linear(D, V)`` kernel is [D, V] (``"dv"``). ``Decoder.lm_head`` returns either.
+  an ``nnx.Linear(D, V)`` kernel is [D, V] (``"dv"``). ``lm_head(model)`` returns either.
 * the one-token shift: the hidden state at position t predicts token t + 1, so the model
   reads ``tokens[:, :-1]`` and the actions are ``tokens[:, 1:]``.
 * the mask, [B, T] like the actions: 1 where the action is a response token (sampled by the
@@ -58,18 +58,18 @@ class Decoder(nnx.Module):
         x = x + self.down(nnx.gelu(self.up(self.norm2(x))))
         return self.norm(x)
 
-    def lm_head(self) -> tuple[jax.Array, str]:
-        """The LM-head weight and its layout for jaxrl_kernels' linear ops."""
-        if self.head is None:
-            return self.embed.embedding[...], "vd"   # tied embedding table [V, D]
-        return self.head.kernel[...], "dv"           # nnx.Linear kernel [D, V]
-
 
 # [train-step]
+def lm_head(model):
+    if model.head is None:                        # tied: the embedding table, [V, D]
+        return model.embed.embedding[...], "vd"
+    return model.head.kernel[...], "dv"           # the nnx.Linear(D, V) kernel, [D, V]
+
+
 def loss_fn(model, tokens, mask, rewards):
     hidden = model(tokens[:, :-1])        # [B, T, D]; position t predicts token t + 1
     actions = tokens[:, 1:]               # [B, T]: the one-token shift
-    weight, layout = model.lm_head()      # tied embedding [V, D]: "vd"; Linear kernel [D, V]: "dv"
+    weight, layout = lm_head(model)
     # One update per rollout: the sampling policy is the current one, without gradient.
     old_logp = jax.lax.stop_gradient(
         jk.linear_logprobs(hidden, weight, actions, weight_layout=layout))
@@ -92,7 +92,7 @@ def rollout(model, prompts, key):
     """Sample GROUP answers per prompt; return (tokens [B, P + R], mask [B, P + R - 1], rewards)."""
     prompts = jnp.repeat(prompts, GROUP, axis=0)
     tokens = jnp.concatenate([prompts, jnp.zeros((prompts.shape[0], RESPONSE), prompts.dtype)], 1)
-    weight, layout = model.lm_head()
+    weight, layout = lm_head(model)
 
     def sample_next(i, tokens):  # the sampler builds logits for one position at a time
         hidden = model(tokens)[:, PROMPT + i - 1]  # causal: later slots do not matter
@@ -121,7 +121,7 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
         prompts = jax.random.randint(prompt_key, (PROMPTS, PROMPT), 2, VOCAB)
         tokens, mask, rewards = rollout(model, prompts, sample_key)
         if step == 0:  # which backend serves the loss on this machine, and why
-            weight, layout_ = model.lm_head()
+            weight, layout_ = lm_head(model)
             hidden, actions = model(tokens[:, :-1]), tokens[:, 1:]
             old_logp = jk.linear_logprobs(hidden, weight, actions, weight_layout=layout_)
             print(jk.explain("linear_grpo_loss", hidden, weight, actions, old_logp, rewards, mask,
