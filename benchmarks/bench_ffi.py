@@ -10,7 +10,8 @@ of the backends alternate, so clock drift affects them alike.
 
     python3 -m benchmarks.bench_ffi [--quick]
 
-writes ffi.json / ffi.md to $BENCH_RESULTS, $OUT or benchmarks/results, prints the table.
+writes ffi.json / ffi.md to out/bench (``--out``, ``--update-results``: benchmarks/README.md)
+and prints the table.
 """
 
 from __future__ import annotations

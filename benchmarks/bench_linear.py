@@ -20,8 +20,8 @@ and pallas with entropy) and of forward + backward (gradient to hidden and weigh
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks ops   # SM clock, power, back to back
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --gemm-schedules  # CUTLASS raster/swizzle
 
-Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
-benchmarks/results (see benchmarks.common.write_results).
+Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` in out/bench (``--out``,
+``--update-results``: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -503,7 +503,7 @@ def clock_variants(kind, n=4096, d=2048, v=131072):
 
 def profile_backward(layouts, n=4096, d=2048, v=131072):
     """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
-    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
+    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written to the results directory (common.results_dir)."""
     import collections
 
     out = common.results_dir()

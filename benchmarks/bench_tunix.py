@@ -24,8 +24,8 @@ Each loss runs in its own subprocess, so that ``peak_bytes_in_use`` belongs to i
     PYTHONPATH=$PWD python3 -m benchmarks.bench_tunix --smoke       # CPU: tiny model, chunked
                                                                     # backend, 96 MiB emulated limit
 
-Results: ``bench_tunix.{json,md}`` (``bench_tunix_smoke.*`` with ``--smoke``) under $OUT or
-benchmarks/results; the markdown table is also printed.
+Results: ``bench_tunix.{json,md}`` (``bench_tunix_smoke.*`` with ``--smoke``) in out/bench
+(``--out``, ``--update-results``: benchmarks/README.md); the markdown table is also printed.
 """
 
 from __future__ import annotations
