@@ -120,12 +120,12 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
         key, prompt_key, sample_key = jax.random.split(key, 3)
         prompts = jax.random.randint(prompt_key, (PROMPTS, PROMPT), 2, VOCAB)
         tokens, mask, rewards = rollout(model, prompts, sample_key)
-        if step == 0:  # which backend serves the loss on this machine, and why
+        if step == 0:  # which backend serves the loss on this machine, and why (shapes suffice)
             weight, layout_ = lm_head(model)
-            hidden, actions = model(tokens[:, :-1]), tokens[:, 1:]
-            old_logp = jk.linear_logprobs(hidden, weight, actions, weight_layout=layout_)
-            print(jk.explain("linear_grpo_loss", hidden, weight, actions, old_logp, rewards, mask,
-                             weight_layout=layout_, group_size=GROUP))
+            hidden = jax.eval_shape(model, tokens[:, :-1])
+            old_logp = jax.ShapeDtypeStruct(mask.shape, jnp.float32)
+            print(jk.explain("linear_grpo_loss", hidden, weight, tokens[:, 1:], old_logp, rewards,
+                             mask, weight_layout=layout_, group_size=GROUP))
         loss = train_step(model, optimizer, tokens, mask, rewards)
         history.append(float(jnp.mean(rewards)))
         if step % 10 == 0 or step == steps - 1:
