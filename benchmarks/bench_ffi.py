@@ -10,7 +10,8 @@ of the backends alternate, so clock drift affects them alike.
 
     python3 -m benchmarks.bench_ffi [--quick]
 
-writes ffi.json / ffi.md to $BENCH_RESULTS, $OUT or benchmarks/results, prints the table.
+writes ffi.json / ffi.md to out/bench (``--out``, ``--update-results``: benchmarks/README.md)
+and prints the table.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 from jaxrl_kernels.backends import ffi
 
 SHAPES = [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072), (8192, 4096, 151936)]
@@ -104,6 +105,7 @@ def bench_shape(n, d, v, *, with_pallas, with_ref, fwdbwd, reps):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    output.output_arguments(ap)
     ap.add_argument("--quick", action="store_true", help="first shape only, no fwd+bwd")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()

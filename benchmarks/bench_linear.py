@@ -22,8 +22,8 @@ every linear-head benchmark; the device-time and kernel ones live in
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --clocks ops   # SM clock, power, back to back
 
-Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` under $OUT or
-benchmarks/results (see benchmarks.common.write_results).
+Results: ``bench_linear.{json,md}`` / ``bench_linear_sweep.{json,md}`` in out/bench (``--out``,
+``--update-results``: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 
 from benchmarks import bench_linear_device as device
 from benchmarks import bench_linear_kernels as kernels
-from benchmarks import common
+from benchmarks import common, output
 from benchmarks.linear_harness import (ROUNDS, against_gemm, ffi_chunks, ffi_variant,
                                        gemm_call, gemm_row, inputs, make_config,
                                        measure_variants, op_fns, primitive, public, sized, timed)
@@ -242,6 +242,7 @@ def _tables(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
     parser.add_argument("--backends", default="pallas,chunked,reference")
     parser.add_argument("--sweep", action="store_true")

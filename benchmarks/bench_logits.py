@@ -1,10 +1,10 @@
 """Logits ops: pallas vs reference (jnp under jit) vs chunked, beside the bandwidth floor.
 
-Cases (issue 3): ``ratio_kl`` and ``grpo_loss`` with B=16, T=512, V ∈ {32768, 131072},
+Cases: ``ratio_kl`` and ``grpo_loss`` with B=16, T=512, V ∈ {32768, 131072},
 fp16 and bf16 logits; ``token_logprobs`` with N=8192, V ∈ {32768, 131072} (bf16, logp
-only and with entropy); ``grpo_loss`` with the policy-loss variants (issue 11:
+only and with entropy); ``grpo_loss`` with the policy-loss variants (
 ``ratio_level="sequence"``, ``policy_loss="cispo"``) at bf16, V=131072, beside the plain
-``grpo_loss`` row (issue 11 asks them to stay within 10% of it). For each: median time of the forward and of forward + backward
+``grpo_loss`` row (they should stay within 10 % of it). For each: median time of the forward and of forward + backward
 (gradient to the policy logits of a random-weighted sum of the outputs, or of GRPO's
 loss), XLA's temp buffer of each compiled function, and the floor = the bytes that
 must move ÷ the measured device copy bandwidth:
@@ -21,8 +21,8 @@ chip between the two). Masks are all ones, so no backend can skip rows.
     PYTHONPATH=$PWD python3 -m benchmarks.bench_logits --sizes tiny    # smoke test
     PYTHONPATH=$PWD python3 -m benchmarks.bench_logits --ab            # A/B depth, then table
 
-Results: ``bench_logits.{json,md}`` / ``bench_logits_sweep.{json,md}`` under $OUT or
-benchmarks/results (benchmarks.common.write_results).
+Results: ``bench_logits.{json,md}`` / ``bench_logits_sweep.{json,md}`` in out/bench (``--out``,
+``--update-results``: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 from jaxrl_kernels.backends.pallas import logits as pallas_logits
 
 BACKENDS = ("pallas", "reference", "chunked")
@@ -292,6 +292,7 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--ab", action="store_true",

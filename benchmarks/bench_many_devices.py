@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 
 COLUMNS = ["op", "backend", "layout", "devices", "ms", "speedup", "temp_mib", "weight_mib_per_dev",
            "collectives"]
@@ -132,6 +132,7 @@ def run(sizes, ops, backends, layouts, axis_type):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (any device)")
     parser.add_argument("--explicit", action="store_true", help="Explicit mesh axes")
     parser.add_argument("--backends", default="reference,auto")

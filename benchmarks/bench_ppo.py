@@ -1,22 +1,22 @@
 """ppo_loss (and group_advantages): pallas vs reference (jnp under jit) vs chunked.
 
-ppo_loss with float32 [B, T] inputs at B=128, T=512 (issue 3) and B=1024, T=8192, option
-sets: dual clip + TIS (the anchors' case), every option (dual clip, TIS, k3 KL term,
-entropy bonus, seq_mean_token_mean), and the policy-loss variants (issue 11) each beside
+ppo_loss with float32 [B, T] inputs at B=128, T=512 and B=1024, T=8192, option
+sets: dual clip + TIS, every option (dual clip, TIS, k3 KL term,
+entropy bonus, seq_mean_token_mean), and the policy-loss variants each beside
 the token-level PPO set it changes: ``ratio_level="sequence"`` (GSPO),
 ``policy_loss="cispo"``, sequence-level TIS with masking, and all of them on top of
 "everything". ``x_base_fwd`` / ``x_base_fwdbwd`` are the variant's time over its base
-set's, same backend (issue 11 asks ≤ 1.10 for pallas). Forward = (loss, metrics);
+set's, same backend (at most 1.10 is the aim for pallas). Forward = (loss, metrics);
 forward+backward = the gradient of the loss to logp (and entropy). The inputs rotate over
 enough independent sets that they do not sit in L2 between runs. At B=128, T=512 the floor
 (bytes ÷ copy bandwidth) is a fraction of a microsecond: every implementation is bound by
-launches, and the wall-clock time includes the ~tens-of-µs dispatch of one jitted call (as
-the anchors do); B=1024, T=8192 is bound by memory.
+launches, and the wall-clock time includes the ~tens-of-µs dispatch of one jitted call; B=1024,
+T=8192 is bound by memory.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo
     PYTHONPATH=$PWD python3 -m benchmarks.bench_ppo --sizes tiny     # smoke test (CPU too)
 
-Results: ``bench_ppo.{json,md}`` under $OUT or benchmarks/results.
+Results: ``bench_ppo.{json,md}`` in out/bench (``--out``, ``--update-results``: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, output
 
 BACKENDS = ("pallas", "reference", "chunked")
 SIZES = {"tiny": [(8, 16)], "base": [(128, 512)], "all": [(128, 512), (1024, 8192)]}
@@ -163,6 +163,7 @@ def run(size):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
     run(parser.parse_args().sizes)
 

@@ -24,8 +24,8 @@ Each loss runs in its own subprocess, so that ``peak_bytes_in_use`` belongs to i
     PYTHONPATH=$PWD python3 -m benchmarks.bench_tunix --smoke       # CPU: tiny model, chunked
                                                                     # backend, 96 MiB emulated limit
 
-Results: ``bench_tunix.{json,md}`` (``bench_tunix_smoke.*`` with ``--smoke``) under $OUT or
-benchmarks/results; the markdown table is also printed.
+Results: ``bench_tunix.{json,md}`` (``bench_tunix_smoke.*`` with ``--smoke``) in out/bench
+(``--out``, ``--update-results``: benchmarks/README.md); the markdown table is also printed.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 import traceback
+
+from benchmarks import output
 
 LOSSES = ("grpo", "jaxrl_grpo")
 PAD_ID, EOS_ID = 0, 1
@@ -355,6 +357,7 @@ def driver(args):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, for CPU")
     parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
     parser.add_argument("--prompt", type=int)

@@ -1,8 +1,13 @@
 """Timing, memory and reporting helpers shared by the benchmark scripts.
 
-Timing follows the device tool's METHOD.md: compile and warm up first, then
-time many runs with ``block_until_ready`` and report the median. Memory comes
-from the compiled executable (``memory_analysis``) and the device allocator.
+Timing: compile and warm up first, then time many runs with ``block_until_ready``
+and report the median. Memory comes from the compiled executable
+(``memory_analysis``) and the device allocator.
+
+Where results go (:func:`results_dir`): a scratch directory, ``out/bench`` under the
+working directory, unless told otherwise: ``--out DIR`` or ``BENCH_RESULTS=DIR``;
+``--update-results`` writes the committed ``benchmarks/results/`` (see
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+
+from benchmarks.output import RESULTS, SCRATCH, output_arguments, results_dir  # noqa: F401
 
 
 def median_ms(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 25) -> float:
@@ -146,14 +153,6 @@ def metadata() -> dict[str, Any]:
     }
 
 
-def results_dir() -> pathlib.Path:
-    """BENCH_RESULTS, else the device tool's $OUT, else benchmarks/results."""
-    out = os.environ.get("BENCH_RESULTS") or os.environ.get("OUT")
-    path = pathlib.Path(out) if out else pathlib.Path(__file__).parent / "results"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """Write ``<name>.json`` and ``<name>.md`` (a table of ``columns``); return the table."""
     meta = metadata()
@@ -172,4 +171,5 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     (path / f"{name}.md").write_text(table)
+    print(f"wrote {path / name}.json and .md")
     return table

@@ -52,6 +52,7 @@ import tempfile
 import time
 import traceback
 
+from benchmarks import output
 from benchmarks.workers import failure, run_worker
 
 PATHS = ("jaxrl_kernels", "jaxrl_kernels_fast", "materialised", "materialised_bf16")
@@ -348,6 +349,7 @@ def worker(path, cfg, out, deadline, mem_limit_mib):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--budget", type=float, default=0,

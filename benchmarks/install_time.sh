@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # What README's install costs: its first command's install part,
 #   python3 -m venv .venv && .venv/bin/pip install -e ".[demo]"
-# timed from a fresh clone of this checkout's HEAD, once as it is (the CUDA extension is built
-# when nvcc is found) and once with JAXRL_KERNELS_BUILD_CUDA=OFF. Wall and CPU time (user + sys
-# of every process the install ran, nvcc included) go to benchmarks/results/install_time.md
-# (or the file given), with the machine's load, so a time taken on a busy machine says so.
+# timed from a fresh clone of this checkout's HEAD, once as a user runs it
+# (JAXRL_KERNELS_BUILD_CUDA=AUTO: the CUDA extension is built only where a Hopper GPU is
+# visible) and once with JAXRL_KERNELS_BUILD_CUDA=ON (the extension built; needs nvcc). Wall
+# and CPU time (user + sys of every process the install ran, nvcc included) go to
+# out/bench/install_time.md, or benchmarks/results/install_time.md with --update-results (or
+# the file given), with the machine's load, so a time taken on a busy machine says so.
 # pip's download cache is left as it is: run it twice to time the build, not the downloads.
+#   bash benchmarks/install_time.sh [--update-results | FILE]
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-out="${1:-$repo/benchmarks/results/install_time.md}"
+case "${1:-}" in
+  --update-results) out="$repo/benchmarks/results/install_time.md" ;;
+  "") mkdir -p "$repo/out/bench"; out="$repo/out/bench/install_time.md" ;;
+  *) out="$1" ;;
+esac
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
@@ -23,7 +30,7 @@ nvcc_version="$(command -v nvcc >/dev/null && nvcc --version | sed -n 's/.*relea
   echo "|---|---|---|---|---|"
 } > "$out.tmp"
 
-for mode in AUTO OFF; do
+for mode in AUTO ON; do
   git clone -q "$repo" "$work/$mode"
   cd "$work/$mode"
   before="$(cut -d' ' -f1 /proc/loadavg)"

@@ -19,12 +19,14 @@ from jaxrl_kernels.losses import (
     ppo_loss,
     ratio_kl,
 )
+from jaxrl_kernels.validation import checks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "aggregate",
     "available_backends",
+    "checks",
     "explain",
     "group_advantages",
     "grpo_loss",

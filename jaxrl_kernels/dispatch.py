@@ -222,10 +222,21 @@ def available_backends(op: str) -> tuple[str, ...]:
     ordinary inputs here; those it picks only for large vocabulary problems (``chunked`` on
     CPU, above 256 MiB of float32 logits); those that run natively here but only when asked
     for by name; those that run here only emulated (``pallas`` off a GPU, in interpret mode,
-    slowly). So on a CPU this is ``("reference", "chunked", "pallas")``; on a Hopper GPU with
-    the extension built, ``("ffi", "pallas", "reference", "chunked")`` for
-    ``linear_logprobs``. Backends that cannot run here at all (not built, wrong platform) are
-    left out; every backend name, runnable or not, is in :data:`BACKENDS`.
+    slowly). Backends that cannot run here at all (not built, wrong platform) are left out;
+    every backend name, runnable or not, is in :data:`BACKENDS`.
+
+    Args:
+      op: a public op name, e.g. ``"linear_logprobs"``.
+
+    Returns:
+      A tuple of backend names: ``("reference", "chunked", "pallas")`` on a CPU;
+      ``("ffi", "pallas", "reference", "chunked")`` for ``"linear_logprobs"`` on a Hopper GPU
+      with the extension built.
+
+    Example:
+      >>> import jaxrl_kernels as jk
+      >>> jk.available_backends("ppo_loss")  # on a CPU  # doctest: +SKIP
+      ('reference', 'pallas')
     """
     if op not in OP_PRIMITIVE:
         raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
@@ -251,7 +262,27 @@ def available_backends(op: str) -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Within this scope, ``backend=None`` means ``name`` (``None`` restores automatic)."""
+    """Within this scope, ``backend=None`` means ``name`` (``None`` restores automatic choice).
+
+    The request applies to every piece of work of an op that the backend serves; a piece it
+    cannot serve is chosen automatically (``explain`` shows each). An op called with
+    ``backend=`` directly raises ``NotImplementedError`` if that backend cannot serve it.
+    ``JAXRL_KERNELS_BACKEND=name`` does the same for the whole process. The backend is chosen
+    when an op is traced: enter the scope before the first call of a jitted function.
+
+    Args:
+      name: a name in ``jaxrl_kernels.dispatch.BACKENDS``, or ``None``.
+
+    Returns:
+      A context manager.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> with jk.use_backend("chunked"):
+      ...     logp = jk.token_logprobs(jnp.zeros((4, 8)), jnp.zeros(4, int))
+      >>> logp.shape
+      (4,)
+    """
     if name is not None:
         _validate_name(name, "use_backend")
     token = _override.set(name)
@@ -284,7 +315,29 @@ def plan_recorder(op: str) -> Callable[[Any], None]:
 
 
 def explain(op: str, *args: Any, **kwargs: Any) -> str:
-    """Which backend ``backend=None`` picks for these arguments, and why better ones were declined."""
+    """Which backend each piece of work of ``op(*args, **kwargs)`` gets, and why.
+
+    Traces the call abstractly (``jax.eval_shape``: nothing is computed) and reports, for each
+    backend choice the op makes, the backend chosen and whether it was requested or
+    automatic, why each better backend declined, an override in force, and how the step is
+    laid out on the devices (``layout:``).
+
+    Args:
+      op: a public op name.
+      *args, **kwargs: the op's arguments (arrays or ``jax.ShapeDtypeStruct``); no
+        ``backend=``.
+
+    Returns:
+      The report, one line per choice or reason.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
+      >>> h = jax.ShapeDtypeStruct((512, 64), jnp.float32)
+      >>> w = jax.ShapeDtypeStruct((32000, 64), jnp.float32)
+      >>> t = jax.ShapeDtypeStruct((512,), jnp.int32)
+      >>> print(jk.explain("linear_logprobs", h, w, t).splitlines()[0])  # on a CPU
+      linear_logprobs: reference (automatic)
+    """
     import jaxrl_kernels  # the public ops
 
     if op not in OP_PRIMITIVE:

@@ -6,12 +6,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch, logprob_core, saved_logits, sharding
 from jaxrl_kernels import validation as check
 
 WEIGHT_LAYOUTS = ("vd", "dv")
 _LAYOUT_SHAPES = {"vd": "[V, D]", "dv": "[D, V]"}
+
+AxisName = str | tuple[str, ...]
 
 
 def _row_valid(targets, ignore_index):
@@ -23,16 +26,36 @@ def _row_valid(targets, ignore_index):
     return ~ignored, ignored
 
 
-def token_logprobs(logits, targets, *, temperature=1.0, ignore_index=None, return_entropy=False,
-                   backend=None, vocab_axis=None):
-    """log softmax(logits / T)[target] (and the entropy of softmax(logits / T)).
+def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float = 1.0,
+                   ignore_index: int | None = None, return_entropy: bool = False,
+                   backend: str | None = None, vocab_axis: AxisName | None = None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Log-probabilities of the target tokens under ``softmax(logits / temperature)``.
 
-    logits: [..., V] float32/bfloat16/float16; targets: [...] integers.
-    Returns float32 logp [...] or (logp, entropy). Where targets == ignore_index
-    both are 0 with no gradient; other targets outside [0, V) raise ValueError
-    when concrete and give NaN when traced. Inside ``jax.shard_map``, ``vocab_axis``
-    names the mesh axis over which ``logits`` holds consecutive slices of the
-    vocabulary (targets stay global ids); the results are the global ones.
+    ``logp = z[target] - logsumexp(z)`` with ``z = logits / temperature`` in float32, and
+    optionally the entropy of ``softmax(z)``. Differentiable in ``logits``.
+
+    Args:
+      logits: ``[..., V]`` float32, bfloat16 or float16.
+      targets: ``[...]`` integer token ids (``logits.shape[:-1]``).
+      temperature: ``> 0``.
+      ignore_index: where ``targets == ignore_index``, both outputs are 0, with no gradient.
+      return_entropy: also return the entropy.
+      backend: ``"reference"``, ``"chunked"``, ``"pallas"`` or ``None`` (automatic; see
+        ``explain``).
+      vocab_axis: inside ``jax.shard_map``, the mesh axis over which ``logits`` holds
+        consecutive slices of the vocabulary (targets stay global ids; results are global).
+
+    Returns:
+      float32 ``logp`` ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``.
+      Another target outside ``[0, V)`` raises ``ValueError`` when concrete; traced, it gives
+      NaN there (or raises in check mode, see ``checks``).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> logits = jnp.array([[0.0, 0.0], [0.0, 2.0]])
+      >>> jk.token_logprobs(logits, jnp.array([0, 1])).round(3)
+      Array([-0.693, -0.127], dtype=float32)
     """
     logits = check.floating("logits", logits)
     check.rank("logits", logits, range(1, 33), "[..., V]")
@@ -129,19 +152,43 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight
         vocab_axis=vocab_axis, record=dispatch.plan_recorder(op))
 
 
-def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
-                    ignore_index=None, return_entropy=False, backend=None, vocab_axis=None,
-                    memory="lean"):
-    """token_logprobs(hidden @ W^T + bias, targets) without materialising the logits.
+def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
+                    bias: ArrayLike | None = None, *, weight_layout: str = "vd",
+                    temperature: float = 1.0, ignore_index: int | None = None,
+                    return_entropy: bool = False, backend: str | None = None,
+                    vocab_axis: AxisName | None = None, memory: str | int = "lean"
+                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
-    hidden: [..., D]; weight: [V, D] (``"vd"``, LM head / tied embedding) or
-    [D, V] (``"dv"``, a Flax Dense kernel); bias: [V] or None.
-    Differentiable in hidden, weight and bias. Inside ``jax.shard_map``,
-    ``vocab_axis`` names the mesh axis over which weight (and bias) hold consecutive
-    vocabulary slices; targets stay global ids and the results are the global ones.
-    ``memory``: ``"lean"`` (default; nothing [N, V] kept, the backward recomputes the
-    logits), ``"fast"`` (the forward's logits kept for the backward in the head's 16-bit
-    dtype: one GEMM fewer, N·V·2 bytes more) or a byte budget (``"fast"`` when they fit).
+    Same outputs and the same gradients as ``token_logprobs`` on the logits, chained into
+    ``hidden``, ``weight`` and ``bias``; no backend except ``"reference"`` ever holds the
+    ``[N, V]`` logits, forward or backward, unless ``memory="fast"`` asks to keep them.
+
+    Args:
+      hidden: ``[..., D]`` float (a model's final hidden states).
+      weight: the LM head: ``[V, D]`` for ``weight_layout="vd"`` (a head or a tied embedding
+        table), ``[D, V]`` for ``"dv"`` (the kernel of a Flax ``nn.Dense`` / ``nnx.Linear``).
+      targets: ``[...]`` integer token ids (``hidden.shape[:-1]``).
+      bias: ``[V]`` or ``None``.
+      weight_layout: ``"vd"`` or ``"dv"``, as above.
+      temperature, ignore_index, return_entropy, backend: as in ``token_logprobs`` (backend
+        also ``"ffi"``: the CUDA kernels on Hopper GPUs).
+      vocab_axis: inside ``jax.shard_map``, the mesh axis over which ``weight`` (and
+        ``bias``) hold consecutive vocabulary slices; targets stay global ids.
+      memory: ``"lean"`` (nothing ``[N, V]`` kept: the backward recomputes the logits),
+        ``"fast"`` (the forward's logits kept for the backward as float16 / float32: one GEMM
+        fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it).
+
+    Returns:
+      float32 ``logp`` ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
+      >>> hidden = jnp.ones((2, 3, 8))                   # [B, T, D]
+      >>> head = jnp.zeros((8, 50))                      # an nnx.Linear kernel, [D, V]
+      >>> logp = jk.linear_logprobs(hidden, head, jnp.zeros((2, 3), int), weight_layout="dv")
+      >>> logp.shape, float(logp[0, 0]).__round__(3)     # uniform over 50 tokens: -log 50
+      ((2, 3), -3.912)
     """
     hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
     targets = check.integer("targets", targets)

@@ -1,8 +1,21 @@
-"""Argument checks. Every message names the argument, what was expected and what came."""
+"""Argument checks. Every message names the argument, what was expected and what came.
+
+Checks of shapes, dtypes and options run at trace time. Checks of the data itself (targets
+inside the vocabulary, masks of 0 and 1, finite inputs) run on concrete arrays (eager calls);
+on traced arrays (inside ``jax.jit``, ``jax.grad``, ``jax.vmap``) they run only in check mode:
+``JAXRL_KERNELS_CHECKS=1`` or ``with jaxrl_kernels.checks():`` (see :func:`checks`). Check mode
+adds each check to the traced computation as a reduction and a host callback
+(``jax.debug.callback``) that raises the eager call's ``ValueError`` when the check fails.
+With check mode off, nothing is added to the computation.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import functools
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,10 +42,15 @@ def as_array(name: str, x: Any) -> jax.Array:
 
 
 def floating(name: str, x: Any, dtypes: Sequence[Any] = FLOAT_DTYPES) -> jax.Array:
+    """A floating array; in check mode, also finite (no NaN or infinity)."""
     x = as_array(name, x)
     if not any(x.dtype == np.dtype(d) for d in dtypes):
         names = ", ".join(np.dtype(d).name for d in dtypes)
         raise TypeError(f"{name}: expected a floating dtype ({names}), got {x.dtype}")
+    if checks_enabled():
+        values_check(x, lambda v: ~jnp.isfinite(v) if isinstance(v, jax.Array) else
+                     ~np.isfinite(v),
+                     f"{name}: expected finite values, got {{value}} at position {{position}}")
     return x
 
 
@@ -46,20 +64,16 @@ def integer(name: str, x: Any) -> jax.Array:
 def mask(name: str, x: Any) -> jax.Array:
     """A bool, float or integer mask whose values are 0 or 1.
 
-    The values are checked only when ``x`` is concrete; under tracing they cannot be,
-    and a value outside {0, 1} then simply weights its token by that value.
+    The values are checked when ``x`` is concrete, and when traced in check mode; otherwise
+    a traced value outside {0, 1} simply weights its token by that value.
     """
     x = as_array(name, x)
     if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.floating)
             or jnp.issubdtype(x.dtype, jnp.integer)):
         raise TypeError(f"{name}: expected a bool or float {{0,1}} mask, got {x.dtype}")
-    if x.dtype != jnp.bool_ and is_concrete(x):
-        values = np.asarray(x)
-        bad = (values != 0) & (values != 1)
-        if bad.any():
-            pos = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"{name}: expected values 0 or 1, got {values[pos].item()!r} at "
-                             f"position {pos}")
+    if x.dtype != jnp.bool_:
+        values_check(x, lambda m: (m != 0) & (m != 1),
+                     f"{name}: expected values 0 or 1, got {{value}} at position {{position}}")
     return x
 
 
@@ -124,22 +138,39 @@ def non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
-def targets_in_range(name: str, targets: jax.Array, vocab: int, ignore: jax.Array | None) -> None:
-    """Concrete targets outside [0, vocab) raise, naming the first bad position.
+def targets_in_range(name: str, targets: jax.Array, vocab: int, ignore: jax.Array | None = None,
+                     *, mask: jax.Array | None = None) -> None:
+    """Targets outside [0, vocab) raise, naming the first bad position.
 
-    ``ignore`` marks positions whose target is never used (ignore_index, mask == 0).
-    Traced targets are not checked here: the kernels give NaN there instead.
+    ``ignore`` marks positions whose target is never used (ignore_index); so do the zeros of
+    ``mask``. Concrete targets are always checked; traced ones only in check mode (else the
+    kernels give NaN there).
     """
-    if not is_concrete(targets) or (ignore is not None and not is_concrete(ignore)):
-        return
-    t = np.asarray(targets)
-    bad = (t < 0) | (t >= vocab)
-    if ignore is not None:
-        bad &= ~np.asarray(ignore, dtype=bool)
-    if bad.any():
-        pos = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name}: value {int(t[pos])} at position {pos} is outside the "
-                         f"vocabulary [0, {vocab})")
+    def bad(t, ignored, m):
+        xp = np if isinstance(t, np.ndarray) else jnp
+        out = (t < 0) | (t >= vocab)
+        if ignored is not None:
+            out &= ~ignored.astype(bool)
+        if m is not None:
+            out &= m != 0
+        return out
+
+    values_check(targets, bad,
+                 f"{name}: value {{value}} at position {{position}} is outside the vocabulary "
+                 f"[0, {vocab})", ignore, mask)
+
+
+def boundaries(name: str, bounds: jax.Array, total: int) -> None:
+    """``bounds`` must be ``[0, ..., total]``, strictly increasing; names the first entry that
+    breaks it. Concrete boundaries are checked by the caller; traced ones here, in check mode."""
+    def bad(b):
+        xp = np if isinstance(b, np.ndarray) else jnp
+        i = xp.arange(b.shape[0])
+        prev = xp.concatenate([b[:1] - 1, b[:-1]])
+        return (b <= prev) | ((i == 0) & (b != 0)) | ((i == b.shape[0] - 1) & (b != total))
+
+    values_check(bounds, bad, f"{name}: expected strictly increasing values starting at 0 and "
+                              f"ending at B = {total}, got {{value}} at position {{position}}")
 
 
 def clip_options(clip_low: Any, clip_high: Any, dual_clip: Any) -> None:
@@ -147,3 +178,88 @@ def clip_options(clip_low: Any, clip_high: Any, dual_clip: Any) -> None:
     greater_than("clip_high", clip_high, 0.0)
     if dual_clip is not None:
         greater_than("dual_clip", dual_clip, 1.0)
+
+
+# -- check mode: the data checks on traced arrays ----------------------------------------------
+
+CHECKS_ENV = "JAXRL_KERNELS_CHECKS"
+_checks: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jaxrl_kernels_checks",
+                                                                       default=None)
+
+
+def checks_enabled() -> bool:
+    """Check mode: ``with checks():`` where one is active, else ``JAXRL_KERNELS_CHECKS``."""
+    scoped = _checks.get()
+    if scoped is not None:
+        return scoped
+    return os.environ.get(CHECKS_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def checks(enabled: bool = True) -> Iterator[None]:
+    """Check mode within this scope: every op also checks the data of traced inputs.
+
+    Eager calls always check their data; traced ones (inside ``jax.jit``, ``jax.grad``,
+    ``jax.vmap``) do so only in check mode. Checked: targets / actions inside ``[0, V)``
+    (except where ignored or masked), masks of 0 and 1, and every floating input (hidden
+    states, weights, logits, old / reference / sampler log-probs, advantages) finite. In
+    check mode eager calls also check that floating inputs are finite. A failed traced check
+    raises the eager call's ``ValueError`` from a host callback; JAX reports it as a
+    ``jax.errors.JaxRuntimeError`` whose message ends with the eager one (on a GPU, when the
+    result is next waited for). Each check costs a reduction and a host round trip: a
+    debugging aid. Off by default; ``JAXRL_KERNELS_CHECKS=1`` turns it on for the whole
+    process. The mode is read when an op is traced: enter the scope before the first call of
+    a jitted function (``jax.jit`` reuses earlier traces).
+
+    Args:
+      enabled: ``True`` to check; ``False`` turns check mode off within the scope.
+
+    Returns:
+      A context manager.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
+      >>> logits, targets = jnp.zeros((2, 5)), jnp.array([1, 7])
+      >>> with jk.checks():
+      ...     jax.jit(jk.token_logprobs)(logits, targets)  # doctest: +SKIP
+      JaxRuntimeError: ... ValueError: targets: value 7 at position (1,) is outside the vocabulary [0, 5)
+    """
+    token = _checks.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _checks.reset(token)
+
+
+def values_check(x: jax.Array, bad_fn, message: str, *extra: Any) -> None:
+    """Raise ``ValueError(message)`` where ``bad_fn(x, *extra)`` (a bool array shaped like ``x``)
+    holds anywhere. ``message`` has ``{value}`` (repr of x at the first bad position) and
+    ``{position}`` (its index tuple). Concrete inputs are checked now; traced ones in check mode.
+    """
+    if is_concrete(x) and all(e is None or is_concrete(e) for e in extra):
+        values = np.asarray(x)
+        bad = np.asarray(bad_fn(values, *(None if e is None else np.asarray(e)
+                                          for e in extra)), dtype=bool)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(message.format(value=repr(values[pos].item()), position=pos))
+        return
+    if not checks_enabled() or x.size == 0:
+        return
+    bad = jnp.broadcast_to(bad_fn(x, *extra), x.shape).reshape(-1)
+    first = jnp.argmax(bad)
+    position = jnp.unravel_index(first, x.shape) if x.ndim else ()
+    _traced_check(jnp.any(bad), x.reshape(-1)[first], tuple(position), message)
+
+
+def _traced_check(failed: jax.Array, value: jax.Array, position: tuple, message: str) -> None:
+    """A host callback that raises ``ValueError`` when ``failed`` holds. (``checkify.check``
+    would need every caller to wrap their function in ``checkify.checkify``; a plain
+    ``jax.jit`` of it fails to lower. The callback raises wherever the op runs.)"""
+    jax.debug.callback(functools.partial(_raise_from_host, message), failed, value, *position)
+
+
+def _raise_from_host(message: str, failed, value, *position) -> None:
+    if bool(np.asarray(failed)):
+        pos = tuple(int(np.asarray(p)) for p in position)
+        raise ValueError(message.format(value=repr(np.asarray(value).item()), position=pos))

@@ -20,7 +20,7 @@ pytest.importorskip("optax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrl_kernels.demo import ALGOS, Config, Demo, RLConfig, checkpoint  # noqa: E402
+from jaxrl_kernels.demo import ALGOS, Config, Demo, RLConfig, algos, checkpoint  # noqa: E402
 from jaxrl_kernels.demo.__main__ import _parser, main  # noqa: E402
 from jaxrl_kernels.demo.task import EOS, PAD, AdditionTask  # noqa: E402
 
@@ -317,11 +317,12 @@ def test_one_config_serves_the_rl_step_and_the_run():
 
 
 def test_defaults_depend_on_the_algorithm():
-    """GSPO's small clip range and per-answer aggregation; no dual clip for gspo/cispo; the
-    importance weight on for ppo; the other defaults as they always were (same default run)."""
+    """GSPO's small clip range and per-answer aggregation; a dual clip for ppo only (the one
+    loss that uses it by default; none logged for algorithms without one); the importance
+    weight on for ppo; the other defaults as they always were (same default run)."""
     grpo, ppo, gspo, cispo = (Config(algo=a) for a in ("grpo", "ppo", "gspo", "cispo"))
     assert (grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.loss_agg_mode,
-            grpo.rollout_correction) == (0.2, 0.28, 3.0, "token_mean", "none")
+            grpo.rollout_correction) == (0.2, 0.28, None, "token_mean", "none")
     assert ppo.rollout_correction == "token-truncate" and ppo.dual_clip == 3.0
     assert (gspo.clip_low, gspo.clip_high, gspo.dual_clip, gspo.loss_agg_mode) == (
         3e-4, 4e-4, None, "seq_mean_token_mean")
@@ -329,7 +330,7 @@ def test_defaults_depend_on_the_algorithm():
         None, 0.99, 0.28, 1)
     assert ppo.ppo_epochs == gspo.ppo_epochs == 2
     assert Config(algo="gspo", clip_high=1e-3).clip_high == 1e-3  # given values win
-    assert Config() == Config(algo="grpo", clip_low=0.2, clip_high=0.28, dual_clip=3.0,
+    assert Config() == Config(algo="grpo", clip_low=0.2, clip_high=0.28, dual_clip=None,
                               loss_agg_mode="token_mean", rollout_correction="none",
                               ppo_epochs=2)
 
@@ -337,6 +338,8 @@ def test_defaults_depend_on_the_algorithm():
 @pytest.mark.parametrize("kwargs,name", [
     (dict(algo="reinforce", rollout_correction="token-mask"), "rollout_correction"),
     (dict(algo="cispo", dual_clip=2.0), "dual_clip"),
+    (dict(algo="grpo", dual_clip=2.0), "dual_clip"),
+    (dict(algo="reinforce", dual_clip=2.0), "dual_clip"),
     (dict(algo="ppo", rollout_correction="tokens"), "rollout_correction"),
 ])
 def test_inconsistent_algorithm_options_raise(kwargs, name):
@@ -360,3 +363,18 @@ def test_rollout_correction_runs(warm_params, algo, correction):
         assert metrics["tis_mask_fraction"] == 0.0, metrics
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), state["params"], warm_params)
     assert all(jax.tree.leaves(moved))
+
+
+def test_logged_dual_clip_agrees_with_help():
+    """--help names the algorithms the dual clip applies to; the logged configuration of every
+    other algorithm has none, and each of those rejects one."""
+    action = next(a for a in _parser()._actions if "--dual-clip" in a.option_strings)
+    named = action.help.split("(")[1].split(")")[0].split(", ")
+    assert tuple(named) == algos.DUAL_CLIP_ALGOS
+    for algo in ALGOS:
+        if algo in named:
+            assert Config(algo=algo, dual_clip=2.0).dual_clip == 2.0
+        else:
+            assert Config(algo=algo).dual_clip is None, algo
+            with pytest.raises(ValueError, match="dual_clip"):
+                Config(algo=algo, dual_clip=2.0)

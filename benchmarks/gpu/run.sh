@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# On a lent Hopper GPU machine (offline): install the project, run the GPU tests, the
-# benchmarks and a demo run; everything lands in $OUT as log.txt + results.tar.gz (re-packed
-# after every step, so a run cut short still returns what it finished).
-#   STEPS="tests ffi linear logits ppo demo"   what to run, in order (also: backward,
-#                                              backward_base, profile, timeline, device_times,
-#                                              clocks, kernels, fused,
-#                                              linear_ffi, one_device, memcheck,
-#                                              many_devices,
-#                                              side_by_side, e2e)
-#                                              tunix: needs the wheels of .whl/tunix;
-#                                              stage_jax, tests_new_jax: GPU tests on a newer
-#                                              jax, see split_jax_wheels.sh)
+# The offline GPU machine's run: stage what the machine lacks (no network there), install the
+# project with its CUDA extension, then run benchmark steps (benchmarks/steps.sh) and pack
+# everything into $OUT as log.txt + results.tar.gz (re-packed after every step, so a run cut
+# short still returns what it finished). On your own GPU machine with network you need none of
+# this: see benchmarks/README.md.
+#   STEPS="tests ffi linear logits ppo demo"   what to run, in order: any step of
+#                                              benchmarks/steps.sh, and stage_jax /
+#                                              tests_new_jax (a newer jax, split_jax_wheels.sh)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
+# Staged beside the checkout: .whl/*.whl (nvidia-cutlass, the extension's headers),
+# .whl/tunix/*.whl (tunix and the few of its dependencies the image lacks), .whl/peers/*.whl
+# (tokamax, Liger, Cut Cross-Entropy for the side_by_side step), .whl-jax/part-* (stage_jax).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -20,71 +19,40 @@ export BENCH_RESULTS="$OUT/results" PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_RESULTS"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels the image lacks (nvidia-cutlass)
+# -- staging -----------------------------------------------------------------------------------
+stage() {  # stage <dir> <glob>: install the wheels there into <dir>, put it on PYTHONPATH
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-# tunix and the few of its dependencies that the image lacks (google-tunix, google-metrax, clu,
-# tensorboardX, perfetto: ~1.1 MB), for the tunix step and tests/test_tunix.py.
+    --target "$1" $2 && export PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}"
+}
+if compgen -G ".whl/*.whl" >/dev/null; then stage /tmp/site ".whl/*.whl"; fi
 if compgen -G ".whl/tunix/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site-tunix .whl/tunix/*.whl && export PYTHONPATH=/tmp/site-tunix${PYTHONPATH:+:$PYTHONPATH}
+  stage /tmp/site-tunix ".whl/tunix/*.whl"
   python3 -c 'import tunix, flax, jax; print("tunix", tunix.__version__, "flax", flax.__version__, "jax", jax.__version__)'
 fi
+if compgen -G ".whl/peers/*.whl" >/dev/null; then stage /tmp/peers ".whl/peers/*.whl"; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -2
+# ON, not AUTO: a failed build is an error here, never a silent pure-Python install.
+JAXRL_KERNELS_BUILD_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
 echo "install took $(( $(date +%s) - start )) s"
 python3 -c 'import jax, jaxrl_kernels as jk; print(jax.devices(), {op: jk.available_backends(op) for op in ("linear_logprobs", "token_logprobs", "ppo_loss")})'
 
+# -- the steps ---------------------------------------------------------------------------------
+pack='cd "$OUT" && tar czf results.tar.gz results'
+export OUT AFTER_STEP=$pack
 status=0
-step() {  # step <seconds> <command...>: run it under a time limit, then re-pack the results
-  local limit=$1; shift
-  echo "== $* (limit ${limit}s)"
-  timeout "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
-  (cd "$OUT" && tar czf results.tar.gz results)
-}
 for s in ${STEPS-tests ffi linear logits ppo demo}; do
   case $s in
-    tests) step 300 bash -c 'python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee "$BENCH_RESULTS/gpu_tests.txt"; exit ${PIPESTATUS[0]}' ;;
-    demo)  step 150 python3 -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
-    ppo_base) step 150 python3 -m benchmarks.bench_ppo --sizes base ;;
-    backward) step 420 python3 -m benchmarks.bench_linear --backward ;;
-    backward_base) step 300 python3 -m benchmarks.bench_linear --backward --sizes backward_base ;;
-    linear_ffi) step 300 python3 -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
-    one_device) step 300 bash -c 'python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
-      python3 -m benchmarks.bench_many_devices --layouts 1dev' ;;
-    # memcheck: XLA's GEMM autotuning under the sanitizer is very slow (a 330 s run finished
-    # two cases), hence autotune level 0
-    memcheck) step 300 bash -c 'sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" "$sanitizer" \
-        --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 python3 tests/ffi_memcheck.py \
-        2>&1 | tee "$BENCH_RESULTS/ffi_memcheck.txt"; exit ${PIPESTATUS[0]}' ;;
-    fused) step 420 python3 -m benchmarks.bench_linear --fused --sizes ${FUSED_SIZES:-backward} ;;
-    kernels) step 360 python3 -m benchmarks.bench_linear --kernels ;;
-    timeline) step 300 bash -c 'python3 -m benchmarks.bench_linear --timeline &&
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.bench_linear --timeline' ;;
-    clocks) step 540 bash -c 'for kind in ${CLOCKS:-ops forward kernels chunks}; do
-      python3 -m benchmarks.bench_linear --clocks $kind || exit 1; done' ;;
-    device_times) step 420 python3 -m benchmarks.bench_linear --device-times ;;
-    profile) step 240 python3 -m benchmarks.bench_linear --profile-backward vd,dv ;;
-    many_devices) step 480 bash -c 'python3 -m benchmarks.bench_many_devices &&
-      python3 -m benchmarks.bench_many_devices --explicit --backends auto' ;;
-    side_by_side) step 545 bash -c 'if compgen -G ".whl/peers/*.whl" >/dev/null; then  # tokamax, Liger, CCE
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-          --target /tmp/peers .whl/peers/*.whl && export PYTHONPATH=/tmp/peers${PYTHONPATH:+:$PYTHONPATH}
-      fi; python3 -m benchmarks.linear_side_by_side' ;;
-    e2e)   step 560 python3 -m benchmarks.e2e_grpo_step --budget ${E2E_BUDGET:-75} ;;
-    tunix) step 540 python3 -m benchmarks.bench_tunix ;;
-    # a newer jax than the image's, carried in parts by earlier calls (split_jax_wheels.sh);
-    # installed over the image's jax, so it is the run's last step
-    stage_jax) step 60 bash -c 'mkdir -p /tmp/jax-parts && cp .whl-jax/part-* /tmp/jax-parts/ && ls -l /tmp/jax-parts' ;;
-    tests_new_jax) step 420 bash -c 'rm -rf /tmp/jax-wheels && mkdir -p /tmp/jax-wheels &&
+    # a newer jax than the image's, copied in as parts (split_jax_wheels.sh); installed over
+    # the image's jax, so it is the run's last step
+    stage_jax) mkdir -p /tmp/jax-parts && cp .whl-jax/part-* /tmp/jax-parts/ && ls -l /tmp/jax-parts || status=1 ;;
+    tests_new_jax) timeout 420 bash -c 'rm -rf /tmp/jax-wheels && mkdir -p /tmp/jax-wheels &&
       cat /tmp/jax-parts/part-* | tar xf - -C /tmp/jax-wheels &&
       python3 -m pip install -q --no-index --no-deps --force-reinstall /tmp/jax-wheels/wheels/*.whl &&
       python3 -c "import jax; print(\"jax\", jax.__version__, jax.devices())" | tee "$BENCH_RESULTS/gpu_tests_new_jax.txt" &&
-      python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee -a "$BENCH_RESULTS/gpu_tests_new_jax.txt"; exit ${PIPESTATUS[0]}' ;;
-    *)     step 200 python3 -m "benchmarks.bench_$s" ;;
+      python3 -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee -a "$BENCH_RESULTS/gpu_tests_new_jax.txt"; exit ${PIPESTATUS[0]}' || status=1
+      bash -c "$pack" ;;
+    *) bash benchmarks/steps.sh "$s" || status=1 ;;
   esac
 done
 exit $status

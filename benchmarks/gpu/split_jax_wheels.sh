@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Here (with network): download the four wheels of a newer jax for the GPU image (Python 3.12,
-# CUDA 13) and cut them into parts that one device call can carry (under 60 MiB each):
+# On a machine with network: download the four wheels of a newer jax for the offline GPU
+# machine's image (Python 3.12, CUDA 13) and cut them into parts of 56 MiB, for transfers that
+# limit file sizes:
 #   bash benchmarks/gpu/split_jax_wheels.sh 0.12.0.1      -> .whl-jax/part-aa, part-ab, ...
-# Then, on the device, one call per part, back to back while the machine stays warm:
-#   run(command="STEPS=stage_jax bash benchmarks/gpu/run.sh", carry=[".whl-jax/part-aa"])  ...
-# and last STEPS="... tests_new_jax" (reassembles the parts, installs that jax over the
-# image's, runs the GPU tests again).
+# Then, with the parts in .whl-jax/ on the GPU machine:
+#   STEPS="stage_jax tests_new_jax" bash benchmarks/gpu/run.sh
+# (reassembles the parts, installs that jax over the image's, runs the GPU tests again).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 version=${1:?jax version, e.g. 0.12.0.1}

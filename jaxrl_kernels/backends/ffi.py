@@ -70,7 +70,7 @@ DEFAULT_CONFIG = Config()
 
 try:
     from jaxrl_kernels import _sm90
-except ImportError as err:  # not built (no nvcc at install time, or JAXRL_KERNELS_BUILD_CUDA=OFF)
+except ImportError as err:  # not built (no Hopper GPU or nvcc at install time, or OFF)
     _sm90 = None
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
 else:
@@ -82,8 +82,9 @@ else:
 def unavailable_reason() -> str | None:
     """None only if the extension is loaded and the default device is a 9.x (Hopper) GPU."""
     if _sm90 is None:
-        return ("the CUDA extension jaxrl_kernels._sm90 is not built (install with nvcc on PATH "
-                f"and JAXRL_KERNELS_BUILD_CUDA unset or ON): {_IMPORT_ERROR}")
+        return ("the CUDA extension jaxrl_kernels._sm90 is not built (pip builds it where a "
+                "Hopper GPU and nvcc are found, or with JAXRL_KERNELS_BUILD_CUDA=ON: "
+                f"docs/building.md): {_IMPORT_ERROR}")
     backend = jax.default_backend()
     if backend != "gpu":
         return f"platform is {backend!r}; ffi needs an NVIDIA GPU with compute capability 9.x"

@@ -65,18 +65,18 @@ from jaxrl_kernels.demo.task import AdditionTask
 ALGOS = ("grpo", "ppo", "gspo", "cispo", "reinforce", "best_of_n", "reward_weighted")
 GROUP_ALGOS = ("grpo", "ppo", "gspo", "cispo", "best_of_n")  # compare answers within a group
 PPO_STYLE = ("ppo", "gspo", "cispo")  # several updates per rollout through linear_ppo_loss
+DUAL_CLIP_ALGOS = ("ppo", "gspo")  # the algorithms whose loss takes --dual-clip
 ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
                        "sequence-mask")
 
 # The defaults of the fields declared with ``default=None`` below: the first value that applies.
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ppo": {"rollout_correction": "token-truncate"},
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "dual_clip": None,
-             "loss_agg_mode": "seq_mean_token_mean"},
+    "ppo": {"rollout_correction": "token-truncate", "dual_clip": 3.0},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4, "loss_agg_mode": "seq_mean_token_mean"},
     # No lower bound on the weight, as in the CISPO paper; one pass over each rollout, since
     # every token keeps a gradient (two passes at lr 5e-4 collapse on the default task).
-    "cispo": {"dual_clip": None, "clip_low": 0.99, "ppo_epochs": 1},
-    "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "loss_agg_mode": "token_mean",
+    "cispo": {"clip_low": 0.99, "ppo_epochs": 1},
+    "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": None, "loss_agg_mode": "token_mean",
           "rollout_correction": "none", "ppo_epochs": 2},
 }
 
@@ -115,7 +115,8 @@ class RLConfig:
                                                    "cispo)", float)
     clip_high: float | None = per_algo("clip_high", "ratio clip above 1 (grpo, ppo, gspo, "
                                                      "cispo)", float)
-    dual_clip: float | None = per_algo("dual_clip", "dual clip constant, > 1 (ppo, gspo)", float)
+    dual_clip: float | None = per_algo(
+        "dual_clip", f"dual clip constant, > 1 ({', '.join(DUAL_CLIP_ALGOS)})", float)
     rollout_correction: str | None = per_algo(
         "rollout_correction", "weigh the policy gradient by exp(trainer - sampler log-probs) "
         "per token or per answer, truncated at --tis-cap or masked above it (grpo, ppo, gspo, "
@@ -151,8 +152,9 @@ class RLConfig:
             raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "
                              f"policy_gradient_loss, has no importance weight), got "
                              f"{self.rollout_correction!r}")
-        if self.algo == "cispo" and self.dual_clip is not None:
-            raise ValueError(f"dual_clip: cispo has no dual clip, got {self.dual_clip}")
+        if self.dual_clip is not None and self.algo not in DUAL_CLIP_ALGOS:
+            raise ValueError(f"dual_clip: {self.algo} has no dual clip (only "
+                             f"{', '.join(DUAL_CLIP_ALGOS)}), got {self.dual_clip}")
         if self.backend is not None:
             check.option("backend", self.backend, dispatch.BACKENDS)
 

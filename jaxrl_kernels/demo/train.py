@@ -141,7 +141,10 @@ def _saved_config(saved: checkpoint.Saved) -> Config:
             f"{saved.path}: written by another version of the demo (its configuration has "
             f"fields {sorted(set(saved.config) ^ known)} that this version "
             "does not share)")
-    return Config(**saved.config)
+    config = dict(saved.config)
+    if config["algo"] not in algos.DUAL_CLIP_ALGOS:
+        config["dual_clip"] = None  # earlier versions logged an unused 3.0 here
+    return Config(**config)
 
 
 def _check_resumable(cfg: Config, saved: checkpoint.Saved) -> None:

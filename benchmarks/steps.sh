@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The benchmark steps, by name, in the environment you run them from (a virtual environment
+# with this project installed, on a GPU machine; benchmarks/README.md says what each answers):
+#   bash benchmarks/steps.sh side_by_side e2e           # results in out/bench/
+#   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
+# Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
+#   many_devices side_by_side e2e tunix device_times kernels fused timeline clocks
+#   profile memcheck fast_mode. Each runs under a time limit; a failed step is reported and the others
+#   still run; the exit status says whether all passed.
+#   PYTHON=python3            the interpreter (default: python3 on the PATH)
+#   TESTS=tests               what the tests step gives pytest -m gpu
+#   AFTER_STEP="cmd"          run after each step (benchmarks/gpu/run.sh packs the results)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export BENCH_RESULTS=${BENCH_RESULTS:-$PWD/out/bench} PYTHONUNBUFFERED=1
+mkdir -p "$BENCH_RESULTS"
+echo "== results go to $BENCH_RESULTS"
+
+status=0
+step() {  # step <seconds> <command...>: run it under a time limit
+  local limit=$1; shift
+  echo "== $* (limit ${limit}s)"
+  timeout "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
+  if [ -n "${AFTER_STEP:-}" ]; then bash -c "$AFTER_STEP"; fi
+}
+for s in "$@"; do
+  case $s in
+    tests) step 300 bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
+    demo)  step 150 "$PY" -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
+    ffi|linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
+    ppo_base) step 150 "$PY" -m benchmarks.bench_ppo --sizes base ;;
+    backward) step 420 "$PY" -m benchmarks.bench_linear --backward ;;
+    backward_base) step 300 "$PY" -m benchmarks.bench_linear --backward --sizes backward_base ;;
+    linear_ffi) step 300 "$PY" -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
+    one_device) step 300 bash -c "$PY -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
+      $PY -m benchmarks.bench_many_devices --layouts 1dev" ;;
+    many_devices) step 480 bash -c "$PY -m benchmarks.bench_many_devices &&
+      $PY -m benchmarks.bench_many_devices --explicit --backends auto" ;;
+    side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;
+    fast_mode) step 240 "$PY" -m benchmarks.bench_fast_mode ;;
+    e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
+    tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
+    device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;
+    kernels) step 360 "$PY" -m benchmarks.bench_linear --kernels ;;
+    fused) step 420 "$PY" -m benchmarks.bench_linear --fused --sizes "${FUSED_SIZES:-backward}" ;;
+    timeline) step 300 bash -c "$PY -m benchmarks.bench_linear --timeline &&
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY -m benchmarks.bench_linear --timeline" ;;
+    clocks) step 540 bash -c "for kind in ${CLOCKS:-ops forward kernels chunks}; do
+      $PY -m benchmarks.bench_linear --clocks \$kind || exit 1; done" ;;
+    profile) step 240 "$PY" -m benchmarks.bench_linear --profile-backward vd,dv ;;
+    # XLA's GEMM autotuning under the sanitizer is very slow, hence autotune level 0
+    memcheck) step 300 bash -c "sanitizer=\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS='--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0' \"\$sanitizer\" \
+        --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 $PY tests/ffi_memcheck.py \
+        2>&1 | tee \"$BENCH_RESULTS/ffi_memcheck.txt\"; exit \${PIPESTATUS[0]}" ;;
+    *) echo "== unknown step: $s"; status=1 ;;
+  esac
+done
+exit $status
