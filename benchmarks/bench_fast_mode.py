@@ -13,7 +13,8 @@ size (N=8192, D=4096) no exact gradients are computed (errors left empty).
     PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_mode            # GPU, about 3 min
     PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_mode --smoke    # any device, seconds
 
-Results: ``bench_fast_mode.{json,md}`` (benchmarks.common.write_results).
+Results: ``bench_fast_mode.{json,md}`` in out/bench (``--out``, ``--update-results``:
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from benchmarks import output
 
 COLUMNS = ["variant", "layout", "N", "D", "V", "fwdbwd_ms", "spread_ms", "temp_mib", "err_dh",
            "err_dW", "note", "error"]
@@ -39,6 +42,7 @@ VARIANTS = {  # name -> (Config kwargs, layouts)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import output
 from benchmarks.side_by_side import shared
 from benchmarks.workers import failure, run_worker
 
@@ -48,6 +49,7 @@ GRACE = 45
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two timed runs")
     parser.add_argument("--frameworks", default="jax,torch")
     parser.add_argument("--torch-python", default=sys.executable,

@@ -711,8 +711,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
     max_len = _max_len(max_len)
     check.positive("temperature", temperature)
     vocab = global_vocab(local_vocab, vocab_axis)
-    check.targets_in_range("actions", actions, vocab, None if not check.is_concrete(mask)
-                           else np.asarray(mask) == 0)
+    check.targets_in_range("actions", actions, vocab, mask=mask)
     logp, _ = _linear_logprobs("linear_policy_gradient_loss", hidden, weight, bias, actions,
                                mask, weight_layout, temperature, False, backend, vocab_axis,
                                memory)

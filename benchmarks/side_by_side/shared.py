@@ -23,7 +23,7 @@ import numpy as np
 SIZES = {"full": (4096, 2048, 131072), "smoke": (64, 128, 1000)}
 WEIGHT_STD = 1.5  # times 1/sqrt(D)
 
-# The table's columns: the issue's, then what the row was run with and why it has no numbers.
+# The table's columns: the comparison's own, then what the row was run with and why it has no numbers.
 COLUMNS = ["impl", "op", "mode", "layout", "N", "D", "V", "fwd_ms", "fwdbwd_ms", "fwdbwd_extra_mb", "err_dh",
            "err_dW", "bitwise_repeat", "fwd_device_ms", "fwdbwd_device_ms", "version", "note",
            "error"]
