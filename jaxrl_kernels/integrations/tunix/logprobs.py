@@ -183,7 +183,7 @@ def keep_param_shardings(state):
         value = _value(variable)
         if spec is None or not hasattr(value, "ndim") or len(spec) > value.ndim:
             return variable
-        return variable.replace(jax.lax.with_sharding_constraint(value, spec))
+        return variable.replace(value=jax.lax.with_sharding_constraint(value, spec))
 
     return jax.tree.map(pin, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
