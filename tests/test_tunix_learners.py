@@ -7,11 +7,11 @@ policy loss and log-probs, and with "jaxrl_grpo" / "jaxrl_ppo" plus
 jaxrl_kernels too). Actor, reference (and PPO's critic) live on an fsdp=2 mesh of host devices;
 the vanilla rollout samples with a fixed seed; two global steps of 2 prompts, mini-batch 2 in
 micro-batches of 1 (gradient accumulation), num_iterations 2, beta 0.04 (a reference pass),
-AdamW (tests/tunix_support.py ``run_learner``). Every metric tunix logs, every final parameter
-(1e-5 of scale) and the compiled-program counts must agree, jaxrl_kernels must have served the
-reference and rollout log-probs, and every actor parameter must keep the sharding tunix gave
-it, so that the train step and the sampler compile once (tunix's own PPO loss and its packed
-GRPO runs do not keep it: the final norm's scale ends sharded over "fsdp").
+AdamW (tests/tunix_support.py ``run_learner``). Every metric tunix logs and every final
+parameter must agree (1e-5 of scale), jaxrl_kernels must have served the reference and rollout
+log-probs, and every actor parameter must keep the sharding tunix gave it, so that the train
+step and the sampler compile once (tunix's own PPO loss and its packed GRPO runs do not keep
+it: the final norm's scale ends sharded over "fsdp", and they compile twice).
 
 Sequence packing (tunix's ``max_seq_token_per_tpu``) is the third test, marked ``slow`` and
 run only with JAXRL_TEST_SLOW=1 (CI's time budget). On this CPU Qwen3
@@ -26,7 +26,6 @@ import inspect
 import os
 import types
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tunix", reason="the tunix extra is not installed (pip install -e .[tunix])")
@@ -97,4 +96,4 @@ def test_use_kernel_logprobs_refuses_unsupported_models():
     assert "get_ref_per_token_logps" not in vars(worker)
     handle = jaxrl_tunix.use_kernel_logprobs(cluster, reference=False)
     assert handle.patched == [] and "rollout" in handle.skipped
-    np.testing.assert_equal(handle.active, False)
+    assert not handle.active
