@@ -11,7 +11,7 @@ AdamW (tests/tunix_support.py ``run_learner``). Every metric tunix logs and ever
 parameter must agree (1e-5 of scale), jaxrl_kernels must have served the reference and rollout
 log-probs, and every actor parameter must keep the sharding tunix gave it, so that the train
 step and the sampler compile once (tunix's own PPO loss and its packed GRPO runs do not keep
-it: the final norm's scale ends sharded over "fsdp", and they compile twice).
+it: the final norm's scale ends sharded over "fsdp").
 
 Sequence packing (tunix's ``max_seq_token_per_tpu``) is the third test, marked ``slow`` and
 run only with JAXRL_TEST_SLOW=1 (CI's time budget). On this CPU Qwen3
