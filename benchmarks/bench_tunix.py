@@ -536,7 +536,9 @@ def markdown(meta, reports):
                 f"{row['completion']} | {row['train_ms']:.0f} | {_num(row['pass_ms'], '.0f')} | "
                 f"{_num(row['step_ms'], '.0f')} | {_num(row['tokens_per_s'], ',.0f')} | "
                 f"{row['xla_gib']:.2f} | {_num(row['peak_gib'], '.2f')} |")
-    lines += ["", "| loss | search | result | next size | limited by |", "|---|---|---|---|---|"]
+    if any(r.get("batch_search") or r.get("length_search") for r in reports):
+        lines += ["", "| loss | search | result | next size | limited by |",
+                  "|---|---|---|---|---|"]
     for report in reports:
         for key, label, unit in (("batch_search", "largest micro-batch",
                                   f"at completion {meta['completion']}"),
