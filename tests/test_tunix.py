@@ -3,17 +3,15 @@
 On tiny random float32 tunix models (Qwen3 with an lm_head [D, V], Qwen3 with tied
 embeddings, Gemma3), the same TrainExample through both losses gives the same loss, the same
 value of every aux key and the same gradient of every parameter (1e-5 of scale), over the
-options tunix's losses read; a jitted tunix actor train step agrees; the compiled program of our
-loss holds no [B, T, V] buffer; unsupported models and options raise one clear error.
+options tunix's losses read, on one device and on a (fsdp=2, tp=4) mesh; the compiled programs
+of our loss and of our log-prob pass hold no [B, T, V] buffer; unsupported models and options
+raise one clear error. tests/test_tunix_learners.py runs them inside tunix's own learners.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -22,7 +20,6 @@ pytest.importorskip("tunix", reason="the tunix extra is not installed (pip insta
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxrl_kernels as jk  # noqa: E402
@@ -183,43 +180,6 @@ def test_other_families_qualify():
     assert jt.find_head(model).layout == "vd"
 
 
-# -- the tunix actor train step ------------------------------------------------------------
-
-def actor_step(model, loss_name, config, example):
-    """One jitted step of tunix's RL actor Trainer (what GRPOLearner drives), AdamW."""
-    from tunix.rl import function_registry
-    from tunix.rl import trainer as rl_trainer
-    from tunix.sft import peft_trainer
-
-    loss_fn = function_registry.get_policy_loss_fn(loss_name)
-    trainer = rl_trainer.Trainer(model, optax.adamw(1e-2),
-                                 peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=2),
-                                 custom_checkpoint_metadata_fn=dict)
-    trainer.with_loss_fn(lambda model, train_example, algo_config: loss_fn(
-        model, train_example, algo_config=algo_config, pad_id=ts.PAD_ID, eos_id=ts.EOS_ID),
-        has_aux=True)
-    trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": config})
-    train_step, _ = trainer.jit_train_and_eval_step()
-    loss, aux, grad_norm = train_step(example)
-    return loss, aux, grad_norm, nnx.state(model, nnx.Param)
-
-
-def test_actor_train_step_matches_tunix():
-    config = ts.grpo_config(1.0, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
-                            kl_loss_mode="low_var_kl")
-    base = ts.make_model("qwen3", VOCAB, seed=11)
-    example = ts.make_example(base, VOCAB, ts.ExampleSpec(sampler_is=True), seed=11)
-    graphdef, state = nnx.split(base)
-    fresh = lambda: nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # noqa: E731
-    want = actor_step(fresh(), "grpo", config, example)
-    got = actor_step(fresh(), "jaxrl_grpo", config, example)
-    ts.assert_same((got[0], got[1], got[3]), (want[0], want[1], want[3]))
-    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-5)
-    moved = max(float(jnp.max(jnp.abs(a - b)))
-                for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(state)))
-    assert moved > 1e-3  # the step did update the parameters
-
-
 # -- no [B, T, V] buffer ----------------------------------------------------------------------
 
 SHAPE = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([0-9,]*)\]")
@@ -237,25 +197,59 @@ def largest_buffer(loss_name, model, example, config):
 
     text = jax.jit(jax.value_and_grad(objective, has_aux=True)).lower(state, example) \
         .compile().as_text()
-    return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in SHAPE.findall(text))
+    return buffer_elements(text)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_tied"])
-def test_compiled_loss_holds_no_logits(family):
-    """V = 65543, 32 completion tokens: tunix's program holds [B, L, V] logits; ours, with the
-    chunked backend, holds nothing as large as the [B, T, V] completion logits (its largest
-    buffers are the [V, D] weight and its gradient, and [B·T, 32768] vocabulary chunks)."""
-    vocab, spec = 65543, ts.ExampleSpec(batch=2, prompt_len=3, completion_len=16, ref=True)
-    model = ts.make_model(family, vocab)
-    example = ts.make_example(model, vocab, spec)
+def buffer_elements(hlo_text):
+    """Element count of the largest array in a compiled program's text."""
+    return max(int(np.prod([int(d) for d in dims.split(",") if d]))
+               for dims in SHAPE.findall(hlo_text))
+
+
+# V = 8209 and 256 completion tokens: the chunked backend's tiles are [256, 4096], so its
+# largest buffers (the tiles, the [D, V] weight and its gradient) are all smaller than the
+# [B, T, V] completion logits that tunix's programs hold.
+NO_LOGITS_VOCAB = 8209
+NO_LOGITS_SPEC = ts.ExampleSpec(batch=4, prompt_len=3, completion_len=64, ref=True)
+
+
+def no_logits_case(family):
+    model = ts.make_model(family, NO_LOGITS_VOCAB)
+    example = ts.make_example(model, NO_LOGITS_VOCAB, NO_LOGITS_SPEC)
+    completion_logits = NO_LOGITS_SPEC.batch * NO_LOGITS_SPEC.completion_len * NO_LOGITS_VOCAB
+    bound = max(16 * NO_LOGITS_VOCAB, NO_LOGITS_SPEC.batch * NO_LOGITS_SPEC.completion_len * 4096)
+    return model, example, completion_logits, bound
+
+
+def test_compiled_loss_holds_no_logits():
+    """The value_and_grad program of tunix's loss holds [B, L, V] logits; ours, on the chunked
+    backend, nothing as large as the completion's [B, T, V]."""
+    model, example, completion_logits, bound = no_logits_case("qwen3")
     config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04)
-    completion_logits = spec.batch * spec.completion_len * vocab
     # The probe sees tunix's logits:
     assert largest_buffer("grpo", model, example, config) >= completion_logits
     with jk.use_backend("chunked"):
         ours = largest_buffer("jaxrl_grpo", model, example, config)
     assert ours < completion_logits
-    assert ours <= max(16 * vocab, spec.batch * spec.completion_len * 32768)
+    assert ours <= bound
+
+
+def test_compiled_logprob_pass_holds_no_logits():
+    """The reference / old-policy pass: tunix's compute_per_token_logps program holds the logits,
+    jaxrl_kernels' (same arguments) does not, and returns the same log-probs."""
+    from tunix.rl import common
+
+    model, example, completion_logits, bound = no_logits_case("qwen3_tied")
+    graphdef, state = nnx.split(model)
+    args = (graphdef, state, example.prompt_ids, example.completion_ids)
+    kwargs = dict(pad_id=ts.PAD_ID, eos_id=ts.EOS_ID, temperature=0.7)
+    theirs = common.compute_per_token_logps.lower(*args, **kwargs).compile()
+    ours = jt.compute_per_token_logps.lower(*args, backend="chunked", **kwargs).compile()
+    assert buffer_elements(theirs.as_text()) >= completion_logits
+    assert buffer_elements(ours.as_text()) <= bound < completion_logits
+    want = np.asarray(theirs(*args))
+    np.testing.assert_allclose(np.asarray(ours(*args)), want,
+                               atol=ts.RTOL * float(np.max(np.abs(want))))
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -305,14 +299,22 @@ def test_registered_names():
     assert function_registry.get_policy_loss_fn("jaxrl_ppo") is jt.ppo_policy_loss
 
 
+def test_refuses_logits():
+    model = ts.make_model("qwen3", VOCAB)
+    graphdef, state = nnx.split(model)
+    tokens = jnp.ones((2, 3), jnp.int32)
+    with pytest.raises(NotImplementedError, match="return_logits=True"):
+        jt.compute_per_token_logps(graphdef, state, tokens, tokens, ts.PAD_ID, ts.EOS_ID,
+                                   return_logits=True)
+
+
 # -- many devices ----------------------------------------------------------------------------
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py forces "
+                    "8 host devices)")
 def test_sharded_fsdp2_tp4_matches_tunix():
-    """tests/tunix_sharded.py on 8 host devices, (fsdp=2, tp=4) mesh, the models' shardings."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    script = os.path.join(os.path.dirname(__file__), "tunix_sharded.py")
-    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "tunix sharded: all equal" in run.stdout
+    """tests/tunix_sharded.py: a (fsdp=2, tp=4) mesh, the models' own shardings (vocabulary
+    over "tp"), against tunix's losses on the same sharded inputs."""
+    import tunix_sharded
+
+    tunix_sharded.check_all()

@@ -6,6 +6,8 @@ Shared by tests/test_tunix.py and the 8-device script tests/tunix_sharded.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +25,15 @@ PAD_ID, EOS_ID = 0, 1
 RTOL = 1e-5  # float32: |got - want| <= RTOL * scale (docs/api.md "Numerics")
 
 
-def model_config(family: str, vocab: int, dim: int = 16, heads: int = 2, kv_heads: int = 1):
-    """A float32 tunix config of the family: "qwen3" (lm_head [D, V]), "qwen3_tied", "gemma3"."""
+def model_config(family: str, vocab: int, dim: int = 16, heads: int = 2, kv_heads: int = 1,
+                 **options):
+    """A float32 tunix config of the family: "qwen3" (lm_head [D, V]), "qwen3_tied", "gemma3".
+    ``options``: further Qwen3 ModelConfig fields (shd_config...)."""
     if family in ("qwen3", "qwen3_tied"):
         return qwen3.ModelConfig(
             num_layers=1, vocab_size=vocab, embed_dim=dim, hidden_dim=24, num_heads=heads,
             head_dim=8, num_kv_heads=kv_heads, rope_theta=10_000, norm_eps=1e-6,
-            use_tied_embedding=family == "qwen3_tied")
+            use_tied_embedding=family == "qwen3_tied", **options)
     if family == "gemma3":
         return gemma3.ModelConfig(
             num_layers=1, num_embed=vocab, embed_dim=dim, hidden_dim=24, num_heads=heads,
@@ -43,6 +47,11 @@ MODEL_CLASSES = {"qwen3": qwen3.Qwen3, "qwen3_tied": qwen3.Qwen3, "gemma3": gemm
 def make_model(family: str, vocab: int, seed: int = 0, **dims):
     """A tunix model with every parameter moved off its init (zero-init weights included)."""
     model = MODEL_CLASSES[family](model_config(family, vocab, **dims), rngs=nnx.Rngs(seed))
+    return _perturbed(model, seed)
+
+
+def _perturbed(model, seed):
+    """Every parameter + 0.2 N(0, 1): tunix's Qwen3 initialises its MLP weights to zero."""
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(seed + 1)
     state = jax.tree.map(
@@ -174,3 +183,206 @@ def assert_same(got, want):
         scale = float(np.max(np.abs(np.asarray(want_g))))
         assert scale > 0, f"grad{jax.tree_util.keystr(path)} is all zero: a vacuous comparison"
         _close(f"grad{jax.tree_util.keystr(path)}", g, want_g, scale)
+
+
+# -- tunix's own learners: an RLCluster on a 2-device FSDP mesh --------------------------------
+
+LEARNER_VOCAB = 64
+LEARNER_BOS_ID = 2
+
+
+class WordTokenizer:
+    """Token i is the word "w<i>": the least a tunix TokenizerAdapter needs."""
+
+    def encode(self, text, **kwargs):
+        return [int(word[1:]) for word in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"w{int(i)}" for i in ids)
+
+    def bos_id(self):
+        return LEARNER_BOS_ID
+
+    def eos_id(self):
+        return EOS_ID
+
+    def pad_id(self):
+        return PAD_ID
+
+
+def word_reward(prompts, completions, **kwargs):
+    """A deterministic reward that varies between completions: distinct words minus length / 4
+    plus 2 per "w7"."""
+    return [len(set(c.split())) - len(c.split()) / 4 + 2.0 * c.split().count("w7")
+            for c in completions]
+
+
+PROMPTS = ["w5 w9 w11", "w12 w8", "w4 w4 w30", "w13 w20 w21 w3", "w40 w41", "w50 w9 w6",
+           "w33", "w17 w18 w19"]
+
+
+def learner_mesh():
+    """(fsdp=2, tp=1) over two host devices, Auto axes as tunix builds its meshes."""
+    return jax.make_mesh((2, 1), ("fsdp", "tp"), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def fsdp_sharding_config():
+    """Qwen3's default ShardingConfig with the parameter specs written as XLA writes them back
+    on the (fsdp=2, tp=1) mesh: the size-1 "tp" axis and trailing Nones dropped. With tunix's
+    default specs (P('tp') for a norm scale...) the first train step returns the parameters
+    (and AdamW's moments) under equivalent but differently written specs, and the next step
+    and the sampler, which jit-cache on the spec, compile a second time, whatever the loss.
+    Written this way, an unchanged sharding means one compiled train step and one sampler."""
+    default = qwen3.ShardingConfig.get_default_sharding()
+
+    def tidy(spec):
+        spec = [None if entry == "tp" else entry for entry in spec]
+        while spec and spec[-1] is None:
+            spec.pop()
+        return tuple(spec)
+
+    weights = ("emb_vd", "emb_dv", "q_weight_dnh", "kv_weight_dnh", "o_weight_nhd",
+               "ffw_weight_df", "ffw_weight_fd", "rms_norm_weight", "exp_weight_edf",
+               "exp_weight_efd")
+    return dataclasses.replace(default, **{name: tidy(getattr(default, name))
+                                           for name in weights})
+
+
+@functools.lru_cache(maxsize=None)
+def _learner_template(seed: int):
+    model = MODEL_CLASSES["qwen3"](
+        model_config("qwen3", LEARNER_VOCAB, shd_config=fsdp_sharding_config()),
+        rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(_perturbed(model, seed))
+    return graphdef, jax.tree.map(np.asarray, state)
+
+
+def learner_model(seed: int = 0):
+    """A fresh float32 one-layer Qwen3 (lm_head [D, V]) with every parameter moved off its init
+    (tunix zero-initialises the MLP, whose gradients would otherwise all be zero), sharded as
+    :func:`fsdp_sharding_config` says once on the mesh. The same numbers for the same seed."""
+    graphdef, state = _learner_template(seed)
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
+
+
+def param_shardings(model):
+    return {jax.tree_util.keystr(path): leaf.sharding
+            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+
+
+@dataclasses.dataclass
+class LearnerRun:
+    metrics: dict            # "prefix/mode/name" -> list of logged values
+    params: dict             # "path" -> final value (numpy)
+    shardings_start: dict    # "path" -> sharding of the actor's parameter once tunix placed it
+    shardings_end: dict      # ... after training
+    compiles: dict           # jitted function -> number of compiled programs
+    kernel_logprobs: Any = None
+
+
+def _cache_size(fn):
+    fn = getattr(fn, "func", fn)  # functools.partial of nnx.jit
+    fn = getattr(fn, "jitted_fn", fn)
+    return fn._cache_size() if hasattr(fn, "_cache_size") else None
+
+
+def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = False,
+                global_steps: int = 2, backend: str | None = None) -> LearnerRun:
+    """tunix's GRPOLearner / PPOLearner trained for ``global_steps`` batches of 2 prompts.
+
+    Actor, reference (and PPO's critic) on the fsdp=2 mesh, vanilla rollout (seeded),
+    mini-batch 2 prompts in micro-batches of 1 (gradient accumulation 2), num_iterations 2,
+    beta 0.04 (so a reference pass), AdamW. ``kernel_logprobs``: serve the reference and
+    rollout log-probs with :func:`use_kernel_logprobs`. ``packed``: tunix's sequence packing
+    (``max_seq_token_per_tpu``) of the training micro-batches.
+    """
+    import optax
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl import utils as rl_utils
+    from tunix.rl.rollout import base_rollout
+
+    from jaxrl_kernels.integrations import tunix as jaxrl_tunix
+
+    mesh = learner_mesh()
+    roles = [rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
+             rl_cluster_lib.Role.ROLLOUT]
+    actor, reference = learner_model(seed=7), learner_model(seed=7)
+    critic = None
+    if algo == "ppo":
+        roles.append(rl_cluster_lib.Role.CRITIC)
+        critic = rl_utils.create_critic_model(learner_model(seed=7), seed=1)
+    prompt_len, completion_len, per_step = 8, 6, 2
+    training = rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optax.adamw(3e-3), critic_optimizer=optax.adamw(3e-3),
+        eval_every_n_steps=10**6, max_steps=4 * global_steps,
+        mini_batch_size=per_step, train_micro_batch_size=1,
+        max_seq_token_per_tpu=4 * (prompt_len + completion_len) if packed else None)
+    rollout = base_rollout.RolloutConfig(
+        max_tokens_to_generate=completion_len, max_prompt_length=prompt_len,
+        kv_cache_size=prompt_len + completion_len + 2, temperature=0.9, top_p=1.0, seed=0)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor, reference=reference, critic=critic, tokenizer=WordTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla",
+            offload_to_cpu=False, training_config=training, rollout_config=rollout))
+    start = param_shardings(cluster.actor_trainer.model)
+    handle = jaxrl_tunix.use_kernel_logprobs(cluster, backend=backend) if kernel_logprobs \
+        else None
+    if algo == "grpo":
+        from tunix.rl.grpo import grpo_learner
+
+        config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=2, beta=0.04,
+                                         loss_agg_mode="sequence-mean-token-mean",
+                                         epsilon=0.1, policy_loss_fn=loss)
+        learner = grpo_learner.GRPOLearner(cluster, config, reward_fns=[word_reward])
+    else:
+        from tunix.rl.ppo import ppo_learner
+
+        config = ppo_learner.PPOConfig(num_iterations=2, beta=0.04, epsilon=0.1,
+                                       entropy_coef=0.01, epsilon_c=3.0, policy_loss_fn=loss)
+        learner = ppo_learner.PPOLearner(cluster, config, reward_fns=[word_reward])
+    batches = [{"prompts": PROMPTS[per_step * i:per_step * (i + 1)]}
+               for i in range(global_steps)]
+    learner.train(batches)
+    model = cluster.actor_trainer.model
+    sampler = cluster.rollout._sampler
+    compiles = {"actor train step": _cache_size(cluster.actor_trainer._jitted_train_step_fn),
+                "sampler prefill": _cache_size(sampler._compiled_prefill_fn),
+                "sampler decode": _cache_size(sampler._compiled_decode_fn)}
+    metrics = {f"{prefix}/{mode}/{name}": list(values)
+               for prefix, modes in cluster._rl_metrics_logger._metrics.items()
+               for mode, names in modes.items() for name, values in names.items()}
+    params = {jax.tree_util.keystr(path): np.asarray(leaf)
+              for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    if handle is not None:
+        handle.restore()
+    return LearnerRun(metrics, params, start, param_shardings(model), compiles, handle)
+
+
+def assert_same_run(got: LearnerRun, want: LearnerRun):
+    """Every metric tunix logged (each logged value to 1e-5 of max(|want|, 1)) and every final
+    parameter (1e-5 of the tensor's largest magnitude) equal; no more compiled programs of the
+    train step and the sampler than tunix's own run (which compiles each twice: XLA hands the
+    updated parameters back with specs written differently, e.g. P() for P('tp') with tp = 1,
+    and jit caches on the spec)."""
+    assert sorted(got.metrics) == sorted(want.metrics)
+    for name, values in want.metrics.items():
+        assert len(got.metrics[name]) == len(values), name
+        for i, (g, w) in enumerate(zip(got.metrics[name], values)):
+            w = np.asarray(w, np.float64)
+            _close(f"{name}[{i}]", g, w, max(float(np.max(np.abs(w), initial=0.0)), 1.0))
+    assert sorted(got.params) == sorted(want.params)
+    for name, w in want.params.items():
+        _close(f"param {name}", got.params[name], w, float(np.max(np.abs(w))))
+    assert all(got.compiles[k] <= want.compiles[k] for k in want.compiles), \
+        (got.compiles, want.compiles)
+
+
+def assert_shardings_kept(run: LearnerRun):
+    """Every actor parameter ends as tunix placed it (equivalent shardings: a mesh axis of size
+    1 may be dropped from a spec, as XLA writes it)."""
+    for name, start in run.shardings_start.items():
+        end = run.shardings_end[name]
+        ndim = run.params[name].ndim
+        assert end.is_equivalent_to(start, ndim), f"{name}: {start} became {end}"

@@ -1,4 +1,4 @@
-"""tunix policy losses that never build [B, T, V] logits.
+"""tunix GRPO / PPO steps that never build [B, T, V] logits.
 
 Importing this module registers two policy losses with tunix's function registry:
 
@@ -8,19 +8,29 @@ Importing this module registers two policy losses with tunix's function registry
 with the same loss, ``aux`` metrics and gradients, computed from the model's final hidden
 states and LM head by :func:`jaxrl_kernels.linear_logprobs`::
 
-    import jaxrl_kernels.integrations.tunix  # registers the losses
+    from jaxrl_kernels.integrations import tunix as jaxrl_tunix  # registers the losses
     config = GRPOConfig(..., policy_loss_fn="jaxrl_grpo")
     config = PPOConfig(..., policy_loss_fn="jaxrl_ppo")
 
-The backend of the log-probs follows jaxrl_kernels' automatic choice, ``JAXRL_KERNELS_BACKEND``
-or a ``jaxrl_kernels.use_backend`` scope around the first (tracing) train step.
+Both have tunix's exact loss signature, so tunix's learners call them as they call their own.
+The reference model's and the rollout policy's log-probs of a step (tunix's
+``compute_per_token_logps``, which builds the logits) move to the kernels with one explicit,
+reversible call per cluster, :func:`use_kernel_logprobs` (see :mod:`.cluster`)::
+
+    kernels = jaxrl_tunix.use_kernel_logprobs(rl_cluster)
+
+The backend follows jaxrl_kernels' automatic choice, ``JAXRL_KERNELS_BACKEND`` or a
+``jaxrl_kernels.use_backend`` scope around the first (tracing) call; docs/tunix.md has the rest.
 """
 
 from __future__ import annotations
 
 from tunix.rl import function_registry
 
-from jaxrl_kernels.integrations.tunix.logprobs import check_model, find_head, policy_logprobs
+from jaxrl_kernels.integrations.tunix.cluster import KernelLogprobs, use_kernel_logprobs
+from jaxrl_kernels.integrations.tunix.logprobs import (check_model, compute_per_token_logps,
+                                                       find_head, keep_param_shardings,
+                                                       policy_logprobs)
 from jaxrl_kernels.integrations.tunix.losses import grpo_policy_loss, ppo_policy_loss
 
 GRPO_LOSS_NAME = "jaxrl_grpo"
@@ -31,10 +41,14 @@ function_registry.register_policy_loss_fn(PPO_LOSS_NAME)(ppo_policy_loss)
 
 __all__ = [
     "GRPO_LOSS_NAME",
+    "KernelLogprobs",
     "PPO_LOSS_NAME",
     "check_model",
+    "compute_per_token_logps",
     "find_head",
     "grpo_policy_loss",
+    "keep_param_shardings",
     "policy_logprobs",
     "ppo_policy_loss",
+    "use_kernel_logprobs",
 ]

@@ -20,11 +20,15 @@ missing; there is no fallback to the logits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.interpreters import pxla
+from jax.sharding import PartitionSpec
 from tunix.rl import common
 
 import jaxrl_kernels as jk
@@ -122,13 +126,78 @@ def _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids):
     return kwargs
 
 
-def final_hidden_states(model, input_tokens, kwargs):
+def _context_mesh():
+    """The mesh of the enclosing ``with mesh:`` (tunix's RLCluster) or ``jax.set_mesh``, or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    mesh = pxla.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def _declared_spec(variable, axis_names):
+    """The PartitionSpec a parameter's metadata declares (what tunix shards it by), or None
+    when it declares none or names an axis the mesh lacks."""
+    meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    names = None
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        if meta.get(key) is not None:
+            names = meta[key]
+            break
+    if names is None or not isinstance(names, (tuple, list)):
+        return None
+    used = [a for entry in names if entry is not None
+            for a in (entry if isinstance(entry, (tuple, list)) else (entry,))]
+    if any(a not in axis_names for a in used):
+        return None
+    return PartitionSpec(*names)
+
+
+def keep_param_shardings(state):
+    """``state`` with each parameter pinned to the sharding its metadata declares.
+
+    The pin is ``with_sharding_constraint``: a no-op on the forward values (tunix placed them
+    so), and in the backward pass it pins each parameter's *gradient* to the same sharding.
+    Without it XLA's sharding propagation is free to choose the gradients' layout, and on the
+    log-prob path (the final hidden states sliced to the completion, then the head) it
+    can choose to split the model dimension D of the [B, T, D] cotangents over the FSDP axis;
+    the gradients of every RMSNorm scale over D then come out sharded over "fsdp", the
+    optimizer's update follows them, and the next train step and the sampler, which read the
+    same parameters, compile again for the new layout (tests/test_tunix_learners.py checks
+    every parameter keeps its sharding). Does nothing outside a mesh, under Explicit mesh
+    axes (where shardings are part of the types and gradients follow them) and for
+    parameters that declare no sharding.
+    """
+    mesh = _context_mesh()
+    if mesh is None:
+        return state
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return state
+    axis_names = set(mesh.axis_names)
+
+    def pin(variable):
+        if not isinstance(variable, nnx.Param):
+            return variable
+        spec = _declared_spec(variable, axis_names)
+        value = _value(variable)
+        if spec is None or not hasattr(value, "ndim") or len(spec) > value.ndim:
+            return variable
+        return variable.replace(value=jax.lax.with_sharding_constraint(value, spec))
+
+    return jax.tree.map(pin, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def final_hidden_states(model, input_tokens, kwargs, *, pin_params=False):
     """(hidden [B, L, D], head) of a copy of ``model`` run on ``input_tokens``.
 
     The copy shares the model's arrays (gradients reach them) but not its Python objects, so
-    the caller's module is left as it was.
+    the caller's module is left as it was. ``pin_params``: pin every parameter (and so its
+    gradient) to its declared sharding (:func:`keep_param_shardings`).
     """
     graphdef, state = nnx.split(model)
+    if pin_params:
+        state = keep_param_shardings(state)
     copy = nnx.merge(graphdef, state)
     head = find_head(copy)
     if hasattr(nnx, "capture"):  # flax >= 0.12.x: sow() is meant to run inside capture()
@@ -148,18 +217,19 @@ def tunix_temperature(temperature) -> float:
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None):
+                    return_entropy=False, backend=None, pin_params=False):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
     for packed sequences (``segment_ids`` given), where position 0 holds logp = 0 and the
-    entropy of all-zero logits, log V, as tunix pads them.
+    entropy of all-zero logits, log V, as tunix pads them. ``pin_params``: see
+    :func:`keep_param_shardings` (the losses set it; the no-gradient passes need not).
     """
     check_model(model)
     input_tokens, positions, attn_mask, pad_segments = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
     kwargs = _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids)
-    hidden, head = final_hidden_states(model, input_tokens, kwargs)
+    hidden, head = final_hidden_states(model, input_tokens, kwargs, pin_params=pin_params)
     packed = segment_ids is not None
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     hidden = hidden[:, -keep - 1:-1]
@@ -176,3 +246,37 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
             entropy = jnp.pad(entropy, ((0, 0), (1, 0)),
                               constant_values=jnp.log(jnp.float32(vocab)))
     return logp, entropy
+
+
+@functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
+                                             "return_logits", "temperature", "backend"))
+def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
+                            images=None, stop_gradient=True, return_logits=False,
+                            segment_ids=None, segment_positions=None, temperature=1.0,
+                            backend=None):
+    """tunix's ``common.compute_per_token_logps`` (same arguments, same result) without logits.
+
+    The per-token log-probs of the completion under ``nnx.merge(graphdef, state)``, float32
+    [B, C] ([B, L] for packed sequences), from the final hidden states and the LM head by
+    :func:`jaxrl_kernels.linear_logprobs`: the compiled program holds no [B, T, V] logits (the
+    model's own logits are computed by nothing that is read, and XLA drops them). This is
+    what tunix's reference-model and rollout-policy passes call once
+    :func:`jaxrl_kernels.integrations.tunix.use_kernel_logprobs` is enabled on an RLCluster.
+
+    ``return_logits=True`` and ``images`` are refused (NotImplementedError): both need the
+    logits. ``backend``: jaxrl_kernels' backend (None: automatic).
+    """
+    if return_logits:
+        raise NotImplementedError(
+            "compute_per_token_logps(return_logits=True): the logits are what this function "
+            "never builds; use tunix.rl.common.compute_per_token_logps")
+    if images is not None:
+        raise NotImplementedError(
+            "compute_per_token_logps(images=...): multimodal inputs are not supported; use "
+            "tunix.rl.common.compute_per_token_logps")
+    model = nnx.merge(graphdef, state)
+    logp, _ = policy_logprobs(model, prompt_tokens, completion_tokens, pad_id=pad_id,
+                              eos_id=eos_id, segment_ids=segment_ids,
+                              segment_positions=segment_positions, temperature=temperature,
+                              backend=backend)
+    return jax.lax.stop_gradient(logp) if stop_gradient else logp

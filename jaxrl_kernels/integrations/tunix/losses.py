@@ -25,7 +25,16 @@ with ``epsilon_low`` / ``epsilon_high`` and dual clip, loss = mean(pg) − ``ent
 (+ ``kl_coef``·mean(KL "kl") when the config has a positive ``kl_coef``), means taken as
 Σ m·x / (Σ m + 1e-8). The value (critic) loss is tunix's own: it has no vocabulary axis.
 
-Both take ``backend=`` (jaxrl_kernels' backend for the log-probs; None = automatic).
+Both have exactly the parameters of tunix's own losses, ``(model, train_example, algo_config,
+pad_id, eos_id, **kwargs)``: tunix's PPOLearner hands the registered function itself to its
+trainer, whose ``nnx.value_and_grad`` binds every argument by position, so a keyword-only
+parameter would fail there ("keyword arguments could not be resolved to positions"). The one
+keyword they read is ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
+automatic), for direct calls; tunix passes no other keyword, and others are ignored as
+tunix's losses ignore them.
+
+Every parameter's gradient keeps the sharding the parameter declares
+(:func:`.logprobs.keep_param_shardings`), as under tunix's own losses.
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ def _example_logprobs(model, example, pad_id, eos_id, temperature, return_entrop
         model, example.prompt_ids, example.completion_ids, pad_id=pad_id, eos_id=eos_id,
         segment_ids=getattr(example, "segment_ids", None),
         segment_positions=getattr(example, "segment_positions", None),
-        temperature=temperature, return_entropy=return_entropy, backend=backend)
+        temperature=temperature, return_entropy=return_entropy, backend=backend,
+        pin_params=True)
 
 
 def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
@@ -91,10 +101,12 @@ def _grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
     }
 
 
-def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, *, backend=None,
-                     **kwargs):
-    """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux)."""
-    del kwargs  # tunix passes nothing else to its own GRPO loss either
+def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
+
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic); others are ignored.
+    """
+    backend = kwargs.get("backend")
     mode = algo_config.loss_agg_mode
     tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
     tm.check_option("loss_algo", algo_config.loss_algo, LOSS_ALGOS)
@@ -144,10 +156,12 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, *, backe
     return loss, aux
 
 
-def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, *, backend=None,
-                    **kwargs):
-    """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux)."""
-    del kwargs
+def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
+
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic); others are ignored.
+    """
+    backend = kwargs.get("backend")
     old = train_example.old_per_token_logps
     if old is None:
         raise ValueError("train_example.old_per_token_logps: PPO's ratio needs the rollout "
