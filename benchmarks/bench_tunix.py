@@ -208,6 +208,8 @@ class Worker:
             self.example_type = ppo_learner.TrainExample
         loss_fn = function_registry.get_policy_loss_fn(args.worker)
         extra = {"backend": args.backend} if self.ours and args.backend else {}
+        if self.ours and args.memory != "lean":
+            extra["memory"] = args.memory
         if self.ours:
             self.logprob_pass = jaxrl_tunix.compute_per_token_logps
             self.pass_kwargs = {"backend": args.backend}
@@ -648,6 +650,8 @@ def parse(argv=None):
     parser.add_argument("--backend",
                         help="jaxrl_kernels backend for the jaxrl loss and log-probs "
                              "(default: automatic)")
+    parser.add_argument("--memory", default="lean", choices=("lean", "fast"),
+                        help="linear_logprobs' memory mode in the jaxrl loss's train step")
     parser.add_argument("--memory-limit-mib", type=float, default=64.0,
                         help="the memory limit where the device reports none (CPU)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -217,13 +217,14 @@ def tunix_temperature(temperature) -> float:
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, pin_params=False):
+                    return_entropy=False, backend=None, pin_params=False, memory="lean"):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
     for packed sequences (``segment_ids`` given), where position 0 holds logp = 0 and the
     entropy of all-zero logits, log V, as tunix pads them. ``pin_params``: see
     :func:`keep_param_shardings` (the losses set it; the no-gradient passes need not).
+    ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward).
     """
     check_model(model)
     input_tokens, positions, attn_mask, pad_segments = common.process_ids(
@@ -237,7 +238,7 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     dtype = head.dtype if head.dtype is not None else jnp.result_type(hidden, head.weight)
     out = jk.linear_logprobs(hidden.astype(dtype), head.weight.astype(dtype), targets,
                              weight_layout=head.layout, temperature=tunix_temperature(temperature),
-                             return_entropy=return_entropy, backend=backend)
+                             return_entropy=return_entropy, backend=backend, memory=memory)
     logp, entropy = out if return_entropy else (out, None)
     if packed:
         vocab = head.weight.shape[0 if head.layout == "vd" else 1]

@@ -28,10 +28,11 @@ with ``epsilon_low`` / ``epsilon_high`` and dual clip, loss = mean(pg) − ``ent
 Both have exactly the parameters of tunix's own losses, ``(model, train_example, algo_config,
 pad_id, eos_id, **kwargs)``: tunix's PPOLearner hands the registered function itself to its
 trainer, whose ``nnx.value_and_grad`` binds every argument by position, so a keyword-only
-parameter would fail there ("keyword arguments could not be resolved to positions"). The one
-keyword they read is ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
-automatic), for direct calls; tunix passes no other keyword, and others are ignored as
-tunix's losses ignore them.
+parameter would fail there ("keyword arguments could not be resolved to positions"). The
+keywords they read are ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
+automatic) and ``memory`` (``linear_logprobs``' memory mode; absent: ``"lean"``), for direct
+calls or a trainer's loss wrapper; tunix passes none, and others are ignored as tunix's losses
+ignore them.
 
 Every parameter's gradient keeps the sharding the parameter declares
 (:func:`.logprobs.keep_param_shardings`), as under tunix's own losses.
@@ -53,13 +54,13 @@ GSPO_LOG_RATIO_MAX = 10.0
 _sg = jax.lax.stop_gradient
 
 
-def _example_logprobs(model, example, pad_id, eos_id, temperature, return_entropy, backend):
+def _example_logprobs(model, example, pad_id, eos_id, temperature, return_entropy, kwargs):
     return policy_logprobs(
         model, example.prompt_ids, example.completion_ids, pad_id=pad_id, eos_id=eos_id,
         segment_ids=getattr(example, "segment_ids", None),
         segment_positions=getattr(example, "segment_positions", None),
-        temperature=temperature, return_entropy=return_entropy, backend=backend,
-        pin_params=True)
+        temperature=temperature, return_entropy=return_entropy, backend=kwargs.get("backend"),
+        memory=kwargs.get("memory", "lean"), pin_params=True)
 
 
 def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
@@ -104,9 +105,9 @@ def _grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
 def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
 
-    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic); others are ignored.
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
+    (``linear_logprobs``' memory mode, default ``"lean"``); others are ignored.
     """
-    backend = kwargs.get("backend")
     mode = algo_config.loss_agg_mode
     tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
     tm.check_option("loss_algo", algo_config.loss_algo, LOSS_ALGOS)
@@ -116,7 +117,7 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     mask = train_example.completion_mask
 
     logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id,
-                                      algo_config.temperature, True, backend)
+                                      algo_config.temperature, True, kwargs)
     adv = train_example.advantages.astype(jnp.float32)
     adv = adv if adv.ndim == 2 else adv[:, None]
     old = train_example.old_per_token_logps
@@ -159,9 +160,9 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
 def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
     """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
 
-    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic); others are ignored.
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
+    (``linear_logprobs``' memory mode, default ``"lean"``); others are ignored.
     """
-    backend = kwargs.get("backend")
     old = train_example.old_per_token_logps
     if old is None:
         raise ValueError("train_example.old_per_token_logps: PPO's ratio needs the rollout "
@@ -171,7 +172,7 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     mask = train_example.completion_mask
 
     logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id, 1.0, with_entropy,
-                                      backend)
+                                      kwargs)
     adv = train_example.advantages
     ratio = jnp.exp(logp - old)
     pg, unclipped, clipped, dual = _surrogate(ratio, adv, algo_config.epsilon_low,
