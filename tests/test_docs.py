@@ -26,7 +26,7 @@ README = (ROOT / "README.md").read_text()
 PAGES = ["README.md", "benchmarks/README.md", "benchmarks/results/README.md",
          *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 # Linked pages another branch adds; each leaves this set when it lands.
-PENDING = {"docs/tunix.md"}
+PENDING: set[str] = set()
 OPS = [name for name in jk.__all__ if inspect.isfunction(getattr(jk, name))]
 
 
