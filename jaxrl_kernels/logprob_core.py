@@ -15,8 +15,9 @@ A kernel backend supplies two pieces of work on one device's data (:class:`Parts
 
 This module does the rest, once for all backends: the global row statistics across a
 vocabulary split over devices (``rl_math.combine_vocab_shards``), the outputs and residuals,
-the cotangent sums across devices, and where the work runs (``sharding.run``). Targets are
-global ids; device ``i`` of the vocabulary axes holds ids ``[i·V_local, (i+1)·V_local)``.
+the cotangent sums across devices (each cotangent sharded like its operand), and where the work
+runs (``sharding.run``). Targets are global ids; device ``i`` of the vocabulary axes holds ids
+``[i·V_local, (i+1)·V_local)``.
 
 A backend whose op jax differentiates itself (``reference``) is a :class:`Whole`: a function
 of the local operands and the vocabulary axes, run through ``sharding.run`` as plain jnp.
@@ -166,7 +167,7 @@ def paired_logprobs(parts, policy_logits, ref_logits, targets, row_valid, *, tem
         policy, targets, lse, active, ref = res
         d = _token_backward(parts, policy, targets, lse, None, active, cot[0], None,
                             temperature=temperature, vocab_axis=vocab_axis)
-        return d, sharding.zeros_like(ref), None, None
+        return d, None, None, None  # None: a zero cotangent of the reference's own type
 
     op.defvjp(fwd, bwd)
     return op(policy_logits, jax.lax.stop_gradient(ref_logits), targets, row_valid)
@@ -184,10 +185,11 @@ def _token_backward(parts, logits, targets, lse, entropy, active, g, g_ent, *, t
         d = sharding.kernel_region(
             lambda *a: parts.backward(*a, temperature=temperature), x, t_local, lse, entropy,
             g, g_ent)
-        return (plan.reduce_cotangent(d.reshape(logits.shape), logits, rows + "v"),)
+        return (d.reshape(logits.shape),)
 
     (d,) = sharding.run(local_backward, (logits, targets, lse, entropy, active, g, g_ent),
-                        (rows + "v",) + (rows,) * 6, (rows + "v",), vocab_axis=vocab_axis)
+                        (rows + "v",) + (rows,) * 6, (rows + "v",), grads_of=(0,),
+                        vocab_axis=vocab_axis)
     return d.astype(logits.dtype)
 
 
@@ -240,9 +242,7 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
         dh, dw, db = sharding.kernel_region(
             lambda *a: backward_fn(*a, weight_layout=weight_layout, temperature=temperature),
             h, weight, bias, t_local, lse, entropy, g, g_ent)
-        return (plan.reduce_cotangent(dh.reshape(hidden.shape), hidden, h_roles),
-                plan.reduce_cotangent(dw, weight, w_roles),
-                plan.reduce_cotangent(db, bias, b_roles))
+        return dh.reshape(hidden.shape), dw, db
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid):
@@ -266,7 +266,7 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
             (hidden, weight, bias, targets, lse, ent, active, g, g_ent),
             (h_roles, w_roles, b_roles) + (rows,) * 6,
             (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
-            vocab_axis=vocab_axis)
+            grads_of=(0, 1) + ((2,) if bias is not None else ()), vocab_axis=vocab_axis)
         dh, dw = grads[0], grads[1]
         db = grads[2].astype(bias.dtype) if bias is not None else None
         return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None

@@ -201,9 +201,22 @@ def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):
     pg = jnp.where(clipped, clipped_term, unclipped)  # a tie takes the unclipped branch
     if dual_clip is None:
         return pg, clipped, jnp.zeros_like(clipped)
-    bound = -advantages * dual_clip
+    bound = _sharded_like(jnp.broadcast_to(-advantages * dual_clip, pg.shape), pg)
     dual = (advantages < 0) & (pg > bound)
     return jnp.where(dual, bound, pg), clipped, dual
+
+
+def _sharded_like(x, like):
+    """``x`` sharded as ``like`` is, where mesh axes are Explicit (a no-op elsewhere): the two
+    branches of a select must be sharded alike, and replicated advantages against row-split
+    log-probs are not."""
+    want = jax.typeof(like).sharding
+    mesh = getattr(want, "mesh", None)
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if (mesh is None or mesh.empty or explicit not in getattr(mesh, "axis_types", ())
+            or jax.typeof(x).sharding == want):
+        return x
+    return jax.reshard(x, want)
 
 
 def cispo_surrogate(ratio, advantages, logp, clip_low, clip_high):

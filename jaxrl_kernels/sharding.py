@@ -22,15 +22,20 @@ everywhere; :func:`run` only chooses how to enter it:
   :func:`_partition`, which plans and runs ``local_fn`` per device; on one device the call is
   lowered inline.
 
-Cotangents: an operand that a device used whole while the work was split over other mesh axes
-(a replicated weight under batch-sharded rows, the hidden states under a vocabulary-sharded
-weight) receives the sum of the per-device cotangents: :meth:`Plan.reduce_cotangent`.
+Cotangents (``run(..., grads_of=...)``): an operand that a device used whole while the work
+was split over other mesh axes (a replicated weight under batch-sharded rows, the hidden states
+under a vocabulary-sharded weight) receives the sum of the per-device cotangents, and every
+cotangent comes back sharded exactly like its operand (:meth:`Plan.finish_cotangent`). A ``-``
+dimension the operand shards (an FSDP weight's D, hidden states' D over a tensor-parallel axis)
+was gathered for the work; its cotangent is reduce-scattered back over those axes where they are
+among the axes summed over (``psum_scatter``), else sliced (each device holds it whole).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,15 +121,45 @@ class Plan:
     def reduce_cotangent(self, d_operand, operand, roles: str):
         """Sum a per-device cotangent over the axes the work was split over but the operand is
         not: a replicated operand's gradient is the sum of every device's share."""
+        return self.finish_cotangent(d_operand, operand, roles)
+
+    def finish_cotangent(self, d_operand, operand, roles: str, want: P | None = None):
+        """The cotangent of ``operand`` on this device from this device's share of it.
+
+        In a user's ``shard_map`` the shares are summed over the axes they vary over and the
+        operand does not (or, with ``check_vma=False``, over the vocabulary axes). Otherwise
+        ``d_operand`` is laid out as :meth:`spec` says for ``roles`` and is summed over the
+        axes the work was split over but that layout is not; ``want`` (see :func:`grad_spec`)
+        may also split a dimension the plan keeps whole: over axes being summed, that is one
+        ``psum_scatter`` (a reduce-scatter instead of an all-reduce); over others, a slice."""
         if d_operand is None:
             return None
         if self.manual:
             axes = varying_axes(d_operand) - varying_axes(operand)
             if not has_vma(d_operand) and "v" not in roles:
                 axes = frozenset(self.vocab_axes)  # check_vma=False: only what we know
-        else:
-            axes = self.work_axes - self.axes_of(roles)
-        return lax.psum(d_operand, tuple(sorted(axes))) if axes else d_operand
+            return lax.psum(d_operand, tuple(sorted(axes))) if axes else d_operand
+        have = _padded(self.spec(roles), len(roles))
+        want = have if want is None else _padded(want, len(roles))
+        pending = set(self.work_axes - self.axes_of(roles))
+        slices = []
+        for dim, (h, w) in enumerate(zip(have, want)):
+            if h == w:
+                continue
+            axes = _axes(w)  # grad_spec: h is None here, w's axes unused by the plan's layout
+            if set(axes) <= pending:
+                d_operand = lax.psum_scatter(d_operand, _entry(axes), scatter_dimension=dim,
+                                             tiled=True)
+                pending -= set(axes)
+            else:
+                slices.append((dim, axes))
+        if pending:
+            d_operand = lax.psum(d_operand, tuple(sorted(pending)))
+        for dim, axes in slices:
+            size = d_operand.shape[dim] // math.prod(lax.axis_size(a) for a in axes)
+            start = lax.axis_index(_entry(axes)) * size
+            d_operand = lax.dynamic_slice_in_dim(d_operand, start, size, axis=dim)
+        return d_operand
 
     def describe(self) -> str:
         rows = ", ".join(f"dim {i}: {list(a)}" for i, a in enumerate(self.row_axes) if a)
@@ -163,6 +198,30 @@ def plan_from_specs(specs: Sequence[P | None], roles: Sequence[str], *, how: str
     return Plan(row_axes=tuple(row_axes), vocab_axes=vocab, how=how)
 
 
+def _padded(spec, ndim: int) -> tuple:
+    spec = tuple(spec) if spec is not None else ()
+    return spec + (None,) * (ndim - len(spec))
+
+
+def grad_spec(plan: Plan, roles: str, operand_spec: P | None) -> P:
+    """The layout in which a cotangent leaves the per-device function: the plan's layout of
+    its operand, plus every other dimension the operand itself splits (over axes the plan's
+    layout does not use), so that it needs no further movement to be sharded like the operand.
+    """
+    have = _padded(plan.spec(roles), len(roles))
+    own = _padded(operand_spec, len(roles))
+    used = {a for e in have for a in _axes(e)}
+    out = []
+    for h, o in zip(have, own):
+        axes = _axes(o)
+        if h is None and axes and not used & set(axes):
+            used.update(axes)
+            out.append(o)
+        else:
+            out.append(h)
+    return P(*out)
+
+
 # -- the types jax gives values inside shard_map (vma: the manual axes a value varies over) ----
 
 def has_vma(x) -> bool:
@@ -188,24 +247,38 @@ def _cast_varying(x, axes: frozenset[str]):
 
 
 def zeros_like(x):
-    """Zeros of ``x``'s shape, dtype and varying manual axes (a cotangent for it)."""
-    return _cast_varying(jnp.zeros(x.shape, x.dtype), varying_axes(x))
+    """Zeros of ``x``'s type: shape, dtype, sharding and varying manual axes (a cotangent for
+    it)."""
+    return _cast_varying(jnp.zeros_like(x), varying_axes(x))
+
+
+def _untyped(x):
+    """``x`` as a value that varies over no manual axis, for a kernel traced with the check
+    off (a binary op gets no varying axes there). The Pallas interpreter evaluates a kernel on
+    its operands' types when the program is lowered; operands typed as varying trip its loops
+    and its mixing of them with constants."""
+    if not varying_axes(x):
+        return x
+    return jnp.logical_and(x, True) if x.dtype == jnp.bool_ else x * jnp.ones((), x.dtype)
 
 
 def kernel_region(fn: Callable[..., Any], *operands) -> Any:
     """Call a Pallas / FFI kernel wrapper inside a ``shard_map`` that checks varying axes.
 
-    Kernels declare their outputs without vma types, so they are traced with the check off and
-    their outputs marked as varying over every manual axis an operand varies over (a kernel's
-    output depends on all of its inputs)."""
+    Kernels declare their outputs without vma types, so they are traced with the check off, on
+    operands that vary over no axis, and their outputs are marked as varying over every manual
+    axis an operand varies over (a kernel's output depends on all of its inputs)."""
     leaves = [x for x in jax.tree.leaves(operands) if isinstance(x, jax.Array)
               or isinstance(x, jax.core.Tracer)]
     axes = frozenset().union(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
-    if not axes:
+    if not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         return fn(*operands)
     from jax._src import config as _config  # the switch shard_map itself sets while tracing
 
     with _config._check_vma(False):
+        operands = jax.tree.map(
+            lambda x: _untyped(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else x,
+            operands)
         out = fn(*operands)
     return jax.tree.map(lambda y: None if y is None else _cast_varying(y, axes), out)
 
@@ -266,12 +339,17 @@ def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
 # -- entering the per-shard function ----------------------------------------------------------
 
 def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence[str],
-        out_roles: Sequence[str], *, vocab_axis=None, differentiable: bool = False,
+        out_roles: Sequence[str], *, grads_of: Sequence[int | None] | None = None,
+        vocab_axis=None, differentiable: bool = False,
         record: Callable[[Plan], None] | None = None) -> tuple:
     """``local_fn(plan, *operands)`` run where the operands live (see the module docstring).
 
     ``operands`` may hold None (an absent bias): its role is ignored and ``local_fn`` gets None;
     None outputs of ``local_fn`` are dropped (``out_roles`` lists the others).
+    ``grads_of``: for each output, the position of the operand whose cotangent it is, or None.
+    ``local_fn`` returns this device's share of such a cotangent, laid out as the plan lays out
+    the operand (``plan.spec(roles)``); ``run`` sums the shares and returns the cotangent
+    sharded exactly like the operand (:meth:`Plan.finish_cotangent`), as ``custom_vjp`` needs.
     ``differentiable``: ``local_fn`` is plain jnp that jax differentiates itself (the reference
     backend): under Auto axes it is left to XLA's partitioner, and under Explicit axes its
     shard_map checks varying axes so that jax's autodiff sums cotangents right. Otherwise
@@ -279,38 +357,84 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
     differentiated.
     """
     n_rows = max(r.count("r") for r in roles)
+    grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
     if vocab_axis is not None:
         axes = check_vocab_axis(vocab_axis)
         plan = Plan(row_axes=((),) * n_rows, vocab_axes=axes, manual=True,
                     how=f"inside shard_map, vocab_axis={vocab_axis!r}")
         _note(record, plan)
-        return tuple(y for y in local_fn(plan, *operands) if y is not None)
+        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         plan = Plan(row_axes=((),) * n_rows, manual=True,
                     how="inside shard_map: this device's arrays, no vocab_axis")
         _note(record, plan)
-        return tuple(y for y in local_fn(plan, *operands) if y is not None)
+        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     mesh = _mesh_of(operands)
     if _is_explicit(mesh):
-        return _run_shard_map(local_fn, operands, roles, out_roles, mesh, differentiable,
-                              record)
+        return _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh,
+                              differentiable, record)
     batched = any(isinstance(x, _BatchTracer) for x in operands if x is not None)
     if differentiable or batched or custom_partitioning is None:
         plan = Plan.single(n_rows)
         if mesh is not None and not batched:
             plan = dataclasses.replace(plan, how="Auto mesh axes: partitioned by XLA (jnp)")
+            if differentiable:
+                operands = [keep_grad_sharding(x) for x in operands]
         _note(record, plan)
-        return tuple(y for y in local_fn(plan, *operands) if y is not None)
+        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     _note(record, Plan(row_axes=((),) * n_rows,
                        how="Auto mesh axes (or none): custom_partitioning plans at compile "
                            "time; rows stay where they live, a vocabulary-sharded operand is "
                            "used in place"))
-    return _run_custom_partitioning(local_fn, operands, roles, out_roles)
+    return _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of)
+
+
+def keep_grad_sharding(x):
+    """``x``, whose cotangent is placed as ``x`` is: under Auto mesh axes XLA's partitioner
+    places the gradients of plain jnp as it sees fit (the D-split of an FSDP weight or of
+    tensor-parallel hidden states may be dropped); a ``custom_partitioning`` identity on the
+    cotangent, told at compile time where ``x`` lives, puts it there."""
+    if (x is None or custom_partitioning is None or not x.ndim
+            or not jnp.issubdtype(x.dtype, jnp.floating)):
+        return x
+
+    @jax.custom_vjp
+    def identity(x):
+        return x
+
+    def bwd(x, g):
+        @custom_partitioning
+        def placed(g, like):
+            return g
+
+        def partition(mesh, arg_shapes, result_shape):
+            where = arg_shapes[1].sharding
+            return mesh, lambda g, like: g, where, (where, where)
+
+        dims = " ".join(f"d{i}" for i in range(x.ndim))
+        placed.def_partition(partition, sharding_rule=f"{dims}, {dims} -> {dims}")
+        return (placed(g, x),)
+
+    identity.defvjp(lambda x: (x, x), bwd)
+    return identity(x)
 
 
 def _note(record, plan: Plan) -> None:
     if record is not None:
         record(plan)
+
+
+def _finishing(local_fn, roles, grads_of, wants):
+    """``local_fn`` with its None outputs dropped and its cotangent outputs finished
+    (:meth:`Plan.finish_cotangent`, towards ``wants[operand position]`` where given)."""
+    def fn(plan, *operands):
+        outs = [y for y in local_fn(plan, *operands) if y is not None]
+        for i, j in enumerate(grads_of):
+            if j is not None:
+                outs[i] = plan.finish_cotangent(outs[i], operands[j], roles[j],
+                                                None if wants is None else wants[j])
+        return tuple(outs)
+    return fn
 
 
 def _present(operands, roles):
@@ -319,42 +443,53 @@ def _present(operands, roles):
 
 
 def _with_absent(local_fn, keep, n):
-    """local_fn over the present operands only, None passed where an operand is absent; its
-    None outputs are dropped."""
+    """local_fn over the present operands only, None passed where an operand is absent."""
     def fn(plan, *present):
         full = [None] * n
         for i, x in zip(keep, present):
             full[i] = x
-        return tuple(y for y in local_fn(plan, *full) if y is not None)
+        return local_fn(plan, *full)
     return fn
 
 
 def _reshard(x, mesh, spec: P):
-    current = jax.typeof(x).sharding.spec
-    if tuple(current) + (None,) * (x.ndim - len(current)) == tuple(spec) + (None,) * (
-            x.ndim - len(spec)):
+    if _padded(jax.typeof(x).sharding.spec, x.ndim) == _padded(spec, x.ndim):
         return x
     target = NamedSharding(mesh, spec)
     return jax.reshard(x, target) if hasattr(jax, "reshard") else jax.sharding.reshard(x, target)
 
 
-def _run_shard_map(local_fn, operands, roles, out_roles, mesh, differentiable, record):
+def _grad_wants(plan, roles, grads_of, specs) -> dict:
+    """{operand position: the layout its cotangent leaves the per-device function in}."""
+    return {j: grad_spec(plan, roles[j], specs[j]) for j in grads_of if j is not None}
+
+
+def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differentiable,
+                   record):
     keep, present, present_roles = _present(operands, roles)
-    specs = [jax.typeof(x).sharding.spec for x in present]
-    plan = plan_from_specs(specs, present_roles, how="Explicit mesh axes: shard_map")
+    specs = [None if x is None else jax.typeof(x).sharding.spec for x in operands]
+    plan = plan_from_specs([specs[i] for i in keep], present_roles,
+                           how="Explicit mesh axes: shard_map")
     _note(record, plan)
-    fn = _with_absent(local_fn, keep, len(operands))
+    wants = _grad_wants(plan, roles, grads_of, specs)
+    fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
     in_specs = tuple(plan.spec(r) for r in present_roles)
-    out_specs = tuple(plan.spec(r) for r in out_roles)
+    out_specs = tuple(plan.spec(r) if j is None else wants[j]
+                      for r, j in zip(out_roles, grads_of))
     present = [_reshard(x, mesh, s) for x, s in zip(present, in_specs)]
     mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=in_specs,
                            out_specs=out_specs, check_vma=differentiable)
-    return mapped(*present)
+    outs = mapped(*present)
+    # A cotangent whose operand splits a row dimension otherwise than the plan: moved here.
+    return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
 
 
-def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str]) -> tuple[str, dict]:
+def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str],
+                   grads_of: Sequence[int | None]) -> tuple[str, dict]:
     """The Shardy rule: row dims and the vocabulary are shared factors, every other dimension a
-    factor of its own that must be replicated; factors no result carries are reductions."""
+    factor of its own that must be replicated, except that a cotangent shares every factor
+    of its operand (it leaves sharded like the operand); factors no result carries are
+    reductions."""
     names = iter(f"x{i}" for i in range(10_000))
 
     def factors(role: str) -> list[str]:
@@ -369,31 +504,40 @@ def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str]) -> tuple[str,
                 out.append(next(names))
         return out
 
-    ins, outs = [factors(r) for r in roles], [factors(r) for r in out_roles]
+    ins = [factors(r) for r in roles]
+    outs = [factors(r) if j is None else ins[j] for r, j in zip(out_roles, grads_of)]
     in_set, out_set = {f for fs in ins for f in fs}, {f for fs in outs for f in fs}
     own = sorted(f for f in in_set | out_set if f.startswith("x"))
     rule = ", ".join(" ".join(fs) for fs in ins) + " -> " + ", ".join(" ".join(fs) for fs in outs)
     extra = {"reduction_factors": tuple(sorted(in_set - out_set - set(own))),
-             "need_replication_factors": tuple(f for f in own if f in in_set)}
+             "need_replication_factors": tuple(f for f in own if f in in_set - out_set)}
     return rule, {k: v for k, v in extra.items() if v}
 
 
-def _run_custom_partitioning(local_fn, operands, roles, out_roles):
+def _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
     keep, present, present_roles = _present(operands, roles)
-    fn = _with_absent(local_fn, keep, len(operands))
     n_rows = max(r.count("r") for r in present_roles)
+    position = {i: k for k, i in enumerate(keep)}
 
     @custom_partitioning
     def call(*args):
+        fn = _with_absent(_finishing(local_fn, roles, grads_of, None), keep, len(operands))
         return fn(Plan.single(n_rows), *args)
 
     def partition(mesh, arg_shapes, result_shape):
-        specs = [getattr(a.sharding, "spec", None) for a in arg_shapes]
-        plan = plan_from_specs(specs, present_roles, how="Auto mesh axes: custom_partitioning")
+        specs = [None] * len(operands)
+        for i, a in zip(keep, arg_shapes):
+            specs[i] = getattr(a.sharding, "spec", None)
+        plan = plan_from_specs([specs[i] for i in keep], present_roles,
+                               how="Auto mesh axes: custom_partitioning")
+        wants = _grad_wants(plan, roles, grads_of, specs)
+        fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
         arg_shardings = tuple(NamedSharding(mesh, plan.spec(r)) for r in present_roles)
-        out_shardings = tuple(NamedSharding(mesh, plan.spec(r)) for r in out_roles)
+        out_shardings = tuple(NamedSharding(mesh, plan.spec(r) if j is None else wants[j])
+                              for r, j in zip(out_roles, grads_of))
         return mesh, functools.partial(fn, plan), out_shardings, arg_shardings
 
-    rule, factor_kinds = _sharding_rule(present_roles, out_roles)
+    rule, factor_kinds = _sharding_rule(present_roles, out_roles,
+                                        [None if j is None else position[j] for j in grads_of])
     call.def_partition(partition, sharding_rule=rule, **factor_kinds)
     return call(*present)

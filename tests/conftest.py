@@ -37,6 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# XLA's CPU compiler (jaxlib 0.12) can spend many minutes in its call inliner propagating the
+# Python stack frames of each op's location into inlined while loops (the loops of Pallas
+# interpret mode); the cost grows with the frames kept per location (default 10). Five keep
+# every compile here short.
+jax.config.update("jax_traceback_in_locations_limit", 5)
+
 CPU_BACKENDS = ["reference", "chunked"]
 if os.environ.get("JAXRL_TEST_PALLAS") == "1":
     CPU_BACKENDS.append("pallas")
@@ -60,6 +66,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
                    "unless JAXRL_TEST_PALLAS_SLOW=1")
+    config.addinivalue_line(
+        "markers", "grid_full: the whole many-device grid (test_sharding_grid.py); skipped "
+                   "unless JAXRL_TEST_GRID=full")
 
 
 def pytest_generate_tests(metafunc):
@@ -73,9 +82,13 @@ def pytest_collection_modifyitems(config, items):
     skip_slow_pallas = pytest.mark.skip(
         reason="pallas_slow case; set JAXRL_TEST_PALLAS_SLOW=1 to run it in interpret mode")
     run_slow_pallas = os.environ.get("JAXRL_TEST_PALLAS_SLOW") == "1"
+    skip_grid = pytest.mark.skip(reason="the full sharding grid; set JAXRL_TEST_GRID=full")
+    run_grid = os.environ.get("JAXRL_TEST_GRID") == "full"
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
+        if "grid_full" in item.keywords and not run_grid:
+            item.add_marker(skip_grid)
         callspec = getattr(item, "callspec", None)
         if (callspec is not None and callspec.params.get("backend") == "pallas"
                 and "pallas_slow" in item.keywords and not run_slow_pallas):

@@ -216,9 +216,10 @@ def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPO
             lambda *a: _token_grads(a[:len(names)], names, a[len(names):-1], seq_names, a[-1],
                                     cfg, plan), *args))
 
-    n_out = 1 + ("entropy" in names)
+    grads_of = (names.index("logp"),) + ((names.index("entropy"),) if "entropy" in names else ())
     return sharding.run(local, arrays + seq_arrays + (coef,),
-                        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1), ("rr",) * n_out)
+                        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1),
+                        ("rr",) * len(grads_of), grads_of=grads_of)
 
 
 def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):

@@ -1,0 +1,533 @@
+"""The many-device grid (docs/api.md "Many devices"), generated: every op × option × backend ×
+entry × layout on 8 host devices (mesh data=2 × model=4).
+
+Each case runs an op on sharded inputs and checks, against the unsharded call of the same
+backend (conftest's tolerance rules, ``assert_close``):
+
+* values, and the gradients of a random linear functional of every output, are the unsharded
+  ones (NaN at the same places);
+* every gradient comes back sharded like its primal;
+* the compiled program all-gathers none of the hidden states, logits or weight (nor a device's
+  share of them), except the gathers the layout itself asks for: the hidden states' D shards
+  within a row block (``tp``: D over a tensor-parallel axis) and an FSDP weight's D shards
+  within a vocabulary slice (``fsdp``);
+* an FSDP weight's gradient is reduce-scattered over the axis that splits D, not all-reduced
+  (kernel backends, which sum d_weight themselves).
+
+Entries (``mode``): ``Auto`` and ``Explicit`` mesh axes under ``jax.jit``, and ``shard_map``: a
+user's ``jax.shard_map`` (``check_vma=True``, the default) whose body calls the op on its
+device's arrays, with ``vocab_axis="model"`` where the op takes it; there the reference is the
+unsharded op applied to each row block.
+
+Layouts (``LAYOUTS``): ``rows`` (B over data), ``vocab`` (V over model), ``both``; per-token
+ops: ``rows``, ``time`` (T over model), ``both``; hidden-state ops also ``tp`` (hidden
+[B, T, D] as P("data", None, "model"), the weight's V over "model"), ``fsdp`` (the weight's D
+over "data" and V over "model", as tunix / MaxText train an LM head) and ``tp_fsdp`` (both).
+
+The grid (``FULL``) is built with ``itertools.product``; normal runs take the deterministic
+``SAMPLE`` of it (every op × option once, every backend × entry × layout value, and the
+configurations of issue 26); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``).
+Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import zlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxrl_kernels as jk
+from conftest import CPU_BACKENDS, assert_close, call, random_mask
+from jaxrl_kernels.backends import chunked
+
+B, T, D, V = 4, 8, 16, 1024
+DATA, MODEL = 2, 4
+AXES = ("data", "model")
+MODES = ("Auto", "Explicit", "shard_map")
+ALL_BACKENDS = ("reference", "chunked", "pallas")
+
+
+# -- options -----------------------------------------------------------------------------------
+# Keyword arguments per named option; keys starting with "_" ask the builder for an input
+# (an array) instead: "_bias", "_ref" (reference logits / ref_logp), "_rollout",
+# "_advantages", "_boundaries", "_entropy" (ppo_loss's entropy input).
+
+LOGPROB_OPTIONS = {
+    "plain": {},
+    "entropy": dict(return_entropy=True),
+    "temperature": dict(temperature=1.3),
+    "ignore_index": dict(ignore_index=-100),
+    "all": dict(return_entropy=True, temperature=0.7, ignore_index=-100),
+}
+LINEAR_LOGPROB_OPTIONS = {**LOGPROB_OPTIONS, "bias": dict(_bias=True),
+                          "all": dict(LOGPROB_OPTIONS["all"], _bias=True)}
+
+AGGREGATIONS = {  # besides "token_mean", the default
+    "agg_seq_mean_token_mean": dict(loss_agg_mode="seq_mean_token_mean"),
+    "agg_seq_mean_token_sum": dict(loss_agg_mode="seq_mean_token_sum"),
+    "agg_seq_mean_token_sum_norm": dict(loss_agg_mode="seq_mean_token_sum_norm"),
+}
+WITH_MAX_LEN = {**AGGREGATIONS, "agg_seq_mean_token_sum_norm_max_len": dict(
+    loss_agg_mode="seq_mean_token_sum_norm", max_len=12)}  # ops that take max_len
+POLICY_OPTIONS = {  # every PPO-style loss
+    "plain": {},
+    "dual_clip": dict(dual_clip=3.0),
+    "clip_range": dict(clip_low=0.1, clip_high=0.3),
+    **AGGREGATIONS,
+    "ratio_sequence": dict(ratio_level="sequence"),
+    "cispo": dict(policy_loss="cispo"),
+    "tis_token": dict(_rollout=True, tis_cap=1.5),
+    "tis_sequence_mask": dict(_rollout=True, tis_cap=1.5, tis_level="sequence",
+                              tis_mode="mask"),
+}
+PPO_OPTIONS = {
+    **POLICY_OPTIONS,
+    **WITH_MAX_LEN,
+    "reference": dict(_ref=True, kl_coef=0.1, kl_estimator="k2"),
+    "entropy": dict(entropy_coef=0.01),
+    "dual_clip_reference": dict(dual_clip=3.0, _ref=True, kl_coef=0.1),
+    "all": dict(dual_clip=3.0, _ref=True, kl_coef=0.1, entropy_coef=0.01,
+                loss_agg_mode="seq_mean_token_mean", _rollout=True, tis_cap=1.5),
+}
+GRPO_OPTIONS = {
+    **POLICY_OPTIONS,
+    "reference": dict(_ref=True, beta=0.05),
+    "reference_k1": dict(_ref=True, beta=0.05, kl_estimator="k1"),
+    "dual_clip_reference": dict(dual_clip=3.0, _ref=True, beta=0.05),
+    "advantages": dict(_advantages=True),
+    "boundaries": dict(_boundaries=True),
+    "no_std": dict(normalize_std=False),
+    "all": dict(_ref=True, beta=0.05, dual_clip=3.0, loss_agg_mode="seq_mean_token_sum",
+                ratio_level="sequence", _rollout=True, tis_cap=1.5, tis_level="sequence"),
+}
+OPTIONS: dict[str, dict[str, dict]] = {
+    "token_logprobs": LOGPROB_OPTIONS,
+    "linear_logprobs": LINEAR_LOGPROB_OPTIONS,
+    "ratio_kl": {"plain": {}, "k1": dict(kl_estimator="k1"), "k2": dict(kl_estimator="k2"),
+                 "abs": dict(kl_estimator="abs"), "temperature": dict(temperature=0.8)},
+    "grpo_loss": {**GRPO_OPTIONS, "temperature": dict(temperature=1.3, _ref=True, beta=0.05)},
+    "linear_ppo_loss": {**PPO_OPTIONS, "temperature": dict(temperature=0.8),
+                        "bias": dict(_bias=True, entropy_coef=0.01)},
+    "linear_grpo_loss": {**GRPO_OPTIONS, "temperature": dict(temperature=0.8),
+                         "bias": dict(_bias=True)},
+    "ppo_loss": {**PPO_OPTIONS, "entropy": dict(_entropy=True, entropy_coef=0.01),
+                 "all": dict(PPO_OPTIONS["all"], _entropy=True)},
+    "policy_gradient_loss": {"token_mean": {}, **WITH_MAX_LEN},
+    "group_advantages": {"plain": {}, "no_std": dict(normalize_std=False),
+                         "ddof": dict(std_ddof=1), "boundaries": dict(_boundaries=True)},
+    "aggregate": {"token_mean": {}, **{k: dict(mode=v["loss_agg_mode"],
+                                               **({"max_len": v["max_len"]} if "max_len" in v
+                                                  else {}))
+                                       for k, v in WITH_MAX_LEN.items()}},
+    "kl_penalty": {e: dict(estimator=e) for e in ("k1", "abs", "k2", "k3")},
+}
+
+LOGITS_OPS = ("token_logprobs", "ratio_kl", "grpo_loss")
+LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss")
+TOKEN_OPS = ("ppo_loss", "policy_gradient_loss", "group_advantages", "aggregate", "kl_penalty")
+VOCAB_AXIS_OPS = LOGITS_OPS + LINEAR_OPS
+
+LAYOUTS = {
+    "logits": ("rows", "vocab", "both"),
+    "linear": ("rows", "vocab", "both", "tp", "fsdp", "tp_fsdp"),
+    "token": ("rows", "time", "both"),
+}
+SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"),
+                     "token": ("rows",)}
+
+
+def family(op: str) -> str:
+    return "logits" if op in LOGITS_OPS else "linear" if op in LINEAR_OPS else "token"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    option: str
+    backend: str
+    mode: str
+    layout: str
+    weight_layout: str = "vd"
+
+    def __str__(self) -> str:
+        wl = f"-{self.weight_layout}" if family(self.op) == "linear" else ""
+        return f"{self.op}-{self.option}-{self.backend}-{self.mode}-{self.layout}{wl}"
+
+
+def _cases_of(op: str, backends) -> list[Case]:
+    fam = family(op)
+    out = []
+    for option, backend, mode, wl in itertools.product(
+            OPTIONS[op], backends, MODES, ("vd", "dv") if fam == "linear" else ("vd",)):
+        if mode == "shard_map" and option == "boundaries":
+            continue  # boundaries of the whole batch do not fit a device's row block
+        layouts = SHARD_MAP_LAYOUTS[fam] if mode == "shard_map" else LAYOUTS[fam]
+        out += [Case(op, option, backend, mode, layout, wl) for layout in layouts]
+    return out
+
+
+def full_grid(backends=ALL_BACKENDS) -> list[Case]:
+    return [c for op in OPTIONS for c in _cases_of(op, backends)]
+
+
+REGRESSIONS = [  # the configurations of issue 26, on every kernel backend
+    Case("grpo_loss", "reference", "chunked", "Explicit", "both"),
+    Case("grpo_loss", "reference", "pallas", "Explicit", "rows"),
+    Case("linear_ppo_loss", "dual_clip_reference", "chunked", "Explicit", "rows"),
+    Case("linear_ppo_loss", "dual_clip_reference", "reference", "Explicit", "both"),
+    Case("linear_logprobs", "plain", "chunked", "Explicit", "tp_fsdp", "dv"),
+    Case("linear_logprobs", "entropy", "pallas", "Explicit", "tp_fsdp", "dv"),
+    Case("linear_ppo_loss", "entropy", "chunked", "Auto", "tp_fsdp", "dv"),
+    Case("linear_logprobs", "entropy", "pallas", "shard_map", "both"),
+    Case("grpo_loss", "reference", "pallas", "shard_map", "both"),
+    Case("linear_grpo_loss", "reference", "pallas", "shard_map", "both", "dv"),
+]
+
+
+FIELDS = ("op", "option", "backend", "mode", "layout", "weight_layout")
+
+
+def sample(cases: list[Case], backends) -> list[Case]:
+    """A deterministic sample: the regression cases; then every option name once, on one of
+    the ops that take it in turn, with a backend × entry × layout taken in turn from a fixed
+    shuffle; then a case for any op, backend, entry, layout or weight layout still missing."""
+    order = lambda c: zlib.crc32(str(c).encode())
+    chosen = [c for c in REGRESSIONS if c.backend in backends]
+    for k, name in enumerate(sorted({c.option for c in cases})):
+        ops = sorted({c.op for c in cases if c.option == name})
+        op = ops[k % len(ops)]
+        group = sorted((c for c in cases if c.op == op and c.option == name), key=order)
+        pick = group[(7 * k) % len(group)]
+        if pick not in chosen:
+            chosen.append(pick)
+    for field in FIELDS:
+        for value in sorted({getattr(c, field) for c in cases}):
+            if not any(getattr(c, field) == value for c in chosen):
+                chosen.append(min((c for c in cases if getattr(c, field) == value), key=order))
+    return chosen
+
+
+FULL = full_grid(tuple(CPU_BACKENDS))
+SAMPLE = sample(FULL, tuple(CPU_BACKENDS))
+REST = [c for c in FULL if c not in SAMPLE]
+
+
+# -- inputs and the call -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Built:
+    fn: Callable  # (*arrays) -> outputs
+    arrays: list
+    kinds: list[str]  # per array: how a layout shards it (see ``spec``)
+    diff: tuple[int, ...]  # arrays to differentiate
+    big: tuple[int, ...] = ()  # arrays no all-gather may rebuild (beyond what the layout asks)
+
+
+def _split(kwargs: dict) -> tuple[dict, dict]:
+    return ({k: v for k, v in kwargs.items() if not k.startswith("_")},
+            {k[1:]: v for k, v in kwargs.items() if k.startswith("_")})
+
+
+def build(case: Case) -> Built:
+    rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+    normal = lambda shape, scale=1.0, loc=0.0: jnp.asarray(
+        (loc + scale * rng.standard_normal(shape)).astype(np.float32))
+    kw, need = _split(OPTIONS[case.op][case.option])
+    fam = family(case.op)
+    acts = rng.integers(0, V, (B, T)).astype(np.int32)
+    if kw.get("ignore_index") is not None:
+        acts[1, 3] = acts[2, 0] = -100
+    acts = jnp.asarray(acts)
+    mask = jnp.asarray(random_mask(rng, B, T, empty_rows=(1,)))
+    old = normal((B, T), 0.3, -np.log(V))
+    rewards = normal((B,))
+    extra, extra_kinds = [], []  # optional array inputs, appended after the fixed ones
+
+    def take(name, array, kind):
+        extra.append((name, array))
+        extra_kinds.append(kind)
+
+    if need.get("rollout"):
+        take("rollout_logp", old + normal((B, T), 0.3), "tok")
+    if need.get("boundaries"):
+        take("group_boundaries", jnp.asarray([0, 1, B], jnp.int32), "rep")
+    if need.get("advantages"):
+        take("advantages", normal((B,)), "seq")
+    group = {} if need.get("boundaries") else dict(group_size=2)
+    options = dict(kw, backend=case.backend)
+
+    if fam == "logits":
+        pol, ref = normal((B, T, V), 2.0), normal((B, T, V), 2.0)
+        if case.op == "token_logprobs":
+            fixed, kinds = [pol, acts], ["logits", "tok"]
+
+            def fn(pol, acts, *_):
+                out = jk.token_logprobs(pol, acts, **options, vocab_axis=VOCAB_AXIS[0])
+                return out
+            return Built(fn, fixed, kinds, (0,), (0,))
+        fixed, kinds = [pol, ref, jnp.maximum(acts, 0), old, mask], ["logits"] * 2 + ["tok"] * 3
+        if case.op == "ratio_kl":
+            return Built(lambda *a: jk.ratio_kl(*a, **options, vocab_axis=VOCAB_AXIS[0]),
+                         fixed, kinds, (0,), (0, 1))
+        if not need.get("ref"):
+            options.setdefault("beta", 0.0)
+        fixed += [rewards]
+        kinds += ["seq"]
+        names = [n for n, _ in extra]
+
+        def fn(pol, ref, acts, old, mask, rewards, *rest):
+            return jk.grpo_loss(pol, ref, acts, old, rewards, mask, **group, **options,
+                                **dict(zip(names, rest)), vocab_axis=VOCAB_AXIS[0])
+        return Built(fn, fixed + [x for _, x in extra], kinds + extra_kinds, (0,), (0, 1))
+
+    if fam == "linear":
+        wl = case.weight_layout
+        hidden = normal((B, T, D))
+        weight = normal((V, D) if wl == "vd" else (D, V), 2.0 / np.sqrt(D))
+        if need.get("bias"):
+            take("bias", normal((V,), 0.3), "bias")
+        if need.get("ref"):
+            take("ref_logp", old + normal((B, T), 0.3), "tok")
+        names = [n for n, _ in extra]
+        fixed, kinds = [hidden, weight], ["hidden", "weight"]
+        diff = (0, 1) + ((2 + names.index("bias"),) if "bias" in names else ())
+        if case.op == "linear_logprobs":
+            def fn(h, w, acts, *rest):
+                return jk.linear_logprobs(h, w, acts, weight_layout=wl, **options,
+                                          **dict(zip(names, rest)), vocab_axis=VOCAB_AXIS[0])
+            arrays = fixed + [x for _, x in extra] + [acts]
+            kinds = kinds + extra_kinds + ["tok"]
+            return Built(lambda h, w, *rest: fn(h, w, rest[-1], *rest[:-1]), arrays, kinds,
+                         diff, (0, 1))
+        acts = jnp.maximum(acts, 0)
+        tail, tail_kinds = [acts, old, mask], ["tok"] * 3
+        if case.op == "linear_ppo_loss":
+            tail += [rewards]  # advantages [B]
+            tail_kinds += ["seq"]
+
+            def fn(h, w, *rest):
+                x = dict(zip(names, rest[:len(names)]))
+                acts, old, mask, adv = rest[len(names):]
+                return jk.linear_ppo_loss(h, w, acts, old, adv, mask, weight_layout=wl,
+                                          **options, **x, vocab_axis=VOCAB_AXIS[0])
+        else:
+            tail += [rewards]
+            tail_kinds += ["seq"]
+            if not need.get("ref"):
+                options.setdefault("beta", 0.0)
+
+            def fn(h, w, *rest):
+                x = dict(zip(names, rest[:len(names)]))
+                acts, old, mask, rewards = rest[len(names):]
+                return jk.linear_grpo_loss(h, w, acts, old, rewards, mask, weight_layout=wl,
+                                           **group, **options, **x, vocab_axis=VOCAB_AXIS[0])
+        return Built(fn, fixed + [x for _, x in extra] + tail,
+                     kinds + extra_kinds + tail_kinds, diff, (0, 1))
+
+    # per-token ops: [B, T] (and [B]) inputs
+    logp = normal((B, T), 0.3, -5.0)
+    backend = case.backend
+    if case.op == "ppo_loss":
+        if need.get("ref"):
+            take("ref_logp", logp + normal((B, T), 0.3), "tok")
+        if need.get("entropy"):
+            take("entropy", normal((B, T), 1.0, 3.0), "tok")
+        names = [n for n, _ in extra]
+        diff = (0,) + ((4 + names.index("entropy"),) if "entropy" in names else ())
+
+        def fn(logp, old, adv, mask, *rest):
+            return jk.ppo_loss(logp, old, adv, mask, **options, **dict(zip(names, rest)))
+        return Built(fn, [logp, old, rewards, mask] + [x for _, x in extra],
+                     ["tok", "tok", "seq", "tok"] + extra_kinds, diff)
+    if case.op == "policy_gradient_loss":
+        return Built(lambda logp, adv, mask: call(jk.policy_gradient_loss, backend, logp, adv,
+                                                   mask, **kw),
+                     [logp, rewards, mask], ["tok", "seq", "tok"], (0,))
+    if case.op == "group_advantages":
+        names = [n for n, _ in extra]
+
+        def fn(rewards, *rest):
+            return jk.group_advantages(rewards, **group, **options, **dict(zip(names, rest)))
+        return Built(fn, [rewards] + [x for _, x in extra], ["seq"] + extra_kinds, (0,))
+    if case.op == "aggregate":
+        return Built(lambda x, mask: call(jk.aggregate, backend, x, mask, **kw),
+                     [logp, mask], ["tok", "tok"], (0,))
+    ref = logp + normal((B, T), 0.5)
+    return Built(lambda logp, ref: call(jk.kl_penalty, backend, logp, ref, **kw),
+                 [logp, ref], ["tok", "tok"], (0,))
+
+
+VOCAB_AXIS = [None]  # set to "model" while a shard_map body traces the op
+
+
+def spec(kind: str, case: Case) -> tuple:
+    """The PartitionSpec entries of an input of this kind under the case's layout."""
+    layout, fam = case.layout, family(case.op)
+    rows = "data" if layout in ("rows", "both", "tp", "fsdp", "tp_fsdp") else None
+    vocab = "model" if layout in ("vocab", "both", "tp", "fsdp", "tp_fsdp") else None
+    time = "model" if fam == "token" and layout in ("time", "both") else None
+    hidden_d = "model" if layout in ("tp", "tp_fsdp") else None
+    weight_d = "data" if layout in ("fsdp", "tp_fsdp") else None
+    if fam == "token" and layout == "both":
+        vocab = None
+    return {
+        "logits": (rows, None, vocab),
+        "tok": (rows, time),
+        "seq": (rows,),
+        "rep": (None,),
+        "hidden": (rows, None, hidden_d),
+        "weight": (vocab, weight_d) if case.weight_layout == "vd" else (weight_d, vocab),
+        "bias": (vocab,),
+    }[kind]
+
+
+def make_mesh(kind: str):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (conftest forces 8 host devices on CPU)")
+    kind = "Explicit" if kind == "shard_map" else kind
+    return jax.make_mesh((DATA, MODEL), AXES, axis_types=(getattr(AxisType, kind),) * 2)
+
+
+def _row_blocks(case: Case) -> int:
+    """Row blocks a shard_map body sees (1: rows whole on each device)."""
+    return DATA if spec("seq", case)[0] else 1
+
+
+def shard_mapped(case: Case, built: Built, mesh):
+    """(the op in a user's shard_map on global arrays, what it equals unsharded): outputs of
+    each row block stacked on a new leading axis when rows are split."""
+    blocks = _row_blocks(case)
+    specs = [P(*spec(k, case)) for k in built.kinds]
+    vocab_axis = "model" if case.op in VOCAB_AXIS_OPS else None
+    leading = (lambda y: y[None]) if blocks > 1 else (lambda y: y)
+
+    def body(*arrays):
+        VOCAB_AXIS[0] = vocab_axis
+        try:
+            return jax.tree.map(leading, built.fn(*arrays))
+        finally:
+            VOCAB_AXIS[0] = None
+
+    outs = jax.eval_shape(built.fn, *built.arrays)
+    out_specs = jax.tree.map(lambda _: P("data") if blocks > 1 else P(), outs)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)
+
+    def unsharded(*arrays):
+        if blocks == 1:
+            return built.fn(*arrays)
+        parts = []
+        for i in range(blocks):
+            parts.append(built.fn(*(x if k in ("weight", "bias", "rep")
+                                    else jnp.split(x, blocks, axis=0)[i]
+                                    for x, k in zip(arrays, built.kinds))))
+        return jax.tree.map(lambda *ys: jnp.stack(ys), *parts)
+    return mapped, unsharded
+
+
+# -- the checks --------------------------------------------------------------------------------
+
+def _collective_sizes(hlo: str, name: str) -> list[int]:
+    """Element counts of every result of a collective (``all-gather``, ``all-reduce``,
+    ``reduce-scatter``) in a compiled HLO text, each element of a combined one's tuple."""
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(rf"= (.*?) {name}(?:-start)?\(", line)
+        for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1)) if m else ():
+            sizes.append(int(np.prod([int(d) for d in t.group(1).split(",") if d])))
+    return sizes
+
+
+def _spec_of(x) -> tuple:
+    s = tuple(x.sharding.spec)
+    return s + (None,) * (x.ndim - len(s))
+
+
+def check(case: Case):
+    if case.backend not in CPU_BACKENDS:
+        pytest.skip(f"backend {case.backend} is not in this run's backends")
+    built = build(case)
+    mesh = make_mesh(case.mode)
+    if case.mode == "shard_map":
+        sharded, unsharded = shard_mapped(case, built, mesh)
+    else:
+        sharded = unsharded = built.fn
+    rng = np.random.default_rng(1)
+    weights = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+               for o in jax.tree.leaves(jax.eval_shape(unsharded, *built.arrays))]
+
+    def with_grads(fn):
+        def scalar(*a):
+            return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
+                       for o, w in zip(jax.tree.leaves(fn(*a)), weights))
+
+        def both(*a):
+            return fn(*a), jax.grad(scalar, argnums=built.diff)(*a)
+        return both
+
+    want = jax.jit(with_grads(unsharded))(*built.arrays)
+    placed = [jax.device_put(x, NamedSharding(mesh, P(*spec(k, case))))
+              for x, k in zip(built.arrays, built.kinds)]
+    compiled = jax.jit(with_grads(sharded)).lower(*placed).compile()
+    got = compiled(*placed)
+    for name, g, w in zip(("output", "gradient"), got, want):
+        for i, (gl, wl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
+            # A loss or metric (0-d; stacked per row block inside shard_map) aggregates
+            # per-token terms of either sign, each O(1) here: its condition scale is 1.
+            scale = 1.0 if name == "output" and wl.ndim <= (1 if case.mode == "shard_map"
+                                                             else 0) else None
+            assert_close(gl, np.asarray(wl, np.float64), scale=scale,
+                         name=f"{case}: {name} {i}")
+    for g, i in zip(got[1], built.diff):
+        assert _spec_of(g) == _spec_of(placed[i]), (
+            f"{case}: gradient of argument {i} sharded {_spec_of(g)}, the argument "
+            f"{_spec_of(placed[i])}")
+    if not built.big:
+        return
+    hlo = compiled.as_text()
+    allowed = set()
+    if case.layout in ("tp", "tp_fsdp"):
+        allowed.add(B * T * D // DATA)  # hidden states: the D shards of a row block
+    if case.layout in ("fsdp", "tp_fsdp"):
+        allowed.add(V * D // MODEL)  # the FSDP weight: the D shards of a vocabulary slice
+    limit = min(built.arrays[i].size for i in built.big) // (DATA * MODEL)
+    gathers = [n for n in _collective_sizes(hlo, "all-gather") if n >= limit]
+    assert all(n in allowed for n in gathers), (
+        f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})")
+    if case.layout in ("fsdp", "tp_fsdp") and case.backend != "reference" and (
+            case.mode != "shard_map"):
+        share = V * D // MODEL  # d_weight of a vocabulary slice, all of D
+        assert share not in _collective_sizes(hlo, "all-reduce"), (
+            f"{case}: d_weight all-reduced over the FSDP axis")
+        assert share // DATA in _collective_sizes(hlo, "reduce-scatter"), (
+            f"{case}: d_weight not reduce-scattered over the FSDP axis")
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 1024)  # 256 columns of 16 rows
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=str)
+def test_grid_sample(case):
+    check(case)
+
+
+@pytest.mark.grid_full
+@pytest.mark.parametrize("case", REST, ids=str)
+def test_grid_full(case):
+    check(case)
+
+
+def test_grid_shape():
+    """The sample holds every op, option, backend, entry, layout and weight layout."""
+    for field in FIELDS:
+        assert {getattr(c, field) for c in SAMPLE} == {getattr(c, field) for c in FULL}, field
+    assert len(set(FULL)) == len(FULL) and not set(SAMPLE) - set(FULL)
