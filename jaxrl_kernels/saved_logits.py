@@ -259,9 +259,7 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
         h = logprob_core._rows_flat(hidden, k)
         dh, dw, db = local_backward(h, weight, bias, z.reshape(-1, vocab), t_local, lse, entropy,
                                     g, g_ent, **options)
-        return (plan.reduce_cotangent(dh.reshape(hidden.shape), hidden, h_roles),
-                plan.reduce_cotangent(dw, weight, w_roles),
-                plan.reduce_cotangent(db, bias, b_roles))
+        return dh.reshape(hidden.shape), dw, db
 
     def run_forward(hidden, weight, bias, targets, row_valid):
         outs = sharding.run(forward, (hidden, weight, bias, targets, row_valid),
@@ -288,7 +286,7 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
             backward, (hidden, weight, bias, z, targets, lse, ent, active, g, g_ent),
             (h_roles, w_roles, b_roles, rows + "v") + (rows,) * 6,
             (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
-            vocab_axis=vocab_axis)
+            grads_of=(0, 1) + ((2,) if bias is not None else ()), vocab_axis=vocab_axis)
         dh, dw = grads[0], grads[1]
         db = grads[2].astype(bias.dtype) if bias is not None else None
         return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
