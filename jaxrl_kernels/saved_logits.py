@@ -51,7 +51,7 @@ class Config:
     ``head_grad.Scaled``: three more bits than bfloat16, for a float16 copy of W and h).
     """
 
-    kept: str = "float16"
+    kept: str = "bfloat16"
     lse: str = "two_pass"
     vocab_blocks: int = 1
     grad: str = "head"
