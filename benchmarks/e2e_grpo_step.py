@@ -358,12 +358,12 @@ def main():
                         help="search the largest batch against this limit instead of the "
                              "device's (lets the search run on CPU)")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--rows-out", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = SMOKE if args.smoke else Config()
     if args.worker:
-        worker(args.worker, cfg, args.out, args.deadline, args.mem_limit_mib)
+        worker(args.worker, cfg, args.rows_out, args.deadline, args.mem_limit_mib)
         return
 
     budget = args.budget or (300 if args.smoke else 120)
@@ -379,7 +379,7 @@ def main():
                    os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
             code, tail = run_worker(
                 "benchmarks.e2e_grpo_step",
-                ["--worker", path, "--out", str(out), "--deadline", str(time.time() + budget),
+                ["--worker", path, "--rows-out", str(out), "--deadline", str(time.time() + budget),
                  *extra], sys.executable, budget + 60, env)
             lines = out.read_text().splitlines() if out.exists() else []
             row = json.loads(lines[-1]) if lines else {"path": path}
