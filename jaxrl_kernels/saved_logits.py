@@ -78,9 +78,11 @@ def _product(hidden, weight, weight_layout, config):
     in :func:`kept_dtype` (float16 holds every bfloat16 value up to 65504 exactly)."""
     dtype = jnp.result_type(hidden, weight)
     contract = 1 if weight_layout == "vd" else 0
-    # cuBLAS rounds its float32 accumulator to a 16-bit output itself; XLA's CPU dot would
-    # accumulate in the output's dtype, so there the product is taken in float32 and rounded.
-    out = dtype if jax.default_backend() == "gpu" else jnp.float32
+    # On a GPU, XLA's bfloat16 GEMM rounds its float32 accumulator to the output itself. A
+    # float16 output was seen accumulated at lower precision (jax 0.12, H100: entropies off by
+    # 0.06), and XLA's CPU dot accumulates in its output's dtype: there the product is taken in
+    # float32 and rounded.
+    out = dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
     z = jax.lax.dot_general(
         hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
         precision=matmul_precision(dtype), preferred_element_type=out)
