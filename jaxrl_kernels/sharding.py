@@ -473,15 +473,36 @@ def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differe
     _note(record, plan)
     wants = _grad_wants(plan, roles, grads_of, specs)
     fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
-    in_specs = tuple(plan.spec(r) for r in present_roles)
+    in_specs = [plan.spec(r) for r in present_roles]
+    if differentiable:
+        # jax differentiates the body: an operand enters split as it is (bar row dimensions
+        # it splits otherwise than the plan) and is all-gathered inside, so that the
+        # transpose of that all-gather, a reduce-scatter, leaves its cotangent split like it.
+        entered = [grad_spec(plan, r, specs[i]) if jnp.issubdtype(x.dtype, jnp.floating)
+                   else s for i, x, r, s in zip(keep, present, present_roles, in_specs)]
+        fn = _gathering(fn, in_specs, entered)
+        in_specs = entered
     out_specs = tuple(plan.spec(r) if j is None else wants[j]
                       for r, j in zip(out_roles, grads_of))
     present = [_reshard(x, mesh, s) for x, s in zip(present, in_specs)]
-    mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=in_specs,
+    mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=tuple(in_specs),
                            out_specs=out_specs, check_vma=differentiable)
     outs = mapped(*present)
     # A cotangent whose operand splits a row dimension otherwise than the plan: moved here.
     return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
+
+
+def _gathering(fn, have, entered):
+    """``fn`` on operands all-gathered from the ``entered`` layouts to the ``have`` ones."""
+    def gathered(plan, *operands):
+        full = []
+        for x, h, e in zip(operands, have, entered):
+            for dim, (hd, ed) in enumerate(zip(_padded(h, x.ndim), _padded(e, x.ndim))):
+                if hd != ed:
+                    x = lax.all_gather(x, _entry(_axes(ed)), axis=dim, tiled=True)
+            full.append(x)
+        return fn(plan, *full)
+    return gathered
 
 
 def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str],

@@ -12,12 +12,14 @@ backend (conftest's tolerance rules, ``assert_close``):
   within a row block (``tp``: D over a tensor-parallel axis) and an FSDP weight's D shards
   within a vocabulary slice (``fsdp``);
 * an FSDP weight's gradient is reduce-scattered over the axis that splits D, not all-reduced
-  (kernel backends, which sum d_weight themselves).
+  (everywhere but the reference backend under Auto axes, where XLA's partitioner places plain
+  jnp: it all-reduces d_weight, then keeps this device's slice).
 
 Entries (``mode``): ``Auto`` and ``Explicit`` mesh axes under ``jax.jit``, and ``shard_map``: a
 user's ``jax.shard_map`` (``check_vma=True``, the default) whose body calls the op on its
 device's arrays, with ``vocab_axis="model"`` where the op takes it; there the reference is the
-unsharded op applied to each row block.
+unsharded op applied to each row block. The mesh is set (``jax.set_mesh``) while tracing, as a
+user does; test_sharding.py calls without it.
 
 Layouts (``LAYOUTS``): ``rows`` (B over data), ``vocab`` (V over model), ``both``; per-token
 ops: ``rows``, ``time`` (T over model), ``both``; hidden-state ops also ``tp`` (hidden
@@ -156,10 +158,12 @@ class Case:
     mode: str
     layout: str
     weight_layout: str = "vd"
+    small: str = "split"  # "whole": per-token / per-sequence inputs replicated
 
     def __str__(self) -> str:
         wl = f"-{self.weight_layout}" if family(self.op) == "linear" else ""
-        return f"{self.op}-{self.option}-{self.backend}-{self.mode}-{self.layout}{wl}"
+        small = "-whole" if self.small == "whole" else ""
+        return f"{self.op}-{self.option}-{self.backend}-{self.mode}-{self.layout}{wl}{small}"
 
 
 def _cases_of(op: str, backends) -> list[Case]:
@@ -170,7 +174,10 @@ def _cases_of(op: str, backends) -> list[Case]:
         if mode == "shard_map" and option == "boundaries":
             continue  # boundaries of the whole batch do not fit a device's row block
         layouts = SHARD_MAP_LAYOUTS[fam] if mode == "shard_map" else LAYOUTS[fam]
-        out += [Case(op, option, backend, mode, layout, wl) for layout in layouts]
+        for layout in layouts:
+            out.append(Case(op, option, backend, mode, layout, wl))
+            if mode != "shard_map" and layout != "vocab":  # small inputs there: whole anyway
+                out.append(Case(op, option, backend, mode, layout, wl, "whole"))
     return out
 
 
@@ -179,10 +186,11 @@ def full_grid(backends=ALL_BACKENDS) -> list[Case]:
 
 
 REGRESSIONS = [  # the configurations of issue 26, on every kernel backend
-    Case("grpo_loss", "reference", "chunked", "Explicit", "both"),
-    Case("grpo_loss", "reference", "pallas", "Explicit", "rows"),
-    Case("linear_ppo_loss", "dual_clip_reference", "chunked", "Explicit", "rows"),
-    Case("linear_ppo_loss", "dual_clip_reference", "reference", "Explicit", "both"),
+    Case("grpo_loss", "reference", "chunked", "Explicit", "both", small="whole"),
+    Case("grpo_loss", "reference", "pallas", "Explicit", "rows", small="whole"),
+    Case("linear_ppo_loss", "dual_clip_reference", "chunked", "Explicit", "rows", small="whole"),
+    Case("linear_ppo_loss", "dual_clip_reference", "reference", "Explicit", "both",
+         small="whole"),
     Case("linear_logprobs", "plain", "chunked", "Explicit", "tp_fsdp", "dv"),
     Case("linear_logprobs", "entropy", "pallas", "Explicit", "tp_fsdp", "dv"),
     Case("linear_ppo_loss", "entropy", "chunked", "Auto", "tp_fsdp", "dv"),
@@ -192,7 +200,7 @@ REGRESSIONS = [  # the configurations of issue 26, on every kernel backend
 ]
 
 
-FIELDS = ("op", "option", "backend", "mode", "layout", "weight_layout")
+FIELDS = ("op", "option", "backend", "mode", "layout", "weight_layout", "small")
 
 
 def sample(cases: list[Case], backends) -> list[Case]:
@@ -346,23 +354,23 @@ def build(case: Case) -> Built:
         def fn(logp, old, adv, mask, *rest):
             return jk.ppo_loss(logp, old, adv, mask, **options, **dict(zip(names, rest)))
         return Built(fn, [logp, old, rewards, mask] + [x for _, x in extra],
-                     ["tok", "tok", "seq", "tok"] + extra_kinds, diff)
+                     ["lead_tok", "tok", "seq", "tok"] + extra_kinds, diff)
     if case.op == "policy_gradient_loss":
         return Built(lambda logp, adv, mask: call(jk.policy_gradient_loss, backend, logp, adv,
                                                    mask, **kw),
-                     [logp, rewards, mask], ["tok", "seq", "tok"], (0,))
+                     [logp, rewards, mask], ["lead_tok", "seq", "tok"], (0,))
     if case.op == "group_advantages":
         names = [n for n, _ in extra]
 
         def fn(rewards, *rest):
             return jk.group_advantages(rewards, **group, **options, **dict(zip(names, rest)))
-        return Built(fn, [rewards] + [x for _, x in extra], ["seq"] + extra_kinds, (0,))
+        return Built(fn, [rewards] + [x for _, x in extra], ["lead_seq"] + extra_kinds, (0,))
     if case.op == "aggregate":
         return Built(lambda x, mask: call(jk.aggregate, backend, x, mask, **kw),
-                     [logp, mask], ["tok", "tok"], (0,))
+                     [logp, mask], ["lead_tok", "tok"], (0,))
     ref = logp + normal((B, T), 0.5)
     return Built(lambda logp, ref: call(jk.kl_penalty, backend, logp, ref, **kw),
-                 [logp, ref], ["tok", "tok"], (0,))
+                 [logp, ref], ["lead_tok", "tok"], (0,))
 
 
 VOCAB_AXIS = [None]  # set to "model" while a shard_map body traces the op
@@ -378,10 +386,13 @@ def spec(kind: str, case: Case) -> tuple:
     weight_d = "data" if layout in ("fsdp", "tp_fsdp") else None
     if fam == "token" and layout == "both":
         vocab = None
+    small = case.small == "split"  # per-token and per-sequence inputs besides the lead one
     return {
         "logits": (rows, None, vocab),
-        "tok": (rows, time),
-        "seq": (rows,),
+        "lead_tok": (rows, time),
+        "lead_seq": (rows,),
+        "tok": (rows, time) if small else (None, None),
+        "seq": (rows,) if small else (None,),
         "rep": (None,),
         "hidden": (rows, None, hidden_d),
         "weight": (vocab, weight_d) if case.weight_layout == "vd" else (weight_d, vocab),
@@ -475,7 +486,8 @@ def check(case: Case):
     want = jax.jit(with_grads(unsharded))(*built.arrays)
     placed = [jax.device_put(x, NamedSharding(mesh, P(*spec(k, case))))
               for x, k in zip(built.arrays, built.kinds)]
-    compiled = jax.jit(with_grads(sharded)).lower(*placed).compile()
+    with jax.set_mesh(mesh):  # as a user does (jax.sharding.use_mesh before jax 0.7)
+        compiled = jax.jit(with_grads(sharded)).lower(*placed).compile()
     got = compiled(*placed)
     for name, g, w in zip(("output", "gradient"), got, want):
         for i, (gl, wl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
@@ -501,8 +513,8 @@ def check(case: Case):
     gathers = [n for n in _collective_sizes(hlo, "all-gather") if n >= limit]
     assert all(n in allowed for n in gathers), (
         f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})")
-    if case.layout in ("fsdp", "tp_fsdp") and case.backend != "reference" and (
-            case.mode != "shard_map"):
+    xla_places_grads = case.backend == "reference" and case.mode == "Auto"
+    if case.layout in ("fsdp", "tp_fsdp") and case.mode != "shard_map" and not xla_places_grads:
         share = V * D // MODEL  # d_weight of a vocabulary slice, all of D
         assert share not in _collective_sizes(hlo, "all-reduce"), (
             f"{case}: d_weight all-reduced over the FSDP axis")
