@@ -19,8 +19,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("cases", ["linear", "options,vocab_axis"])
-@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+@pytest.mark.parametrize("kind, cases", [("Auto", "linear"), ("Explicit", "linear"),
+                                         ("Explicit", "options,vocab_axis")])
 def test_two_processes(backend, kind, cases):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
