@@ -118,11 +118,6 @@ class Plan:
             return g
         return lax.psum(g, self.vocab_axes)
 
-    def reduce_cotangent(self, d_operand, operand, roles: str):
-        """Sum a per-device cotangent over the axes the work was split over but the operand is
-        not: a replicated operand's gradient is the sum of every device's share."""
-        return self.finish_cotangent(d_operand, operand, roles)
-
     def finish_cotangent(self, d_operand, operand, roles: str, want: P | None = None):
         """The cotangent of ``operand`` on this device from this device's share of it.
 
@@ -244,12 +239,6 @@ def _cast_varying(x, axes: frozenset[str]):
     if hasattr(lax, "pcast"):
         return lax.pcast(x, missing, to="varying")
     return lax.pvary(x, missing)  # jax < 0.12
-
-
-def zeros_like(x):
-    """Zeros of ``x``'s type: shape, dtype, sharding and varying manual axes (a cotangent for
-    it)."""
-    return _cast_varying(jnp.zeros_like(x), varying_axes(x))
 
 
 def _untyped(x):
@@ -411,8 +400,9 @@ def keep_grad_sharding(x):
             where = arg_shapes[1].sharding
             return mesh, lambda g, like: g, where, (where, where)
 
-        dims = " ".join(f"d{i}" for i in range(x.ndim))
-        placed.def_partition(partition, sharding_rule=f"{dims}, {dims} -> {dims}")
+        ours, its = (" ".join(f"{c}{i}" for i in range(x.ndim)) for c in "gx")
+        # the result shares its factors with x, not with g: x's sharding is what propagates
+        placed.def_partition(partition, sharding_rule=f"{ours}, {its} -> {its}")
         return (placed(g, x),)
 
     identity.defvjp(lambda x: (x, x), bwd)
@@ -473,15 +463,48 @@ def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differe
     _note(record, plan)
     wants = _grad_wants(plan, roles, grads_of, specs)
     fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
-    in_specs = tuple(plan.spec(r) for r in present_roles)
+    in_specs = [plan.spec(r) for r in present_roles]
+    if differentiable:
+        # jax differentiates the body: a dimension the plan keeps whole but the operand splits
+        # over axes the work is split over enters split and is all-gathered inside, so that
+        # the transpose of that all-gather, a reduce-scatter, sums the cotangent over those
+        # axes and leaves it split like the operand. (Over other axes the gather happens
+        # outside: the cotangent is the same on every device there, the gather's transpose a
+        # slice.)
+        entered = [_entry_spec(plan, r, specs[i]) if jnp.issubdtype(x.dtype, jnp.floating)
+                   else s for i, x, r, s in zip(keep, present, present_roles, in_specs)]
+        fn = _gathering(fn, in_specs, entered)
+        in_specs = entered
     out_specs = tuple(plan.spec(r) if j is None else wants[j]
                       for r, j in zip(out_roles, grads_of))
     present = [_reshard(x, mesh, s) for x, s in zip(present, in_specs)]
-    mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=in_specs,
+    mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=tuple(in_specs),
                            out_specs=out_specs, check_vma=differentiable)
     outs = mapped(*present)
     # A cotangent whose operand splits a row dimension otherwise than the plan: moved here.
     return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
+
+
+def _entry_spec(plan: Plan, roles: str, operand_spec) -> P:
+    """``grad_spec`` where the extra splits are over axes the work is split over, else the
+    plan's layout."""
+    have = _padded(plan.spec(roles), len(roles))
+    want = _padded(grad_spec(plan, roles, operand_spec), len(roles))
+    return P(*(w if h is None and set(_axes(w)) <= plan.work_axes else h
+               for h, w in zip(have, want)))
+
+
+def _gathering(fn, have, entered):
+    """``fn`` on operands all-gathered from the ``entered`` layouts to the ``have`` ones."""
+    def gathered(plan, *operands):
+        full = []
+        for x, h, e in zip(operands, have, entered):
+            for dim, (hd, ed) in enumerate(zip(_padded(h, x.ndim), _padded(e, x.ndim))):
+                if hd != ed:
+                    x = lax.all_gather(x, _entry(_axes(ed)), axis=dim, tiled=True)
+            full.append(x)
+        return fn(plan, *full)
+    return gathered
 
 
 def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str],

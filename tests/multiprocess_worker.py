@@ -1,13 +1,30 @@
-"""One process of the two-process test (test_multiprocess.py): jax.distributed over CPU (gloo).
+"""One process of the two-process tests (test_multiprocess.py): jax.distributed over CPU (gloo).
 
 Each process holds 4 of the 8 devices of a (data=2, model=4) mesh, so no process sees every
-device. Hidden states are split over ``data`` (one row block per process), the weight over
-``model``. The sharded value and gradients of linear_logprobs (and of linear_grpo_loss) must
-equal the unsharded ones, which each process computes on its own first device.
+device. Rows are split over ``data`` (one row block per process), the vocabulary over
+``model``. The sharded values and gradients must equal the unsharded ones, which each process
+computes on its own first device; gradients must come back sharded like their primals.
 
-usage: python multiprocess_worker.py <process id> <port> <backend> <Auto|Explicit>
+Cases (a comma-separated list; each process runs them all in order; all but ``linear`` are
+traced with the mesh set, ``jax.set_mesh``, as a user does):
+
+``linear``
+    linear_logprobs and linear_grpo_loss under jax.jit, the weight split over the vocabulary;
+    the compiled program gathers no device's share of the hidden states.
+``options``
+    option combinations under jax.jit: grpo_loss with a reference model (``beta``),
+    linear_ppo_loss with ``dual_clip``, a reference and the entropy bonus, and an FSDP "dv"
+    head (D over ``data``, V over ``model``) under hidden states whose D is split over
+    ``model``.
+``vocab_axis``
+    a user's jax.shard_map (``check_vma=True``) with ``vocab_axis="model"`` while the rows are
+    split over ``data``: linear_logprobs, linear_grpo_loss, token_logprobs and grpo_loss; a
+    loss there is the loss of the device's row block.
+
+usage: python multiprocess_worker.py <process id> <port> <backend> <Auto|Explicit> [cases]
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -18,7 +35,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_traceback_in_locations_limit", 5)  # see conftest.py
 pid, port, backend, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+CASES = sys.argv[5].split(",") if len(sys.argv) > 5 else ["linear"]
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 
 import jax.numpy as jnp  # noqa: E402
@@ -36,9 +55,14 @@ t = rng.integers(0, V, (B, T)).astype(np.int32)
 old = (-8.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
 rewards = rng.standard_normal(B).astype(np.float32)
 mask = (rng.random((B, T)) < 0.8).astype(np.float32)
+ref_logp = (-8.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
+logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
+ref_logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
 
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+local = jax.local_devices()[0]
+ROWS, ROWS3, SEQ = P("data", None), P("data", None, None), P("data")
 
 
 def place(x, spec):
@@ -46,32 +70,119 @@ def place(x, spec):
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def loss(h, w, t, old, rewards, mask):
-    lp, ent = jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend)
-    grpo, _, _ = jk.linear_grpo_loss(h, w, t, old, rewards, mask, group_size=2, backend=backend)
-    return jnp.sum(lp * mask) + 0.1 * jnp.sum(ent) + grpo
+def gathered(x):
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-args = (h, w, t, old, rewards, mask)
-specs = (P("data", None, None), P("model", None), P("data", None), P("data", None), P("data"),
-         P("data", None))
-step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-value, (dh, dw) = step(*(place(x, s) for x, s in zip(args, specs)))
-local = jax.local_devices()[0]
-want_value, (want_dh, want_dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
-    *(jax.device_put(x, local) for x in args))
-assert dw.sharding.spec[0] == "model", dw.sharding
-got = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in (value, dh, dw)]
-for name, g, want in zip(("value", "d_hidden", "d_weight"), got, (want_value, want_dh, want_dw)):
-    want = np.asarray(want)
-    err = float(np.max(np.abs(g - want)))
-    scale = max(float(np.max(np.abs(want))), 1e-3)
-    assert err <= 1e-5 * scale, f"process {pid}: {name} error {err:.3e} > 1e-5 x {scale:.3e}"
-hlo = step.lower(*(place(x, s) for x, s in zip(args, specs))).compile().as_text()
-gathered = [int(np.prod([int(d) for d in t.group(1).split(",") if d]))
-            for m in re.finditer(r"= (.*?) all-gather(?:-start)?\(", hlo)
-            for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1))]
-limit = h.size // 8  # a device's share of the hidden states
-assert all(n < limit for n in gathered), f"all-gathers of {gathered} elements (limit {limit})"
-print(f"process {pid}: ok ({backend}, {kind})")
+def check(name, fn, args, specs, diff, *, unsharded=None, gather_limit=None, in_mesh=True):
+    """fn's value and the gradient of the sum of its outputs with respect to args[diff]
+    (sharded as specs say) against the unsharded call on this process's first device;
+    ``in_mesh``: traced with the mesh set (jax.set_mesh), as a user does."""
+    def total(out):
+        return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0)) for o in jax.tree.leaves(out))
+
+    def step(f):
+        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: total(f(*a)), diff)(*a)))
+
+    placed = [place(x, s) for x, s in zip(args, specs)]
+    with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
+        compiled = step(fn).lower(*placed).compile()
+    value, grads = compiled(*placed)
+    want_value, want_grads = step(unsharded or fn)(*(jax.device_put(x, local) for x in args))
+    for what, got, want in (("value", value, want_value), ("gradient", grads, want_grads)):
+        for i, (g, wv) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+            g, wv = gathered(g), np.asarray(wv)
+            assert np.array_equal(np.isnan(g), np.isnan(wv)), f"{name}: {what} {i} NaNs"
+            fin = np.isfinite(wv)
+            err = float(np.max(np.abs(g[fin] - wv[fin]), initial=0.0))
+            scale = max(float(np.max(np.abs(wv[fin]), initial=0.0)), 1.0 if wv.ndim <= 1
+                        else 1e-3)  # a loss or metric: a signed aggregate of O(1) terms
+            assert err <= 1e-5 * scale, (
+                f"process {pid}: {name}: {what} {i} error {err:.3e} > 1e-5 x {scale:.3e}")
+    for g, i in zip(grads, diff):
+        pad = lambda s, n: tuple(s) + (None,) * (n - len(s))
+        assert pad(g.sharding.spec, g.ndim) == pad(specs[i], g.ndim), (
+            f"process {pid}: {name}: gradient {i} sharded {g.sharding.spec}, argument "
+            f"{specs[i]}")
+    if gather_limit is not None:
+        hlo = compiled.as_text()
+        sizes = [int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+                 for line in re.finditer(r"= (.*?) all-gather(?:-start)?\(", hlo)
+                 for m in re.finditer(r"\w+\[([\d,]*)\]", line.group(1))]
+        assert all(n < gather_limit for n in sizes), (
+            f"process {pid}: {name}: all-gathers of {sizes} elements (limit {gather_limit})")
+    print(f"process {pid}: {name} ok", flush=True)
+
+
+def case_linear():
+    def loss(h, w, t, old, rewards, mask):
+        lp, ent = jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend)
+        grpo, _, _ = jk.linear_grpo_loss(h, w, t, old, rewards, mask, group_size=2,
+                                         backend=backend)
+        return jnp.sum(lp * mask) + 0.1 * jnp.sum(ent) + grpo
+
+    check("linear", loss, (h, w, t, old, rewards, mask),
+          (ROWS3, P("model", None), ROWS, ROWS, SEQ, ROWS), (0, 1),
+          gather_limit=h.size // 8, in_mesh=False)  # limit: a device's share of h
+
+
+def case_options():
+    check("grpo_loss beta", lambda x, y: jk.grpo_loss(
+        x, y, t, old, rewards, mask, group_size=2, beta=0.05, backend=backend),
+        (logits, ref_logits), (P("data", None, "model"),) * 2, (0,))
+    check("linear_ppo_loss dual_clip + reference + entropy", lambda h, w: jk.linear_ppo_loss(
+        h, w, t, old, rewards, mask, dual_clip=3.0, ref_logp=ref_logp, kl_coef=0.1,
+        entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean", backend=backend),
+        (h, w), (ROWS3, P("model", None)), (0, 1))
+    check("FSDP dv head, hidden D over model", lambda h, w: jk.linear_logprobs(
+        h, w, t, weight_layout="dv", return_entropy=True, temperature=0.8, backend=backend),
+        (h, np.ascontiguousarray(w.T)), (P("data", None, "model"), P("data", "model")), (0, 1))
+
+
+def case_vocab_axis():
+    def blocks(fn, whole=()):
+        """fn of each row block (what a device computes), stacked; ``whole``: the positions
+        of arguments without rows (the weight)."""
+        def stacked(*a):
+            parts = [fn(*(x if k in whole else x[i * B // 2:(i + 1) * B // 2]
+                          for k, x in enumerate(a))) for i in range(2)]
+            return jax.tree.map(lambda *ys: jnp.stack(ys), *parts)
+        return stacked
+
+    def mapped(fn, in_specs, n_out):
+        return jax.shard_map(lambda *a: jax.tree.map(lambda y: y[None], fn(*a)), mesh=mesh,
+                             in_specs=in_specs, out_specs=(SEQ,) * n_out)
+
+    def linear(h, w, t, old, rewards, mask, ref, vocab_axis=None):
+        lp, ent = jk.linear_logprobs(h, w, t, return_entropy=True, temperature=0.7,
+                                     backend=backend, vocab_axis=vocab_axis)
+        loss, pg, kl = jk.linear_grpo_loss(h, w, t, old, rewards, mask, group_size=2,
+                                           ref_logp=ref, beta=0.05, dual_clip=3.0,
+                                           backend=backend, vocab_axis=vocab_axis)
+        return lp, ent, jnp.stack([loss, pg, kl])
+
+    specs = (ROWS3, P("model", None), ROWS, ROWS, SEQ, ROWS, ROWS)
+    check("shard_map vocab_axis: linear_logprobs, linear_grpo_loss",
+          mapped(lambda *a: linear(*a, vocab_axis="model"), specs, 3),
+          (h, w, t, old, rewards, mask, ref_logp), specs, (0, 1),
+          unsharded=blocks(linear, whole=(1,)))
+
+    def from_logits(x, y, t, old, rewards, mask, vocab_axis=None):
+        lp = jk.token_logprobs(x, t, ignore_index=-100, backend=backend, vocab_axis=vocab_axis)
+        loss = jk.grpo_loss(x, y, jnp.maximum(t, 0), old, rewards, mask, group_size=2,
+                            beta=0.05, backend=backend, vocab_axis=vocab_axis)
+        return lp, jnp.stack(loss)
+
+    t_ignored = t.copy()
+    t_ignored[0, 1] = -100
+    specs = (P("data", None, "model"),) * 2 + (ROWS, ROWS, SEQ, ROWS)
+    check("shard_map vocab_axis: token_logprobs, grpo_loss",
+          mapped(lambda *a: from_logits(*a, vocab_axis="model"), specs, 2),
+          (logits, ref_logits, t_ignored, old, rewards, mask), specs, (0,),
+          unsharded=blocks(from_logits))
+
+
+for case in CASES:
+    {"linear": case_linear, "options": case_options, "vocab_axis": case_vocab_axis}[case]()
+print(f"process {pid}: ok ({backend}, {kind}, {','.join(CASES)})")
 jax.distributed.shutdown()

@@ -1,6 +1,7 @@
 """Two processes joined by jax.distributed (CPU, gloo collectives), 4 devices each: no process
-sees every device, and linear_logprobs / linear_grpo_loss still compute rows where they live and
-use the vocabulary-sharded weight in place (see multiprocess_worker.py)."""
+sees every device, and the ops still compute rows where they live and use a vocabulary-sharded
+weight or logits in place, under jax.jit (Auto and Explicit mesh axes, option combinations, an
+FSDP head) and inside a user's jax.shard_map with ``vocab_axis`` (see multiprocess_worker.py)."""
 
 import os
 import socket
@@ -18,12 +19,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
-def test_two_processes(backend, kind):
+@pytest.mark.parametrize("kind, cases", [("Auto", "linear"), ("Explicit", "linear"),
+                                         ("Explicit", "options,vocab_axis")])
+def test_two_processes(backend, kind, cases):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), port, backend, kind], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, WORKER, str(i), port, backend, kind, cases],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for i in range(2)]
     outs = []
     for p in procs:

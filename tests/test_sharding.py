@@ -238,12 +238,6 @@ def test_ppo_loss_and_group_advantages(rng, backend, mesh_kind):
 
 # -- inside shard_map: vocab_axis ----------------------------------------------------------------
 
-def _check_vma(backend):
-    """Pallas in interpret mode cannot be traced under shard_map's varying-axes check (its
-    interpreter's loops trip over it); compiled kernels on a GPU can (gpu tests)."""
-    return backend != "pallas" or jax.default_backend() == "gpu"
-
-
 def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit"):
     """``fn`` as a jitted shard_map over the test mesh, taking global arrays."""
     mesh = make_mesh(mesh_kind)
@@ -255,10 +249,11 @@ def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit")
     return mapped, jax.jit(mapped)
 
 
-def test_linear_logprobs_vocab_axis(rng, backend, weight_layout="vd"):
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
     """Global log-probs and entropies (and, through jax.grad of the shard_map, the gradients of
     the row-split hidden states and of the weight slices) from vocabulary slices; bad traced
-    targets give NaN, ignored ones 0."""
+    targets give NaN, ignored ones 0. With and without shard_map's varying-axes types."""
     for weight_layout in ("vd", "dv"):
         h, w, _, _ = head(rng, weight_layout)
         t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
@@ -271,7 +266,7 @@ def test_linear_logprobs_vocab_axis(rng, backend, weight_layout="vd"):
         rows = P("data", None)
         sharded, _ = _in_shard_map(
             lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="model", **kw),
-            (P("data", None, None), ws, rows), (rows, rows), check_vma=_check_vma(backend))
+            (P("data", None, None), ws, rows), (rows, rows), check_vma=check_vma)
 
         def scalar(out):
             fin = lambda x: jnp.where(jnp.isnan(x), 0.0, x)
@@ -304,8 +299,6 @@ def test_linear_logprobs_vocab_axis(rng, backend, weight_layout="vd"):
 def test_linear_logprobs_vocab_axis_grad_inside(rng, backend):
     """Gradients taken inside the shard_map body, the way a training step written per device
     does it: d_weight is summed over the row split, d_hidden over the vocabulary split."""
-    if not _check_vma(backend):
-        pytest.skip("needs shard_map's varying-axes types (check_vma=True)")
     h, w, t, _ = head(rng)
 
     def local(h, w, t):
@@ -339,7 +332,7 @@ def test_logits_ops_vocab_axis(rng, backend):
     vocab3, rows = P(None, None, "model"), P(None, None)
     specs = (vocab3, vocab3, rows, rows, P(None), rows)
     mapped, call = _in_shard_map(functools.partial(ops, vocab_axis="model"), specs,
-                                 (rows,) * 4 + (P(),), check_vma=_check_vma(backend))
+                                 (rows,) * 4 + (P(),))
     for g, w in zip(call(*args), jax.jit(ops)(*args)):
         assert_close(g, np.asarray(w))
     scalar = lambda out: jnp.sum(out[4]) + jnp.sum(jnp.log(out[2]))
@@ -360,8 +353,7 @@ def test_linear_losses_vocab_axis(rng, backend):
                                          backend=backend, vocab_axis=vocab_axis)
         return ppo + grpo
 
-    mapped, _ = _in_shard_map(lambda h, w: losses(h, w, "model"), (P(), P("model", None)), P(),
-                              check_vma=_check_vma(backend))
+    mapped, _ = _in_shard_map(lambda h, w: losses(h, w, "model"), (P(), P("model", None)), P())
     got = jax.jit(jax.value_and_grad(mapped, argnums=(0, 1)))(h, w)
     want = jax.jit(jax.value_and_grad(losses, argnums=(0, 1)))(h, w)
     for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
