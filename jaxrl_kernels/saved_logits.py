@@ -36,13 +36,13 @@ from jaxrl_kernels.backends.reference import matmul_precision
 class Config:
     """How the fast mode runs (the defaults are what the ops use).
 
-    The defaults were the fastest at 1 GiB of kept logits on an H100 (N=4096, D=2048,
-    V=131072, ``benchmarks/results/bench_fast_mode.md``): a float16 copy costs 0.2 ms over a
-    bfloat16 one but lets XLA drop the second [N, V] buffer of the backward; the one-pass lse,
-    vocabulary blocks and a float16 gradient were slower (the last is 30 % more accurate).
+    The defaults were the fastest on an H100 (N=4096, D=2048, V=131072,
+    ``benchmarks/results/bench_fast_mode.md``); the float16 copy, the one-pass lse, vocabulary
+    blocks and a float16 gradient were slower (the last is 30 % more accurate).
 
-    ``kept``: the dtype the logits are kept in for 16-bit heads (float32 heads keep float32);
-    float16 holds |z| < 65504 (beyond, a row's lse and log-prob become inf / NaN: loud).
+    ``kept``: the dtype a bfloat16 head's logits are kept in (float16 holds every bfloat16
+    value below 65504 exactly; beyond, a row's lse and log-prob become inf / NaN: loud);
+    float16 heads keep float16, float32 heads float32.
     ``lse``: ``"one_pass"`` (one read of the kept logits: a running (max, Σ exp) reduction)
     or ``"two_pass"`` (the max, then Σ exp). ``vocab_blocks``: the backward writes the
     logits' gradient in this many vocabulary blocks (1: all at once; more: less memory, more
@@ -61,10 +61,12 @@ DEFAULT = Config()
 
 
 def kept_dtype(hidden_dtype, weight_dtype, config: Config = DEFAULT):
-    """The dtype the forward keeps the logits in: ``config.kept`` for a 16-bit head, else
-    float32."""
-    dtype = jnp.result_type(hidden_dtype, weight_dtype)
-    return jnp.dtype(config.kept) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+    """The dtype the forward keeps the logits in: a bfloat16 head's ``config.kept``, a float16
+    head's own dtype, float32 otherwise."""
+    dtype = jnp.dtype(jnp.result_type(hidden_dtype, weight_dtype))
+    if dtype == jnp.bfloat16:
+        return jnp.dtype(config.kept)
+    return dtype if dtype.itemsize == 2 else jnp.dtype(jnp.float32)
 
 
 def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,

@@ -382,12 +382,12 @@ def test_fast_inside_shard_map_with_vocab_axis(rng):
 def test_memory_budget_and_explain(rng):
     hidden, _, weight, _, _, _, acts = head(rng, (4, 8), 100, 16, jnp.bfloat16, "vd", False)
     acts = jnp.asarray(acts)
-    kept = 4 * 8 * 100 * 2  # float16 logits
+    kept = 4 * 8 * 100 * 2  # bfloat16 logits
     args = (hidden, weight, acts)
     assert "memory: lean (memory='lean')" in jk.explain("linear_logprobs", *args)
     text = jk.explain("linear_logprobs", *args, memory="fast")
     assert text.startswith("linear_logprobs: memory fast (memory='fast'): the head's logits kept "
-                           "as float16 [4, 8, 100]"), text
+                           "as bfloat16 [4, 8, 100]"), text
     assert "3 per forward+backward" in text
     assert "memory fast" in jk.explain("linear_logprobs", *args, memory=kept)
     assert "memory: lean (memory=" in jk.explain("linear_logprobs", *args, memory=kept - 1)

@@ -28,7 +28,7 @@ over "data" and V over "model", as tunix / MaxText train an LM head) and ``tp_fs
 
 The grid (``FULL``) is built with ``itertools.product``; normal runs take the deterministic
 ``SAMPLE`` of it (every op × option once, every backend × entry × layout value, and the
-configurations of issue 26); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``).
+configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``).
 Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1).
 """
 
@@ -186,7 +186,7 @@ def full_grid(backends=ALL_BACKENDS) -> list[Case]:
     return [c for op in OPTIONS for c in _cases_of(op, backends)]
 
 
-REGRESSIONS = [  # the configurations of issue 26, on every kernel backend
+REGRESSIONS = [  # the configurations users reported crashing, on every kernel backend
     Case("grpo_loss", "reference", "chunked", "Explicit", "both", small="whole"),
     Case("grpo_loss", "reference", "pallas", "Explicit", "rows", small="whole"),
     Case("linear_ppo_loss", "dual_clip_reference", "chunked", "Explicit", "rows", small="whole"),
