@@ -333,6 +333,8 @@ def build(case: Case) -> Built:
         args = [x.pop(n) for n in fixed]
         if case.op in ("grpo_loss", "linear_grpo_loss", "group_advantages"):
             x.update(group)
+        if case.backend == "fast":  # memory="fast": XLA's GEMMs, no backend to pick
+            return getattr(jk, case.op)(*args, **x, **kw, **on_vocab, memory="fast")
         return call_op(getattr(jk, case.op), case.backend, *args, **x, **kw, **on_vocab)
 
     names = list(inputs)
@@ -427,7 +429,7 @@ def _spec_of(x) -> tuple:
 
 
 def check(case: Case):
-    if case.backend not in CPU_BACKENDS:
+    if case.backend not in CPU_BACKENDS + ["fast"]:
         pytest.skip(f"backend {case.backend} is not in this run's backends")
     built = build(case)
     mesh = make_mesh(case.mode)
@@ -500,6 +502,22 @@ def test_grid_sample(case):
 @pytest.mark.grid_full
 @pytest.mark.parametrize("case", REST, ids=str)
 def test_grid_full(case):
+    check(case)
+
+
+FAST_CASES = [  # memory="fast" (the logits kept for the backward) in every entry and layout
+    Case("linear_logprobs", "all", "fast", "Explicit", "tp_fsdp", "dv"),
+    Case("linear_logprobs", "entropy", "fast", "Auto", "fsdp", "vd"),
+    Case("linear_grpo_loss", "all", "fast", "Explicit", "both", "dv"),
+    Case("linear_ppo_loss", "all", "fast", "Auto", "tp", "vd"),
+    Case("linear_ppo_loss", "dual_clip_reference", "fast", "shard_map", "both", "vd"),
+    Case("linear_grpo_loss", "reference", "fast", "shard_map", "vocab", "dv"),
+    Case("linear_grpo_loss", "dual_clip_reference", "fast", "Explicit", "fsdp", "vd"),
+]
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=str)
+def test_grid_fast_memory(case):
     check(case)
 
 
