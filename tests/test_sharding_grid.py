@@ -28,7 +28,9 @@ over "data" and V over "model", as tunix / MaxText train an LM head) and ``tp_fs
 
 The grid (``FULL``) is built with ``itertools.product``; normal runs take the deterministic
 ``SAMPLE`` of it (every op × option once, every backend × entry × layout value, and the
-configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``).
+configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``;
+``JAXRL_TEST_GRID_SHARD=i/n`` keeps every n-th case of it, for n processes:
+tests/run_full_grid.sh).
 Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1).
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 import zlib
 from collections.abc import Callable
@@ -227,6 +230,18 @@ def sample(cases: list[Case], backends) -> list[Case]:
 FULL = full_grid(tuple(CPU_BACKENDS))
 SAMPLE = sample(FULL, tuple(CPU_BACKENDS))
 REST = [c for c in FULL if c not in SAMPLE]
+
+
+def _grid_shard(cases: list[Case]) -> list[Case]:
+    """``JAXRL_TEST_GRID_SHARD=i/n``: every n-th case of the full run from the i-th, so that n
+    processes share it (tests/run_full_grid.sh)."""
+    value = os.environ.get("JAXRL_TEST_GRID_SHARD")
+    if not value:
+        return cases
+    index, count = (int(part) for part in value.split("/"))
+    if not 0 <= index < count:
+        raise ValueError(f"JAXRL_TEST_GRID_SHARD: expected i/n with 0 <= i < n, got {value!r}")
+    return cases[index::count]
 
 
 # -- inputs and the call -------------------------------------------------------------------------
@@ -500,7 +515,7 @@ def test_grid_sample(case):
 
 
 @pytest.mark.grid_full
-@pytest.mark.parametrize("case", REST, ids=str)
+@pytest.mark.parametrize("case", _grid_shard(REST), ids=str)
 def test_grid_full(case):
     check(case)
 
