@@ -25,9 +25,10 @@ for ((i = first; i < last; i++)); do
 done
 wait
 echo "grid: took $(( $(date +%s) - start )) s"
-passed=$(cat "$logs"/shard-*.log | grep -c " PASSED")
-failed=$(cat "$logs"/shard-*.log | grep -c " FAILED\| ERROR")
+these=$(for ((i = first; i < last; i++)); do echo "$logs/shard-$i.log"; done)
+passed=$(cat $these | grep -c " PASSED")
+failed=$(cat $these | grep -c " FAILED\| ERROR")
 echo "grid: $passed passed, $failed failed or errored"
-grep -h " FAILED\| ERROR" "$logs"/shard-*.log | head -50
+grep -h " FAILED\| ERROR" $these | head -50
 for ((i = first; i < last; i++)); do tail -1 "$logs/shard-$i.log"; done
 [ "$failed" -eq 0 ]
