@@ -87,6 +87,7 @@ def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3") -> j
     ref_logp = check.floating("ref_logp", ref_logp)
     check.shape("ref_logp", ref_logp, logp.shape, "logp.shape")
     check.option("estimator", estimator, rl_math.KL_ESTIMATORS)
+    logp, ref_logp = sharding.pin_grad_shardings(logp, ref_logp)
     return rl_math.kl_penalty(logp, ref_logp, estimator)
 
 
@@ -112,7 +113,7 @@ def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
       >>> float(jk.aggregate(values, mask)), float(jk.aggregate(values, mask, "seq_mean_token_mean"))
       (3.0, 3.5)
     """
-    values = _per_token("values", values)
+    (values,) = sharding.pin_grad_shardings(_per_token("values", values))
     mask = _mask(mask, values.shape)
     return rl_math.aggregate(values, mask, _agg_mode(mode), _max_len(max_len))
 
@@ -178,6 +179,7 @@ def _group_advantages(rewards, group_size, group_boundaries, normalize_std, std_
     check.rank("rewards", rewards, 1, "[B]")
     check.non_negative_int("std_ddof", std_ddof)
     ids, groups, ok = _segments(rewards.shape[0], group_size, group_boundaries)
+    (rewards,) = sharding.pin_grad_shardings(rewards)
     problem = dispatch.Problem("group_advantages", n_rows=rewards.shape[0])
     choice = dispatch.record("group_advantages",
                              dispatch.select("group_advantages", problem, backend,
@@ -209,7 +211,7 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
       >>> round(float(jk.policy_gradient_loss(logp, jnp.array([1.0, 0.0]), jnp.ones((2, 2)))), 4)
       0.5199
     """
-    logp = _per_token("logp", logp)
+    (logp,) = sharding.pin_grad_shardings(_per_token("logp", logp))
     shape = logp.shape
     per_token = -_advantages(advantages, shape) * logp.astype(jnp.float32)
     return rl_math.aggregate(per_token, _mask(mask, shape), _agg_mode(loss_agg_mode),
@@ -317,7 +319,7 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       >>> float(loss), float(metrics["ratio_mean"])
       (0.0, 1.0)
     """
-    logp = _per_token("logp", logp)
+    (logp,) = sharding.pin_grad_shardings(_per_token("logp", logp))
     shape = logp.shape
     cfg = _ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
                       kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len,
@@ -329,7 +331,7 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
         mask=_mask(mask, shape),
         rollout_logp=_sg(_optional_per_token("rollout_logp", rollout_logp, shape)),
         ref_logp=_sg(_optional_per_token("ref_logp", ref_logp, shape)),
-        entropy=_optional_per_token("entropy", entropy, shape))
+        entropy=sharding.pin_grad_shardings(_optional_per_token("entropy", entropy, shape))[0])
     return _run_ppo("ppo_loss", inputs, cfg, backend, strict=True)
 
 

@@ -409,6 +409,18 @@ def keep_grad_sharding(x):
     return identity(x)
 
 
+def pin_grad_shardings(*xs):
+    """``xs`` with each cotangent placed as its operand is, under Auto mesh axes (a no-op
+    under Explicit axes, where types carry shardings, inside ``shard_map``, under ``vmap``
+    and with no mesh). For ops written in plain jnp that do not go through :func:`run`."""
+    mesh = _mesh_of(xs)
+    if (mesh is None or _is_explicit(mesh)
+            or getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
+            or any(isinstance(x, _BatchTracer) for x in xs if x is not None)):
+        return xs
+    return tuple(keep_grad_sharding(x) for x in xs)
+
+
 def _note(record, plan: Plan) -> None:
     if record is not None:
         record(plan)
