@@ -19,14 +19,14 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels.backends import chunked
+from jaxrl_kernels.backends import chunked_distill
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 1024)  # 128-column chunks: several per row
+    monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 4 * 1024)  # 128-column chunks
 
 
 # -- the oracle -------------------------------------------------------------------------------

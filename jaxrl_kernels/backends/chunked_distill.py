@@ -13,7 +13,8 @@ head ([N, D_s] × [D_s, V]) and ``T`` one of the teacher head ([N, D_t] × [D_t,
   ``KL_t`` and ``KL_s`` per chunk (``S + T``).
 * backward: one pass recomputing both heads' chunk logits (``S + T``), forming the student's
   logit gradient ``dz_s`` per chunk, then ``d_hidden += dz_s · W_c`` and ``d_W_c = dz_sᵀ ·
-  hidden`` (``2 S``, float32 as in the log-prob backward). The teacher needs no backward GEMM.
+  hidden`` (``2 S``: float32 GEMMs for a float32 head, float16 operands scaled by powers of
+  two for a 16-bit one, see :func:`_student_backward`). The teacher needs no backward GEMM.
 
 GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the JSD.
 
@@ -33,6 +34,9 @@ from jaxrl_kernels import rl_math, sharding
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.reference import matmul_precision
 
+CHUNK_BYTES = 16 * 2**20
+"""Target size of one float32 [N, chunk] tile (a few are live at once, per head)."""
+
 
 def _chunked():
     from jaxrl_kernels.backends import chunked  # imported late: chunked imports this module
@@ -50,25 +54,66 @@ def _vocab(weight, weight_layout):
     return weight.shape[0] if weight_layout == "vd" else weight.shape[1]
 
 
+def _scan(body, init, n_rows: int, vocab: int):
+    """``chunked``'s chunk loop with this module's chunk size (:data:`CHUNK_BYTES`)."""
+    ck = _chunked()
+    size = CHUNK_BYTES // (4 * max(n_rows, 1))
+    size = min(vocab, max(128, size - size % 128))
+
+    def step(carry, c):
+        return body(carry, *ck._chunk_columns(c, size, vocab), size), None
+
+    return jax.lax.scan(step, init, jnp.arange(-(-vocab // size)))[0]
+
+
+def _pow2_scale(amax):
+    """2¹⁴ / (the smallest power of two >= amax): x · it lies in [−2¹⁴, 2¹⁴] for |x| <= amax,
+    inside float16's range (exact: a power of two; 1 where amax is 0 or not finite)."""
+    ok = jnp.isfinite(amax) & (amax > 0)
+    top = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, amax, 1.0))))
+    return jnp.where(ok, 2.0 ** 14 / top, 1.0).astype(jnp.float32)
+
+
 def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
     """(d_hidden, d_weight, d_bias | None) from ``tile_grad(start, cols, fresh, size)``, the
-    float32 logit gradient [N, size] of a chunk (two GEMMs per chunk, float32)."""
-    ck = _chunked()
+    float32 logit gradient [N, size] of a chunk: two GEMMs per chunk.
+
+    float32 heads: float32 GEMMs. 16-bit heads: float16 operands with float32 accumulation,
+    every operand scaled by a power of two into float16's range (exact, divided out after the
+    GEMM): ``G = σ_c dz`` with σ_c from the chunk's max |dz|, ``h16 = σ_h hidden`` and
+    ``W16 = σ_W W`` from their max |x|, so that ``d_hidden += (G·W16_c) / (σ_c σ_W)`` and
+    ``d_W_c = (Gᵀ·h16) / (σ_c σ_h)``; float16 keeps 2⁻¹¹ of each entry (bfloat16: 2⁻⁸)."""
     n_rows, vocab = hidden.shape[0], _vocab(weight, weight_layout)
-    hidden32 = hidden.astype(jnp.float32)
-    hi = matmul_precision(jnp.float32)
     w_axis = 0 if weight_layout == "vd" else 1
+    low = jnp.dtype(hidden.dtype).itemsize == 2 and jnp.dtype(weight.dtype).itemsize == 2
+    if low:
+        sigma_h = _pow2_scale(jnp.max(jnp.abs(hidden.astype(jnp.float32))))
+        sigma_w = _pow2_scale(jnp.max(jnp.abs(weight.astype(jnp.float32))))
+        h_op = (hidden.astype(jnp.float32) * sigma_h).astype(jnp.float16)
+        op_dtype, precision = jnp.float16, jax.lax.Precision.DEFAULT
+    else:
+        sigma_h = sigma_w = jnp.float32(1.0)
+        h_op = hidden.astype(jnp.float32)
+        op_dtype, precision = jnp.float32, matmul_precision(jnp.float32)
+
+    def dot(a, b, contract):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
 
     def body(carry, start, cols, fresh, size):
         d_hidden, d_weight, d_bias = carry
         dz = jnp.where(fresh, tile_grad(start, cols, fresh, size), 0.0)
-        w = ck._weight_chunk(weight, start, size, weight_layout).astype(jnp.float32)
+        sigma = _pow2_scale(jnp.max(jnp.abs(dz))) if low else jnp.float32(1.0)
+        g = (dz * sigma).astype(op_dtype)
+        w = jax.lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+        w = (w * sigma_w).astype(op_dtype)
         if weight_layout == "vd":
-            d_hidden = d_hidden + jnp.matmul(dz, w, precision=hi)
-            d_w = jnp.matmul(dz.T, hidden32, precision=hi)
+            d_hidden = d_hidden + dot(g, w, ((1,), (0,))) / (sigma * sigma_w)
+            d_w = dot(g, h_op, ((0,), (0,)))
         else:
-            d_hidden = d_hidden + jnp.matmul(dz, w.T, precision=hi)
-            d_w = jnp.matmul(hidden32.T, dz, precision=hi)
+            d_hidden = d_hidden + dot(g, w, ((1,), (1,))) / (sigma * sigma_w)
+            d_w = dot(h_op, g, ((0,), (0,)))
+        d_w = d_w / (sigma * sigma_h)
         old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
         fresh_w = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
         d_w = jnp.where(fresh_w, d_w.astype(d_weight.dtype), old)
@@ -81,7 +126,7 @@ def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
 
     init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
             None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    d_hidden, d_weight, d_bias = ck._scan_chunks(body, _varying(init, *operands), n_rows, vocab)
+    d_hidden, d_weight, d_bias = _scan(body, _varying(init, *operands), n_rows, vocab)
     return (d_hidden.astype(hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
 
@@ -98,7 +143,6 @@ def _both_chunks(student, teacher, temperature):
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                     teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
     """Per row [N]: ``(d, lse_s, lse_t, kl_s)`` (``kl_s`` = KL(p_s ‖ m) for the JSD, else 0)."""
-    ck = _chunked()
     n_rows, vocab = hidden.shape[0], _vocab(weight, weight_layout)
     chunks = _both_chunks((hidden, weight, bias, weight_layout),
                           (t_hidden, t_weight, t_bias, teacher_weight_layout), temperature)
@@ -107,7 +151,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
         return dm.pair_stats_update(stats, *chunks(start, size), fresh)
 
     operands = (hidden, weight, bias, t_hidden, t_weight, t_bias)
-    stats = ck._scan_chunks(body, _varying(dm.pair_stats_init((n_rows,)), *operands), n_rows,
+    stats = _scan(body, _varying(dm.pair_stats_init((n_rows,)), *operands), n_rows,
                             vocab)
     stats = dm.pair_stats_combine(stats, vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
@@ -121,7 +165,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
         kl_t, kl_s = dm.jsd_tile_sums(*chunks(start, size), lse_s, lse_t, fresh, beta)
         return sums[0] + kl_t, sums[1] + kl_s
 
-    kl_t, kl_s = ck._scan_chunks(body2, _varying((zero, zero), *operands, lse_s, lse_t), n_rows,
+    kl_t, kl_s = _scan(body2, _varying((zero, zero), *operands, lse_s, lse_t), n_rows,
                                  vocab)
     if vocab_axes:
         kl_t, kl_s = jax.lax.psum((kl_t, kl_s), vocab_axes)
@@ -168,7 +212,7 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     init = (rl_math.online_softmax_init((n_rows,), False),
             jnp.full((n_rows, k_local), -jnp.inf, jnp.float32),
             jnp.full((n_rows, k_local), -1, jnp.int32))
-    stats, values, ids = ck._scan_chunks(body, _varying(init, hidden, weight, bias), n_rows,
+    stats, values, ids = _scan(body, _varying(init, hidden, weight, bias), n_rows,
                                          vocab)
     if vocab_axes:
         m_all = jax.lax.pmax(stats[0], vocab_axes)
