@@ -280,6 +280,17 @@ def test_topk_ties_go_to_the_lower_id(backend):
     np.testing.assert_array_equal(np.asarray(ids), np.broadcast_to(want, (3, 50)))
 
 
+def test_topk_vmap(rng, backend):
+    hs = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((301, 8)), jnp.float32)
+    f = lambda h: jk.linear_topk_logprobs(h, w, 4, backend=backend)
+    got = jax.jit(jax.vmap(f))(hs)
+    for i in range(3):
+        want = f(hs[i])
+        np.testing.assert_array_equal(np.asarray(got[1][i]), np.asarray(want[1]))
+        assert_close(got[0][i], np.asarray(want[0]), scale=20.0)
+
+
 def test_topk_logp_agrees_with_linear_logprobs(rng, backend):
     h = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((301, 8)), jnp.float32)
@@ -483,3 +494,40 @@ def test_topk_k_errors(k, err):
     with pytest.raises(err) as info:
         jk.linear_topk_logprobs(jnp.ones((3, 4)), jnp.ones((5, 4)), k)
     assert str(info.value).startswith("k:"), info.value
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_distill_on_gpu(divergence, monkeypatch):
+    """bf16 heads of a realistic shape on the GPU (the module's own chunk size): the float64
+    oracle's values and gradients by docs/api.md's rules, bitwise reruns, and no [N, V]
+    float32 buffer in the compiled forward+backward."""
+    monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 2 * 2**20)
+    rng = np.random.default_rng(7)
+    b, t, v = 2, 256, 32771
+    (h, w, _), (h64, w64, _) = _head(rng, b, t, 256, v, "vd", jnp.bfloat16, False)
+    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "dv", jnp.bfloat16, False)
+    mask = random_mask(rng, b, t)
+    g_tok, g_loss = cotangent(rng, (b, t)), 0.5
+
+    def f(h, w):
+        return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
+                                      teacher_weight_layout="dv", backend="chunked")
+
+    step = jax.jit(lambda h, w: jax.vjp(f, h, w)[1]((jnp.float32(g_loss), g_tok)))
+    grads = step(h, w)
+    again = step(h, w)
+    for x, y in zip(grads, again):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    loss, per_token = jax.jit(f)(h, w)
+    okw = dict(divergence=divergence, t_layout="dv", g_tok=np.asarray(g_tok), g_loss=g_loss)
+    want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
+    want32 = distill_oracle(h64, w64, th64, tw64, mask, dt=np.float32, **okw)
+    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
+                         (grads[1], 3, "dW")):
+        assert_close(got, want[i], in_dtype=jnp.bfloat16, want32=want32[i],
+                     scale=want[-1] if i < 2 else None, name=name)
+    temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
