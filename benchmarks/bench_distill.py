@@ -118,7 +118,7 @@ def gemms_only(divergence: str, chunked: bool):
         return size, -(-v // size)
 
     def forward_pass(h, w, th, tw):
-        """Both heads' chunk logits, each tile carried to the next iteration (written, never
+        """Both heads' chunk logits, each tile passed on as the loop state (written, never
         read back: a loop iteration XLA cannot drop)."""
         n, v = h.shape[0], w.shape[0]
         size, count = sizes(n, v)
