@@ -6,6 +6,7 @@ function (see ``explain``). The API and its numerics: docs/api.md.
 """
 
 from jaxrl_kernels.dispatch import available_backends, explain, use_backend
+from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
 from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
 from jaxrl_kernels.losses import (
     aggregate,
@@ -31,10 +32,12 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "kl_penalty",
+    "linear_distill_loss",
     "linear_grpo_loss",
     "linear_logprobs",
     "linear_policy_gradient_loss",
     "linear_ppo_loss",
+    "linear_topk_logprobs",
     "policy_gradient_loss",
     "ppo_loss",
     "ratio_kl",

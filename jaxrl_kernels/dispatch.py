@@ -19,6 +19,9 @@ _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
                    d_bias | None)``: the backward alone, for ``ffi``
                    (served by ffi, pallas and chunked)
+distill_divergence per-row divergence between two linear heads (``distill``):
+                   a ``logprob_core.Parts`` (chunked) or ``Whole`` (reference)
+topk_logprobs      top-k logits, ids and lse of a linear head, likewise
 ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
@@ -66,10 +69,13 @@ OP_PRIMITIVE: dict[str, str] = {
     "linear_policy_gradient_loss": "linear_logprobs",
     "ppo_loss": "ppo_loss",
     "group_advantages": "group_advantages",
+    "linear_distill_loss": "distill_divergence",
+    "linear_topk_logprobs": "topk_logprobs",
 }
 
 # Primitives whose reference implementation holds a float32 [N, V] buffer.
-VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs"})
+VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
+                              "distill_divergence", "topk_logprobs"})
 
 # Backward passes on their own, for forwards without one. The reference backend has none (it
 # differentiates itself); chunked serves them at any size, since they reuse the saved lse.

@@ -203,3 +203,7 @@ OPS = {
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }
+
+from jaxrl_kernels.backends import chunked_distill as _distill  # noqa: E402  (imports this module)
+
+OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs

@@ -1,0 +1,264 @@
+"""Distillation between two LM heads: ``linear_distill_loss`` against the materialised divergence.
+
+Question: how long does a forward+backward of the per-token divergence take, with how much
+extra memory, against (a) the plain jnp code that materialises both heads' logits (bf16
+logits, float32 softmaxes, jax.grad), (b) the GEMMs our schedule needs, alone (the 1.15×
+goal), and (c) Liger's ``fused_linear_jsd`` (torch, its own process) where it imports?
+
+Problem: N tokens, student h [N, D_s] and W [V, D_s], teacher h_t [N, D_t] and W_t [V, D_t],
+bf16, L = loss (token_mean over N tokens), gradients to the student's h and W. GEMMs per
+forward+backward (``backends/chunked_distill.py``): ``4 S + 2 T`` for either KL, ``5 S + 3 T``
+for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The GEMM-only rows run exactly
+those GEMMs over the same vocabulary chunks (bf16 forward operands, float16 backward ones,
+float32 accumulation) and nothing else. Each row: XLA's temp size of the compiled
+``jax.jit(jax.grad(L, (h, W)))`` ("extra memory": neither inputs nor outputs), then the median
+of synchronised calls by the host clock, in ``--rounds`` rounds whose order rotates.
+
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_distill            # GPU: N=4096, D_s=2048,
+                                                                   # D_t=4096, V=151936
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_distill --small    # any device, seconds
+
+Results: ``bench_distill.{json,md}`` in out/bench (``--out``, ``--update-results``:
+benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+from benchmarks import output
+
+COLUMNS = ["variant", "divergence", "N", "D_s", "D_t", "V", "fwdbwd_ms", "spread_ms", "fwd_ms",
+           "temp_mib", "gemm_tflop", "tflops", "loss", "note", "error"]
+SIZES = {"full": dict(N=4096, D_s=2048, D_t=4096, V=151936),
+         "small": dict(N=64, D_s=32, D_t=64, V=1000)}
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+LOGIT_STD = 2.0  # std of every logit: W ~ N(0, (LOGIT_STD² / D)) against h ~ N(0, 1)
+
+
+def gemm_count(divergence: str) -> tuple[int, int]:
+    """(student GEMMs, teacher GEMMs) per forward+backward of our chunked schedule."""
+    return (5, 3) if divergence == "jsd" else (4, 2)
+
+
+def inputs(size: dict, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    n, ds, dt, v = size["N"], size["D_s"], size["D_t"], size["V"]
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (1, n, ds), jnp.bfloat16)
+    w = (jax.random.normal(k[1], (v, ds), jnp.float32) * (LOGIT_STD / ds ** 0.5)).astype(
+        jnp.bfloat16)
+    th = jax.random.normal(k[2], (1, n, dt), jnp.bfloat16)
+    tw = (jax.random.normal(k[3], (v, dt), jnp.float32) * (LOGIT_STD / dt ** 0.5)).astype(
+        jnp.bfloat16)
+    return h, w, th, tw, jnp.ones((1, n), jnp.float32)
+
+
+def materialised(divergence: str, beta: float = 0.5):
+    """The plain jnp code: bf16 logits [N, V] of both heads, float32 log-softmaxes."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(h, w, th, tw, mask):
+        zs = (h @ w.T).astype(jnp.float32)             # bf16 GEMM output, upcast
+        zt = jax.lax.stop_gradient((th @ tw.T).astype(jnp.float32))
+        ls, lt = jax.nn.log_softmax(zs, -1), jax.nn.log_softmax(zt, -1)
+        ps, pt = jnp.exp(ls), jnp.exp(lt)
+        if divergence == "reverse_kl":
+            d = jnp.sum(ps * (ls - lt), -1)
+        elif divergence == "forward_kl":
+            d = jnp.sum(pt * (lt - ls), -1)
+        else:
+            lm = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
+            d = jnp.sum(beta * pt * (lt - lm) + (1 - beta) * ps * (ls - lm), -1)
+        return jnp.sum(d * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return loss
+
+
+def ours(divergence: str):
+    import jaxrl_kernels as jk
+
+    def loss(h, w, th, tw, mask):
+        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence,
+                                      backend="chunked")[0]
+    return loss
+
+
+def gemms_only(divergence: str, chunked: bool):
+    """The schedule's GEMMs and nothing else (see the module docstring); unchunked: the same
+    GEMMs at full size (bf16 outputs), the GEMM roofline of the schedule."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_kernels.backends import chunked_distill
+
+    n_s, n_t = gemm_count(divergence)
+    passes = n_t  # forward passes over the teacher: 1 (KL) or 2 (JSD), plus the recompute
+
+    def dot(a, b, contract, out=jnp.float32):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=out)
+
+    @jax.custom_vjp
+    def loss(h, w, th, tw, mask):
+        return fwd(h, w, th, tw, mask)[0]
+
+    def sizes(n, v):
+        if not chunked:
+            return v, 1
+        size = chunked_distill.CHUNK_BYTES // (4 * n)
+        size = min(v, max(128, size - size % 128))
+        return size, -(-v // size)
+
+    def forward_pass(h, w, th, tw):
+        """Both heads' chunk logits, each tile passed on as the loop state (written, never
+        read back: a loop iteration XLA cannot drop)."""
+        n, v = h.shape[0], w.shape[0]
+        size, count = sizes(n, v)
+        out = jnp.float32 if chunked else jnp.bfloat16
+
+        def body(c, tiles):
+            start = jnp.minimum(c * size, v - size)
+            ws = jax.lax.dynamic_slice_in_dim(w, start, size, 0)
+            wt = jax.lax.dynamic_slice_in_dim(tw, start, size, 0)
+            return dot(h, ws, ((1,), (1,)), out), dot(th, wt, ((1,), (1,)), out)
+
+        zero = jnp.zeros((n, size), out)
+        zs, zt = jax.lax.fori_loop(0, count, body, (zero, zero))
+        return zs[:, 0].astype(jnp.float32) + zt[:, 0].astype(jnp.float32)
+
+    def fwd(h, w, th, tw, mask):
+        h2, th2 = h[0], th[0]
+        acc = sum(forward_pass(h2, w, th2, tw) for _ in range(passes - 1))
+        return jnp.sum(acc) * 0.0, (h, w, th, tw)
+
+    def bwd(res, g):
+        h, w, th, tw = res
+        h2, th2 = h[0], th[0]
+        n, v = h2.shape[0], w.shape[0]
+        size, count = sizes(n, v)
+        h16 = h2.astype(jnp.float16)
+
+        def body(c, carry):
+            dh, dw = carry
+            start = jnp.minimum(c * size, v - size)
+            ws = jax.lax.dynamic_slice_in_dim(w, start, size, 0)
+            wt = jax.lax.dynamic_slice_in_dim(tw, start, size, 0)
+            out = jnp.bfloat16 if not chunked else jnp.float32
+            zs = dot(h2, ws, ((1,), (1,)), out)
+            zt = dot(th2, wt, ((1,), (1,)), out)
+            dz = (zs.astype(jnp.float32) - zt.astype(jnp.float32)).astype(jnp.float16)
+            dh = dh + dot(dz, ws.astype(jnp.float16), ((1,), (0,)))
+            dw_c = dot(dz, h16, ((0,), (0,)), jnp.bfloat16)
+            return dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_c, start, 0)
+
+        dh, dw = jax.lax.fori_loop(0, count, body, (jnp.zeros(h2.shape, jnp.float32),
+                                                    jnp.zeros_like(w)))
+        return (g * dh).astype(h.dtype)[None], (g * dw).astype(w.dtype), None, None, None
+
+    loss.defvjp(fwd, bwd)
+    return loss
+
+
+def torch_rows(size: dict, timeout: int, runs: int) -> list[dict]:
+    """Liger's ``fused_linear_jsd`` in its own process (``distill_torch_worker``)."""
+    from benchmarks.workers import failure, run_worker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "rows.jsonl"
+        code, tail = run_worker("benchmarks.distill_torch_worker",
+                                ["--out", str(out), "--size", json.dumps(size), "--runs",
+                                 str(runs)], sys.executable, timeout)
+        rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if code != 0 and not rows:
+        rows = [{"variant": "liger fused_linear_jsd", "divergence": "jsd", **size,
+                 "error": failure(code, tail, timeout)}]
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
+    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--divergences", default=",".join(DIVERGENCES))
+    parser.add_argument("--no-torch", action="store_true", help="skip the Liger row")
+    args = parser.parse_args()
+
+    import jax
+
+    from benchmarks import common
+
+    size = SIZES["small" if args.small else "full"]
+    divergences = [d for d in args.divergences.split(",") if d]
+    h, w, th, tw, mask = inputs(size)
+    flop = {d: 2 * size["N"] * size["V"] * (gemm_count(d)[0] * size["D_s"]
+                                             + gemm_count(d)[1] * size["D_t"])
+            for d in divergences}
+    cases = []
+    for d in divergences:
+        cases += [("ours (chunked)", d, ours(d), ""),
+                  ("jnp materialised", d, materialised(d),
+                   "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad"),
+                  ("GEMMs alone, chunked", d, gemms_only(d, True),
+                   f"the schedule's {gemm_count(d)[0]} S + {gemm_count(d)[1]} T GEMMs, "
+                   "same chunks"),
+                  ("GEMMs alone, full size", d, gemms_only(d, False),
+                   "the same GEMMs unchunked, bf16 outputs")]
+
+    rows, fns = [], []
+    for name, d, loss, note in cases:
+        row = {"variant": name, "divergence": d, **size, "note": note,
+               "gemm_tflop": flop[d] / 1e12}
+        try:
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            forward = jax.jit(loss)
+            row["temp_mib"] = grad.lower(h, w, th, tw, mask).compile().memory_analysis(
+            ).temp_size_in_bytes / 2**20
+            row["loss"] = float(forward(h, w, th, tw, mask))
+            jax.block_until_ready(grad(h, w, th, tw, mask))
+            fns.append((row, grad, forward))
+        except Exception as err:  # report it in the row, keep the others
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        rows.append(row)
+        print("compiled:", row, flush=True)
+
+    times = {id(r): [] for r, _, _ in fns}
+    fwd_times = {id(r): [] for r, _, _ in fns}
+    fargs = (h, w, th, tw, mask)
+    start = time.time()
+    for k in range(args.rounds):
+        order = fns[k % max(len(fns), 1):] + fns[:k % max(len(fns), 1)]
+        for row, grad, forward in order:
+            common.warm_up(grad, *fargs, seconds=0.0 if args.small else 0.3)
+            times[id(row)].append(common.median_ms(grad, *fargs, warmup=1, runs=args.runs))
+            fwd_times[id(row)].append(common.median_ms(forward, *fargs, warmup=1,
+                                                       runs=args.runs))
+    for row, _, _ in fns:
+        ts = times[id(row)]
+        row["fwdbwd_ms"] = statistics.median(ts)
+        row["spread_ms"] = max(ts) - min(ts)
+        row["fwd_ms"] = statistics.median(fwd_times[id(row)])
+        row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
+        print("timed:", row, flush=True)
+    print(f"timing took {time.time() - start:.0f} s")
+    del h, w, th, tw, fns
+    if "jsd" in divergences and not args.no_torch:
+        for row in torch_rows(size, timeout=300, runs=args.runs):
+            row.setdefault("gemm_tflop", flop["jsd"] / 1e12)
+            if row.get("fwdbwd_ms"):
+                row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
+            rows.append(row)
+    print(common.write_results("bench_distill", rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()

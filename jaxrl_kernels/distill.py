@@ -1,0 +1,338 @@
+"""Distillation between two linear LM heads, and the top-k log-probs of one, without logits.
+
+``linear_distill_loss``: a per-token divergence (forward KL, reverse KL or the generalised JSD)
+between the full-vocabulary distributions of a student head and a frozen teacher head;
+``linear_topk_logprobs``: each row's k most likely tokens and their log-probs (the teacher-side
+export for top-k distillation). The per-row math is in ``divergence_math``; the backends'
+pieces are ``backends/reference_distill.py`` (jnp on the logits, the oracle) and
+``backends/chunked_distill.py`` (vocabulary chunks; its docstring counts the GEMMs).
+
+Both run through ``sharding.run`` like the log-prob ops: rows stay where they live, a
+vocabulary split over devices is used in place, and inside ``jax.shard_map`` ``vocab_axis``
+names the axis whose slices of the heads' vocabulary each device holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jaxrl_kernels import dispatch, rl_math, sharding
+from jaxrl_kernels import validation as check
+from jaxrl_kernels.divergence_math import DIVERGENCES
+from jaxrl_kernels.logprob_core import Whole
+from jaxrl_kernels.logprobs import WEIGHT_LAYOUTS, check_linear_head, global_vocab
+
+AxisName = str | tuple[str, ...]
+_LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
+
+
+def _w_roles(layout: str) -> str:
+    return "v-" if layout == "vd" else "-v"
+
+
+def _flat(x, n_row_dims):
+    return x.reshape((math.prod(x.shape[:n_row_dims]),) + x.shape[n_row_dims:])
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
+    """Validate the teacher head against the student's rows ``shape`` [B, T] and ``vocab``."""
+    t_hidden = check.floating("teacher_hidden", t_hidden)
+    t_weight = check.floating("teacher_weight", t_weight)
+    check.option("teacher_weight_layout", layout, WEIGHT_LAYOUTS)
+    check.rank("teacher_hidden", t_hidden, 3, "[B, T, D_t]")
+    if tuple(t_hidden.shape[:2]) != tuple(shape):
+        raise ValueError(f"teacher_hidden: expected [B, T] = {tuple(shape)} (hidden.shape[:2]), "
+                         f"got shape {tuple(t_hidden.shape)}")
+    dim = t_hidden.shape[-1]
+    want = _LAYOUT_SHAPES[layout].format(d="D_t")
+    check.rank("teacher_weight", t_weight, 2, want)
+    t_vocab, w_dim = t_weight.shape if layout == "vd" else t_weight.shape[::-1]
+    if w_dim != dim:
+        raise ValueError(f"teacher_weight: expected shape {want} with D_t = {dim} "
+                         f"(teacher_hidden.shape[-1]) for teacher_weight_layout={layout!r}, "
+                         f"got {tuple(t_weight.shape)}")
+    if t_vocab != vocab:
+        raise ValueError(f"teacher_weight: expected the student's vocabulary V = {vocab} "
+                         f"(the weight's), got V = {t_vocab} in shape {tuple(t_weight.shape)}")
+    if t_bias is not None:
+        t_bias = check.floating("teacher_bias", t_bias)
+        check.shape("teacher_bias", t_bias, (vocab,), "[V]")
+    return t_hidden, t_weight, t_bias
+
+
+def _check_temperature(temperature):
+    check.positive("temperature", temperature)
+    return float(temperature)
+
+
+# -- linear_distill_loss ------------------------------------------------------------------------
+
+def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis, record):
+    """Per-row d [B, T] (raw on every row) of the validated heads through ``sharding.run``."""
+    hidden, weight, bias, t_hidden, t_weight, t_bias = operands
+    rows = "rr"
+    roles = (rows + "-", _w_roles(opts["weight_layout"]), "v", rows + "-",
+             _w_roles(opts["teacher_weight_layout"]), "v")
+    if isinstance(parts, Whole):
+        def local(plan, h, w, b, th, tw, tb):
+            d = parts.fn(_flat(h, 2), w, b, _flat(th, 2), tw, tb, vocab_axes=plan.vocab_axes,
+                         **opts)
+            return (d.reshape(h.shape[:2]),)
+
+        (d,) = sharding.run(local, operands, roles, (rows,), vocab_axis=vocab_axis,
+                            differentiable=True, record=record)
+        return d
+
+    def local_forward(plan, h, w, b, th, tw, tb):
+        outs = parts.stats(_flat(h, 2), w, b, _flat(th, 2), tw, tb, vocab_axes=plan.vocab_axes,
+                           **opts)
+        return tuple(o.reshape(h.shape[:2]) for o in outs)
+
+    def local_backward(plan, h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, valid, g):
+        flat = lambda x: x.reshape(-1)
+        g = plan.output_cotangent(g, w)
+        g = jnp.where(flat(valid), flat(g).astype(jnp.float32), 0.0)
+        dh, dw, db = parts.backward(_flat(h, 2), w, b, _flat(th, 2), tw, tb, flat(lse_s),
+                                    flat(lse_t), flat(d), flat(kl_s), g, **opts)
+        return dh.reshape(h.shape), dw, db
+
+    @jax.custom_vjp
+    def op(*args):
+        return fwd(*args)[0]
+
+    def fwd(h, w, b, th, tw, tb, valid):
+        d, lse_s, lse_t, kl_s = sharding.run(local_forward, (h, w, b, th, tw, tb), roles,
+                                             (rows,) * 4, vocab_axis=vocab_axis, record=record)
+        return d, (h, w, b, th, tw, tb, valid, d, lse_s, lse_t, kl_s)
+
+    def bwd(res, g):
+        h, w, b, th, tw, tb, valid, d, lse_s, lse_t, kl_s = res
+        grads = sharding.run(
+            local_backward, (h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, valid, g),
+            roles + (rows,) * 6, roles[:2] + (("v",) if b is not None else ()),
+            grads_of=(0, 1) + ((2,) if b is not None else ()), vocab_axis=vocab_axis)
+        dh, dw = grads[0].astype(h.dtype), grads[1].astype(w.dtype)
+        db = grads[2].astype(b.dtype) if b is not None else None
+        return dh, dw, db, None, None, None, None  # the teacher and the mask: zero
+
+    op.defvjp(fwd, bwd)
+    return op(*operands, row_valid)
+
+
+def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: ArrayLike,
+                        teacher_weight: ArrayLike, mask: ArrayLike, *,
+                        divergence: str = "reverse_kl", jsd_beta: float = 0.5,
+                        temperature: float = 1.0, weight_layout: str = "vd",
+                        teacher_weight_layout: str = "vd", bias: ArrayLike | None = None,
+                        teacher_bias: ArrayLike | None = None, loss_agg_mode: str = "token_mean",
+                        max_len: int | None = None, backend: str | None = None,
+                        vocab_axis: AxisName | None = None) -> tuple[jax.Array, jax.Array]:
+    """A per-token divergence between a student and a frozen teacher LM head, over the whole
+    vocabulary, without materialising either model's logits.
+
+    ``z = (hidden·Wᵀ + b) / temperature`` for each model (no τ² factor on the loss),
+    ``p_s = softmax(z_s)``, ``p_t = softmax(z_t)``, and per token ``d``:
+    ``"forward_kl"`` ``Σ p_t (log p_t − log p_s)``; ``"reverse_kl"`` ``Σ p_s (log p_s −
+    log p_t)``; ``"jsd"`` ``β·KL(p_t ‖ m) + (1−β)·KL(p_s ‖ m)`` with ``m = β p_t + (1−β) p_s``.
+    Gradients reach ``hidden``, ``weight`` and ``bias``; the teacher's arguments get zeros. No
+    backend except ``"reference"`` holds ``[B, T, V]`` logits, forward or backward.
+
+    Args:
+      hidden: the student's ``[B, T, D_s]`` hidden states.
+      weight: the student's head, ``[V, D_s]`` (``"vd"``) or ``[D_s, V]`` (``"dv"``).
+      teacher_hidden: the teacher's ``[B, T, D_t]`` (``D_t`` may differ from ``D_s``).
+      teacher_weight: the teacher's head, ``[V, D_t]`` or ``[D_t, V]`` (the same ``V``).
+      mask: ``[B, T]`` (float, bool or int 0/1), 1 on the tokens that count.
+      divergence: ``"reverse_kl"``, ``"forward_kl"`` or ``"jsd"``.
+      jsd_beta: β in (0, 1), for ``"jsd"`` only (β = 0.5: the symmetric JSD).
+      temperature: ``> 0``, dividing both models' logits (and biases).
+      weight_layout, teacher_weight_layout: ``"vd"`` or ``"dv"`` for each head.
+      bias, teacher_bias: ``[V]`` or ``None``.
+      loss_agg_mode, max_len: as in ``aggregate``.
+      backend: ``None`` (automatic), ``"reference"`` or ``"chunked"``.
+      vocab_axis: inside ``jax.shard_map``, the mesh axis over which both heads (and biases)
+        hold consecutive vocabulary slices.
+
+    Returns:
+      ``(loss, per_token)``: the float32 scalar ``aggregate(d, mask, loss_agg_mode,
+      max_len)`` and ``d`` ``[B, T]`` float32, exactly 0 where ``mask`` is 0 (no gradient
+      from there).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> h, w = jnp.ones((1, 2, 4)), jnp.zeros((8, 4))          # a uniform student
+      >>> th, tw = jnp.ones((1, 2, 6)), jnp.zeros((8, 6)).at[0].set(1.0)  # z_t = (6, 0, ...)
+      >>> loss, d = jk.linear_distill_loss(h, w, th, tw, jnp.ones((1, 2)),
+      ...                                  divergence="forward_kl")  # log 8 − H(p_t)
+      >>> round(float(loss), 3), d.shape
+      (1.96, (1, 2))
+    """
+    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    check.rank("hidden", hidden, 3, "[B, T, D_s]")
+    shape = hidden.shape[:2]
+    teacher_hidden, teacher_weight, teacher_bias = _check_teacher(
+        teacher_hidden, teacher_weight, teacher_bias, teacher_weight_layout, shape, local_vocab)
+    mask = check.mask("mask", mask)
+    check.shape("mask", mask, shape, "[B, T]")
+    mask = mask.astype(jnp.float32)
+    check.option("divergence", divergence, DIVERGENCES)
+    beta = 0.5
+    if divergence == "jsd":
+        v = check._number("jsd_beta", jsd_beta)
+        if v is None:
+            raise TypeError("jsd_beta: expected a Python float in (0, 1), got a traced value")
+        if not 0.0 < v < 1.0:
+            raise ValueError(f"jsd_beta: expected a value in (0, 1), got {v}")
+        beta = v
+    temperature = _check_temperature(temperature)
+    mode = check.option("loss_agg_mode", loss_agg_mode,
+                        rl_math.AGGREGATION_MODES + tuple(rl_math.AGGREGATION_ALIASES))
+    if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len <= 0):
+        raise ValueError(f"max_len: expected a positive int or None, got {max_len!r}")
+    if vocab_axis is not None:
+        global_vocab(local_vocab, vocab_axis)  # checks the axis
+
+    problem = dispatch.Problem(
+        "linear_distill_loss", n_rows=math.prod(shape), vocab=local_vocab,
+        hidden_dim=hidden.shape[-1], dtype=dispatch.dtype_name(hidden),
+        weight_layout=weight_layout, has_bias=bias is not None,
+        extra=(("divergence", divergence), ("teacher_hidden_dim", teacher_hidden.shape[-1])))
+    choice = dispatch.record("linear_distill_loss",
+                             dispatch.select("linear_distill_loss", problem, backend))
+    stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
+    opts = dict(weight_layout=weight_layout, teacher_weight_layout=teacher_weight_layout,
+                divergence=divergence, beta=beta, temperature=temperature)
+    valid = mask != 0
+    d = _divergence_rows(choice.impl,
+                         (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
+                          stop(teacher_bias)),
+                         valid, opts=opts, vocab_axis=vocab_axis,
+                         record=dispatch.plan_recorder("linear_distill_loss"))
+    per_token = jnp.where(valid, d, 0.0)
+    return rl_math.aggregate(per_token, mask, mode, max_len), per_token
+
+
+# -- linear_topk_logprobs -----------------------------------------------------------------------
+
+def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, temperature,
+               vocab_axis, record):
+    """``(values [..., k], ids [..., k], lse [...])`` through ``sharding.run``: the values are
+    the logits ``z[ids]``; their cotangent and that of ``lse`` pull back to
+    ``dz = g_lse·p + Σ_j g_j onehot(id_j)``."""
+    rows = "r" * n_row_dims
+    roles = (rows + "-", _w_roles(weight_layout), "v")
+    out_roles = (rows + "-", rows + "-", rows)
+    opts = dict(k=k, weight_layout=weight_layout, temperature=temperature)
+    local_vocab = lambda w: w.shape[0] if weight_layout == "vd" else w.shape[1]
+    whole = isinstance(parts, Whole)
+    stats = parts.fn if whole else parts.stats
+
+    def local_forward(plan, h, w, b):
+        values, ids, lse = stats(_flat(h, n_row_dims), w, b, **opts,
+                                 vocab_offset=plan.vocab_offset(local_vocab(w)),
+                                 vocab_axes=plan.vocab_axes)
+        lead = h.shape[:n_row_dims]
+        return values.reshape(lead + (k,)), ids.reshape(lead + (k,)), lse.reshape(lead)
+
+    if whole:
+        return sharding.run(local_forward, (hidden, weight, bias), roles, out_roles,
+                            vocab_axis=vocab_axis, differentiable=True, record=record)
+
+    def local_backward(plan, h, w, b, ids, lse, g_v, g_lse):
+        g_v = plan.output_cotangent(g_v, w).astype(jnp.float32)
+        g_lse = plan.output_cotangent(g_lse, w).astype(jnp.float32)
+        local_ids = ids - plan.vocab_offset(local_vocab(w))
+        n = math.prod(h.shape[:n_row_dims])
+        dh, dw, db = parts.backward(_flat(h, n_row_dims), w, b, local_ids.reshape(n, k),
+                                    lse.reshape(n), g_v.reshape(n, k), g_lse.reshape(n),
+                                    weight_layout=weight_layout, temperature=temperature)
+        return dh.reshape(h.shape), dw, db
+
+    @jax.custom_vjp
+    def op(h, w, b):
+        return fwd(h, w, b)[0]
+
+    def fwd(h, w, b):
+        outs = sharding.run(local_forward, (h, w, b), roles, out_roles, vocab_axis=vocab_axis,
+                            record=record)
+        return outs, (h, w, b, outs[1], outs[2])
+
+    def bwd(res, cot):
+        h, w, b, ids, lse = res
+        g_v, _, g_lse = cot
+        grads = sharding.run(
+            local_backward, (h, w, b, ids, lse, g_v, g_lse), roles + (rows + "-", rows) * 2,
+            roles[:2] + (("v",) if b is not None else ()),
+            grads_of=(0, 1) + ((2,) if b is not None else ()), vocab_axis=vocab_axis)
+        db = grads[2].astype(b.dtype) if b is not None else None
+        return grads[0].astype(h.dtype), grads[1].astype(w.dtype), db
+
+    op.defvjp(fwd, bwd)
+    return op(hidden, weight, bias)
+
+
+def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
+                         bias: ArrayLike | None = None, weight_layout: str = "vd",
+                         temperature: float = 1.0, backend: str | None = None,
+                         vocab_axis: AxisName | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``k`` most likely tokens of each row of a linear head and their log-probs, without
+    materialising the logits.
+
+    With ``z = (hidden·Wᵀ + b) / temperature``: ``ids`` are the k largest ``z`` in descending
+    order (equal float32 logits: the lower id first), ``logp = z[ids] − lse`` and
+    ``lse = logsumexp(z)``. ``logp`` and ``lse`` are differentiable (``logp`` as
+    ``linear_logprobs`` at those ids); ``ids`` are not. Across a vocabulary split over devices
+    each slice's top-k merges into the global one.
+
+    Args:
+      hidden: ``[..., D]`` (may be 1-D).
+      weight: ``[V, D]`` (``"vd"``) or ``[D, V]`` (``"dv"``), as in ``linear_logprobs``.
+      k: a Python int in ``[1, V]``.
+      bias, weight_layout, temperature: as in ``linear_logprobs``.
+      backend: ``None`` (automatic), ``"reference"`` or ``"chunked"``.
+      vocab_axis: inside ``jax.shard_map``, the mesh axis splitting the weight's vocabulary;
+        ``ids`` are global.
+
+    Returns:
+      ``(logp, ids, lse)``: float32 ``[..., k]``, int32 ``[..., k]`` and float32 ``[...]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> w = jnp.array([[0.0], [2.0], [1.0], [2.0]])          # [V, D]: tokens 1 and 3 tie
+      >>> logp, ids, lse = jk.linear_topk_logprobs(jnp.ones(1), w, 3)
+      >>> ids.tolist(), [round(x, 3) for x in logp.tolist()]
+      ([1, 3, 2], [-0.918, -0.918, -1.918])
+    """
+    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    vocab = global_vocab(local_vocab, vocab_axis)
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+        raise TypeError(f"k: expected a Python int in [1, V = {vocab}], got {type(k).__name__}")
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k: expected a value in [1, V = {vocab}], got {k}")
+    temperature = _check_temperature(temperature)
+    squeeze = hidden.ndim == 1
+    if squeeze:
+        hidden = hidden[None]
+    n_row_dims = hidden.ndim - 1
+    flat_hidden = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]),
+                                       hidden.dtype)
+    problem = dispatch.linear_problem("linear_topk_logprobs", flat_hidden, weight, bias,
+                                      weight_layout=weight_layout, return_entropy=False)
+    choice = dispatch.record("linear_topk_logprobs",
+                             dispatch.select("linear_topk_logprobs", problem, backend))
+    values, ids, lse = _topk_rows(choice.impl, hidden, weight, bias, k=int(k),
+                                  n_row_dims=n_row_dims, weight_layout=weight_layout,
+                                  temperature=temperature, vocab_axis=vocab_axis,
+                                  record=dispatch.plan_recorder("linear_topk_logprobs"))
+    logp = values - lse[..., None]
+    if squeeze:
+        logp, ids, lse = logp[0], ids[0], lse[0]
+    return logp, ids, lse
