@@ -130,6 +130,21 @@ def test_readme_headline_comes_from_its_results_file():
             f"{value} {unit} is not in {block.group(1)}")
 
 
+def test_readme_tunix_table_comes_from_its_results_file():
+    """The tunix table's step times, micro-batches and completions are values of its file."""
+    block = re.search(r"<!-- tunix: figures from (\S+) -->(.*?)<!-- /tunix -->", README, re.S)
+    assert block, "README lost its delimited tunix table"
+    data = json.loads((ROOT / block.group(1)).read_text())
+    rows = {(r["loss"], r["what"]): r for report in data["reports"] for r in report["rows"]}
+    lines = [line for line in block.group(2).splitlines() if line.startswith("| ")][1:]
+    assert len(lines) == 2
+    for line, loss in zip(lines, ("grpo", "jaxrl_grpo")):
+        step, batch, completion = (c.strip() for c in line.strip("|").split("|")[1:])
+        assert step == f"{rows[(loss, 'same micro-batch')]['step_ms']:.0f} ms", line
+        assert batch == f"≥ {rows[(loss, 'largest micro-batch')]['micro_batch']}", line
+        assert completion == f"≥ {rows[(loss, 'longest completion')]['completion']}", line
+
+
 # -- docstrings --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", jk.__all__)
