@@ -4,6 +4,8 @@
 # FIRST..LAST-1 at once. Each shard's pytest -v log goes to $GRID_LOGS/shard-<i>.log as it runs,
 # so a run cut short still shows every case it finished; the summary counts them.
 #   bash tests/run_full_grid.sh [FIRST LAST N]      default 0 N N, N = the number of cores
+# With GRID_IDS=<file of pytest node ids>, shard i runs lines i, i+n, ... of that file instead
+# (to finish a run that was cut short).
 # Needs no GPU (JAX_PLATFORMS=cpu); pallas runs in interpret mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +22,13 @@ export XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_cpu_multi_threa
 echo "grid: shards $first..$((last - 1)) of $n on $cores cores, logs in $logs"
 start=$(date +%s)
 for ((i = first; i < last; i++)); do
-  JAXRL_TEST_GRID_SHARD="$i/$n" "$python" -m pytest -m grid_full -v -p no:cacheprovider \
-    tests/test_sharding_grid.py > "$logs/shard-$i.log" 2>&1 &
+  if [ -n "${GRID_IDS:-}" ]; then
+    mapfile -t ids < <(awk -v i="$i" -v n="$n" 'NF && (NR - 1) % n == i' "$GRID_IDS")
+    "$python" -m pytest -m grid_full -v -p no:cacheprovider "${ids[@]}" > "$logs/shard-$i.log" 2>&1 &
+  else
+    JAXRL_TEST_GRID_SHARD="$i/$n" "$python" -m pytest -m grid_full -v -p no:cacheprovider \
+      tests/test_sharding_grid.py > "$logs/shard-$i.log" 2>&1 &
+  fi
 done
 wait
 echo "grid: took $(( $(date +%s) - start )) s"
