@@ -62,7 +62,7 @@ LOW_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped where there is none)")
-    config.addinivalue_line("markers", "slow: larger CPU cases")
+    config.addinivalue_line("markers", "slow: larger CPU cases; skipped unless JAXRL_TEST_SLOW=1")
     config.addinivalue_line(
         "markers", "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
                    "unless JAXRL_TEST_PALLAS_SLOW=1")
@@ -84,7 +84,11 @@ def pytest_collection_modifyitems(config, items):
     run_slow_pallas = os.environ.get("JAXRL_TEST_PALLAS_SLOW") == "1"
     skip_grid = pytest.mark.skip(reason="the full sharding grid; set JAXRL_TEST_GRID=full")
     run_grid = os.environ.get("JAXRL_TEST_GRID") == "full"
+    skip_slow = pytest.mark.skip(reason="slow case; set JAXRL_TEST_SLOW=1 to run it")
+    run_slow = os.environ.get("JAXRL_TEST_SLOW") == "1"
     for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
         if "grid_full" in item.keywords and not run_grid:

@@ -23,7 +23,6 @@ see the same model, so they must still agree.
 from __future__ import annotations
 
 import inspect
-import os
 import types
 
 import pytest
@@ -62,9 +61,7 @@ def test_ppo_learner_matches_tunix():
     assert "actor/train/loss/entropy" in got.metrics and "critic/train/loss" in got.metrics
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("JAXRL_TEST_SLOW") != "1",
-                    reason="slow (~40 s of CPU): set JAXRL_TEST_SLOW=1 to run it")
+@pytest.mark.slow  # ~80 s of CPU
 def test_grpo_learner_packed_matches_tunix():
     got, _ = check_pair("grpo", packed=True)
     assert len(got.metrics["actor/train/loss"]) >= 1
