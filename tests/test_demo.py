@@ -456,6 +456,7 @@ def test_distill_fields_are_for_distill_only():
     (["--algo", "distill", "--distill-lr", "0"], ("--distill-lr",)),
     (["--algo", "distill", "--timing-runs", "0"], ("--timing-runs",)),
     (["--algo", "distill", "--group-size", "1"], ("--group-size", "grpo")),
+    (["--algo", "distill", "--backend", "pallas"], ("--backend pallas", "linear_distill_loss")),
 ])
 def test_bad_distill_flags_end_with_one_line(capsys, argv, words):
     _one_line_error(capsys, argv, *words)

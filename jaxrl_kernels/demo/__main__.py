@@ -79,10 +79,12 @@ def parse_args(argv=None):
         parser.error(f"--resume: {err}")
     except ValueError as err:
         parser.error(_with_flag(str(err)))
-    ops = ["linear_logprobs"] + (["linear_distill_loss"] if cfg.algo == "distill" else [])
-    for op in ops:
+    ops = {"linear_logprobs": ""}
+    if cfg.algo == "distill":
+        ops["linear_distill_loss"] = " for --algo distill (linear_distill_loss)"
+    for op, what in ops.items():
         if cfg.backend is not None and cfg.backend not in jrk.available_backends(op):
-            parser.error(f"--backend {cfg.backend}: cannot run {op} here; available: "
+            parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
                          f"{', '.join(jrk.available_backends(op))}")
     return cfg, progress
 
