@@ -467,3 +467,22 @@ def test_bad_distill_flag_from_a_shell():
                            "--student-heads", "-1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "--student-heads" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+def test_materialised_loss_is_linear_distill_loss(divergence):
+    """The timed jnp step computes the same divergence, and gradient, as ours (mixed layouts)."""
+    import jaxrl_kernels as jk
+    from jaxrl_kernels.demo import distill
+    k = jax.random.split(jax.random.key(1), 5)
+    h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
+    w, tw = jax.random.normal(k[2], (14, 8)), jax.random.normal(k[3], (12, 14))
+    mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
+    opts = dict(divergence=divergence, temperature=0.8, weight_layout="vd",
+                teacher_weight_layout="dv")
+    ours = lambda h, w: jk.linear_distill_loss(h, w, th, tw, mask, backend="chunked", **opts)
+    jnp_ = lambda h, w: distill.materialised_distill_loss(h, w, th, tw, mask, **opts)
+    for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
+                    jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
