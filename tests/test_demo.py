@@ -378,3 +378,111 @@ def test_logged_dual_clip_agrees_with_help():
             assert Config(algo=algo).dual_clip is None, algo
             with pytest.raises(ValueError, match="dual_clip"):
                 Config(algo=algo, dual_clip=2.0)
+
+
+# ---------------------------------------------------------------------- on-policy distillation
+
+# The TINY teacher (programs shared with the tests above) and a smaller student.
+DISTILL_FLAGS = TINY_FLAGS + ["--algo", "distill", "--steps", "3", "--student-d-model", "16",
+                              "--student-layers", "1", "--student-heads", "2",
+                              "--student-warmup-steps", "3", "--distill-steps", "40",
+                              "--distill-lr", "3e-3", "--timing-runs", "3", "--eval-every", "20"]
+
+
+@pytest.fixture(scope="module")
+def distill_run(tmp_path_factory):
+    """A TINY --algo distill run's --out directory and what it printed."""
+    pytest.importorskip("matplotlib")
+    out = str(tmp_path_factory.mktemp("distill") / "run")
+    import contextlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(DISTILL_FLAGS + ["--out", out]) == 0
+    return out, printed.getvalue()
+
+
+def test_distill_writes_log_plot_and_checkpoint(distill_run):
+    out, printed = distill_run
+    for words in ("held-out accuracy", "teacher", "student before", "student after",
+                  "linear_distill_loss", "materialised jnp loss"):
+        assert words in printed, (words, printed)
+    with open(os.path.join(out, "log.json")) as f:
+        log = json.load(f)
+    s = log["summary"]
+    for name in ("teacher_held_out_accuracy", "student_held_out_accuracy_before",
+                 "student_held_out_accuracy_after"):
+        assert 0.0 <= s[name] <= 1.0, (name, s[name])
+    assert s["distill_loss_backend"] == "chunked" and s["divergence"] == "reverse_kl"
+    for loss in ("jaxrl", "materialised"):
+        assert s[f"distill_step_ms_{loss}"] > 0
+        assert s["distill_step_timing"][loss]["median_ms"] == s[f"distill_step_ms_{loss}"]
+    # The fused loss and the materialised one compute the same divergence on the same batch.
+    assert s["distill_step_divergence_difference"] < 1e-4 * max(
+        1.0, s["distill_step_timing"]["jaxrl"]["divergence"])
+    # The teacher's grpo run is logged like any run; then the student's warm start and steps.
+    assert [r["step"] for r in log["rl"]] == [1, 2, 3] and len(log["student_warm_start"]) == 1
+    assert [r["step"] for r in log["distill"]] == list(range(1, 41))
+    assert [e["step"] for e in log["student_evals"]] == [0, 20, 40]
+    assert s["teacher_held_out_accuracy"] == log["teacher_summary"]["held_out_accuracy_after"]
+    # The student's divergence to the teacher on its own samples drops.
+    assert s["divergence_last10"] < 0.7 * s["divergence_first10"], s
+    with open(os.path.join(out, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    saved = checkpoint.load(out)
+    assert saved.config["algo"] == "distill" and set(saved.state) == {"teacher", "student"}
+    student_embed = saved.state["student"]["params"]["params"]["embed"]["embedding"]
+    assert np.asarray(student_embed).shape[1] == 16
+
+
+def test_distill_run_cannot_be_resumed(distill_run, capsys):
+    _one_line_error(capsys, ["--resume", distill_run[0], "--steps", "9"], "--resume",
+                    "distill", "cannot be resumed")
+
+
+def test_distill_fields_are_for_distill_only():
+    cfg = Config(algo="distill")
+    assert (cfg.divergence, cfg.student_layers, cfg.distill_steps) == ("reverse_kl", 2, 600)
+    assert cfg.teacher_config() == Config(algo="grpo")
+    assert Config().divergence is None
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--divergence", "jsd"], ("--divergence", "only --algo distill")),
+    (["--algo", "distill", "--divergence", "kl"], ("--divergence", "kl")),
+    (["--algo", "distill", "--student-d-model", "30"], ("--student-d-model", "heads=4")),
+    (["--algo", "distill", "--student-layers", "0"], ("--student-layers",)),
+    (["--algo", "distill", "--distill-steps", "0"], ("--distill-steps",)),
+    (["--algo", "distill", "--distill-lr", "0"], ("--distill-lr",)),
+    (["--algo", "distill", "--timing-runs", "0"], ("--timing-runs",)),
+    (["--algo", "distill", "--group-size", "1"], ("--group-size", "grpo")),
+    (["--algo", "distill", "--backend", "pallas"], ("--backend pallas", "linear_distill_loss")),
+])
+def test_bad_distill_flags_end_with_one_line(capsys, argv, words):
+    _one_line_error(capsys, argv, *words)
+
+
+def test_bad_distill_flag_from_a_shell():
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_kernels.demo", "--algo", "distill",
+                           "--student-heads", "-1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "--student-heads" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+def test_materialised_loss_is_linear_distill_loss(divergence):
+    """The timed jnp step computes the same divergence, and gradient, as ours (mixed layouts)."""
+    import jaxrl_kernels as jk
+    from jaxrl_kernels.demo import distill
+    k = jax.random.split(jax.random.key(1), 5)
+    h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
+    w, tw = jax.random.normal(k[2], (14, 8)), jax.random.normal(k[3], (12, 14))
+    mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
+    opts = dict(divergence=divergence, temperature=0.8, weight_layout="vd",
+                teacher_weight_layout="dv")
+    ours = lambda h, w: jk.linear_distill_loss(h, w, th, tw, mask, backend="chunked", **opts)
+    jnp_ = lambda h, w: distill.materialised_distill_loss(h, w, th, tw, mask, **opts)
+    for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
+                    jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)

@@ -34,7 +34,8 @@ def _parser() -> _Parser:
         prog=PROG, argument_default=argparse.SUPPRESS,
         description="Warm-start a small Flax transformer on addition, then fine-tune it with "
                     "RL through jaxrl_kernels' fused ops; prints held-out accuracy before and "
-                    "after. Defaults are in brackets.")
+                    "after. --algo distill then distils a smaller student from that model. "
+                    "Defaults are in brackets.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for field in dataclasses.fields(train.Config):
         title = field.metadata.get("group", RL_GROUP)
@@ -78,9 +79,13 @@ def parse_args(argv=None):
         parser.error(f"--resume: {err}")
     except ValueError as err:
         parser.error(_with_flag(str(err)))
-    if cfg.backend is not None and cfg.backend not in jrk.available_backends("linear_logprobs"):
-        parser.error(f"--backend {cfg.backend}: cannot run here; available: "
-                     f"{', '.join(jrk.available_backends('linear_logprobs'))}")
+    ops = {"linear_logprobs": ""}
+    if cfg.algo == "distill":
+        ops["linear_distill_loss"] = " for --algo distill (linear_distill_loss)"
+    for op, what in ops.items():
+        if cfg.backend is not None and cfg.backend not in jrk.available_backends(op):
+            parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
+                         f"{', '.join(jrk.available_backends(op))}")
     return cfg, progress
 
 

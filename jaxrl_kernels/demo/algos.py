@@ -66,6 +66,8 @@ ALGOS = ("grpo", "ppo", "gspo", "cispo", "reinforce", "best_of_n", "reward_weigh
 GROUP_ALGOS = ("grpo", "ppo", "gspo", "cispo", "best_of_n")  # compare answers within a group
 PPO_STYLE = ("ppo", "gspo", "cispo")  # several updates per rollout through linear_ppo_loss
 DUAL_CLIP_ALGOS = ("ppo", "gspo")  # the algorithms whose loss takes --dual-clip
+DISTILL = "distill"  # not an RL algorithm: a grpo teacher, then on-policy distillation (distill.py)
+CHOICES = ALGOS + (DISTILL,)  # what --algo takes
 ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
                        "sequence-mask")
 
@@ -79,6 +81,11 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": None, "loss_agg_mode": "token_mean",
           "rollout_correction": "none", "ppo_epochs": 2},
 }
+
+# The defaults of the distillation fields (``--algo distill`` only; None for the others).
+DISTILL_DEFAULTS: dict[str, Any] = {
+    "student_d_model": 32, "student_layers": 2, "student_heads": 4, "student_warmup_steps": 350,
+    "distill_steps": 600, "distill_lr": 2e-3, "divergence": "reverse_kl", "timing_runs": 20}
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
 
@@ -104,7 +111,9 @@ class RLConfig:
     Invalid values raise ``ValueError`` naming the field when the config is built.
     """
 
-    algo: str = option("grpo", "RL algorithm", choices=ALGOS)
+    algo: str = option("grpo", "RL algorithm; distill: train a teacher with grpo, then distil a "
+                               "smaller student from it on the student's own samples",
+                       choices=CHOICES)
     group_size: int = option(8, "answers sampled per prompt")
     temperature: float = option(1.0, "sampling temperature; the losses score the same "
                                      "tempered policy")
@@ -132,14 +141,16 @@ class RLConfig:
                                        "when not given", choices=dispatch.BACKENDS)
 
     def __post_init__(self):
-        check.option("algo", self.algo, ALGOS)
+        check.option("algo", self.algo, CHOICES)
         defaults = {**ALGO_DEFAULTS["*"], **ALGO_DEFAULTS.get(self.algo, {})}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: only while being built
-        at_least("group_size", self.group_size, 2 if self.algo in GROUP_ALGOS else 1,
-                 f"{self.algo} compares answers within a group" if self.algo in GROUP_ALGOS
-                 else "")
+        grouped = self.algo in GROUP_ALGOS + (DISTILL,)
+        at_least("group_size", self.group_size, 2 if grouped else 1,
+                 "distill's teacher is trained with grpo, which compares answers within a group"
+                 if self.algo == DISTILL else
+                 f"{self.algo} compares answers within a group" if grouped else "")
         check.positive("temperature", self.temperature)
         check.option("kl_estimator", self.kl_estimator, rl_math.KL_ESTIMATORS)
         check.clip_options(self.clip_low, self.clip_high, self.dual_clip)
@@ -148,7 +159,7 @@ class RLConfig:
         at_least("ppo_minibatches", self.ppo_minibatches, 1)
         check.option("loss_agg_mode", self.loss_agg_mode, rl_math.AGGREGATION_MODES)
         check.option("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        if self.rollout_correction != "none" and self.algo not in ("grpo",) + PPO_STYLE:
+        if self.rollout_correction != "none" and self.algo not in ("grpo", DISTILL) + PPO_STYLE:
             raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "
                              f"policy_gradient_loss, has no importance weight), got "
                              f"{self.rollout_correction!r}")

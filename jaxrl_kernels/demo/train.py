@@ -36,9 +36,11 @@ from jaxrl_kernels.demo.model import CausalLM
 from jaxrl_kernels.demo.model import check_dims as model_check_dims
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import EOS, VOCAB, AdditionTask
+from jaxrl_kernels.divergence_math import DIVERGENCES
 
 
 TASK, TRAINING, RUN = "task and model", "training", "run"
+DISTILLATION = "distillation (--algo distill)"
 RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
 """The fields a resumed run may change; every other one comes from the checkpoint."""
 
@@ -53,6 +55,12 @@ def flag_text(name: str, value: Any) -> str:
     if name == "tie_embeddings":
         return "--untied-head" if value is False else ""
     return f"{flag(name)} {value}".strip()
+
+
+def distill_option(name: str, help: str, kind: type, **meta: Any) -> Any:
+    """A field of ``--algo distill`` only: None for the other algorithms, which reject a value."""
+    return option(None, f"{help} [{algos.DISTILL_DEFAULTS[name]}]", type=kind,
+                  group=DISTILLATION, **meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +99,31 @@ class Config(algos.RLConfig):
                                       "checkpoint.msgpack; the configuration comes from the "
                                       "checkpoint, and only " + ", ".join(
                                           flag_text(n, "") for n in RESUMABLE[:-1])
-                                      + " may differ", group=RUN, metavar="PATH")
+                                      + " may differ (not for --algo distill)", group=RUN,
+                                      metavar="PATH")
+    student_d_model: int | None = distill_option("student_d_model", "the student's width",
+                                                 int)
+    student_layers: int | None = distill_option("student_layers", "the student's transformer "
+                                                "layers", int)
+    student_heads: int | None = distill_option("student_heads", "the student's attention "
+                                               "heads", int)
+    student_warmup_steps: int | None = distill_option(
+        "student_warmup_steps", "the student's supervised warm-start steps (0: distil from "
+        "scratch)", int)
+    distill_steps: int | None = distill_option("distill_steps", "on-policy distillation steps",
+                                               int)
+    distill_lr: float | None = distill_option("distill_lr", "distillation learning rate "
+                                              "(adamw, global-norm clipping 1.0)", float)
+    divergence: str | None = distill_option(
+        "divergence", "the per-token divergence from the teacher that the student minimises "
+        "(linear_distill_loss)", str, choices=DIVERGENCES)
+    timing_runs: int | None = distill_option(
+        "timing_runs", "timed runs of the distillation step with linear_distill_loss and with "
+        "the materialised jnp loss, after a warm-up (the median is reported)", int)
 
     def __post_init__(self):
         super().__post_init__()
+        self._distill_fields()
         AdditionTask(digits=self.digits, held_out=self.held_out)  # raises on a bad task
         model_check_dims(self.d_model, self.layers, self.heads)
         for name, low in (("warmup_steps", 0), ("warmup_batch", 1), ("steps", 1),
@@ -106,6 +135,36 @@ class Config(algos.RLConfig):
         if self.algo in algos.PPO_STYLE and rollouts % self.ppo_minibatches:
             raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch "
                              f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}")
+
+    def _distill_fields(self) -> None:
+        """Fill the distillation fields for ``--algo distill``; reject them for the others."""
+        for name, default in algos.DISTILL_DEFAULTS.items():
+            value = getattr(self, name)
+            if self.algo != algos.DISTILL:
+                if value is not None:
+                    raise ValueError(f"{name}: only --algo distill uses it, got {value!r} with "
+                                     f"--algo {self.algo}")
+            elif value is None:
+                object.__setattr__(self, name, default)  # frozen: only while being built
+        if self.algo != algos.DISTILL:
+            return
+        try:
+            model_check_dims(self.student_d_model, self.student_layers, self.student_heads)
+        except ValueError as err:
+            raise ValueError(f"student_{err}") from None
+        for name, low in (("student_warmup_steps", 0), ("distill_steps", 1),
+                          ("timing_runs", 1)):
+            algos.at_least(name, getattr(self, name), low)
+        check.positive("distill_lr", self.distill_lr)
+        check.option("divergence", self.divergence, DIVERGENCES)
+        if self.resume is not None:
+            raise ValueError("resume: a distill run cannot be resumed (its checkpoint holds the "
+                             "teacher and the distilled student for inspection); run it again")
+
+    def teacher_config(self) -> Config:
+        """The run that trains the teacher: this one with ``--algo grpo``, no distillation."""
+        return dataclasses.replace(self, algo="grpo",
+                                   **{name: None for name in algos.DISTILL_DEFAULTS})
 
     def rl_config(self) -> algos.RLConfig:
         """The RL step's part: what the jitted RL program depends on."""
@@ -136,12 +195,14 @@ def resume_config(path: str, **changes: Any) -> Config:
 
 def _saved_config(saved: checkpoint.Saved) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
-    if set(saved.config) != known:
+    # Checkpoints written before --algo distill existed lack its fields, which are None there.
+    saved_config = {**{name: None for name in algos.DISTILL_DEFAULTS}, **saved.config}
+    if set(saved_config) != known:
         raise checkpoint.CheckpointError(
             f"{saved.path}: written by another version of the demo (its configuration has "
-            f"fields {sorted(set(saved.config) ^ known)} that this version "
+            f"fields {sorted(set(saved_config) ^ known)} that this version "
             "does not share)")
-    config = dict(saved.config)
+    config = saved_config
     if config["algo"] not in algos.DUAL_CLIP_ALGOS:
         config["dual_clip"] = None  # earlier versions logged an unused 3.0 here
     return Config(**config)
@@ -266,8 +327,12 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
     """Run the demo end to end; returns the log (also written under ``cfg.out``).
 
     With ``cfg.resume`` (build such a config with :func:`resume_config`) the run continues
-    the checkpoint's: its state, and its log, which the new steps extend.
+    the checkpoint's: its state, and its log, which the new steps extend. ``--algo distill``
+    runs :func:`jaxrl_kernels.demo.distill.run`.
     """
+    if cfg.algo == algos.DISTILL:
+        from jaxrl_kernels.demo import distill
+        return distill.run(cfg, progress=progress, stream=stream)
     stream = stream if stream is not None else sys.stdout
     t_start = time.perf_counter()
     demo = Demo(cfg)

@@ -1,0 +1,359 @@
+"""On-policy distillation of a smaller student from a grpo teacher (``--algo distill``).
+
+1. The teacher: the demo's default run (warm start, then ``grpo``) with the task, model and
+   training fields of the configuration.
+2. The student: a smaller model (``student_d_model``, ``student_layers``, ``student_heads``)
+   with its own short supervised warm start on the same data (``student_warmup_steps``; 0
+   starts from its random initialisation).
+3. ``distill_steps`` steps, each one jitted function: the student samples ``group_size``
+   answers to each of ``batch_size`` training prompts with :func:`sampling.generate`, the
+   frozen teacher runs forward on those answers (``stop_gradient``), and the student takes an
+   adamw step on ``linear_distill_loss(student_hidden, student_head, teacher_hidden,
+   teacher_head, mask, divergence=...)``: the teacher scores every token over the whole
+   vocabulary, and neither model's ``[B, T, V]`` logits are built.
+4. The same train step with :func:`materialised_distill_loss` (both heads' logits, their
+   log-softmaxes, the same divergence, in plain jnp) is timed against it on one batch.
+
+The loss runs on the ``chunked`` backend (the fused one) unless ``backend`` names another:
+the automatic choice would pick ``reference``, the jnp oracle, for a vocabulary this small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxrl_kernels as jrk
+from jaxrl_kernels.demo import algos, checkpoint, sampling, train
+from jaxrl_kernels.demo import model as model_lib
+from jaxrl_kernels.demo.progress import Progress
+from jaxrl_kernels.demo.task import AdditionTask
+
+LOSSES = ("jaxrl", "materialised")
+PHASE = 3  # the task's prompt stream for distillation (warm start 1, RL 0)
+
+
+def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, *,
+                              divergence="reverse_kl", jsd_beta=0.5, temperature=1.0,
+                              weight_layout="vd", teacher_weight_layout="vd",
+                              loss_agg_mode="token_mean"):
+    """``linear_distill_loss`` in plain jnp: both heads' ``[B, T, V]`` logits (in the inputs'
+    dtype, bf16 or float32), float32 log-softmaxes, the divergence per token."""
+    def log_probs(h, w, layout):
+        z = jnp.einsum("btd,vd->btv" if layout == "vd" else "btd,dv->btv", h, w)
+        return jax.nn.log_softmax(z.astype(jnp.float32) / temperature, axis=-1)
+
+    ls = log_probs(hidden, weight, weight_layout)
+    lt = log_probs(teacher_hidden, teacher_weight, teacher_weight_layout)
+    ps, pt = jnp.exp(ls), jnp.exp(lt)
+    if divergence == "reverse_kl":
+        d = jnp.sum(ps * (ls - lt), axis=-1)
+    elif divergence == "forward_kl":
+        d = jnp.sum(pt * (lt - ls), axis=-1)
+    else:
+        lm = jnp.logaddexp(jnp.log(jsd_beta) + lt, jnp.log1p(-jsd_beta) + ls)
+        d = jnp.sum(jsd_beta * pt * (lt - lm) + (1 - jsd_beta) * ps * (ls - lm), axis=-1)
+    d = jnp.where(mask != 0, d, 0.0)
+    return jrk.aggregate(d, mask, loss_agg_mode), d
+
+
+def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
+                      task: AdditionTask, optimizer, *, group_size: int, temperature: float,
+                      divergence: str, loss_agg_mode: str, backend: str | None,
+                      loss: str = "jaxrl") -> Callable:
+    """The jitted step ``(state, teacher_params, prompts[n, P], sums[n], key) -> (state,
+    metrics)``; ``state`` is the student's ``{"params", "opt_state", "step"}``."""
+    options = dict(divergence=divergence, temperature=temperature,
+                   loss_agg_mode=loss_agg_mode)
+    if loss == "jaxrl":
+        loss_fn = functools.partial(jrk.linear_distill_loss, backend=backend, **options)
+    else:
+        loss_fn = functools.partial(materialised_distill_loss, **options)
+
+    def step(state, teacher_params, prompts, sums, key):
+        prompts = jnp.repeat(prompts, group_size, axis=0)
+        sums = jnp.repeat(sums, group_size, axis=0)
+        actions, _, mask = sampling.generate(student, state["params"], prompts, key,
+                                             max_new=task.max_new, temperature=temperature)
+        sg = jax.lax.stop_gradient
+        teacher_hidden = sg(algos.answer_hidden(teacher, teacher_params, prompts, actions))
+        teacher_weight, teacher_layout = model_lib.head_weight(teacher_params,
+                                                               teacher.tie_embeddings)
+
+        def objective(params):
+            weight, layout = model_lib.head_weight(params, student.tie_embeddings)
+            hidden = algos.answer_hidden(student, params, prompts, actions)
+            return loss_fn(hidden, weight, teacher_hidden, sg(teacher_weight), mask,
+                           weight_layout=layout, teacher_weight_layout=teacher_layout)
+
+        (value, per_token), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+        params, opt_state = algos._apply(optimizer, state["params"], state["opt_state"], grads)
+        scores = task.score(actions, sums)
+        metrics = {"divergence": value, "divergence_max": jnp.max(per_token),
+                   "reward": jnp.mean(scores["reward"]), "accuracy": jnp.mean(scores["correct"]),
+                   "tokens": jnp.sum(mask)}
+        return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1), metrics
+
+    return jax.jit(step)
+
+
+@functools.lru_cache(maxsize=16)
+def _distill_program(student_key: tuple, teacher_key: tuple, task: AdditionTask, lr: float,
+                     warmup: int, options: tuple, loss: str):
+    optimizer = algos.make_optimizer(lr, warmup=warmup)
+    return optimizer, make_distill_step(train._model(*student_key), train._model(*teacher_key),
+                                        task, optimizer, loss=loss, **dict(options))
+
+
+def distill_backend(cfg: train.Config) -> str:
+    """The backend of ``linear_distill_loss`` in the demo: ``backend``, else ``chunked``."""
+    return cfg.backend or "chunked"
+
+
+def student_config(cfg: train.Config) -> train.Config:
+    """The student as a run of its own: the teacher's configuration with the student's sizes."""
+    return dataclasses.replace(cfg.teacher_config(), d_model=cfg.student_d_model,
+                               layers=cfg.student_layers, heads=cfg.student_heads,
+                               warmup_steps=cfg.student_warmup_steps)
+
+
+def _size(cfg: train.Config, params) -> str:
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return f"d={cfg.d_model} L={cfg.layers} H={cfg.heads}, {count / 1e3:,.0f}k params"
+
+
+def time_steps(steps: dict[str, Callable], args: tuple, runs: int) -> dict[str, dict[str, float]]:
+    """Each step function on the same ``args``: a first call (which compiles a function not yet
+    compiled), a warm-up call, then ``runs`` calls interleaved between the functions, each
+    synchronised with ``block_until_ready``; the median and the spread in milliseconds, and
+    the divergence computed."""
+    out: dict[str, dict[str, float]] = {}
+    for name, fn in steps.items():
+        t0 = time.perf_counter()
+        _, metrics = jax.block_until_ready(fn(*args))
+        out[name] = {"first_call_s": time.perf_counter() - t0,
+                     "divergence": float(metrics["divergence"])}
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(runs):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    for name, ms in times.items():
+        out[name].update(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms))
+    return out
+
+
+def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = None
+        ) -> dict[str, Any]:
+    """Train the teacher, warm-start and distil the student, time both losses; returns the log
+    (also written under ``cfg.out``)."""
+    stream = stream if stream is not None else sys.stdout
+    t_start = time.perf_counter()
+    teacher_cfg = dataclasses.replace(cfg.teacher_config(), out=None)
+    print(f"teacher: {teacher_cfg.algo}, then on-policy distillation ({cfg.divergence}) of a "
+          "smaller student", file=stream)
+    log = train.run(teacher_cfg, progress=progress, stream=stream)
+    teacher_params = log.pop("state")["params"]
+    teacher_summary = log.pop("summary")
+    teacher_seconds = time.perf_counter() - t_start
+    log["config"] = dataclasses.asdict(cfg)
+    log["teacher_summary"] = teacher_summary
+
+    # The student: its own warm start (same data as the teacher's), then distillation.
+    student = train.Demo(student_config(cfg))
+    t0 = time.perf_counter()
+    if cfg.student_warmup_steps:
+        warm_log: dict[str, Any] = {"warm_start": []}
+        params = train._warm_start(student, warm_log, progress)[0]["params"]
+        log["student_warm_start"] = warm_log["warm_start"]
+    else:
+        params = student.init_params()
+        log["student_warm_start"] = []
+    warm_seconds = time.perf_counter() - t0
+
+    task, scfg = student.task, student.cfg
+    student_key = (task.seq_len - 1, scfg.d_model, scfg.layers, scfg.heads, scfg.tie_embeddings)
+    teacher_key = (task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
+    options = (("group_size", cfg.group_size), ("temperature", cfg.temperature),
+               ("divergence", cfg.divergence), ("loss_agg_mode", cfg.loss_agg_mode),
+               ("backend", distill_backend(cfg)))
+    programs = {loss: _distill_program(student_key, teacher_key, task, cfg.distill_lr,
+                                       cfg.lr_warmup, options, loss) for loss in LOSSES}
+    optimizer, step_fn = programs["jaxrl"]
+    key = jax.random.fold_in(jax.random.key(cfg.seed), PHASE)
+
+    def inputs(step):
+        prompts, sums = task.train_batch(cfg.seed, step, cfg.batch_size, phase=PHASE)
+        return prompts, sums, jax.random.fold_in(key, step)
+
+    before = student.evaluate(params)
+    log["student_evals"] = [{"step": 0, **train._round(before)}]
+    log["distill"] = []
+    state = {"params": params, "opt_state": optimizer.init(params),
+             "step": jnp.zeros((), jnp.int32)}
+    bar = Progress(cfg.distill_steps, f"distill {cfg.divergence}", enabled=progress)
+    t0 = time.perf_counter()
+    last = before
+    for step in range(cfg.distill_steps):
+        t1 = time.perf_counter()
+        state, metrics = step_fn(state, teacher_params, *inputs(step))
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if step == 0:
+            first_step_seconds = time.perf_counter() - t1
+        log["distill"].append({"step": step + 1, **train._round(metrics)})
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.distill_steps:
+            last = student.evaluate(state["params"])
+            log["student_evals"].append({"step": step + 1, **train._round(last)})
+        bar.update(step + 1, divergence=metrics["divergence"], acc=metrics["accuracy"],
+                   held_out=last["accuracy"])
+    bar.close()
+    distill_seconds = time.perf_counter() - t0
+    after = student.evaluate(state["params"])
+
+    # Both train steps on the first distillation batch, from the distilled student's state.
+    timing = time_steps({loss: fn for loss, (_, fn) in programs.items()},
+                        (state, teacher_params, *inputs(0)), cfg.timing_runs)
+
+    divergences = [r["divergence"] for r in log["distill"]]
+    peak, peak_kind = train.peak_memory()
+    summary = {
+        "algo": cfg.algo,
+        "divergence": cfg.divergence,
+        "device": teacher_summary["device"],
+        "jax_version": jax.__version__,
+        "distill_loss_backend": distill_backend(cfg),
+        "teacher": _size(cfg, teacher_params),
+        "student": _size(scfg, params),
+        "teacher_held_out_accuracy_warm_start": teacher_summary["held_out_accuracy_before"],
+        "teacher_held_out_accuracy": teacher_summary["held_out_accuracy_after"],
+        "teacher_held_out_reward": teacher_summary["held_out_reward_after"],
+        "teacher_sampled_reward": teacher_summary["sampled_reward_after"],
+        "student_held_out_accuracy_before": before["accuracy"],
+        "student_held_out_accuracy_after": after["accuracy"],
+        "student_held_out_reward_before": before["reward"],
+        "student_held_out_reward_after": after["reward"],
+        "student_sampled_reward_before": before["sampled_reward"],
+        "student_sampled_reward_after": after["sampled_reward"],
+        "divergence_first10": float(np.mean(divergences[:10])),
+        "divergence_last10": float(np.mean(divergences[-10:])),
+        "distill_step_ms_jaxrl": timing["jaxrl"]["median_ms"],
+        "distill_step_ms_materialised": timing["materialised"]["median_ms"],
+        "distill_step_timing": {loss: train._round(t) for loss, t in timing.items()},
+        "distill_step_timing_runs": cfg.timing_runs,
+        "distill_first_step_seconds": first_step_seconds,
+        "distill_step_divergence_difference": abs(timing["jaxrl"]["divergence"]
+                                                  - timing["materialised"]["divergence"]),
+        "teacher_seconds": teacher_seconds,
+        "student_warm_start_seconds": warm_seconds,
+        "distill_seconds": distill_seconds,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    log["summary"] = train._round(summary)
+    print(format_table(summary, cfg), file=stream)
+
+    if cfg.out:
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "log.json"), "w") as f:
+            json.dump(log, f, indent=1)
+        plot(log, os.path.join(cfg.out, "curves.png"))
+        checkpoint.save(os.path.join(cfg.out, checkpoint.FILENAME),
+                        {"teacher": teacher_params, "student": state},
+                        config=log["config"], history=log)
+        print(f"wrote {cfg.out}/log.json, {cfg.out}/curves.png, {cfg.out}/{checkpoint.FILENAME}",
+              file=stream)
+    log["state"] = {"teacher": teacher_params, "student": state}
+    return log
+
+
+def format_table(s: dict[str, Any], cfg: train.Config) -> str:
+    def pct(x):
+        return f"{100 * x:6.1f} %"
+
+    w = 16
+    gain = s["student_held_out_accuracy_after"] - s["student_held_out_accuracy_before"]
+    rows = [
+        ("held-out accuracy (greedy)", pct(s["teacher_held_out_accuracy"]),
+         pct(s["student_held_out_accuracy_before"]), pct(s["student_held_out_accuracy_after"]),
+         f"{100 * gain:+.1f} pts"),
+        ("held-out reward (greedy)", f"{s['teacher_held_out_reward']:.3f}",
+         f"{s['student_held_out_reward_before']:.3f}", f"{s['student_held_out_reward_after']:.3f}",
+         f"{s['student_held_out_reward_after'] - s['student_held_out_reward_before']:+.3f}"),
+        (f"held-out reward (T={cfg.temperature:g})", f"{s['teacher_sampled_reward']:.3f}",
+         f"{s['student_sampled_reward_before']:.3f}", f"{s['student_sampled_reward_after']:.3f}",
+         f"{s['student_sampled_reward_after'] - s['student_sampled_reward_before']:+.3f}"),
+        (f"{cfg.divergence} to the teacher (first / last 10 steps)", "",
+         f"{s['divergence_first10']:.4f}", f"{s['divergence_last10']:.4f}", ""),
+    ]
+    t = s["distill_step_timing"]
+    ratio = s["distill_step_ms_materialised"] / s["distill_step_ms_jaxrl"]
+    lines = [
+        f"jaxrl_kernels demo: distill ({cfg.divergence}) on {cfg.digits}-digit addition | "
+        f"teacher {s['teacher']} (grpo) -> student {s['student']} | device {s['device']} | "
+        f"distillation loss backend {s['distill_loss_backend']}",
+        f"{'':52s}{'teacher':>{w}s}{'student before':>{w}s}{'student after':>{w}s}"
+        f"{'change':>{w}s}",
+    ]
+    lines += [f"{a:52s}{b:>{w}s}{c:>{w}s}{d:>{w}s}{e:>{w}s}" for a, b, c, d, e in rows]
+    runs = f"median of {cfg.timing_runs} runs after a warm-up"
+    lines += [
+        f"{'distillation step, linear_distill_loss':52s}{t['jaxrl']['median_ms']:.2f} ms "
+        f"({runs}; first training step incl. compile {s['distill_first_step_seconds']:.1f} s)",
+        f"{'distillation step, materialised jnp loss':52s}"
+        f"{t['materialised']['median_ms']:.2f} ms ({ratio:.2f}x ours; first call incl. "
+        f"compile {t['materialised']['first_call_s']:.1f} s)",
+        f"{'peak memory':52s}{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({s['peak_memory_kind']})",
+        f"{'wall time':52s}{s['wall_seconds']:.1f} s (teacher {s['teacher_seconds']:.1f} s, "
+        f"student warm start {s['student_warm_start_seconds']:.1f} s, distillation "
+        f"{s['distill_seconds']:.1f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def plot(log: dict[str, Any], path: str) -> None:
+    """Four panels: both warm starts' NLL, the teacher's grpo reward, the divergence per
+    distillation step, held-out accuracy of the teacher and the student."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ((ax0, ax1), (ax2, ax3)) = plt.subplots(2, 2, figsize=(11, 7))
+    for name, warm in (("teacher", log["warm_start"]), ("student", log["student_warm_start"])):
+        ax0.plot([w["step"] for w in warm], [w["nll"] for w in warm], "o-", ms=2, label=name)
+    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token",
+            title="supervised warm starts")
+    ax0.legend(fontsize=8)
+    rl = log["rl"]
+    ax1.plot([r["step"] for r in rl], [r["reward"] for r in rl], lw=0.8)
+    ax1.set(xlabel="grpo step", ylabel="mean sampled reward", title="the teacher's grpo")
+    dist = log["distill"]
+    ax2.plot([r["step"] for r in dist], [r["divergence"] for r in dist], lw=0.8)
+    ax2.set(xlabel="distillation step", ylabel="mean per token",
+            title=f"student's {log['config']['divergence']} to the teacher (on-policy)")
+    ev = log["student_evals"]
+    ax3.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3,
+             label="student")
+    ax3.axhline(100 * log["teacher_summary"]["held_out_accuracy_after"], color="gray", ls="--",
+                label="teacher")
+    ax3.set(xlabel="distillation step (0 = after the student's warm start)",
+            ylabel="accuracy (%)", title="held-out accuracy (greedy)")
+    ax3.legend(fontsize=8)
+    cfg = log["config"]
+    fig.suptitle(f"jaxrl_kernels demo: distill ({cfg['divergence']}), seed {cfg['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
