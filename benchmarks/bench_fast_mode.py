@@ -78,7 +78,7 @@ def main():
 
     def fast(config):
         def logp(h, w, t, layout):
-            return saved_logits.linear_logprobs(
+            return saved_logits.fast_linear_logprobs(
                 h, w, None, t, jnp.ones(t.shape, bool), weight_layout=layout, temperature=1.0,
                 return_entropy=False, config=config)[0]
         return logp

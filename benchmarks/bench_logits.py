@@ -194,14 +194,14 @@ def run_sweep():
         g = jnp.asarray(np.random.default_rng(1).standard_normal(n), jnp.float32)
         pass_ms = n * vocab * 2 / (gbps * 1e9) * 1e3
         _, lse, _ = pallas_logits._forward([pol], t, valid, temperature=1.0, entropy=False,
-                                           plan=pallas_logits.make_plan(n, vocab, 2))
+                                           plan=pallas_logits.make_launch(n, vocab, 2))
         kernels = {}
         for block_v, warps, stages in SWEEP_PLANS:
-            plan = pallas_logits.Plan(block_v, 1, warps, stages)
-            fns = {"paired_fwd": (jax.jit(lambda a, b, plan=plan: pallas_logits.paired_logprobs(
+            plan = pallas_logits.LogitsLaunch(block_v, 1, warps, stages)
+            fns = {"paired_fwd": (jax.jit(lambda a, b, plan=plan: pallas_logits.kernel_paired_logprobs(
                 a, b, t, valid, plan=plan)), (pol, ref), 2)}
             if vocab == 131072:
-                fns["entropy_fwd"] = (jax.jit(lambda a, plan=plan: pallas_logits.token_logprobs(
+                fns["entropy_fwd"] = (jax.jit(lambda a, plan=plan: pallas_logits.kernel_token_logprobs(
                     a, t, valid, return_entropy=True, plan=plan)), (pol,), 1)
                 fns["bwd"] = (jax.jit(lambda a, plan=plan: pallas_logits._backward(
                     a, t, valid, lse, g, None, None, temperature=1.0, plan=plan)), (pol,), 2)
@@ -235,12 +235,12 @@ def run_sweep():
 def _dispatch_overhead(pol, ref, t, valid, k=10):
     """Default-plan paired forward: one jitted call vs per call inside a k-call loop."""
     vocab = pol.shape[1]
-    one = jax.jit(lambda a, b, t: pallas_logits.paired_logprobs(a, b, t, valid))
+    one = jax.jit(lambda a, b, t: pallas_logits.kernel_paired_logprobs(a, b, t, valid))
 
     @jax.jit
     def loop(a, b, t):
         def body(i, acc):
-            lp, rl = pallas_logits.paired_logprobs(a, b, (t + i) % vocab, valid)
+            lp, rl = pallas_logits.kernel_paired_logprobs(a, b, (t + i) % vocab, valid)
             return acc + lp + rl
         return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 
@@ -259,14 +259,14 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
         valid = jnp.ones((n,), bool)
         fns = {}
         for stages in (2, 3):
-            plan = pallas_logits.make_plan(n, vocab, 2)._replace(num_stages=stages)
+            plan = pallas_logits.make_launch(n, vocab, 2)._replace(num_stages=stages)
 
             def one(a, b, t, plan=plan):
-                return pallas_logits.paired_logprobs(a, b, t, valid, plan=plan)
+                return pallas_logits.kernel_paired_logprobs(a, b, t, valid, plan=plan)
 
             def loop(a, b, t, plan=plan):
                 def body(i, acc):
-                    lp, rl = pallas_logits.paired_logprobs(a, b, (t + i) % vocab, valid, plan=plan)
+                    lp, rl = pallas_logits.kernel_paired_logprobs(a, b, (t + i) % vocab, valid, plan=plan)
                     return acc + lp + rl
                 return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 

@@ -108,7 +108,7 @@ def primitive(config, *, return_entropy=False, layout="vd"):
     """``call(h, w, t) -> logp`` through the Pallas primitive under ``config``."""
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return pallas_linear.linear_logprobs(h, w, None, t, valid, weight_layout=layout,
+        return pallas_linear.kernel_logprobs(h, w, None, t, valid, weight_layout=layout,
                                              temperature=1.0, return_entropy=return_entropy,
                                              config=config)[0]
     return call
@@ -132,7 +132,7 @@ def ffi_variant(layout, backward):
 
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return logprob_core.linear_logprobs(parts, h, w, None, t, valid, weight_layout=layout,
+        return logprob_core.linear_from_parts(parts, h, w, None, t, valid, weight_layout=layout,
                                             temperature=1.0, return_entropy=False)[0]
     return call
 

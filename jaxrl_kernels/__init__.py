@@ -8,17 +8,18 @@ function (see ``explain``). The API and its numerics: docs/api.md.
 from jaxrl_kernels.dispatch import available_backends, explain, use_backend
 from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
 from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
-from jaxrl_kernels.losses import (
-    aggregate,
-    group_advantages,
-    grpo_loss,
-    kl_penalty,
+from jaxrl_kernels.linear_losses import (
     linear_grpo_loss,
     linear_policy_gradient_loss,
     linear_ppo_loss,
+)
+from jaxrl_kernels.logits_losses import grpo_loss, ratio_kl
+from jaxrl_kernels.losses import (
+    aggregate,
+    group_advantages,
+    kl_penalty,
     policy_gradient_loss,
     ppo_loss,
-    ratio_kl,
 )
 from jaxrl_kernels.validation import checks
 

@@ -1,7 +1,8 @@
-"""The backend registry and the one function that chooses a backend.
+"""The backend contract, the registry, and the one function that chooses a backend.
 
-Every public op describes its call as a :class:`Problem` and asks :func:`select`
-for the implementation of a *primitive* (the backend-specific piece of work):
+Every public op describes its call as a :class:`Problem` and asks :func:`resolve` for the
+implementation of a *primitive* (the backend-specific piece of work); ``resolve`` chooses
+(:func:`select`) and notes the choice for :func:`explain`:
 
 =================  ===========================================================
 primitive          what a backend implements
@@ -12,8 +13,9 @@ token_logprobs     log-probs of logits [..., V]: a ``logprob_core.Parts``
 paired_logprobs    the same for policy and reference logits sharing targets,
                    gradient to the policy only
 linear_logprobs    the same for a linear head (hidden, weight, bias);
-                   ``ffi``'s Parts have no backward of their own: dispatch
-                   picks one (``ffi``'s own on Hopper)
+                   ``ffi``'s Parts have no backward of their own: the
+                   :class:`Choice` carries the standalone one (``ffi``'s own on
+                   Hopper), chosen when the backward pass is traced
 linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
 _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
@@ -32,11 +34,13 @@ group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
 vocabulary slice, rows without a gradient) and holds the one custom_vjp and the sharding
 (``sharding.run``) that every kernel backend shares.
 
-Backends are modules under ``jaxrl_kernels.backends`` imported on first use.
-Each exposes ``OPS`` (primitive -> callable), ``unavailable_reason() -> str |
-None`` (can it run in this process at all) and ``declines(primitive, problem)
--> str | None`` (can it serve these inputs). The automatic-choice rules (docs/api.md)
-live in :func:`_automatic_policy`; nothing else in the package decides.
+Each backend is a module under ``jaxrl_kernels.backends``, imported on first use, that
+declares itself as ``BACKEND``, a :class:`Backend`: its ``ops`` (primitive -> implementation),
+whether it can run in this process (``unavailable_reason``), which inputs it cannot serve
+(``declines``), when automatic choice passes it over although it could serve the call
+(``automatic``: the rules of docs/api.md, each kept by the backend it concerns) and the
+types of its tuning knobs (``configs``). Automatic choice takes the first backend of
+:data:`BACKENDS` that all of these let through; nothing else in the package decides.
 """
 
 from __future__ import annotations
@@ -46,12 +50,13 @@ import contextvars
 import dataclasses
 import importlib
 import os
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxrl_kernels import head, logprob_core
 
 BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
 """Every backend, best first."""
@@ -77,12 +82,9 @@ OP_PRIMITIVE: dict[str, str] = {
 VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
                               "distill_divergence", "topk_logprobs"})
 
-# Backward passes on their own, for forwards without one. The reference backend has none (it
-# differentiates itself); chunked serves them at any size, since they reuse the saved lse.
-STANDALONE_BACKWARDS = frozenset({"linear_logprobs_backward"})
-
-CHUNKED_THRESHOLD_BYTES = 256 * 2**20
-"""On CPU, vocabulary ops switch from reference to chunked above this [N, V] f32 size."""
+# Forward primitive -> its backward on its own, for a backend whose forward has none (its
+# ``Parts.backward`` is None). The reference backend has none (it differentiates itself).
+STANDALONE_BACKWARDS: dict[str, str] = {"linear_logprobs": "linear_logprobs_backward"}
 
 ENV_VAR = "JAXRL_KERNELS_BACKEND"
 
@@ -94,31 +96,64 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 class Problem:
     """What a backend needs to know to accept or decline a call."""
 
-    op: str
     n_rows: int = 0
     vocab: int = 0
     hidden_dim: int = 0
     dtype: str = "float32"
+    """The dtype of the logits or of the hidden states."""
+    weight_dtype: str | None = None
+    """The head weight's dtype (None: no head)."""
     weight_layout: str = "vd"
     has_bias: bool = False
     return_entropy: bool = False
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
-    extra: tuple[tuple[str, Any], ...] = ()
 
     @property
     def logits_bytes_f32(self) -> int:
         return 4 * self.n_rows * self.vocab
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.platform in GPU_PLATFORMS
 
-def linear_problem(op: str, hidden, weight, bias, *, weight_layout: str,
-                   return_entropy: bool) -> Problem:
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: bool) -> Problem:
     """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
     n_rows, dim = hidden.shape
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    return Problem(op, n_rows=n_rows, vocab=vocab, hidden_dim=dim, dtype=dtype_name(hidden),
+    return Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout), hidden_dim=dim,
+                   dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
                    weight_layout=weight_layout, has_bias=bias is not None,
-                   return_entropy=return_entropy,
-                   extra=(("weight_dtype", dtype_name(weight)),))
+                   return_entropy=return_entropy)
+
+
+def _serves_all(primitive: str, problem: Problem) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a backend module declares as its ``BACKEND``: the contract dispatch relies on."""
+
+    name: str
+    """Its name in :data:`BACKENDS`."""
+    ops: Mapping[str, Any]
+    """Primitive -> implementation (a ``logprob_core.Parts`` / ``Whole`` for the log-prob
+    primitives, a function otherwise; see the table above)."""
+    unavailable_reason: Callable[[], str | None] = lambda: None
+    """Why it cannot run in this process at all (not built, no such device); None if it can."""
+    declines: Callable[[str, Problem], str | None] = _serves_all
+    """Why it cannot serve these inputs (dtype, alignment, size); None if it can. Binding on
+    an explicit request as well."""
+    automatic: Callable[[str, Problem], str | None] = _serves_all
+    """Why automatic choice passes it over although it can serve the call (it would be
+    slower, or emulated); None if automatic choice takes it."""
+    native_platforms: tuple[str, ...] | None = None
+    """The platforms it runs natively on (None: all); elsewhere it is emulated."""
+    configs: Mapping[str, type] = dataclasses.field(default_factory=dict)
+    """Primitive -> the type of the knobs that tune its kernels (none for plain jnp)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +164,9 @@ class Choice:
     impl: Callable[..., Any]
     explicit: bool
     declined: tuple[tuple[str, str], ...]  # (better backend, why it was not used)
+    backward: Callable[[], Callable[..., Any]] | None = None
+    """For a forward without a backward of its own: a thunk that resolves the standalone
+    backward when the backward pass is traced (and records it for ``explain``)."""
 
 
 def _validate_name(name: str, what: str) -> str:
@@ -137,47 +175,30 @@ def _validate_name(name: str, what: str) -> str:
     return name
 
 
-_loaded: dict[str, ModuleType | Exception] = {}
+_loaded: dict[str, Any] = {}
 
 
-def _module(name: str) -> ModuleType | Exception:
+def _backend(name: str) -> Backend | Exception:
+    """The ``BACKEND`` of a backend module, or the error that kept it from importing."""
     if name not in _loaded:
         try:
             _loaded[name] = importlib.import_module(_MODULES[name])
         except Exception as err:  # an unbuilt/unimportable backend is reported, not hidden
             _loaded[name] = err
-    return _loaded[name]
+    mod = _loaded[name]
+    return mod if isinstance(mod, Exception) else mod.BACKEND
 
 
 def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
     """Why backend ``name`` cannot serve this call at all (explicit or not)."""
-    mod = _module(name)
-    if isinstance(mod, Exception):
-        return f"backend {name!r} failed to import: {type(mod).__name__}: {mod}"
-    why = mod.unavailable_reason() or mod.declines(primitive, problem)
+    backend = _backend(name)
+    if isinstance(backend, Exception):
+        return f"backend {name!r} failed to import: {type(backend).__name__}: {backend}"
+    why = backend.unavailable_reason() or backend.declines(primitive, problem)
     if why:
         return why
-    if primitive not in mod.OPS:
+    if primitive not in backend.ops:
         return f"backend {name!r} does not implement {primitive!r}"
-    return None
-
-
-def _automatic_policy(name: str, primitive: str, problem: Problem) -> str | None:
-    """The automatic-choice rules (docs/api.md) beyond what a backend can serve."""
-    on_gpu = problem.platform in ("gpu", "cuda", "rocm")
-    if name == "ffi" and primitive not in ("linear_logprobs", "linear_logprobs_backward"):
-        return "ffi serves only linear_logprobs (forward and backward)"
-    if name == "pallas" and not on_gpu:
-        return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
-    if name == "chunked" and primitive in STANDALONE_BACKWARDS:
-        return None
-    if name == "chunked" and primitive in VOCAB_PRIMITIVES:
-        size = problem.logits_bytes_f32
-        if size <= CHUNKED_THRESHOLD_BYTES:
-            return (f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
-                    f"<= {CHUNKED_THRESHOLD_BYTES // 2**20} MiB, so reference is used")
-    if name == "chunked" and primitive not in VOCAB_PRIMITIVES:
-        return "chunked adds nothing over reference for ops without a vocabulary axis"
     return None
 
 
@@ -196,7 +217,7 @@ def requested_backend(backend: str | None) -> str | None:
 
 def select(op: str, problem: Problem, backend: str | None = None, *,
            primitive: str | None = None, strict: bool = True) -> Choice:
-    """The single selection function.
+    """The single selection function (:func:`resolve` also records its outcome).
 
     ``op`` is the public op name; ``primitive`` defaults to the op's main
     primitive. With a requested backend (argument, ``use_backend`` or
@@ -209,16 +230,38 @@ def select(op: str, problem: Problem, backend: str | None = None, *,
     if wanted is not None:
         why = _backend_refusal(wanted, primitive, problem)
         if why is None:
-            return Choice(wanted, _module(wanted).OPS[primitive], True, ())
+            return _choice(op, problem, primitive, wanted, True, ())
         if strict:
             raise NotImplementedError(f"{op}: backend {wanted!r} cannot serve this call: {why}")
     declined = []
     for name in BACKENDS:
-        why = _backend_refusal(name, primitive, problem) or _automatic_policy(name, primitive, problem)
+        why = (_backend_refusal(name, primitive, problem)
+               or _backend(name).automatic(primitive, problem))
         if why is None:
-            return Choice(name, _module(name).OPS[primitive], False, tuple(declined))
+            return _choice(op, problem, primitive, name, False, tuple(declined))
         declined.append((name, why))
     raise AssertionError(f"no backend serves {primitive}: {declined}")  # reference serves all
+
+
+def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
+    impl = _backend(name).ops[primitive]
+    backward = None
+    if isinstance(impl, logprob_core.Parts) and impl.backward is None:
+        def backward():
+            return resolve(op, problem, primitive=STANDALONE_BACKWARDS[primitive],
+                           strict=False).impl
+    return Choice(name, impl, explicit, declined, backward)
+
+
+def resolve(op: str, problem: Problem, backend: str | None = None, *,
+            primitive: str | None = None, strict: bool = True) -> Choice:
+    """:func:`select`, recorded for :func:`explain` under ``primitive`` (given) or ``op``.
+
+    Every call site uses this. A forward without a backward of its own (``Choice.backward``
+    set) resolves its standalone backward here as well, when the backward pass is traced.
+    """
+    choice = select(op, problem, backend, primitive=primitive, strict=strict)
+    return record(primitive or op, choice)
 
 
 def available_backends(op: str) -> tuple[str, ...]:
@@ -247,23 +290,25 @@ def available_backends(op: str) -> tuple[str, ...]:
     if op not in OP_PRIMITIVE:
         raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
     primitive = OP_PRIMITIVE[op]
-    ordinary = Problem(op, n_rows=1, vocab=1)
-    large = Problem(op, n_rows=1, vocab=CHUNKED_THRESHOLD_BYTES)  # 4 * N * V > the threshold
+    ordinary = Problem(n_rows=1, vocab=1)
+    large = Problem(n_rows=1, vocab=2**30)  # 4 GiB of float32 logits: beyond every size rule
 
-    def rank(name: str) -> int:
-        if _automatic_policy(name, primitive, ordinary) is None:
+    def rank(backend: Backend) -> int:
+        if backend.automatic(primitive, ordinary) is None:
             return 0
-        if _automatic_policy(name, primitive, large) is None:
+        if backend.automatic(primitive, large) is None:
             return 1
-        return 3 if name == "pallas" and ordinary.platform not in ("gpu", "cuda", "rocm") else 2
+        native = backend.native_platforms
+        return 3 if native is not None and ordinary.platform not in native else 2
 
     runnable = []
     for name in BACKENDS:
-        mod = _module(name)
-        if isinstance(mod, Exception) or mod.unavailable_reason() or primitive not in mod.OPS:
+        backend = _backend(name)
+        if (isinstance(backend, Exception) or backend.unavailable_reason()
+                or primitive not in backend.ops):
             continue
-        runnable.append(name)
-    return tuple(sorted(runnable, key=rank))  # stable: BACKENDS order within a group
+        runnable.append(backend)
+    return tuple(b.name for b in sorted(runnable, key=rank))  # stable: BACKENDS order in a group
 
 
 @contextlib.contextmanager
@@ -300,15 +345,17 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 # -- explain: record the choices an op makes while it is traced abstractly ---------------
 
-_recorder: contextvars.ContextVar[list[tuple[str, Choice | str]] | None] = contextvars.ContextVar(
+_recorder: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
     "jaxrl_kernels_recorder", default=None)
 
 
-def record(op: str, choice: Choice | MemoryNote) -> Choice | MemoryNote:
+def record(step: str, note: Any) -> Any:
+    """Note ``note`` (a :class:`Choice`, or anything with ``explain_line(step)``, such as
+    ``memory.MemoryNote``) for an :func:`explain` in progress; returns it."""
     log = _recorder.get()
     if log is not None:
-        log.append((op, choice))
-    return choice
+        log.append((step, note))
+    return note
 
 
 def plan_recorder(op: str) -> Callable[[Any], None]:
@@ -351,7 +398,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     if kwargs.get("backend") is not None:
         raise ValueError("explain: pass no backend= (explain describes the automatic choice)")
     fn = getattr(jaxrl_kernels, op)
-    log: list[tuple[str, Choice]] = []
+    log: list[tuple[str, Any]] = []
     token = _recorder.set(log)
     try:
         jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
@@ -366,73 +413,14 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         if isinstance(choice, str):  # a layout note from sharding.run
             lines.append(f"  layout: {choice}")
             continue
-        if isinstance(choice, MemoryNote):  # fast: the op's own line; lean: under its backend
-            lines.append(f"{step}: {choice.text}" if choice.mode == "fast"
-                         else f"  memory: {choice.text}")
+        if not isinstance(choice, Choice):
+            lines.append(choice.explain_line(step))
             continue
         how = "requested" if choice.explicit else "automatic"
         lines.append(f"{step}: {choice.backend} ({how})")
         for name, why in choice.declined:
             lines.append(f"  - {name} declined: {why}")
     return "\n".join(lines)
-
-
-# -- the memory mode of the linear-head ops ----------------------------------------------------
-
-MEMORY_MODES = ("lean", "fast")
-"""``memory=`` of the linear-head ops: ``"lean"`` (the default) keeps nothing ``[N, V]``-sized
-and recomputes the logits in the backward (4 GEMMs); ``"fast"`` keeps the forward's logits for
-the backward (3 GEMMs, ``saved_logits``); an int is a byte budget: ``"fast"`` when the kept
-logits fit in it, else ``"lean"``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryNote:
-    """What :func:`memory_mode` decided, for :func:`explain`."""
-
-    mode: str
-    text: str
-
-
-def _size(n_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.1f} {unit}"
-    return f"{int(n_bytes)} bytes"
-
-
-def memory_mode(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
-                kept_dtype: Any, backend: str | None) -> MemoryNote:
-    """``"lean"`` or ``"fast"`` (``.mode``) for a linear-head op's ``memory=`` argument, with the
-    reason (``.text``; pass the note to :func:`record` for :func:`explain`). ``kept_bytes``:
-    what ``"fast"`` would keep from forward to backward."""
-    is_budget = isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
-    if not (is_budget or (isinstance(memory, str) and memory in MEMORY_MODES)):
-        raise ValueError(f"memory: expected 'lean', 'fast' or a byte budget (an int >= 0), "
-                         f"got {memory!r}")
-    size = _size(kept_bytes)
-    if is_budget:
-        if memory < 0:
-            raise ValueError(f"memory: a byte budget must be >= 0, got {memory}")
-        mode = "fast" if kept_bytes <= memory else "lean"
-        why = (f"memory={int(memory)}: a budget of {_size(int(memory))} "
-               f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps")
-    else:
-        mode, why = memory, f"memory={memory!r}"
-    if mode == "fast" and backend is not None:
-        raise ValueError(f"backend: {backend!r} serves memory='lean' only; memory='fast' computes "
-                         "the logits with XLA's GEMM and keeps them (pass backend=None)")
-    if mode == "fast":
-        text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, 3 per "
-                "forward+backward")
-        wanted = requested_backend(None)
-        if wanted is not None:
-            text += f"; the backend override {wanted!r} applies to memory='lean' only"
-    else:
-        text = (f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
-                "(4 GEMMs per forward+backward)")
-    return MemoryNote(mode, text)
 
 
 def dtype_name(x: Any) -> str:

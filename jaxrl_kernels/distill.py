@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, rl_math, sharding
+from jaxrl_kernels import dispatch, head, rl_math, sharding
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.divergence_math import DIVERGENCES
 from jaxrl_kernels.logprob_core import Whole
-from jaxrl_kernels.logprobs import WEIGHT_LAYOUTS, check_linear_head, global_vocab
+from jaxrl_kernels.logprobs import global_vocab
 
 AxisName = str | tuple[str, ...]
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
@@ -45,7 +45,7 @@ def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     """Validate the teacher head against the student's rows ``shape`` [B, T] and ``vocab``."""
     t_hidden = check.floating("teacher_hidden", t_hidden)
     t_weight = check.floating("teacher_weight", t_weight)
-    check.option("teacher_weight_layout", layout, WEIGHT_LAYOUTS)
+    check.option("teacher_weight_layout", layout, head.LAYOUTS)
     check.rank("teacher_hidden", t_hidden, 3, "[B, T, D_t]")
     if tuple(t_hidden.shape[:2]) != tuple(shape):
         raise ValueError(f"teacher_hidden: expected [B, T] = {tuple(shape)} (hidden.shape[:2]), "
@@ -174,7 +174,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       >>> round(float(loss), 3), d.shape
       (1.96, (1, 2))
     """
-    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D_s]")
     shape = hidden.shape[:2]
     teacher_hidden, teacher_weight, teacher_bias = _check_teacher(
@@ -192,20 +192,16 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
             raise ValueError(f"jsd_beta: expected a value in (0, 1), got {v}")
         beta = v
     temperature = _check_temperature(temperature)
-    mode = check.option("loss_agg_mode", loss_agg_mode,
-                        rl_math.AGGREGATION_MODES + tuple(rl_math.AGGREGATION_ALIASES))
-    if max_len is not None and (not isinstance(max_len, (int, np.integer)) or max_len <= 0):
-        raise ValueError(f"max_len: expected a positive int or None, got {max_len!r}")
+    mode = check.agg_mode(loss_agg_mode)
+    max_len = check.max_len(max_len)
     if vocab_axis is not None:
         global_vocab(local_vocab, vocab_axis)  # checks the axis
 
     problem = dispatch.Problem(
-        "linear_distill_loss", n_rows=math.prod(shape), vocab=local_vocab,
-        hidden_dim=hidden.shape[-1], dtype=dispatch.dtype_name(hidden),
-        weight_layout=weight_layout, has_bias=bias is not None,
-        extra=(("divergence", divergence), ("teacher_hidden_dim", teacher_hidden.shape[-1])))
-    choice = dispatch.record("linear_distill_loss",
-                             dispatch.select("linear_distill_loss", problem, backend))
+        n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
+        dtype=dispatch.dtype_name(hidden), weight_dtype=dispatch.dtype_name(weight),
+        weight_layout=weight_layout, has_bias=bias is not None)
+    choice = dispatch.resolve("linear_distill_loss", problem, backend)
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
     opts = dict(weight_layout=weight_layout, teacher_weight_layout=teacher_weight_layout,
                 divergence=divergence, beta=beta, temperature=temperature)
@@ -311,7 +307,7 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
       >>> ids.tolist(), [round(x, 3) for x in logp.tolist()]
       ([1, 3, 2], [-0.918, -0.918, -1.918])
     """
-    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     vocab = global_vocab(local_vocab, vocab_axis)
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
         raise TypeError(f"k: expected a Python int in [1, V = {vocab}], got {type(k).__name__}")
@@ -324,10 +320,9 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
     n_row_dims = hidden.ndim - 1
     flat_hidden = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]),
                                        hidden.dtype)
-    problem = dispatch.linear_problem("linear_topk_logprobs", flat_hidden, weight, bias,
-                                      weight_layout=weight_layout, return_entropy=False)
-    choice = dispatch.record("linear_topk_logprobs",
-                             dispatch.select("linear_topk_logprobs", problem, backend))
+    problem = dispatch.linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
+                                      return_entropy=False)
+    choice = dispatch.resolve("linear_topk_logprobs", problem, backend)
     values, ids, lse = _topk_rows(choice.impl, hidden, weight, bias, k=int(k),
                                   n_row_dims=n_row_dims, weight_layout=weight_layout,
                                   temperature=temperature, vocab_axis=vocab_axis,

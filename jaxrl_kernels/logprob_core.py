@@ -14,7 +14,7 @@ A kernel backend supplies two pieces of work on one device's data (:class:`Parts
     ``lse = +inf`` (so ``p = 0``); a target outside ``[0, V_local)`` adds no one-hot term.
 
 This module does the rest, once for all backends: the global row statistics across a
-vocabulary split over devices (``rl_math.combine_vocab_shards``), the outputs and residuals,
+vocabulary split over devices (``softmax_math.combine_vocab_shards``), the outputs and residuals,
 the cotangent sums across devices (each cotangent sharded like its operand), and where the work
 runs (``sharding.run``). Targets are global ids; device ``i`` of the vocabulary axes holds ids
 ``[i·V_local, (i+1)·V_local)``.
@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import rl_math, sharding
+from jaxrl_kernels import head, sharding, softmax_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +61,9 @@ def _rows_flat(x, n_row_dims):
 def _finish(plan, stats, target_rel, targets_local, local_vocab, row_valid):
     """Global outputs from this device's statistics: (logp, entropy | None, lse, active)."""
     holds = (targets_local >= 0) & (targets_local < local_vocab)
-    stats, target_rel, holders = rl_math.combine_vocab_shards(stats, target_rel, holds,
+    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, target_rel, holds,
                                                               plan.vocab_axes)
-    return rl_math.finalize_row_stats(stats, target_rel, holders, row_valid)
+    return softmax_math.finalize_row_stats(stats, target_rel, holders, row_valid)
 
 
 def _backward_rows(plan, vocab_operand, local_vocab, targets, lse, entropy, active, g, g_ent):
@@ -83,7 +83,7 @@ def _backward_rows(plan, vocab_operand, local_vocab, targets, lse, entropy, acti
 
 # -- logits [..., V] --------------------------------------------------------------------------
 
-def token_logprobs(parts, logits, targets, row_valid, *, temperature, return_entropy,
+def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
                    vocab_axis=None, record=None):
     """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``dispatch``'s primitive table)."""
     if isinstance(parts, Whole):
@@ -129,7 +129,7 @@ def token_logprobs(parts, logits, targets, row_valid, *, temperature, return_ent
     return op(logits, targets, row_valid)
 
 
-def paired_logprobs(parts, policy_logits, ref_logits, targets, row_valid, *, temperature,
+def paired_from_parts(parts, policy_logits, ref_logits, targets, row_valid, *, temperature,
                     vocab_axis=None, record=None):
     """``(logp, ref_logp)`` of two logits streams sharing targets; gradient to the policy only."""
     if isinstance(parts, Whole):
@@ -195,30 +195,31 @@ def _token_backward(parts, logits, targets, lse, entropy, active, g, g_ent, *, t
 
 # -- a linear head: hidden [..., D], weight [V, D] ("vd") or [D, V] ("dv") ---------------------
 
-def _head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
-    return "r" * k + "-", ("v-" if weight_layout == "vd" else "-v"), "v"
+def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
+    """The sharding roles of (hidden, weight, bias) with ``k`` row dimensions."""
+    return "r" * k + "-", head.roles(weight_layout), "v"
 
 
-def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_layout,
+def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight_layout,
                     temperature, return_entropy, backward=None, vocab_axis=None, record=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits.
 
-    ``backward``: the standalone backward to use when ``parts.backward`` is None (a backend
-    whose backward dispatch picks separately, such as ``ffi``); a callable
-    ``() -> backward function``, asked at trace time of the backward pass.
+    ``backward``: where ``parts.backward`` is None (``ffi``), the standalone backward as a
+    thunk ``() -> backward function`` (``dispatch.Choice.backward``), called when the backward
+    pass is traced.
     """
     if isinstance(parts, Whole):
-        return _whole(parts, (hidden, weight, bias), _head_roles(targets.ndim, weight_layout),
+        return _whole(parts, (hidden, weight, bias), head_roles(targets.ndim, weight_layout),
                       targets, row_valid, 2 if return_entropy else 1, vocab_axis, record,
                       weight_layout=weight_layout, temperature=temperature,
                       return_entropy=return_entropy)
     k = targets.ndim
     rows = "r" * k
-    h_roles, w_roles, b_roles = _head_roles(k, weight_layout)
+    h_roles, w_roles, b_roles = head_roles(k, weight_layout)
     n_out = 2 if return_entropy else 1
 
     def local_vocab(weight):
-        return weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+        return head.vocab_size(weight, weight_layout)
 
     def local_forward(plan, hidden, weight, bias, targets, row_valid):
         shape = targets.shape
@@ -233,16 +234,6 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
         logp, ent, lse, active = _finish(plan, stats, t_rel, t_local, local_vocab(weight), valid)
         outs = (logp, ent)[:n_out] + (lse, active)
         return tuple(o.reshape(shape) for o in outs)
-
-    def local_backward(backward_fn, plan, hidden, weight, bias, targets, lse, entropy, active, g,
-                       g_ent):
-        h = _rows_flat(hidden, k)
-        t_local, lse, entropy, g, g_ent = _backward_rows(plan, weight, local_vocab(weight),
-                                                         targets, lse, entropy, active, g, g_ent)
-        dh, dw, db = sharding.kernel_region(
-            lambda *a: backward_fn(*a, weight_layout=weight_layout, temperature=temperature),
-            h, weight, bias, t_local, lse, entropy, g, g_ent)
-        return dh.reshape(hidden.shape), dw, db
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid):
@@ -259,20 +250,50 @@ def linear_logprobs(parts, hidden, weight, bias, targets, row_valid, *, weight_l
     def bwd(res, cot):
         hidden, weight, bias, targets, lse, ent, active = res
         g, g_ent = cot
-        g_ent = g_ent if return_entropy else None
         backward_fn = parts.backward or backward()
-        grads = sharding.run(
-            lambda plan, *a: local_backward(backward_fn, plan, *a),
-            (hidden, weight, bias, targets, lse, ent, active, g, g_ent),
-            (h_roles, w_roles, b_roles) + (rows,) * 6,
-            (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
-            grads_of=(0, 1) + ((2,) if bias is not None else ()), vocab_axis=vocab_axis)
-        dh, dw = grads[0], grads[1]
-        db = grads[2].astype(bias.dtype) if bias is not None else None
-        return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
+        kernel = lambda *a: sharding.kernel_region(  # noqa: E731
+            lambda *a: backward_fn(*a, weight_layout=weight_layout, temperature=temperature), *a)
+        grads = head_backward(kernel, hidden, weight, bias, (), targets, lse, ent, active, g,
+                              g_ent if return_entropy else None, weight_layout=weight_layout,
+                              vocab_axis=vocab_axis)
+        return grads + (None, None)
 
     op.defvjp(fwd, bwd)
     return op(hidden, weight, bias, targets, row_valid)
+
+
+def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entropy, active, g,
+                  g_ent, *, weight_layout, vocab_axis):
+    """(d_hidden, d_weight, d_bias | None) of a linear-head op from its residuals, each shaped
+    and sharded like its operand: the cotangent half of every linear-head custom_vjp.
+
+    Per device, ``local_backward(h [N, D], weight, bias, *kept [N, V_local], t_local, lse,
+    entropy, g, g_ent)`` gets flat rows, this device's target ids and no gradient on inactive
+    rows (see the module docstring); ``kept`` are residuals laid out like the logits
+    (``saved_logits``' kept logits), ``()`` for a backend's backward part.
+    """
+    k = targets.ndim
+    rows = "r" * k
+    h_roles, w_roles, b_roles = head_roles(k, weight_layout)
+
+    def local(plan, hidden, weight, bias, *rest):
+        kept, (targets, lse, entropy, active, g, g_ent) = rest[:-6], rest[-6:]
+        t_local, lse, entropy, g, g_ent = _backward_rows(
+            plan, weight, head.vocab_size(weight, weight_layout), targets, lse, entropy, active,
+            g, g_ent)
+        dh, dw, db = local_backward(_rows_flat(hidden, k), weight, bias,
+                                    *(_rows_flat(x, k) for x in kept), t_local, lse, entropy,
+                                    g, g_ent)
+        return dh.reshape(hidden.shape), dw, db
+
+    grads = sharding.run(
+        local, (hidden, weight, bias) + tuple(kept) + (targets, lse, entropy, active, g, g_ent),
+        (h_roles, w_roles, b_roles) + (rows + "v",) * len(kept) + (rows,) * 6,
+        (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
+        grads_of=(0, 1) + ((2,) if bias is not None else ()), vocab_axis=vocab_axis)
+    dh, dw = grads[0], grads[1]
+    db = grads[2].astype(bias.dtype) if bias is not None else None
+    return dh.astype(hidden.dtype), dw.astype(weight.dtype), db
 
 
 # -- ops jax differentiates itself (the reference backend) -------------------------------------

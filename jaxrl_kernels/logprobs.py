@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, logprob_core, saved_logits, sharding
+from jaxrl_kernels import dispatch, head, logprob_core, saved_logits, sharding
+from jaxrl_kernels import memory as memory_mode
 from jaxrl_kernels import validation as check
 
-WEIGHT_LAYOUTS = ("vd", "dv")
-_LAYOUT_SHAPES = {"vd": "[V, D]", "dv": "[D, V]"}
 
 AxisName = str | tuple[str, ...]
 
@@ -69,11 +68,10 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
 
-    problem = dispatch.Problem("token_logprobs", n_rows=math.prod(targets.shape),
-                               vocab=local_vocab, dtype=dispatch.dtype_name(logits),
-                               return_entropy=return_entropy)
-    choice = dispatch.record("token_logprobs", dispatch.select("token_logprobs", problem, backend))
-    logp, entropy = logprob_core.token_logprobs(
+    problem = dispatch.Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
+                               dtype=dispatch.dtype_name(logits), return_entropy=return_entropy)
+    choice = dispatch.resolve("token_logprobs", problem, backend)
+    logp, entropy = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
         return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
         record=dispatch.plan_recorder("token_logprobs"))
@@ -88,67 +86,35 @@ def global_vocab(local_vocab: int, vocab_axis) -> int:
     return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
 
 
-def check_linear_head(hidden, weight, bias, weight_layout):
-    """Validate an LM head; return (hidden, weight, bias, vocab)."""
-    hidden = check.floating("hidden", hidden)
-    weight = check.floating("weight", weight)
-    check.option("weight_layout", weight_layout, WEIGHT_LAYOUTS)
-    check.rank("hidden", hidden, range(1, check.MAX_RANK + 1), "[..., D]")
-    check.rank("weight", weight, 2, _LAYOUT_SHAPES[weight_layout])
-    dim = hidden.shape[-1]
-    vocab, w_dim = weight.shape if weight_layout == "vd" else weight.shape[::-1]
-    if w_dim != dim:
-        # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
-        other = "dv" if weight_layout == "vd" else "vd"
-        hint = (f"; it fits weight_layout={other!r} ({_LAYOUT_SHAPES[other]} with V = {w_dim})"
-                if vocab == dim else "")
-        raise ValueError(f"weight: expected shape {_LAYOUT_SHAPES[weight_layout]} with D = {dim} "
-                         f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
-                         f"{tuple(weight.shape)}{hint}")
-    if vocab == 0:
-        raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
-    if bias is not None:
-        bias = check.floating("bias", bias)
-        check.shape("bias", bias, (vocab,), "[V]")
-    return hidden, weight, bias, vocab
-
-
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
                          temperature, return_entropy, backend, vocab_axis=None, memory="lean"):
     """Dispatch the linear_logprobs primitive on validated inputs: hidden [..., D] with rows
     [...] (targets, row_valid). Returns (logp [...], entropy [...] | None).
 
-    ``memory``: ``"lean"``, ``"fast"`` or a byte budget (``dispatch.memory_mode``); ``"fast"``
+    ``memory``: ``"lean"``, ``"fast"`` or a byte budget (``memory_mode.choose``); ``"fast"``
     keeps the logits for the backward (``saved_logits``)."""
     n_rows = math.prod(targets.shape)
-    local_vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    vocab = global_vocab(local_vocab, vocab_axis)
-    memory_note = dispatch.memory_mode(
+    vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
+    memory_note = memory_mode.choose(
         op, memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
         tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
         backend)
     if memory_note.mode == "fast":
         dispatch.record(op, memory_note)
-        return saved_logits.linear_logprobs(
+        return saved_logits.fast_linear_logprobs(
             hidden, weight, bias, targets.astype(jnp.int32), row_valid,
             weight_layout=weight_layout, temperature=float(temperature),
             return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
             record=dispatch.plan_recorder(op))
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
-    problem = dispatch.linear_problem(op, flat_hidden, weight, bias, weight_layout=weight_layout,
+    problem = dispatch.linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
                                       return_entropy=return_entropy)
-    choice = dispatch.record(op, dispatch.select(op, problem, backend))
+    choice = dispatch.resolve(op, problem, backend)
     dispatch.record(op, memory_note)
-
-    def standalone_backward():
-        backward = dispatch.select(op, problem, primitive="linear_logprobs_backward",
-                                   strict=False)
-        return dispatch.record("linear_logprobs_backward", backward).impl
-
-    return logprob_core.linear_logprobs(
+    return logprob_core.linear_from_parts(
         choice.impl, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
         weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy), backward=standalone_backward,
+        return_entropy=bool(return_entropy), backward=choice.backward,
         vocab_axis=vocab_axis, record=dispatch.plan_recorder(op))
 
 
@@ -190,7 +156,7 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
       >>> logp.shape, float(logp[0, 0]).__round__(3)     # uniform over 50 tokens: -log 50
       ((2, 3), -3.912)
     """
-    hidden, weight, bias, local_vocab = check_linear_head(hidden, weight, bias, weight_layout)
+    hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     targets = check.integer("targets", targets)
     check.shape("targets", targets, hidden.shape[:-1], "hidden.shape[:-1]")
     check.positive("temperature", temperature)

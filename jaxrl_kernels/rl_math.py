@@ -1,17 +1,11 @@
 """Token-level RL math, written once and shared by every backend.
 
-Everything here is elementwise or a reduction over the last axis, in float32,
-so the Pallas kernels call the same functions on tiles that the jnp backends
-call on whole arrays.
-
-Softmax statistics per row of ``z = logits / T`` (online, tile by tile):
-
-* ``m``  running max,
-* ``s = Σ exp(z - m)``,
-* ``a = Σ exp(z - m) · (z - m)`` (only for entropy),
-
-so that ``lse = m + log s`` and ``entropy = log s - a / s`` (no cancellation
-even for |z| ~ 1e4).
+Everything here is elementwise or a reduction over the last axis, in float32, so the Pallas
+kernels call the same functions on tiles that the jnp backends call on whole arrays: the KL
+estimators, importance ratios and clipped surrogates (PPO, dual clip, CISPO, truncated
+importance sampling), the loss aggregations, group advantages, and the PPO/GRPO loss as sums
+over tokens and sequences (docs/api.md states each formula). Options arrive checked
+(``validation``); the softmax statistics of the log-probs are in :mod:`softmax_math`.
 """
 
 from __future__ import annotations
@@ -39,121 +33,6 @@ KL_LOG_RATIO_CLIP = 20.0
 TIS_LOG_WEIGHT_CLIP = 20.0
 
 
-# -- softmax statistics on tiles ---------------------------------------------------------
-
-def online_softmax_init(shape, with_entropy: bool):
-    m = jnp.full(shape, -jnp.inf, jnp.float32)
-    zero = jnp.zeros(shape, jnp.float32)
-    return (m, zero, zero) if with_entropy else (m, zero)
-
-
-def online_softmax_update(stats, z):
-    """Fold a tile ``z[..., tile]`` (float32, -inf where masked) into ``stats``."""
-    m_old = stats[0]
-    m_new = jnp.maximum(m_old, jnp.max(z, axis=-1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all -inf so far: keep exps at 0
-    scale = jnp.exp(m_old - m_safe)
-    shifted = z - m_safe[..., None]
-    e = jnp.exp(shifted)
-    s = stats[1] * scale + jnp.sum(e, axis=-1)
-    if len(stats) == 2:
-        return (m_new, s)
-    # a' = scale·(a + s·(m_old - m_new)); where nothing was seen yet, s = a = 0.
-    a_carry = jnp.where(stats[1] > 0, stats[2] + stats[1] * (m_old - m_safe), 0.0)
-    a = a_carry * scale + jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1)
-    return (m_new, s, a)
-
-
-def online_softmax_merge(x, y):
-    """Combine the statistics of two disjoint column sets (the split-V combine)."""
-    m = jnp.maximum(x[0], y[0])
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    cx, cy = jnp.exp(x[0] - m_safe), jnp.exp(y[0] - m_safe)
-    s = x[1] * cx + y[1] * cy
-    if len(x) == 2:
-        return (m, s)
-    ax = jnp.where(x[1] > 0, x[2] + x[1] * (x[0] - m_safe), 0.0)
-    ay = jnp.where(y[1] > 0, y[2] + y[1] * (y[0] - m_safe), 0.0)
-    return (m, s, ax * cx + ay * cy)
-
-
-def online_softmax_finalize(stats):
-    """``(lse, entropy or None)`` from the running statistics."""
-    log_s = jnp.log(stats[1])
-    lse = stats[0] + log_s
-    entropy = log_s - stats[2] / stats[1] if len(stats) == 3 else None
-    return lse, entropy
-
-
-def combine_vocab_shards(stats, target_rel, holds_target, axes):
-    """Row statistics of the whole vocabulary from those of each device's slice of it.
-
-    ``stats = (m, s[, a])`` over this device's columns, ``target_rel = z_target − m`` where
-    ``holds_target`` (this slice holds the target column). Over the mesh ``axes`` (none: one
-    slice, returned as is) only these per-row values cross devices:
-    ``m* = max m``, ``s* = Σ s·e``, ``a* = Σ e·(a + s·(m − m*))`` with ``e = exp(m − m*)``, and
-    the target's ``z_t − m* = target_rel + m − m*`` from the one slice that holds it.
-    Returns ``(stats*, target_rel*, holders)``: holders counts the slices that hold the target
-    (1 for a target inside [0, V), 0 outside).
-    """
-    holders = holds_target.astype(jnp.int32)
-    if not axes:
-        return tuple(stats), jnp.where(holds_target, target_rel, 0.0), holders
-    m = stats[0]
-    m_all = jax.lax.pmax(m, axes)
-    m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    shift = jnp.where(m == -jnp.inf, 0.0, m - m_safe)
-    scale = jnp.exp(m - m_safe)
-    out = (m_all, jax.lax.psum(stats[1] * scale, axes))
-    if len(stats) == 3:
-        a = jnp.where(stats[1] > 0, stats[2] + stats[1] * shift, 0.0) * scale
-        out += (jax.lax.psum(a, axes),)
-    target = jax.lax.psum(jnp.where(holds_target, target_rel + shift, 0.0), axes)
-    return out, target, jax.lax.psum(holders, axes)
-
-
-def finalize_row_stats(stats, target_rel, holders, row_valid):
-    """(logp, entropy | None, lse, active) per row from whole-vocabulary statistics.
-
-    ``logp = (z_t − m) − log s`` (exact even where |z| ~ 1e4), ``entropy = log s − a/s``,
-    ``lse = m + log s``. ``active`` rows (valid, target inside the vocabulary) are the ones
-    with a gradient; invalid rows give 0, out-of-range targets NaN.
-    """
-    log_s = jnp.log(stats[1])
-    entropy = log_s - stats[2] / stats[1] if len(stats) == 3 else None
-    in_range = holders == 1
-    logp, entropy = finalize_logprob(target_rel, log_s, entropy, in_range, row_valid)
-    return logp, entropy, stats[0] + log_s, row_valid & in_range
-
-
-def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature):
-    """d loss / d logits on a tile, from per-row cotangents of logp and entropy.
-
-    With p = exp(z - lse):  d logp/d logits = (onehot - p) / T and
-    d entropy/d logits = -p · (z - Σ p z) / T = -p · (log p + H) / T.
-    ``g_entropy``/``entropy`` may be None (no entropy output).
-    """
-    logp_all = z - lse[..., None]
-    p = jnp.exp(logp_all)
-    dz = g_logp[..., None] * (jnp.where(is_target, 1.0, 0.0) - p)
-    if g_entropy is not None:
-        dz = dz - g_entropy[..., None] * p * jnp.where(p > 0, logp_all + entropy[..., None], 0.0)
-    return dz / temperature
-
-
-def finalize_logprob(target_z, lse, entropy, target_in_range, row_valid):
-    """Per-row outputs: 0 on invalid rows, NaN where the target is out of range.
-
-    ``target_z`` and ``lse`` may carry the same shift (e.g. both taken relative
-    to the row max, which keeps logp exact when |z| is large).
-    """
-    nan = jnp.float32(jnp.nan)
-    logp = jnp.where(row_valid, jnp.where(target_in_range, target_z - lse, nan), 0.0)
-    if entropy is not None:
-        entropy = jnp.where(row_valid, jnp.where(target_in_range, entropy, nan), 0.0)
-    return logp, entropy
-
-
 # -- KL, ratios, surrogates ----------------------------------------------------------------
 
 _sg = jax.lax.stop_gradient
@@ -168,10 +47,9 @@ def kl_penalty(logp, ref_logp, estimator: str = "k3"):
         return jnp.abs(d)
     if estimator == "k2":
         return 0.5 * d * d
-    if estimator == "k3":
-        d = jnp.clip(d, -KL_LOG_RATIO_CLIP, KL_LOG_RATIO_CLIP)
-        return jnp.exp(d) - d - 1.0
-    raise ValueError(f"estimator: unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    assert estimator == "k3", estimator  # one of KL_ESTIMATORS, checked at the public op
+    d = jnp.clip(d, -KL_LOG_RATIO_CLIP, KL_LOG_RATIO_CLIP)
+    return jnp.exp(d) - d - 1.0
 
 
 def importance_ratio(logp, old_logp):
@@ -245,14 +123,6 @@ def tis_weight(log_weight, cap, mode: str = "truncate"):
 
 # -- aggregation -------------------------------------------------------------------------
 
-def canonical_mode(mode: str) -> str:
-    mode = AGGREGATION_ALIASES.get(mode, mode)
-    if mode not in AGGREGATION_MODES:
-        valid = ", ".join(AGGREGATION_MODES + tuple(AGGREGATION_ALIASES))
-        raise ValueError(f"loss_agg_mode: unknown mode {mode!r}; valid: {valid}")
-    return mode
-
-
 def masked_row_sums(values: dict, mask) -> dict:
     """Σ_t m·v per sequence ([B, T] -> [B]) for each entry of ``values``."""
     mask = mask.astype(jnp.float32)
@@ -266,8 +136,8 @@ def aggregate_sequence_sums(seq_sum, seq_count, mode: str, seq_len: int, max_len
     ``"seq_mean_token_mean"``: mean of seq_sum / seq_count over sequences with a
     valid token (0 if none); ``"seq_mean_token_sum"``: Σ_b seq_sum / B;
     ``"seq_mean_token_sum_norm"``: Σ_b seq_sum / (B · max_len), max_len = T by default.
+    ``mode`` is one of :data:`AGGREGATION_MODES` (``validation.agg_mode`` resolves aliases).
     """
-    mode = canonical_mode(mode)
     batch = seq_sum.shape[0]
     if mode == "token_mean":
         return jnp.sum(seq_sum) / jnp.maximum(jnp.sum(seq_count), 1.0)
@@ -284,7 +154,6 @@ def aggregate_sequence_sums(seq_sum, seq_count, mode: str, seq_len: int, max_len
 def aggregation_weights(seq_count, mode: str, seq_len: int, max_len=None):
     """w [B] with aggregate(x) = Σ_b w_b · Σ_t m·x_bt: the derivative of the aggregation
     with respect to each valid token's value, one per sequence."""
-    mode = canonical_mode(mode)
     batch = seq_count.shape[0]
     if mode == "token_mean":
         return jnp.broadcast_to(1.0 / jnp.maximum(jnp.sum(seq_count), 1.0), (batch,))

@@ -22,14 +22,12 @@ ops do; the two per-device pieces below are plain jnp (XLA's GEMMs and fusions).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-import dataclasses
-
-from jaxrl_kernels import logprob_core, rl_math, sharding
-from jaxrl_kernels.backends import head_grad
-from jaxrl_kernels.backends.reference import matmul_precision
+from jaxrl_kernels import head, head_grad, logprob_core, sharding, softmax_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +77,13 @@ def _product(hidden, weight, weight_layout, config):
     """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to the head's dtype, kept
     in :func:`kept_dtype` (float16 holds every bfloat16 value up to 65504 exactly)."""
     dtype = jnp.result_type(hidden, weight)
-    contract = 1 if weight_layout == "vd" else 0
     # On a GPU, XLA's bfloat16 GEMM rounds its float32 accumulator to the output itself. A
     # float16 output was seen accumulated at lower precision (jax 0.12, H100: entropies off by
     # 0.06), and XLA's CPU dot accumulates in its output's dtype: there the product is taken in
     # float32 and rounded.
     out = dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
-    z = jax.lax.dot_general(
-        hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
-        precision=matmul_precision(dtype), preferred_element_type=out)
+    z = head.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
+                    precision=head.matmul_precision(dtype), preferred_element_type=out)
     return z.astype(dtype).astype(kept_dtype(hidden.dtype, weight.dtype, config))
 
 
@@ -113,9 +109,8 @@ def _scaled(z, bias, temperature):
 def _target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
     """z̃ at each row's target column, in float32 from the operands (exact, not rounded);
     anything for a target outside this device's columns."""
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    t = jnp.clip(t_local, 0, vocab - 1)
-    rows = weight[t] if weight_layout == "vd" else weight[:, t].T
+    t = jnp.clip(t_local, 0, head.vocab_size(weight, weight_layout) - 1)
+    rows = head.target_rows(weight, t, weight_layout)
     z_t = jnp.sum(hidden.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
     if bias is not None:
         z_t = z_t + bias[t].astype(jnp.float32)
@@ -125,7 +120,7 @@ def _target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
 def local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
                   temperature, with_entropy, config=DEFAULT):
     """One device's rows [N, D] and columns: (logp, entropy | None, lse, active, z [N, V])."""
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    vocab = head.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
     z = _product(hidden, weight, weight_layout, config)
     zs = _scaled(z, bias, temperature)
@@ -154,31 +149,23 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
     is_target = cols[None, :] == t_local[:, None]
     if scaled is not None:
         g, g_ent = scaled.rows.g, scaled.rows.g_ent
-    dz = rl_math.logprob_grad_tile(_scaled(z, bias, temperature), lse, entropy, is_target, g,
+    dz = softmax_math.logprob_grad_tile(_scaled(z, bias, temperature), lse, entropy, is_target, g,
                                    g_ent, temperature)
     if fresh is not None:
         dz = jnp.where(fresh, dz, 0.0)
     if scaled is not None:
         g16 = dz.astype(jnp.float16)
-        contract = (((1,), (0 if weight_layout == "vd" else 1,)), ((), ()))
-        acc = jax.lax.dot_general(g16, weight, contract, preferred_element_type=jnp.float32)
-        pair = (g16, hidden) if weight_layout == "vd" else (hidden, g16)
-        d_w = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+        acc = head.hidden_grad(g16, weight, weight_layout, preferred_element_type=jnp.float32)
+        d_w = head.weight_grad(g16, hidden, weight_layout, preferred_element_type=jnp.float32)
         d_b = None if bias is None else jnp.sum(dz * scaled.s[:, None], axis=0)
         return acc, d_w * scaled.d_w_scale, d_b
     dtype = jnp.result_type(hidden, weight)
-    hi = matmul_precision(dtype)
+    hi = head.matmul_precision(dtype)
     dz_op = dz.astype(dtype)
-    w_contract = 0 if weight_layout == "vd" else 1
-    d_hidden = jax.lax.dot_general(dz_op, weight.astype(dtype), (((1,), (w_contract,)), ((), ())),
-                                   precision=hi, preferred_element_type=acc_dtype)
-    if weight_layout == "vd":
-        d_weight = jax.lax.dot_general(dz_op, hidden.astype(dtype), (((0,), (0,)), ((), ())),
-                                       precision=hi, preferred_element_type=weight.dtype)
-    else:
-        d_weight = jax.lax.dot_general(hidden.astype(dtype), dz_op, (((0,), (0,)), ((), ())),
-                                       precision=hi, preferred_element_type=weight.dtype)
+    d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout, precision=hi,
+                                preferred_element_type=acc_dtype)
+    d_weight = head.weight_grad(dz_op, hidden.astype(dtype), weight_layout, precision=hi,
+                                preferred_element_type=weight.dtype)
     d_bias = None if bias is None else jnp.sum(dz, axis=0)
     return d_hidden, d_weight, d_bias
 
@@ -206,7 +193,6 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
     # Blocks of `size` columns; the last one is pulled back to end at V, and the columns an
     # earlier block already wrote (col < c·size) keep their values.
     size = -(-vocab // blocks)
-    w_axis = 0 if weight_layout == "vd" else 1
 
     def block(c, carry):
         d_hidden, d_weight, d_bias = carry
@@ -214,14 +200,14 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
         cols = start + jnp.arange(size)
         fresh = cols >= c * size
         z_c = jax.lax.dynamic_slice_in_dim(z, start, size, axis=1)
-        w_c = jax.lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis)
+        w_c = head.vocab_slice(weight, start, size, weight_layout)
         b_c = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
         dh, dw, db = _block_grads(hidden, w_c, b_c, z_c, cols, *rows, acc_dtype=jnp.float32,
                                   fresh=fresh, **options)
-        old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
-        keep = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
-        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, jnp.where(keep, dw, old), start,
-                                                       axis=w_axis)
+        old = head.vocab_slice(d_weight, start, size, weight_layout)
+        d_weight = head.vocab_update(
+            d_weight, jnp.where(head.per_column(fresh, weight_layout), dw, old), start,
+            weight_layout)
         if d_bias is not None:
             old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
             d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, jnp.where(fresh, db, old_b),
@@ -235,15 +221,16 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
             None if bias is None else d_bias.astype(bias.dtype))
 
 
-def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy, vocab_axis=None, record=None, config=DEFAULT):
+def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
+                         temperature, return_entropy, vocab_axis=None, record=None,
+                         config=DEFAULT):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
-    Same arguments and layouts as ``logprob_core.linear_logprobs`` (rows ``[...]``, global
+    Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
     target ids, ``vocab_axis`` inside ``jax.shard_map``)."""
     k = targets.ndim
     rows = "r" * k
-    h_roles, w_roles, b_roles = logprob_core._head_roles(k, weight_layout)
+    h_roles, w_roles, b_roles = logprob_core.head_roles(k, weight_layout)
     n_out = 2 if return_entropy else 1
     options = dict(weight_layout=weight_layout, temperature=temperature, config=config)
 
@@ -255,15 +242,6 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
         logp, ent, lse, active, z = outs
         per_row = (logp, ent)[:n_out] + (lse, active)
         return tuple(o.reshape(shape) for o in per_row) + (z.reshape(shape + z.shape[-1:]),)
-
-    def backward(plan, hidden, weight, bias, z, targets, lse, entropy, active, g, g_ent):
-        vocab = z.shape[-1]
-        t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
-            plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
-        h = logprob_core._rows_flat(hidden, k)
-        dh, dw, db = local_backward(h, weight, bias, z.reshape(-1, vocab), t_local, lse, entropy,
-                                    g, g_ent, **options)
-        return dh.reshape(hidden.shape), dw, db
 
     def run_forward(hidden, weight, bias, targets, row_valid):
         outs = sharding.run(forward, (hidden, weight, bias, targets, row_valid),
@@ -285,15 +263,11 @@ def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
     def bwd(res, cot):
         hidden, weight, bias, targets, z, lse, ent, active = res
         g, g_ent = cot
-        g_ent = g_ent if return_entropy else None
-        grads = sharding.run(
-            backward, (hidden, weight, bias, z, targets, lse, ent, active, g, g_ent),
-            (h_roles, w_roles, b_roles, rows + "v") + (rows,) * 6,
-            (h_roles, w_roles) + ((b_roles,) if bias is not None else ()),
-            grads_of=(0, 1) + ((2,) if bias is not None else ()), vocab_axis=vocab_axis)
-        dh, dw = grads[0], grads[1]
-        db = grads[2].astype(bias.dtype) if bias is not None else None
-        return dh.astype(hidden.dtype), dw.astype(weight.dtype), db, None, None
+        grads = logprob_core.head_backward(
+            lambda *a: local_backward(*a, **options), hidden, weight, bias, (z,), targets, lse,
+            ent, active, g, g_ent if return_entropy else None, weight_layout=weight_layout,
+            vocab_axis=vocab_axis)
+        return grads + (None, None)
 
     op.defvjp(fwd, bwd)
     return op(hidden, weight, bias, targets, row_valid)

@@ -6,11 +6,11 @@ Every op describes each dimension of each operand by a *role*, one character per
   devices that hold them; row dimension *i* of every operand is the same dimension.
 * ``v`` the vocabulary. A vocabulary sharded over mesh axes is used in place
   (vocabulary-parallel): each device works on its slice ``[i·V_local, (i+1)·V_local)`` and only
-  per-row statistics cross devices (see ``rl_math.combine_vocab_shards``).
+  per-row statistics cross devices (see ``softmax_math.combine_vocab_shards``).
 * ``-`` anything else (the hidden size D, a metric axis): gathered if it is sharded, as XLA
   gathers an FSDP weight.
 
-From the operands' shardings a :class:`Plan` says which mesh axes split each row dimension and
+From the operands' shardings a :class:`Placement` says which mesh axes split each row dimension and
 which split the vocabulary. The per-shard function ``local_fn(plan, *operands)`` is the same
 everywhere; :func:`run` only chooses how to enter it:
 
@@ -25,7 +25,7 @@ everywhere; :func:`run` only chooses how to enter it:
 Cotangents (``run(..., grads_of=...)``): an operand that a device used whole while the work
 was split over other mesh axes (a replicated weight under batch-sharded rows, the hidden states
 under a vocabulary-sharded weight) receives the sum of the per-device cotangents, and every
-cotangent comes back sharded exactly like its operand (:meth:`Plan.finish_cotangent`). A ``-``
+cotangent comes back sharded exactly like its operand (:meth:`Placement.finish_cotangent`). A ``-``
 dimension the operand shards (an FSDP weight's D, hidden states' D over a tensor-parallel axis)
 was gathered for the work; its cotangent is reduce-scattered back over those axes where they are
 among the axes summed over (``psum_scatter``), else sliced (each device holds it whole).
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,193 +43,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl_kernels import _jax_internals
+from jaxrl_kernels.placement import (Axes, Placement, axes_of_entry, grad_spec, padded,
+                                     placement_from_specs, spec_entry, varying_axes)
+
 try:
     from jax.experimental.custom_partitioning import custom_partitioning
 except ImportError:  # pragma: no cover - every supported jax has it
     custom_partitioning = None
-
-try:  # the tracer type of jax.vmap; custom_partitioning has no batching rule
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:  # pragma: no cover
-    _BatchTracer = ()
-
-Axes = tuple[str, ...]
-
-
-def _axes(entry) -> Axes:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _entry(axes: Axes):
-    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Which mesh axes split the rows (per row dimension) and the vocabulary of one call."""
-
-    row_axes: tuple[Axes, ...]
-    vocab_axes: Axes = ()
-    manual: bool = False  # inside a user's shard_map: cotangent sums follow the vma types
-    how: str = "one device"
-
-    @staticmethod
-    def single(n_row_dims: int) -> "Plan":
-        return Plan(row_axes=((),) * n_row_dims)
-
-    @property
-    def work_axes(self) -> frozenset[str]:
-        """Every mesh axis the work is split over."""
-        return frozenset(a for axes in self.row_axes for a in axes) | frozenset(self.vocab_axes)
-
-    def spec(self, roles: str) -> P:
-        """The PartitionSpec of an operand with these roles under this plan."""
-        entries, row = [], 0
-        for role in roles:
-            if role == "r":
-                entries.append(_entry(self.row_axes[row]))
-                row += 1
-            elif role == "v":
-                entries.append(_entry(self.vocab_axes))
-            else:
-                entries.append(None)
-        return P(*entries)
-
-    def axes_of(self, roles: str) -> frozenset[str]:
-        return frozenset(a for e in self.spec(roles) for a in _axes(e))
-
-    def vocab_offset(self, local_vocab: int):
-        """First global vocabulary id of this device's slice."""
-        if not self.vocab_axes:
-            return jnp.int32(0)
-        return lax.axis_index(self.vocab_axes).astype(jnp.int32) * local_vocab
-
-    def output_cotangent(self, g, vocab_operand):
-        """The cotangent of an output that is replicated over the vocabulary axes.
-
-        In a user's ``shard_map(check_vma=False)`` jax hands each device a share of it (the
-        shares sum to the cotangent, as for the transpose of a psum); with varying-axes types
-        (``check_vma=True``, or any plan of ours) it arrives whole."""
-        if (g is None or not self.manual or not self.vocab_axes
-                or frozenset(self.vocab_axes) <= varying_axes(vocab_operand)):
-            return g
-        return lax.psum(g, self.vocab_axes)
-
-    def finish_cotangent(self, d_operand, operand, roles: str, want: P | None = None):
-        """The cotangent of ``operand`` on this device from this device's share of it.
-
-        In a user's ``shard_map`` the shares are summed over the axes they vary over and the
-        operand does not (or, with ``check_vma=False``, over the vocabulary axes). Otherwise
-        ``d_operand`` is laid out as :meth:`spec` says for ``roles`` and is summed over the
-        axes the work was split over but that layout is not; ``want`` (see :func:`grad_spec`)
-        may also split a dimension the plan keeps whole: over axes being summed, that is one
-        ``psum_scatter`` (a reduce-scatter instead of an all-reduce); over others, a slice."""
-        if d_operand is None:
-            return None
-        if self.manual:
-            axes = varying_axes(d_operand) - varying_axes(operand)
-            if not has_vma(d_operand) and "v" not in roles:
-                axes = frozenset(self.vocab_axes)  # check_vma=False: only what we know
-            return lax.psum(d_operand, tuple(sorted(axes))) if axes else d_operand
-        have = _padded(self.spec(roles), len(roles))
-        want = have if want is None else _padded(want, len(roles))
-        pending = set(self.work_axes - self.axes_of(roles))
-        slices = []
-        for dim, (h, w) in enumerate(zip(have, want)):
-            if h == w:
-                continue
-            axes = _axes(w)  # grad_spec: h is None here, w's axes unused by the plan's layout
-            if set(axes) <= pending:
-                d_operand = lax.psum_scatter(d_operand, _entry(axes), scatter_dimension=dim,
-                                             tiled=True)
-                pending -= set(axes)
-            else:
-                slices.append((dim, axes))
-        if pending:
-            d_operand = lax.psum(d_operand, tuple(sorted(pending)))
-        for dim, axes in slices:
-            size = d_operand.shape[dim] // math.prod(lax.axis_size(a) for a in axes)
-            start = lax.axis_index(_entry(axes)) * size
-            d_operand = lax.dynamic_slice_in_dim(d_operand, start, size, axis=dim)
-        return d_operand
-
-    def describe(self) -> str:
-        rows = ", ".join(f"dim {i}: {list(a)}" for i, a in enumerate(self.row_axes) if a)
-        parts = [f"rows split over {rows}" if rows else "rows not split",
-                 f"vocabulary split over {list(self.vocab_axes)} (vocabulary-parallel)"
-                 if self.vocab_axes else "vocabulary whole on each device"]
-        return f"{self.how}: " + "; ".join(parts)
-
-
-def plan_from_specs(specs: Sequence[P | None], roles: Sequence[str], *, how: str) -> Plan:
-    """Rows follow the first operand that shards each row dimension; the vocabulary follows the
-    first operand that shards it, minus any axis the rows already use."""
-    n_rows = max((r.count("r") for r in roles), default=0)
-    row_axes: list[Axes] = [()] * n_rows
-    used: set[str] = set()
-    for i in range(n_rows):
-        for spec, role in zip(specs, roles):
-            if spec is None or role.count("r") <= i:
-                continue
-            dim = [k for k, c in enumerate(role) if c == "r"][i]
-            axes = tuple(a for a in _axes(spec[dim] if dim < len(spec) else None)
-                         if a not in used)
-            if axes:
-                row_axes[i] = axes
-                used.update(axes)
-                break
-    vocab: Axes = ()
-    for spec, role in zip(specs, roles):
-        if spec is None or "v" not in role:
-            continue
-        dim = role.index("v")
-        axes = tuple(a for a in _axes(spec[dim] if dim < len(spec) else None) if a not in used)
-        if axes:
-            vocab = axes
-            break
-    return Plan(row_axes=tuple(row_axes), vocab_axes=vocab, how=how)
-
-
-def _padded(spec, ndim: int) -> tuple:
-    spec = tuple(spec) if spec is not None else ()
-    return spec + (None,) * (ndim - len(spec))
-
-
-def grad_spec(plan: Plan, roles: str, operand_spec: P | None) -> P:
-    """The layout in which a cotangent leaves the per-device function: the plan's layout of
-    its operand, plus every other dimension the operand itself splits (over axes the plan's
-    layout does not use), so that it needs no further movement to be sharded like the operand.
-    """
-    have = _padded(plan.spec(roles), len(roles))
-    own = _padded(operand_spec, len(roles))
-    used = {a for e in have for a in _axes(e)}
-    out = []
-    for h, o in zip(have, own):
-        axes = _axes(o)
-        if h is None and axes and not used & set(axes):
-            used.update(axes)
-            out.append(o)
-        else:
-            out.append(h)
-    return P(*out)
-
-
-# -- the types jax gives values inside shard_map (vma: the manual axes a value varies over) ----
-
-def has_vma(x) -> bool:
-    aval = jax.typeof(x)
-    return hasattr(aval, "vma") or hasattr(aval, "manual_axis_type")
-
-
-def varying_axes(x) -> frozenset[str]:
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset()
-
 
 def _cast_varying(x, axes: frozenset[str]):
     missing = tuple(sorted(axes - varying_axes(x)))
@@ -262,9 +82,7 @@ def kernel_region(fn: Callable[..., Any], *operands) -> Any:
     axes = frozenset().union(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
     if not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         return fn(*operands)
-    from jax._src import config as _config  # the switch shard_map itself sets while tracing
-
-    with _config._check_vma(False):
+    with _jax_internals.vma_check_off():
         operands = jax.tree.map(
             lambda x: _untyped(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else x,
             operands)
@@ -304,7 +122,7 @@ def replicated(x):
 def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
     """Validate a ``vocab_axis`` argument: a mesh axis name (or tuple of names) of the
     ``jax.shard_map`` we are inside."""
-    axes = _axes(vocab_axis)
+    axes = axes_of_entry(vocab_axis)
     if not axes or not all(isinstance(a, str) for a in axes):
         raise ValueError(f"{what}: expected a mesh axis name (str) or a tuple of them, "
                          f"got {vocab_axis!r}")
@@ -330,7 +148,7 @@ def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
 def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence[str],
         out_roles: Sequence[str], *, grads_of: Sequence[int | None] | None = None,
         vocab_axis=None, differentiable: bool = False,
-        record: Callable[[Plan], None] | None = None) -> tuple:
+        record: Callable[[Placement], None] | None = None) -> tuple:
     """``local_fn(plan, *operands)`` run where the operands live (see the module docstring).
 
     ``operands`` may hold None (an absent bias): its role is ignored and ``local_fn`` gets None;
@@ -338,7 +156,7 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
     ``grads_of``: for each output, the position of the operand whose cotangent it is, or None.
     ``local_fn`` returns this device's share of such a cotangent, laid out as the plan lays out
     the operand (``plan.spec(roles)``); ``run`` sums the shares and returns the cotangent
-    sharded exactly like the operand (:meth:`Plan.finish_cotangent`), as ``custom_vjp`` needs.
+    sharded exactly like the operand (:meth:`Placement.finish_cotangent`), as ``custom_vjp`` needs.
     ``differentiable``: ``local_fn`` is plain jnp that jax differentiates itself (the reference
     backend): under Auto axes it is left to XLA's partitioner, and under Explicit axes its
     shard_map checks varying axes so that jax's autodiff sums cotangents right. Otherwise
@@ -349,12 +167,12 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
     grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
     if vocab_axis is not None:
         axes = check_vocab_axis(vocab_axis)
-        plan = Plan(row_axes=((),) * n_rows, vocab_axes=axes, manual=True,
+        plan = Placement(row_axes=((),) * n_rows, vocab_axes=axes, manual=True,
                     how=f"inside shard_map, vocab_axis={vocab_axis!r}")
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
-        plan = Plan(row_axes=((),) * n_rows, manual=True,
+        plan = Placement(row_axes=((),) * n_rows, manual=True,
                     how="inside shard_map: this device's arrays, no vocab_axis")
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
@@ -362,16 +180,16 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
     if _is_explicit(mesh):
         return _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh,
                               differentiable, record)
-    batched = any(isinstance(x, _BatchTracer) for x in operands if x is not None)
+    batched = any(_jax_internals.is_vmapped(x) for x in operands if x is not None)
     if differentiable or batched or custom_partitioning is None:
-        plan = Plan.single(n_rows)
+        plan = Placement.single(n_rows)
         if mesh is not None and not batched:
             plan = dataclasses.replace(plan, how="Auto mesh axes: partitioned by XLA (jnp)")
             if differentiable:
                 operands = [keep_grad_sharding(x) for x in operands]
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
-    _note(record, Plan(row_axes=((),) * n_rows,
+    _note(record, Placement(row_axes=((),) * n_rows,
                        how="Auto mesh axes (or none): custom_partitioning plans at compile "
                            "time; rows stay where they live, a vocabulary-sharded operand is "
                            "used in place"))
@@ -416,19 +234,19 @@ def pin_grad_shardings(*xs):
     mesh = _mesh_of(xs)
     if (mesh is None or _is_explicit(mesh)
             or getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
-            or any(isinstance(x, _BatchTracer) for x in xs if x is not None)):
+            or any(_jax_internals.is_vmapped(x) for x in xs if x is not None)):
         return xs
     return tuple(keep_grad_sharding(x) for x in xs)
 
 
-def _note(record, plan: Plan) -> None:
+def _note(record, plan: Placement) -> None:
     if record is not None:
         record(plan)
 
 
 def _finishing(local_fn, roles, grads_of, wants):
     """``local_fn`` with its None outputs dropped and its cotangent outputs finished
-    (:meth:`Plan.finish_cotangent`, towards ``wants[operand position]`` where given)."""
+    (:meth:`Placement.finish_cotangent`, towards ``wants[operand position]`` where given)."""
     def fn(plan, *operands):
         outs = [y for y in local_fn(plan, *operands) if y is not None]
         for i, j in enumerate(grads_of):
@@ -455,7 +273,7 @@ def _with_absent(local_fn, keep, n):
 
 
 def _reshard(x, mesh, spec: P):
-    if _padded(jax.typeof(x).sharding.spec, x.ndim) == _padded(spec, x.ndim):
+    if padded(jax.typeof(x).sharding.spec, x.ndim) == padded(spec, x.ndim):
         return x
     target = NamedSharding(mesh, spec)
     return jax.reshard(x, target) if hasattr(jax, "reshard") else jax.sharding.reshard(x, target)
@@ -470,7 +288,7 @@ def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differe
                    record):
     keep, present, present_roles = _present(operands, roles)
     specs = [None if x is None else jax.typeof(x).sharding.spec for x in operands]
-    plan = plan_from_specs([specs[i] for i in keep], present_roles,
+    plan = placement_from_specs([specs[i] for i in keep], present_roles,
                            how="Explicit mesh axes: shard_map")
     _note(record, plan)
     wants = _grad_wants(plan, roles, grads_of, specs)
@@ -497,12 +315,12 @@ def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differe
     return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
 
 
-def _entry_spec(plan: Plan, roles: str, operand_spec) -> P:
+def _entry_spec(plan: Placement, roles: str, operand_spec) -> P:
     """``grad_spec`` where the extra splits are over axes the work is split over, else the
     plan's layout."""
-    have = _padded(plan.spec(roles), len(roles))
-    want = _padded(grad_spec(plan, roles, operand_spec), len(roles))
-    return P(*(w if h is None and set(_axes(w)) <= plan.work_axes else h
+    have = padded(plan.spec(roles), len(roles))
+    want = padded(grad_spec(plan, roles, operand_spec), len(roles))
+    return P(*(w if h is None and set(axes_of_entry(w)) <= plan.work_axes else h
                for h, w in zip(have, want)))
 
 
@@ -511,9 +329,9 @@ def _gathering(fn, have, entered):
     def gathered(plan, *operands):
         full = []
         for x, h, e in zip(operands, have, entered):
-            for dim, (hd, ed) in enumerate(zip(_padded(h, x.ndim), _padded(e, x.ndim))):
+            for dim, (hd, ed) in enumerate(zip(padded(h, x.ndim), padded(e, x.ndim))):
                 if hd != ed:
-                    x = lax.all_gather(x, _entry(_axes(ed)), axis=dim, tiled=True)
+                    x = lax.all_gather(x, spec_entry(axes_of_entry(ed)), axis=dim, tiled=True)
             full.append(x)
         return fn(plan, *full)
     return gathered
@@ -557,13 +375,13 @@ def _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
     @custom_partitioning
     def call(*args):
         fn = _with_absent(_finishing(local_fn, roles, grads_of, None), keep, len(operands))
-        return fn(Plan.single(n_rows), *args)
+        return fn(Placement.single(n_rows), *args)
 
     def partition(mesh, arg_shapes, result_shape):
         specs = [None] * len(operands)
         for i, a in zip(keep, arg_shapes):
             specs[i] = getattr(a.sharding, "spec", None)
-        plan = plan_from_specs([specs[i] for i in keep], present_roles,
+        plan = placement_from_specs([specs[i] for i in keep], present_roles,
                                how="Auto mesh axes: custom_partitioning")
         wants = _grad_wants(plan, roles, grads_of, specs)
         fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_kernels import head, rl_math
+
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_RANK = 32
 """The most dimensions an op accepts where it takes any leading shape ``[..., X]``."""
@@ -178,6 +180,81 @@ def clip_options(clip_low: Any, clip_high: Any, dual_clip: Any) -> None:
     greater_than("clip_high", clip_high, 0.0)
     if dual_clip is not None:
         greater_than("dual_clip", dual_clip, 1.0)
+
+
+# -- the per-token inputs and options of the losses ------------------------------------------
+
+def per_token(name: str, x: Any, expected: Sequence[int] | None = None) -> jax.Array:
+    """A float [B, T] per-token input (of shape ``expected`` when given)."""
+    x = floating(name, x)
+    if expected is None:
+        rank(name, x, 2, "[B, T]")
+    else:
+        shape(name, x, expected, "[B, T]")
+    return x
+
+
+def optional_per_token(name: str, x: Any, expected: Sequence[int]) -> jax.Array | None:
+    """:func:`per_token` as float32, or None."""
+    return None if x is None else per_token(name, x, expected).astype(jnp.float32)
+
+
+def token_mask(x: Any, expected: Sequence[int]) -> jax.Array:
+    """The {0, 1} [B, T] ``mask``, as float32."""
+    x = mask("mask", x)
+    shape("mask", x, expected, "[B, T]")
+    return x.astype(jnp.float32)
+
+
+def token_advantages(x: Any, expected: Sequence[int]) -> jax.Array:
+    """``advantages`` [B, T] or [B], as float32 [B, T] without a gradient."""
+    x = floating("advantages", x)
+    expected = tuple(expected)
+    if x.shape == expected[:1]:
+        x = jnp.broadcast_to(x[:, None], expected)
+    elif x.shape != expected:
+        raise ValueError(f"advantages: expected shape {expected} or {expected[:1]} ([B, T] or "
+                         f"[B]), got {tuple(x.shape)}")
+    return jax.lax.stop_gradient(x.astype(jnp.float32))
+
+
+def max_len(value: Any) -> int | None:
+    """``max_len``: a positive int or None."""
+    if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+        raise ValueError(f"max_len: expected a positive int or None, got {value!r}")
+    return value
+
+
+def agg_mode(mode: Any) -> str:
+    """``loss_agg_mode`` checked, and canonical (an alias replaced by its mode): the one place
+    the aggregation mode is checked; ``rl_math`` takes canonical modes."""
+    option("loss_agg_mode", mode, rl_math.AGGREGATION_MODES + tuple(rl_math.AGGREGATION_ALIASES))
+    return rl_math.AGGREGATION_ALIASES.get(mode, mode)
+
+
+def linear_head(hidden: Any, weight: Any, bias: Any, weight_layout: Any):
+    """Validate an LM head; return (hidden, weight, bias, vocab)."""
+    hidden = floating("hidden", hidden)
+    weight = floating("weight", weight)
+    option("weight_layout", weight_layout, head.LAYOUTS)
+    rank("hidden", hidden, range(1, MAX_RANK + 1), "[..., D]")
+    rank("weight", weight, 2, head.SHAPES[weight_layout])
+    dim = hidden.shape[-1]
+    vocab, w_dim = head.vocab_size(weight, weight_layout), head.hidden_dim(weight, weight_layout)
+    if w_dim != dim:
+        # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
+        other = "dv" if weight_layout == "vd" else "vd"
+        hint = (f"; it fits weight_layout={other!r} ({head.SHAPES[other]} with V = {w_dim})"
+                if vocab == dim else "")
+        raise ValueError(f"weight: expected shape {head.SHAPES[weight_layout]} with D = {dim} "
+                         f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
+                         f"{tuple(weight.shape)}{hint}")
+    if vocab == 0:
+        raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
+    if bias is not None:
+        bias = floating("bias", bias)
+        shape("bias", bias, (vocab,), "[V]")
+    return hidden, weight, bias, vocab
 
 
 # -- check mode: the data checks on traced arrays ----------------------------------------------

@@ -157,6 +157,23 @@ def random_mask(rng, b, t, *, p=0.75, empty_rows=(0,)):
     return m
 
 
+def ppo_token_inputs(rng, lp64, old64, dtype, *, adv_rank=2, empty_rows=(1,)):
+    """The per-token inputs of a PPO loss around float64 ``logp`` / ``old_logp`` [B, T]: jax
+    arrays of ``dtype`` with their float64 values (``as_jnp``), and a mask."""
+    b, t = lp64.shape
+    adv_shape = (b, t) if adv_rank == 2 else (b,)
+    arrays = dict(
+        logp=as_jnp(lp64, dtype), old_logp=as_jnp(old64, dtype),
+        advantages=as_jnp(rng.standard_normal(adv_shape), dtype),
+        rollout_logp=as_jnp(old64 + 0.4 * rng.standard_normal((b, t)), dtype),
+        # |ref - logp| >= 0.15 stays > 0 after bf16 rounding (no tie at the kink of "abs")
+        ref_logp=as_jnp(lp64 + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))),
+                        dtype),
+        entropy=as_jnp(np.abs(rng.standard_normal((b, t))) * 3, dtype),
+    )
+    return arrays, random_mask(rng, b, t, empty_rows=empty_rows)
+
+
 # ----------------------------------------------------------------------------- tolerances
 
 

@@ -10,6 +10,7 @@ out-of-range targets; gradients through the custom_vjp; bitwise determinism.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -25,7 +26,8 @@ import oracle
 from conftest import assert_close, assert_f32, cotangent
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.backends import ffi, head_grad
+from jaxrl_kernels import head_grad
+from jaxrl_kernels.backends import ffi
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 ON = {"ON", "1", "TRUE", "YES", "Y"}
@@ -101,7 +103,7 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     rv = jnp.ones(t.shape, bool)
 
     def logp_sum(h, w, b):
-        lp, ent = ffi.linear_logprobs(h, w, b, t, rv, weight_layout=layout, temperature=0.7,
+        lp, ent = ffi.kernel_logprobs(h, w, b, t, rv, weight_layout=layout, temperature=0.7,
                                       return_entropy=True)
         return jnp.sum(lp) + jnp.sum(ent)
 
@@ -194,7 +196,7 @@ def test_grad_planner_one_unit_per_tile(n, size, sms):
 
 
 def _problem(**kw):
-    base = dict(op="linear_logprobs", n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16",
+    base = dict(n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16",
                 weight_layout="vd", platform="gpu")
     base.update(kw)
     return dispatch.Problem(**base)
@@ -207,7 +209,7 @@ def _problem(**kw):
     ({"hidden_dim": 60}, "D = 60 is not a multiple of 8"),
     ({"weight_layout": "dv", "vocab": 50257}, "V = 50257 is not a multiple of 8"),
     ({"weight_layout": "vd", "vocab": 50257}, None),
-    ({"extra": (("weight_dtype", "float32"),)}, "weight is float32"),
+    ({"weight_dtype": "float32"}, "weight is float32"),
 ])
 def test_declines_what_the_kernel_does_not_serve(kw, expect):
     why = ffi.declines("linear_logprobs", _problem(**kw))
@@ -218,7 +220,8 @@ def test_declines_what_the_kernel_does_not_serve(kw, expect):
 def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
     """On a Hopper GPU (simulated: ffi available) the backward primitive goes to ffi for the
     inputs the kernels serve and to pallas for the others (float32 here)."""
-    monkeypatch.setattr(ffi, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(ffi, "BACKEND",
+                        dataclasses.replace(ffi.BACKEND, unavailable_reason=lambda: None))
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     pick = lambda **kw: dispatch.select("linear_logprobs", _problem(**kw),
                                         primitive="linear_logprobs_backward", strict=False)

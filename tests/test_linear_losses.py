@@ -46,27 +46,37 @@ PPO_OPTIONS = {
 }
 
 
-def check_linear_ppo(backend, rng, x, dtype, layout, options):
-    h, h64 = x["hidden"]
-    w, w64 = x["weight"]
-    bias, b64 = x["bias"]
-    actions, acts = x["actions"]
-    mask, m64 = x["mask"]
-    old, old64 = x["old_logp"]
-    b, t = acts.shape
-    adv, adv64 = as_jnp(rng.standard_normal(b), jnp.float32)
+def _split_options(rng, x, options, **special):
+    """(library kwargs, oracle kwargs) for ``options``: ``ref`` draws a ref_logp near the
+    current log-probs; a key in ``special`` maps to ``(name, (jax value, float64 value))``."""
+    b, t = x["actions"][1].shape
     lib_kw, orc_kw = {}, {}
     for key, value in options.items():
         if key == "ref":
             lib_kw["ref_logp"], orc_kw["ref_logp"] = as_jnp(
                 x["lp_now"] + rng.choice([-1, 1], (b, t)) * (0.1 + 0.3 * rng.random((b, t))),
                 jnp.float32)
-        elif key == "rollout":
-            lib_kw["rollout_logp"], orc_kw["rollout_logp"] = as_jnp(
-                old64 + 0.3 * rng.standard_normal((b, t)), jnp.float32)
+        elif key in special:
+            name, (lib_kw[name], orc_kw[name]) = special[key](value)
         else:
             lib_kw[key] = orc_kw[key] = value
+    return lib_kw, orc_kw
+
+
+def _head_case(x):
+    """The arrays of a case (jax, float64 pairs) and the primals of the head."""
+    (h, h64), (w, w64), (bias, b64) = x["hidden"], x["weight"], x["bias"]
     primals = (h, w) if bias is None else (h, w, bias)
+    return (h, h64), (w, w64), (bias, b64), x["actions"], x["mask"], x["old_logp"], primals
+
+
+def check_linear_ppo(backend, rng, x, dtype, layout, options):
+    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = \
+        _head_case(x)
+    b, t = acts.shape
+    adv, adv64 = as_jnp(rng.standard_normal(b), jnp.float32)
+    lib_kw, orc_kw = _split_options(rng, x, options, rollout=lambda _: (
+        "rollout_logp", as_jnp(old64 + 0.3 * rng.standard_normal((b, t)), jnp.float32)))
 
     def f(h, w, bb=None):
         return jk.linear_ppo_loss(h, w, actions, old, adv, mask, bias=bb, weight_layout=layout,
@@ -162,27 +172,14 @@ GRPO_OPTIONS = {
 
 
 def check_linear_grpo(backend, rng, x, dtype, layout, options):
-    h, h64 = x["hidden"]
-    w, w64 = x["weight"]
-    bias, b64 = x["bias"]
-    actions, acts = x["actions"]
-    mask, m64 = x["mask"]
-    old, old64 = x["old_logp"]
+    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = \
+        _head_case(x)
     b, t = acts.shape
     rewards, r64 = as_jnp(rng.standard_normal(b), jnp.float32)
-    lib_kw, orc_kw = {}, {}
-    for key, value in options.items():
-        if key == "ref":
-            lib_kw["ref_logp"], orc_kw["ref_logp"] = as_jnp(
-                x["lp_now"] + rng.choice([-1, 1], (b, t)) * (0.1 + 0.3 * rng.random((b, t))),
-                jnp.float32)
-        elif key == "advantages":
-            lib_kw[key], orc_kw[key] = as_jnp(rng.standard_normal(b), jnp.float32)
-        elif key == "group_boundaries":
-            lib_kw[key], orc_kw[key] = jnp.asarray(value), value
-        else:
-            lib_kw[key] = orc_kw[key] = value
-    primals = (h, w) if bias is None else (h, w, bias)
+    lib_kw, orc_kw = _split_options(
+        rng, x, options,
+        advantages=lambda _: ("advantages", as_jnp(rng.standard_normal(b), jnp.float32)),
+        group_boundaries=lambda v: ("group_boundaries", (jnp.asarray(v), v)))
 
     def f(h, w, bb=None):
         return jk.linear_grpo_loss(h, w, actions, old, rewards, mask, bias=bb, weight_layout=layout,

@@ -48,7 +48,7 @@ def make_case(rng, n, d, vocab, dtype, layout, *, bias, invalid=(), bad=()):
 def _jitted(layout, temperature, return_entropy, config):
     def run(h, w, b, t, valid, g_logp, g_ent):
         def f(h, w, b):
-            return pallas_linear.linear_logprobs(
+            return pallas_linear.kernel_logprobs(
                 h, w, b, t, valid, weight_layout=layout, temperature=temperature,
                 return_entropy=return_entropy, config=config)
         out, vjp = jax.vjp(f, h, w, b)
@@ -192,7 +192,7 @@ def test_vmap(rng):
     valid = jnp.ones(7, bool)
 
     def f(h, t):
-        return pallas_linear.linear_logprobs(h, w, None, t, valid, weight_layout="vd",
+        return pallas_linear.kernel_logprobs(h, w, None, t, valid, weight_layout="vd",
                                              temperature=1.0, return_entropy=True)
 
     def loss(h, t):
@@ -228,7 +228,7 @@ def test_backward_matches_chunked_backend(rng):
 
 
 def test_declines_float64():
-    problem = dispatch.Problem("linear_logprobs", n_rows=4, vocab=8, hidden_dim=4,
+    problem = dispatch.Problem(n_rows=4, vocab=8, hidden_dim=4,
                                dtype="float64", platform="gpu")
     assert "float64" in pallas_linear.declines("linear_logprobs", problem)
     assert pallas_linear.declines("linear_logprobs",

@@ -19,7 +19,7 @@ from jaxrl_kernels.backends.pallas import logits as pl_logits
 IGNORE = -100
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Small plans: block_v 64 over V = 150 is three tiles, the last 22 wide.
-PLANS = {"one_split": pl_logits.Plan(64, 1, 2, 1), "three_splits": pl_logits.Plan(64, 3, 2, 1)}
+PLANS = {"one_split": pl_logits.LogitsLaunch(64, 1, 2, 1), "three_splits": pl_logits.LogitsLaunch(64, 3, 2, 1)}
 
 
 def _rows(rng, n, vocab, *, n_invalid=2, n_out_of_range=1):
@@ -43,7 +43,7 @@ def test_token_logprobs_values_and_vjp(rng, plan, dtype):
     n, vocab, temperature = 9, 150, 0.7
     logits, l64 = rand(rng, (n, vocab), dtype, scale=3.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda x: pl_logits.token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
                                             temperature=temperature, return_entropy=True,
                                             plan=PLANS[plan])
     (logp, ent), vjp = jax.vjp(fn, logits)
@@ -67,7 +67,7 @@ def test_token_logprobs_without_entropy(rng, plan):
     n, vocab = 6, 150
     logits, l64 = rand(rng, (n, vocab), scale=2.0)
     t, valid = _rows(rng, n, vocab, n_invalid=1, n_out_of_range=0)
-    fn = lambda x: pl_logits.token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
                                             plan=PLANS.get(plan))
     (logp, ent), vjp = jax.vjp(fn, logits)
     assert ent is None
@@ -84,7 +84,7 @@ def test_paired_logprobs_gradient_to_policy_only(rng, plan):
     pol, p64 = rand(rng, (n, vocab), jnp.bfloat16, scale=2.0)
     ref, r64 = rand(rng, (n, vocab), jnp.float16, scale=2.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda a, b: pl_logits.paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid),
+    fn = lambda a, b: pl_logits.kernel_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid),
                                                 temperature=temperature, plan=PLANS[plan])
     (lp, ref_lp), vjp = jax.vjp(fn, pol, ref)
     for got, x64, dt, name in ((lp, p64, jnp.bfloat16, "logp"), (ref_lp, r64, jnp.float16, "ref")):
@@ -116,7 +116,7 @@ def test_extreme_logits_across_tiles(rng, dtype):
     t = rng.integers(0, vocab, n)
     valid = np.ones(n, bool)
     for plan in PLANS.values():
-        fn = lambda x: pl_logits.token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+        fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
                                                 return_entropy=True, plan=plan)
         (logp, ent), vjp = jax.vjp(fn, logits)
         (d,) = vjp((cotangent(rng, (n,)), cotangent(rng, (n,))))
@@ -137,7 +137,7 @@ def test_jit_vmap_grad_and_determinism(rng):
     g, ge = cotangent(rng, (k, n)), cotangent(rng, (k, n))
 
     def run(x, t, v, g, ge):
-        fn = lambda x: pl_logits.token_logprobs(x, t, v, return_entropy=True,
+        fn = lambda x: pl_logits.kernel_token_logprobs(x, t, v, return_entropy=True,
                                                 plan=PLANS["three_splits"])
         out, vjp = jax.vjp(fn, x)
         return out, vjp((g, ge))[0]
@@ -158,7 +158,7 @@ def test_plan_heuristic():
     """Tiles are powers of two of at most TILE_BYTES; splits only when rows are few."""
     for n, vocab, itemsize in [(8192, 151936, 2), (8192, 32000, 4), (16, 151936, 2), (3, 7, 4),
                                (100, 50257, 2)]:
-        plan = pl_logits.make_plan(n, vocab, itemsize)
+        plan = pl_logits.make_launch(n, vocab, itemsize)
         assert plan.block_v & (plan.block_v - 1) == 0
         assert plan.block_v * itemsize <= pl_logits.TILE_BYTES
         assert plan.block_v <= 1 << max(vocab - 1, 0).bit_length()  # ≤ next power of two ≥ V
@@ -170,9 +170,9 @@ def test_plan_heuristic():
 
 
 def test_declines_float64():
-    problem = dispatch.Problem("token_logprobs", n_rows=4, vocab=8, dtype="float64")
+    problem = dispatch.Problem(n_rows=4, vocab=8, dtype="float64")
     assert "float64" in pl_logits.declines("token_logprobs", problem)
-    bf16 = dispatch.Problem("token_logprobs", dtype="bfloat16")
+    bf16 = dispatch.Problem(dtype="bfloat16")
     assert pl_logits.declines("token_logprobs", bf16) is None
 
 
@@ -192,10 +192,10 @@ def test_kernels_lower_to_triton():
     reg.gpu_info_lib.get_gpu_info, common.interpret = (lambda: h100), (lambda: False)
     try:
         for splits in (1, 4):
-            plan = pl_logits.Plan(256, splits, 4, 2)
-            tok = lambda x: jnp.sum(sum(pl_logits.token_logprobs(
+            plan = pl_logits.LogitsLaunch(256, splits, 4, 2)
+            tok = lambda x: jnp.sum(sum(pl_logits.kernel_token_logprobs(
                 x, t, v, temperature=0.5, return_entropy=True, plan=plan)))
-            pair = lambda x: jnp.sum(pl_logits.paired_logprobs(x, x, t, v, plan=plan)[0])
+            pair = lambda x: jnp.sum(pl_logits.kernel_paired_logprobs(x, x, t, v, plan=plan)[0])
             for f in (tok, pair):
                 text = jax.jit(jax.grad(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
                 assert text.count("__gpu$xla.gpu.triton") == 2  # forward + backward kernel
@@ -244,7 +244,7 @@ def test_gpu_token_logprobs_real_size(rng, vocab, dtype):
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
 
     def run(x):
-        fn = lambda x: pl_logits.token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+        fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
                                                 return_entropy=True)
         (lp, ent), vjp = jax.vjp(fn, x)
         return lp, ent, vjp((g, ge))[0]
@@ -269,7 +269,7 @@ def test_gpu_paired_logprobs_real_size(rng, vocab, dtype):
     g = cotangent(rng, (n,))
 
     def run(a, b):
-        fn = lambda a: pl_logits.paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid))
+        fn = lambda a: pl_logits.kernel_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid))
         (lp, ref_lp), vjp = jax.vjp(fn, a)
         return lp, ref_lp, vjp((g, jnp.ones_like(g)))[0]
 
@@ -290,9 +290,9 @@ def test_gpu_few_rows_split_vocabulary(rng):
     n, vocab = 16, 151936
     logits, l64 = rand(rng, (n, vocab), jnp.bfloat16, scale=3.0)
     t, valid = _rows(rng, n, vocab, n_invalid=2, n_out_of_range=1)
-    assert pl_logits.make_plan(n, vocab, 2).splits > 1
+    assert pl_logits.make_launch(n, vocab, 2).splits > 1
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
-    fn = lambda x: pl_logits.token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
                                             return_entropy=True)
     (lp, ent), vjp = jax.vjp(fn, logits)
     (d,) = vjp((g, ge))

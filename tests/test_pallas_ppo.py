@@ -19,8 +19,8 @@ from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 # block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
 # 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
 # splits); "row_tiles" has one row per tile and one T tile covering T.
-PLANS = {"multi_tile": pl_ppo.Plan(2, 4, 2, 1), "t_splits": pl_ppo.Plan(2, 4, 1, 1),
-         "row_tiles": pl_ppo.Plan(1, 16, 1, 1)}
+PLANS = {"multi_tile": pl_ppo.PPOLaunch(2, 4, 2, 1), "t_splits": pl_ppo.PPOLaunch(2, 4, 1, 1),
+         "row_tiles": pl_ppo.PPOLaunch(1, 16, 1, 1)}
 MODES = rl_math.AGGREGATION_MODES
 
 
@@ -186,7 +186,7 @@ def test_jit_vmap_and_determinism(rng):
 def test_plan_heuristic():
     cdiv = lambda a, b: -(-a // b)
     for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1), (8, 32768), (1, 100000)]:
-        plan = pl_ppo.make_plan(b, t)
+        plan = pl_ppo.make_launch(b, t)
         assert plan.block_t & (plan.block_t - 1) == 0 and plan.block_t <= 1024
         assert plan.block_rows * plan.block_t <= max(pl_ppo.TILE_ELEMENTS, plan.block_t)
         row_tiles, t_tiles = cdiv(b, plan.block_rows), cdiv(t, plan.block_t)
@@ -194,7 +194,7 @@ def test_plan_heuristic():
         assert 1 <= plan.t_tiles_per_program <= t_tiles
         # T is split only while the grid is short of MIN_SUM_PROGRAMS programs
         assert splits == 1 or row_tiles * (splits - 1) < pl_ppo.MIN_SUM_PROGRAMS
-    long = pl_ppo.make_plan(8, 32768)
+    long = pl_ppo.make_launch(8, 32768)
     assert long.t_tiles_per_program < 32   # small B, long T: T is split over programs
 
 

@@ -19,7 +19,7 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, dtype_id,
-                      pallas_slow, random_mask)
+                      pallas_slow, ppo_token_inputs, random_mask)
 
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
@@ -52,16 +52,7 @@ def make_batch(rng, b, t, dtype=jnp.float32, *, adv_rank=2, empty_rows=(1,), shi
     seq_shift = rng.choice([-1, 1], (b, 1)) * (0.05 + shift * rng.random((b, 1)))
     noise = rng.choice([-1, 1], (b, t)) * (0.08 + 0.3 * np.abs(rng.standard_normal((b, t))))
     old64 = lp64 - seq_shift - noise
-    adv_shape = (b, t) if adv_rank == 2 else (b,)
-    arrays = dict(
-        logp=as_jnp(lp64, dtype), old_logp=as_jnp(old64, dtype),
-        advantages=as_jnp(rng.standard_normal(adv_shape), dtype),
-        rollout_logp=as_jnp(old64 + 0.4 * rng.standard_normal((b, t)), dtype),
-        ref_logp=as_jnp(lp64 + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))),
-                        dtype),
-        entropy=as_jnp(np.abs(rng.standard_normal((b, t))) * 3, dtype),
-    )
-    return arrays, random_mask(rng, b, t, empty_rows=empty_rows)
+    return ppo_token_inputs(rng, lp64, old64, dtype, adv_rank=adv_rank, empty_rows=empty_rows)
 
 
 def _kl_cond(d):

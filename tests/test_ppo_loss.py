@@ -8,7 +8,7 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import (as_jnp, assert_close, assert_f32, assert_zero, call, cotangent, dtype_id,
-                      random_mask)
+                      ppo_token_inputs, random_mask)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 MODES = ["token_mean", "seq_mean_token_mean", "sequence_mean", "seq_mean_token_sum",
@@ -41,18 +41,7 @@ def make_batch(rng, b, t, dtype, *, adv_rank=2, spread=0.3, empty_rows=(1,)):
     # the kink of clip_low = 0
     sign = rng.choice([-1, 1], (b, t))
     old64 = lp64 + sign * (0.08 + spread * np.abs(rng.standard_normal((b, t))))
-    adv_shape = (b, t) if adv_rank == 2 else (b,)
-    arrays = dict(
-        logp=as_jnp(lp64, dtype), old_logp=as_jnp(old64, dtype),
-        advantages=as_jnp(rng.standard_normal(adv_shape), dtype),
-        rollout_logp=as_jnp(old64 + 0.4 * rng.standard_normal((b, t)), dtype),
-        # |ref - logp| >= 0.15 stays > 0 after bf16 rounding (no tie at the kink of "abs")
-        ref_logp=as_jnp(lp64 + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))),
-                        dtype),
-        entropy=as_jnp(np.abs(rng.standard_normal((b, t))) * 3, dtype),
-    )
-    mask = random_mask(rng, b, t, empty_rows=empty_rows)
-    return arrays, mask
+    return ppo_token_inputs(rng, lp64, old64, dtype, adv_rank=adv_rank, empty_rows=empty_rows)
 
 
 def split_options(cfg, arrays):

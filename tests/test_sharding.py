@@ -203,7 +203,13 @@ def test_linear_losses(rng, backend, mesh_kind, layout):
     adv, _ = rand(rng, (B,))
     ref, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
     rows, vocab = LAYOUTS[layout]
+    check_sharded(*_linear_losses_case(backend, (h, w, acts, old, adv, ref, mask), rows, vocab),
+                  make_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),))
 
+
+def _linear_losses_case(backend, operands, rows, vocab):
+    """linear_ppo_loss and linear_grpo_loss on (h, w, actions, old, adv, ref, mask), and the
+    operands' specs: rows split over ``rows``, the vocabulary over ``vocab``."""
     def fn(h, w, acts, old, adv, ref, mask):
         ppo, metrics = jk.linear_ppo_loss(h, w, acts, old, adv, mask, entropy_coef=0.01,
                                           ref_logp=ref, kl_coef=0.1, dual_clip=3.0,
@@ -212,10 +218,9 @@ def test_linear_losses(rng, backend, mesh_kind, layout):
                                    beta=0.04, backend=backend)
         return ppo, metrics, grpo
 
-    check_sharded(fn, (h, w, acts, old, adv, ref, mask),
-                  [(rows, None, None), (vocab, None), (rows, None), (rows, None), (rows,),
-                   (rows, None), (rows, None)],
-                  make_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),))
+    specs = [(rows, None, None), (vocab, None), (rows, None), (rows, None), (rows,),
+             (rows, None), (rows, None)]
+    return fn, operands, specs
 
 
 @pytest.mark.parametrize("mesh_kind", MESHES)
@@ -470,18 +475,7 @@ def test_gpus_linear_losses(rng, backend_name, mesh_kind, layout):
     ref = jnp.asarray(-np.log(GPU_V) + 0.3 * rng.standard_normal((GPU_B, GPU_T)), jnp.float32)
     adv = jnp.asarray(rng.standard_normal(GPU_B), jnp.float32)
     rows, vocab = GPU_LAYOUTS[layout]
-
-    def fn(h, w, t, old, adv, ref, mask):
-        ppo, metrics = jk.linear_ppo_loss(h, w, t, old, adv, mask, entropy_coef=0.01,
-                                          ref_logp=ref, kl_coef=0.1, dual_clip=3.0,
-                                          loss_agg_mode="seq_mean_token_mean", backend=backend)
-        grpo = jk.linear_grpo_loss(h, w, t, old, adv, mask, ref_logp=ref, group_size=2,
-                                   beta=0.04, backend=backend)
-        return ppo, metrics, grpo
-
-    check_sharded(fn, (h, w, t, old, adv, ref, mask),
-                  [(rows, None, None), (vocab, None), (rows, None), (rows, None), (rows,),
-                   (rows, None), (rows, None)],
+    check_sharded(*_linear_losses_case(backend, (h, w, t, old, adv, ref, mask), rows, vocab),
                   gpu_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),),
                   low_rel=GPU_LOW_REL)
 

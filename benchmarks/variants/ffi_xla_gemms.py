@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.backends import ffi, head_grad
+from jaxrl_kernels import head_grad
+from jaxrl_kernels.backends import ffi
 
 
 def write_grad(bias, targets, weight_layout, weight_copy=True):

@@ -17,19 +17,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import dispatch, head, rl_math, softmax_math
 from jaxrl_kernels.logprob_core import Parts
-from jaxrl_kernels.backends.reference import linear_logits, matmul_precision
 
 CHUNK_BYTES = 4 * 2**20
 """Target size of one float32 [N, chunk] tile."""
 
 
-def unavailable_reason() -> str | None:
-    return None
+AUTOMATIC_ABOVE_BYTES = 256 * 2**20
+"""Automatic choice takes chunked over reference for a vocabulary primitive whose float32
+[N, V] logits exceed this size (below, reference's one buffer is faster and fits)."""
 
 
-def declines(primitive, problem) -> str | None:
+def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+    """Chunked only saves memory: automatic choice takes it for large vocabulary problems and
+    for a standalone backward (it reuses the saved lse, at any size)."""
+    if primitive in dispatch.STANDALONE_BACKWARDS.values():
+        return None
+    if primitive not in dispatch.VOCAB_PRIMITIVES:
+        return "chunked adds nothing over reference for ops without a vocabulary axis"
+    size = problem.logits_bytes_f32
+    if size <= AUTOMATIC_ABOVE_BYTES:
+        return (f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
+                f"<= {AUTOMATIC_ABOVE_BYTES // 2**20} MiB, so reference is used")
     return None
 
 
@@ -63,7 +73,7 @@ def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
     Returns, per stream, ``(stats, lse, entropy | None, target_z)``.
     """
     n_streams = len(jax.eval_shape(lambda: z_chunks(0, 1)))
-    init = tuple((rl_math.online_softmax_init((n_rows,), with_entropy),
+    init = tuple((softmax_math.online_softmax_init((n_rows,), with_entropy),
                   jnp.zeros((n_rows,), jnp.float32)) for _ in range(n_streams))
 
     def body(carry, start, cols, fresh, size):
@@ -71,13 +81,13 @@ def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
         out = []
         for (stats, target_z), z in zip(carry, z_chunks(start, size)):
             z = jnp.where(fresh, z, -jnp.inf)
-            stats = rl_math.online_softmax_update(stats, z)
+            stats = softmax_math.online_softmax_update(stats, z)
             target_z = target_z + jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
             out.append((stats, target_z))
         return tuple(out)
 
     final = _scan_chunks(body, init, n_rows, vocab)
-    return [(stats, *rl_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
+    return [(stats, *softmax_math.online_softmax_finalize(stats), target_z) for stats, target_z in final]
 
 
 def _relative(stats, target_z):
@@ -119,7 +129,7 @@ def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature)
 
     def body(d_logits, start, cols, fresh, size):
         is_target = cols[None, :] == targets[:, None]
-        dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
+        dz = softmax_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
                                        g_ent, temperature).astype(d_logits.dtype)
         old = jax.lax.dynamic_slice_in_dim(d_logits, start, size, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(d_logits, jnp.where(fresh, dz, old), start, 1)
@@ -129,23 +139,18 @@ def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature)
 
 # -- log-probs of a linear head -----------------------------------------------------------
 
-def _weight_chunk(weight, start, size, weight_layout):
-    axis = 0 if weight_layout == "vd" else 1
-    return jax.lax.dynamic_slice_in_dim(weight, start, size, axis=axis)
-
-
 def _linear_chunk(hidden, weight, bias, weight_layout, temperature):
     def chunk(start, size):
-        w = _weight_chunk(weight, start, size, weight_layout)
+        w = head.vocab_slice(weight, start, size, weight_layout)
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return linear_logits(hidden, w, b, weight_layout) / temperature
+        return head.float32_logits(hidden, w, b, weight_layout) / temperature
     return chunk
 
 
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                  with_entropy):
     n_rows = hidden.shape[0]
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    vocab = head.vocab_size(weight, weight_layout)
     z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
     [(stats, _, _, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows, vocab,
                                                targets, with_entropy)
@@ -159,29 +164,23 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     For each vocabulary chunk: dz = d loss/d logits (float32), then
     d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32.
     """
-    n_rows, vocab = hidden.shape[0], (weight.shape[0] if weight_layout == "vd" else weight.shape[1])
+    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
     z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
     hidden32 = hidden.astype(jnp.float32)
-    hi = matmul_precision(jnp.float32)
-    w_axis = 0 if weight_layout == "vd" else 1
+    hi = head.matmul_precision(jnp.float32)
 
     def body(carry, start, cols, fresh, size):
         d_hidden, d_weight, d_bias = carry
         is_target = cols[None, :] == targets[:, None]
-        dz = rl_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
+        dz = softmax_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
                                        g_ent, temperature)
         dz = jnp.where(fresh, dz, 0.0)
-        w = _weight_chunk(weight, start, size, weight_layout).astype(jnp.float32)
-        if weight_layout == "vd":
-            d_hidden = d_hidden + jnp.matmul(dz, w, precision=hi)
-            d_w = jnp.matmul(dz.T, hidden32, precision=hi)
-        else:
-            d_hidden = d_hidden + jnp.matmul(dz, w.T, precision=hi)
-            d_w = jnp.matmul(hidden32.T, dz, precision=hi)
-        old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
-        fresh_w = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
-        d_w = jnp.where(fresh_w, d_w.astype(d_weight.dtype), old)
-        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, d_w, start, axis=w_axis)
+        w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+        d_hidden = d_hidden + head.hidden_grad(dz, w, weight_layout, precision=hi)
+        d_w = head.weight_grad(dz, hidden32, weight_layout, precision=hi)
+        old = head.vocab_slice(d_weight, start, size, weight_layout)
+        d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
+        d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
         if d_bias is not None:
             old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
             d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
@@ -207,3 +206,5 @@ OPS = {
 from jaxrl_kernels.backends import chunked_distill as _distill  # noqa: E402  (imports this module)
 
 OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
+
+BACKEND = dispatch.Backend("chunked", OPS, automatic=automatic)

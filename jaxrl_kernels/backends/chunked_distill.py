@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import rl_math, sharding
+from jaxrl_kernels import sharding, softmax_math
 from jaxrl_kernels.logprob_core import Parts
-from jaxrl_kernels.backends.reference import matmul_precision
+from jaxrl_kernels.head import matmul_precision
 
 CHUNK_BYTES = 16 * 2**20
 """Target size of one float32 [N, chunk] tile (a few are live at once, per head)."""
@@ -202,14 +202,14 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     def body(carry, start, cols, fresh, size):
         stats, values, ids = carry
         z = jnp.where(fresh, z_chunk(start, size), -jnp.inf)
-        stats = rl_math.online_softmax_update(stats, z)
+        stats = softmax_math.online_softmax_update(stats, z)
         cand_v = jnp.concatenate([values, z], axis=1)
         cand_i = jnp.concatenate(
             [ids, jnp.broadcast_to((cols + vocab_offset).astype(jnp.int32), z.shape)], axis=1)
         values, ids = dm.topk_merge(cand_v, cand_i, k_local)
         return stats, values, ids
 
-    init = (rl_math.online_softmax_init((n_rows,), False),
+    init = (softmax_math.online_softmax_init((n_rows,), False),
             jnp.full((n_rows, k_local), -jnp.inf, jnp.float32),
             jnp.full((n_rows, k_local), -1, jnp.int32))
     stats, values, ids = _scan(body, _varying(init, hidden, weight, bias), n_rows,
@@ -217,7 +217,7 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     if vocab_axes:
         m_all = jax.lax.pmax(stats[0], vocab_axes)
         stats = (m_all, jax.lax.psum(stats[1] * jnp.exp(stats[0] - m_all), vocab_axes))
-    lse, _ = rl_math.online_softmax_finalize(stats)
+    lse, _ = softmax_math.online_softmax_finalize(stats)
     values, ids = dm.topk_across_shards(values, ids, k, vocab_axes)
     return values, ids, lse
 

@@ -10,7 +10,7 @@ accumulators) and folds each 128 × 256 logit tile into per-row running (max, Σ
 entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
 These are the row statistics of ``logprob_core`` (which holds the custom_vjp and the
 sharding). Backward: the ``linear_logprobs_backward`` primitive of the backend that
-``dispatch`` picks for it -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
+``dispatch`` resolves for it (``Choice.backward``) -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
 hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
 that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +
 wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
@@ -28,13 +28,13 @@ runs once per batch element (``vmap_method="sequential"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, logprob_core
-from jaxrl_kernels.backends import head_grad
+from jaxrl_kernels import dispatch, head, head_grad, logprob_core
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
@@ -103,11 +103,9 @@ def declines(primitive: str, problem) -> str | None:
     if problem.dtype not in SERVED_DTYPES:
         return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
                 "(wgmma operands)")
-    extra = dict(problem.extra)
-    weight_dtype = getattr(problem, "weight_dtype", None) or extra.get("weight_dtype")
-    if weight_dtype is not None and weight_dtype != problem.dtype:
-        return (f"weight is {weight_dtype} and hidden {problem.dtype}; the kernel needs one "
-                "16-bit dtype for both")
+    if problem.weight_dtype is not None and problem.weight_dtype != problem.dtype:
+        return (f"weight is {problem.weight_dtype} and hidden {problem.dtype}; the kernel needs "
+                "one 16-bit dtype for both")
     if problem.hidden_dim % ALIGN != 0:
         return (f"D = {problem.hidden_dim} is not a multiple of {ALIGN} (TMA needs 16-byte row "
                 "strides)")
@@ -152,7 +150,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     _check_served(hidden, weight)
     chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
     n_rows, depth = hidden.shape
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
+    vocab = head.vocab_size(weight, weight_layout)
     chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
     # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
     scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature)
@@ -186,23 +184,28 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
-def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy):
-    """The ``linear_logprobs`` primitive on [N, D] hidden states (backward from dispatch)."""
-    problem = dispatch.linear_problem("linear_logprobs", hidden, weight, bias,
-                                      weight_layout=weight_layout, return_entropy=return_entropy)
-
-    def backward():
-        choice = dispatch.select("linear_logprobs", problem,
-                                 primitive="linear_logprobs_backward", strict=False)
-        return dispatch.record("linear_logprobs_backward", choice).impl
-
-    return logprob_core.linear_logprobs(
-        PARTS, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
+def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+                    return_entropy, config=None):
+    """(logp [N], entropy [N] | None) of [N, D] hidden states through these kernels alone,
+    forward and backward, under ``config`` (the ops take their backward from dispatch)."""
+    config = config or DEFAULT_CONFIG
+    parts = Parts(functools.partial(linear_stats, config=config),
+                  functools.partial(linear_backward, config=config))
+    return logprob_core.linear_from_parts(
+        parts, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
         weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy), backward=backward)
+        return_entropy=bool(return_entropy))
 
 
-PARTS = Parts(linear_stats, backward=None)  # the backward is the one dispatch picks
+def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+    if primitive not in OPS:
+        return "ffi serves only linear_logprobs (forward and backward)"
+    return None
+
+
+PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
 OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}
+
+BACKEND = dispatch.Backend("ffi", OPS, unavailable_reason, declines, automatic,
+                           configs={"linear_logprobs": Config, "linear_logprobs_backward": Config})

@@ -10,31 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import dispatch, head, rl_math, softmax_math
 from jaxrl_kernels.logprob_core import Whole
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def declines(primitive, problem) -> str | None:
-    return None
-
-
-def matmul_precision(dtype) -> jax.lax.Precision:
-    """float32 operands get full float32 products; narrower ones are exact in float32 anyway."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
-def linear_logits(hidden, weight, bias, weight_layout):
-    """hidden @ W^T (+ bias) in float32, for either weight layout."""
-    dtype = jnp.result_type(hidden, weight)
-    contract = 1 if weight_layout == "vd" else 0
-    logits = jax.lax.dot_general(
-        hidden.astype(dtype), weight.astype(dtype), (((1,), (contract,)), ((), ())),
-        precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
-    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
@@ -58,7 +35,7 @@ def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
     if return_entropy:
         p = e / jnp.exp(log_s)[:, None]
         entropy = log_s - psum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
-    return rl_math.finalize_logprob(target_rel, log_s, entropy, holders == 1, row_valid)
+    return softmax_math.finalize_logprob(target_rel, log_s, entropy, holders == 1, row_valid)
 
 
 def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
@@ -68,35 +45,35 @@ def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
     return logp.reshape(shape), None if entropy is None else entropy.reshape(shape)
 
 
-def token_logprobs(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
-                   n_row_dims=1):
+def token_jnp(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
+              n_row_dims=1):
     def flat(logits, targets, row_valid):
         z = logits.astype(jnp.float32) / temperature
         return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
     return _flat_rows(flat, n_row_dims, targets, row_valid, logits)
 
 
-def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),
-                    n_row_dims=1):
+def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),
+               n_row_dims=1):
     kw = dict(temperature=temperature, return_entropy=False, vocab_axes=vocab_axes,
               n_row_dims=n_row_dims)
-    logp, _ = token_logprobs(policy_logits, targets, row_valid, **kw)
-    ref, _ = token_logprobs(jax.lax.stop_gradient(ref_logits), targets, row_valid, **kw)
+    logp, _ = token_jnp(policy_logits, targets, row_valid, **kw)
+    ref, _ = token_jnp(jax.lax.stop_gradient(ref_logits), targets, row_valid, **kw)
     return logp, ref
 
 
-def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy, vocab_axes=(), n_row_dims=1):
+def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+               return_entropy, vocab_axes=(), n_row_dims=1):
     def flat(hidden, targets, row_valid):
-        z = linear_logits(hidden, weight, bias, weight_layout) / temperature
+        z = head.float32_logits(hidden, weight, bias, weight_layout) / temperature
         return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
     return _flat_rows(flat, n_row_dims, targets, row_valid, hidden)
 
 
 OPS = {
-    "token_logprobs": Whole(token_logprobs),
-    "paired_logprobs": Whole(paired_logprobs),
-    "linear_logprobs": Whole(linear_logprobs),
+    "token_logprobs": Whole(token_jnp),
+    "paired_logprobs": Whole(paired_jnp),
+    "linear_logprobs": Whole(linear_jnp),
     "ppo_loss": rl_math.ppo_loss,
     "group_advantages": rl_math.group_advantages,
 }
@@ -104,3 +81,5 @@ OPS = {
 from jaxrl_kernels.backends import reference_distill as _distill  # noqa: E402  (imports this module)
 
 OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
+
+BACKEND = dispatch.Backend("reference", OPS)  # serves everything, always; the last resort

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxrl_kernels import divergence_math as dm
 from jaxrl_kernels.logprob_core import Whole
-from jaxrl_kernels.backends.reference import linear_logits
+from jaxrl_kernels.head import float32_logits as linear_logits
 
 
 def distill_divergence(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,

@@ -1,12 +1,16 @@
 """The Pallas backend: Triton-lowered kernels on GPU, interpret mode elsewhere.
 
-Each submodule serves some primitives; one that fails to import leaves its
-primitives declined with the import error as the reason.
+Each submodule serves some primitives (``logits``: log-probs from logits; ``ppo``: the PPO
+loss and group advantages; ``linear``: log-probs of a linear head, and its backward alone)
+and may name the type that tunes its kernels (``CONFIG``). One that fails to import leaves
+its primitives declined with the import error as the reason.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from jaxrl_kernels import dispatch
 
 _SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),
@@ -15,6 +19,7 @@ _SUBMODULES = {  # each submodule's OPS serves these primitives
 }
 
 OPS: dict = {}
+CONFIGS: dict = {}
 _DECLINERS: dict = {}
 _MISSING: dict[str, str] = {}
 
@@ -28,6 +33,8 @@ for _name, _primitives in _SUBMODULES.items():
     for _p in _primitives:
         OPS[_p] = _mod.OPS[_p]
         _DECLINERS[_p] = getattr(_mod, "declines", None)
+        if getattr(_mod, "CONFIG", None) is not None:
+            CONFIGS[_p] = _mod.CONFIG
 
 
 def unavailable_reason() -> str | None:
@@ -43,3 +50,14 @@ def declines(primitive: str, problem) -> str | None:
         return _MISSING[primitive]
     decliner = _DECLINERS.get(primitive)
     return decliner(primitive, problem) if decliner else None
+
+
+def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+    """Off a GPU the kernels run only emulated: automatic choice passes pallas over there."""
+    if not problem.on_gpu:
+        return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
+    return None
+
+
+BACKEND = dispatch.Backend("pallas", OPS, unavailable_reason, declines, automatic,
+                           native_platforms=dispatch.GPU_PLATFORMS, configs=CONFIGS)

@@ -8,11 +8,11 @@ This module is the op: the ``logprob_core`` parts built from the kernels in
 
 Forward (:func:`linear_stats`)
   the statistics kernel leaves S partial (max, Σ exp[, Σ exp·z]) per row, one per vocabulary
-  split; they are combined in a fixed pairwise tree (``rl_math.online_softmax_merge``); the
+  split; they are combined in a fixed pairwise tree (``softmax_math.online_softmax_merge``); the
   target logit comes from a gather-dot kernel.
 Backward (:func:`linear_backward`)
   per vocabulary chunk of C columns, the grad kernel recomputes the chunk's logits and writes
-  ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse) -- for 16-bit inputs
+  ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse) -- for 16-bit inputs
   scaled per row into float16 (``head_grad``); XLA's GEMMs then add ``dz · W_c`` to a float32
   d_hidden and write ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; no atomics, the
   order of every sum is fixed.
@@ -25,14 +25,13 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import logprob_core, rl_math
-from jaxrl_kernels.backends import head_grad
+from jaxrl_kernels import head, head_grad, logprob_core, softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 from jaxrl_kernels.backends.pallas.linear_config import DEFAULT_CONFIG, Config, TileConfig
 from jaxrl_kernels.logprob_core import Parts
 
 __all__ = ["Config", "DEFAULT_CONFIG", "TileConfig", "declines", "kernel_parts",
-           "linear_backward", "linear_logprobs", "linear_stats", "OPS"]
+           "linear_backward", "kernel_logprobs", "linear_stats", "OPS", "CONFIG"]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -50,7 +49,7 @@ def merge_splits(parts):
             identity = (-jnp.inf,) + (0.0,) * (len(parts) - 1)
             parts = tuple(jnp.concatenate([p, jnp.full((1, p.shape[1]), e, p.dtype)])
                           for p, e in zip(parts, identity))
-        parts = rl_math.online_softmax_merge(tuple(p[0::2] for p in parts),
+        parts = softmax_math.online_softmax_merge(tuple(p[0::2] for p in parts),
                                              tuple(p[1::2] for p in parts))
     return tuple(p[0] for p in parts)
 
@@ -59,7 +58,7 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
                  with_entropy, config=None):
     """The row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``."""
     config = config or DEFAULT_CONFIG
-    vocab = kernels.vocab_of(weight, weight_layout)
+    vocab = head.vocab_size(weight, weight_layout)
     scale = 1.0 / temperature
     parts = kernels.stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
                                with_entropy=with_entropy, config=config)
@@ -89,7 +88,7 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
     """Per chunk float32 dz, d_hidden += dz·W_c, d_W_c = dzᵀ·hidden and d_b_c = Σ_rows dz,
     with full-precision float32 GEMMs."""
     n_rows = hidden.shape[0]
-    vocab = kernels.vocab_of(weight, layout)
+    vocab = head.vocab_size(weight, layout)
     w_axis = 0 if layout == "vd" else 1
     hidden32 = hidden.astype(jnp.float32)
 
@@ -155,13 +154,15 @@ def kernel_parts(config: Config | None = None) -> Parts:
                  functools.partial(linear_backward, config=config))
 
 
-def linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                     return_entropy, config=None):
-    """The ``linear_logprobs`` primitive on [N, D] hidden states: (logp [N], entropy [N] | None)."""
-    return logprob_core.linear_logprobs(
+    """(logp [N], entropy [N] | None) of [N, D] hidden states through these kernels under
+    ``config``, for tests and benchmarks (the ops use ``OPS``)."""
+    return logprob_core.linear_from_parts(
         kernel_parts(config), hidden, weight, bias, targets.astype(jnp.int32), row_valid,
         weight_layout=weight_layout, temperature=float(temperature),
         return_entropy=bool(return_entropy))
 
 
 OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}
+CONFIG = Config  # what tunes these kernels (``config=``)

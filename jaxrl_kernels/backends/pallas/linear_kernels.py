@@ -5,10 +5,10 @@ With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv
 * :func:`stats_call`, grid (row block i, vocabulary split s): program (i, s) walks the
   vocabulary tiles of split s; each tile ``h[i] · W[tile]ᵀ`` (:func:`tile_logits`) is a loop
   over D of float32-accumulated dots, folded into the running per-row statistics with
-  ``rl_math.online_softmax_update``. Out: S partial statistics per row.
+  ``softmax_math.online_softmax_update``. Out: S partial statistics per row.
 * :func:`target_call`: the target logit ``h · W[target] + b[target]`` as a gather-dot.
 * :func:`grad_call`: for the vocabulary columns of one backward chunk, recompute the logits
-  and write ``dz = d loss / d logits`` (``rl_math.logprob_grad_tile``, saved lse), and the
+  and write ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse), and the
   chunk's column sums of dz.
 
 W is read in place in either layout; ragged edges of N, V and D are masked. float32 inputs
@@ -26,13 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import head, softmax_math
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.backends.pallas.linear_config import fit, pow2_block
-
-
-def vocab_of(weight, layout: str) -> int:
-    return weight.shape[0] if layout == "vd" else weight.shape[1]
 
 
 def span(start, size: int):
@@ -106,7 +102,7 @@ def tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, l
 def forward_tiles(config, hidden, weight, layout):
     """(tiles of the statistics kernel fitted to the problem, number of vocabulary splits)."""
     n_rows, dim = hidden.shape
-    vocab = vocab_of(weight, layout)
+    vocab = head.vocab_size(weight, layout)
     tiles = fit(config.forward, n_rows, vocab, dim,
                 jnp.dtype(jnp.result_type(hidden, weight)).itemsize)
     return tiles, pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
@@ -149,8 +145,8 @@ def _stats_kernel(*refs, has_bias, n_stats, **walk):
     b_ref = refs[2] if has_bias else None
     out_refs = refs[2 + has_bias:]
     bm = walk["tiles"].block_rows
-    row0, split, stats = walk_split(rl_math.online_softmax_update,
-                                    rl_math.online_softmax_init((bm,), n_stats == 3),
+    row0, split, stats = walk_split(softmax_math.online_softmax_update,
+                                    softmax_math.online_softmax_init((bm,), n_stats == 3),
                                     h_ref, w_ref, b_ref, **walk)
     for ref, value in zip(out_refs, stats):
         store_split(ref, split, row0, value, n_rows=walk["n_rows"], block_rows=bm)
@@ -162,7 +158,7 @@ def stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
     tiles, n_splits = forward_tiles(config, hidden, weight, layout)
     n_stats = 3 if with_entropy else 2
     kernel = functools.partial(
-        _stats_kernel, n_rows=n_rows, vocab=vocab_of(weight, layout), dim=dim, tiles=tiles,
+        _stats_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim, tiles=tiles,
         tiles_per_split=config.tiles_per_split, layout=layout,
         compute_dtype=jnp.result_type(hidden, weight), scale=scale, has_bias=bias is not None,
         n_stats=n_stats)
@@ -255,7 +251,7 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
 
     t = rows(t_ref)
     is_target = (col0 + jnp.arange(bn))[None, :] == t[:, None]
-    dz = rl_math.logprob_grad_tile(
+    dz = softmax_math.logprob_grad_tile(
         z, rows(lse_ref), rows(ent_ref) if with_entropy else None, is_target, rows(gl_ref),
         rows(ge_ref) if with_entropy else None, temperature)
     cols_ok = in_bounds(local0, bn, size, not ragged)
@@ -274,14 +270,14 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
 def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, *,
               layout, temperature, dz_dtype, config):
     """(dz [N, size] in ``dz_dtype``, d_bias [size] | None) for the vocabulary columns
-    [start, start + size): ``rl_math.logprob_grad_tile`` of the recomputed logits."""
+    [start, start + size): ``softmax_math.logprob_grad_tile`` of the recomputed logits."""
     n_rows, dim = hidden.shape
     compute_dtype = jnp.result_type(hidden, weight)
     tiles = fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize)
     with_entropy = g_ent is not None
     n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
     kernel = functools.partial(
-        _grad_kernel, n_rows=n_rows, vocab=vocab_of(weight, layout), dim=dim, size=size,
+        _grad_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim, size=size,
         tiles=tiles, layout=layout, compute_dtype=compute_dtype, temperature=temperature,
         has_bias=bias is not None, with_entropy=with_entropy)
     args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]

@@ -11,11 +11,11 @@ vocabulary) walks its tiles of V once, folding each tile into the online statist
 ``rl_math`` (running max, Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy
 and reference statistics through the same walk. Tiles that run past V are masked loads;
 the logits are never padded or copied. Only per-(row, split) statistics and the target's
-logit leave the kernel; ``rl_math.online_softmax_merge`` combines the splits in order.
+logit leave the kernel; ``softmax_math.online_softmax_merge`` combines the splits in order.
 
 Backward (the ``backward`` part): one program per (row, split) recomputes
 ``p = exp(z - lse)`` tile by tile from the saved lse and writes
-``d logits = rl_math.logprob_grad_tile(...)`` once, in the logits' dtype, with the per-row
+``d logits = softmax_math.logprob_grad_tile(...)`` once, in the logits' dtype, with the per-row
 cotangents folded in. Rows without a gradient come with ``lse = +inf`` and read nothing.
 
 Rows with ``row_valid == False`` read no logits. The target is only used to index when the
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import logprob_core, rl_math
+from jaxrl_kernels import logprob_core, softmax_math
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.pallas import common
 
@@ -54,7 +54,7 @@ FWD_STAGES = 3
 """Triton software-pipelining depth of the forward's vocabulary walk."""
 
 
-class Plan(NamedTuple):
+class LogitsLaunch(NamedTuple):
     """Launch configuration of the kernels for one shape."""
 
     block_v: int        # forward vocabulary tile (a power of two)
@@ -75,8 +75,8 @@ def _warps(block_v: int, itemsize: int) -> int:
     return max(1, min(8, block_v * itemsize // 1024))
 
 
-def make_plan(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False,
-              block_v: int | None = None, splits: int | None = None) -> Plan:
+def make_launch(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False,
+                block_v: int | None = None, splits: int | None = None) -> LogitsLaunch:
     """The documented heuristic. Forward: a ``TILE_BYTES`` tile (half with entropy; fewer
     for small V), one warp per KiB of tile up to 8, ``FWD_STAGES`` pipeline stages.
     Backward: a ``2 * TILE_BYTES`` tile, one warp per KiB up to 16, two stages. The
@@ -92,7 +92,7 @@ def make_plan(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False,
     splits = pl.cdiv(n_tiles, pl.cdiv(n_tiles, splits))  # no split without a tile
     bwd_block = min(pl.next_power_of_2(vocab), 2 * TILE_BYTES // itemsize)
     bwd_warps = max(1, min(16, bwd_block * itemsize // 1024))
-    return Plan(block_v, splits, _warps(block_v, itemsize), FWD_STAGES, bwd_block, bwd_warps)
+    return LogitsLaunch(block_v, splits, _warps(block_v, itemsize), FWD_STAGES, bwd_block, bwd_warps)
 
 
 def declines(primitive: str, problem) -> str | None:
@@ -131,13 +131,13 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
         new = []
         for ref, st in zip(x_refs, stats):
             x = plgpu.load(ref.at[cols], mask=inside, other=-jnp.inf, eviction_policy="evict_first")
-            new.append(rl_math.online_softmax_update(st, _scaled(x, temperature)))
+            new.append(softmax_math.online_softmax_update(st, _scaled(x, temperature)))
         return tuple(new)
 
     safe_target = jnp.where(valid & in_range, target, 0)
     target_z = [jnp.where(in_range, _scaled(ref[safe_target], temperature), 0.0)
                 for ref in x_refs]  # issued before the walk
-    init = tuple(rl_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
+    init = tuple(softmax_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
     pos = 0
     for st in stats:
@@ -170,7 +170,7 @@ def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, temper
     def _(j):
         cols, inside = _tile_columns(j, block_v, vocab)
         x = plgpu.load(x_ref.at[cols], mask=inside & live, other=0.0, eviction_policy="evict_first")
-        dz = rl_math.logprob_grad_tile(_scaled(x, temperature), lse, ent, cols == target, g,
+        dz = softmax_math.logprob_grad_tile(_scaled(x, temperature), lse, ent, cols == target, g,
                                        g_ent, temperature)
         plgpu.store(dx_ref.at[cols], jnp.where(live, dz, 0.0).astype(dx_ref.dtype), mask=inside)
 
@@ -183,7 +183,7 @@ def _row_specs(count: int, vocab: int | None = None):
     return [pl.BlockSpec((None, vocab), lambda i, s: (i, 0)) for _ in range(count)]
 
 
-def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: Plan):
+def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch):
     """Per input, the row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``
     (entropy statistics for input 0 only, when asked)."""
     n, vocab = xs[0].shape
@@ -216,14 +216,14 @@ def _combine_splits(outs, *, n_in: int, entropy: bool):
         pos += width
         stats = tuple(p[:, 0] for p in parts)
         for j in range(1, parts[0].shape[1]):
-            stats = rl_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
+            stats = softmax_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
         target_z = outs[2 * n_in + entropy + k]
         a = stats[2] if width == 3 else None
         result.append((stats[0], stats[1], a, target_z - stats[0]))
     return result
 
 
-def _backward(x, targets, lse, g, ent, g_ent, *, temperature: float, plan: Plan):
+def _backward(x, targets, lse, g, ent, g_ent, *, temperature: float, plan: LogitsLaunch):
     n, vocab = x.shape
     entropy = ent is not None
     block_v, num_warps = plan.backward()
@@ -247,7 +247,7 @@ def _backward(x, targets, lse, g, ent, g_ent, *, temperature: float, plan: Plan)
 
 def _checked_plan(logits, plan, entropy=False):
     n, vocab = logits.shape
-    return plan or make_plan(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
+    return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
 
 
 def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None):
@@ -280,27 +280,28 @@ def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, plan
                      plan=_checked_plan(logits, plan, entropy is not None))
 
 
-def kernel_parts(plan: Plan | None = None, *, paired: bool = False) -> Parts:
+def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False) -> Parts:
     """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given."""
     stats = paired_stats if paired else token_stats
     return Parts(functools.partial(stats, plan=plan),
                  functools.partial(token_backward, plan=plan))
 
 
-def token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,
-                   plan: Plan | None = None):
-    """Primitive ``token_logprobs`` on [N, V] logits: ``(logp[N], entropy[N] | None)``."""
-    return logprob_core.token_logprobs(kernel_parts(plan), logits, targets.astype(jnp.int32),
+def kernel_token_logprobs(logits, targets, row_valid, *, temperature=1.0,
+                          return_entropy=False, plan: LogitsLaunch | None = None):
+    """These kernels' ``token_logprobs`` on [N, V] logits, for tests and benchmarks: ``(logp[N], entropy[N] | None)``."""
+    return logprob_core.token_from_parts(kernel_parts(plan), logits, targets.astype(jnp.int32),
                                        row_valid.astype(jnp.bool_), temperature=float(temperature),
                                        return_entropy=bool(return_entropy))
 
 
-def paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
-                    plan: Plan | None = None):
-    """Primitive ``paired_logprobs``: ``(logp[N], ref_logp[N])``, gradient to policy only."""
-    return logprob_core.paired_logprobs(kernel_parts(plan, paired=True), policy_logits, ref_logits,
+def kernel_paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
+                           plan: LogitsLaunch | None = None):
+    """These kernels' ``paired_logprobs``, for tests and benchmarks: ``(logp[N], ref_logp[N])``, gradient to policy only."""
+    return logprob_core.paired_from_parts(kernel_parts(plan, paired=True), policy_logits, ref_logits,
                                         targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                                         temperature=float(temperature))
 
 
 OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}
+CONFIG = LogitsLaunch  # what tunes these kernels (``plan=``)

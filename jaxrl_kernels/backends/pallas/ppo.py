@@ -55,15 +55,17 @@ _FIELDS = rl_math.PPOInputs._fields
 _SEQ_FIELDS = rl_math.SequenceTerms._fields
 
 
-class Plan(NamedTuple):
+class PPOLaunch(NamedTuple):
+    """Launch configuration of the kernels for one [B, T] shape."""
+
     block_rows: int
     block_t: int
     t_tiles_per_program: int  # sum kernels: the T tiles one program adds
     num_warps: int
 
 
-def make_plan(batch: int, seq_len: int, *, block_t: int | None = None,
-              min_programs: int = MIN_SUM_PROGRAMS) -> Plan:
+def make_launch(batch: int, seq_len: int, *, block_t: int | None = None,
+                min_programs: int = MIN_SUM_PROGRAMS) -> PPOLaunch:
     """The heuristic: a ``TILE_ELEMENTS`` tile as wide as T allows (≤ 1024); the sum
     kernels split T into ranges of whole tiles until there are ~``min_programs`` programs."""
     if block_t is None:
@@ -72,14 +74,14 @@ def make_plan(batch: int, seq_len: int, *, block_t: int | None = None,
     row_tiles, t_tiles = pl.cdiv(batch, block_rows), pl.cdiv(seq_len, block_t)
     splits = min(t_tiles, max(1, pl.cdiv(min_programs, row_tiles)))
     num_warps = max(1, min(8, block_rows * block_t // 256))
-    return Plan(block_rows, block_t, pl.cdiv(t_tiles, splits), num_warps)
+    return PPOLaunch(block_rows, block_t, pl.cdiv(t_tiles, splits), num_warps)
 
 
 def declines(primitive: str, problem) -> str | None:
     return None
 
 
-def _tile_index(i, j, plan: Plan, batch: int, seq_len: int):
+def _tile_index(i, j, plan: PPOLaunch, batch: int, seq_len: int):
     rows = i * plan.block_rows + jnp.arange(plan.block_rows, dtype=jnp.int32)
     cols = j * plan.block_t + jnp.arange(plan.block_t, dtype=jnp.int32)
     row_ok = rows < batch
@@ -113,7 +115,7 @@ def _sum_keys(summands, names) -> tuple[str, ...]:
     return tuple(jax.eval_shape(lambda t: summands(rl_math.PPOInputs(**t)), tokens))
 
 
-def _row_sums_kernel(*refs, summands, keys, names, plan: Plan, batch: int, seq_len: int,
+def _row_sums_kernel(*refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int,
                      width: int):
     tok_refs, out_ref = refs[:len(names)], refs[len(names)]
     i, split = pl.program_id(0), pl.program_id(1)
@@ -136,7 +138,7 @@ def _row_sums_kernel(*refs, summands, keys, names, plan: Plan, batch: int, seq_l
     out_ref[...] = out
 
 
-def _row_sums(summands, name: str, tokens: dict, plan: Plan) -> dict:
+def _row_sums(summands, name: str, tokens: dict, plan: PPOLaunch) -> dict:
     """{key: [B]} masked per-sequence sums Σ_t m·v of ``summands(tokens)``."""
     names, arrays = _present(tokens, _FIELDS)
     keys = _sum_keys(summands, names)
@@ -163,7 +165,7 @@ def _row_sums(summands, name: str, tokens: dict, plan: Plan) -> dict:
     return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
-def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan | None) -> dict:
+def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: PPOLaunch | None) -> dict:
     """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``, where the tokens
     live (``sharding.run``): a device holding part of T adds its part, then the parts are
     summed over the mesh axes that split T. ``plan=None``: the heuristic, per device."""
@@ -174,7 +176,7 @@ def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan | None) -> dic
     def local(layout, *arrays):
         sums = sharding.kernel_region(
             lambda *a: _row_sums(summands, "ppo_loss_fwd", dict(zip(names, a)),
-                                 plan or make_plan(*a[0].shape)), *arrays)
+                                 plan or make_launch(*a[0].shape)), *arrays)
         t_axes = layout.row_axes[1]
         return tuple(lax.psum(sums[k], t_axes) if t_axes else sums[k] for k in keys)
 
@@ -184,7 +186,7 @@ def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: Plan | None) -> dic
 
 # -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
 
-def _grads_kernel(*refs, names, seq_names, cfg, plan: Plan, batch: int, seq_len: int):
+def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq_len: int):
     tok_refs = refs[:len(names)]
     seq_refs = refs[len(names):len(names) + len(seq_names)]
     coef_ref, dlogp_ref = refs[len(names) + len(seq_names):len(names) + len(seq_names) + 2]
@@ -205,7 +207,7 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: Plan, batch: int, seq_len:
 
 
 def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPOConfig,
-                plan: Plan | None):
+                plan: PPOLaunch | None):
     """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
     coef_b · m_bt, where the tokens live (``sharding.run``)."""
     names, arrays = _present(tokens, _FIELDS)
@@ -224,7 +226,7 @@ def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPO
 
 def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
     batch, seq_len = arrays[0].shape
-    plan = plan or make_plan(batch, seq_len)
+    plan = plan or make_launch(batch, seq_len)
     n_out = 1 + ("entropy" in names)
     kernel = functools.partial(_grads_kernel, names=names, seq_names=seq_names, cfg=cfg,
                                plan=plan, batch=batch, seq_len=seq_len)
@@ -243,7 +245,7 @@ def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
 
 # -- the primitive -------------------------------------------------------------------------------
 
-def _forward(tokens: dict, cfg, plan: Plan):
+def _forward(tokens: dict, cfg, plan: PPOLaunch):
     sums = forward_sums(tokens, cfg, plan)
     loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
                                              tokens["logp"].shape[1])
@@ -272,7 +274,7 @@ def _ppo_loss_bwd(cfg, plan, res, cot):
 _ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
 
 
-def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: Plan | None = None):
+def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: PPOLaunch | None = None):
     """Primitive ``ppo_loss``: ``(loss, metrics)`` as ``rl_math.ppo_loss`` defines them."""
     fields = ppo_inputs._asdict()
     if config.tis_cap is None:
@@ -384,3 +386,4 @@ def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, st
 
 
 OPS = {"ppo_loss": ppo_loss, "group_advantages": group_advantages}
+CONFIG = PPOLaunch  # what tunes these kernels (``plan=``)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_kernels import head
+
 
 @dataclasses.dataclass(frozen=True)
 class RowGrad:
@@ -156,30 +158,23 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
     the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one)."""
     n_rows = hidden.shape[0]
-    vocab = weight.shape[0] if weight_layout == "vd" else weight.shape[1]
-    w_axis = 0 if weight_layout == "vd" else 1
+    vocab = head.vocab_size(weight, weight_layout)
     scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
     rows, h16, sigma_w = scaled.rows, scaled.h16, scaled.sigma_w
-
-    def dot(a, b, contract):
-        return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
     def chunk(carry, start, size):
         acc, d_weight, d_bias = carry
         g16, w16 = write_grad(rows, start, size, hidden, weight, sigma_w)
         if w16 is None:
-            w16 = (lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+            w16 = (head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
                    * sigma_w).astype(jnp.float16)
-        if weight_layout == "vd":
-            acc = acc + dot(g16, w16, ((1,), (0,)))
-            d_w = dot(g16, h16, ((0,), (0,)))
-        else:
-            acc = acc + dot(g16, w16, ((1,), (1,)))
-            d_w = dot(h16, g16, ((0,), (0,)))
-        d_weight = lax.dynamic_update_slice_in_dim(
-            d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype), start, axis=w_axis)
+        acc = acc + head.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
+        d_w = head.weight_grad(g16, h16, weight_layout, preferred_element_type=jnp.float32)
+        d_weight = head.vocab_update(d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype),
+                                     start, weight_layout)
         if d_bias is not None:
-            d_b = dot(scaled.s, g16.astype(jnp.float32), ((0,), (0,)))
+            d_b = lax.dot_general(scaled.s, g16.astype(jnp.float32), (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return acc, d_weight, d_bias
 

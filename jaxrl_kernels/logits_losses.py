@@ -1,0 +1,156 @@
+"""The losses computed from logits ``[B, T, V]``: ``ratio_kl`` and ``grpo_loss``.
+
+Both take the policy's and the reference's log-probs of the sampled tokens in one pass over
+the two logits streams (the ``paired_logprobs`` primitive), then the math of
+:mod:`jaxrl_kernels.losses`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxrl_kernels import dispatch, logprob_core, rl_math
+from jaxrl_kernels import validation as check
+from jaxrl_kernels.logprobs import AxisName, global_vocab
+from jaxrl_kernels.losses import grpo_advantages, grpo_config, grpo_from_logprobs, policy_variants
+
+_sg = jax.lax.stop_gradient
+
+
+# -- GRPO and the fused-from-logits ops ----------------------------------------------------
+
+def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axis=None):
+    policy_logits = check.floating("policy_logits", policy_logits)
+    check.rank("policy_logits", policy_logits, 3, "[B, T, V]")
+    ref_logits = check.floating("ref_logits", ref_logits)
+    check.shape("ref_logits", ref_logits, policy_logits.shape, "policy_logits.shape")
+    shape = policy_logits.shape[:2]
+    actions = check.integer("actions", actions)
+    check.shape("actions", actions, shape, "[B, T]")
+    old_logp = check.per_token("old_logp", old_logp, shape).astype(jnp.float32)
+    mask = check.token_mask(mask, shape)
+    if policy_logits.shape[-1] == 0:
+        raise ValueError("policy_logits: expected a non-empty vocabulary axis, got V = 0")
+    vocab = global_vocab(policy_logits.shape[-1], vocab_axis)
+    check.targets_in_range("actions", actions, vocab, mask=mask)
+    return policy_logits, ref_logits, actions, _sg(old_logp), mask
+
+
+def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, backend,
+                     vocab_axis):
+    batch, steps, vocab = policy_logits.shape
+    problem = dispatch.Problem(n_rows=batch * steps, vocab=vocab,
+                               dtype=dispatch.dtype_name(policy_logits))
+    choice = dispatch.resolve(op, problem, backend)
+    logp, ref_logp = logprob_core.paired_from_parts(
+        choice.impl, policy_logits, ref_logits, actions.astype(jnp.int32), mask != 0,
+        temperature=float(temperature), vocab_axis=vocab_axis,
+        record=dispatch.plan_recorder(op))
+    return logp, _sg(ref_logp)
+
+
+def ratio_kl(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike,
+             old_logp: ArrayLike, mask: ArrayLike, *, kl_estimator: str = "k3",
+             temperature: float = 1.0, backend: str | None = None,
+             vocab_axis: AxisName | None = None) -> tuple[jax.Array, jax.Array]:
+    """The importance ratio and the KL to a reference, per token, from two logits in one pass.
+
+    ``ratio = exp(logp_policy - old_logp)``, ``kl = kl_penalty(logp_policy, logp_ref)``.
+    Where ``mask == 0``: ratio 1, kl 0, no gradient, and the action id is never read. The
+    gradient reaches ``policy_logits`` only.
+
+    Args:
+      policy_logits: ``[B, T, V]`` float.
+      ref_logits: ``[B, T, V]``, the reference model's.
+      actions: ``[B, T]`` integer token ids.
+      old_logp: ``[B, T]``, log-probs under the sampling policy.
+      mask: ``[B, T]``, 1 on response tokens.
+      kl_estimator: as in ``kl_penalty``.
+      temperature: the log-probs are of ``softmax(logits / temperature)``.
+      backend: ``None`` (automatic) or a backend name.
+      vocab_axis: inside ``jax.shard_map``, the axis splitting the vocabulary.
+
+    Returns:
+      ``(ratio, kl)``, both float32 ``[B, T]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> logits = jnp.zeros((1, 2, 4))
+      >>> ratio, kl = jk.ratio_kl(logits, logits, jnp.array([[0, 3]]), jnp.log(jnp.full((1, 2), 0.25)),
+      ...                         jnp.ones((1, 2)))
+      >>> ratio.round(3), kl
+      (Array([[1., 1.]], dtype=float32), Array([[0., 0.]], dtype=float32))
+    """
+    policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
+    check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
+    check.positive("temperature", temperature)
+    logp, ref_logp = _paired_logprobs("ratio_kl", policy_logits, ref_logits, actions, mask,
+                                      temperature, backend, vocab_axis)
+    valid = mask != 0
+    ratio = jnp.where(valid, jnp.exp(logp - old_logp), 1.0)
+    kl = jnp.where(valid, rl_math.kl_penalty(logp, ref_logp, kl_estimator), 0.0)
+    return ratio, kl
+
+
+def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike,
+              old_logp: ArrayLike, rewards: ArrayLike, mask: ArrayLike, *,
+              group_size: int | None = None, group_boundaries: ArrayLike | None = None,
+              advantages: ArrayLike | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
+              dual_clip: float | None = None, beta: float = 0.0, kl_estimator: str = "k3",
+              loss_agg_mode: str = "token_mean", normalize_std: bool = True, eps: float = 1e-6,
+              temperature: float = 1.0, ratio_level: str = "token", policy_loss: str = "ppo",
+              tis_level: str = "token", tis_mode: str = "truncate",
+              rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
+              backend: str | None = None, vocab_axis: AxisName | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GRPO from policy and reference logits ``[B, T, V]`` and one reward per sequence.
+
+    ``A = group_advantages(rewards)`` (unless ``advantages`` ``[B]`` is given), broadcast over
+    ``T``; per token ``pg`` as in ``ppo_loss`` (every variant, and rollout correction with
+    ``rollout_logp`` / ``tis_cap``), ``kl = kl_penalty(logp, logp_ref)``;
+    ``loss = aggregate(pg + beta·kl)``. The gradient reaches ``policy_logits`` only.
+
+    Args:
+      policy_logits, ref_logits: ``[B, T, V]`` float.
+      actions: ``[B, T]`` integer token ids; never read where ``mask == 0``.
+      old_logp: ``[B, T]``, log-probs under the sampling policy (no gradient).
+      rewards: ``[B]``.
+      mask: ``[B, T]``, 1 on response tokens.
+      group_size, group_boundaries, normalize_std, eps: the groups, as in
+        ``group_advantages``.
+      advantages: ``[B]`` to use instead of group advantages.
+      clip_low, clip_high, dual_clip, ratio_level, policy_loss, tis_level, tis_mode,
+        rollout_logp, tis_cap: as in ``ppo_loss``.
+      beta, kl_estimator: the KL term's weight and estimator.
+      loss_agg_mode: as in ``aggregate``.
+      temperature: the log-probs are of ``softmax(logits / temperature)``.
+      backend: ``None`` (automatic) or a backend name.
+      vocab_axis: inside ``jax.shard_map``, the axis splitting the vocabulary.
+
+    Returns:
+      ``(loss, policy_loss, kl)``: float32 scalars, the last two aggregated like the loss.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> logits, actions = jnp.zeros((4, 3, 10)), jnp.zeros((4, 3), int)
+      >>> old_logp = jk.token_logprobs(logits, actions)
+      >>> loss, pg, kl = jk.grpo_loss(logits, logits, actions, old_logp, jnp.array([1., 0, 1, 1]),
+      ...                             jnp.ones((4, 3)), group_size=2, beta=0.04)
+      >>> round(float(loss), 4), float(kl)
+      (0.0, 0.0)
+    """
+    policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
+    cfg = grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
+                       rollout_logp, tis_cap,
+                       policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
+    check.positive("temperature", temperature)
+    rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
+    adv = grpo_advantages(rewards, advantages, policy_logits.shape[0], group_size,
+                           group_boundaries, normalize_std, eps, backend)
+    logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
+                                      temperature, backend, vocab_axis)
+    return grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
