@@ -9,6 +9,7 @@
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
 #   TESTS=tests               what the tests step gives pytest -m gpu
+#   TESTS_LIMIT=300           the tests step's time limit in seconds
 #   AFTER_STEP="cmd"          run after each step (benchmarks/gpu/run.sh packs the results)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ step() {  # step <seconds> <command...>: run it under a time limit
 }
 for s in "$@"; do
   case $s in
-    tests) step 300 bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
+    tests) step "${TESTS_LIMIT:-300}" bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
     demo)  step 150 "$PY" -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     ffi|linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
     ppo_base) step 150 "$PY" -m benchmarks.bench_ppo --sizes base ;;
