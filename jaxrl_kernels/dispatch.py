@@ -23,7 +23,8 @@ _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    (served by ffi, pallas and chunked)
 distill_divergence per-row divergence between two linear heads (``distill``):
                    a ``logprob_core.Parts`` (chunked) or ``Whole`` (reference)
-topk_logprobs      top-k logits, ids and lse of a linear head, likewise
+topk_logprobs      top-k logits, ids and lse of a linear head: a
+                   ``logprob_core.Parts`` on every backend
 ppo_loss           ``(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig)
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,

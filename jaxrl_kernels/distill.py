@@ -221,25 +221,20 @@ def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, tem
                vocab_axis, record):
     """``(values [..., k], ids [..., k], lse [...])`` through ``sharding.run``: the values are
     the logits ``z[ids]``; their cotangent and that of ``lse`` pull back to
-    ``dz = g_lse·p + Σ_j g_j onehot(id_j)``."""
+    ``dz = g_lse·p + Σ_j g_j onehot(id_j)`` (``parts``: a ``Parts`` on every backend, so that
+    the top-k runs where the rows and vocabulary slices live, never left to XLA's
+    partitioner)."""
     rows = "r" * n_row_dims
     roles = (rows + "-", _w_roles(weight_layout), "v")
     out_roles = (rows + "-", rows + "-", rows)
     opts = dict(k=k, weight_layout=weight_layout, temperature=temperature)
     local_vocab = lambda w: w.shape[0] if weight_layout == "vd" else w.shape[1]
-    whole = isinstance(parts, Whole)
-    stats = parts.fn if whole else parts.stats
-
     def local_forward(plan, h, w, b):
-        values, ids, lse = stats(_flat(h, n_row_dims), w, b, **opts,
+        values, ids, lse = parts.stats(_flat(h, n_row_dims), w, b, **opts,
                                  vocab_offset=plan.vocab_offset(local_vocab(w)),
                                  vocab_axes=plan.vocab_axes)
         lead = h.shape[:n_row_dims]
         return values.reshape(lead + (k,)), ids.reshape(lead + (k,)), lse.reshape(lead)
-
-    if whole:
-        return sharding.run(local_forward, (hidden, weight, bias), roles, out_roles,
-                            vocab_axis=vocab_axis, differentiable=True, record=record)
 
     def local_backward(plan, h, w, b, ids, lse, g_v, g_lse):
         g_v = plan.output_cotangent(g_v, w).astype(jnp.float32)

@@ -363,6 +363,13 @@ def _distill_fn(backend, divergence, vocab_axis=None):
     return fn
 
 
+def _gathered(compiled) -> list[int]:
+    """Element counts of the results of every all-gather in a compiled program."""
+    return [int(np.prod([int(d) for d in t.split(",") if d]))
+            for line in compiled.as_text().splitlines() if " all-gather" in line
+            for t in re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather")[0])]
+
+
 @pytest.mark.parametrize("kind", ["Explicit", "Auto"])
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
 def test_distill_sharded(rng, backend, kind, divergence):
@@ -390,9 +397,7 @@ def test_distill_sharded(rng, backend, kind, divergence):
         assert_close(x, np.asarray(y))
     # no all-gather rebuilds a head, the hidden states, or a device's share of them
     limit = min(x.size for x in args[:5]) // 8
-    gathered = [int(np.prod([int(d) for d in t.split(",") if d]))
-                for line in compiled.as_text().splitlines() if " all-gather" in line
-                for t in re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather")[0])]
+    gathered = _gathered(compiled)
     assert not [n for n in gathered if n >= limit], gathered
     if kind == "Explicit":
         assert tuple(got[1][1].sharding.spec)[:1] == ("model",)
@@ -401,7 +406,9 @@ def test_distill_sharded(rng, backend, kind, divergence):
 @pytest.mark.parametrize("kind", ["Explicit", "Auto"])
 def test_topk_sharded(rng, backend, kind):
     """Rows over ``data``, the vocabulary over ``model``: ids, log-probs, lse and gradients as
-    unsharded."""
+    unsharded, and no all-gather of the logits (nor of the head or the hidden states): under
+    Auto axes XLA's partitioner once ran ``lax.top_k`` of the reference backend on all the
+    logits on every device."""
     mesh = _mesh(kind)
     h = jnp.asarray(rng.standard_normal((4, 3, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((V_SHARD, 8)), jnp.float32)
@@ -417,8 +424,10 @@ def test_topk_sharded(rng, backend, kind):
     placed = [jax.device_put(x, NamedSharding(mesh, s))
               for x, s in zip((h, w, b), (P("data", None, None), P("model", None), P("model")))]
     with jax.set_mesh(mesh):
-        got = jax.jit(both)(*placed)
+        compiled = jax.jit(both).lower(*placed).compile()
+        got = compiled(*placed)
     np.testing.assert_array_equal(np.asarray(got[0][1]), np.asarray(want[0][1]))
+    assert not [n for n in _gathered(compiled) if n >= min(h.size, w.size) // 8]
     for x, y in zip(jax.tree.leaves((got[0][0], got[0][2], got[1])),
                     jax.tree.leaves((want[0][0], want[0][2], want[1]))):
         assert_close(x, np.asarray(y), scale=10.0)

@@ -31,7 +31,15 @@ The grid (``FULL``) is built with ``itertools.product``; normal runs take the de
 configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``;
 ``JAXRL_TEST_GRID_SHARD=i/n`` keeps every n-th case of it, for n processes:
 tests/run_full_grid.sh).
-Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1).
+Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1), less
+those that decline an op (``DECLINED``: the distillation ops have no pallas implementation).
+
+The distillation ops (``DISTILL_OPS``): ``linear_distill_loss`` takes a teacher head too
+(``teacher_hidden`` [B, T, D_t] sharded like ``hidden``, D_t over the tensor-parallel axis in
+``tp`` layouts; ``teacher_weight`` like ``weight``, in its own ``teacher_weight_layout``;
+``teacher_bias`` like ``bias``); the teacher's gradients are checked too: zeros, sharded like
+the teacher's arrays (but under Auto axes, see ``check``). ``linear_topk_logprobs``' int ``ids``
+are compared exactly and left out of the linear functional whose gradients are checked.
 """
 
 from __future__ import annotations
@@ -114,6 +122,26 @@ GRPO_OPTIONS = {
     "all": dict(_ref=True, beta=0.05, dual_clip=3.0, loss_agg_mode="seq_mean_token_sum",
                 ratio_level="sequence", _rollout=True, tis_cap=1.5, tis_level="sequence"),
 }
+DISTILL_OPTIONS = {  # "_teacher_bias": a teacher bias; "_teacher_layout": the teacher head in
+    # the other weight layout than the student's (else the same); "_teacher_dim": its D_t (else D)
+    "plain": {},  # divergence="reverse_kl"
+    "forward_kl": dict(divergence="forward_kl"),
+    "jsd": dict(divergence="jsd", jsd_beta=0.3),
+    "temperature": dict(temperature=1.3),
+    "bias": dict(_bias=True, _teacher_bias=True),
+    "teacher_layout": dict(_teacher_layout=True),
+    "teacher_dim": dict(_teacher_dim=2 * D),
+    **WITH_MAX_LEN,
+    "all": dict(divergence="jsd", jsd_beta=0.7, temperature=0.8, _bias=True, _teacher_bias=True,
+                _teacher_layout=True, _teacher_dim=D // 2, loss_agg_mode="seq_mean_token_mean"),
+}
+TOPK_OPTIONS = {  # k: 5 unless given; k_large: more than a vocabulary slice (V / MODEL) holds
+    "plain": {},
+    "bias": dict(_bias=True),
+    "temperature": dict(temperature=0.7),
+    "k1": dict(k=1),
+    "k_large": dict(k=300, _bias=True),
+}
 OPTIONS: dict[str, dict[str, dict]] = {
     "token_logprobs": LOGPROB_OPTIONS,
     "linear_logprobs": LINEAR_LOGPROB_OPTIONS,
@@ -134,10 +162,13 @@ OPTIONS: dict[str, dict[str, dict]] = {
                                                   else {}))
                                        for k, v in WITH_MAX_LEN.items()}},
     "kl_penalty": {e: dict(estimator=e) for e in ("k1", "abs", "k2", "k3")},
+    "linear_distill_loss": DISTILL_OPTIONS,
+    "linear_topk_logprobs": TOPK_OPTIONS,
 }
 
 LOGITS_OPS = ("token_logprobs", "ratio_kl", "grpo_loss")
-LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss")
+DISTILL_OPS = ("linear_distill_loss", "linear_topk_logprobs")
+LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss") + DISTILL_OPS
 TOKEN_OPS = ("ppo_loss", "policy_gradient_loss", "group_advantages", "aggregate", "kl_penalty")
 VOCAB_AXIS_OPS = LOGITS_OPS + LINEAR_OPS
 
@@ -148,6 +179,8 @@ LAYOUTS = {
 }
 SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"),
                      "token": ("rows",)}
+DECLINED = {op: ("pallas",) for op in DISTILL_OPS}  # backends that do not implement an op
+NO_SMALL_INPUTS = ("linear_topk_logprobs",)  # no per-token inputs: no "whole" variant
 
 
 def family(op: str) -> str:
@@ -172,6 +205,7 @@ class Case:
 
 def _cases_of(op: str, backends) -> list[Case]:
     fam = family(op)
+    backends = [b for b in backends if b not in DECLINED.get(op, ())]
     out = []
     for option, backend, mode, wl in itertools.product(
             OPTIONS[op], backends, MODES, ("vd", "dv") if fam == "linear" else ("vd",)):
@@ -180,7 +214,8 @@ def _cases_of(op: str, backends) -> list[Case]:
         layouts = SHARD_MAP_LAYOUTS[fam] if mode == "shard_map" else LAYOUTS[fam]
         for layout in layouts:
             out.append(Case(op, option, backend, mode, layout, wl))
-            if mode != "shard_map" and layout != "vocab":  # small inputs there: whole anyway
+            if (mode != "shard_map" and layout != "vocab"  # small inputs there: whole anyway
+                    and op not in NO_SMALL_INPUTS):
                 out.append(Case(op, option, backend, mode, layout, wl, "whole"))
     return out
 
@@ -201,6 +236,8 @@ REGRESSIONS = [  # the configurations users reported crashing, on every kernel b
     Case("linear_logprobs", "entropy", "pallas", "shard_map", "both"),
     Case("grpo_loss", "reference", "pallas", "shard_map", "both"),
     Case("linear_grpo_loss", "reference", "pallas", "shard_map", "both", "dv"),
+    # lax.top_k left to XLA's partitioner all-gathered the logits, the rows split or not
+    Case("linear_topk_logprobs", "plain", "reference", "Auto", "rows", "dv"),
 ]
 
 
@@ -267,8 +304,12 @@ def _split(kwargs: dict) -> tuple[dict, dict]:
 def build(case: Case) -> Built:
     """The case's op as a function of its array inputs, and those inputs."""
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+    # linear_topk_logprobs: inputs on a grid of 1/8, so that every logit is exact in float32
+    # whatever the order of its sum (D split over devices, chunks): the ids then compare
+    # exactly, and the many equal logits check that ties go to the lower id across slices.
+    step = 8.0 if case.op == "linear_topk_logprobs" else None
     normal = lambda shape, scale=1.0, loc=0.0: jnp.asarray(
-        (loc + scale * rng.standard_normal(shape)).astype(np.float32))
+        _on_grid(loc + scale * rng.standard_normal(shape), step).astype(np.float32))
     kw, need = _split(OPTIONS[case.op][case.option])
     kw = dict(kw)
     fam = family(case.op)
@@ -293,7 +334,19 @@ def build(case: Case) -> Built:
         kw["weight_layout"] = case.weight_layout
         if need.get("bias"):
             take("bias", normal((V,), 0.3), "bias")
-    if fam != "token":
+        if case.op == "linear_distill_loss":
+            d_t = need.get("teacher_dim", D)
+            take("teacher_hidden", normal((B, T, d_t)), "teacher_hidden")
+            t_layout = teacher_layout(case)
+            take("teacher_weight", normal((V, d_t) if t_layout == "vd" else (d_t, V),
+                                          2.0 / np.sqrt(d_t)), "teacher_weight")
+            kw["teacher_weight_layout"] = t_layout
+            if need.get("teacher_bias"):
+                take("teacher_bias", normal((V,), 0.3), "bias")
+            take("mask", mask, "tok")
+        if case.op == "linear_topk_logprobs":
+            kw.setdefault("k", 5)
+    if fam != "token" and case.op not in DISTILL_OPS:
         take("targets", jnp.asarray(acts if case.op in ("token_logprobs", "linear_logprobs")
                                     else np.maximum(acts, 0)), "tok")
         if case.op not in ("token_logprobs", "linear_logprobs"):
@@ -303,7 +356,7 @@ def build(case: Case) -> Built:
                 take("rewards", normal((B,)), "seq")  # advantages [B] of linear_ppo_loss
             if need.get("ref") and fam == "linear":
                 take("ref_logp", old + normal((B, T), 0.3), "tok")
-    else:
+    elif fam == "token":
         logp = normal((B, T), 0.3, -5.0)
         if case.op == "group_advantages":
             take("rewards", normal((B,)), "lead_seq")
@@ -344,6 +397,9 @@ def build(case: Case) -> Built:
             "group_advantages": ("rewards",),
             "aggregate": ("logp", "mask"),
             "kl_penalty": ("logp", "ref_logp"),
+            "linear_distill_loss": ("hidden", "weight", "teacher_hidden", "teacher_weight",
+                                    "mask"),
+            "linear_topk_logprobs": ("hidden", "weight"),
         }[case.op]
         args = [x.pop(n) for n in fixed]
         if case.op in ("grpo_loss", "linear_grpo_loss", "group_advantages"):
@@ -353,13 +409,29 @@ def build(case: Case) -> Built:
         return call_op(getattr(jk, case.op), case.backend, *args, **x, **kw, **on_vocab)
 
     names = list(inputs)
-    diff_names = {"logits", "hidden", "weight", "bias", "entropy"} | (
+    # the teacher's arguments too: their gradients are zeros, sharded like them
+    diff_names = {"logits", "hidden", "weight", "bias", "entropy", "teacher_hidden",
+                  "teacher_weight", "teacher_bias"} | (
         {"logp"} if fam == "token" else set()) | (
         {"rewards"} if case.op == "group_advantages" else set())
     return Built(call, names, [inputs[n][0] for n in names], [inputs[n][1] for n in names],
                  tuple(i for i, n in enumerate(names) if n in diff_names),
                  tuple(i for i, n in enumerate(names) if n in ("logits", "ref_logits",
-                                                               "hidden", "weight")))
+                                                               "hidden", "weight",
+                                                               "teacher_hidden",
+                                                               "teacher_weight")))
+
+
+def _on_grid(x: np.ndarray, step: float | None) -> np.ndarray:
+    return x if step is None else np.round(x * step) / step
+
+
+def teacher_layout(case: Case) -> str:
+    """linear_distill_loss: the teacher head's weight layout, the student's unless the option
+    asks for the other one."""
+    other = {"vd": "dv", "dv": "vd"}[case.weight_layout]
+    _, need = _split(OPTIONS[case.op][case.option])
+    return other if need.get("teacher_layout") else case.weight_layout
 
 
 def spec(kind: str, case: Case) -> tuple:
@@ -381,7 +453,9 @@ def spec(kind: str, case: Case) -> tuple:
         "seq": (rows,) if small else (None,),
         "rep": (None,),
         "hidden": (rows, None, hidden_d),
+        "teacher_hidden": (rows, None, hidden_d),
         "weight": (vocab, weight_d) if case.weight_layout == "vd" else (weight_d, vocab),
+        "teacher_weight": (vocab, weight_d) if teacher_layout(case) == "vd" else (weight_d, vocab),
         "bias": (vocab,),
     }[kind]
 
@@ -418,7 +492,7 @@ def shard_mapped(case: Case, built: Built, mesh):
             return built.fn(*arrays)
         parts = []
         for i in range(blocks):
-            parts.append(built.fn(*(x if k in ("weight", "bias", "rep")
+            parts.append(built.fn(*(x if k in ("weight", "teacher_weight", "bias", "rep")
                                     else jnp.split(x, blocks, axis=0)[i]
                                     for x, k in zip(arrays, built.kinds))))
         return jax.tree.map(lambda *ys: jnp.stack(ys), *parts)
@@ -453,13 +527,15 @@ def check(case: Case):
     else:
         sharded = unsharded = built.fn
     rng = np.random.default_rng(1)
+    # no weight on an integer output (linear_topk_logprobs' ids): compared, not differentiated
     weights = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+               if jnp.issubdtype(o.dtype, jnp.inexact) else None
                for o in jax.tree.leaves(jax.eval_shape(unsharded, *built.arrays))]
 
     def with_grads(fn):
         def scalar(*a):
             return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
-                       for o, w in zip(jax.tree.leaves(fn(*a)), weights))
+                       for o, w in zip(jax.tree.leaves(fn(*a)), weights) if w is not None)
 
         def both(*a):
             return fn(*a), jax.grad(scalar, argnums=built.diff)(*a)
@@ -475,11 +551,26 @@ def check(case: Case):
         for i, (gl, wl) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
             # A loss or metric (0-d; stacked per row block inside shard_map) aggregates
             # per-token terms of either sign, each O(1) here: its condition scale is 1.
+            if not jnp.issubdtype(wl.dtype, jnp.inexact):  # topk's ids: equal
+                np.testing.assert_array_equal(gl, wl, err_msg=f"{case}: {name} {i}")
+                continue
             scale = 1.0 if name == "output" and wl.ndim <= (1 if case.mode == "shard_map"
                                                              else 0) else None
+            if scale is None and case.op == "linear_distill_loss":
+                # Both are float32 sums over the vocabulary in different orders (chunks,
+                # slices), each within 1e-5 S of the float64 result (test_distill.py's oracle
+                # tests): between them 2e-5 S (a divergence and its gradient cancel terms).
+                finite = np.asarray(wl, np.float64)[np.isfinite(wl)]
+                scale = 2.0 * float(np.max(np.abs(finite), initial=0.0))
             assert_close(gl, np.asarray(wl, np.float64), scale=scale,
                          name=f"{case}: {name} {i}")
     for g, i in zip(got[1], built.diff):
+        if built.names[i].startswith("teacher_") and case.mode == "Auto":
+            # linear_distill_loss's teacher: jax's symbolic zero cotangent (the op stops its
+            # gradient), which jax.grad instantiates as a constant with no sharding of its own;
+            # under Auto axes XLA's partitioner places it (replicated). Explicit axes and
+            # shard_map type it like the primal, checked here; its value (zeros) above.
+            continue
         assert _spec_of(g) == _spec_of(placed[i]), (
             f"{case}: gradient of argument {i} sharded {_spec_of(g)}, the argument "
             f"{_spec_of(placed[i])}")
@@ -487,10 +578,13 @@ def check(case: Case):
         return
     hlo = compiled.as_text()
     allowed = set()
-    if case.layout in ("tp", "tp_fsdp"):
-        allowed.add(B * T * D // DATA)  # hidden states: the D shards of a row block
-    if case.layout in ("fsdp", "tp_fsdp"):
-        allowed.add(V * D // MODEL)  # the FSDP weight: the D shards of a vocabulary slice
+    dims = {built.arrays[i].shape[-1] for i, n in enumerate(built.names)
+            if n in ("hidden", "teacher_hidden")}  # D, and a distillation teacher's D_t
+    for dim in dims:
+        if case.layout in ("tp", "tp_fsdp"):
+            allowed.add(B * T * dim // DATA)  # hidden states: the D shards of a row block
+        if case.layout in ("fsdp", "tp_fsdp"):
+            allowed.add(V * dim // MODEL)  # the FSDP weight: the D shards of a vocabulary slice
     limit = min(built.arrays[i].size for i in built.big) // (DATA * MODEL)
     gathers = [n for n in _collective_sizes(hlo, "all-gather") if n >= limit]
     assert all(n in allowed for n in gathers), (
