@@ -310,6 +310,7 @@ def test_refuses_logits():
 
 # -- many devices ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # ~60 s of CPU; tests/test_tunix_learners.py runs the learners on fsdp=2 in CI
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py forces "
                     "8 host devices)")
 def test_sharded_fsdp2_tp4_matches_tunix():
