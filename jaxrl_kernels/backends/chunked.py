@@ -157,6 +157,19 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     return _relative(stats, target_z)
 
 
+def accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size: int, weight_layout: str):
+    """Write a vocabulary chunk's ``d_w`` into ``d_weight`` and ``Σ_rows dz`` into ``d_bias``,
+    on the chunk's fresh columns only (the last chunk overlaps the one before it)."""
+    old = head.vocab_slice(d_weight, start, size, weight_layout)
+    d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
+    d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
+    if d_bias is not None:
+        old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
+        d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
+        d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
+    return d_weight, d_bias
+
+
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
                     weight_layout, temperature):
     """(d_hidden, d_weight, d_bias | None) from per-row cotangents, chunk by chunk.
@@ -178,13 +191,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         d_hidden = d_hidden + head.hidden_grad(dz, w, weight_layout, precision=hi)
         d_w = head.weight_grad(dz, hidden32, weight_layout, precision=hi)
-        old = head.vocab_slice(d_weight, start, size, weight_layout)
-        d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
-        d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
-        if d_bias is not None:
-            old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
-            d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
-            d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
+        d_weight, d_bias = accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size,
+                                            weight_layout)
         return d_hidden, d_weight, d_bias
 
     init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),

@@ -114,14 +114,8 @@ def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
             d_hidden = d_hidden + dot(g, w, ((1,), (1,))) / (sigma * sigma_w)
             d_w = dot(h_op, g, ((0,), (0,)))
         d_w = d_w / (sigma * sigma_h)
-        old = jax.lax.dynamic_slice_in_dim(d_weight, start, size, axis=w_axis)
-        fresh_w = fresh[:, None] if weight_layout == "vd" else fresh[None, :]
-        d_w = jnp.where(fresh_w, d_w.astype(d_weight.dtype), old)
-        d_weight = jax.lax.dynamic_update_slice_in_dim(d_weight, d_w, start, axis=w_axis)
-        if d_bias is not None:
-            old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
-            d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
-            d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
+        d_weight, d_bias = _chunked().accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh,
+                                                       size, weight_layout)
         return d_hidden, d_weight, d_bias
 
     init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jrk
-from jaxrl_kernels.demo import algos, checkpoint, sampling, train
+from jaxrl_kernels.demo import algos, sampling, train
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import AdditionTask
@@ -266,17 +264,9 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
     log["summary"] = train._round(summary)
     print(format_table(summary, cfg), file=stream)
 
-    if cfg.out:
-        os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "log.json"), "w") as f:
-            json.dump(log, f, indent=1)
-        plot(log, os.path.join(cfg.out, "curves.png"))
-        checkpoint.save(os.path.join(cfg.out, checkpoint.FILENAME),
-                        {"teacher": teacher_params, "student": state},
-                        config=log["config"], history=log)
-        print(f"wrote {cfg.out}/log.json, {cfg.out}/curves.png, {cfg.out}/{checkpoint.FILENAME}",
-              file=stream)
-    log["state"] = {"teacher": teacher_params, "student": state}
+    both = {"teacher": teacher_params, "student": state}
+    train.write_outputs(cfg.out, log, both, plot, stream)
+    log["state"] = both
     return log
 
 

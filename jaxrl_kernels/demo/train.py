@@ -402,17 +402,23 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
     log["summary"] = _round(summary)
     print(format_table(summary, cfg), file=stream)
 
-    if cfg.out:
-        os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "log.json"), "w") as f:
-            json.dump(log, f, indent=1)
-        plot(log, os.path.join(cfg.out, "curves.png"))
-        checkpoint.save(os.path.join(cfg.out, checkpoint.FILENAME), state,
-                        config=log["config"], history=log)
-        print(f"wrote {cfg.out}/log.json, {cfg.out}/curves.png, {cfg.out}/{checkpoint.FILENAME}",
-              file=stream)
+    write_outputs(cfg.out, log, state, plot, stream)
     log["state"] = state
     return log
+
+
+def write_outputs(out: str | None, log: dict[str, Any], state: Any, plot_fn, stream) -> None:
+    """``out``/log.json, ``out``/curves.png (``plot_fn(log, path)``) and the checkpoint of
+    ``state``; nothing without ``out``."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "log.json"), "w") as f:
+        json.dump(log, f, indent=1)
+    plot_fn(log, os.path.join(out, "curves.png"))
+    checkpoint.save(os.path.join(out, checkpoint.FILENAME), state, config=log["config"],
+                    history=log)
+    print(f"wrote {out}/log.json, {out}/curves.png, {out}/{checkpoint.FILENAME}", file=stream)
 
 
 def _warm_start(demo: Demo, log: dict[str, Any], progress: bool) -> tuple[algos.State, float]:
