@@ -31,10 +31,6 @@ AxisName = str | tuple[str, ...]
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
 
 
-def _w_roles(layout: str) -> str:
-    return "v-" if layout == "vd" else "-v"
-
-
 def _flat(x, n_row_dims):
     return x.reshape((math.prod(x.shape[:n_row_dims]),) + x.shape[n_row_dims:])
 
@@ -53,7 +49,7 @@ def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     dim = t_hidden.shape[-1]
     want = _LAYOUT_SHAPES[layout].format(d="D_t")
     check.rank("teacher_weight", t_weight, 2, want)
-    t_vocab, w_dim = t_weight.shape if layout == "vd" else t_weight.shape[::-1]
+    t_vocab, w_dim = head.vocab_size(t_weight, layout), head.hidden_dim(t_weight, layout)
     if w_dim != dim:
         raise ValueError(f"teacher_weight: expected shape {want} with D_t = {dim} "
                          f"(teacher_hidden.shape[-1]) for teacher_weight_layout={layout!r}, "
@@ -78,8 +74,8 @@ def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis, record):
     """Per-row d [B, T] (raw on every row) of the validated heads through ``sharding.run``."""
     hidden, weight, bias, t_hidden, t_weight, t_bias = operands
     rows = "rr"
-    roles = (rows + "-", _w_roles(opts["weight_layout"]), "v", rows + "-",
-             _w_roles(opts["teacher_weight_layout"]), "v")
+    roles = (rows + "-", head.roles(opts["weight_layout"]), "v", rows + "-",
+             head.roles(opts["teacher_weight_layout"]), "v")
     if isinstance(parts, Whole):
         def local(plan, h, w, b, th, tw, tb):
             d = parts.fn(_flat(h, 2), w, b, _flat(th, 2), tw, tb, vocab_axes=plan.vocab_axes,
@@ -225,10 +221,10 @@ def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, tem
     the top-k runs where the rows and vocabulary slices live, never left to XLA's
     partitioner)."""
     rows = "r" * n_row_dims
-    roles = (rows + "-", _w_roles(weight_layout), "v")
+    roles = (rows + "-", head.roles(weight_layout), "v")
     out_roles = (rows + "-", rows + "-", rows)
     opts = dict(k=k, weight_layout=weight_layout, temperature=temperature)
-    local_vocab = lambda w: w.shape[0] if weight_layout == "vd" else w.shape[1]
+    local_vocab = lambda w: head.vocab_size(w, weight_layout)
     def local_forward(plan, h, w, b):
         values, ids, lse = parts.stats(_flat(h, n_row_dims), w, b, **opts,
                                  vocab_offset=plan.vocab_offset(local_vocab(w)),

@@ -186,7 +186,7 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
         if mesh is not None and not batched:
             plan = dataclasses.replace(plan, how="Auto mesh axes: partitioned by XLA (jnp)")
             if differentiable:
-                operands = [keep_grad_sharding(x) for x in operands]
+                operands = pin_grad_shardings(*operands)
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     _note(record, Placement(row_axes=((),) * n_rows,

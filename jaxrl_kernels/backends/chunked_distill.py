@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jaxrl_kernels import divergence_math as dm
 from jaxrl_kernels import sharding, softmax_math
 from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels import head
 from jaxrl_kernels.head import matmul_precision
 
 CHUNK_BYTES = 16 * 2**20
@@ -48,10 +49,6 @@ def _varying(init, *operands):
     (inside a ``shard_map`` that checks varying axes; a no-op elsewhere)."""
     axes = frozenset().union(*(sharding.varying_axes(x) for x in operands if x is not None))
     return jax.tree.map(lambda y: None if y is None else sharding._cast_varying(y, axes), init)
-
-
-def _vocab(weight, weight_layout):
-    return weight.shape[0] if weight_layout == "vd" else weight.shape[1]
 
 
 def _scan(body, init, n_rows: int, vocab: int):
@@ -83,8 +80,7 @@ def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
     GEMM): ``G = σ_c dz`` with σ_c from the chunk's max |dz|, ``h16 = σ_h hidden`` and
     ``W16 = σ_W W`` from their max |x|, so that ``d_hidden += (G·W16_c) / (σ_c σ_W)`` and
     ``d_W_c = (Gᵀ·h16) / (σ_c σ_h)``; float16 keeps 2⁻¹¹ of each entry (bfloat16: 2⁻⁸)."""
-    n_rows, vocab = hidden.shape[0], _vocab(weight, weight_layout)
-    w_axis = 0 if weight_layout == "vd" else 1
+    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
     low = jnp.dtype(hidden.dtype).itemsize == 2 and jnp.dtype(weight.dtype).itemsize == 2
     if low:
         sigma_h = _pow2_scale(jnp.max(jnp.abs(hidden.astype(jnp.float32))))
@@ -96,24 +92,17 @@ def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
         h_op = hidden.astype(jnp.float32)
         op_dtype, precision = jnp.float32, matmul_precision(jnp.float32)
 
-    def dot(a, b, contract):
-        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
+    dot = dict(precision=precision, preferred_element_type=jnp.float32)
 
     def body(carry, start, cols, fresh, size):
         d_hidden, d_weight, d_bias = carry
         dz = jnp.where(fresh, tile_grad(start, cols, fresh, size), 0.0)
         sigma = _pow2_scale(jnp.max(jnp.abs(dz))) if low else jnp.float32(1.0)
         g = (dz * sigma).astype(op_dtype)
-        w = jax.lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+        w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         w = (w * sigma_w).astype(op_dtype)
-        if weight_layout == "vd":
-            d_hidden = d_hidden + dot(g, w, ((1,), (0,))) / (sigma * sigma_w)
-            d_w = dot(g, h_op, ((0,), (0,)))
-        else:
-            d_hidden = d_hidden + dot(g, w, ((1,), (1,))) / (sigma * sigma_w)
-            d_w = dot(h_op, g, ((0,), (0,)))
-        d_w = d_w / (sigma * sigma_h)
+        d_hidden = d_hidden + head.hidden_grad(g, w, weight_layout, **dot) / (sigma * sigma_w)
+        d_w = head.weight_grad(g, h_op, weight_layout, **dot) / (sigma * sigma_h)
         d_weight, d_bias = _chunked().accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh,
                                                        size, weight_layout)
         return d_hidden, d_weight, d_bias
@@ -137,7 +126,7 @@ def _both_chunks(student, teacher, temperature):
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                     teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
     """Per row [N]: ``(d, lse_s, lse_t, kl_s)`` (``kl_s`` = KL(p_s ‖ m) for the JSD, else 0)."""
-    n_rows, vocab = hidden.shape[0], _vocab(weight, weight_layout)
+    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
     chunks = _both_chunks((hidden, weight, bias, weight_layout),
                           (t_hidden, t_weight, t_bias, teacher_weight_layout), temperature)
 
@@ -189,7 +178,7 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     """``(values [N, k], ids [N, k] int32, lse [N])``: the k largest logits of each row (global
     ids, equal values in id order) and the row's logsumexp."""
     ck = _chunked()
-    n_rows, vocab = hidden.shape[0], _vocab(weight, weight_layout)
+    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
     k_local = min(k, vocab)
     z_chunk = ck._linear_chunk(hidden, weight, bias, weight_layout, temperature)
 
