@@ -22,6 +22,7 @@ outputs: XLA's temp size; torch's allocator peak less inputs and gradients), err
 Nothing is installed here: Liger, Cut Cross-Entropy and tokamax are imported if present.
 
     python -m benchmarks.linear_side_by_side            # the table (GPU)
+    python -m benchmarks.linear_side_by_side --size large --impls A,B   # N=8192, D=4096
     python -m benchmarks.linear_side_by_side --smoke    # tiny sizes, any device
 
 Results: ``linear_side_by_side.{json,md}`` (benchmarks.common.write_results).
@@ -51,6 +52,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two timed runs")
+    parser.add_argument("--size", choices=("full", "large"), default="full",
+                        help="full: N=4096, D=2048, V=131072; large: N=8192, D=4096")
+    parser.add_argument("--impls", help="only these impl names, comma-separated (default: all)")
     parser.add_argument("--frameworks", default="jax,torch")
     parser.add_argument("--torch-python", default=sys.executable,
                         help="the interpreter of the PyTorch worker (default: this one)")
@@ -63,7 +67,8 @@ def main():
     for item in args.budget:
         job, seconds = item.split("=")
         budgets[job] = float(seconds)
-    size = "smoke" if args.smoke else "full"
+    size = "smoke" if args.smoke else args.size
+    impls = shared.selected(args.impls)
     n, d, v = shared.SIZES[size]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="side_by_side_"))
     data = pathlib.Path(args.keep) if args.keep else tmp / "inputs_exact.npz"
@@ -83,12 +88,13 @@ def main():
                 python = args.torch_python if framework == "torch" else sys.executable
                 worker_args = ["--data", str(data), "--out", str(jsonl),
                                "--deadline", str(time.time() + budget)]
+                worker_args += ["--impls", args.impls] if args.impls else []
                 code, tail = run_worker(f"benchmarks.side_by_side.{framework}_worker",
                                         worker_args + (["--smoke"] if args.smoke else []),
                                         python, budget + GRACE)
                 reason = None if code == 0 else failure(code, tail, budget + GRACE)
             got = {(r["impl"], r["layout"]): r for r in shared.read_rows(jsonl)}
-            for impl, layout in shared.IMPLS[framework]:
+            for impl, layout in impls[framework]:
                 rows.append(got.get((impl, layout)) or {
                     "impl": impl, "layout": layout, "N": n, "D": d, "V": v,
                     "error": reason or "the worker wrote no row for it"})
@@ -97,7 +103,8 @@ def main():
     # Only now does this process touch a device (metadata), after every worker has exited.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks import common
-    print(common.write_results("linear_side_by_side", rows, shared.COLUMNS))
+    name = "linear_side_by_side" + ("_large" if size == "large" else "")
+    print(common.write_results(name, rows, shared.COLUMNS))
 
 
 if __name__ == "__main__":

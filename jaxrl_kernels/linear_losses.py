@@ -1,9 +1,10 @@
 """The losses computed from a linear LM head's hidden states, never holding the logits:
 ``linear_ppo_loss``, ``linear_grpo_loss`` and ``linear_policy_gradient_loss``.
 
-Each takes the log-probs (and entropies) of the sampled tokens from the ``linear_logprobs``
-primitive (``logprobs.linear_logprobs_rows``: lean or fast memory, any backend), then the math
-of :mod:`jaxrl_kernels.losses`.
+Each is the math of :mod:`jaxrl_kernels.losses` on the log-probs (and entropies) of the
+sampled tokens: with ``memory="lean"`` from the ``linear_logprobs`` primitive
+(``logprobs.linear_logprobs_rows``, any backend); with ``memory="fast"`` through
+:mod:`jaxrl_kernels.fused_loss`, which takes the loss's gradient in the forward (3 GEMMs).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import dispatch, fused_loss, rl_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import AxisName, global_vocab, linear_logprobs_rows
+from jaxrl_kernels.logprobs import AxisName, choose_memory, global_vocab, linear_logprobs_rows
 from jaxrl_kernels.losses import (grpo_advantages, grpo_config, grpo_from_logprobs,
                                   policy_variants, ppo_config, run_ppo)
 
@@ -36,12 +37,24 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask,
     return hidden, weight, bias, actions, old_logp, mask
 
 
-def _linear_logprobs(op, hidden, weight, bias, actions, mask, weight_layout, temperature,
-                     return_entropy, backend, vocab_axis, memory):
-    return linear_logprobs_rows(
-        hidden, weight, bias, actions, mask != 0, op=op, weight_layout=weight_layout,
-        temperature=temperature, return_entropy=return_entropy, backend=backend,
-        vocab_axis=vocab_axis, memory=memory)
+def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, *, weight_layout,
+                 temperature, with_entropy, backend, vocab_axis, memory):
+    """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``: lean,
+    the log-probs from ``linear_logprobs_rows``; fast, the loss's gradient taken in the
+    forward (``fused_loss``)."""
+    note = choose_memory(op, memory, hidden, weight, actions, weight_layout, vocab_axis,
+                         backend, loss=True)
+    options = dict(weight_layout=weight_layout, temperature=float(temperature),
+                   vocab_axis=vocab_axis)
+    if note.mode == "fast":
+        dispatch.record(op, note)
+        return fused_loss.fused_linear_loss(
+            loss_fn, hidden, weight, bias, actions.astype(jnp.int32), mask != 0, inputs,
+            with_entropy=with_entropy, record=dispatch.plan_recorder(op), **options)
+    logp, entropy = linear_logprobs_rows(
+        hidden, weight, bias, actions, mask != 0, op=op, return_entropy=with_entropy,
+        backend=backend, memory="lean", **options)
+    return loss_fn(logp, entropy, inputs)
 
 
 def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -79,8 +92,9 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
         tis_level, tis_mode: as in ``ppo_loss``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
-      memory: ``"lean"``, ``"fast"`` (the logits kept for the backward: 3 GEMMs instead of
-        4) or a byte budget, as in ``linear_logprobs``.
+      memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
+        gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
+        dtype) or a byte budget (``"fast"`` when that buffer fits in it).
 
     Returns:
       ``(loss, metrics)`` as in ``ppo_loss`` (``entropy`` among the metrics when
@@ -104,14 +118,19 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
     cfg = ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
                       kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len,
                       policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
-    logp, entropy = _linear_logprobs("linear_ppo_loss", hidden, weight, bias, actions, mask,
-                                     weight_layout, temperature, with_entropy, backend,
-                                     vocab_axis, memory)
-    inputs = rl_math.PPOInputs(
-        logp=logp, old_logp=old_logp, advantages=check.token_advantages(advantages, shape), mask=mask,
+    inputs = dict(
+        old_logp=old_logp, advantages=check.token_advantages(advantages, shape), mask=mask,
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
-        ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)), entropy=entropy)
-    return run_ppo("linear_ppo_loss", inputs, cfg, backend, strict=False)
+        ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)))
+
+    def loss_fn(logp, entropy, inputs):
+        return run_ppo("linear_ppo_loss", rl_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
+                       cfg, backend, strict=False)
+
+    return _linear_loss("linear_ppo_loss", loss_fn, inputs, hidden, weight, bias, actions, mask,
+                        weight_layout=weight_layout, temperature=temperature,
+                        with_entropy=with_entropy, backend=backend, vocab_axis=vocab_axis,
+                        memory=memory)
 
 
 def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -148,8 +167,9 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
         tis_mode, rollout_logp, tis_cap: as in ``grpo_loss``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
-      memory: ``"lean"``, ``"fast"`` (the logits kept for the backward: 3 GEMMs instead of
-        4) or a byte budget, as in ``linear_logprobs``.
+      memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
+        gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
+        dtype) or a byte budget (``"fast"`` when that buffer fits in it).
 
     Returns:
       ``(loss, policy_loss, kl)``: float32 scalars.
@@ -177,9 +197,16 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = grpo_advantages(rewards, advantages, hidden.shape[0], group_size, group_boundaries,
                            normalize_std, eps, backend)
-    logp, _ = _linear_logprobs("linear_grpo_loss", hidden, weight, bias, actions, mask,
-                               weight_layout, temperature, False, backend, vocab_axis, memory)
-    return grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
+    inputs = dict(ref_logp=ref_logp, old_logp=old_logp, advantages=adv, mask=mask,
+                  rollout_logp=rollout_logp)
+
+    def loss_fn(logp, entropy, inputs):
+        return grpo_from_logprobs(logp, cfg=cfg, **inputs)
+
+    return _linear_loss("linear_grpo_loss", loss_fn, inputs, hidden, weight, bias, actions,
+                        mask, weight_layout=weight_layout, temperature=temperature,
+                        with_entropy=False, backend=backend, vocab_axis=vocab_axis,
+                        memory=memory)
 
 
 def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -205,7 +232,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       loss_agg_mode, max_len: as in ``aggregate``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
-      memory: ``"lean"``, ``"fast"`` or a byte budget, as in ``linear_logprobs``.
+      memory: ``"lean"``, ``"fast"`` or a byte budget, as in ``linear_ppo_loss``.
 
     Returns:
       The float32 scalar loss.
@@ -230,7 +257,11 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
     check.positive("temperature", temperature)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("actions", actions, vocab, mask=mask)
-    logp, _ = _linear_logprobs("linear_policy_gradient_loss", hidden, weight, bias, actions,
-                               mask, weight_layout, temperature, False, backend, vocab_axis,
-                               memory)
-    return rl_math.aggregate(-advantages * logp, mask, mode, max_len)
+    def loss_fn(logp, entropy, inputs):
+        return rl_math.aggregate(-inputs["advantages"] * logp, inputs["mask"], mode, max_len)
+
+    return _linear_loss("linear_policy_gradient_loss", loss_fn,
+                        dict(advantages=advantages, mask=mask), hidden, weight, bias, actions,
+                        mask, weight_layout=weight_layout, temperature=temperature,
+                        with_entropy=False, backend=backend, vocab_axis=vocab_axis,
+                        memory=memory)

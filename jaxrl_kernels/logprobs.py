@@ -86,6 +86,17 @@ def global_vocab(local_vocab: int, vocab_axis) -> int:
     return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
 
 
+def choose_memory(op, memory, hidden, weight, targets, weight_layout, vocab_axis, backend, *,
+                  loss=False):
+    """``memory_mode.choose`` for a linear-head op on these operands (rows ``targets.shape``)."""
+    vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
+    n_rows = math.prod(targets.shape)
+    return memory_mode.choose(
+        op, memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
+        tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
+        backend, loss=loss)
+
+
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
                          temperature, return_entropy, backend, vocab_axis=None, memory="lean"):
     """Dispatch the linear_logprobs primitive on validated inputs: hidden [..., D] with rows
@@ -94,11 +105,8 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight
     ``memory``: ``"lean"``, ``"fast"`` or a byte budget (``memory_mode.choose``); ``"fast"``
     keeps the logits for the backward (``saved_logits``)."""
     n_rows = math.prod(targets.shape)
-    vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
-    memory_note = memory_mode.choose(
-        op, memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
-        tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
-        backend)
+    memory_note = choose_memory(op, memory, hidden, weight, targets, weight_layout, vocab_axis,
+                                backend)
     if memory_note.mode == "fast":
         dispatch.record(op, memory_note)
         return saved_logits.fast_linear_logprobs(

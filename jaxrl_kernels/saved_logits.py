@@ -221,6 +221,54 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
             None if bias is None else d_bias.astype(bias.dtype))
 
 
+def forward(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
+            with_entropy, vocab_axis=None, record=None, config=DEFAULT):
+    """``((logp, entropy | None), (lse, active, z))`` of ``hidden @ Wᵀ + bias`` with the
+    logits ``z`` [..., V] kept (each device its columns), through :func:`sharding.run`.
+
+    Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
+    target ids, ``vocab_axis`` inside ``jax.shard_map``)."""
+    k = targets.ndim
+    rows = "r" * k
+    h_roles, w_roles, b_roles = logprob_core.head_roles(k, weight_layout)
+    n_out = 2 if with_entropy else 1
+
+    def local(plan, hidden, weight, bias, targets, row_valid):
+        shape = targets.shape
+        flat = logprob_core._rows_flat
+        outs = local_forward(plan, flat(hidden, k), weight, bias, targets.reshape(-1),
+                             row_valid.reshape(-1), with_entropy=with_entropy,
+                             weight_layout=weight_layout, temperature=temperature,
+                             config=config)
+        logp, ent, lse, active, z = outs
+        per_row = (logp, ent)[:n_out] + (lse, active)
+        return tuple(o.reshape(shape) for o in per_row) + (z.reshape(shape + z.shape[-1:]),)
+
+    outs = sharding.run(local, (hidden, weight, bias, targets, row_valid),
+                        (h_roles, w_roles, b_roles, rows, rows),
+                        (rows,) * (n_out + 2) + (rows + "v",), vocab_axis=vocab_axis,
+                        record=record)
+    logp, ent = outs[0], (outs[1] if with_entropy else None)
+    lse, active, z = outs[n_out:]
+    return (logp, ent), (lse, active, z)
+
+
+def backward(hidden, weight, bias, kept, targets, lse, entropy, active, g, g_ent, *,
+             weight_layout, temperature, vocab_axis=None, config=DEFAULT):
+    """(d_hidden, d_weight, d_bias | None) from the kept logits ``kept`` (None: the logits
+    are recomputed, one GEMM more) and per-token cotangents ``g`` / ``g_ent``."""
+    options = dict(weight_layout=weight_layout, temperature=temperature, config=config)
+
+    def local(hidden, weight, bias, *rest):
+        if kept is None:
+            rest = (_product(hidden, weight, weight_layout, config),) + rest
+        return local_backward(hidden, weight, bias, *rest, **options)
+
+    return logprob_core.head_backward(
+        local, hidden, weight, bias, () if kept is None else (kept,), targets, lse, entropy,
+        active, g, g_ent, weight_layout=weight_layout, vocab_axis=vocab_axis)
+
+
 def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
                          temperature, return_entropy, vocab_axis=None, record=None,
                          config=DEFAULT):
@@ -228,45 +276,23 @@ def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_lay
 
     Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
     target ids, ``vocab_axis`` inside ``jax.shard_map``)."""
-    k = targets.ndim
-    rows = "r" * k
-    h_roles, w_roles, b_roles = logprob_core.head_roles(k, weight_layout)
-    n_out = 2 if return_entropy else 1
-    options = dict(weight_layout=weight_layout, temperature=temperature, config=config)
-
-    def forward(plan, hidden, weight, bias, targets, row_valid):
-        shape = targets.shape
-        flat = logprob_core._rows_flat
-        outs = local_forward(plan, flat(hidden, k), weight, bias, targets.reshape(-1),
-                             row_valid.reshape(-1), with_entropy=return_entropy, **options)
-        logp, ent, lse, active, z = outs
-        per_row = (logp, ent)[:n_out] + (lse, active)
-        return tuple(o.reshape(shape) for o in per_row) + (z.reshape(shape + z.shape[-1:]),)
-
-    def run_forward(hidden, weight, bias, targets, row_valid):
-        outs = sharding.run(forward, (hidden, weight, bias, targets, row_valid),
-                            (h_roles, w_roles, b_roles, rows, rows),
-                            (rows,) * (n_out + 2) + (rows + "v",), vocab_axis=vocab_axis,
-                            record=record)
-        logp, ent = outs[0], (outs[1] if return_entropy else None)
-        lse, active, z = outs[n_out:]
-        return (logp, ent), (lse, active, z)
+    options = dict(weight_layout=weight_layout, temperature=temperature,
+                   vocab_axis=vocab_axis, config=config)
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid):
-        return run_forward(hidden, weight, bias, targets, row_valid)[0]
+        return fwd(hidden, weight, bias, targets, row_valid)[0]
 
     def fwd(hidden, weight, bias, targets, row_valid):
-        out, (lse, active, z) = run_forward(hidden, weight, bias, targets, row_valid)
+        out, (lse, active, z) = forward(hidden, weight, bias, targets, row_valid,
+                                        with_entropy=return_entropy, record=record, **options)
         return out, (hidden, weight, bias, targets, z, lse, out[1], active)
 
     def bwd(res, cot):
         hidden, weight, bias, targets, z, lse, ent, active = res
         g, g_ent = cot
-        grads = logprob_core.head_backward(
-            lambda *a: local_backward(*a, **options), hidden, weight, bias, (z,), targets, lse,
-            ent, active, g, g_ent if return_entropy else None, weight_layout=weight_layout,
-            vocab_axis=vocab_axis)
+        grads = backward(hidden, weight, bias, z, targets, lse, ent, active, g,
+                         g_ent if return_entropy else None, **options)
         return grads + (None, None)
 
     op.defvjp(fwd, bwd)

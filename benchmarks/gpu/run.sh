@@ -11,7 +11,9 @@
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 # Staged beside the checkout: .whl/*.whl (nvidia-cutlass, the extension's headers),
 # .whl/tunix/*.whl (tunix and the few of its dependencies the image lacks), .whl/peers/*.whl
-# (tokamax, Liger, Cut Cross-Entropy for the side_by_side step), .whl-jax/part-* (stage_jax).
+# (tokamax, Liger, Cut Cross-Entropy for the side_by_side step), .whl-quack/part-* (QuACK,
+# in parts: carry one per call), .whl-jax/part-* (stage_jax). benchmarks/gpu/stage_wheels.sh
+# downloads them all.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -30,6 +32,24 @@ if compgen -G ".whl/tunix/*.whl" >/dev/null; then
   python3 -c 'import tunix, flax, jax; print("tunix", tunix.__version__, "flax", flax.__version__, "jax", jax.__version__)'
 fi
 if compgen -G ".whl/peers/*.whl" >/dev/null; then stage /tmp/peers ".whl/peers/*.whl"; fi
+# QuACK comes in parts (.whl-quack/part-*, stage_wheels.sh), a part per call to one warm
+# machine; once the parts add up to the checksum it is installed under a path holding
+# /site-packages/ (its kernel cache needs one), and every later call puts it on PYTHONPATH.
+if compgen -G ".whl-quack/part-*" >/dev/null; then
+  mkdir -p /tmp/quack-parts && cp .whl-quack/part-* .whl-quack/SHA256SUMS /tmp/quack-parts/
+fi
+if [ ! -d /tmp/quack/site-packages ] && [ -f /tmp/quack-parts/SHA256SUMS ]; then
+  if [ "$(cat /tmp/quack-parts/part-* | sha256sum | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/quack-parts/SHA256SUMS)" ]; then
+    mkdir -p /tmp/quack-wheels && cat /tmp/quack-parts/part-* | tar xf - -C /tmp/quack-wheels &&
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/quack/site-packages /tmp/quack-wheels/quack/*.whl
+  else
+    echo "quack: $(ls /tmp/quack-parts | grep -c part-) part(s) so far, not all of them"
+  fi
+fi
+if [ -d /tmp/quack/site-packages ]; then
+  export PYTHONPATH="/tmp/quack/site-packages:/tmp/quack/site-packages/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -c 'import quack, cutlass; print("quack", quack.__version__)' || echo "quack: import failed"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
 # ON, not AUTO: a failed build is an error here, never a silent pure-Python install.

@@ -98,10 +98,15 @@ def main():
     dh = np.asarray(dh.astype(jnp.float32))
     dw = np.asarray(dw)
     loss = float(jnp.sum(g * logp))
+    # the summed cross-entropy Σ −logp (g = −1), for the peers that only return a sum (QuACK)
+    dh_sum, dw_sum, _ = exact_grads(h, w, t, -jnp.ones_like(g), chunk)
+    dh_sum = np.asarray(dh_sum.astype(jnp.float32))
+    dw_sum = np.asarray(dw_sum)
     print(f"exact: float64 gradients on {jax.devices()[0]} in chunks of {chunk} "
           f"({time.perf_counter() - start:.1f} s); L = {loss:.6g}", flush=True)
     np.savez(args.out, h_bits=bits["h"], w_bits=bits["w"], t=raw["t"], g=raw["g"],
              exact_dh=dh, exact_dw=dw, exact_loss=np.float64(loss),
+             exact_dh_sum=dh_sum, exact_dw_sum=dw_sum,
              size=np.array([n, d, v], np.int64), seed=np.int64(args.seed),
              chunk=np.int64(chunk), device=np.str_(str(jax.devices()[0])))
     print(f"exact: wrote {args.out} ({time.perf_counter() - start:.1f} s)", flush=True)

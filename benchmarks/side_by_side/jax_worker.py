@@ -193,13 +193,15 @@ def main():
             "memory='fast': logits kept as bf16 for the backward (3 GEMMs)", "linear_logprobs",
             "fast")
     losses = [("linear_grpo_loss", lay, mem) for mem in ("lean", "fast") for lay in ("vd", "dv")]
-    losses += [("linear_ppo_loss", "vd", "fast"), ("linear_policy_gradient_loss", "vd", "fast")]
+    losses += [(op, lay, "fast") for op in ("linear_ppo_loss", "linear_policy_gradient_loss")
+               for lay in ("vd", "dv")]
     for op, layout, mem in losses:
         name = f"jaxrl_kernels {op}" + (" memory=fast" if mem == "fast" else "")
         impls[(name, layout)] = (
             lambda op=op, lay=layout, mem=mem: (None, ours_loss(
                 op, lay, mem, h, w if lay == "vd" else w_dv, t, g)),
-            jax_version, "value_and_grad of the loss; B = N sequences of one token, ratio 1",
+            jax_version, "value_and_grad of the loss; B = N sequences of one token, ratio 1"
+            + ("; the loss's gradient taken in the forward (3 GEMMs)" if mem == "fast" else ""),
             op, mem)
     impls[("jnp_f32_materialised", "vd")] = (
         lambda: (xla_materialised, None), jax_version,
@@ -225,7 +227,7 @@ def main():
             impls[key] = (None, "", f"import failed: {shared.error_text(err)}",
                           "cross_entropy", "")
 
-    for name, layout in shared.IMPLS["jax"]:
+    for name, layout in shared.selected(args.impls)["jax"]:
         make, version, note, op, mode = impls[(name, layout)]
         row = {"impl": name, "op": op, "mode": mode, "layout": layout, **base,
                "version": version, "note": note}

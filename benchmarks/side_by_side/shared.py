@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-SIZES = {"full": (4096, 2048, 131072), "smoke": (64, 128, 1000)}
+SIZES = {"full": (4096, 2048, 131072), "large": (8192, 4096, 131072), "smoke": (64, 128, 1000)}
 WEIGHT_STD = 1.5  # times 1/sqrt(D)
 
 # The table's columns: the comparison's own, then what the row was run with and why it has no numbers.
@@ -37,15 +37,27 @@ IMPLS = {
             ("jaxrl_kernels linear_grpo_loss memory=fast", "vd"),
             ("jaxrl_kernels linear_grpo_loss memory=fast", "dv"),
             ("jaxrl_kernels linear_ppo_loss memory=fast", "vd"),
+            ("jaxrl_kernels linear_ppo_loss memory=fast", "dv"),
             ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "vd"),
+            ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "dv"),
             ("jaxrl_kernels[pallas]", "vd"), ("jaxrl_kernels[chunked]", "vd"),
             ("jnp_bf16_materialised", "vd"), ("jnp_f32_materialised", "vd"),
             ("tokamax (default)", "dv"), ("tokamax chunked_xla", "dv")],
     "torch": [("torch_bf16_materialised", "vd"), ("torch_bf16_logits_f32_softmax", "vd"),
+              ("quack_chunked", "vd"), ("quack_scaled_exp", "vd"),
               ("liger-kernel fused linear CE", "vd"),
               ("cut-cross-entropy filter_eps='high'", "vd"),
               ("cut-cross-entropy filter_eps=None", "vd")],
 }
+
+
+def selected(impls: str | None) -> dict[str, list[tuple[str, str]]]:
+    """``IMPLS`` cut to the rows whose impl name (before any layout) is in the comma-separated
+    ``impls`` (None: all)."""
+    if not impls:
+        return IMPLS
+    wanted = set(impls.split(","))
+    return {fw: [row for row in rows if row[0] in wanted] for fw, rows in IMPLS.items()}
 
 
 def draw_inputs(n: int, d: int, v: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -124,4 +136,5 @@ def worker_args(description: str) -> argparse.Namespace:
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, required=True)
     parser.add_argument("--smoke", action="store_true", help="two timed runs each")
+    parser.add_argument("--impls", help="only these impl names, comma-separated")
     return parser.parse_args()

@@ -1,4 +1,4 @@
-"""PyTorch rows of the side-by-side table: materialised logits, Liger, Cut Cross-Entropy.
+"""PyTorch rows of the side-by-side table: materialised logits, Liger, Cut Cross-Entropy, QuACK.
 
 Each implementation is a function ``logp(h, w, t) -> [N] float32``. Forward: under
 ``torch.no_grad`` with inputs that need no gradient. Forward+backward: ``torch.autograd.grad``
@@ -11,7 +11,9 @@ less the returned gradients (so, like XLA's temp size, neither inputs nor output
 Errors: ‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
 
 Liger and Cut Cross-Entropy are cross-entropy losses: their per-token loss (reduction
-"none") is −logp, so L = Σ (−g)·loss is the same function, exactly.
+"none") is −logp, so L = Σ (−g)·loss is the same function, exactly. QuACK's linear
+cross-entropy returns only a mean or a sum: its rows time L = Σ −logp (reduction "sum") and
+compare with that L's exact gradients (``exact_dh_sum`` / ``exact_dw_sum`` of the inputs file).
 
     python -m benchmarks.side_by_side.torch_worker --data X.npz --out rows.jsonl --deadline T
 """
@@ -65,6 +67,27 @@ def cce(filter_eps):
             if filter_eps else "gradient filtering off; ")
     return logp, f"cut-cross-entropy {cut_cross_entropy.__version__}", (
         note + "-(per-token loss, reduction='none'): L = sum(-g * loss) exactly")
+
+
+def quack(scaled_exp):
+    """QuACK's chunked linear cross-entropy (3 GEMMs: d_hidden and d_weight taken in the forward,
+    per chunk of rows), summed over tokens: its API returns only a mean or a sum."""
+    import quack
+    from quack import linear_cross_entropy as lce
+
+    fn = lce.scaled_exp_linear_cross_entropy if scaled_exp else lce.chunked_linear_cross_entropy
+    extra = {} if scaled_exp else {"use_scaled_exp": False}
+
+    def loss(h, w, t):
+        return fn(h, w, t, reduction="sum", **extra)
+
+    version = getattr(quack, "__version__", None) or _dist_version("quack-kernels")
+    dsl = _dist_version("nvidia-cutlass-dsl")
+    note = ("scaled-exp pipeline (bf16 exp-scaled logits)" if scaled_exp else
+            "chunked_linear_cross_entropy(use_scaled_exp=False): logits chunk, glue, two GEMMs")
+    return loss, f"quack-kernels {version}, nvidia-cutlass-dsl {dsl}", (
+        note + "; reduction='sum' (its API has no per-token loss): L = sum(-logp), gradients "
+        "against the exact ones of that L")
 
 
 def _dist_version(name):
@@ -121,15 +144,19 @@ def same_bits(a, b):
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke):
+def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke, summed=None):
+    """One row's numbers for ``logp(h, w, t) -> [N]`` (L = Σ g·logp), or for ``summed(h, w, t)
+    -> L`` (a peer that returns only the summed loss; the exact gradients must be L's)."""
+    def loss_of(h, w):
+        return summed(h, w, t) if summed is not None else (g * logp(h, w, t)).sum()
+
     def fwd():
         with torch.no_grad():
-            return logp(h, w, t)
+            return summed(h, w, t) if summed is not None else logp(h, w, t)
 
     def fwdbwd():
         hg, wg = h.detach().requires_grad_(), w.detach().requires_grad_()
-        loss = (g * logp(hg, wg, t)).sum()
-        return torch.autograd.grad(loss, (hg, wg))
+        return torch.autograd.grad(loss_of(hg, wg), (hg, wg))
 
     row = {}
     row["fwd_ms"], row["fwd_device_ms"] = clock.median(fwd, 2000.0, smoke)
@@ -168,6 +195,7 @@ def main():
     g = torch.from_numpy(data["g"]).to(device)
     exact_dh = torch.from_numpy(data["exact_dh"]).to(device)
     exact_dw = torch.from_numpy(data["exact_dw"]).to(device)
+    exact_sum = {k: data.get(k) for k in ("exact_dh_sum", "exact_dw_sum")}
     del data
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     torch_version = f"torch {torch.__version__}"
@@ -189,8 +217,11 @@ def main():
         "liger-kernel fused linear CE": liger,
         "cut-cross-entropy filter_eps='high'": lambda: cce("high"),
         "cut-cross-entropy filter_eps=None": lambda: cce(None),
+        "quack_chunked": lambda: quack(False),
+        "quack_scaled_exp": lambda: quack(True),
     }
-    for impl, layout in shared.IMPLS["torch"]:
+    summed_impls = ("quack_chunked", "quack_scaled_exp")
+    for impl, layout in shared.selected(args.impls)["torch"]:
         row = {"impl": impl, "op": "cross_entropy", "mode": "", "layout": layout, **base,
                "version": torch_version, "note": ""}
         start = time.perf_counter()
@@ -210,7 +241,17 @@ def main():
             row["error"] = "skipped: the PyTorch worker's time budget was spent"
         else:
             try:
-                row.update(measure(logp, h, w, t, g, exact_dh, exact_dw, clock, args.smoke))
+                if impl in summed_impls:
+                    if exact_sum["exact_dh_sum"] is None:
+                        raise RuntimeError("the inputs file has no exact gradients of the sum")
+                    dh_sum, dw_sum = (torch.from_numpy(exact_sum[k]).to(device)
+                                      for k in ("exact_dh_sum", "exact_dw_sum"))
+                    row.update(measure(None, h, w, t, g, dh_sum, dw_sum, clock, args.smoke,
+                                       summed=logp))
+                    del dh_sum, dw_sum
+                else:
+                    row.update(measure(logp, h, w, t, g, exact_dh, exact_dw, clock,
+                                       args.smoke))
             except Exception as err:  # report, keep measuring the others
                 traceback.print_exc()
                 row["error"] = shared.error_text(err)

@@ -1,0 +1,176 @@
+"""``memory="fast"`` for the linear losses: the loss's gradient taken in the forward pass.
+
+A loss ``L(logp, H, x)`` of the per-token log-probs (entropies ``H``, other inputs ``x``) knows
+every token's cotangent ``g = ∂L/∂logp`` and ``g_H = ∂L/∂H`` as soon as the forward has the
+log-probs of all rows: sequence-level options (GSPO's ratio, sequence aggregation, sequence
+importance weights) are sums over those ``[B, T]`` arrays. So the forward, right after the
+head's logits ``z = h·Wᵀ`` (one GEMM, rounded to the head's dtype as in
+:mod:`saved_logits`), writes the logits' gradient over them::
+
+    dz = g · (onehot_t − p) − g_H · p · (log p + H),   p = exp(z̃ − lse)   (softmax_math)
+
+and the backward, given the cotangent ``c`` of the loss, runs the two GEMMs left::
+
+    d_hidden = c · dz·W / T,   d_weight = c · dzᵀ·h / T,   d_bias = c · Σ_rows dz / T
+
+Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to the backward
+(the logits, then their gradient in their place): half of what keeping the logits for a later
+backward holds at its peak (the logits and their gradient at once).
+
+The other outputs (policy loss, KL, metrics) keep exact gradients for any cotangent: where
+one of theirs is not a symbolic zero, the backward adds the gradient of that part of the
+per-token cotangent through :func:`saved_logits.backward` with the logits recomputed (one
+GEMM more). The loss's other inputs get their gradients from the loss function's own VJP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from jaxrl_kernels import head, logprob_core, saved_logits, sharding, softmax_math
+
+
+def _is_float(x) -> bool:
+    return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
+                      n_rows, weight_layout, temperature):
+    """This device's ``dz`` [..., V_local] in z's dtype, from its kept logits ``z``."""
+    vocab = head.vocab_size(weight, weight_layout)
+    t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
+        plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
+    zs = saved_logits._scaled(logprob_core._rows_flat(z, n_rows), bias, temperature)
+    is_target = jnp.arange(vocab)[None, :] == t_local[:, None]
+    dz = softmax_math.logprob_grad_tile(zs, lse, entropy, is_target, g, g_ent, temperature)
+    return (dz.astype(z.dtype).reshape(z.shape),)
+
+
+def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
+    """``(c·dz·W, c·dzᵀ·h, c·Σ dz)`` on one device. ``c``, the loss's cotangent, arrives as
+    the per-row ``g`` (``rows[3]``): ``c`` on every active row and 0 on the others (whose
+    ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly."""
+    g = rows[3]
+    c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
+    dtype = jnp.result_type(hidden, weight)
+    precision = head.matmul_precision(dtype)
+    dz = dz.astype(dtype)
+    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout, precision=precision,
+                                preferred_element_type=jnp.float32)
+    d_weight = head.weight_grad(dz, hidden.astype(dtype), weight_layout, precision=precision,
+                                preferred_element_type=jnp.float32)
+    d_bias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0) * c
+    return ((d_hidden * c).astype(hidden.dtype), (d_weight * c).astype(weight.dtype),
+            None if d_bias is None else d_bias.astype(bias.dtype))
+
+
+def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
+                      weight_layout, temperature, with_entropy, vocab_axis=None, record=None,
+                      config=saved_logits.DEFAULT):
+    """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
+    its gradient to the head taken in the forward (see the module docstring).
+
+    ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree
+    of its other arrays (float leaves get their gradients through ``loss_fn``'s VJP).
+    ``hidden``, ``weight``, ``bias``, ``targets``, ``row_valid``, ``vocab_axis`` and
+    ``record`` are as in ``logprob_core.linear_from_parts``; ``row_valid`` False rows get no
+    gradient.
+    """
+    k = targets.ndim
+    rows = "r" * k
+    h_roles, w_roles, b_roles = logprob_core.head_roles(k, weight_layout)
+    options = dict(weight_layout=weight_layout, temperature=temperature, vocab_axis=vocab_axis,
+                   config=config)
+    leaves, tree = jax.tree.flatten(inputs)
+    floats = [i for i, x in enumerate(leaves) if _is_float(x)]
+
+    def small_vjp(logp, entropy, leaves):
+        """``loss_fn``'s outputs and VJP in (logp, entropy, the float leaves of inputs)."""
+        def f(logp, entropy, float_leaves):
+            full = list(leaves)
+            for i, x in zip(floats, float_leaves):
+                full[i] = x
+            return loss_fn(logp, entropy, jax.tree.unflatten(tree, full))
+        return jax.vjp(f, logp, entropy, [leaves[i] for i in floats])
+
+    def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
+        local = functools.partial(_local_logit_grad, n_rows=k, weight_layout=weight_layout,
+                                  temperature=temperature)
+        return sharding.run(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
+                            (w_roles, b_roles, rows + "v") + (rows,) * 6, (rows + "v",),
+                            vocab_axis=vocab_axis)[0]
+
+    @jax.custom_vjp
+    def op(hidden, weight, bias, targets, row_valid, leaves):
+        (logp, entropy), _ = saved_logits.forward(
+            hidden, weight, bias, targets, row_valid, with_entropy=with_entropy, record=record,
+            **options)
+        return small_vjp(logp, entropy, leaves)[0]
+
+    def fwd(hidden, weight, bias, targets, row_valid, leaves):
+        hidden, weight, bias, targets, row_valid, leaves = jax.tree.map(
+            lambda p: p.value, (hidden, weight, bias, targets, row_valid, leaves))
+        (logp, entropy), (lse, active, z) = saved_logits.forward(
+            hidden, weight, bias, targets, row_valid, with_entropy=with_entropy, record=record,
+            **options)
+        outs, pullback = small_vjp(logp, entropy, leaves)
+        g, g_ent, _ = pullback(_seed(outs))
+        dz = logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent)
+        return outs, (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz,
+                      g, g_ent)
+
+    def bwd(res, cts):
+        hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, g1, g_ent1 = res
+        ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
+        c, others = ct_leaves[0], ct_leaves[1:]
+        outs, pullback = small_vjp(logp, entropy, leaves)
+        g, g_ent, d_floats = pullback(_instantiate(cts, outs))
+        grads = None
+        if not isinstance(c, SymbolicZero):
+            c_rows = jnp.broadcast_to(c.astype(jnp.float32), g1.shape)
+            grads = logprob_core.head_backward(
+                functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
+                weight, bias, (dz,), targets, lse, entropy, active, c_rows, None,
+                weight_layout=weight_layout, vocab_axis=vocab_axis)
+        if not all(isinstance(o, SymbolicZero) for o in others):
+            if grads is not None:   # the loss's own part is in grads already
+                g = g - c * g1
+                g_ent = None if g_ent is None else g_ent - c * g_ent1
+            rest = saved_logits.backward(hidden, weight, bias, None, targets, lse, entropy,
+                                         active, g, g_ent, **options)
+            grads = rest if grads is None else tuple(
+                None if a is None else a + b for a, b in zip(grads, rest))
+        if grads is None:
+            grads = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
+                     None if bias is None else jnp.zeros_like(bias))
+        d_leaves = [None] * len(leaves)
+        for i, d in zip(floats, d_floats):
+            d_leaves[i] = d
+        return grads + (None, None, d_leaves)
+
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op(hidden, weight, bias, targets, row_valid, leaves)
+
+
+def _seed(outs):
+    """The cotangent 1 on the first leaf of ``outs`` (the loss), 0 on the others."""
+    leaves, tree = jax.tree.flatten(outs)
+    seeds = [jnp.ones_like(leaves[0])] + [jnp.zeros_like(x) for x in leaves[1:]]
+    return jax.tree.unflatten(tree, seeds)
+
+
+def _instantiate(cts, outs):
+    """``cts`` with every symbolic zero made an array of its output's shape and dtype."""
+    return jax.tree.map(lambda c, o: jnp.zeros_like(o) if isinstance(c, SymbolicZero) else c,
+                        cts, outs, is_leaf=lambda c: isinstance(c, SymbolicZero))
+
+
+def fused_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
+                config=saved_logits.DEFAULT) -> int:
+    """Bytes of the one ``[N, V]`` buffer the fused losses hold (logits, then their gradient)."""
+    return saved_logits.kept_bytes(n_rows, vocab, hidden_dtype, weight_dtype, config)
+
