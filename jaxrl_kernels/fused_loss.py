@@ -38,34 +38,67 @@ def _is_float(x) -> bool:
     return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+ROW_BLOCK_BYTES = 64 * 2**20
+"""The logits' gradient is written over them in blocks of rows of about this size."""
+
+
 def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
                       n_rows, weight_layout, temperature):
-    """This device's ``dz`` [..., V_local] in z's dtype, from its kept logits ``z``."""
+    """This device's ``dz`` [..., V_local] in z's dtype, written over its kept logits ``z``
+    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer)."""
     vocab = head.vocab_size(weight, weight_layout)
     t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
         plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
-    zs = saved_logits._scaled(logprob_core._rows_flat(z, n_rows), bias, temperature)
-    is_target = jnp.arange(vocab)[None, :] == t_local[:, None]
-    dz = softmax_math.logprob_grad_tile(zs, lse, entropy, is_target, g, g_ent, temperature)
-    return (dz.astype(z.dtype).reshape(z.shape),)
+    flat = logprob_core._rows_flat(z, n_rows)
+    n = flat.shape[0]
+    size = max(1, min(n, ROW_BLOCK_BYTES // max(1, vocab * flat.dtype.itemsize)))
+    per_row = (t_local, lse, entropy, g, g_ent)
+
+    def block(c, flat):
+        # the last block is pulled back to end at N; rows an earlier block wrote keep theirs
+        start = jnp.minimum(c * size, n - size)
+        rows = [None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
+                for x in per_row]
+        t, l, ent, gg, ge = rows
+        z_c = jax.lax.dynamic_slice_in_dim(flat, start, size)
+        zs = saved_logits._scaled(z_c, bias, temperature)
+        is_target = jnp.arange(vocab)[None, :] == t[:, None]
+        dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
+        fresh = (start + jnp.arange(size) >= c * size)[:, None]
+        dz = jnp.where(fresh, dz.astype(flat.dtype), z_c)
+        return jax.lax.dynamic_update_slice_in_dim(flat, dz, start, 0)
+
+    flat = jax.lax.fori_loop(0, -(-n // size), block, flat)
+    return (flat.reshape(z.shape),)
 
 
 def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
-    """``(c·dz·W, c·dzᵀ·h, c·Σ dz)`` on one device. ``c``, the loss's cotangent, arrives as
-    the per-row ``g`` (``rows[3]``): ``c`` on every active row and 0 on the others (whose
-    ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly."""
+    """``(c·dz·W, c·dzᵀ·h, c·Σ dz)`` on one device, each rounded once to its operand's dtype.
+    ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every
+    active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly.
+    With ``c = 1`` (``jax.grad`` of the loss) the GEMMs write the head's dtype directly; any
+    other ``c`` scales their float32 results before the rounding."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
     dtype = jnp.result_type(hidden, weight)
     precision = head.matmul_precision(dtype)
     dz = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout, precision=precision,
-                                preferred_element_type=jnp.float32)
-    d_weight = head.weight_grad(dz, hidden.astype(dtype), weight_layout, precision=precision,
-                                preferred_element_type=jnp.float32)
-    d_bias = None if bias is None else jnp.sum(dz.astype(jnp.float32), axis=0) * c
-    return ((d_hidden * c).astype(hidden.dtype), (d_weight * c).astype(weight.dtype),
-            None if d_bias is None else d_bias.astype(bias.dtype))
+    h, w = hidden.astype(dtype), weight.astype(dtype)
+
+    def gemms(scale):
+        out = jnp.float32 if scale else None
+        d_hidden = head.hidden_grad(dz, w, weight_layout, precision=precision,
+                                    preferred_element_type=out or hidden.dtype)
+        d_weight = head.weight_grad(dz, h, weight_layout, precision=precision,
+                                    preferred_element_type=out or weight.dtype)
+        if scale:
+            d_hidden, d_weight = d_hidden * c, d_weight * c
+        return d_hidden.astype(hidden.dtype), d_weight.astype(weight.dtype)
+
+    d_hidden, d_weight = jax.lax.cond(c == 1.0, lambda: gemms(False), lambda: gemms(True))
+    d_bias = None if bias is None else (jnp.sum(dz.astype(jnp.float32), axis=0) * c
+                                        ).astype(bias.dtype)
+    return d_hidden, d_weight, d_bias
 
 
 def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
