@@ -140,7 +140,7 @@ for d in .whl .whl/tunix .whl/peers .whl/quack; do
   echo "-- $d"; { ls -l "$d"/*.whl 2>/dev/null || true; } | awk '{printf "  %10d  %s\n", $5, $NF}'
 done
 du -sh .whl/tunix .whl/peers .whl/quack $([ -d "$parts" ] && echo "$parts")
-echo "carried by run.sh (.whl/*.whl + .whl/tunix + .whl/peers): $({ cat .whl/*.whl .whl/tunix/*.whl .whl/peers/*.whl 2>/dev/null || true; } | wc -c | awk '{printf "%.1f MiB", $1 / 1048576}')"
+echo "what run.sh stages (.whl/*.whl + .whl/tunix + .whl/peers): $({ cat .whl/*.whl .whl/tunix/*.whl .whl/peers/*.whl 2>/dev/null || true; } | wc -c | awk '{printf "%.1f MiB", $1 / 1048576}')"
 echo "QuACK set: $(awk -v b="$quack_bytes" 'BEGIN {printf "%.1f MiB", b / 1048576}')"
 
 if [ ${#failed[@]} -gt 0 ]; then
