@@ -131,6 +131,29 @@ def test_model_families_match_tunix(models, family, lean):
             backend=lean)
 
 
+@pytest.mark.parametrize("case", ["grpo-gspo", "grpo-packed", "ppo-entropy"])
+def test_fast_memory_matches_tunix(models, case):
+    """memory="fast" (the loss's gradient taken in the forward, jaxrl_kernels.fused_loss):
+    loss, every aux value and every parameter's gradient equal tunix's own loss."""
+    model = models["qwen3"]
+    if case == "grpo-gspo":
+        options, temperature, spec = GRPO_CASES["sequence-mean-token-mean"]
+        config = ts.grpo_config(temperature, loss_agg_mode="sequence-mean-token-mean",
+                                **options)
+        example = ts.make_example(model, VOCAB, spec, seed=8, temperature=temperature)
+        compare(model, example, config, "grpo", "jaxrl_grpo", memory="fast")
+    elif case == "grpo-packed":
+        config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04)
+        example = ts.make_example(model, VOCAB, ts.ExampleSpec(packed=True, completion_len=9))
+        compare(model, example, config, "grpo", "jaxrl_grpo", memory="fast")
+    else:
+        example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=9,
+                                  ppo=True)
+        _, aux, _ = compare(model, example, ts.ppo_config(**PPO_CASES["entropy_dual_clip"]),
+                            "ppo", "jaxrl_ppo", memory="fast")
+        assert "loss/entropy" in aux
+
+
 def test_untied_head_on_chunked_backend(models):
     model = models["qwen3"]
     config = ts.grpo_config(1.0, loss_agg_mode="token-mean", beta=0.04, kl_loss_mode="kl")

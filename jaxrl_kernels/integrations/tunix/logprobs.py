@@ -215,6 +215,46 @@ def tunix_temperature(temperature) -> float:
     return 1.0 if temperature in (0.0, 1.0) else float(temperature)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadRows:
+    """What the policy's log-probs are taken from: the final hidden states of the positions
+    that predict the completion (or, packed, every next token), the LM head, the targets."""
+
+    hidden: jax.Array    # [B, K, D] in the head's dtype
+    weight: jax.Array    # [V, D] ("vd") or [D, V] ("dv")
+    layout: str
+    targets: jax.Array   # [B, K]
+    packed: bool         # K = L - 1: the outputs get position 0 back (logp 0, entropy log V)
+
+    def pad(self, logp, entropy):
+        """tunix's layout of (logp, entropy | None): packed, position 0 holds logp = 0 and the
+        entropy of all-zero logits, log V."""
+        if not self.packed:
+            return logp, entropy
+        vocab = self.weight.shape[0 if self.layout == "vd" else 1]
+        logp = jnp.pad(logp, ((0, 0), (1, 0)))
+        if entropy is not None:
+            entropy = jnp.pad(entropy, ((0, 0), (1, 0)),
+                              constant_values=jnp.log(jnp.float32(vocab)))
+        return logp, entropy
+
+
+def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
+                     segment_ids=None, segment_positions=None, pin_params=False) -> HeadRows:
+    """The model's forward up to its final hidden states, and what the head's log-probs of the
+    completion (or of a packed sequence's next tokens) need (:class:`HeadRows`)."""
+    check_model(model)
+    input_tokens, positions, attn_mask, pad_segments = common.process_ids(
+        prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
+    kwargs = _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids)
+    hidden, head = final_hidden_states(model, input_tokens, kwargs, pin_params=pin_params)
+    packed = segment_ids is not None
+    keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
+    dtype = head.dtype if head.dtype is not None else jnp.result_type(hidden, head.weight)
+    return HeadRows(hidden[:, -keep - 1:-1].astype(dtype), head.weight.astype(dtype),
+                    head.layout, input_tokens[:, -keep:], packed)
+
+
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
                     return_entropy=False, backend=None, pin_params=False, memory="lean"):
@@ -226,27 +266,13 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     :func:`keep_param_shardings` (the losses set it; the no-gradient passes need not).
     ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward).
     """
-    check_model(model)
-    input_tokens, positions, attn_mask, pad_segments = common.process_ids(
-        prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
-    kwargs = _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids)
-    hidden, head = final_hidden_states(model, input_tokens, kwargs, pin_params=pin_params)
-    packed = segment_ids is not None
-    keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
-    hidden = hidden[:, -keep - 1:-1]
-    targets = input_tokens[:, -keep:]
-    dtype = head.dtype if head.dtype is not None else jnp.result_type(hidden, head.weight)
-    out = jk.linear_logprobs(hidden.astype(dtype), head.weight.astype(dtype), targets,
-                             weight_layout=head.layout, temperature=tunix_temperature(temperature),
+    rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
+                            eos_id=eos_id, segment_ids=segment_ids,
+                            segment_positions=segment_positions, pin_params=pin_params)
+    out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets, weight_layout=rows.layout,
+                             temperature=tunix_temperature(temperature),
                              return_entropy=return_entropy, backend=backend, memory=memory)
-    logp, entropy = out if return_entropy else (out, None)
-    if packed:
-        vocab = head.weight.shape[0 if head.layout == "vd" else 1]
-        logp = jnp.pad(logp, ((0, 0), (1, 0)))
-        if entropy is not None:
-            entropy = jnp.pad(entropy, ((0, 0), (1, 0)),
-                              constant_values=jnp.log(jnp.float32(vocab)))
-    return logp, entropy
+    return rows.pad(*(out if return_entropy else (out, None)))
 
 
 @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",

@@ -30,7 +30,7 @@ pad_id, eos_id, **kwargs)``: tunix's PPOLearner hands the registered function it
 trainer, whose ``nnx.value_and_grad`` binds every argument by position, so a keyword-only
 parameter would fail there ("keyword arguments could not be resolved to positions"). The
 keywords they read are ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
-automatic) and ``memory`` (``linear_logprobs``' memory mode; absent: ``"lean"``), for direct
+automatic) and ``memory`` (absent: ``"lean"``; ``"fast"`` takes the loss's gradient in the forward), for direct
 calls or a trainer's loss wrapper; tunix passes none, and others are ignored as tunix's losses
 ignore them.
 
@@ -40,12 +40,16 @@ Every parameter's gradient keeps the sharding the parameter declares
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import jaxrl_kernels as jk
+from jaxrl_kernels import dispatch, fused_loss
 from jaxrl_kernels.integrations.tunix import token_math as tm
-from jaxrl_kernels.integrations.tunix.logprobs import policy_logprobs
+from jaxrl_kernels.integrations.tunix.logprobs import policy_head_rows, tunix_temperature
+from jaxrl_kernels.logprobs import choose_memory
 
 LOSS_ALGOS = ("grpo", "gspo-token")
 LOG_RATIO_CLIP = 20.0
@@ -54,13 +58,32 @@ GSPO_LOG_RATIO_MAX = 10.0
 _sg = jax.lax.stop_gradient
 
 
-def _example_logprobs(model, example, pad_id, eos_id, temperature, return_entropy, kwargs):
-    return policy_logprobs(
-        model, example.prompt_ids, example.completion_ids, pad_id=pad_id, eos_id=eos_id,
-        segment_ids=getattr(example, "segment_ids", None),
-        segment_positions=getattr(example, "segment_positions", None),
-        temperature=temperature, return_entropy=return_entropy, backend=kwargs.get("backend"),
-        memory=kwargs.get("memory", "lean"), pin_params=True)
+def _example_loss(model, example, pad_id, eos_id, temperature, return_entropy, kwargs,
+                  loss_of_logprobs, inputs, op):
+    """``loss_of_logprobs(logp, entropy | None, inputs) -> (loss, aux)`` on the policy's
+    per-token log-probs (tunix's layout, :func:`policy_head_rows`' ``pad``). With
+    ``kwargs["memory"]`` resolving to ``"fast"`` the loss's gradient is taken in the forward
+    (:mod:`jaxrl_kernels.fused_loss`: 3 GEMMs, one [B, T, V] buffer); else the log-probs come
+    from ``linear_logprobs`` (lean: nothing [B, T, V] kept)."""
+    rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
+                            eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
+                            segment_positions=getattr(example, "segment_positions", None),
+                            pin_params=True)
+    memory, backend = kwargs.get("memory", "lean"), kwargs.get("backend")
+    note = choose_memory(op, memory, rows.hidden, rows.weight, rows.targets, rows.layout, None,
+                         backend, loss=True)
+    options = dict(weight_layout=rows.layout, temperature=tunix_temperature(temperature))
+    if note.mode == "fast":
+        dispatch.record(op, note)
+        return fused_loss.fused_linear_loss(
+            lambda logp, entropy, inputs: loss_of_logprobs(*rows.pad(logp, entropy), inputs),
+            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32),
+            jnp.ones(rows.targets.shape, jnp.bool_), inputs, with_entropy=return_entropy,
+            record=dispatch.plan_recorder(op), **options)
+    out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets,
+                             return_entropy=return_entropy, backend=backend, **options)
+    logp, entropy = rows.pad(*(out if return_entropy else (out, None)))
+    return loss_of_logprobs(logp, entropy, inputs)
 
 
 def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
@@ -106,7 +129,8 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``linear_logprobs``' memory mode, default ``"lean"``); others are ignored.
+    (``"lean"``, the default, or ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`); others are ignored.
     """
     mode = algo_config.loss_agg_mode
     tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
@@ -116,18 +140,26 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     beta = algo_config.beta
     mask = train_example.completion_mask
 
-    logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id,
-                                      algo_config.temperature, True, kwargs)
-    adv = train_example.advantages.astype(jnp.float32)
+    inputs = dict(mask=mask, adv=train_example.advantages.astype(jnp.float32),
+                  old=train_example.old_per_token_logps, ref=train_example.ref_per_token_logps,
+                  weights=getattr(train_example, "sampler_is_weights", None))
+    return _example_loss(model, train_example, pad_id, eos_id, algo_config.temperature, True,
+                         kwargs, functools.partial(_grpo_loss, algo_config, epsilon,
+                                                   epsilon_high, beta, mode),
+                         inputs, "linear_grpo_loss")
+
+
+def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, inputs):
+    """tunix's GRPO / GSPO-token loss and metrics on the per-token log-probs."""
+    mask, adv, old = inputs["mask"], inputs["adv"], inputs["old"]
     adv = adv if adv.ndim == 2 else adv[:, None]
-    old = train_example.old_per_token_logps
     old = _sg(logp) if old is None else old.astype(jnp.float32)
 
     log_ratio, ppo_kl = _grpo_log_ratio(logp, old, mask, algo_config.loss_algo)
     ratio = jnp.exp(log_ratio)
     pg, unclipped, clipped, dual = _surrogate(ratio, adv, epsilon, epsilon_high,
                                               getattr(algo_config, "epsilon_c", None))
-    weights = getattr(train_example, "sampler_is_weights", None)
+    weights = inputs["weights"]
     if weights is not None:
         weights = weights.astype(jnp.float32)
         pg = pg * weights
@@ -146,7 +178,7 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
         "sampler_is/weight_min": (jnp.float32(1.0) if weights is None
                                   else tm.masked_min(weights, mask)),
     }
-    ref = train_example.ref_per_token_logps
+    ref = inputs["ref"]
     if ref is not None:
         kl = tm.kl_divergence(logp, ref, algo_config.kl_loss_mode, algo_config.kl_clamp_value)
         aux["kl"] = jk.aggregate(kl, mask, "token_mean")
@@ -161,7 +193,8 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``linear_logprobs``' memory mode, default ``"lean"``); others are ignored.
+    (``"lean"``, the default, or ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`); others are ignored.
     """
     old = train_example.old_per_token_logps
     if old is None:
@@ -171,9 +204,16 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     with_entropy = entropy_coef is not None and entropy_coef != 0.0
     mask = train_example.completion_mask
 
-    logp, entropy = _example_logprobs(model, train_example, pad_id, eos_id, 1.0, with_entropy,
-                                      kwargs)
-    adv = train_example.advantages
+    inputs = dict(mask=mask, adv=train_example.advantages, old=old,
+                  ref=train_example.ref_per_token_logps)
+    return _example_loss(model, train_example, pad_id, eos_id, 1.0, with_entropy, kwargs,
+                         functools.partial(_ppo_loss, algo_config, entropy_coef, with_entropy),
+                         inputs, "linear_ppo_loss")
+
+
+def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
+    """tunix's PPO policy loss and metrics on the per-token log-probs."""
+    mask, adv, old = inputs["mask"], inputs["adv"], inputs["old"]
     ratio = jnp.exp(logp - old)
     pg, unclipped, clipped, dual = _surrogate(ratio, adv, algo_config.epsilon_low,
                                               algo_config.epsilon_high,
@@ -187,8 +227,8 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
         aux["loss/entropy"] = tm.masked_mean(entropy, mask)
         loss = loss - entropy_coef * aux["loss/entropy"]
     kl_coef = getattr(algo_config, "kl_coef", 0.0)
-    if kl_coef > 0.0 and train_example.ref_per_token_logps is not None:
-        kl = tm.kl_divergence(logp, train_example.ref_per_token_logps, "kl",
+    if kl_coef > 0.0 and inputs["ref"] is not None:
+        kl = tm.kl_divergence(logp, inputs["ref"], "kl",
                               getattr(algo_config, "kl_clamp_value", None))
         aux["kl"] = tm.masked_mean(kl, mask)
         loss = loss + kl_coef * aux["kl"]
