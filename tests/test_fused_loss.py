@@ -13,6 +13,7 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
+from jaxrl_kernels import fused_loss
 from conftest import as_jnp, assert_close, assert_zero, cotangent, random_mask
 from test_fast_mode import fast_formula
 from test_linear_losses import (GRPO_OPTIONS, PPO_OPTIONS, _grads_check, _head_case,
@@ -195,7 +196,7 @@ def test_explain_says_the_gradient_is_taken_in_the_forward(rng):
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
     """bfloat16, the shape of a small model: XLA's temp memory holds one [N, V] bf16 buffer
-    (the logits, then their gradient), less than linear_logprobs' fast mode (the logits and
+    (the logits, then their gradient) and a row block, less than linear_logprobs' fast mode (the logits and
     their gradient at once); gradients within the fast mode's rule. The old log-probs are the
     policy's own, so every ratio stays inside the clip range (no flips from rounding)."""
     rng = np.random.default_rng(11)
@@ -218,7 +219,8 @@ def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
     fused = temp(lambda h, w: loss(h, w, "fast"))
     saved = temp(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, actions, weight_layout=layout,
                                                          memory="fast")))
-    assert kept <= fused <= 1.25 * kept, (fused, kept)
+    # one [N, V] buffer, plus at most one row block's float32 work
+    assert kept <= fused <= kept + fused_loss.ROW_BLOCK_BYTES, (fused, kept)
     assert fused < saved, (fused, saved)
     grads = jax.jit(jax.grad(lambda h, w: loss(h, w, "fast"), argnums=(0, 1)))(h, w)
     outs, w_vjp, _ = oracle.linear_grpo_loss(h64, w64, acts, old64, r64, m64, group_size=4,
