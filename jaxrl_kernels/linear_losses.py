@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import rl_math
+from jaxrl_kernels import aggregation_math, ppo_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.logprobs import AxisName, global_vocab, linear_logprobs_rows
 from jaxrl_kernels.losses import (grpo_advantages, grpo_config, grpo_from_logprobs,
@@ -107,7 +107,7 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
     logp, entropy = _linear_logprobs("linear_ppo_loss", hidden, weight, bias, actions, mask,
                                      weight_layout, temperature, with_entropy, backend,
                                      vocab_axis, memory)
-    inputs = rl_math.PPOInputs(
+    inputs = ppo_math.PPOInputs(
         logp=logp, old_logp=old_logp, advantages=check.token_advantages(advantages, shape), mask=mask,
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)), entropy=entropy)
@@ -233,4 +233,4 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
     logp, _ = _linear_logprobs("linear_policy_gradient_loss", hidden, weight, bias, actions,
                                mask, weight_layout, temperature, False, backend, vocab_axis,
                                memory)
-    return rl_math.aggregate(-advantages * logp, mask, mode, max_len)
+    return aggregation_math.aggregate(-advantages * logp, mask, mode, max_len)

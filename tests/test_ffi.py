@@ -26,6 +26,7 @@ import oracle
 from conftest import assert_close, assert_f32, cotangent
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
+from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels import head_grad
 from jaxrl_kernels.backends import ffi
 
@@ -199,7 +200,7 @@ def _problem(**kw):
     base = dict(n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16",
                 weight_layout="vd", platform="gpu")
     base.update(kw)
-    return dispatch.Problem(**base)
+    return Problem(**base)
 
 
 @pytest.mark.parametrize("kw,expect", [

@@ -13,7 +13,7 @@ import pytest
 
 import oracle
 from conftest import assert_close, assert_zero, cotangent, dtype_id, rand
-from jaxrl_kernels import dispatch
+from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels.backends.pallas import logits as pl_logits
 
 IGNORE = -100
@@ -170,9 +170,9 @@ def test_plan_heuristic():
 
 
 def test_declines_float64():
-    problem = dispatch.Problem(n_rows=4, vocab=8, dtype="float64")
+    problem = Problem(n_rows=4, vocab=8, dtype="float64")
     assert "float64" in pl_logits.declines("token_logprobs", problem)
-    bf16 = dispatch.Problem(dtype="bfloat16")
+    bf16 = Problem(dtype="bfloat16")
     assert pl_logits.declines("token_logprobs", bf16) is None
 
 

@@ -188,10 +188,10 @@ def test_ppo_variant_all_masked(backend, rng, variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_one_pass_forward_math(rng, variant, mode, adv_rank):
     """The pallas forward's math in plain jnp, every combination: per-sequence sums of
-    ``rl_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
+    ``ppo_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
     the oracle (this is what the kernel computes tile by tile; pallas itself runs a subset
     in interpret mode). Dual clip on for ppo so its bound is reached by sequence ratios."""
-    from jaxrl_kernels import rl_math
+    from jaxrl_kernels import aggregation_math, ppo_math
 
     arrays, mask = make_batch(rng, 6, 9, adv_rank=adv_rank, empty_rows=(2,), shift=1.2)
     kw = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
@@ -200,14 +200,14 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
         kw["dual_clip"] = 2.0
     get = lambda k: arrays[k][0]
     adv = get("advantages")
-    x = rl_math.PPOInputs(get("logp"), get("old_logp"),
-                          jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
-                          jnp.asarray(mask), get("rollout_logp"), get("ref_logp"),
-                          get("entropy"))
-    cfg = rl_math.PPOConfig(**kw)
-    sums = rl_math.masked_row_sums(rl_math.forward_summands(x, cfg), x.mask)
-    loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
-                                             mask.shape[1])
+    x = ppo_math.PPOInputs(get("logp"), get("old_logp"),
+                           jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
+                           jnp.asarray(mask), get("rollout_logp"), get("ref_logp"),
+                           get("entropy"))
+    cfg = ppo_math.PPOConfig(**kw)
+    sums = aggregation_math.masked_row_sums(ppo_math.forward_summands(x, cfg), x.mask)
+    loss, metrics = ppo_math.loss_and_metrics(ppo_math.sums_to_token_terms(sums, cfg), cfg,
+                                              mask.shape[1])
     w_loss, w_metrics, _, _, per_token = oracle.ppo_loss(
         *(arrays[k][1] for k in ("logp", "old_logp", "advantages")), mask,
         **{k: arrays[k][1] for k in ("rollout_logp", "ref_logp", "entropy")}, **kw)
@@ -222,12 +222,13 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregation_weights_are_the_aggregate_derivative(rng, mode):
     """The backward's per-sequence coefficients: aggregate(x) = sum_b w_b sum_t m x."""
-    from jaxrl_kernels import rl_math
+    from jaxrl_kernels import aggregation_math
 
     mask = random_mask(rng, 5, 7, empty_rows=(0, 3))
     counts = jnp.asarray(mask.sum(1), jnp.float32)
-    got = rl_math.aggregation_weights(counts, mode, 7, 9 if mode.endswith("norm") else None)
-    want = oracle.aggregate_weights(mask, mode, 9 if mode.endswith("norm") else None)
+    max_len = 9 if mode.endswith("norm") else None
+    got = aggregation_math.aggregation_weights(counts, mode, 7, max_len)
+    want = oracle.aggregate_weights(mask, mode, max_len)
     assert_close(got[:, None] * mask, want)
 
 
