@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, head, rl_math, sharding
+from jaxrl_kernels import aggregation_math, dispatch, head, sharding
+from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.divergence_math import DIVERGENCES
 from jaxrl_kernels.logprob_core import Whole
@@ -193,9 +194,9 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     if vocab_axis is not None:
         global_vocab(local_vocab, vocab_axis)  # checks the axis
 
-    problem = dispatch.Problem(
+    problem = Problem(
         n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
-        dtype=dispatch.dtype_name(hidden), weight_dtype=dispatch.dtype_name(weight),
+        dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
         weight_layout=weight_layout, has_bias=bias is not None)
     choice = dispatch.resolve("linear_distill_loss", problem, backend)
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
@@ -208,7 +209,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
                          valid, opts=opts, vocab_axis=vocab_axis,
                          record=dispatch.plan_recorder("linear_distill_loss"))
     per_token = jnp.where(valid, d, 0.0)
-    return rl_math.aggregate(per_token, mask, mode, max_len), per_token
+    return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
 
 
 # -- linear_topk_logprobs -----------------------------------------------------------------------
@@ -311,8 +312,8 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
     n_row_dims = hidden.ndim - 1
     flat_hidden = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]),
                                        hidden.dtype)
-    problem = dispatch.linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
-                                      return_entropy=False)
+    problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
+                             return_entropy=False)
     choice = dispatch.resolve("linear_topk_logprobs", problem, backend)
     values, ids, lse = _topk_rows(choice.impl, hidden, weight, bias, k=int(k),
                                   n_row_dims=n_row_dims, weight_layout=weight_layout,

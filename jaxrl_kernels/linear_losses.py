@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, fused_loss, rl_math
+from jaxrl_kernels import aggregation_math, dispatch, fused_loss, ppo_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.logprobs import AxisName, choose_memory, global_vocab, linear_logprobs_rows
 from jaxrl_kernels.losses import (grpo_advantages, grpo_config, grpo_from_logprobs,
@@ -124,7 +124,7 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)))
 
     def loss_fn(logp, entropy, inputs):
-        return run_ppo("linear_ppo_loss", rl_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
+        return run_ppo("linear_ppo_loss", ppo_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
                        cfg, backend, strict=False)
 
     return _linear_loss("linear_ppo_loss", loss_fn, inputs, hidden, weight, bias, actions, mask,
@@ -258,7 +258,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("actions", actions, vocab, mask=mask)
     def loss_fn(logp, entropy, inputs):
-        return rl_math.aggregate(-inputs["advantages"] * logp, inputs["mask"], mode, max_len)
+        return aggregation_math.aggregate(-inputs["advantages"] * logp, inputs["mask"], mode, max_len)
 
     return _linear_loss("linear_policy_gradient_loss", loss_fn,
                         dict(advantages=advantages, mask=mask), hidden, weight, bias, actions,

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, logprob_core, rl_math
+from jaxrl_kernels import dispatch, kl_math, logprob_core
+from jaxrl_kernels.backend_contract import Problem, dtype_name
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.logprobs import AxisName, global_vocab
 from jaxrl_kernels.losses import grpo_advantages, grpo_config, grpo_from_logprobs, policy_variants
@@ -41,8 +42,8 @@ def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axi
 def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, backend,
                      vocab_axis):
     batch, steps, vocab = policy_logits.shape
-    problem = dispatch.Problem(n_rows=batch * steps, vocab=vocab,
-                               dtype=dispatch.dtype_name(policy_logits))
+    problem = Problem(n_rows=batch * steps, vocab=vocab,
+                      dtype=dtype_name(policy_logits))
     choice = dispatch.resolve(op, problem, backend)
     logp, ref_logp = logprob_core.paired_from_parts(
         choice.impl, policy_logits, ref_logits, actions.astype(jnp.int32), mask != 0,
@@ -85,13 +86,13 @@ def ratio_kl(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
         policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
-    check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
+    check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
     check.positive("temperature", temperature)
     logp, ref_logp = _paired_logprobs("ratio_kl", policy_logits, ref_logits, actions, mask,
                                       temperature, backend, vocab_axis)
     valid = mask != 0
     ratio = jnp.where(valid, jnp.exp(logp - old_logp), 1.0)
-    kl = jnp.where(valid, rl_math.kl_penalty(logp, ref_logp, kl_estimator), 0.0)
+    kl = jnp.where(valid, kl_math.kl_penalty(logp, ref_logp, kl_estimator), 0.0)
     return ratio, kl
 
 

@@ -85,7 +85,7 @@ def _backward_rows(plan, vocab_operand, local_vocab, targets, lse, entropy, acti
 
 def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
                    vocab_axis=None, record=None):
-    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``dispatch``'s primitive table)."""
+    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table)."""
     if isinstance(parts, Whole):
         return _whole(parts, (logits,), ("r" * targets.ndim + "v",), targets, row_valid,
                       2 if return_entropy else 1, vocab_axis, record, temperature=temperature,
@@ -205,8 +205,8 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits.
 
     ``backward``: where ``parts.backward`` is None (``ffi``), the standalone backward as a
-    thunk ``() -> backward function`` (``dispatch.Choice.backward``), called when the backward
-    pass is traced.
+    thunk ``() -> backward function`` (``backend_contract.Choice.backward``), called when the
+    backward pass is traced.
     """
     if isinstance(parts, Whole):
         return _whole(parts, (hidden, weight, bias), head_roles(targets.ndim, weight_layout),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch, head, logprob_core, saved_logits, sharding
+from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
 from jaxrl_kernels import memory as memory_mode
 from jaxrl_kernels import validation as check
 
@@ -68,8 +69,8 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
 
-    problem = dispatch.Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
-                               dtype=dispatch.dtype_name(logits), return_entropy=return_entropy)
+    problem = Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
+                      dtype=dtype_name(logits), return_entropy=return_entropy)
     choice = dispatch.resolve("token_logprobs", problem, backend)
     logp, entropy = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
@@ -115,8 +116,8 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight
             return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
             record=dispatch.plan_recorder(op))
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
-    problem = dispatch.linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
-                                      return_entropy=return_entropy)
+    problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
+                             return_entropy=return_entropy)
     choice = dispatch.resolve(op, problem, backend)
     dispatch.record(op, memory_note)
     return logprob_core.linear_from_parts(

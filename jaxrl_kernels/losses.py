@@ -1,10 +1,11 @@
 """The RL losses on per-token log-probs: KL penalty, aggregation, group advantages, policy
 gradient and PPO, and the configuration every PPO/GRPO variant shares.
 
-The math lives in :mod:`jaxrl_kernels.rl_math`; this module validates arguments (once, here,
-with :mod:`jaxrl_kernels.validation`), shapes them and routes the heavy parts through
-``dispatch``. The same losses from logits are in :mod:`logits_losses`, from a linear head's
-hidden states in :mod:`linear_losses`.
+The math lives in :mod:`kl_math`, :mod:`aggregation_math`, :mod:`surrogate_math` and
+:mod:`ppo_math`; this module validates arguments (once, here, with
+:mod:`jaxrl_kernels.validation`), shapes them and routes the heavy parts through ``dispatch``.
+The same losses from logits are in :mod:`logits_losses`, from a linear head's hidden states in
+:mod:`linear_losses`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, rl_math, sharding
+from jaxrl_kernels import aggregation_math, dispatch, kl_math, ppo_math, sharding, surrogate_math
+from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels import validation as check
 
 _sg = jax.lax.stop_gradient
@@ -45,9 +47,9 @@ def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3") -> j
     logp = check.floating("logp", logp)
     ref_logp = check.floating("ref_logp", ref_logp)
     check.shape("ref_logp", ref_logp, logp.shape, "logp.shape")
-    check.option("estimator", estimator, rl_math.KL_ESTIMATORS)
+    check.option("estimator", estimator, kl_math.KL_ESTIMATORS)
     logp, ref_logp = sharding.pin_grad_shardings(logp, ref_logp)
-    return rl_math.kl_penalty(logp, ref_logp, estimator)
+    return kl_math.kl_penalty(logp, ref_logp, estimator)
 
 
 def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
@@ -74,7 +76,7 @@ def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
     """
     (values,) = sharding.pin_grad_shardings(check.per_token("values", values))
     mask = check.token_mask(mask, values.shape)
-    return rl_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
+    return aggregation_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
 
 
 def _segments(batch, group_size, group_boundaries):
@@ -139,7 +141,7 @@ def _group_advantages(rewards, group_size, group_boundaries, normalize_std, std_
     check.non_negative_int("std_ddof", std_ddof)
     ids, groups, ok = _segments(rewards.shape[0], group_size, group_boundaries)
     (rewards,) = sharding.pin_grad_shardings(rewards)
-    choice = dispatch.resolve("group_advantages", dispatch.Problem(n_rows=rewards.shape[0]),
+    choice = dispatch.resolve("group_advantages", Problem(n_rows=rewards.shape[0]),
                               backend, strict=strict)
     # Groups may straddle any split of B: every device computes all of them from the [B] rewards.
     rewards = sharding.replicated(rewards.astype(jnp.float32))
@@ -171,8 +173,8 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
     per_token = -check.token_advantages(advantages, shape) * logp.astype(jnp.float32)
-    return rl_math.aggregate(per_token, check.token_mask(mask, shape), check.agg_mode(loss_agg_mode),
-                             check.max_len(max_len))
+    return aggregation_math.aggregate(per_token, check.token_mask(mask, shape),
+                                      check.agg_mode(loss_agg_mode), check.max_len(max_len))
 
 
 # -- PPO -----------------------------------------------------------------------------------
@@ -184,10 +186,10 @@ def policy_variants(ratio_level, policy_loss, tis_level, tis_mode):
 
 def _policy_options(ratio_level, policy_loss, tis_level, tis_mode, dual_clip):
     """The policy-loss variant options (docs/api.md "Policy-loss variants")."""
-    check.option("ratio_level", ratio_level, rl_math.RATIO_LEVELS)
-    check.option("policy_loss", policy_loss, rl_math.POLICY_LOSSES)
-    check.option("tis_level", tis_level, rl_math.TIS_LEVELS)
-    check.option("tis_mode", tis_mode, rl_math.TIS_MODES)
+    check.option("ratio_level", ratio_level, ppo_math.RATIO_LEVELS)
+    check.option("policy_loss", policy_loss, surrogate_math.POLICY_LOSSES)
+    check.option("tis_level", tis_level, ppo_math.TIS_LEVELS)
+    check.option("tis_mode", tis_mode, surrogate_math.TIS_MODES)
     if policy_loss == "cispo" and dual_clip is not None:
         raise ValueError(f"dual_clip: expected None with policy_loss='cispo' (CISPO has no dual "
                          f"clip), got {dual_clip!r}")
@@ -208,21 +210,21 @@ def ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, 
                 kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len, variants):
     check.clip_options(clip_low, clip_high, dual_clip)
     _tis_options(rollout_logp, tis_cap)
-    check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
+    check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
     if ref_logp is None and kl_coef != 0:
         raise ValueError(f"ref_logp: required when kl_coef != 0 (kl_coef={kl_coef!r})")
     if not has_entropy and entropy_coef != 0:
         raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={entropy_coef!r})")
-    return rl_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                             tis_cap=tis_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                             entropy_coef=entropy_coef,
-                             loss_agg_mode=check.agg_mode(loss_agg_mode),
-                             max_len=check.max_len(max_len),
-                             **_policy_options(dual_clip=dual_clip, **variants))
+    return ppo_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                              tis_cap=tis_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                              entropy_coef=entropy_coef,
+                              loss_agg_mode=check.agg_mode(loss_agg_mode),
+                              max_len=check.max_len(max_len),
+                              **_policy_options(dual_clip=dual_clip, **variants))
 
 
 def run_ppo(op, inputs, cfg, backend, strict):
-    choice = dispatch.resolve(op, dispatch.Problem(n_rows=inputs.logp.size), backend,
+    choice = dispatch.resolve(op, Problem(n_rows=inputs.logp.size), backend,
                               primitive="ppo_loss", strict=strict)
     return choice.impl(inputs, cfg)
 
@@ -279,7 +281,7 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
     cfg = ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
                       kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len,
                       policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
-    inputs = rl_math.PPOInputs(
+    inputs = ppo_math.PPOInputs(
         logp=logp.astype(jnp.float32),
         old_logp=_sg(check.per_token("old_logp", old_logp, shape).astype(jnp.float32)),
         advantages=check.token_advantages(advantages, shape),
@@ -305,20 +307,20 @@ def grpo_advantages(rewards, advantages, batch, group_size, group_boundaries, no
 
 def grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, rollout_logp, cfg):
     """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
-    the per-token policy term of ppo_loss (``rl_math.policy_surrogate``) and β = cfg.kl_coef."""
-    inputs = rl_math.PPOInputs(
+    the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef."""
+    inputs = ppo_math.PPOInputs(
         logp=logp, old_logp=old_logp,
         advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
         rollout_logp=rollout_logp, ref_logp=ref_logp)
-    return rl_math.grpo_loss(inputs, cfg)
+    return ppo_math.grpo_loss(inputs, cfg)
 
 
 def grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
                  rollout_logp, tis_cap, variants):
     check.clip_options(clip_low, clip_high, dual_clip)
-    check.option("kl_estimator", kl_estimator, rl_math.KL_ESTIMATORS)
+    check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
     _tis_options(rollout_logp, tis_cap)
-    return rl_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                             tis_cap=tis_cap, kl_coef=beta, kl_estimator=kl_estimator,
-                             loss_agg_mode=check.agg_mode(loss_agg_mode),
-                             **_policy_options(dual_clip=dual_clip, **variants))
+    return ppo_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                              tis_cap=tis_cap, kl_coef=beta, kl_estimator=kl_estimator,
+                              loss_agg_mode=check.agg_mode(loss_agg_mode),
+                              **_policy_options(dual_clip=dual_clip, **variants))

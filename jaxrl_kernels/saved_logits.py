@@ -11,7 +11,7 @@ With ``z̃ = (z + b) / T`` in float32 per row::
     lse = log Σ_v exp z̃_v              (from the kept, rounded z)
     logp = z̃_t − lse                    (z̃_t recomputed exactly: hidden · W[t], N·D work)
     entropy = lse − Σ_v softmax(z̃)_v · z̃_v
-    dz = g · (onehot_t − p) − g_H · p · (log p + H),  p = exp(z̃ − lse)   (rl_math)
+    dz = g · (onehot_t − p) − g_H · p · (log p + H),  p = exp(z̃ − lse)   (softmax_math)
     d_hidden = dz·W / T,  d_weight = dzᵀ·h / T,  d_bias = Σ_rows dz / T
 
 so only ``lse`` (and ``p`` in the backward) see the rounding of ``z`` to 16 bits, as in the

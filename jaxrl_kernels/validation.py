@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import head, rl_math
+from jaxrl_kernels import aggregation_math, head
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_RANK = 32
@@ -227,9 +227,10 @@ def max_len(value: Any) -> int | None:
 
 def agg_mode(mode: Any) -> str:
     """``loss_agg_mode`` checked, and canonical (an alias replaced by its mode): the one place
-    the aggregation mode is checked; ``rl_math`` takes canonical modes."""
-    option("loss_agg_mode", mode, rl_math.AGGREGATION_MODES + tuple(rl_math.AGGREGATION_ALIASES))
-    return rl_math.AGGREGATION_ALIASES.get(mode, mode)
+    the aggregation mode is checked; ``aggregation_math`` takes canonical modes."""
+    aliases = aggregation_math.AGGREGATION_ALIASES
+    option("loss_agg_mode", mode, aggregation_math.AGGREGATION_MODES + tuple(aliases))
+    return aliases.get(mode, mode)
 
 
 def linear_head(hidden: Any, weight: Any, bias: Any, weight_layout: Any):

@@ -19,7 +19,7 @@ import jaxrl_kernels as jk
 import conftest
 import oracle
 from conftest import assert_close, assert_zero, dtype_id, rand
-from jaxrl_kernels import dispatch
+from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels.backends import chunked
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 
@@ -228,8 +228,8 @@ def test_backward_matches_chunked_backend(rng):
 
 
 def test_declines_float64():
-    problem = dispatch.Problem(n_rows=4, vocab=8, hidden_dim=4,
-                               dtype="float64", platform="gpu")
+    problem = Problem(n_rows=4, vocab=8, hidden_dim=4,
+                      dtype="float64", platform="gpu")
     assert "float64" in pallas_linear.declines("linear_logprobs", problem)
     assert pallas_linear.declines("linear_logprobs",
                                   dataclasses.replace(problem, dtype="bfloat16")) is None

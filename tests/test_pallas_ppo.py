@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import oracle
-from conftest import assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels import rl_math
+from conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
+from jaxrl_kernels import aggregation_math, ppo_math
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 
 # block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
@@ -21,7 +21,7 @@ from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 # splits); "row_tiles" has one row per tile and one T tile covering T.
 PLANS = {"multi_tile": pl_ppo.PPOLaunch(2, 4, 2, 1), "t_splits": pl_ppo.PPOLaunch(2, 4, 1, 1),
          "row_tiles": pl_ppo.PPOLaunch(1, 16, 1, 1)}
-MODES = rl_math.AGGREGATION_MODES
+MODES = aggregation_math.AGGREGATION_MODES
 
 
 def _batch(rng, b, t, *, empty_rows=(1,)):
@@ -40,12 +40,12 @@ def _batch(rng, b, t, *, empty_rows=(1,)):
 
 def _inputs(arrays, mask, use):
     get = lambda k: jnp.asarray(arrays[k], jnp.float32) if k in use else None
-    return rl_math.PPOInputs(get("logp"), get("old_logp"), get("advantages"),
-                             jnp.asarray(mask, jnp.float32), get("rollout_logp"), get("ref_logp"),
-                             get("entropy"))
+    return ppo_math.PPOInputs(get("logp"), get("old_logp"), get("advantages"),
+                              jnp.asarray(mask, jnp.float32), get("rollout_logp"), get("ref_logp"),
+                              get("entropy"))
 
 
-def _check(rng, arrays, mask, cfg: rl_math.PPOConfig, use, plan):
+def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
     x = _inputs(arrays, mask, use)
     f = lambda lp, ent: pl_ppo.ppo_loss(x._replace(logp=lp, entropy=ent), cfg, plan=plan)
     (loss, metrics), vjp = jax.vjp(f, x.logp, x.entropy)
@@ -59,10 +59,7 @@ def _check(rng, arrays, mask, cfg: rl_math.PPOConfig, use, plan):
     scale = oracle.aggregate(np.abs(per_token), mask, cfg.loss_agg_mode, cfg.max_len)
     assert_close(loss, want_loss, scale=scale, name="loss")
     assert set(metrics) == set(want_m)
-    kl_cond = lambda d: np.exp(np.abs(np.clip(d, -20, 20))) + np.abs(d) + 1
-    scales = {"approx_kl": oracle.masked_mean(kl_cond(arrays["old_logp"] - arrays["logp"]), mask)}
-    if "ref_logp" in use:
-        scales["kl"] = oracle.masked_mean(kl_cond(arrays["ref_logp"] - arrays["logp"]), mask)
+    scales = oracle.kl_metric_scales(arrays["logp"], arrays["old_logp"], mask, orc.get("ref_logp"))
     for k, w in want_m.items():
         assert_close(metrics[k], w, scale=scales.get(k), name=f"metrics[{k}]")
     g = float(cotangent(rng, ()))
@@ -81,9 +78,9 @@ BASE = ("logp", "old_logp", "advantages")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_option_every_mode(rng, mode, plan):
     arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
-    cfg = rl_math.PPOConfig(clip_low=0.15, clip_high=0.25, dual_clip=2.5, tis_cap=2.0,
-                            kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02,
-                            loss_agg_mode=mode, max_len=13 if mode.endswith("norm") else None)
+    cfg = ppo_math.PPOConfig(clip_low=0.15, clip_high=0.25, dual_clip=2.5, tis_cap=2.0,
+                             kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02,
+                             loss_agg_mode=mode, max_len=13 if mode.endswith("norm") else None)
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
 
 
@@ -99,11 +96,11 @@ def test_policy_variants_every_plan(rng, variant, plan):
     that end past T, and over fully masked sequences."""
     arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
     ratio_level, policy_loss, tis_level, tis_mode = variant
-    cfg = rl_math.PPOConfig(clip_low=0.15, clip_high=0.25, tis_cap=1.5, kl_coef=0.1,
-                            entropy_coef=0.02, loss_agg_mode="seq_mean_token_mean",
-                            ratio_level=ratio_level, policy_loss=policy_loss,
-                            tis_level=tis_level, tis_mode=tis_mode,
-                            dual_clip=2.5 if policy_loss == "ppo" else None)
+    cfg = ppo_math.PPOConfig(clip_low=0.15, clip_high=0.25, tis_cap=1.5, kl_coef=0.1,
+                             entropy_coef=0.02, loss_agg_mode="seq_mean_token_mean",
+                             ratio_level=ratio_level, policy_loss=policy_loss,
+                             tis_level=tis_level, tis_mode=tis_mode,
+                             dual_clip=2.5 if policy_loss == "ppo" else None)
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
 
 
@@ -114,9 +111,9 @@ def test_forward_sums_hold_the_sequence_sums(rng):
     x = _inputs(arrays, mask, ALL)
     tokens = {k: v for k, v in x._asdict().items() if v is not None}
     plan = PLANS["t_splits"]
-    token_level = pl_ppo.forward_sums(tokens, rl_math.PPOConfig(tis_cap=2.0), plan)
+    token_level = pl_ppo.forward_sums(tokens, ppo_math.PPOConfig(tis_cap=2.0), plan)
     assert "log_ratio" not in token_level and "tis_log_weight" not in token_level
-    cfg = rl_math.PPOConfig(tis_cap=2.0, ratio_level="sequence", tis_level="sequence")
+    cfg = ppo_math.PPOConfig(tis_cap=2.0, ratio_level="sequence", tis_level="sequence")
     sums = pl_ppo.forward_sums(tokens, cfg, plan)
     assert_close(sums["count"], mask.sum(1))
     d = arrays["logp"] - arrays["old_logp"]
@@ -128,22 +125,22 @@ def test_forward_sums_hold_the_sequence_sums(rng):
 @pytest.mark.parametrize("estimator", ["k1", "abs", "k2"])
 def test_kl_estimators(rng, estimator):
     arrays, mask = _batch(rng, 5, 9)
-    cfg = rl_math.PPOConfig(kl_coef=0.3, kl_estimator=estimator)
+    cfg = ppo_math.PPOConfig(kl_coef=0.3, kl_estimator=estimator)
     _check(rng, arrays, mask, cfg, BASE + ("ref_logp",), PLANS["multi_tile"])
 
 
 def test_defaults_and_default_plan(rng):
     """No optional input: only the four base metrics; the heuristic plan."""
     arrays, mask = _batch(rng, 6, 10)
-    _check(rng, arrays, mask, rl_math.PPOConfig(), BASE, None)
+    _check(rng, arrays, mask, ppo_math.PPOConfig(), BASE, None)
 
 
 def test_rollout_without_cap_is_ignored(rng):
-    """rollout_logp without tis_cap changes nothing (as in rl_math)."""
+    """rollout_logp without tis_cap changes nothing (as in ppo_math)."""
     arrays, mask = _batch(rng, 3, 5)
     x = _inputs(arrays, mask, BASE + ("rollout_logp",))
-    a = pl_ppo.ppo_loss(x, rl_math.PPOConfig(), plan=PLANS["multi_tile"])
-    b = pl_ppo.ppo_loss(x._replace(rollout_logp=None), rl_math.PPOConfig(),
+    a = pl_ppo.ppo_loss(x, ppo_math.PPOConfig(), plan=PLANS["multi_tile"])
+    b = pl_ppo.ppo_loss(x._replace(rollout_logp=None), ppo_math.PPOConfig(),
                         plan=PLANS["multi_tile"])
     assert float(a[0]) == float(b[0]) and set(a[1]) == set(b[1])
 
@@ -152,7 +149,7 @@ def test_rollout_without_cap_is_ignored(rng):
 def test_all_masked(rng, mode):
     arrays, _ = _batch(rng, 3, 6)
     mask = np.zeros((3, 6))
-    cfg = rl_math.PPOConfig(dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01, loss_agg_mode=mode)
+    cfg = ppo_math.PPOConfig(dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01, loss_agg_mode=mode)
     loss, d_lp = _check(rng, arrays, mask, cfg, BASE + ("ref_logp", "entropy"), PLANS["multi_tile"])
     assert float(loss) == 0.0
     assert_zero(d_lp, "d_logp with nothing valid")
@@ -164,7 +161,7 @@ def test_jit_vmap_and_determinism(rng):
     stacks = [_batch(rng, b, t) for _ in range(k)]
     xs = jax.tree.map(lambda *a: jnp.stack(a),
                       *[_inputs(a, m, BASE + ("entropy",)) for a, m in stacks])
-    cfg = rl_math.PPOConfig(entropy_coef=0.05, loss_agg_mode="seq_mean_token_mean")
+    cfg = ppo_math.PPOConfig(entropy_coef=0.05, loss_agg_mode="seq_mean_token_mean")
     plan = PLANS["multi_tile"]
 
     def run(x):
@@ -178,9 +175,7 @@ def test_jit_vmap_and_determinism(rng):
         np.testing.assert_allclose(float(loss[i]), float(l_i), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(d_lp[i]), np.asarray(dl_i), rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(np.asarray(d_ent[i]), np.asarray(de_i), rtol=1e-6, atol=1e-9)
-    again = step(xs)
-    for a, b in zip(jax.tree.leaves((loss, d_lp, d_ent)), jax.tree.leaves(again)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert_bitwise((loss, (d_lp, d_ent)), step(xs))
 
 
 def test_plan_heuristic():
@@ -237,19 +232,22 @@ def test_group_advantages_many_blocks(rng, monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU
 
+def _check_real_size(rng, arrays, mask, cfg):
+    """_check with every input and the heuristic plan, then the jitted loss and gradient
+    bitwise equal on a rerun."""
+    _check(rng, arrays, mask, cfg, ALL, None)
+    x = _inputs(arrays, mask, ALL)
+    step = jax.jit(jax.value_and_grad(lambda lp: pl_ppo.ppo_loss(x._replace(logp=lp), cfg)[0]))
+    assert_bitwise(step(x.logp), step(x.logp))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_ppo_real_size(rng, mode):
     arrays, mask = _batch(rng, 128, 512, empty_rows=(3, 77))
-    cfg = rl_math.PPOConfig(dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
-                            loss_agg_mode=mode)
-    _check(rng, arrays, mask, cfg, ALL, None)
-    x = _inputs(arrays, mask, ALL)
-    step = jax.jit(jax.value_and_grad(
-        lambda lp: pl_ppo.ppo_loss(x._replace(logp=lp), cfg)[0]))
-    first, again = step(x.logp), step(x.logp)
-    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    cfg = ppo_math.PPOConfig(dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
+                             loss_agg_mode=mode)
+    _check_real_size(rng, arrays, mask, cfg)
 
 
 @pytest.mark.gpu
@@ -262,17 +260,11 @@ def test_gpu_policy_variants_real_size(rng, variant, b, t):
     metrics, gradients, and bitwise-equal reruns."""
     arrays, mask = _batch(rng, b, t, empty_rows=(1,))
     ratio_level, policy_loss, tis_level, tis_mode = variant
-    cfg = rl_math.PPOConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05,
-                            entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean",
-                            ratio_level=ratio_level, policy_loss=policy_loss,
-                            tis_level=tis_level, tis_mode=tis_mode)
-    _check(rng, arrays, mask, cfg, ALL, None)
-    x = _inputs(arrays, mask, ALL)
-    step = jax.jit(jax.value_and_grad(
-        lambda lp: pl_ppo.ppo_loss(x._replace(logp=lp), cfg)[0]))
-    first, again = step(x.logp), step(x.logp)
-    for a, b_ in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
-        assert np.asarray(a).tobytes() == np.asarray(b_).tobytes()
+    cfg = ppo_math.PPOConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05,
+                             entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean",
+                             ratio_level=ratio_level, policy_loss=policy_loss,
+                             tis_level=tis_level, tis_mode=tis_mode)
+    _check_real_size(rng, arrays, mask, cfg)
 
 
 @pytest.mark.gpu

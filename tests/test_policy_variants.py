@@ -18,8 +18,9 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, dtype_id,
-                      pallas_slow, ppo_token_inputs, random_mask)
+import test_ppo_loss
+from conftest import (as_jnp, assert_bitwise, assert_close, assert_f32, assert_zero, cotangent,
+                      dtype_id, pallas_slow, ppo_token_inputs, random_mask)
 
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
@@ -27,7 +28,6 @@ TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
 VARIANTS = list(itertools.product(RATIO_LEVELS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES))
 MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-BASE_METRICS = {"clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"}
 
 
 def variant_kw(variant):
@@ -55,52 +55,12 @@ def make_batch(rng, b, t, dtype=jnp.float32, *, adv_rank=2, empty_rows=(1,), shi
     return ppo_token_inputs(rng, lp64, old64, dtype, adv_rank=adv_rank, empty_rows=empty_rows)
 
 
-def _kl_cond(d):
-    d = np.clip(d, -20, 20)
-    return np.exp(np.abs(d)) + np.abs(d) + 1
-
-
 def check_ppo(backend, rng, arrays, mask, dtype, options, *, use=("rollout_logp", "ref_logp",
                                                                   "entropy")):
-    """ppo_loss(**options, arrays named in ``use``) against oracle.ppo_loss: loss, the exact
-    set of metrics and each value, d logp and d entropy for a random cotangent."""
-    lp, lp64 = arrays["logp"]
-    old, old64 = arrays["old_logp"]
-    adv, adv64 = arrays["advantages"]
-    m = jnp.asarray(mask)
-    lib = {k: arrays[k][0] for k in use if k != "entropy"}
-    orc = {k: arrays[k][1] for k in use}
-    ent = arrays["entropy"][0] if "entropy" in use else None
-
-    def f(lp, ent):
-        kw = dict(lib, **options) if ent is None else dict(lib, entropy=ent, **options)
-        return jk.ppo_loss(lp, old, adv, m, backend=backend, **kw)
-
-    (loss, metrics), vjp = jax.vjp(f, lp, ent)
-    assert_f32(loss, *metrics.values())
-    want = oracle.ppo_loss(lp64, old64, adv64, mask, **orc, **options)
-    want32 = oracle.ppo_loss(lp64, old64, adv64, mask, dt=np.float32, **orc, **options)
-    w_loss, w_metrics, w_dlp, w_dent, per_token = want
-    mode = options.get("loss_agg_mode", "token_mean")
-    scale = oracle.aggregate(np.abs(per_token), mask, mode, options.get("max_len"))
-    assert_close(loss, w_loss, in_dtype=dtype, want32=want32[0], scale=scale, name="loss")
-
-    assert set(metrics) == set(w_metrics), f"metrics {set(metrics) ^ set(w_metrics)}"
-    assert BASE_METRICS <= set(metrics)
-    kl_scale = {"approx_kl": oracle.masked_mean(_kl_cond(old64 - lp64), mask)}
-    if "ref_logp" in orc:
-        kl_scale["kl"] = oracle.masked_mean(_kl_cond(orc["ref_logp"] - lp64), mask)
-    for key, w in w_metrics.items():
-        assert_close(metrics[key], w, in_dtype=dtype, want32=want32[1][key],
-                     scale=kl_scale.get(key), name=f"metrics[{key}]")
-
-    g = float(cotangent(rng, ()))
-    d_lp, d_ent = vjp((jnp.float32(g), jax.tree.map(jnp.zeros_like, metrics)))
-    assert d_lp.dtype == lp.dtype
-    assert_close(d_lp, g * w_dlp, in_dtype=dtype, want32=g * want32[2], name="d_logp")
-    if ent is not None:
-        assert_close(d_ent, g * w_dent, in_dtype=dtype, want32=g * want32[3], name="d_entropy")
-    return loss, metrics, d_lp
+    """``test_ppo_loss.check_ppo`` on ppo_loss(**options, the arrays named in ``use``)."""
+    lib = dict(options, **{k: arrays[k][0] for k in use})
+    orc = dict(options, **{k: arrays[k][1] for k in use})
+    return test_ppo_loss.check_ppo(backend, rng, arrays, mask, dtype, lib, orc)
 
 
 # ----------------------------------------------------------------------------- ppo_loss grid
@@ -188,10 +148,10 @@ def test_ppo_variant_all_masked(backend, rng, variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_one_pass_forward_math(rng, variant, mode, adv_rank):
     """The pallas forward's math in plain jnp, every combination: per-sequence sums of
-    ``rl_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
+    ``ppo_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
     the oracle (this is what the kernel computes tile by tile; pallas itself runs a subset
     in interpret mode). Dual clip on for ppo so its bound is reached by sequence ratios."""
-    from jaxrl_kernels import rl_math
+    from jaxrl_kernels import aggregation_math, ppo_math
 
     arrays, mask = make_batch(rng, 6, 9, adv_rank=adv_rank, empty_rows=(2,), shift=1.2)
     kw = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
@@ -200,14 +160,14 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
         kw["dual_clip"] = 2.0
     get = lambda k: arrays[k][0]
     adv = get("advantages")
-    x = rl_math.PPOInputs(get("logp"), get("old_logp"),
-                          jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
-                          jnp.asarray(mask), get("rollout_logp"), get("ref_logp"),
-                          get("entropy"))
-    cfg = rl_math.PPOConfig(**kw)
-    sums = rl_math.masked_row_sums(rl_math.forward_summands(x, cfg), x.mask)
-    loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
-                                             mask.shape[1])
+    x = ppo_math.PPOInputs(get("logp"), get("old_logp"),
+                           jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
+                           jnp.asarray(mask), get("rollout_logp"), get("ref_logp"),
+                           get("entropy"))
+    cfg = ppo_math.PPOConfig(**kw)
+    sums = aggregation_math.masked_row_sums(ppo_math.forward_summands(x, cfg), x.mask)
+    loss, metrics = ppo_math.loss_and_metrics(ppo_math.sums_to_token_terms(sums, cfg), cfg,
+                                              mask.shape[1])
     w_loss, w_metrics, _, _, per_token = oracle.ppo_loss(
         *(arrays[k][1] for k in ("logp", "old_logp", "advantages")), mask,
         **{k: arrays[k][1] for k in ("rollout_logp", "ref_logp", "entropy")}, **kw)
@@ -215,19 +175,20 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
                                                       kw["max_len"]), name="loss")
     assert set(metrics) == set(w_metrics)
     for key, w in w_metrics.items():
-        scale = oracle.masked_mean(_kl_cond(arrays["old_logp"][1] - arrays["logp"][1]), mask)
+        scale = oracle.kl_metric_scales(arrays["logp"][1], arrays["old_logp"][1], mask)["approx_kl"]
         assert_close(metrics[key], w, scale=scale if key == "approx_kl" else None, name=key)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregation_weights_are_the_aggregate_derivative(rng, mode):
     """The backward's per-sequence coefficients: aggregate(x) = sum_b w_b sum_t m x."""
-    from jaxrl_kernels import rl_math
+    from jaxrl_kernels import aggregation_math
 
     mask = random_mask(rng, 5, 7, empty_rows=(0, 3))
     counts = jnp.asarray(mask.sum(1), jnp.float32)
-    got = rl_math.aggregation_weights(counts, mode, 7, 9 if mode.endswith("norm") else None)
-    want = oracle.aggregate_weights(mask, mode, 9 if mode.endswith("norm") else None)
+    max_len = 9 if mode.endswith("norm") else None
+    got = aggregation_math.aggregation_weights(counts, mode, 7, max_len)
+    want = oracle.aggregate_weights(mask, mode, max_len)
     assert_close(got[:, None] * mask, want)
 
 
@@ -334,9 +295,7 @@ def test_tis_options_inert_without_rollout(backend, rng):
     m = jnp.asarray(mask)
     f = lambda **kw: jax.value_and_grad(lambda x: jk.ppo_loss(
         x, old, adv, m, ratio_level="sequence", backend=backend, **kw)[0])(lp)
-    base, other = f(), f(tis_level="sequence", tis_mode="mask")
-    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert_bitwise(f(), f(tis_level="sequence", tis_mode="mask"), "tis options")
 
 
 def test_variants_under_jit(backend, rng):

@@ -1,7 +1,7 @@
 """The chunked backend: jnp, walking the vocabulary in chunks.
 
 No float32 [N, V] buffer is ever live: the forward scans vocabulary chunks of
-``size`` columns with the online softmax of ``rl_math``; the backward scans
+``size`` columns with the online softmax of ``softmax_math``; the backward scans
 them again, recomputing each chunk's softmax from the saved per-row lse. These
 are the two ``logprob_core.Parts`` of each op; ``logprob_core`` holds the
 custom_vjp and the sharding.
@@ -17,7 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import dispatch, head, rl_math, softmax_math
+from jaxrl_kernels import aggregation_math, head, ppo_math, softmax_math
+from jaxrl_kernels.backend_contract import (STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend,
+                                            Problem)
 from jaxrl_kernels.logprob_core import Parts
 
 CHUNK_BYTES = 4 * 2**20
@@ -29,12 +31,12 @@ AUTOMATIC_ABOVE_BYTES = 256 * 2**20
 [N, V] logits exceed this size (below, reference's one buffer is faster and fits)."""
 
 
-def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+def automatic(primitive: str, problem: Problem) -> str | None:
     """Chunked only saves memory: automatic choice takes it for large vocabulary problems and
     for a standalone backward (it reuses the saved lse, at any size)."""
-    if primitive in dispatch.STANDALONE_BACKWARDS.values():
+    if primitive in STANDALONE_BACKWARDS.values():
         return None
-    if primitive not in dispatch.VOCAB_PRIMITIVES:
+    if primitive not in VOCAB_PRIMITIVES:
         return "chunked adds nothing over reference for ops without a vocabulary axis"
     size = problem.logits_bytes_f32
     if size <= AUTOMATIC_ABOVE_BYTES:
@@ -207,12 +209,12 @@ OPS = {
     "paired_logprobs": Parts(paired_stats, token_backward),
     "linear_logprobs": Parts(linear_stats, linear_backward),
     "linear_logprobs_backward": linear_backward,
-    "ppo_loss": rl_math.ppo_loss,
-    "group_advantages": rl_math.group_advantages,
+    "ppo_loss": ppo_math.ppo_loss,
+    "group_advantages": aggregation_math.group_advantages,
 }
 
 from jaxrl_kernels.backends import chunked_distill as _distill  # noqa: E402  (imports this module)
 
 OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
 
-BACKEND = dispatch.Backend("chunked", OPS, automatic=automatic)
+BACKEND = Backend("chunked", OPS, automatic=automatic)

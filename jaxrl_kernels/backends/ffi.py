@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, head, head_grad, logprob_core
+from jaxrl_kernels import head, head_grad, logprob_core
+from jaxrl_kernels.backend_contract import Backend, Problem
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
@@ -197,7 +198,7 @@ def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
         return_entropy=bool(return_entropy))
 
 
-def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
         return "ffi serves only linear_logprobs (forward and backward)"
     return None
@@ -207,5 +208,5 @@ PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (C
 
 OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}
 
-BACKEND = dispatch.Backend("ffi", OPS, unavailable_reason, declines, automatic,
-                           configs={"linear_logprobs": Config, "linear_logprobs_backward": Config})
+BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic,
+                  configs={"linear_logprobs": Config, "linear_logprobs_backward": Config})

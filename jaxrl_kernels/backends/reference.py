@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import dispatch, head, rl_math, softmax_math
+from jaxrl_kernels import aggregation_math, head, ppo_math, softmax_math
+from jaxrl_kernels.backend_contract import Backend
 from jaxrl_kernels.logprob_core import Whole
 
 
@@ -74,12 +75,12 @@ OPS = {
     "token_logprobs": Whole(token_jnp),
     "paired_logprobs": Whole(paired_jnp),
     "linear_logprobs": Whole(linear_jnp),
-    "ppo_loss": rl_math.ppo_loss,
-    "group_advantages": rl_math.group_advantages,
+    "ppo_loss": ppo_math.ppo_loss,
+    "group_advantages": aggregation_math.group_advantages,
 }
 
 from jaxrl_kernels.backends import reference_distill as _distill  # noqa: E402  (imports this module)
 
 OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
 
-BACKEND = dispatch.Backend("reference", OPS)  # serves everything, always; the last resort
+BACKEND = Backend("reference", OPS)  # serves everything, always; the last resort

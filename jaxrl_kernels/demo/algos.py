@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxrl_kernels as jrk
-from jaxrl_kernels import dispatch, rl_math
+from jaxrl_kernels import aggregation_math, dispatch, kl_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling
@@ -119,7 +119,7 @@ class RLConfig:
                                      "tempered policy")
     kl_coef: float = option(0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo, "
                                  "gspo, cispo)")
-    kl_estimator: str = option("k3", "KL estimator", choices=rl_math.KL_ESTIMATORS)
+    kl_estimator: str = option("k3", "KL estimator", choices=kl_math.KL_ESTIMATORS)
     clip_low: float | None = per_algo("clip_low", "ratio clip below 1 (grpo, ppo, gspo, "
                                                    "cispo)", float)
     clip_high: float | None = per_algo("clip_high", "ratio clip above 1 (grpo, ppo, gspo, "
@@ -136,7 +136,7 @@ class RLConfig:
     ppo_minibatches: int = option(2, "minibatches per pass (ppo, gspo, cispo)")
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo, gspo, cispo)")
     loss_agg_mode: str | None = per_algo("loss_agg_mode", "loss aggregation", str,
-                                         choices=rl_math.AGGREGATION_MODES)
+                                         choices=aggregation_math.AGGREGATION_MODES)
     backend: str | None = option(None, "jaxrl_kernels backend for every op; automatic choice "
                                        "when not given", choices=dispatch.BACKENDS)
 
@@ -152,12 +152,12 @@ class RLConfig:
                  if self.algo == DISTILL else
                  f"{self.algo} compares answers within a group" if grouped else "")
         check.positive("temperature", self.temperature)
-        check.option("kl_estimator", self.kl_estimator, rl_math.KL_ESTIMATORS)
+        check.option("kl_estimator", self.kl_estimator, kl_math.KL_ESTIMATORS)
         check.clip_options(self.clip_low, self.clip_high, self.dual_clip)
         check.positive("tis_cap", self.tis_cap)
         at_least("ppo_epochs", self.ppo_epochs, 1)
         at_least("ppo_minibatches", self.ppo_minibatches, 1)
-        check.option("loss_agg_mode", self.loss_agg_mode, rl_math.AGGREGATION_MODES)
+        check.option("loss_agg_mode", self.loss_agg_mode, aggregation_math.AGGREGATION_MODES)
         check.option("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if self.rollout_correction != "none" and self.algo not in ("grpo", DISTILL) + PPO_STYLE:
             raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from jaxrl_kernels import dispatch
+from jaxrl_kernels.backend_contract import GPU_PLATFORMS, Backend, Problem
 
 _SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),
@@ -52,12 +52,12 @@ def declines(primitive: str, problem) -> str | None:
     return decliner(primitive, problem) if decliner else None
 
 
-def automatic(primitive: str, problem: dispatch.Problem) -> str | None:
+def automatic(primitive: str, problem: Problem) -> str | None:
     """Off a GPU the kernels run only emulated: automatic choice passes pallas over there."""
     if not problem.on_gpu:
         return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
     return None
 
 
-BACKEND = dispatch.Backend("pallas", OPS, unavailable_reason, declines, automatic,
-                           native_platforms=dispatch.GPU_PLATFORMS, configs=CONFIGS)
+BACKEND = Backend("pallas", OPS, unavailable_reason, declines, automatic,
+                  native_platforms=GPU_PLATFORMS, configs=CONFIGS)

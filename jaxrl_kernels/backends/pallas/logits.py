@@ -8,7 +8,7 @@ For each row of ``z = logits / T`` (``T`` the temperature), with target ``t``:
 
 Forward (the ``stats`` part of ``logprob_core``): one program per (row, split of the
 vocabulary) walks its tiles of V once, folding each tile into the online statistics of
-``rl_math`` (running max, Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy
+``softmax_math`` (running max, Σ exp, Σ exp·(z - max)); ``paired_logprobs`` carries the policy
 and reference statistics through the same walk. Tiles that run past V are masked loads;
 the logits are never padded or copied. Only per-(row, split) statistics and the target's
 logit leave the kernel; ``softmax_math.online_softmax_merge`` combines the splits in order.

@@ -6,17 +6,17 @@ T-ranges (a device holding part of T runs the same kernels on its part; the per-
 sums are what crosses):
 
 1. :func:`forward_sums` (kernel): per sequence, the masked sums Σ_t m·v of
-   ``rl_math.forward_summands`` over the tokens of the input: Σ m, the policy term (or,
+   ``ppo_math.forward_summands`` over the tokens of the input: Σ m, the policy term (or,
    for ``ratio_level="sequence"``, what it is linear in), Σ m·(logp - old_logp) and
    Σ m·(old_logp - rollout_logp) where the sequence-level options need them, and every
    metric part. One pass, whatever the options.
-2. jnp: ``rl_math.sums_to_token_terms`` applies ℓ_b and the sequence TIS weight per
-   sequence; ``rl_math.loss_and_metrics`` aggregates (all four modes) and takes the
-   masked-mean metrics. ``rl_math.sequence_terms`` gives the [B] terms the backward uses.
+2. jnp: ``ppo_math.sums_to_token_terms`` applies ℓ_b and the sequence TIS weight per
+   sequence; ``ppo_math.loss_and_metrics`` aggregates (all four modes) and takes the
+   masked-mean metrics. ``ppo_math.sequence_terms`` gives the [B] terms the backward uses.
 3. :func:`token_grads` (kernel, the backward): given per-sequence coefficients
-   c_b = g · ``rl_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
+   c_b = g · ``aggregation_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
    token's d logp (and d entropy) is the pull-back of c_b·m through
-   ``rl_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
+   ``ppo_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
    for branch. ℓ_b carries no gradient (docs/api.md), so this is token-local. Nothing flows to
    old/rollout/ref log-probs, advantages or the mask.
 
@@ -28,7 +28,7 @@ splits' partials are then added in split order (deterministic, no atomics).
 (count, mean, then the centred sum of squares) and writes
 ``(r - mean) / (std + eps)`` (or ``r - mean``) to them, 0 for a group of one.
 Its gradient (rarely wanted) is the reference's, from ``jax.vjp`` of
-``rl_math.group_advantages`` on the [B] rewards.
+``aggregation_math.group_advantages`` on the [B] rewards.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import rl_math, sharding
+from jaxrl_kernels import aggregation_math, ppo_math, sharding
 from jaxrl_kernels.backends.pallas import common
 
 TILE_ELEMENTS = 2048
@@ -51,8 +51,8 @@ TILE_ELEMENTS = 2048
 MIN_SUM_PROGRAMS = 264
 """The sum kernels split T until they have about this many programs (two per H100 SM)."""
 
-_FIELDS = rl_math.PPOInputs._fields
-_SEQ_FIELDS = rl_math.SequenceTerms._fields
+_FIELDS = ppo_math.PPOInputs._fields
+_SEQ_FIELDS = ppo_math.SequenceTerms._fields
 
 
 class PPOLaunch(NamedTuple):
@@ -88,13 +88,13 @@ def _tile_index(i, j, plan: PPOLaunch, batch: int, seq_len: int):
     return rows, cols, row_ok, row_ok[:, None] & (cols < seq_len)[None, :]
 
 
-def _load_tokens(refs, names, rows, cols, ok) -> rl_math.PPOInputs:
+def _load_tokens(refs, names, rows, cols, ok) -> ppo_math.PPOInputs:
     """A [rows, cols] tile of every token input (0 outside the arrays)."""
     tile = {}
     for name, ref in zip(names, refs):
         val = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0)
         tile[name] = val.astype(jnp.float32)
-    return rl_math.PPOInputs(**tile)
+    return ppo_math.PPOInputs(**tile)
 
 
 def _load_rows(refs, names, rows, row_ok) -> dict:
@@ -112,7 +112,7 @@ def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...
 def _sum_keys(summands, names) -> tuple[str, ...]:
     """The keys ``summands(tokens)`` returns for these inputs, in order."""
     tokens = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
-    return tuple(jax.eval_shape(lambda t: summands(rl_math.PPOInputs(**t)), tokens))
+    return tuple(jax.eval_shape(lambda t: summands(ppo_math.PPOInputs(**t)), tokens))
 
 
 def _row_sums_kernel(*refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int,
@@ -165,12 +165,12 @@ def _row_sums(summands, name: str, tokens: dict, plan: PPOLaunch) -> dict:
     return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
-def forward_sums(tokens: dict, cfg: rl_math.PPOConfig, plan: PPOLaunch | None) -> dict:
-    """Stage 1: {key: [B]} per-sequence sums of ``rl_math.forward_summands``, where the tokens
+def forward_sums(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) -> dict:
+    """Stage 1: {key: [B]} per-sequence sums of ``ppo_math.forward_summands``, where the tokens
     live (``sharding.run``): a device holding part of T adds its part, then the parts are
     summed over the mesh axes that split T. ``plan=None``: the heuristic, per device."""
     names, arrays = _present(tokens, _FIELDS)
-    summands = functools.partial(rl_math.forward_summands, cfg=cfg)
+    summands = functools.partial(ppo_math.forward_summands, cfg=cfg)
     keys = _sum_keys(summands, names)
 
     def local(layout, *arrays):
@@ -193,11 +193,11 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq
     dent_ref = refs[-1] if "entropy" in names else None
     rows, cols, row_ok, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
     x = _load_tokens(tok_refs, names, rows, cols, ok)
-    seq = rl_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
+    seq = ppo_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
     coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
 
     def per_token(logp, entropy):
-        return rl_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg, seq)[0]
+        return ppo_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg, seq)[0]
 
     _, pull = jax.vjp(per_token, x.logp, x.entropy)
     d_logp, d_ent = pull(coef[:, None] * x.mask)
@@ -206,7 +206,7 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq
         plgpu.store(dent_ref.at[rows[:, None], cols[None, :]], d_ent, mask=ok)
 
 
-def token_grads(tokens: dict, seq: rl_math.SequenceTerms, coef, cfg: rl_math.PPOConfig,
+def token_grads(tokens: dict, seq: ppo_math.SequenceTerms, coef, cfg: ppo_math.PPOConfig,
                 plan: PPOLaunch | None):
     """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
     coef_b · m_bt, where the tokens live (``sharding.run``)."""
@@ -247,9 +247,9 @@ def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
 
 def _forward(tokens: dict, cfg, plan: PPOLaunch):
     sums = forward_sums(tokens, cfg, plan)
-    loss, metrics = rl_math.loss_and_metrics(rl_math.sums_to_token_terms(sums, cfg), cfg,
-                                             tokens["logp"].shape[1])
-    return loss, metrics, (rl_math.sequence_terms(sums, cfg), sums["count"])
+    loss, metrics = ppo_math.loss_and_metrics(ppo_math.sums_to_token_terms(sums, cfg), cfg,
+                                              tokens["logp"].shape[1])
+    return loss, metrics, (ppo_math.sequence_terms(sums, cfg), sums["count"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -266,7 +266,8 @@ def _ppo_loss_fwd(tokens, cfg, plan):
 def _ppo_loss_bwd(cfg, plan, res, cot):
     tokens, (seq, counts) = res
     seq_len = tokens["logp"].shape[1]
-    coef = cot[0] * rl_math.aggregation_weights(counts, cfg.loss_agg_mode, seq_len, cfg.max_len)
+    coef = cot[0] * aggregation_math.aggregation_weights(counts, cfg.loss_agg_mode, seq_len,
+                                                         cfg.max_len)
     grads = dict(zip(("logp", "entropy"), token_grads(tokens, seq, coef, cfg, plan)))
     return ({n: grads.get(n) for n in tokens},)
 
@@ -274,15 +275,16 @@ def _ppo_loss_bwd(cfg, plan, res, cot):
 _ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
 
 
-def ppo_loss(ppo_inputs: rl_math.PPOInputs, config: rl_math.PPOConfig, *, plan: PPOLaunch | None = None):
-    """Primitive ``ppo_loss``: ``(loss, metrics)`` as ``rl_math.ppo_loss`` defines them."""
+def ppo_loss(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig, *,
+             plan: PPOLaunch | None = None):
+    """Primitive ``ppo_loss``: ``(loss, metrics)`` as ``ppo_math.ppo_loss`` defines them."""
     fields = ppo_inputs._asdict()
     if config.tis_cap is None:
-        fields["rollout_logp"] = None  # unused without a cap, as in rl_math
+        fields["rollout_logp"] = None  # unused without a cap, as in ppo_math
     tokens = {n: jnp.asarray(v, jnp.float32) for n, v in fields.items() if v is not None}
     batch, seq_len = tokens["logp"].shape
-    if batch * seq_len == 0:  # no token: no kernel to launch; rl_math defines the empty values
-        return rl_math.ppo_loss(ppo_inputs, config)
+    if batch * seq_len == 0:  # no token: no kernel to launch; ppo_math defines the empty values
+        return ppo_math.ppo_loss(ppo_inputs, config)
     loss, metrics = _ppo_loss(tokens, config, plan)  # plan None: the heuristic per device
     return loss, {k: lax.stop_gradient(v) for k, v in metrics.items()}
 
@@ -366,7 +368,7 @@ def _group_fwd(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps):
 
 def _group_bwd(num_groups, normalize_std, std_ddof, eps, res, g):
     rewards, segment_ids = res
-    _, pull = jax.vjp(lambda r: rl_math.group_advantages(
+    _, pull = jax.vjp(lambda r: aggregation_math.group_advantages(
         r, segment_ids, num_groups, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps),
         rewards)
     return pull(g)[0], None

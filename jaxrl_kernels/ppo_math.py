@@ -1,11 +1,19 @@
-"""Token-level RL math, written once and shared by every backend.
+"""The PPO and GRPO losses as sums over tokens and sequences (float32; docs/api.md).
 
-Everything here is elementwise or a reduction over the last axis, in float32, so the Pallas
-kernels call the same functions on tiles that the jnp backends call on whole arrays: the KL
-estimators, importance ratios and clipped surrogates (PPO, dual clip, CISPO, truncated
-importance sampling), the loss aggregations, group advantages, and the PPO/GRPO loss as sums
-over tokens and sequences (docs/api.md states each formula). Options arrive checked
-(``validation``); the softmax statistics of the log-probs are in :mod:`softmax_math`.
+The reference (:func:`ppo_loss`) is written token by token: per-sequence sums of
+:func:`sequence_summands` give :func:`sequence_terms` (ℓ_b, the sequence TIS log-weight), then
+:func:`ppo_per_token` gives each token's loss pg + kl_coef·KL − entropy_coef·entropy and its
+metric parts, then :func:`loss_and_metrics` aggregates their per-sequence sums.
+
+A kernel does the forward in one pass over the tokens instead (:func:`forward_summands` ->
+per-sequence sums -> :func:`sums_to_token_terms` -> :func:`loss_and_metrics`): the sums of the
+policy term are linear in what a token contributes once ℓ_b and the sequence weight are
+fixed, so it sums those contributions and applies ℓ_b and the weight per sequence
+afterwards. The backward is token-local given the [B] sequence terms (they carry no
+gradient): d loss / d per_token_bt = m_bt · ``aggregation_weights``_b, pulled back through
+:func:`ppo_per_token`. The per-token formulas are in :mod:`surrogate_math` and
+:mod:`kl_math`, the aggregation in :mod:`aggregation_math`; options arrive checked
+(``validation``).
 """
 
 from __future__ import annotations
@@ -16,199 +24,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
-AGGREGATION_MODES = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)
-AGGREGATION_ALIASES = {"sequence_mean": "seq_mean_token_mean"}
+from jaxrl_kernels.aggregation_math import aggregate_sequence_sums, masked_row_sums
+from jaxrl_kernels.kl_math import kl_penalty
+from jaxrl_kernels.surrogate_math import (LOG_RATIO_CLIP, cispo_surrogate, clipped_surrogate,
+                                          importance_ratio, sequence_ratio, tis_weight)
+
 RATIO_LEVELS = ("token", "sequence")
-POLICY_LOSSES = ("ppo", "cispo")
 TIS_LEVELS = ("token", "sequence")
-TIS_MODES = ("truncate", "mask")
-LOG_RATIO_CLIP = 20.0
-KL_LOG_RATIO_CLIP = 20.0
 TIS_LOG_WEIGHT_CLIP = 20.0
-
-
-# -- KL, ratios, surrogates ----------------------------------------------------------------
 
 _sg = jax.lax.stop_gradient
 
-
-def kl_penalty(logp, ref_logp, estimator: str = "k3"):
-    """Per-token KL estimate with d = ref_logp - logp (see docs/api.md)."""
-    d = ref_logp.astype(jnp.float32) - logp.astype(jnp.float32)
-    if estimator == "k1":
-        return -d
-    if estimator == "abs":
-        return jnp.abs(d)
-    if estimator == "k2":
-        return 0.5 * d * d
-    assert estimator == "k3", estimator  # one of KL_ESTIMATORS, checked at the public op
-    d = jnp.clip(d, -KL_LOG_RATIO_CLIP, KL_LOG_RATIO_CLIP)
-    return jnp.exp(d) - d - 1.0
-
-
-def importance_ratio(logp, old_logp):
-    """r = exp(clip(logp - old_logp, -20, 20))."""
-    return jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
-
-
-def sequence_ratio(logp, seq_log_ratio):
-    """GSPO's ratio on every token of a sequence: r = sg(exp(ℓ_b)) · exp(logp - sg(logp)).
-
-    ``seq_log_ratio`` is ℓ_b per row ([rows]); the value is exp(ℓ_b) on each token
-    and its derivative with respect to logp_bt is exp(ℓ_b).
-    """
-    return jnp.exp(_sg(seq_log_ratio))[:, None] * jnp.exp(logp - _sg(logp))
-
-
-def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):
-    """PPO's pessimistic surrogate per token.
-
-    pg = max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)); with dual clip c,
-    where A < 0: pg = min(pg, -A·c). Returns (pg, clipped, dual_clipped) where
-    the last two mark the tokens whose clipped / dual-clipped branch was taken.
-    """
-    unclipped = -advantages * ratio
-    clipped_term = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = clipped_term > unclipped
-    pg = jnp.where(clipped, clipped_term, unclipped)  # a tie takes the unclipped branch
-    if dual_clip is None:
-        return pg, clipped, jnp.zeros_like(clipped)
-    bound = _sharded_like(jnp.broadcast_to(-advantages * dual_clip, pg.shape), pg)
-    dual = (advantages < 0) & (pg > bound)
-    return jnp.where(dual, bound, pg), clipped, dual
-
-
-def _sharded_like(x, like):
-    """``x`` sharded as ``like`` is, where mesh axes are Explicit (a no-op elsewhere): the two
-    branches of a select must be sharded alike, and replicated advantages against row-split
-    log-probs are not."""
-    want = jax.typeof(like).sharding
-    mesh = getattr(want, "mesh", None)
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    if (mesh is None or mesh.empty or explicit not in getattr(mesh, "axis_types", ())
-            or jax.typeof(x).sharding == want):
-        return x
-    return jax.reshard(x, want)
-
-
-def cispo_surrogate(ratio, advantages, logp, clip_low, clip_high):
-    """CISPO: pg = -A · sg(clip(r, 1-clip_low, 1+clip_high)) · logp.
-
-    Every token keeps the gradient -A·clip(r). Returns (pg, outside), ``outside``
-    marking the tokens whose r lies outside [1-clip_low, 1+clip_high].
-    """
-    low, high = 1.0 - clip_low, 1.0 + clip_high
-    weight = _sg(jnp.clip(ratio, low, high))
-    outside = (ratio < low) | (ratio > high)
-    return -advantages * weight * logp, outside
-
-
-def tis_weight(log_weight, cap, mode: str = "truncate"):
-    """Rollout-correction weight from a log-weight, without gradient.
-
-    ``"truncate"``: min(exp(w), cap); ``"mask"``: 1 where exp(w) <= cap, else 0
-    (NaN stays NaN).
-    """
-    w = jnp.exp(log_weight)
-    if mode == "truncate":
-        return _sg(jnp.minimum(w, cap))
-    return _sg(jnp.where(w > cap, 0.0, jnp.where(w <= cap, 1.0, jnp.nan)))
-
-
-# -- aggregation -------------------------------------------------------------------------
-
-def masked_row_sums(values: dict, mask) -> dict:
-    """Σ_t m·v per sequence ([B, T] -> [B]) for each entry of ``values``."""
-    mask = mask.astype(jnp.float32)
-    return {k: jnp.sum(mask * v.astype(jnp.float32), axis=-1) for k, v in values.items()}
-
-
-def aggregate_sequence_sums(seq_sum, seq_count, mode: str, seq_len: int, max_len=None):
-    """The aggregation of docs/api.md from per-sequence Σ_t m·x ([B]) and Σ_t m ([B]).
-
-    ``"token_mean"``: Σ_b seq_sum / max(Σ_b seq_count, 1);
-    ``"seq_mean_token_mean"``: mean of seq_sum / seq_count over sequences with a
-    valid token (0 if none); ``"seq_mean_token_sum"``: Σ_b seq_sum / B;
-    ``"seq_mean_token_sum_norm"``: Σ_b seq_sum / (B · max_len), max_len = T by default.
-    ``mode`` is one of :data:`AGGREGATION_MODES` (``validation.agg_mode`` resolves aliases).
-    """
-    batch = seq_sum.shape[0]
-    if mode == "token_mean":
-        return jnp.sum(seq_sum) / jnp.maximum(jnp.sum(seq_count), 1.0)
-    if mode == "seq_mean_token_sum":
-        return jnp.sum(seq_sum) / batch
-    if mode == "seq_mean_token_sum_norm":
-        length = seq_len if max_len is None else max_len
-        return jnp.sum(seq_sum) / (batch * length)
-    has_tokens = seq_count > 0
-    per_seq = jnp.where(has_tokens, seq_sum / jnp.where(has_tokens, seq_count, 1.0), 0.0)
-    return jnp.sum(per_seq) / jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
-
-
-def aggregation_weights(seq_count, mode: str, seq_len: int, max_len=None):
-    """w [B] with aggregate(x) = Σ_b w_b · Σ_t m·x_bt: the derivative of the aggregation
-    with respect to each valid token's value, one per sequence."""
-    batch = seq_count.shape[0]
-    if mode == "token_mean":
-        return jnp.broadcast_to(1.0 / jnp.maximum(jnp.sum(seq_count), 1.0), (batch,))
-    if mode == "seq_mean_token_sum":
-        return jnp.full((batch,), 1.0 / batch, jnp.float32)
-    if mode == "seq_mean_token_sum_norm":
-        length = seq_len if max_len is None else max_len
-        return jnp.full((batch,), 1.0 / (batch * length), jnp.float32)
-    has_tokens = seq_count > 0
-    per_seq = jnp.where(has_tokens, 1.0 / jnp.where(has_tokens, seq_count, 1.0), 0.0)
-    return per_seq / jnp.maximum(jnp.sum(has_tokens.astype(jnp.float32)), 1.0)
-
-
-def aggregate(values, mask, mode: str = "token_mean", max_len=None):
-    """Reduce per-token [B, T] values to a scalar under ``mask`` (see docs/api.md)."""
-    sums = masked_row_sums({"x": values, "count": jnp.ones_like(values)}, mask)
-    return aggregate_sequence_sums(sums["x"], sums["count"], mode, values.shape[-1], max_len)
-
-
-def masked_mean(values, mask):
-    return aggregate(values, mask, "token_mean")
-
-
-# -- group advantages ----------------------------------------------------------------------
-
-def group_advantages(rewards, segment_ids, num_groups: int, *, normalize_std=True,
-                     std_ddof=0, eps=1e-6):
-    """adv = r - mean_g (÷ (std_g + eps)); a group of one gets 0."""
-    rewards = rewards.astype(jnp.float32)
-    ones = jnp.ones_like(rewards)
-    count = jax.ops.segment_sum(ones, segment_ids, num_groups)
-    mean = jax.ops.segment_sum(rewards, segment_ids, num_groups) / jnp.maximum(count, 1.0)
-    centred = rewards - mean[segment_ids]
-    if normalize_std:
-        sq = jax.ops.segment_sum(centred * centred, segment_ids, num_groups)
-        var = sq / jnp.maximum(count - std_ddof, 1.0)
-        std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)  # finite grad at 0
-        centred = centred / (std[segment_ids] + eps)
-    return jnp.where(count[segment_ids] > 1, centred, 0.0)
-
-
-# -- the PPO loss -----------------------------------------------------------------------
-#
-# The reference (``ppo_loss``) is written token by token: per-sequence sums of
-# ``sequence_summands`` give ``sequence_terms`` (ℓ_b, the sequence TIS log-weight), then
-# ``ppo_per_token`` gives each token's loss and metric parts, then ``loss_and_metrics``
-# aggregates their per-sequence sums.
-#
-# A kernel does the forward in one pass over the tokens instead (``forward_summands`` ->
-# per-sequence sums -> ``sums_to_token_terms`` -> ``loss_and_metrics``): the sums of the
-# policy term are linear in what a token contributes once ℓ_b and the sequence weight are
-# fixed, so it sums those contributions and applies ℓ_b and the weight per sequence
-# afterwards. The backward is token-local given the [B] sequence terms (they carry no
-# gradient): d loss / d per_token_bt = m_bt · ``aggregation_weights``_b, pulled back through
-# ``ppo_per_token``.
 
 class PPOInputs(NamedTuple):
     """[B, T] float32 arrays (advantages already broadcast); optional ones may be None."""

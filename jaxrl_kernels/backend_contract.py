@@ -1,0 +1,153 @@
+"""The contract between the public ops and the backends: what an op asks for, what a backend
+declares, and what the choice hands back.
+
+An op describes its call as a :class:`Problem` and asks ``dispatch.resolve`` for the
+implementation of a *primitive* (the backend-specific piece of work); a backend is a module
+under ``jaxrl_kernels.backends`` that declares itself as ``BACKEND``, a :class:`Backend`; the
+answer is a :class:`Choice`. The primitives:
+
+=================  ===========================================================
+primitive          what a backend implements
+=================  ===========================================================
+token_logprobs     log-probs of logits [..., V]: a ``logprob_core.Parts``
+                   (kernel backends: per-device row statistics + backward) or
+                   a ``logprob_core.Whole`` (reference: plain jnp)
+paired_logprobs    the same for policy and reference logits sharing targets,
+                   gradient to the policy only
+linear_logprobs    the same for a linear head (hidden, weight, bias);
+                   ``ffi``'s Parts have no backward of their own: the
+                   :class:`Choice` carries the standalone one (``ffi``'s own on
+                   Hopper), chosen when the backward pass is traced
+linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
+_backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
+                   weight_layout, temperature) -> (d_hidden, d_weight,
+                   d_bias | None)``: the backward alone, for ``ffi``
+                   (served by ffi, pallas and chunked)
+distill_divergence per-row divergence between two linear heads (``distill``):
+                   a ``logprob_core.Parts`` (chunked) or ``Whole`` (reference)
+topk_logprobs      top-k logits, ids and lse of a linear head: a
+                   ``logprob_core.Parts`` on every backend
+ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig)
+                   -> (loss, metrics)``
+group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
+                   normalize_std, std_ddof, eps) -> adv[B]``
+=================  ===========================================================
+
+``logprob_core`` states the contract of the log-prob parts (targets outside a device's
+vocabulary slice, rows without a gradient) and holds the one custom_vjp and the sharding
+(``sharding.run``) that every kernel backend shares. How a backend is chosen is ``dispatch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_kernels import head
+
+# Public op -> the primitive whose backend the op's ``backend=`` argument picks.
+OP_PRIMITIVE: dict[str, str] = {
+    "token_logprobs": "token_logprobs",
+    "linear_logprobs": "linear_logprobs",
+    "ratio_kl": "paired_logprobs",
+    "grpo_loss": "paired_logprobs",
+    "linear_ppo_loss": "linear_logprobs",
+    "linear_grpo_loss": "linear_logprobs",
+    "linear_policy_gradient_loss": "linear_logprobs",
+    "ppo_loss": "ppo_loss",
+    "group_advantages": "group_advantages",
+    "linear_distill_loss": "distill_divergence",
+    "linear_topk_logprobs": "topk_logprobs",
+}
+
+# Primitives whose reference implementation holds a float32 [N, V] buffer.
+VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
+                              "distill_divergence", "topk_logprobs"})
+
+# Forward primitive -> its backward on its own, for a backend whose forward has none (its
+# ``Parts.backward`` is None). The reference backend has none (it differentiates itself).
+STANDALONE_BACKWARDS: dict[str, str] = {"linear_logprobs": "linear_logprobs_backward"}
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to accept or decline a call."""
+
+    n_rows: int = 0
+    vocab: int = 0
+    hidden_dim: int = 0
+    dtype: str = "float32"
+    """The dtype of the logits or of the hidden states."""
+    weight_dtype: str | None = None
+    """The head weight's dtype (None: no head)."""
+    weight_layout: str = "vd"
+    has_bias: bool = False
+    return_entropy: bool = False
+    platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
+
+    @property
+    def logits_bytes_f32(self) -> int:
+        return 4 * self.n_rows * self.vocab
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.platform in GPU_PLATFORMS
+
+
+def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: bool) -> Problem:
+    """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
+    n_rows, dim = hidden.shape
+    return Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout), hidden_dim=dim,
+                   dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
+                   weight_layout=weight_layout, has_bias=bias is not None,
+                   return_entropy=return_entropy)
+
+
+def _serves_all(primitive: str, problem: Problem) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a backend module declares as its ``BACKEND``: the contract dispatch relies on."""
+
+    name: str
+    """Its name in ``dispatch.BACKENDS``."""
+    ops: Mapping[str, Any]
+    """Primitive -> implementation (a ``logprob_core.Parts`` / ``Whole`` for the log-prob
+    primitives, a function otherwise; see the table above)."""
+    unavailable_reason: Callable[[], str | None] = lambda: None
+    """Why it cannot run in this process at all (not built, no such device); None if it can."""
+    declines: Callable[[str, Problem], str | None] = _serves_all
+    """Why it cannot serve these inputs (dtype, alignment, size); None if it can. Binding on
+    an explicit request as well."""
+    automatic: Callable[[str, Problem], str | None] = _serves_all
+    """Why automatic choice passes it over although it can serve the call (it would be
+    slower, or emulated); None if automatic choice takes it."""
+    native_platforms: tuple[str, ...] | None = None
+    """The platforms it runs natively on (None: all); elsewhere it is emulated."""
+    configs: Mapping[str, type] = dataclasses.field(default_factory=dict)
+    """Primitive -> the type of the knobs that tune its kernels (none for plain jnp)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome of a selection: the backend, its implementation, and why."""
+
+    backend: str
+    impl: Callable[..., Any]
+    explicit: bool
+    declined: tuple[tuple[str, str], ...]  # (better backend, why it was not used)
+    backward: Callable[[], Callable[..., Any]] | None = None
+    """For a forward without a backward of its own: a thunk that resolves the standalone
+    backward when the backward pass is traced (and records it for ``explain``)."""
+
+
+def dtype_name(x: Any) -> str:
+    return np.dtype(x.dtype).name
