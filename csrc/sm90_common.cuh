@@ -7,7 +7,8 @@
 // thread's 128 accumulators acc(i) hold
 //   row    = 64 cwg + 16 warp + lane / 4 + 8 ((i >> 1) & 1),
 //   column = 8 (i >> 2) + 2 (lane % 4) + (i & 1).
-// The kernels differ only in what they do with a finished tile (their epilogue).
+// The kernels differ only in what they do with a finished tile (their epilogue): run_tile_kernel
+// is the rest.
 #pragma once
 
 #include <cstdint>
@@ -253,23 +254,83 @@ __device__ __forceinline__ void prefetch_tma(const typename Cfg::TmaA& tma_a, co
   }
 }
 
+// The body of every tile kernel. Warpgroup 0 streams the tiles of this CTA's units
+// (produce_tiles; weight tile vt is read at column tile vt + vt_offset), then each of its
+// threads runs `producer_rest(warp_idx)`. Each consumer thread runs
+// `consume(lane, acc, compute_tile)`: `compute_tile(vt, col0)` computes the next tile of its
+// units into `acc` (this thread's accumulators, laid out as at the top of this file) with
+// bias[col0, col0 + 256) loaded alongside, and returns that bias tile in shared memory (not
+// loaded when `bias` is null). `consume` and compute_tile are always inlined (a lambda with
+// `__attribute__((always_inline))`): compiled apart first, the mainloop came out unrolled
+// differently from the same code written in the kernel.
+template <class Cfg, class ProducerRest, class Consume>
+__device__ __forceinline__ void run_tile_kernel(typename Cfg::SharedStorage& smem, const typename Cfg::TmaA& tma_a,
+                                                const typename Cfg::TmaB& tma_b, const Units& g, int vt_offset,
+                                                const float* bias, ProducerRest&& producer_rest, Consume&& consume) {
+  const int warp_group = threadIdx.x / 128;
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int lane_predicate = cute::elect_one_sync();
+  prefetch_tma<Cfg>(tma_a, tma_b, warp_idx, lane_predicate);
+  auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
+  __syncthreads();
+
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::SmemLayoutA{});  // (BM, BK, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemLayoutB{});  // (BN, BK, PIPE)
+
+  if (warp_group == 0) {
+    produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, vt_offset, warp_idx, lane_predicate);
+    producer_rest(warp_idx);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const ConsumerLane lane = consumer_lane();
+  const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
+
+  typename Cfg::TiledMma mma;
+  auto thr = mma.get_slice(lane.ct);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE) descriptors
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
+  static_assert(decltype(size(acc))::value == 128, "one m64n256 accumulator per thread");
+
+  cutlass::PipelineState<kStages> rstate;
+  const bool has_bias = bias != nullptr;
+  auto compute_tile = [&](int vt, int col0) __attribute__((always_inline)) -> const float* {
+    float* bias_tile = smem.bias[lane.cwg][vt & 1];
+    if (has_bias) bias_tile_start(bias_tile, bias, col0, g.vocab, lane.ct);
+    mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
+    if (has_bias) bias_tile_wait(lane.cwg);
+    return bias_tile;
+  };
+  consume(lane, acc, compute_tile);
+}
+
 inline Units units_of(const Plan& plan, int n, int v, int d) {
   return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
           plan.row_blocks * plan.splits};
 }
 
+// The kernel parameters `Params`, which extend the launch's `Args` (ForwardArgs or GradArgs),
+// with the plan's unit layout; the fields of the kernel's own are the caller's to set.
+template <class Params, class Args>
+Params tile_params(const Args& args, const Plan& plan) {
+  Params p;
+  static_cast<Args&>(p) = args;
+  p.units = units_of(plan, args.n, args.v, args.d);
+  return p;
+}
+
 // Host side shared by the kernels: raise the shared-memory limit, build the TMA descriptors of
-// hidden [n, d] and the weight (as (v, d)), launch `kernel` on the persistent grid with
-// `smem_bytes` of dynamic shared memory.
+// hidden [n, d] and the weight (as (v, d)) from the head of `p`, launch `kernel` on the
+// persistent grid with `smem_bytes` of dynamic shared memory.
 template <class Cfg, class Params>
-std::string launch_tiles(void (*kernel)(Params, typename Cfg::TmaA, typename Cfg::TmaB), const Params& p,
-                         const void* hidden, const void* weight, int n, int v, int d, int grid,
+std::string launch_tiles(void (*kernel)(Params, typename Cfg::TmaA, typename Cfg::TmaB), const Params& p, int grid,
                          cudaStream_t stream, const char* name, int smem_bytes = Cfg::kSmemBytes) {
   using T = typename Cfg::Element;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(err);
-  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(hidden), n, d);
-  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(weight), v, d);
+  auto tma_a = Cfg::make_tma_a(static_cast<const T*>(p.hidden), p.n, p.d);
+  auto tma_b = Cfg::make_tma_b(static_cast<const T*>(p.weight), p.v, p.d);
   kernel<<<grid, kThreads, smem_bytes, stream>>>(p, tma_a, tma_b);
   err = cudaGetLastError();
   if (err != cudaSuccess) return std::string(name) + " launch: " + cudaGetErrorString(err);

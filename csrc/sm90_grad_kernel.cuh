@@ -175,91 +175,62 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
   auto& storage = aligned_shared<GradStorage<Cfg>>(smem_raw);
-  auto& smem = storage.main;
   const Units& g = p.units;
   const int start = p.start_ptr ? *p.start_ptr : p.start;
-
-  const int warp_group = threadIdx.x / 128;
-  const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const int lane_predicate = cute::elect_one_sync();
-  prefetch_tma<Cfg>(tma_a, tma_b, warp_idx, lane_predicate);
-  auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
-  __syncthreads();
-
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemLayoutB{});
-
-  if (warp_group == 0) {
-    produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, start / kBlockN, warp_idx, lane_predicate);
+  auto copy_weight = [&](int warp_idx) {
     if (warp_idx > 0 && p.w16 != nullptr) copy_weight_chunk<Cfg>(p, start, threadIdx.x - 32);
-    return;
-  }
-  cutlass::arch::warpgroup_reg_alloc<232>();
-  const auto [ct, cwg, q, row_in_tile] = consumer_lane();
-  const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
+  };
+  run_tile_kernel<Cfg>(storage.main, tma_a, tma_b, g, start / kBlockN, p.bias, copy_weight,
+                       [&](const ConsumerLane& lane, auto& acc, auto& compute_tile) __attribute__((always_inline)) {
+    const auto [ct, cwg, q, row_in_tile] = lane;
+    const bool has_bias = p.bias != nullptr;
+    __half* const out = static_cast<__half*>(p.out);
+    const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    __half* stage = storage.stage[ct / 32];
 
-  typename Cfg::TiledMma mma;
-  auto thr = mma.get_slice(ct);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
-
-  cutlass::PipelineState<kStages> rstate;
-  const bool has_bias = p.bias != nullptr;
-  __half* const out = static_cast<__half*>(p.out);
-  const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  __half* stage = storage.stage[ct / 32];
-
-  for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
-    Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
-    const int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
-    LaneRows c;
-    int tgt[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const bool in = rows[r] < g.n_rows;
-      c.lse[r] = in ? p.lse[rows[r]] : INFINITY;
-      c.alpha[r] = in ? p.alpha[rows[r]] : 0.f;
-      c.beta[r] = in ? p.beta[rows[r]] : 0.f;
-      c.gamma[r] = (in && p.gamma) ? p.gamma[rows[r]] : 0.f;
-      tgt[r] = in ? p.targets[rows[r]] : -1;
-    }
-
-    for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
-      const int local0 = vt * kBlockN;
-      const int col0 = start + local0;
-      float* bias_tile = smem.bias[cwg][vt & 1];
-      if (has_bias) bias_tile_start(bias_tile, p.bias, col0, g.vocab, ct);
-      mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
-      if (has_bias) bias_tile_wait(cwg);
-
-      const float* bias_lane = bias_tile + 2 * q;
+    for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
+      Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
+      const int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
+      LaneRows c;
+      int tgt[2];
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
-      const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
-      if (p.gamma) {
-        write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
-                              p.ld, local0, vector_ok);
-      } else {
-        write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
-                               p.ld, local0, vector_ok);
+      for (int r = 0; r < 2; ++r) {
+        const bool in = rows[r] < g.n_rows;
+        c.lse[r] = in ? p.lse[rows[r]] : INFINITY;
+        c.alpha[r] = in ? p.alpha[rows[r]] : 0.f;
+        c.beta[r] = in ? p.beta[rows[r]] : 0.f;
+        c.gamma[r] = (p.gamma && in) ? p.gamma[rows[r]] : 0.f;
+        tgt[r] = in ? p.targets[rows[r]] : -1;
+      }
+
+      for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
+        const int local0 = vt * kBlockN;
+        const int col0 = start + local0;
+        const float* bias_lane = compute_tile(vt, col0) + 2 * q;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
+        const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
+        if (p.gamma) {
+          write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
+                                p.ld, local0, vector_ok);
+        } else {
+          write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
+                                 p.ld, local0, vector_ok);
+        }
       }
     }
-  }
+  });
 #endif
 }
 
 template <class T, bool kDv>
 std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
-  GradParams p;
-  static_cast<GradArgs&>(p) = args;
+  GradParams p = tile_params<GradParams>(args, plan);
   p.ld = args.ld > 0 ? args.ld : args.size;
-  p.units = units_of(plan, args.n, args.v, args.d);
   p.inv_t = 1.0f / args.temperature;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
-                           plan.grid, stream, "linear_grad_kernel", kSmemBytes);
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, plan.grid, stream, "linear_grad_kernel", kSmemBytes);
 }
 
 }  // namespace jaxrl_sm90

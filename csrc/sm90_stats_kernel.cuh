@@ -129,101 +129,75 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  auto& smem = shared_storage<Cfg>(smem_raw);
   const Units& g = p.units;
+  auto no_producer_rest = [](int) {};
+  run_tile_kernel<Cfg>(shared_storage<Cfg>(smem_raw), tma_a, tma_b, g, 0, p.bias, no_producer_rest,
+                       [&](const ConsumerLane& lane, auto& acc, auto& compute_tile) __attribute__((always_inline)) {
+    const auto [ct, cwg, q, row_in_tile] = lane;
+    const bool has_bias = p.bias != nullptr;
+    const float c1 = p.c1;
 
-  const int warp_group = threadIdx.x / 128;
-  const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const int lane_predicate = cute::elect_one_sync();
-  prefetch_tma<Cfg>(tma_a, tma_b, warp_idx, lane_predicate);
-  auto pipeline = make_pipeline<Cfg>(smem, warp_group, warp_idx, lane_predicate);
-  __syncthreads();
-
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::SmemLayoutA{});  // (BM, BK, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemLayoutB{});  // (BN, BK, PIPE)
-
-  if (warp_group == 0) {
-    produce_tiles<Cfg>(pipeline, tma_a, tma_b, sA, sB, g, 0, warp_idx, lane_predicate);
-    return;
-  }
-  cutlass::arch::warpgroup_reg_alloc<232>();
-  const auto [ct, cwg, q, row_in_tile] = consumer_lane();
-  const int k_tiles = (g.depth + kBlockK - 1) / kBlockK;
-
-  typename Cfg::TiledMma mma;
-  auto thr = mma.get_slice(ct);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE) descriptors
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, make_shape(typename Cfg::BM{}, typename Cfg::BN{}));
-  static_assert(decltype(size(acc))::value == 128, "one m64n256 accumulator per thread");
-
-  cutlass::PipelineState<kStages> rstate;
-  const bool has_bias = p.bias != nullptr;
-  const float c1 = p.c1;
-
-  for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
-    Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
-    int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
-    int tgt[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      int t = -1;
-      if (rows[r] < g.n_rows && p.row_valid[rows[r]]) {
-        t = p.targets[rows[r]];
-        if (t < 0 || t >= g.vocab) t = -1;
-      }
-      tgt[r] = t;
-    }
-    float m[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
-
-    for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
-      const int col0 = vt * kBlockN;
-      float* bias_tile = smem.bias[cwg][vt & 1];
-      if (has_bias) bias_tile_start(bias_tile, p.bias, col0, g.vocab, ct);
-      mma_tile<Cfg>(pipeline, rstate, mma, tCrA, tCrB, acc, k_tiles);
-      if (has_bias) bias_tile_wait(cwg);
-
-      // ---- the target logit, held by exactly one thread of one tile ----
+    for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
+      Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
+      int rows[2] = {w.row_block * kBlockM + row_in_tile, w.row_block * kBlockM + row_in_tile + 8};
+      int tgt[2];
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < 2; ++r) {
-        int rel = tgt[r] - col0;
-        if (rel >= 0 && rel < kBlockN && ((rel >> 1) & 3) == q) {
-          float v = acc_at(acc, r, rel);
-          if (has_bias) v += bias_tile[rel];
-          p.logp[rows[r]] = v;  // the raw target logit, finished by combine_kernel
+        int t = -1;
+        if (rows[r] < g.n_rows && p.row_valid[rows[r]]) {
+          t = p.targets[rows[r]];
+          if (t < 0 || t >= g.vocab) t = -1;
+        }
+        tgt[r] = t;
+      }
+      float m[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+
+      for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
+        const int col0 = vt * kBlockN;
+        const float* bias_tile = compute_tile(vt, col0);
+
+        // ---- the target logit, held by exactly one thread of one tile ----
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          int rel = tgt[r] - col0;
+          if (rel >= 0 && rel < kBlockN && ((rel >> 1) & 3) == q) {
+            float v = acc_at(acc, r, rel);
+            if (has_bias) v += bias_tile[rel];
+            p.logp[rows[r]] = v;  // the raw target logit, finished by combine_kernel
+          }
+        }
+
+        // ---- fold the tile into the running statistics ----
+        const float* bias_lane = bias_tile + 2 * q;
+        const int col_limit = g.vocab - col0 - 2 * q;
+        const bool first = (vt == w.vt_begin);
+        if (col0 + kBlockN > g.vocab) {
+          fold_tile<true>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
+        } else {
+          fold_tile<false>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
         }
       }
 
-      // ---- fold the tile into the running statistics ----
-      const float* bias_lane = bias_tile + 2 * q;
-      const int col_limit = g.vocab - col0 - 2 * q;
-      const bool first = (vt == w.vt_begin);
-      if (col0 + kBlockN > g.vocab) {
-        fold_tile<true>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
-      } else {
-        fold_tile<false>(acc, bias_lane, has_bias, col_limit, c1, first, m, s, a);
-      }
-    }
-
-    // ---- merge the four lanes of each row and write this unit's partials ----
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      float mm = m[r], ss = s[r], aa = a[r];
+      // ---- merge the four lanes of each row and write this unit's partials ----
       CUTLASS_PRAGMA_UNROLL
-      for (int off = 1; off <= 2; off <<= 1) {
-        float m2 = __shfl_xor_sync(0xffffffffu, mm, off);
-        float s2 = __shfl_xor_sync(0xffffffffu, ss, off);
-        float a2 = __shfl_xor_sync(0xffffffffu, aa, off);
-        merge_stats(mm, ss, aa, m2, s2, a2, c1);
-      }
-      if (q == 0 && rows[r] < g.n_rows) {
-        size_t base = static_cast<size_t>(w.split) * 3 * g.n_rows + rows[r];
-        p.partials[base] = mm;
-        p.partials[base + g.n_rows] = ss;
-        p.partials[base + 2 * static_cast<size_t>(g.n_rows)] = aa;
+      for (int r = 0; r < 2; ++r) {
+        float mm = m[r], ss = s[r], aa = a[r];
+        CUTLASS_PRAGMA_UNROLL
+        for (int off = 1; off <= 2; off <<= 1) {
+          float m2 = __shfl_xor_sync(0xffffffffu, mm, off);
+          float s2 = __shfl_xor_sync(0xffffffffu, ss, off);
+          float a2 = __shfl_xor_sync(0xffffffffu, aa, off);
+          merge_stats(mm, ss, aa, m2, s2, a2, c1);
+        }
+        if (q == 0 && rows[r] < g.n_rows) {
+          size_t base = static_cast<size_t>(w.split) * 3 * g.n_rows + rows[r];
+          p.partials[base] = mm;
+          p.partials[base + g.n_rows] = ss;
+          p.partials[base + 2 * static_cast<size_t>(g.n_rows)] = aa;
+        }
       }
     }
-  }
+  });
 #endif
 }
 
@@ -232,12 +206,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <class T, bool kDv>
 std::string launch_typed(const ForwardArgs& args, const Plan& plan, cudaStream_t stream) {
   using Cfg = Config<T, kDv>;
-  StatsParams p;
-  static_cast<ForwardArgs&>(p) = args;
-  p.units = units_of(plan, args.n, args.v, args.d);
+  StatsParams p = tile_params<StatsParams>(args, plan);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-  return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, args.hidden, args.weight, args.n, args.v, args.d,
-                           plan.grid, stream, "linear_lse_kernel");
+  return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, plan.grid, stream, "linear_lse_kernel");
 }
 
 }  // namespace jaxrl_sm90
