@@ -10,6 +10,7 @@
 // weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256).
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "ffi_common.h"
 
@@ -22,8 +23,8 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale,
                               ffi::Buffer<ffi::F32> scalars, ffi::ResultBuffer<ffi::F32> acc,
                               ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
-                              ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, bool has_entropy,
-                              float temperature, int64_t chunk) {
+                              ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, float temperature,
+                              bool has_entropy, int64_t chunk) {
   jaxrl_sm90::BackwardArgs args;
   jaxrl_sm90::GradArgs& g = args.grad;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
@@ -44,8 +45,8 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   if (workspace->element_count() < need)
     return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
                                        std::to_string(workspace->element_count()));
-  const int sms = sm_count(device);
-  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+  checked = read_sm_count(device, args.sm_count);
+  if (checked.failure()) return checked;
 
   args.h16 = h16.typed_data();
   args.row_scale = row_scale.typed_data();
@@ -55,24 +56,25 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   args.d_bias = has_bias ? d_bias->typed_data() : nullptr;
   args.workspace = workspace->untyped_data();
   args.chunk = static_cast<int>(chunk);
-  args.sm_count = sms;
   return launched(jaxrl_sm90::launch_backward(args, stream));
+}
+
+// grad_args_of's operands, h16, row_scale, scalars; acc, d_weight, d_bias, workspace; the
+// backward's attributes, chunk.
+auto backward_binding() {
+  auto results = bind_grad_operands()
+                     .Arg<ffi::Buffer<ffi::F16>>()
+                     .Arg<ffi::Buffer<ffi::F32>>()
+                     .Arg<ffi::Buffer<ffi::F32>>()
+                     .Ret<ffi::Buffer<ffi::F32>>()
+                     .Ret<ffi::AnyBuffer>()
+                     .Ret<ffi::Buffer<ffi::F32>>()
+                     .Ret<ffi::Buffer<ffi::U8>>();
+  return bind_grad_attrs(std::move(results)).Attr<int64_t>("chunk");
 }
 
 }  // namespace
 }  // namespace jaxrl_ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearBackward, jaxrl_ffi::LinearBackwardImpl,
-                              jaxrl_ffi::bind_grad_operands()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<bool>("weight_dv")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_entropy")
-                                  .Attr<float>("temperature")
-                                  .Attr<int64_t>("chunk"));
+                              jaxrl_ffi::backward_binding());

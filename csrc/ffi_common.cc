@@ -11,6 +11,9 @@ std::string dims_str(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
+namespace {
+
+// Multiprocessor count of a device ordinal, read once (0 if it cannot be read).
 int sm_count(int device) {
   static std::mutex mu;
   static int cache[64] = {0};
@@ -22,6 +25,14 @@ int sm_count(int device) {
     cache[device] = n;
   }
   return cache[device];
+}
+
+}  // namespace
+
+ffi::Error read_sm_count(int device, int& sms) {
+  sms = sm_count(device);
+  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+  return ffi::Error::Success();
 }
 
 bool all_rows(int64_t n, std::initializer_list<size_t> counts) {
@@ -71,27 +82,16 @@ ffi::Error grad_args_of(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buf
                         ffi::Buffer<ffi::S32>& targets, ffi::Buffer<ffi::F32>& lse, ffi::Buffer<ffi::F32>& alpha,
                         ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& gamma, bool weight_dv, bool has_bias,
                         bool has_entropy, float temperature, jaxrl_sm90::GradArgs& args) {
-  Head head;
-  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  ffi::Error checked = head_args_of(hidden, weight, bias, targets, weight_dv, has_bias, temperature, args);
   if (checked.failure()) return checked;
-  if (!all_rows(head.n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count()}))
+  if (!all_rows(args.n, {targets.element_count(), lse.element_count(), alpha.element_count(), beta.element_count()}))
     return ffi::Error::InvalidArgument("targets, lse, alpha and beta must all be [N]");
-  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != head.n)
+  if (has_entropy && static_cast<int64_t>(gamma.element_count()) != args.n)
     return ffi::Error::InvalidArgument("gamma must be [N]");
-  args.hidden = hidden.untyped_data();
-  args.weight = weight.untyped_data();
-  args.bias = has_bias ? bias.typed_data() : nullptr;
-  args.targets = targets.typed_data();
   args.lse = lse.typed_data();
   args.alpha = alpha.typed_data();
   args.beta = beta.typed_data();
   args.gamma = has_entropy ? gamma.typed_data() : nullptr;
-  args.n = static_cast<int>(head.n);
-  args.v = static_cast<int>(head.v);
-  args.d = static_cast<int>(head.d);
-  args.dtype = head.dtype;
-  args.weight_dv = weight_dv;
-  args.temperature = temperature;
   return ffi::Error::Success();
 }
 

@@ -1,14 +1,15 @@
 // What the XLA FFI handlers (ffi_forward.cc, ffi_backward.cc, ffi_variants.cc) share: the
-// checks of the head's operands, their copy into the launchers' argument structs
-// (sm90_launch.h), the device's SM count, and the binding of the operands both backward
-// handlers start with. Handlers only enqueue work on XLA's stream: no device allocation, no
-// synchronisation.
+// checks of the head's operands and their copy into the launchers' argument structs
+// (sm90_launch.h), the device's SM count, and the bindings of the operands and attributes
+// the handlers have in common. Handlers only enqueue work on XLA's stream: no
+// device allocation, no synchronisation.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -23,8 +24,8 @@ namespace jaxrl_ffi {
 // "[d0, d1, ...]" for error messages.
 std::string dims_str(ffi::Span<const int64_t> dims);
 
-// Multiprocessor count of a device ordinal, read once (0 if it cannot be read).
-int sm_count(int device);
+// The multiprocessor count of a device ordinal, read once per device, into `sms`.
+ffi::Error read_sm_count(int device, int& sms);
 
 // True if every count equals n.
 bool all_rows(int64_t n, std::initializer_list<size_t> counts);
@@ -41,6 +42,29 @@ struct Head {
 ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, bool weight_dv,
                       bool has_bias, float temperature, Head& head);
 
+// The head's operands checked (check_head) and copied, with the targets, into a launcher's
+// arguments: ForwardArgs or GradArgs, which name the head's fields alike. The targets are
+// checked by each handler with its other [N] operands.
+template <class Args>
+ffi::Error head_args_of(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias,
+                        ffi::Buffer<ffi::S32>& targets, bool weight_dv, bool has_bias, float temperature,
+                        Args& args) {
+  Head head;
+  ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
+  if (checked.failure()) return checked;
+  args.hidden = hidden.untyped_data();
+  args.weight = weight.untyped_data();
+  args.bias = has_bias ? bias.typed_data() : nullptr;
+  args.targets = targets.typed_data();
+  args.n = static_cast<int>(head.n);
+  args.v = static_cast<int>(head.v);
+  args.d = static_cast<int>(head.d);
+  args.dtype = head.dtype;
+  args.weight_dv = weight_dv;
+  args.temperature = temperature;
+  return ffi::Error::Success();
+}
+
 // The operands both backward handlers take after the head's: targets, lse, alpha, beta and
 // gamma ([N] each; gamma [0] without has_entropy), checked with the head and copied into
 // `args` with everything but the chunk's own fields.
@@ -54,20 +78,41 @@ inline ffi::Error launched(const std::string& why) {
   return why.empty() ? ffi::Error::Success() : ffi::Error::Internal(why);
 }
 
-// The binding both backward handlers start with: stream, device, then hidden, weight, bias,
-// targets, lse, alpha, beta and gamma (grad_args_of's operands).
+// `binding` followed by the head's operands, as head_args_of takes them: hidden, weight,
+// bias, targets.
+template <class Binding>
+auto bind_head_operands(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// The binding both backward handlers start with: stream, device, then the head's operands,
+// lse, alpha, beta and gamma (grad_args_of's operands).
 inline auto bind_grad_operands() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
+  return bind_head_operands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>();
+}
+
+// `binding` followed by the attributes of the head every handler takes (XLA matches
+// attributes by name, in any order): weight_dv, has_bias, temperature.
+template <class Binding>
+auto bind_head_attrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<bool>("weight_dv")
+      .template Attr<bool>("has_bias")
+      .template Attr<float>("temperature");
+}
+
+// The head's attributes and has_entropy, as both backward handlers take them.
+template <class Binding>
+auto bind_grad_attrs(Binding&& binding) {
+  return bind_head_attrs(std::move(binding)).template Attr<bool>("has_entropy");
 }
 
 }  // namespace jaxrl_ffi

@@ -22,7 +22,7 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
                           ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale,
                           ffi::ResultBuffer<ffi::F16> out, ffi::ResultBuffer<ffi::F16> w16, bool weight_dv,
-                          bool has_bias, bool has_entropy, float temperature) {
+                          bool has_bias, float temperature, bool has_entropy) {
   jaxrl_sm90::GradArgs args;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
                                     has_entropy, temperature, args);
@@ -43,8 +43,9 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   // read it contract over zero rows.
   if (args.n == 0 || od[1] == 0) return ffi::Error::Success();
 
-  const int sms = sm_count(device);
-  if (sms <= 0) return ffi::Error::Internal("could not read the multiprocessor count of the device");
+  int sms = 0;
+  checked = read_sm_count(device, sms);
+  if (checked.failure()) return checked;
   args.start_ptr = start.typed_data();
   args.out = out->untyped_data();
   args.w_scale = w_scale.typed_data();
@@ -55,19 +56,19 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
 
 ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
 
+// grad_args_of's operands, start, w_scale; G, the weight copy; the backward's attributes.
+auto grad_binding() {
+  return bind_grad_attrs(bind_grad_operands()
+                             .Arg<ffi::Buffer<ffi::S32>>()
+                             .Arg<ffi::Buffer<ffi::F32>>()
+                             .Ret<ffi::Buffer<ffi::F16>>()
+                             .Ret<ffi::Buffer<ffi::F16>>());
+}
+
 }  // namespace
 }  // namespace jaxrl_ffi
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, jaxrl_ffi::LinearGradImpl,
-                              jaxrl_ffi::bind_grad_operands()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F16>>()
-                                  .Attr<bool>("weight_dv")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_entropy")
-                                  .Attr<float>("temperature"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, jaxrl_ffi::LinearGradImpl, jaxrl_ffi::grad_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsUninitialized, jaxrl_ffi::UninitializedImpl,
                               ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
