@@ -245,6 +245,15 @@ def _assert_grad_norm(got, want, want32, dtype, name):
         f"{float(np.max(np.abs(got - want))):.3e}")
 
 
+def assert_bitwise(a, b, what="rerun"):
+    """Two pytrees of arrays bitwise identical: structure, dtypes, shapes and bytes."""
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, what
+        assert x.tobytes() == y.tobytes(), f"{what}: not bitwise identical"
+
+
 def assert_f32(*xs):
     for x in xs:
         dtype = jnp.asarray(x).dtype

@@ -201,6 +201,16 @@ def masked_mean(x, mask, dt=F64):
     return aggregate(x, mask, "token_mean", dt=dt)
 
 
+def kl_metric_scales(logp, old_logp, mask, ref_logp=None):
+    """The scales assert_close takes for the approx_kl / kl metrics: their estimators cancel
+    for small d, so the masked mean of exp|d| + |d| + 1 (d clipped to ±20)."""
+    cond = lambda d: np.exp(np.abs(np.clip(d, -20, 20))) + np.abs(np.clip(d, -20, 20)) + 1
+    scales = {"approx_kl": masked_mean(cond(f64(old_logp) - f64(logp)), mask)}
+    if ref_logp is not None:
+        scales["kl"] = masked_mean(cond(f64(ref_logp) - f64(logp)), mask)
+    return scales
+
+
 def _segments(b, group_size=None, group_boundaries=None):
     if group_size is not None:
         return np.repeat(np.arange(b // group_size), group_size)
@@ -211,17 +221,21 @@ def _segments(b, group_size=None, group_boundaries=None):
     return seg
 
 
+def _groups_of_several(b, group_size=None, group_boundaries=None):
+    """A boolean mask [b] per group of two or more members (a group of one gets 0)."""
+    seg = _segments(b, group_size, group_boundaries)
+    for g in np.unique(seg):
+        if np.sum(seg == g) > 1:
+            yield seg == g
+
+
 def group_advantages(rewards, *, group_size=None, group_boundaries=None, normalize_std=True,
                      std_ddof=0, eps=1e-6, dt=F64):
     """adv = r - mean_g (/ (std_g + eps)); a group of one gets 0."""
     r = np.asarray(f64(rewards), dt)
-    seg = _segments(r.shape[0], group_size, group_boundaries)
     adv = np.zeros_like(r)
-    for g in np.unique(seg):
-        idx = seg == g
+    for idx in _groups_of_several(r.shape[0], group_size, group_boundaries):
         n = idx.sum()
-        if n == 1:
-            continue
         c = r[idx] - r[idx].mean()
         if normalize_std:
             std = np.sqrt(np.sum(c * c) / (n - std_ddof))
@@ -235,13 +249,9 @@ def group_advantages_vjp(rewards, g, *, group_size=None, group_boundaries=None,
     """Cotangent of rewards (float64). Needs std_g > 0 in groups of two or more."""
     r = f64(rewards)
     g = f64(g)
-    seg = _segments(r.shape[0], group_size, group_boundaries)
     out = np.zeros_like(r)
-    for k in np.unique(seg):
-        idx = seg == k
+    for idx in _groups_of_several(r.shape[0], group_size, group_boundaries):
         n = idx.sum()
-        if n == 1:
-            continue
         gi = g[idx]
         if not normalize_std:
             out[idx] = gi - gi.mean()

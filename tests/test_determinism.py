@@ -6,16 +6,8 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from conftest import pallas_slow
+from conftest import assert_bitwise, pallas_slow
 from test_transforms import OPS, _scalarize, _setup
-
-
-def assert_bitwise(a, b, what):
-    assert jax.tree.structure(a) == jax.tree.structure(b), what
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, what
-        assert x.tobytes() == y.tobytes(), f"{what}: not bitwise identical"
 
 
 def twice(f, *args):

@@ -23,7 +23,7 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import assert_close, assert_f32, cotangent
+from conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.backend_contract import Problem
@@ -65,21 +65,31 @@ def test_extension_built_and_imports():
         [ffi.TARGET, ffi.GRAD_TARGET, ffi.BACKWARD_TARGET, ffi.UNINITIALIZED_TARGET])
 
 
-@pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
-                                     (8192, 151936, 132), (300, 50257, 7), (5000, 300, 132)])
-def test_planner_covers_every_tile_once(n, v, sms):
+@pytest.fixture
+def sm90():
+    """The extension module, for the tests of its host-side planners (skipped without it)."""
     if ffi._sm90 is None:
         pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
-    m = ffi._sm90
-    plan = m.plan(n, v, sms)
-    rows, tiles = -(-n // m.TILE_ROWS), -(-v // m.TILE_COLS)
+    return ffi._sm90
+
+
+def _tile_grid(sm90, n, cols):
+    """(row blocks, column tiles) of an [n, cols] logit block in the kernels' tiles."""
+    return -(-n // sm90.TILE_ROWS), -(-cols // sm90.TILE_COLS)
+
+
+@pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
+                                     (8192, 151936, 132), (300, 50257, 7), (5000, 300, 132)])
+def test_planner_covers_every_tile_once(sm90, n, v, sms):
+    plan = sm90.plan(n, v, sms)
+    rows, tiles = _tile_grid(sm90, n, v)
     assert (plan["row_blocks"], plan["vocab_tiles"]) == (rows, tiles)
     assert 1 <= plan["grid"] <= sms and 1 <= plan["splits"] <= tiles
     assert plan["partials_bytes"] == 3 * 4 * plan["splits"] * n  # 3 floats per row per split
     seen = np.zeros((rows, tiles), np.int64)
     load = np.zeros(plan["grid"], np.int64)
     for u in range(rows * plan["splits"]):
-        p, s, begin, end = m.decode_unit(u, rows, plan["splits"], plan["group_rows"], tiles)
+        p, s, begin, end = sm90.decode_unit(u, rows, plan["splits"], plan["group_rows"], tiles)
         assert 0 <= s < plan["splits"] and begin < end
         seen[p, begin:end] += 1
         load[u % plan["grid"]] += end - begin
@@ -162,35 +172,30 @@ def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
 @pytest.mark.parametrize("n,v,d,chunk,layout", [(4096, 131072, 2048, 8192, "vd"),
                                                 (300, 1001, 64, 512, "vd"), (37, 77, 64, 256, "vd"),
                                                 (129, 2056, 72, 768, "dv"), (1, 304, 64, 256, "dv")])
-def test_backward_workspace_holds_its_buffers(n, v, d, chunk, layout):
+def test_backward_workspace_holds_its_buffers(sm90, n, v, d, chunk, layout):
     """The fused backward's workspace: G [N, ld] and the weight copy (ld = the widest chunk
     rounded up to 8 columns), a d_weight tail buffer exactly when a "vd" last chunk is not a
     multiple of 8 wide, each chunk's max |W| and 1 / sigma, and the GEMMs' own workspace,
     each 256-byte aligned."""
-    if ffi._sm90 is None:
-        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
     up = lambda x, a: -(-x // a) * a
     widest, last = min(chunk, v), v - (v - 1) // chunk * chunk
     ld = up(widest, 8)
     core = up(2 * n * ld, 256) + up(2 * ld * d, 256) + 2 * up(4 * -(-v // chunk), 256)
     tail = up(2 * up(last, 8) * d, 256) if layout == "vd" and last % 8 else 0
-    got = ffi._sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", True)
+    got = sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", True)
     assert got % 256 == 0 and core + tail <= got <= core + tail + 2**20
-    assert got == ffi._sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", False)
+    assert got == sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", False)
 
 
 @pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
-def test_grad_planner_one_unit_per_tile(n, size, sms):
-    if ffi._sm90 is None:
-        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
-    m = ffi._sm90
-    plan = m.grad_plan(n, size, sms)
-    rows, tiles = -(-n // m.TILE_ROWS), -(-size // m.TILE_COLS)
+def test_grad_planner_one_unit_per_tile(sm90, n, size, sms):
+    plan = sm90.grad_plan(n, size, sms)
+    rows, tiles = _tile_grid(sm90, n, size)
     assert plan["splits"] == plan["vocab_tiles"] == tiles and plan["row_blocks"] == rows
     assert 1 <= plan["grid"] <= sms
     seen = np.zeros((rows, tiles), np.int64)
     for u in range(rows * tiles):
-        p, s, begin, end = m.decode_unit(u, rows, tiles, plan["group_rows"], tiles)
+        p, s, begin, end = sm90.decode_unit(u, rows, tiles, plan["group_rows"], tiles)
         assert end == begin + 1 == s + 1
         seen[p, begin] += 1
     assert (seen == 1).all()
@@ -513,10 +518,7 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
     h, w, _, t = _gpu_inputs(1024, 512, 32768, "vd", jnp.bfloat16, False, seed=4)
     g = jnp.asarray(np.random.default_rng(0).standard_normal(1024), jnp.float32)
     f = jax.jit(jax.grad(lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, t)), argnums=(0, 1)))
-    first = [np.asarray(x) for x in f(h, w)]
-    again = [np.asarray(x) for x in f(h, w)]
-    for a, b in zip(first, again):
-        assert a.tobytes() == b.tobytes()
+    assert_bitwise(f(h, w), f(h, w))
     text = jax.jit(f).lower(h, w).as_text()
     assert f"custom_call @{ffi.BACKWARD_TARGET}" in text
 
@@ -545,11 +547,9 @@ def test_gpu_bitwise_deterministic():
     h, w, _, t = _gpu_inputs(4096, 2048, 32768, "vd", jnp.bfloat16, False, seed=1)
     rv = jnp.ones(t.shape, bool)
     f = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, rv, "vd", 1.0))
-    first = [np.asarray(x) for x in f(h, w, t)]
+    first = f(h, w, t)
     for _ in range(2):
-        again = [np.asarray(x) for x in f(h, w, t)]
-        for a, b in zip(first, again):
-            assert a.tobytes() == b.tobytes()
+        assert_bitwise(first, f(h, w, t))
 
 
 @pytest.mark.gpu

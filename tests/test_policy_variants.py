@@ -18,8 +18,9 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, dtype_id,
-                      pallas_slow, ppo_token_inputs, random_mask)
+import test_ppo_loss
+from conftest import (as_jnp, assert_bitwise, assert_close, assert_f32, assert_zero, cotangent,
+                      dtype_id, pallas_slow, ppo_token_inputs, random_mask)
 
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
@@ -27,7 +28,6 @@ TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
 VARIANTS = list(itertools.product(RATIO_LEVELS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES))
 MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-BASE_METRICS = {"clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"}
 
 
 def variant_kw(variant):
@@ -55,52 +55,12 @@ def make_batch(rng, b, t, dtype=jnp.float32, *, adv_rank=2, empty_rows=(1,), shi
     return ppo_token_inputs(rng, lp64, old64, dtype, adv_rank=adv_rank, empty_rows=empty_rows)
 
 
-def _kl_cond(d):
-    d = np.clip(d, -20, 20)
-    return np.exp(np.abs(d)) + np.abs(d) + 1
-
-
 def check_ppo(backend, rng, arrays, mask, dtype, options, *, use=("rollout_logp", "ref_logp",
                                                                   "entropy")):
-    """ppo_loss(**options, arrays named in ``use``) against oracle.ppo_loss: loss, the exact
-    set of metrics and each value, d logp and d entropy for a random cotangent."""
-    lp, lp64 = arrays["logp"]
-    old, old64 = arrays["old_logp"]
-    adv, adv64 = arrays["advantages"]
-    m = jnp.asarray(mask)
-    lib = {k: arrays[k][0] for k in use if k != "entropy"}
-    orc = {k: arrays[k][1] for k in use}
-    ent = arrays["entropy"][0] if "entropy" in use else None
-
-    def f(lp, ent):
-        kw = dict(lib, **options) if ent is None else dict(lib, entropy=ent, **options)
-        return jk.ppo_loss(lp, old, adv, m, backend=backend, **kw)
-
-    (loss, metrics), vjp = jax.vjp(f, lp, ent)
-    assert_f32(loss, *metrics.values())
-    want = oracle.ppo_loss(lp64, old64, adv64, mask, **orc, **options)
-    want32 = oracle.ppo_loss(lp64, old64, adv64, mask, dt=np.float32, **orc, **options)
-    w_loss, w_metrics, w_dlp, w_dent, per_token = want
-    mode = options.get("loss_agg_mode", "token_mean")
-    scale = oracle.aggregate(np.abs(per_token), mask, mode, options.get("max_len"))
-    assert_close(loss, w_loss, in_dtype=dtype, want32=want32[0], scale=scale, name="loss")
-
-    assert set(metrics) == set(w_metrics), f"metrics {set(metrics) ^ set(w_metrics)}"
-    assert BASE_METRICS <= set(metrics)
-    kl_scale = {"approx_kl": oracle.masked_mean(_kl_cond(old64 - lp64), mask)}
-    if "ref_logp" in orc:
-        kl_scale["kl"] = oracle.masked_mean(_kl_cond(orc["ref_logp"] - lp64), mask)
-    for key, w in w_metrics.items():
-        assert_close(metrics[key], w, in_dtype=dtype, want32=want32[1][key],
-                     scale=kl_scale.get(key), name=f"metrics[{key}]")
-
-    g = float(cotangent(rng, ()))
-    d_lp, d_ent = vjp((jnp.float32(g), jax.tree.map(jnp.zeros_like, metrics)))
-    assert d_lp.dtype == lp.dtype
-    assert_close(d_lp, g * w_dlp, in_dtype=dtype, want32=g * want32[2], name="d_logp")
-    if ent is not None:
-        assert_close(d_ent, g * w_dent, in_dtype=dtype, want32=g * want32[3], name="d_entropy")
-    return loss, metrics, d_lp
+    """``test_ppo_loss.check_ppo`` on ppo_loss(**options, the arrays named in ``use``)."""
+    lib = dict(options, **{k: arrays[k][0] for k in use})
+    orc = dict(options, **{k: arrays[k][1] for k in use})
+    return test_ppo_loss.check_ppo(backend, rng, arrays, mask, dtype, lib, orc)
 
 
 # ----------------------------------------------------------------------------- ppo_loss grid
@@ -215,7 +175,7 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
                                                       kw["max_len"]), name="loss")
     assert set(metrics) == set(w_metrics)
     for key, w in w_metrics.items():
-        scale = oracle.masked_mean(_kl_cond(arrays["old_logp"][1] - arrays["logp"][1]), mask)
+        scale = oracle.kl_metric_scales(arrays["logp"][1], arrays["old_logp"][1], mask)["approx_kl"]
         assert_close(metrics[key], w, scale=scale if key == "approx_kl" else None, name=key)
 
 
@@ -335,9 +295,7 @@ def test_tis_options_inert_without_rollout(backend, rng):
     m = jnp.asarray(mask)
     f = lambda **kw: jax.value_and_grad(lambda x: jk.ppo_loss(
         x, old, adv, m, ratio_level="sequence", backend=backend, **kw)[0])(lp)
-    base, other = f(), f(tis_level="sequence", tis_mode="mask")
-    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(other)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert_bitwise(f(), f(tis_level="sequence", tis_mode="mask"), "tis options")
 
 
 def test_variants_under_jit(backend, rng):

@@ -15,7 +15,6 @@ Vocabulary sizes are chosen so that every kernel walks several vocabulary tiles 
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, rand, random_mask
+from sharding_support import collective_sizes, full_spec
 from jaxrl_kernels.backends import chunked
 
 
@@ -46,22 +46,6 @@ def make_mesh(kind: str):
 
 
 # -- the check ---------------------------------------------------------------------------------
-
-def _all_gathers(hlo: str) -> list[int]:
-    """Element counts of every all-gather result in a compiled HLO text (each element of a
-    combined one's tuple)."""
-    sizes = []
-    for line in hlo.splitlines():
-        m = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
-        for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1)) if m else ():
-            sizes.append(int(np.prod([int(d) for d in t.group(1).split(",") if d])))
-    return sizes
-
-
-def _spec(x):
-    spec = tuple(x.sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
-
 
 def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=(), low_rel=None):
     """``fn(*args)`` on arrays placed by ``specs`` against the unsharded call.
@@ -107,12 +91,12 @@ def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=(), low_rel=No
             assert err <= 1e-5 * scale, f"{name} {i}: max error {err:.3e} > 1e-5 × {scale:.3e}"
     if big:
         limit = min(args[i].size for i in big) // 8  # below any device's share
-        gathers = [n for n in _all_gathers(compiled.as_text()) if n >= limit]
+        gathers = [n for n in collective_sizes(compiled.as_text(), "all-gather") if n >= limit]
         assert not gathers, f"all-gathers of {gathers} elements (limit {limit})"
     for g_index, a_index in like:
-        assert _spec(got_grad[g_index]) == _spec(placed[a_index]), (
-            f"gradient {g_index} sharded {_spec(got_grad[g_index])}, "
-            f"argument {_spec(placed[a_index])}")
+        assert full_spec(got_grad[g_index]) == full_spec(placed[a_index]), (
+            f"gradient {g_index} sharded {full_spec(got_grad[g_index])}, "
+            f"argument {full_spec(placed[a_index])}")
     return got_out
 
 
@@ -135,6 +119,14 @@ def logits_inputs(rng):
     old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
     rewards, _ = rand(rng, (B,))
     return pol, ref, acts, old, rewards, mask
+
+
+def bad_targets(rng, b, t, vocab):
+    """Targets [b, t] (int32) with one past the vocabulary and one negative (their log-probs
+    are NaN) and one ignored (-100, log-prob 0)."""
+    targets = np.asarray(rng.integers(0, vocab, (b, t)), np.int32)
+    targets[0, 1], targets[1, 2], targets[3, 4] = vocab + 3, -7, -100
+    return jnp.asarray(targets)
 
 
 def w_spec(layout, vocab_entry):
@@ -261,9 +253,7 @@ def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
     targets give NaN, ignored ones 0. With and without shard_map's varying-axes types."""
     for weight_layout in ("vd", "dv"):
         h, w, _, _ = head(rng, weight_layout)
-        t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
-        t[0, 1], t[1, 2], t[3, 4] = V + 3, -7, -100
-        t = jnp.asarray(t)
+        t = bad_targets(rng, B, T, V)
         kw = dict(weight_layout=weight_layout, temperature=0.7, ignore_index=-100,
                   return_entropy=True, backend=backend)
         g_lp, g_ent = (jnp.asarray(rng.standard_normal((B, T)), jnp.float32) for _ in range(2))
@@ -298,7 +288,7 @@ def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
         assert np.asarray(lp)[3, 4] == 0 and np.asarray(ent)[3, 4] == 0
         assert_close(dh, np.asarray(dh0), name="d_hidden vs unsharded")
         assert_close(dw, np.asarray(dw0), name="d_weight vs unsharded")
-        assert _spec(dw) == _spec(placed[1])
+        assert full_spec(dw) == full_spec(placed[1])
 
 
 def test_linear_logprobs_vocab_axis_grad_inside(rng, backend):
@@ -523,9 +513,7 @@ def test_gpus_vocab_axis(rng, backend_name, weight_layout):
     backend = gpu_backend(backend_name)
     mesh = gpu_mesh("Explicit")
     h, w, _, _ = gpu_head(rng, weight_layout)
-    t = np.asarray(rng.integers(0, GPU_V, (GPU_B, GPU_T)), np.int32)
-    t[0, 1], t[1, 2], t[3, 4] = GPU_V + 3, -7, -100
-    t = jnp.asarray(t)
+    t = bad_targets(rng, GPU_B, GPU_T, GPU_V)
     kw = dict(weight_layout=weight_layout, temperature=0.7, ignore_index=-100,
               return_entropy=True, backend=backend)
     g_lp, g_ent = (jnp.asarray(rng.standard_normal((GPU_B, GPU_T)), jnp.float32)
@@ -557,4 +545,4 @@ def test_gpus_vocab_axis(rng, backend_name, weight_layout):
         got, base = np.asarray(got, np.float64), np.asarray(base, np.float64)
         rel = np.linalg.norm(got - base) / np.linalg.norm(base)
         assert rel <= GPU_LOW_REL, f"{name}: {rel:.3e} from the one-GPU call"
-    assert _spec(dw) == _spec(placed[1])
+    assert full_spec(dw) == full_spec(placed[1])

@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import re
 import zlib
 from collections.abc import Callable
 
@@ -60,6 +59,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 from conftest import CPU_BACKENDS, assert_close, random_mask
 from conftest import call as call_op
+from sharding_support import collective_sizes, full_spec
 from jaxrl_kernels.backends import chunked
 
 B, T, D, V = 4, 8, 16, 1024
@@ -501,22 +501,6 @@ def shard_mapped(case: Case, built: Built, mesh):
 
 # -- the checks --------------------------------------------------------------------------------
 
-def _collective_sizes(hlo: str, name: str) -> list[int]:
-    """Element counts of every result of a collective (``all-gather``, ``all-reduce``,
-    ``reduce-scatter``) in a compiled HLO text, each element of a combined one's tuple."""
-    sizes = []
-    for line in hlo.splitlines():
-        m = re.search(rf"= (.*?) {name}(?:-start)?\(", line)
-        for t in re.finditer(r"\w+\[([\d,]*)\]", m.group(1)) if m else ():
-            sizes.append(int(np.prod([int(d) for d in t.group(1).split(",") if d])))
-    return sizes
-
-
-def _spec_of(x) -> tuple:
-    s = tuple(x.sharding.spec)
-    return s + (None,) * (x.ndim - len(s))
-
-
 def check(case: Case):
     if case.backend not in CPU_BACKENDS + ["fast"]:
         pytest.skip(f"backend {case.backend} is not in this run's backends")
@@ -571,9 +555,9 @@ def check(case: Case):
             # under Auto axes XLA's partitioner places it (replicated). Explicit axes and
             # shard_map type it like the primal, checked here; its value (zeros) above.
             continue
-        assert _spec_of(g) == _spec_of(placed[i]), (
-            f"{case}: gradient of argument {i} sharded {_spec_of(g)}, the argument "
-            f"{_spec_of(placed[i])}")
+        assert full_spec(g) == full_spec(placed[i]), (
+            f"{case}: gradient of argument {i} sharded {full_spec(g)}, the argument "
+            f"{full_spec(placed[i])}")
     if not built.big:
         return
     hlo = compiled.as_text()
@@ -586,15 +570,15 @@ def check(case: Case):
         if case.layout in ("fsdp", "tp_fsdp"):
             allowed.add(V * dim // MODEL)  # the FSDP weight: the D shards of a vocabulary slice
     limit = min(built.arrays[i].size for i in built.big) // (DATA * MODEL)
-    gathers = [n for n in _collective_sizes(hlo, "all-gather") if n >= limit]
+    gathers = [n for n in collective_sizes(hlo, "all-gather") if n >= limit]
     assert all(n in allowed for n in gathers), (
         f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})")
     xla_places_grads = case.backend == "reference" and case.mode == "Auto"
     if case.layout in ("fsdp", "tp_fsdp") and case.mode != "shard_map" and not xla_places_grads:
         share = V * D // MODEL  # d_weight of a vocabulary slice, all of D
-        assert share not in _collective_sizes(hlo, "all-reduce"), (
+        assert share not in collective_sizes(hlo, "all-reduce"), (
             f"{case}: d_weight all-reduced over the FSDP axis")
-        assert share // DATA in _collective_sizes(hlo, "reduce-scatter"), (
+        assert share // DATA in collective_sizes(hlo, "reduce-scatter"), (
             f"{case}: d_weight not reduce-scattered over the FSDP axis")
 
 
