@@ -343,7 +343,5 @@ def plot(log: dict[str, Any], path: str) -> None:
             ylabel="accuracy (%)", title="held-out accuracy (greedy)")
     ax3.legend(fontsize=8)
     cfg = log["config"]
-    fig.suptitle(f"jaxrl_kernels demo: distill ({cfg['divergence']}), seed {cfg['seed']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    train.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}), "
+                                 f"seed {cfg['seed']}")

@@ -510,7 +510,14 @@ def plot(log: dict[str, Any], path: str) -> None:
             ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if i == 0 else None)
     ax1.legend(fontsize=8)
     cfg = log["config"]
-    fig.suptitle(f"jaxrl_kernels demo: {cfg['algo']}, seed {cfg['seed']}")
+    save_figure(fig, path, f"jaxrl_kernels demo: {cfg['algo']}, seed {cfg['seed']}")
+
+
+def save_figure(fig, path: str, title: str) -> None:
+    """A demo figure titled, laid out, written at 110 dpi and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
