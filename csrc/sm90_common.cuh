@@ -310,8 +310,8 @@ inline Units units_of(const Plan& plan, int n, int v, int d) {
           plan.row_blocks * plan.splits};
 }
 
-// The kernel parameters `Params`, which extend the launch's `Args` (a HeadArgs), with the
-// plan's unit layout; the fields of the kernel's own are the caller's to set.
+// The kernel parameters `Params`, which extend the launch's `Args` (ForwardArgs or GradArgs),
+// with the plan's unit layout; the fields of the kernel's own are the caller's to set.
 template <class Params, class Args>
 Params tile_params(const Args& args, const Plan& plan) {
   Params p;
