@@ -4,7 +4,11 @@ Every op test takes a ``backend`` argument and is parametrized over :data:`CPU_B
 (the one list); set ``JAXRL_TEST_PALLAS=1`` to add the Pallas backend (interpret mode
 on CPU). Cases too slow for interpret mode carry ``@pytest.mark.pallas_slow`` (or are
 wrapped with :func:`pallas_slow`) and are skipped for ``backend="pallas"`` unless
-``JAXRL_TEST_PALLAS_SLOW=1``.
+``JAXRL_TEST_PALLAS_SLOW=1``. A test marked ``@pytest.mark.op(*names)`` (the public ops it
+calls; bare ``@pytest.mark.op``: its ``op`` parameter) runs each function once: a backend
+whose call of each of them runs the very function an earlier backend runs (:func:`same_code`:
+reference and chunked share ppo_math's ppo_loss and aggregation_math's group_advantages; kl_penalty, aggregate
+and policy_gradient_loss dispatch to no backend) is skipped unless ``JAXRL_TEST_SLOW=1``.
 
 Tolerances (docs/api.md "Numerics"), see :func:`assert_close`:
 
@@ -23,6 +27,7 @@ Tolerances (docs/api.md "Numerics"), see :func:`assert_close`:
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import zlib
 
@@ -69,6 +74,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "grid_full: the whole many-device grid (test_sharding_grid.py); skipped "
                    "unless JAXRL_TEST_GRID=full")
+    config.addinivalue_line(
+        "markers", "op(*names): the public ops a test exercises (none: its 'op' parameter); a "
+                   "backend that runs the same function as an earlier one is skipped unless "
+                   "JAXRL_TEST_SLOW=1")
 
 
 def pytest_generate_tests(metafunc):
@@ -97,11 +106,58 @@ def pytest_collection_modifyitems(config, items):
         if (callspec is not None and callspec.params.get("backend") == "pallas"
                 and "pallas_slow" in item.keywords and not run_slow_pallas):
             item.add_marker(skip_slow_pallas)
+        same = _same_code_as(item)
+        if same is not None and not run_slow:
+            item.add_marker(pytest.mark.skip(
+                reason=f"runs the same function as backend {same!r}; set JAXRL_TEST_SLOW=1 "
+                       "to run it anyway"))
+
+
+def _same_code_as(item) -> str | None:
+    """For a test marked ``op``: the earlier backend its backend repeats for every op, if any."""
+    marker = item.get_closest_marker("op")
+    callspec = getattr(item, "callspec", None)
+    if marker is None or callspec is None or "backend" not in callspec.params:
+        return None
+    ops = marker.args or (callspec.params["op"],)
+    same = {same_code(op, callspec.params["backend"]) for op in ops}
+    return same.pop() if len(same) == 1 else None
+
+
+def same_code(op: str, backend: str) -> str | None:
+    """The first backend before ``backend`` in CPU_BACKENDS whose call of the public op ``op``
+    runs the very same function (None if none does): an op that dispatches to no backend
+    runs one function whatever the backend asked for."""
+    from jaxrl_kernels import dispatch
+
+    earlier = CPU_BACKENDS[:CPU_BACKENDS.index(backend)]
+    if op not in dispatch.OP_PRIMITIVE:
+        return earlier[0] if earlier else None
+    impl = dispatch.select(op, dispatch.Problem(), backend).impl
+    return next((b for b in earlier if dispatch.select(op, dispatch.Problem(), b).impl is impl),
+                None)
 
 
 def pallas_slow(*values):
     """A ``pytest.param`` for a case that is too slow for Pallas interpret mode."""
     return pytest.param(*values, marks=pytest.mark.pallas_slow)
+
+
+def pallas_sample(pallas, *axes):
+    """Every combination of the values of ``axes`` as a ``pytest.param`` (a tuple value gives
+    several parameters); those not in the set ``pallas`` carry ``pallas_slow``: interpret mode
+    runs the covering sample ``pallas``."""
+    cases = [sum((v if isinstance(v, tuple) else (v,) for v in combo), ())
+             for combo in itertools.product(*axes)]
+    return [pytest.param(*case, id="-".join(_param_id(v) for v in case),
+                         marks=() if case in pallas else pytest.mark.pallas_slow)
+            for case in cases]
+
+
+def _param_id(value):
+    if isinstance(value, tuple):  # a shape
+        return "x".join(map(str, value))
+    return dtype_id(value) if isinstance(value, type) else str(value)
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ device. Rows are split over ``data`` (one row block per process), the vocabulary
 ``model``. The sharded values and gradients must equal the unsharded ones, which each process
 computes on its own first device; gradients must come back sharded like their primals.
 
-Cases (a comma-separated list; each process runs them all in order; all but ``linear`` are
-traced with the mesh set, ``jax.set_mesh``, as a user does):
+Runs (``<Auto|Explicit>:<cases>``, each a mesh type and a comma-separated list of cases; each
+process runs them all in order, one mesh per run; all cases but ``linear`` are traced with the
+mesh set, ``jax.set_mesh``, as a user does):
 
 ``linear``
     linear_logprobs and linear_grpo_loss under jax.jit, the weight split over the vocabulary;
@@ -21,7 +22,7 @@ traced with the mesh set, ``jax.set_mesh``, as a user does):
     split over ``data``: linear_logprobs, linear_grpo_loss, token_logprobs and grpo_loss; a
     loss there is the loss of the device's row block.
 
-usage: python multiprocess_worker.py <process id> <port> <backend> <Auto|Explicit> [cases]
+usage: python multiprocess_worker.py <process id> <port> <backend> <Auto|Explicit>:<cases> ...
 """
 
 import contextlib
@@ -36,8 +37,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_traceback_in_locations_limit", 5)  # see conftest.py
-pid, port, backend, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-CASES = sys.argv[5].split(",") if len(sys.argv) > 5 else ["linear"]
+pid, port, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+RUNS = [(kind, cases.split(",")) for kind, cases in (run.split(":") for run in sys.argv[4:])]
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 
 import jax.numpy as jnp  # noqa: E402
@@ -60,7 +61,7 @@ logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
 ref_logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
 
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
-mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+mesh = None  # the current run's (data=2, model=4) mesh, set below
 local = jax.local_devices()[0]
 ROWS, ROWS3, SEQ = P("data", None), P("data", None, None), P("data")
 
@@ -182,7 +183,9 @@ def case_vocab_axis():
           unsharded=blocks(from_logits))
 
 
-for case in CASES:
-    {"linear": case_linear, "options": case_options, "vocab_axis": case_vocab_axis}[case]()
-print(f"process {pid}: ok ({backend}, {kind}, {','.join(CASES)})")
+for kind, cases in RUNS:
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+    for case in cases:
+        {"linear": case_linear, "options": case_options, "vocab_axis": case_vocab_axis}[case]()
+    print(f"process {pid}: ok ({backend}, {kind}, {','.join(cases)})", flush=True)
 jax.distributed.shutdown()

@@ -1,4 +1,9 @@
-"""Two runs on the same inputs give bitwise-identical outputs and gradients (docs/api.md "Numerics")."""
+"""Two runs on the same inputs give bitwise-identical outputs and gradients (docs/api.md "Numerics").
+
+Every op at small sizes, jitted with its gradient and eagerly: test_transforms.py's
+``test_jit_grad_value_and_grad`` runs each twice (sharing its compiled function). Here, sizes
+where a vocabulary-chunked implementation walks several chunks.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +12,6 @@ import pytest
 
 import jaxrl_kernels as jk
 from conftest import assert_bitwise, pallas_slow
-from test_transforms import OPS, _scalarize, _setup
 
 
 def twice(f, *args):
@@ -16,15 +20,6 @@ def twice(f, *args):
     first = jf(*args)
     assert_bitwise(first, jf(*args), "jit")
     return first
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_bitwise_repeatable(backend, rng, op):
-    f, args, n_diff, weights = _setup(op, backend, rng)
-    vg = jax.value_and_grad(lambda *a: _scalarize(f(*a), weights), argnums=tuple(range(n_diff)))
-    twice(lambda *a: (f(*a), vg(*a)), *args)
-    eager = f(*args)
-    assert_bitwise(eager, f(*args), "eager")
 
 
 # Sizes where a vocabulary-chunked implementation walks several chunks.

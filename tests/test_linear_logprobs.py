@@ -8,7 +8,8 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_slow, rand
+from conftest import (assert_close, assert_f32, assert_zero, cotangent, pallas_sample,
+                      pallas_slow, rand)
 
 # (leading shape, V, D, temperature, with bias); every dtype and layout
 CASES = [
@@ -69,10 +70,14 @@ def check_linear(backend, rng, hidden, h64, weight, w64, bias, b64, targets, *, 
     return logp, ent, grads
 
 
-@pytest.mark.parametrize("dtype,layout", [(jnp.float32, "vd"), (jnp.float32, "dv"),
-                                          (jnp.bfloat16, "vd")],
-                         ids=["f32-vd", "f32-dv", "bf16-vd"])
-@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias", CASES)
+DTYPE_LAYOUTS = [(jnp.float32, "vd"), (jnp.float32, "dv"), (jnp.bfloat16, "vd")]
+# pallas (interpret mode is slow; tests/test_pallas_linear.py tests its kernels) runs each case
+# once, the dtype-layouts in turn (each twice); the rest is pallas_slow.
+PALLAS_VALUES = {c + DTYPE_LAYOUTS[i % len(DTYPE_LAYOUTS)] for i, c in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias,dtype,layout",
+                         pallas_sample(PALLAS_VALUES, CASES, DTYPE_LAYOUTS))
 def test_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout):
     h, h64, w, w64, b, b64, t = make_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
     check_linear(backend, rng, h, h64, w, w64, b, b64, t, layout=layout, temperature=temperature)

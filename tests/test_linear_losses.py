@@ -7,8 +7,8 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, pallas_slow, rand,
-                      random_mask)
+from conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, pallas_sample,
+                      pallas_slow, rand, random_mask)
 
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
@@ -111,8 +111,15 @@ def check_linear_ppo(backend, rng, x, dtype, layout, options):
 DTYPE_LAYOUTS = [(jnp.float32, "vd"), (jnp.bfloat16, "dv")]
 
 
-@pytest.mark.parametrize("dtype,layout", DTYPE_LAYOUTS, ids=["f32-vd", "bf16-dv"])
-@pytest.mark.parametrize("options", list(PPO_OPTIONS))
+def pallas_cases(options, both):
+    """Each option set on both dtype-layouts; pallas (interpret mode is slow) runs each once,
+    the dtype-layouts in turn, and ``both`` on both."""
+    pallas = {(o, *DTYPE_LAYOUTS[i % 2]) for i, o in enumerate(options)}
+    pallas |= {(both, *dl) for dl in DTYPE_LAYOUTS}
+    return pallas_sample(pallas, list(options), DTYPE_LAYOUTS)
+
+
+@pytest.mark.parametrize("options,dtype,layout", pallas_cases(PPO_OPTIONS, "everything"))
 def test_linear_ppo_loss(backend, rng, options, dtype, layout):
     x = make_head(rng, 4, 5, 37, 8, dtype, layout, with_bias=options != "default")
     check_linear_ppo(backend, rng, x, dtype, layout, PPO_OPTIONS[options])
@@ -202,8 +209,7 @@ def check_linear_grpo(backend, rng, x, dtype, layout, options):
     _grads_check(grads, primals, w_vjp(*gs), w32_vjp(*gs), dtype)
 
 
-@pytest.mark.parametrize("dtype,layout", DTYPE_LAYOUTS, ids=["f32-vd", "bf16-dv"])
-@pytest.mark.parametrize("options", list(GRPO_OPTIONS))
+@pytest.mark.parametrize("options,dtype,layout", pallas_cases(GRPO_OPTIONS, "bounds_single_k1_dual"))
 def test_linear_grpo_loss(backend, rng, options, dtype, layout):
     x = make_head(rng, 4, 5, 37, 8, dtype, layout, with_bias=options != "default")
     check_linear_grpo(backend, rng, x, dtype, layout, GRPO_OPTIONS[options])

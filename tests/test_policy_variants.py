@@ -3,8 +3,9 @@
 ``ratio_level`` (token / sequence = GSPO), ``policy_loss`` (ppo / cispo), ``tis_level``
 (token / sequence) and ``tis_mode`` (truncate / mask) on ppo_loss: the full cross-product
 with the four aggregations, advantages [B] and [B, T], with and without fully masked
-sequences, on reference and chunked; a covering subset on pallas (interpret mode; the rest
-of the grid carries ``pallas_slow``). Values, every metric and the gradient (docs/api.md's
+sequences, on reference (chunked runs the same function, ppo_math.ppo_loss: conftest's ``op``
+marker skips it unless JAXRL_TEST_SLOW=1); a covering subset on pallas (interpret mode; the
+rest of the grid carries ``pallas_slow``). Values, every metric and the gradient (docs/api.md's
 stop-gradient semantics) each time. Then grpo_loss, linear_ppo_loss and linear_grpo_loss
 with the options through their fused paths, and every bad combination's ValueError.
 """
@@ -89,6 +90,7 @@ def _grid():
 
 
 @pytest.mark.parametrize("variant,mode,adv_rank,empty", list(_grid()))
+@pytest.mark.op("ppo_loss")
 def test_ppo_variant_grid(backend, rng, variant, mode, adv_rank, empty):
     """Every combination: loss, every metric, d logp, d entropy (with TIS, KL and entropy)."""
     arrays, mask = make_batch(rng, 5, 9, adv_rank=adv_rank, empty_rows=(1, 3) if empty else ())
@@ -103,6 +105,7 @@ def test_ppo_variant_grid(backend, rng, variant, mode, adv_rank, empty):
                  marks=() if v in (("sequence", "cispo", "sequence", "mask"),
                                    ("token", "ppo", "token", "truncate"))
                  else pytest.mark.pallas_slow) for v in VARIANTS])
+@pytest.mark.op("ppo_loss")
 def test_ppo_variant_dtypes_no_extras(backend, rng, variant, dtype):
     """The policy term alone (TIS on, no KL / entropy), float32 and bfloat16 inputs."""
     arrays, mask = make_batch(rng, 4, 7, dtype, empty_rows=(2,))
@@ -112,6 +115,7 @@ def test_ppo_variant_dtypes_no_extras(backend, rng, variant, dtype):
 
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+@pytest.mark.op("ppo_loss")
 def test_variants_without_rollout(backend, rng, ratio_level, policy_loss):
     """No rollout correction: no tis metrics; dual clip (ppo) or asymmetric clip (both)."""
     arrays, mask = make_batch(rng, 6, 8, shift=1.2)   # l_b up to +-1.25: dual clip is reached
@@ -128,6 +132,7 @@ def test_variants_without_rollout(backend, rng, ratio_level, policy_loss):
                  marks=() if v in (("sequence", "ppo", "sequence", "mask"),
                                    ("token", "cispo", "token", "truncate"))
                  else pytest.mark.pallas_slow) for v in VARIANTS])
+@pytest.mark.op("ppo_loss")
 def test_ppo_variant_all_masked(backend, rng, variant):
     """Nothing valid: loss 0, every metric 0, zero gradients."""
     arrays, _ = make_batch(rng, 3, 5)
@@ -195,6 +200,7 @@ def test_aggregation_weights_are_the_aggregate_derivative(rng, mode):
 # ----------------------------------------------------------------------------- docs/api.md semantics
 
 
+@pytest.mark.op("ppo_loss")
 def test_sequence_ratio_gradient_is_exp_of_sequence_log_ratio(backend, rng):
     """ratio_level="sequence", no clipping reached: loss = token_mean(-A_b exp(l_b)), and
     d loss / d logp_bt = -A_b exp(l_b) m_bt / sum(m) (no 1/|sequence| factor: docs/api.md's
@@ -221,6 +227,7 @@ def test_sequence_ratio_gradient_is_exp_of_sequence_log_ratio(backend, rng):
     assert_close(metrics["ratio_mean"], oracle.masked_mean(np.exp(lp64 - old64), mask))
 
 
+@pytest.mark.op("ppo_loss")
 def test_cispo_clipped_tokens_keep_their_gradient(backend, rng):
     """CISPO: tokens with r outside the clip range have gradient -A clip(r) m / sum(m) != 0,
     where PPO's surrogate gives them none."""
@@ -243,6 +250,7 @@ def test_cispo_clipped_tokens_keep_their_gradient(backend, rng):
 
 
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.op("ppo_loss")
 def test_extreme_sequence_log_ratio_and_tis_weight(backend, rng, policy_loss):
     """l_b and the sequence TIS log-weight beyond +-20 are clipped: finite values, and the
     oracle's gradients (exp(20) * A on an unclipped branch)."""
@@ -271,6 +279,7 @@ def test_extreme_sequence_log_ratio_and_tis_weight(backend, rng, policy_loss):
 
 @pytest.mark.parametrize("ratio_level,policy_loss", [("sequence", "ppo"), ("token", "cispo"),
                                                      ("sequence", "cispo")])
+@pytest.mark.op("ppo_loss")
 def test_variants_no_gradient_to_constants(backend, rng, ratio_level, policy_loss):
     """old_logp (which l_b depends on), rollout_logp, ref_logp and advantages get none."""
     arrays, mask = make_batch(rng, 3, 6)
@@ -288,6 +297,7 @@ def test_variants_no_gradient_to_constants(backend, rng, ratio_level, policy_los
         assert_zero(g, f"gradient to {name}")
 
 
+@pytest.mark.op("ppo_loss")
 def test_tis_options_inert_without_rollout(backend, rng):
     """tis_level / tis_mode without rollout_logp + tis_cap change nothing (bitwise)."""
     arrays, mask = make_batch(rng, 3, 5)
@@ -298,6 +308,7 @@ def test_tis_options_inert_without_rollout(backend, rng):
     assert_bitwise(f(), f(tis_level="sequence", tis_mode="mask"), "tis options")
 
 
+@pytest.mark.op("ppo_loss")
 def test_variants_under_jit(backend, rng):
     """Under jit (the kernels' traced path) the sequence variants equal the eager call."""
     arrays, mask = make_batch(rng, 4, 7, empty_rows=(0,))

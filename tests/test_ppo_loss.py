@@ -8,7 +8,7 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import (as_jnp, assert_close, assert_f32, assert_zero, call, cotangent, dtype_id,
-                      ppo_token_inputs, random_mask)
+                      pallas_sample, ppo_token_inputs, random_mask)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 MODES = ["token_mean", "seq_mean_token_mean", "sequence_mean", "seq_mean_token_sum",
@@ -98,17 +98,29 @@ def check_ppo(backend, rng, arrays, mask, dtype, lib_kw, orc_kw):
     return loss, metrics, d_lp
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("config", list(CONFIGS))
+# pallas (interpret mode is slow) runs each option set once, float32 and bfloat16 in turn; the
+# other dtype of each is pallas_slow.
+PALLAS_OPTIONS = {(c, DTYPES[i % len(DTYPES)]) for i, c in enumerate(CONFIGS)}
+
+
+@pytest.mark.parametrize("config,dtype", pallas_sample(PALLAS_OPTIONS, list(CONFIGS), DTYPES))
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_options(backend, rng, config, dtype):
     arrays, mask = make_batch(rng, 4, 9, dtype)
     lib_kw, orc_kw = split_options(CONFIGS[config], arrays)
     check_ppo(backend, rng, arrays, mask, dtype, lib_kw, orc_kw)
 
 
-@pytest.mark.parametrize("adv_rank", [1, 2])
-@pytest.mark.parametrize("max_len", [None, 20])
-@pytest.mark.parametrize("mode", MODES)
+# pallas (interpret mode is slow) runs every mode, both advantage ranks and max_len on the mode
+# that reads it; the rest of the grid is pallas_slow.
+PALLAS_AGG = {("token_mean", None, 2), ("seq_mean_token_mean", 20, 1), ("sequence_mean", None, 1),
+              ("seq_mean_token_sum", None, 2), ("seq_mean_token_sum_norm", 20, 1),
+              ("seq_mean_token_sum_norm", None, 2)}
+
+
+@pytest.mark.parametrize("mode,max_len,adv_rank", pallas_sample(PALLAS_AGG, MODES, (None, 20),
+                                                                 (1, 2)))
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_agg_modes(backend, rng, mode, max_len, adv_rank):
     arrays, mask = make_batch(rng, 5, 7, jnp.float32, adv_rank=adv_rank, empty_rows=(0, 3))
     cfg = dict(CONFIGS["everything"], loss_agg_mode=mode, max_len=max_len)
@@ -117,6 +129,7 @@ def test_ppo_loss_agg_modes(backend, rng, mode, max_len, adv_rank):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_all_masked(backend, rng, mode):
     """Nothing valid: loss 0, metrics 0, zero gradients."""
     arrays, _ = make_batch(rng, 3, 5, jnp.float32)
@@ -128,6 +141,7 @@ def test_ppo_loss_all_masked(backend, rng, mode):
     assert_zero(d_lp)
 
 
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_extreme_log_ratio(backend, rng):
     """|logp - old_logp| > 20 is clipped: finite loss/metrics, zero gradient at those tokens."""
     arrays, mask = make_batch(rng, 2, 6, jnp.float32, empty_rows=())
@@ -146,6 +160,7 @@ def test_ppo_loss_extreme_log_ratio(backend, rng):
             assert_zero(np.asarray(d_lp)[:, :3], "gradient where the log-ratio is clipped")
 
 
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_no_gradient_to_constants(backend, rng):
     """Gradients never flow to old_logp, rollout_logp, ref_logp or advantages."""
     arrays, mask = make_batch(rng, 3, 6, jnp.float32)
@@ -163,6 +178,7 @@ def test_ppo_loss_no_gradient_to_constants(backend, rng):
         assert_zero(g, f"gradient to {name}")
 
 
+@pytest.mark.op("ppo_loss")
 def test_ppo_loss_bool_mask_and_grad_of_metrics_free(backend, rng):
     """A bool mask equals the float mask; the loss works under value_and_grad(has_aux=True)."""
     arrays, mask = make_batch(rng, 3, 6, jnp.float32)
@@ -181,6 +197,7 @@ def test_ppo_loss_bool_mask_and_grad_of_metrics_free(backend, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("adv_rank", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.op("policy_gradient_loss")
 def test_policy_gradient_loss(backend, rng, mode, adv_rank, dtype):
     arrays, mask = make_batch(rng, 4, 7, dtype, adv_rank=adv_rank, empty_rows=(2,))
     lp, lp64 = arrays["logp"]
@@ -203,6 +220,7 @@ def test_policy_gradient_loss(backend, rng, mode, adv_rank, dtype):
 
 
 @pytest.mark.parametrize("kind", ["reinforce_baseline", "reward_weighted", "best_of_n"])
+@pytest.mark.op("policy_gradient_loss")
 def test_policy_gradient_variants(backend, rng, kind):
     """REINFORCE with a baseline, reward-weighted and best-of-N fine-tuning are all this loss."""
     b, t = 6, 5

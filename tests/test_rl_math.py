@@ -27,6 +27,7 @@ def _logps(rng, shape, dtype, spread=1.0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3"])
+@pytest.mark.op("kl_penalty")
 def test_kl_penalty(backend, rng, estimator, dtype):
     lp, lp64, ref, ref64 = _logps(rng, (4, 9), dtype)
     kl, vjp = jax.vjp(lambda x: call(jk.kl_penalty, backend, x, ref, estimator), lp)
@@ -44,6 +45,7 @@ def test_kl_penalty(backend, rng, estimator, dtype):
     assert_close(d_lp, want_g, in_dtype=dtype, want32=want_g32, name="d_logp")
 
 
+@pytest.mark.op("kl_penalty")
 def test_kl_k3_clips_d(backend, rng):
     """k3 clips d = ref - logp to [-20, 20]: finite values, zero gradient beyond the clip."""
     lp = jnp.asarray([[-1.0, -1.0, -30.0, -50.0, -2.0]])
@@ -57,6 +59,7 @@ def test_kl_k3_clips_d(backend, rng):
     assert_zero(np.asarray(d)[0, :4], "k3 gradient outside the clip")
 
 
+@pytest.mark.op("kl_penalty")
 def test_kl_penalty_leading_shapes(backend, rng):
     """kl_penalty is elementwise: any matching shape works."""
     lp, lp64, ref, ref64 = _logps(rng, (2, 3, 4), jnp.float32)
@@ -69,6 +72,7 @@ def test_kl_penalty_leading_shapes(backend, rng):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("max_len", [None, 11])
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.op("aggregate")
 def test_aggregate(backend, rng, mode, max_len, dtype):
     b, t = 5, 7
     x, x64 = rand(rng, (b, t), dtype)
@@ -90,6 +94,7 @@ def test_aggregate(backend, rng, mode, max_len, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.op("aggregate")
 def test_aggregate_all_masked(backend, rng, mode):
     """A fully masked batch aggregates to 0 with zero gradient, in every mode."""
     x, _ = rand(rng, (3, 4))
@@ -100,6 +105,7 @@ def test_aggregate_all_masked(backend, rng, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.op("aggregate")
 def test_aggregate_bool_mask(backend, rng, mode):
     """A bool mask is the same as its {0, 1} float version."""
     x, x64 = rand(rng, (4, 6))
@@ -110,6 +116,7 @@ def test_aggregate_bool_mask(backend, rng, mode):
     assert_close(a, oracle.aggregate(x64, m, mode), scale=oracle.aggregate(np.abs(x64), m, mode))
 
 
+@pytest.mark.op("aggregate")
 def test_aggregate_sequence_mean_alias(backend, rng):
     x, _ = rand(rng, (4, 6))
     mask = jnp.asarray(random_mask(rng, 4, 6))
@@ -136,9 +143,22 @@ STD_OPTIONS = [(True, 0, 1e-6, jnp.float32), (True, 1, 1e-3, jnp.float32),
                (False, 0, 1e-6, jnp.float32), (True, 0, 1e-6, jnp.bfloat16)]
 
 
-@pytest.mark.parametrize("normalize_std,std_ddof,eps,dtype", STD_OPTIONS,
-                         ids=["std", "std_ddof1", "nostd", "std-bf16"])
-@pytest.mark.parametrize("b,group_size,group_boundaries", GROUPINGS)
+STD_IDS = ["std", "std_ddof1", "nostd", "std-bf16"]
+
+
+def _advantage_cases():
+    """Every grouping × std option; pallas (interpret mode is slow) runs each grouping once,
+    the std options in turn (each at least once); the rest is pallas_slow."""
+    for i, (b, size, bounds) in enumerate(GROUPINGS):
+        grouping = f"size{size}" if size else "bounds" + "/".join(map(str, bounds))
+        for j, (options, sid) in enumerate(zip(STD_OPTIONS, STD_IDS)):
+            yield pytest.param(b, size, bounds, *options, id=f"{b}-{grouping}-{sid}",
+                               marks=() if i % len(STD_OPTIONS) == j else pytest.mark.pallas_slow)
+
+
+@pytest.mark.parametrize("b,group_size,group_boundaries,normalize_std,std_ddof,eps,dtype",
+                         list(_advantage_cases()))
+@pytest.mark.op("group_advantages")
 def test_group_advantages(backend, rng, b, group_size, group_boundaries, normalize_std, std_ddof,
                           eps, dtype):
     r, r64 = rand(rng, (b,), dtype, scale=2.0, loc=0.5)
@@ -176,6 +196,7 @@ def _singletons(b, group_size, group_boundaries):
     return np.asarray(group_boundaries[:-1])[sizes == 1]
 
 
+@pytest.mark.op("group_advantages")
 def test_group_advantages_equal_rewards(backend):
     """A group whose rewards are all equal gets advantage 0 (std 0 -> 0 / eps)."""
     r = jnp.asarray([1.0, 1.0, 1.0, 0.0, 2.0, 1.0])
@@ -184,6 +205,7 @@ def test_group_advantages_equal_rewards(backend):
     assert_close(adv, oracle.group_advantages(np.asarray(r, np.float64), group_size=3))
 
 
+@pytest.mark.op("group_advantages")
 def test_group_advantages_size_vs_boundaries(backend, rng):
     """group_size=k is the same as boundaries 0, k, 2k, ..., B."""
     r, _ = rand(rng, (12,))

@@ -10,6 +10,11 @@ ignore_index and out-of-range targets under tracing (NaN exactly there).
 
 Vocabulary sizes are chosen so that every kernel walks several vocabulary tiles per device
 (chunked: ``CHUNK_BYTES`` is made small; pallas linear: 256-column tiles over V_local = 2048).
+
+Pallas in interpret mode is slow: there each op runs each mesh type and each layout (and the
+two tests of a kernel every pair of them, ``PALLAS_A`` / ``PALLAS_B``); the other pairs carry
+``pallas_slow`` (JAXRL_TEST_PALLAS_SLOW=1). ppo_loss and group_advantages are one function on
+reference and chunked: conftest's ``op`` marker runs it once.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrl_kernels as jk
 import oracle
-from conftest import assert_close, rand, random_mask
+from conftest import assert_close, pallas_sample, rand, random_mask
 from sharding_support import collective_sizes, full_spec
 from jaxrl_kernels.backends import chunked
 
@@ -136,9 +141,17 @@ def w_spec(layout, vocab_entry):
 MESHES = ["Auto", "Explicit"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mesh_kind", MESHES)
-@pytest.mark.parametrize("weight_layout", ["vd", "dv"])
+# On pallas each test below runs each mesh type and each layout, with the vocabulary split in
+# both mesh types; between the two tests of a kernel (logits: token_logprobs and grpo_loss;
+# linear: linear_logprobs and the linear losses) every mesh type × layout pair.
+PALLAS_A = {("Auto", "rows"), ("Explicit", "vocab"), ("Auto", "both")}
+PALLAS_B = {("Explicit", "rows"), ("Auto", "vocab"), ("Explicit", "both")}
+# linear_logprobs: "dv" runs only its 'both' layout in interpret mode (below), Explicit here
+PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Explicit", "both")}
+
+
+@pytest.mark.parametrize("weight_layout,mesh_kind,layout",
+                         pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)))
 def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
     if backend == "pallas" and weight_layout == "dv" and layout != "both":
         pytest.skip("pallas in interpret mode: the dv layout runs only in the 'both' layout")
@@ -156,8 +169,7 @@ def _linear_logprobs(h, w, b, acts, *, backend, weight_layout):
                               temperature=0.8, backend=backend)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mesh_kind", MESHES)
+@pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_A, MESHES, list(LAYOUTS)))
 def test_token_logprobs(rng, backend, mesh_kind, layout):
     logits, _ = rand(rng, (B, T, V), scale=2.0)
     t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
@@ -169,8 +181,7 @@ def test_token_logprobs(rng, backend, mesh_kind, layout):
                   make_mesh(mesh_kind), diff=(0,), big=(0,), like=((0, 0),))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mesh_kind", MESHES)
+@pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
 def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
     pol, ref, acts, old, rewards, mask = logits_inputs(rng)
     rows, vocab = LAYOUTS[layout]
@@ -187,8 +198,7 @@ def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
                   make_mesh(mesh_kind), diff=(0,), big=(0, 1), like=((0, 0),))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mesh_kind", MESHES)
+@pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
 def test_linear_losses(rng, backend, mesh_kind, layout):
     h, w, acts, mask = head(rng)
     old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
@@ -216,6 +226,7 @@ def _linear_losses_case(backend, operands, rows, vocab):
 
 
 @pytest.mark.parametrize("mesh_kind", MESHES)
+@pytest.mark.op("ppo_loss", "group_advantages")
 def test_ppo_loss_and_group_advantages(rng, backend, mesh_kind):
     logp, _ = rand(rng, (B, T), scale=0.3, loc=-5.0)
     old, _ = rand(rng, (B, T), scale=0.3, loc=-5.0)

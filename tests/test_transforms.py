@@ -1,7 +1,9 @@
 """Every op under jax.jit, jax.grad / jax.value_and_grad and jax.vmap (leading batch axis).
 
 Numbers are checked against the same op run eagerly (the float64 comparisons live in the
-op-specific files); the tolerance is float32 round-off: 1e-5 of the result's max-norm.
+op-specific files); the tolerance is float32 round-off: 1e-5 of the result's max-norm. Every
+op is also repeatable bitwise (docs/api.md "Numerics"): its jitted value and gradient run
+twice, and the op run eagerly twice, give the same bits (larger sizes: test_determinism.py).
 """
 
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from conftest import call, random_mask
+from conftest import assert_bitwise, call, random_mask
 
 B, T, V, D = 4, 3, 11, 6
 K = 3  # the vmapped batch
@@ -112,14 +114,18 @@ def assert_tree_close(a, b, what, scale=None):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.op
 def test_jit_grad_value_and_grad(backend, rng, op):
-    """jit(f) == f; jit(value_and_grad) == (f, grad) run eagerly; gradients finite, not all 0."""
+    """jit(f) == f; jit(value_and_grad) == (f, grad) run eagerly; gradients finite, not all 0;
+    each of the jitted function and f (eager) run twice gives the same bits."""
     f, args, n_diff, weights = _setup(op, backend, rng)
     out = f(*args)
+    assert_bitwise(out, f(*args), f"{op}: eager, run twice")
     loss = lambda *a: _scalarize(f(*a), weights)
     argnums = tuple(range(n_diff))
-    jit_out, (value, jitted) = jax.jit(
-        lambda *a: (f(*a), jax.value_and_grad(loss, argnums=argnums)(*a)))(*args)
+    step = jax.jit(lambda *a: (f(*a), jax.value_and_grad(loss, argnums=argnums)(*a)))
+    jit_out, (value, jitted) = step(*args)
+    assert_bitwise((jit_out, (value, jitted)), step(*args), f"{op}: jit, run twice")
     assert_tree_close(jit_out, out, f"{op}: jit differs from eager")
     eager = jax.grad(loss, argnums=argnums)(*args)
     abs_sum = float(_scalarize(jax.tree.map(jnp.abs, out), [jnp.abs(w) for w in weights]))
@@ -132,6 +138,7 @@ def test_jit_grad_value_and_grad(backend, rng, op):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.op
 def test_vmap(backend, rng, op):
     """vmap over a new leading axis equals a loop over it (values, and gradients via vmap(grad))."""
     diff, other, fn = CASES[op]
