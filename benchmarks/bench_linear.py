@@ -252,6 +252,9 @@ def main():
     parser.add_argument("--profile-backward", metavar="LAYOUTS",
                         help="per-kernel device time of one automatic fwd+bwd per layout "
                              "(e.g. vd,dv), from a jax profiler trace")
+    parser.add_argument("--profile-fused-loss", metavar="LAYOUTS",
+                        help="the same for linear_grpo_loss(memory='fast'), whose gradient is "
+                             "taken in the forward")
     parser.add_argument("--fused", action="store_true",
                         help="fwd+bwd: the one-call ffi backward at several chunk sizes against "
                              "the loop of XLA GEMMs")
@@ -274,6 +277,8 @@ def main():
         profile_targets()
     elif args.profile_backward:
         device.profile_backward(args.profile_backward.split(","))
+    elif args.profile_fused_loss:
+        device.profile_backward(args.profile_fused_loss.split(","), fused_loss=True)
     else:
         print(common.metadata(), flush=True)
         name, rows, columns = _tables(args) or (

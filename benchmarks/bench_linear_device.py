@@ -9,8 +9,10 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+import jaxrl_kernels as jk
 from benchmarks import common
 from benchmarks.linear_harness import gemm_call, in_rotation, inputs, op_fns, public
 from benchmarks.side_by_side.jax_worker import xla_materialised
@@ -106,15 +108,32 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
 
 
 
-def profile_backward(layouts, n=4096, d=2048, v=131072):
+def fused_grpo_fwdbwd(layout):
+    """``value_and_grad`` of ``linear_grpo_loss(..., memory="fast")`` on B = N one-token
+    sequences with advantages g (its gradient taken in the forward), as ``f(h, w, t, g)``."""
+    def loss(h, w, t, g):
+        old = jax.lax.stop_gradient(jk.linear_logprobs(h, w, t, weight_layout=layout))
+        return jk.linear_grpo_loss(h[:, None], w, t[:, None], old[:, None], jnp.zeros_like(g),
+                                   jnp.ones((h.shape[0], 1)), advantages=g, weight_layout=layout,
+                                   memory="fast")[0]
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def profile_backward(layouts, n=4096, d=2048, v=131072, fused_loss=False):
     """Per-kernel device time of one automatic forward+backward per layout, from a jax profiler
-    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/."""
+    trace (CUPTI), plus the compiled HLO (which kernels XLA fused). Written under results/.
+    ``fused_loss``: ``linear_grpo_loss(memory="fast")`` instead (``profile_fused_{layout}``;
+    its trace includes the lean forward that draws the old log-probs)."""
     import collections
 
     out = common.results_dir()
     for layout in layouts:
         h, w, t, g = inputs(n, d, v, layout)
-        _, fwdbwd = op_fns(public(None, weight_layout=layout))
+        if fused_loss:
+            fwdbwd = fused_grpo_fwdbwd(layout)
+            layout = f"fused_{layout}"
+        else:
+            _, fwdbwd = op_fns(public(None, weight_layout=layout))
         (out / f"profile_{layout}.hlo.txt").write_text(
             fwdbwd.lower(h, w, t, g).compile().as_text())
         jax.block_until_ready(fwdbwd(h, w, t, g))
