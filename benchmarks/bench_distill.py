@@ -3,7 +3,9 @@
 Question: how long does a forward+backward of the per-token divergence take, with how much
 extra memory, against (a) the plain jnp code that materialises both heads' logits (bf16
 logits, float32 softmaxes, jax.grad), (b) the GEMMs our schedule needs, alone (the 1.15×
-goal), and (c) Liger's ``fused_linear_jsd`` (torch, its own process) where it imports?
+goal), and (c) Liger's ``fused_linear_jsd`` (torch, its own process) where it imports? Ours in both
+memory modes: ``"lean"`` (the chunked backend) and ``"fast"`` (``jaxrl_kernels.fused_distill``:
+the gradient taken in the forward, ``3 S + T`` GEMMs like the materialised code).
 
 Problem: N tokens, student h [N, D_s] and W [V, D_s], teacher h_t [N, D_t] and W_t [V, D_t],
 bf16, L = loss (token_mean over N tokens), gradients to the student's h and W. GEMMs per
@@ -11,7 +13,8 @@ forward+backward (``backends/chunked_distill.py``): ``4 S + 2 T`` for either KL,
 for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The GEMM-only rows run exactly
 those GEMMs over the same vocabulary chunks (bf16 forward operands, float16 backward ones,
 float32 accumulation) and nothing else. Each row: XLA's temp size of the compiled
-``jax.jit(jax.grad(L, (h, W)))`` ("extra memory": neither inputs nor outputs), then the median
+``jax.jit(jax.grad(L, (h, W)))`` ("extra memory": neither inputs nor outputs; with ``--peak``
+also the device's peak bytes in use less inputs and gradients, one process per row), then the median
 of synchronised calls by the host clock, in ``--rounds`` rounds whose order rotates.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_distill            # GPU: N=4096, D_s=2048,
@@ -35,7 +38,7 @@ import time
 from benchmarks import output
 
 COLUMNS = ["variant", "divergence", "N", "D_s", "D_t", "V", "fwdbwd_ms", "spread_ms", "fwd_ms",
-           "temp_mib", "gemm_tflop", "tflops", "loss", "note", "error"]
+           "temp_mib", "peak_extra_mib", "gemm_tflop", "tflops", "loss", "note", "error"]
 SIZES = {"full": dict(N=4096, D_s=2048, D_t=4096, V=151936),
          "small": dict(N=64, D_s=32, D_t=64, V=1000)}
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
@@ -83,12 +86,13 @@ def materialised(divergence: str, beta: float = 0.5):
     return loss
 
 
-def ours(divergence: str):
+def ours(divergence: str, memory: str = "lean"):
     import jaxrl_kernels as jk
 
+    route = dict(backend="chunked") if memory == "lean" else dict(memory=memory)
+
     def loss(h, w, th, tw, mask):
-        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence,
-                                      backend="chunked")[0]
+        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, **route)[0]
     return loss
 
 
@@ -167,6 +171,30 @@ def gemms_only(divergence: str, chunked: bool):
     return loss
 
 
+def peak_extra_mib(loss, args) -> float | None:
+    """The device's peak bytes in use over one forward+backward, less the inputs and the
+    gradients (in a fresh process: the allocator's peak is never reset)."""
+    import jax
+
+    from benchmarks import common
+
+    grads = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(*args))
+    peak = common.peak_mib()
+    held = sum(x.nbytes for x in jax.tree.leaves((args, grads))) / 2**20
+    return None if peak is None else peak - held
+
+
+def peak_in_subprocess(variant: str, divergence: str, small: bool) -> float | None:
+    """:func:`peak_extra_mib` of one variant, in its own process."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "benchmarks.bench_distill", "--peak-of", variant,
+           "--divergences", divergence] + (["--small"] if small else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("peak_extra_mib ")]
+    return float(lines[-1].split()[1]) if lines and lines[-1].split()[1] != "None" else None
+
+
 def torch_rows(size: dict, timeout: int, runs: int) -> list[dict]:
     """Liger's ``fused_linear_jsd`` in its own process (``distill_torch_worker``)."""
     from benchmarks.workers import failure, run_worker
@@ -191,6 +219,11 @@ def main():
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--divergences", default=",".join(DIVERGENCES))
     parser.add_argument("--no-torch", action="store_true", help="skip the Liger row")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated prefixes of the variants to run (default: all)")
+    parser.add_argument("--peak", action="store_true",
+                        help="also each row's device peak memory (one process per row)")
+    parser.add_argument("--peak-of", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import jax
@@ -203,21 +236,31 @@ def main():
     flop = {d: 2 * size["N"] * size["V"] * (gemm_count(d)[0] * size["D_s"]
                                              + gemm_count(d)[1] * size["D_t"])
             for d in divergences}
+    flop_3s_t = 2 * size["N"] * size["V"] * (3 * size["D_s"] + size["D_t"])
     cases = []
     for d in divergences:
-        cases += [("ours (chunked)", d, ours(d), ""),
+        cases += [("ours (fast)", d, ours(d, "fast"),
+                   "memory='fast': the gradient taken in the forward, 3 S + T GEMMs", flop_3s_t),
+                  ("ours (chunked)", d, ours(d), "", flop[d]),
                   ("jnp materialised", d, materialised(d),
-                   "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad"),
+                   "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; "
+                   "3 S + T GEMMs", flop_3s_t),
                   ("GEMMs alone, chunked", d, gemms_only(d, True),
                    f"the schedule's {gemm_count(d)[0]} S + {gemm_count(d)[1]} T GEMMs, "
-                   "same chunks"),
+                   "same chunks", flop[d]),
                   ("GEMMs alone, full size", d, gemms_only(d, False),
-                   "the same GEMMs unchunked, bf16 outputs")]
+                   "the same GEMMs unchunked, bf16 outputs", flop[d])]
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    cases = [c for c in cases if not wanted or any(c[0].startswith(v) for v in wanted)]
+    if args.peak_of:
+        [loss] = [c[2] for c in cases if c[0] == args.peak_of]
+        print("peak_extra_mib", peak_extra_mib(loss, (h, w, th, tw, mask)))
+        return
 
     rows, fns = [], []
-    for name, d, loss, note in cases:
+    for name, d, loss, note, flops in cases:
         row = {"variant": name, "divergence": d, **size, "note": note,
-               "gemm_tflop": flop[d] / 1e12}
+               "gemm_tflop": flops / 1e12}
         try:
             grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
             forward = jax.jit(loss)
@@ -251,6 +294,11 @@ def main():
         print("timed:", row, flush=True)
     print(f"timing took {time.time() - start:.0f} s")
     del h, w, th, tw, fns
+    if args.peak:
+        for row in rows:
+            if not row.get("error") and not row["variant"].startswith("GEMMs"):
+                row["peak_extra_mib"] = peak_in_subprocess(row["variant"], row["divergence"],
+                                                            args.small)
     if "jsd" in divergences and not args.no_torch:
         for row in torch_rows(size, timeout=300, runs=args.runs):
             row.setdefault("gemm_tflop", flop["jsd"] / 1e12)

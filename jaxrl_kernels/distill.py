@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, dispatch, head, sharding
+from jaxrl_kernels import aggregation_math, dispatch, fused_distill, head, saved_logits, sharding
+from jaxrl_kernels import memory as memory_mode
 from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.divergence_math import DIVERGENCES
@@ -130,7 +131,8 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
                         teacher_weight_layout: str = "vd", bias: ArrayLike | None = None,
                         teacher_bias: ArrayLike | None = None, loss_agg_mode: str = "token_mean",
                         max_len: int | None = None, backend: str | None = None,
-                        vocab_axis: AxisName | None = None) -> tuple[jax.Array, jax.Array]:
+                        vocab_axis: AxisName | None = None,
+                        memory: str | int = "lean") -> tuple[jax.Array, jax.Array]:
     """A per-token divergence between a student and a frozen teacher LM head, over the whole
     vocabulary, without materialising either model's logits.
 
@@ -156,6 +158,11 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       backend: ``None`` (automatic), ``"reference"`` or ``"chunked"``.
       vocab_axis: inside ``jax.shard_map``, the mesh axis over which both heads (and biases)
         hold consecutive vocabulary slices.
+      memory: ``"lean"`` (nothing ``[B, T, V]`` kept: the backward recomputes both heads'
+        logits, 4 student GEMMs and 2 teacher ones), ``"fast"`` (the divergence's gradient
+        taken in the forward into one ``[B, T, V]`` buffer in the student head's dtype: 3
+        student GEMMs and 1 teacher one, ``jaxrl_kernels.fused_distill``) or an int byte
+        budget for that buffer (``"fast"`` when it fits).
 
     Returns:
       ``(loss, per_token)``: the float32 scalar ``aggregate(d, mask, loss_agg_mode,
@@ -191,23 +198,32 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     temperature = _check_temperature(temperature)
     mode = check.agg_mode(loss_agg_mode)
     max_len = check.max_len(max_len)
-    if vocab_axis is not None:
-        global_vocab(local_vocab, vocab_axis)  # checks the axis
+    vocab = global_vocab(local_vocab, vocab_axis)  # checks the axis
 
-    problem = Problem(
-        n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
-        dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
-        weight_layout=weight_layout, has_bias=bias is not None)
-    choice = dispatch.resolve("linear_distill_loss", problem, backend)
+    op = "linear_distill_loss"
+    note = memory_mode.choose(
+        op, memory, fused_distill.kept_bytes(math.prod(shape), vocab, hidden.dtype,
+                                             weight.dtype),
+        tuple(shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype), backend,
+        loss=True, gemms=(4, 6), kept="the student's logit gradient")
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
     opts = dict(weight_layout=weight_layout, teacher_weight_layout=teacher_weight_layout,
                 divergence=divergence, beta=beta, temperature=temperature)
     valid = mask != 0
-    d = _divergence_rows(choice.impl,
-                         (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
-                          stop(teacher_bias)),
-                         valid, opts=opts, vocab_axis=vocab_axis,
-                         record=dispatch.plan_recorder("linear_distill_loss"))
+    operands = (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
+                stop(teacher_bias))
+    if note.mode == "fast":
+        dispatch.record(op, note)
+        d = fused_distill.divergence_rows(operands, valid, opts=opts, vocab_axis=vocab_axis,
+                                          record=dispatch.plan_recorder(op))
+    else:
+        problem = Problem(
+            n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
+            dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
+            weight_layout=weight_layout, has_bias=bias is not None)
+        choice = dispatch.resolve(op, problem, backend)
+        d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis,
+                             record=dispatch.plan_recorder(op))
     per_token = jnp.where(valid, d, 0.0)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
 

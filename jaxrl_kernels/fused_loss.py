@@ -11,7 +11,7 @@ head's logits ``z = h·Wᵀ`` (one GEMM, rounded to the head's dtype as in
 
 and the backward, given the cotangent ``c`` of the loss, runs the two GEMMs left::
 
-    d_hidden = c · dz·W / T,   d_weight = c · dzᵀ·h / T,   d_bias = c · Σ_rows dz / T
+    d_hidden = c · dz·W / T,   d_weight = dzᵀ·(c·h) / T,   d_bias = c · Σ_rows dz / T
 
 Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to the backward
 (the logits, then their gradient in their place): half of what keeping the logits for a later
@@ -73,32 +73,26 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
 
 
 def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
-    """``(c·dz·W, c·dzᵀ·h, c·Σ dz)`` on one device, each rounded once to its operand's dtype.
-    ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every
-    active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly.
-    With ``c = 1`` (``jax.grad`` of the loss) the GEMMs write the head's dtype directly; any
-    other ``c`` scales their float32 results before the rounding."""
+    """``(c·dz·W, dzᵀ·(c·h), c·Σ dz)`` on one device in the operands' dtypes. ``c``, the
+    loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every active row and
+    0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly. It scales the
+    ``[N, D]`` sides only: ``d_hidden`` after its GEMM and ``h`` before ``d_weight``'s, so that
+    the ``[V, D]`` GEMM writes the head's dtype directly. For ``c = 1`` (``jax.grad`` of the
+    loss) or a power of two both are exact; another ``c`` adds one rounding to each. No
+    branch on ``c``: a predicate the host reads would serialise the backward."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
     dtype = jnp.result_type(hidden, weight)
     precision = head.matmul_precision(dtype)
     dz = dz.astype(dtype)
-    h, w = hidden.astype(dtype), weight.astype(dtype)
-
-    def gemms(scale):
-        out = jnp.float32 if scale else None
-        d_hidden = head.hidden_grad(dz, w, weight_layout, precision=precision,
-                                    preferred_element_type=out or hidden.dtype)
-        d_weight = head.weight_grad(dz, h, weight_layout, precision=precision,
-                                    preferred_element_type=out or weight.dtype)
-        if scale:
-            d_hidden, d_weight = d_hidden * c, d_weight * c
-        return d_hidden.astype(hidden.dtype), d_weight.astype(weight.dtype)
-
-    d_hidden, d_weight = jax.lax.cond(c == 1.0, lambda: gemms(False), lambda: gemms(True))
+    h_scaled = (hidden.astype(jnp.float32) * c).astype(dtype)
+    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout, precision=precision,
+                                preferred_element_type=hidden.dtype)
+    d_weight = head.weight_grad(dz, h_scaled, weight_layout, precision=precision,
+                                preferred_element_type=weight.dtype)
     d_bias = None if bias is None else (jnp.sum(dz.astype(jnp.float32), axis=0) * c
                                         ).astype(bias.dtype)
-    return d_hidden, d_weight, d_bias
+    return (d_hidden.astype(jnp.float32) * c).astype(hidden.dtype), d_weight, d_bias
 
 
 def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,

@@ -39,11 +39,15 @@ def _size(n_bytes: float) -> str:
 
 
 def choose(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
-           kept_dtype: Any, backend: str | None, *, loss: bool = False) -> MemoryNote:
+           kept_dtype: Any, backend: str | None, *, loss: bool = False,
+           gemms: tuple[int, int] = (3, 4),
+           kept: str = "the head's logits, then their gradient in their place") -> MemoryNote:
     """``"lean"`` or ``"fast"`` (``.mode``) for a linear-head op's ``memory=`` argument, with the
     reason (``.text``; pass the note to ``dispatch.record`` for ``explain``). ``kept_bytes``:
-    what ``"fast"`` would keep from forward to backward. ``loss``: the op is a scalar loss,
-    whose fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`)."""
+    what ``"fast"`` would keep from forward to backward. ``loss``: the op's fast mode takes
+    its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`, ``fused_distill``).
+    ``gemms``: the GEMMs per forward+backward of ``"fast"`` and ``"lean"``; ``kept``: what
+    a loss's fast mode keeps."""
     is_budget = isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
     if not (is_budget or (isinstance(memory, str) and memory in MODES)):
         raise ValueError(f"memory: expected 'lean', 'fast' or a byte budget (an int >= 0), "
@@ -61,17 +65,17 @@ def choose(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
         raise ValueError(f"backend: {backend!r} serves memory='lean' only; memory='fast' computes "
                          "the logits with XLA's GEMM and keeps them (pass backend=None)")
     if mode == "fast" and loss:
-        text = (f"memory fast ({why}): the loss's gradient taken in the forward: the head's "
-                f"logits, then their gradient in their place, as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}); XLA's GEMMs, 3 per forward+backward")
+        text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
+                f"{np.dtype(kept_dtype).name} "
+                f"{list(kept_shape)} ({size}); XLA's GEMMs, {gemms[0]} per forward+backward")
     elif mode == "fast":
         text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, 3 per "
+                f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, {gemms[0]} per "
                 "forward+backward")
         wanted = dispatch.requested_backend(None)
         if wanted is not None:
             text += f"; the backend override {wanted!r} applies to memory='lean' only"
     else:
         text = (f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
-                "(4 GEMMs per forward+backward)")
+                f"({gemms[1]} GEMMs per forward+backward)")
     return MemoryNote(mode, text)

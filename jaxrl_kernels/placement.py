@@ -197,3 +197,20 @@ def varying_axes(x) -> frozenset[str]:
         return frozenset(aval.vma)
     mat = getattr(aval, "manual_axis_type", None)
     return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def cast_varying(x, axes: frozenset[str]):
+    """``x`` typed as varying over ``axes`` too (inside a ``shard_map`` that checks them)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # jax < 0.12
+
+
+def varying_like(init, *operands):
+    """A loop's initial carry typed as varying over every manual axis the operands vary over
+    (inside a ``shard_map`` that checks varying axes; a no-op elsewhere)."""
+    axes = frozenset().union(*(varying_axes(x) for x in operands if x is not None))
+    return jax.tree.map(lambda y: None if y is None else cast_varying(y, axes), init)

@@ -44,22 +44,13 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_kernels import _jax_internals
-from jaxrl_kernels.placement import (Axes, Placement, axes_of_entry, grad_spec, padded,
-                                     placement_from_specs, spec_entry, varying_axes)
+from jaxrl_kernels.placement import (Axes, Placement, axes_of_entry, cast_varying, grad_spec,
+                                     padded, placement_from_specs, spec_entry, varying_axes)
 
 try:
     from jax.experimental.custom_partitioning import custom_partitioning
 except ImportError:  # pragma: no cover - every supported jax has it
     custom_partitioning = None
-
-def _cast_varying(x, axes: frozenset[str]):
-    missing = tuple(sorted(axes - varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # jax < 0.12
-
 
 def _untyped(x):
     """``x`` as a value that varies over no manual axis, for a kernel traced with the check
@@ -87,7 +78,7 @@ def kernel_region(fn: Callable[..., Any], *operands) -> Any:
             lambda x: _untyped(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else x,
             operands)
         out = fn(*operands)
-    return jax.tree.map(lambda y: None if y is None else _cast_varying(y, axes), out)
+    return jax.tree.map(lambda y: None if y is None else cast_varying(y, axes), out)
 
 
 # -- where are we? --------------------------------------------------------------------------

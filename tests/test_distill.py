@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_zero, cotangent, random_mask
+from jaxrl_kernels import fused_distill
 from jaxrl_kernels.backends import chunked_distill
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
@@ -38,12 +39,34 @@ def served_backend(request):
         pytest.skip(f"backend {backend!r} does not implement the distillation ops")
 
 
+MEMORY = ("lean", "fast")
+
+
+def route(backend, memory):
+    """The keyword arguments that run ``linear_distill_loss`` on ``backend`` (lean) or in
+    ``memory="fast"``, which runs one function whatever the backend: it is tested once, under
+    the first backend's name."""
+    if memory == "lean":
+        return dict(backend=backend)
+    if backend != SERVED[0]:
+        pytest.skip(f"memory='fast' runs the same function as under backend {SERVED[0]!r}")
+    return dict(memory="fast")
+
+
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 4 * 1024)  # 128-column chunks
+    # memory="fast": blocks of a few rows, the last of each level overlapping its predecessor
+    monkeypatch.setattr(fused_distill, "TEACHER_BLOCK_BYTES", 5000)
+    monkeypatch.setattr(fused_distill, "ROW_BLOCK_BYTES", 2500)
 
 
 # -- the oracle -------------------------------------------------------------------------------
+
+def _round(x, dtype):
+    return np.asarray(jnp.asarray(np.asarray(x, np.float32)).astype(dtype).astype(jnp.float32),
+                      np.float64)
+
 
 def _log_softmax(z):
     m = z.max(-1, keepdims=True)
@@ -52,11 +75,17 @@ def _log_softmax(z):
 
 def distill_oracle(h, w, th, tw, mask, *, divergence, beta=0.5, temperature=1.0, layout="vd",
                    t_layout="vd", b=None, tb=None, mode="token_mean", max_len=None,
-                   g_tok=None, g_loss=0.0, dt=np.float64):
+                   g_tok=None, g_loss=0.0, dt=np.float64, fast=None):
     """``(loss, per_token, d_hidden, d_weight, d_bias | None, scale)`` in ``dt``; the gradients
-    are those of ``g_loss·loss + Σ g_tok·per_token``; ``scale`` = max|z_s| + max|z_t|."""
-    zs = oracle.linear_logits(h, w, b, weight_layout=layout, dt=dt) / dt(temperature)
-    zt = oracle.linear_logits(th, tw, tb, weight_layout=t_layout, dt=dt) / dt(temperature)
+    are those of ``g_loss·loss + Σ g_tok·per_token``; ``scale`` = max|z_s| + max|z_t|.
+    ``fast`` (a 16-bit dtype): ``memory="fast"``'s formula, with its roundings to that dtype
+    (docs/api.md): each head's ``h·Wᵀ`` before the bias, ``∂d/∂z_s`` kept for the backward,
+    and ``g ⊙ h`` entering ``d_weight``'s GEMM."""
+    rnd = (lambda x: x) if fast is None else (lambda x: _round(x, fast))
+    zs = (rnd(oracle.linear_logits(h, w, None, weight_layout=layout, dt=dt))
+          + (0.0 if b is None else np.asarray(b, dt))) / dt(temperature)
+    zt = (rnd(oracle.linear_logits(th, tw, None, weight_layout=t_layout, dt=dt))
+          + (0.0 if tb is None else np.asarray(tb, dt))) / dt(temperature)
     ls, lt = _log_softmax(zs), _log_softmax(zt)
     ps, pt = np.exp(ls), np.exp(lt)
     if divergence == "reverse_kl":
@@ -76,16 +105,25 @@ def distill_oracle(h, w, th, tw, mask, *, divergence, beta=0.5, temperature=1.0,
     loss = np.sum(weights * per_token, dtype=dt)
     g_tok = np.zeros(d.shape) if g_tok is None else np.asarray(g_tok, np.float64)
     coef = np.where(valid, g_tok + g_loss * weights, 0.0).astype(dt)
-    dz = (coef[..., None] * dd / dt(temperature)).reshape(-1, dd.shape[-1])
     hf = np.asarray(h, dt).reshape(-1, h.shape[-1])
-    wf = np.asarray(w, dt)
-    if layout == "vd":
-        dh, dw = dz @ wf, dz.T @ hf
-    else:
-        dh, dw = dz @ wf.T, hf.T @ dz
-    db = None if b is None else dz.sum(0)
+    wf = np.asarray(w, dt) if layout == "vd" else np.asarray(w, dt).T
+    if fast is None:
+        dz = (coef[..., None] * dd / dt(temperature)).reshape(-1, dd.shape[-1])
+        dh, dw, db = dz @ wf, dz.T @ hf, dz.sum(0)
+    else:  # g scales the [N, D] sides of the GEMMs
+        c = coef.reshape(-1, 1)
+        j = rnd(dd / dt(temperature)).reshape(-1, dd.shape[-1])
+        dh, dw, db = c * (j @ wf), j.T @ rnd(c * hf), (c * j).sum(0)
+    dw = dw if layout == "vd" else dw.T
+    db = None if b is None else db
     scale = np.abs(zs).max() + np.abs(zt).max()
     return loss, per_token, dh.reshape(h.shape), dw, db, scale
+
+
+def grad_scale(exact, s):
+    """docs/api.md's scale for a divergence's gradient: its own, times max(1, S): the log-probs
+    inside ∂d/∂z_s carry the logits' rounding, which grows with S."""
+    return np.max(np.abs(exact)) * max(1.0, s)
 
 
 def topk_oracle(h, w, k, *, b=None, layout="vd", temperature=1.0, g_logp=None, g_lse=None,
@@ -159,9 +197,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("memory", MEMORY)
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-{c[2]}{c[3]}-V{c[8]}-{c[9]}")
-def test_distill_matches_oracle(rng, backend, divergence, case):
+def test_distill_matches_oracle(rng, backend, divergence, case, memory):
     dtype, temp, lay, tlay, bias, tbias, b, t, v, mode, max_len = case
     dtype = jnp.dtype(dtype)
     (h, w, bs), (h64, w64, bs64) = _head(rng, b, t, 8, v, lay, dtype, bias)
@@ -174,14 +213,18 @@ def test_distill_matches_oracle(rng, backend, divergence, case):
 
     def f(h, w, bs, th, tw, tbs):
         return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs, teacher_bias=tbs,
-                                      backend=backend, **kw)
+                                      **route(backend, memory), **kw)
 
     (loss, per_token), vjp = jax.vjp(jax.jit(f), h, w, bs, th, tw, tbs)
     grads = vjp((jnp.float32(g_loss), g_tok))
     okw = dict(divergence=divergence, beta=beta, temperature=temp, layout=lay, t_layout=tlay,
                mode=mode, max_len=max_len, g_tok=np.asarray(g_tok), g_loss=g_loss)
     want = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, **okw)
-    want32 = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, dt=np.float32, **okw)
+    if memory == "fast" and dtype != jnp.float32:  # judged against its own formula
+        want32 = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, fast=dtype, **okw)
+    else:
+        want32 = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, dt=np.float32,
+                                **okw)
     scale = want[-1]
     assert loss.dtype == per_token.dtype == jnp.float32 and per_token.shape == (b, t)
     close = lambda got, i, name, s=None: assert_close(got, want[i], in_dtype=dtype,
@@ -189,16 +232,15 @@ def test_distill_matches_oracle(rng, backend, divergence, case):
     close(per_token, 1, "per_token", scale)
     close(loss, 0, "loss", scale)
     assert np.all(np.asarray(per_token)[mask == 0] == 0)
-    close(grads[0], 2, "d_hidden")
-    close(grads[1], 3, "d_weight")
-    if bias:
-        close(grads[2], 4, "d_bias")
+    for i, name in [(2, "d_hidden"), (3, "d_weight")] + ([(4, "d_bias")] if bias else []):
+        close(grads[i - 2], i, name, grad_scale(want[i], scale))
     assert grads[0].dtype == dtype and grads[1].dtype == dtype
     for g, name in zip(grads[3:], ("teacher_hidden", "teacher_weight", "teacher_bias")):
         assert_zero(g, f"d_{name}")
 
 
-def test_distill_jit_vmap_and_reruns(rng, backend):
+@pytest.mark.parametrize("memory", MEMORY)
+def test_distill_jit_vmap_and_reruns(rng, backend, memory):
     """vmap over a leading batch axis equals the loop; two runs are bitwise equal."""
     (h, w, _), _ = _head(rng, 2, 3, 8, 301, "vd", jnp.float32, False)
     (th, tw, _), _ = _head(rng, 2, 3, 12, 301, "vd", jnp.float32, False)
@@ -206,7 +248,8 @@ def test_distill_jit_vmap_and_reruns(rng, backend):
     mask = jnp.asarray(random_mask(rng, 2, 3))
 
     def loss(h, th, w):
-        return jk.linear_distill_loss(h, w, th, tw, mask, divergence="jsd", backend=backend)[0]
+        return jk.linear_distill_loss(h, w, th, tw, mask, divergence="jsd",
+                                      **route(backend, memory))[0]
 
     batched = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 2)), in_axes=(0, 0, None)))
     value, (dh, dw) = batched(hs, ths, w)
@@ -220,8 +263,9 @@ def test_distill_jit_vmap_and_reruns(rng, backend):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("memory", MEMORY)
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_distill_large_logits(rng, backend, divergence):
+def test_distill_large_logits(rng, backend, divergence, memory):
     """|z| ~ 1e3 (float32): values within 1e-5 of S = max|z_s| + max|z_t| (the statistics are
     taken relative to each head's row max; nothing overflows), gradients finite. (The float32
     logits themselves are off by ~1e-4 here, so the gradients of such near one-hot
@@ -233,7 +277,7 @@ def test_distill_large_logits(rng, backend, divergence):
     g = cotangent(rng, (2, 3))
     f = lambda h, w: jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
                                             temperature=3.0, teacher_weight_layout="dv",
-                                            backend=backend)[1]
+                                            **route(backend, memory))[1]
     per_token, vjp = jax.vjp(f, h, w)
     dh, dw = vjp(g)
     want = distill_oracle(h64, w64, th64, tw64, mask, divergence=divergence, temperature=3.0,
@@ -243,14 +287,15 @@ def test_distill_large_logits(rng, backend, divergence):
     assert np.all(np.isfinite(np.asarray(dh))) and np.all(np.isfinite(np.asarray(dw)))
 
 
-def test_distill_equal_heads_give_zero(backend):
+@pytest.mark.parametrize("memory", MEMORY)
+def test_distill_equal_heads_give_zero(backend, memory):
     """The same head twice: every divergence is 0 (to rounding), and so is its gradient."""
     rng = np.random.default_rng(1)
     (h, w, _), _ = _head(rng, 2, 2, 8, 130, "vd", jnp.float32, False)
     mask = jnp.ones((2, 2))
     for div in DIVERGENCES:
         loss, per_token = jk.linear_distill_loss(h, w, h, w, mask, divergence=div,
-                                                 backend=backend)
+                                                 **route(backend, memory))
         assert np.max(np.abs(np.asarray(per_token))) < 1e-5, div
 
 
@@ -354,11 +399,11 @@ def _sharded_inputs(rng):
     return h, w, b, th, tw, mask
 
 
-def _distill_fn(backend, divergence, vocab_axis=None):
+def _distill_fn(backend, divergence, vocab_axis=None, memory="lean"):
     def fn(h, w, b, th, tw, mask):
         return jk.linear_distill_loss(h, w, th, tw, mask, bias=b, divergence=divergence,
                                       temperature=0.8, teacher_weight_layout="dv",
-                                      loss_agg_mode="seq_mean_token_sum", backend=backend,
+                                      loss_agg_mode="seq_mean_token_sum", **route(backend, memory),
                                       vocab_axis=vocab_axis)
     return fn
 
@@ -370,16 +415,17 @@ def _gathered(compiled) -> list[int]:
             for t in re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather")[0])]
 
 
+@pytest.mark.parametrize("memory", MEMORY)
 @pytest.mark.parametrize("kind", ["Explicit", "Auto"])
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
-def test_distill_sharded(rng, backend, kind, divergence):
+def test_distill_sharded(rng, backend, kind, divergence, memory):
     """Rows over ``data``, both heads' vocabulary over ``model``: the unsharded result, and
     d_weight sharded like the weight."""
     mesh = _mesh(kind)
     args = _sharded_inputs(rng)
     specs = [P("data", None, None), P("model", None), P("model"), P("data", None, None),
              P(None, "model"), P("data", None)]
-    fn = _distill_fn(backend, divergence)
+    fn = _distill_fn(backend, divergence, memory=memory)
     g = cotangent(rng, (4, 4))
 
     def both(*a):
@@ -442,16 +488,17 @@ def _in_shard_map(fn, in_specs, out_specs):
     return mesh, jax.jit(mapped)
 
 
-def test_distill_vocab_axis(rng, backend):
+@pytest.mark.parametrize("memory", MEMORY)
+def test_distill_vocab_axis(rng, backend, memory):
     """Inside shard_map, heads split over ``model``: per-row statistics of both heads combine
     across the slices; values and gradients (taken through the shard_map) as unsharded."""
     args = _sharded_inputs(rng)
     rows3, rows = P("data", None, None), P("data", None)
     in_specs = (rows3, P("model", None), P("model"), rows3, P(None, "model"), rows)
     for divergence in DIVERGENCES:
-        inner = _distill_fn(backend, divergence, vocab_axis="model")
+        inner = _distill_fn(backend, divergence, vocab_axis="model", memory=memory)
         mesh, call = _in_shard_map(lambda *a: inner(*a)[1], in_specs, rows)
-        unsharded = lambda *a: _distill_fn(backend, divergence)(*a)[1]
+        unsharded = lambda *a: _distill_fn(backend, divergence, memory=memory)(*a)[1]
         g = cotangent(rng, (4, 4))
         grad = lambda f: jax.jit(jax.grad(lambda h, w, b, *rest: jnp.sum(f(h, w, b, *rest) * g),
                                           argnums=(0, 1, 2)))
@@ -549,6 +596,47 @@ def test_topk_k_errors(k, err):
 
 
 # -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_distill_fast_on_gpu(divergence, monkeypatch):
+    """memory="fast", bf16 heads of a realistic shape in 3 teacher blocks: values and
+    gradients by its own formula's rule, bitwise reruns, and the compiled forward+backward's
+    temporaries: the one kept [N, V] bf16 buffer plus about a teacher block, under the two
+    heads' float32 logits the materialised code holds."""
+    monkeypatch.setattr(fused_distill, "TEACHER_BLOCK_BYTES", 200 * 32771 * 2)  # 3 blocks
+    monkeypatch.setattr(fused_distill, "ROW_BLOCK_BYTES", 64 * 32771 * 4)
+    rng = np.random.default_rng(8)
+    b, t, v = 2, 256, 32771
+    (h, w, bs), (h64, w64, bs64) = _head(rng, b, t, 256, v, "vd", jnp.bfloat16, True)
+    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "dv", jnp.bfloat16, False)
+    mask = random_mask(rng, b, t)
+    g_tok, g_loss = cotangent(rng, (b, t)), 0.5
+
+    def f(h, w, bs):
+        return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs,
+                                      divergence=divergence, teacher_weight_layout="dv",
+                                      temperature=0.9, memory="fast")
+
+    step = jax.jit(lambda h, w, bs: jax.vjp(f, h, w, bs)[1]((jnp.float32(g_loss), g_tok)))
+    grads = step(h, w, bs)
+    for x, y in zip(grads, step(h, w, bs)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    loss, per_token = jax.jit(f)(h, w, bs)
+    okw = dict(divergence=divergence, t_layout="dv", b=bs64, temperature=0.9,
+               g_tok=np.asarray(g_tok), g_loss=g_loss)
+    want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
+    want_fast = distill_oracle(h64, w64, th64, tw64, mask, fast=jnp.bfloat16, **okw)
+    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
+                         (grads[1], 3, "dW"), (grads[2], 4, "db")):
+        assert_close(got, want[i], in_dtype=jnp.bfloat16, want32=want_fast[i],
+                     scale=want[-1] if i < 2 else None, name=name)
+    temp = step.lower(h, w, bs).compile().memory_analysis().temp_size_in_bytes
+    n = b * t
+    kept, block = n * v * 2, 171 * v * 2  # 171 rows per teacher block
+    assert kept <= temp <= kept + 2 * block, f"{temp / 2**20:.1f} MiB of temporaries"
+    assert temp < 2 * n * v * 4, f"{temp / 2**20:.1f} MiB of temporaries"
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("divergence", DIVERGENCES)

@@ -28,10 +28,14 @@ def _round(x64, dtype):
                       .astype(jnp.float32), np.float64)
 
 
-def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignore, dtype):
+def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignore, dtype,
+                 loss_cotangent=None):
     """docs/api.md's fast-mode formula in float64 with its two roundings to the head's dtype:
     the kept logits, and the logits' gradient before the GEMMs (the target logit stays
-    exact). Returns ((logp, entropy), (d_hidden, d_weight, d_bias | None))."""
+    exact). Returns ((logp, entropy), (d_hidden, d_weight, d_bias | None)).
+    ``loss_cotangent`` c: the fused losses' backward (``g`` then being the cotangents for
+    c = 1): ``d_hidden`` rounded, then scaled by c and rounded; ``d_weight`` of ``h`` scaled
+    by c and rounded."""
     z_exact = oracle.linear_logits(h64, w64, None, weight_layout=layout)
     z = _round(z_exact, dtype)
     if b64 is not None:
@@ -56,8 +60,13 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     d = h64.shape[-1]
     dz2, h2 = dz.reshape(-1, dz.shape[-1]), h64.reshape(-1, d)
     dh = dz2 @ (w64 if layout == "vd" else w64.T)
-    dw = dz2.T @ h2 if layout == "vd" else h2.T @ dz2
     db = None if b64 is None else dz2.sum(0)
+    if loss_cotangent is not None:
+        c = loss_cotangent
+        dh = _round(c * _round(dh, dtype), dtype)
+        h2 = _round(c * h2, dtype)
+        db = None if db is None else c * db
+    dw = dz2.T @ h2 if layout == "vd" else h2.T @ dz2
     return (logp, ent), (dh.reshape(h64.shape), dw, db)
 
 

@@ -117,8 +117,9 @@ def test_policy_gradient_loss_bf16_gradient_in_the_forward(rng, mode, layout):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*primals)
     d_lp = -c * np.broadcast_to(adv64[:, None], (b, t)) * oracle.aggregate_weights(m64, mode, 6)
     want = oracle.linear_logprobs_vjp(h64, w64, acts, d_lp, None, b64, weight_layout=layout)
-    _, want_fast = fast_formula(h64, w64, b64, acts, d_lp, np.zeros_like(d_lp), layout=layout,
-                                temperature=1.0, ignore=-1, dtype=jnp.bfloat16)
+    _, want_fast = fast_formula(h64, w64, b64, acts, d_lp / c, np.zeros_like(d_lp),
+                                layout=layout, temperature=1.0, ignore=-1, dtype=jnp.bfloat16,
+                                loss_cotangent=c)
     _grads_check(grads, primals, want, want_fast, jnp.bfloat16)
 
 

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import sharding, softmax_math
+from jaxrl_kernels import softmax_math
 from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.placement import varying_like
 from jaxrl_kernels import head
 from jaxrl_kernels.head import matmul_precision
 
@@ -42,13 +43,6 @@ CHUNK_BYTES = 16 * 2**20
 def _chunked():
     from jaxrl_kernels.backends import chunked  # imported late: chunked imports this module
     return chunked
-
-
-def _varying(init, *operands):
-    """A scan's initial carry typed as varying over every manual axis the operands vary over
-    (inside a ``shard_map`` that checks varying axes; a no-op elsewhere)."""
-    axes = frozenset().union(*(sharding.varying_axes(x) for x in operands if x is not None))
-    return jax.tree.map(lambda y: None if y is None else sharding._cast_varying(y, axes), init)
 
 
 def _scan(body, init, n_rows: int, vocab: int):
@@ -109,7 +103,7 @@ def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
 
     init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
             None if bias is None else jnp.zeros((vocab,), jnp.float32))
-    d_hidden, d_weight, d_bias = _scan(body, _varying(init, *operands), n_rows, vocab)
+    d_hidden, d_weight, d_bias = _scan(body, varying_like(init, *operands), n_rows, vocab)
     return (d_hidden.astype(hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
 
@@ -134,7 +128,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
         return dm.pair_stats_update(stats, *chunks(start, size), fresh)
 
     operands = (hidden, weight, bias, t_hidden, t_weight, t_bias)
-    stats = _scan(body, _varying(dm.pair_stats_init((n_rows,)), *operands), n_rows,
+    stats = _scan(body, varying_like(dm.pair_stats_init((n_rows,)), *operands), n_rows,
                             vocab)
     stats = dm.pair_stats_combine(stats, vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
@@ -148,7 +142,7 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
         kl_t, kl_s = dm.jsd_tile_sums(*chunks(start, size), lse_s, lse_t, fresh, beta)
         return sums[0] + kl_t, sums[1] + kl_s
 
-    kl_t, kl_s = _scan(body2, _varying((zero, zero), *operands, lse_s, lse_t), n_rows,
+    kl_t, kl_s = _scan(body2, varying_like((zero, zero), *operands, lse_s, lse_t), n_rows,
                                  vocab)
     if vocab_axes:
         kl_t, kl_s = jax.lax.psum((kl_t, kl_s), vocab_axes)
@@ -195,7 +189,7 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     init = (softmax_math.online_softmax_init((n_rows,), False),
             jnp.full((n_rows, k_local), -jnp.inf, jnp.float32),
             jnp.full((n_rows, k_local), -1, jnp.int32))
-    stats, values, ids = _scan(body, _varying(init, hidden, weight, bias), n_rows,
+    stats, values, ids = _scan(body, varying_like(init, hidden, weight, bias), n_rows,
                                          vocab)
     if vocab_axes:
         m_all = jax.lax.pmax(stats[0], vocab_axes)
