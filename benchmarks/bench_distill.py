@@ -56,12 +56,11 @@ def inputs(size: dict, seed: int = 0):
 
     n, ds, dt, v = size["N"], size["D_s"], size["D_t"], size["V"]
     k = jax.random.split(jax.random.key(seed), 4)
+    # drawn in bf16 (no float32 [V, D] temporary: the --peak rows would see it)
     h = jax.random.normal(k[0], (1, n, ds), jnp.bfloat16)
-    w = (jax.random.normal(k[1], (v, ds), jnp.float32) * (LOGIT_STD / ds ** 0.5)).astype(
-        jnp.bfloat16)
+    w = jax.random.normal(k[1], (v, ds), jnp.bfloat16) * jnp.bfloat16(LOGIT_STD / ds ** 0.5)
     th = jax.random.normal(k[2], (1, n, dt), jnp.bfloat16)
-    tw = (jax.random.normal(k[3], (v, dt), jnp.float32) * (LOGIT_STD / dt ** 0.5)).astype(
-        jnp.bfloat16)
+    tw = jax.random.normal(k[3], (v, dt), jnp.bfloat16) * jnp.bfloat16(LOGIT_STD / dt ** 0.5)
     return h, w, th, tw, jnp.ones((1, n), jnp.float32)
 
 

@@ -43,7 +43,7 @@ N=4096, D_s=2048, D_t=4096, V=151936, reverse KL: 21.7 ms forward+backward again
 256 MiB blocks and 21.4 for the whole teacher at once, which doubles the memory.)"""
 
 ROW_BLOCK_BYTES = 64 * 2**20
-"""Within a teacher block, the row statistics and ``J`` are taken in blocks of rows whose
+"""Within a teacher block, ``J`` is written over the student's logits in blocks of rows whose
 float32 logits come to about this size."""
 
 
@@ -67,25 +67,21 @@ def _gemm_dtype(dtype):
     return dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
 
 
-def _rows_grad(plan, a, t, *, divergence, beta, temperature):
-    """Rows of both heads' scaled logits ``a``, ``t`` [rows, V_local] (float32): ``(d [rows],
-    J [rows, V_local])``."""
+def _rows_stats(plan, a, t, *, divergence, beta, temperature):
+    """Rows of both heads' scaled logits ``a``, ``t`` [rows, V_local] (float32):
+    ``(d, lse_s, lse_t, kl_s)`` per row (``kl_s``: the JSD's KL(p_s ‖ m), else 0)."""
     stats = dm.pair_stats_update(dm.pair_stats_init(a.shape[:1]), a, t, True)
     stats = dm.pair_stats_combine(stats, plan.vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
     kl_s = jnp.zeros_like(lse_s)
     if divergence == "reverse_kl":
-        d = reverse
-    elif divergence == "forward_kl":
-        d = forward
-    else:
-        kl_t, kl_s = dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta)
-        if plan.vocab_axes:
-            kl_t, kl_s = jax.lax.psum((kl_t, kl_s), plan.vocab_axes)
-        d = beta * kl_t + (1.0 - beta) * kl_s
-    ones = jnp.ones_like(d)
-    return d, dm.student_grad_tile(divergence, a, t, lse_s, lse_t, d, kl_s, ones, beta,
-                                   temperature)
+        return reverse, lse_s, lse_t, kl_s
+    if divergence == "forward_kl":
+        return forward, lse_s, lse_t, kl_s
+    kl_t, kl_s = dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta)
+    if plan.vocab_axes:
+        kl_t, kl_s = jax.lax.psum((kl_t, kl_s), plan.vocab_axes)
+    return beta * kl_t + (1.0 - beta) * kl_s, lse_s, lse_t, kl_s
 
 
 def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
@@ -93,9 +89,9 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
     """This device's rows [B, T, ·] and vocabulary slice: ``(d [B, T], J [B, T, V_local])``.
 
     The student's logits ``z`` [N, V] come from one GEMM and become ``J`` in place; the
-    teacher's come a block of rows at a time, and within it the rows' statistics and ``J``
-    a smaller block at a time. Blocks that end at N start early: rows already done (below
-    ``done``) keep what they hold."""
+    teacher's come a block of rows at a time, whose row statistics are reductions over the
+    whole block and whose ``J`` is written a smaller block at a time. Blocks that end at N
+    start early: rows already done (below ``done``) keep what they hold."""
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     th = t_hidden.reshape(-1, t_hidden.shape[-1])
@@ -104,29 +100,36 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
     t_itemsize = saved_logits.kept_dtype(t_hidden.dtype, t_weight.dtype).itemsize
     t_count, t_size = equal_blocks(n, teacher_block_bytes // max(1, vocab * t_itemsize))
     r_count, r_size = equal_blocks(t_size, row_block_bytes // max(1, vocab * 4))
+    temperature = math["temperature"]
     z = saved_logits._product(h, weight, weight_layout, saved_logits.DEFAULT)
 
     def teacher_block(i, carry):
+        d_all, z, done = carry
         t0 = jnp.minimum(i * t_size, n - t_size)
         z_t = saved_logits._product(jax.lax.dynamic_slice_in_dim(th, t0, t_size), t_weight,
                                     teacher_weight_layout, saved_logits.DEFAULT)
+        a = saved_logits._scaled(jax.lax.dynamic_slice_in_dim(z, t0, t_size), bias, temperature)
+        stats = _rows_stats(plan, a, saved_logits._scaled(z_t, t_bias, temperature), **math)
+        fresh = t0 + jnp.arange(t_size) >= done
+        d = jnp.where(fresh, stats[0], jax.lax.dynamic_slice_in_dim(d_all, t0, t_size))
 
         def row_block(k, carry):
-            d_all, z, done = carry
+            z, done = carry
             r0 = jnp.minimum(k * r_size, t_size - r_size)
             start = t0 + r0
             z_s = jax.lax.dynamic_slice_in_dim(z, start, r_size)
-            a = saved_logits._scaled(z_s, bias, temperature=math["temperature"])
+            a = saved_logits._scaled(z_s, bias, temperature)
             t = saved_logits._scaled(jax.lax.dynamic_slice_in_dim(z_t, r0, r_size), t_bias,
-                                     temperature=math["temperature"])
-            d, j = _rows_grad(plan, a, t, **math)
-            fresh = start + jnp.arange(r_size) >= done
-            d = jnp.where(fresh, d, jax.lax.dynamic_slice_in_dim(d_all, start, r_size))
-            j = jnp.where(fresh[:, None], j.astype(kept), z_s)
-            return (jax.lax.dynamic_update_slice_in_dim(d_all, d, start, 0),
-                    jax.lax.dynamic_update_slice_in_dim(z, j, start, 0), start + r_size)
+                                     temperature)
+            d, lse_s, lse_t, kl_s = (jax.lax.dynamic_slice_in_dim(x, r0, r_size)
+                                     for x in stats)
+            j = dm.student_grad_tile(math["divergence"], a, t, lse_s, lse_t, d, kl_s,
+                                     jnp.ones_like(d), math["beta"], temperature)
+            j = jnp.where((start + jnp.arange(r_size) >= done)[:, None], j.astype(kept), z_s)
+            return jax.lax.dynamic_update_slice_in_dim(z, j, start, 0), start + r_size
 
-        return jax.lax.fori_loop(0, r_count, row_block, carry)
+        z, done = jax.lax.fori_loop(0, r_count, row_block, (z, done))
+        return jax.lax.dynamic_update_slice_in_dim(d_all, d, t0, 0), z, done
 
     # d has crossed the vocabulary slices (psum): it varies with the rows only
     init = (varying_like(jnp.zeros((n,), jnp.float32), hidden, t_hidden), z, jnp.int32(0))
