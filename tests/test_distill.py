@@ -602,7 +602,7 @@ def test_topk_k_errors(k, err):
 def test_distill_fast_on_gpu(divergence, monkeypatch):
     """memory="fast", bf16 heads of a realistic shape in 3 teacher blocks: values and
     gradients by its own formula's rule, bitwise reruns, and the compiled forward+backward's
-    temporaries: the one kept [N, V] bf16 buffer plus about a teacher block, under the two
+    temporaries: the one kept [N, V] bf16 buffer plus a teacher block's work, under the two
     heads' float32 logits the materialised code holds."""
     monkeypatch.setattr(fused_distill, "TEACHER_BLOCK_BYTES", 200 * 32771 * 2)  # 3 blocks
     monkeypatch.setattr(fused_distill, "ROW_BLOCK_BYTES", 64 * 32771 * 4)
@@ -633,8 +633,9 @@ def test_distill_fast_on_gpu(divergence, monkeypatch):
                      scale=want[-1] if i < 2 else None, name=name)
     temp = step.lower(h, w, bs).compile().memory_analysis().temp_size_in_bytes
     n = b * t
-    kept, block = n * v * 2, 171 * v * 2  # 171 rows per teacher block
-    assert kept <= temp <= kept + 2 * block, f"{temp / 2**20:.1f} MiB of temporaries"
+    kept, block = n * v * 2, 171 * v * 2  # 171 rows per teacher block, bf16
+    # a teacher block's logits, the student's rows beside them and their float32 statistics
+    assert kept <= temp <= kept + 6 * block, f"{temp / 2**20:.1f} MiB of temporaries"
     assert temp < 2 * n * v * 4, f"{temp / 2**20:.1f} MiB of temporaries"
 
 
