@@ -40,7 +40,7 @@ for s in "$@"; do
       $PY -m benchmarks.bench_many_devices --explicit --backends auto" ;;
     side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;
     fast_mode) step 240 "$PY" -m benchmarks.bench_fast_mode ;;
-    distill) step 420 "$PY" -m benchmarks.bench_distill ;;
+    distill) step 540 "$PY" -m benchmarks.bench_distill --peak ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
     tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
     device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;
