@@ -202,8 +202,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
 
     op = "linear_distill_loss"
     note = memory_mode.choose(
-        op, memory, fused_distill.kept_bytes(math.prod(shape), vocab, hidden.dtype,
-                                             weight.dtype),
+        op, memory, saved_logits.kept_bytes(math.prod(shape), vocab, hidden.dtype, weight.dtype),
         tuple(shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype), backend,
         loss=True, gemms=(4, 6), kept="the student's logit gradient")
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)

@@ -83,6 +83,20 @@ def pair_stats_finalize(stats):
     return lse_s, lse_t, reverse, forward
 
 
+def choose_divergence(divergence, beta, reverse, forward, jsd_sums, axes=()):
+    """``(d, kl_s)`` per row from :func:`pair_stats_finalize`'s KLs: the one asked for (and
+    ``kl_s`` 0), or for the JSD ``β·KL_t + (1−β)·KL_s`` of ``jsd_sums()`` = ``(KL_t, KL_s)``
+    (this device's sums, called only then), summed over the vocabulary shards ``axes``."""
+    if divergence == "reverse_kl":
+        return reverse, jnp.zeros_like(reverse)
+    if divergence == "forward_kl":
+        return forward, jnp.zeros_like(forward)
+    kl_t, kl_s = jsd_sums()
+    if axes:
+        kl_t, kl_s = jax.lax.psum((kl_t, kl_s), axes)
+    return beta * kl_t + (1.0 - beta) * kl_s, kl_s
+
+
 # -- the JSD's second pass ------------------------------------------------------------------
 
 def _logs(beta):

@@ -55,33 +55,16 @@ def equal_blocks(n_rows: int, max_rows: int) -> tuple[int, int]:
     return count, -(-n_rows // count)
 
 
-def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
-    """Bytes of the one ``[N, V]`` buffer (the student's logits, then their gradient) the fast
-    mode keeps."""
-    return saved_logits.kept_bytes(n_rows, vocab, hidden_dtype, weight_dtype)
-
-
-def _gemm_dtype(dtype):
-    """The GEMM output dtype that rounds once to ``dtype``: XLA's GPU bfloat16 GEMM rounds its
-    float32 accumulator itself; XLA's CPU dot accumulates in its output dtype (float32 then)."""
-    return dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
-
-
 def _rows_stats(plan, a, t, *, divergence, beta, temperature):
     """Rows of both heads' scaled logits ``a``, ``t`` [rows, V_local] (float32):
     ``(d, lse_s, lse_t, kl_s)`` per row (``kl_s``: the JSD's KL(p_s ‖ m), else 0)."""
     stats = dm.pair_stats_update(dm.pair_stats_init(a.shape[:1]), a, t, True)
     stats = dm.pair_stats_combine(stats, plan.vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
-    kl_s = jnp.zeros_like(lse_s)
-    if divergence == "reverse_kl":
-        return reverse, lse_s, lse_t, kl_s
-    if divergence == "forward_kl":
-        return forward, lse_s, lse_t, kl_s
-    kl_t, kl_s = dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta)
-    if plan.vocab_axes:
-        kl_t, kl_s = jax.lax.psum((kl_t, kl_s), plan.vocab_axes)
-    return beta * kl_t + (1.0 - beta) * kl_s, lse_s, lse_t, kl_s
+    d, kl_s = dm.choose_divergence(divergence, beta, reverse, forward,
+                                   lambda: dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta),
+                                   plan.vocab_axes)
+    return d, lse_s, lse_t, kl_s
 
 
 def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
@@ -150,7 +133,7 @@ def _local_backward(plan, hidden, weight, bias, grad, row_valid, g, *, weight_la
                                 preferred_element_type=jnp.float32) * g
     h_scaled = (h.astype(jnp.float32) * g).astype(dtype)
     d_weight = head.weight_grad(j, h_scaled, weight_layout, precision=precision,
-                                preferred_element_type=_gemm_dtype(weight.dtype))
+                                preferred_element_type=saved_logits.gemm_dtype(weight.dtype))
     d_bias = None if bias is None else jnp.sum(j.astype(jnp.float32) * g, axis=0)
     return (d_hidden.astype(hidden.dtype).reshape(hidden.shape), d_weight.astype(weight.dtype),
             None if bias is None else d_bias.astype(bias.dtype))

@@ -73,17 +73,22 @@ def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
     return n_rows * vocab * kept_dtype(hidden_dtype, weight_dtype, config).itemsize
 
 
+def gemm_dtype(dtype):
+    """The output dtype for a GEMM whose float32 accumulator is to be rounded once to
+    ``dtype``: ``dtype`` itself for bfloat16 on a GPU (XLA's GEMM rounds the accumulator to
+    its output), else float32, rounded after. A float16 output was seen accumulated at lower
+    precision (jax 0.12, H100: entropies off by 0.06), and XLA's CPU dot accumulates in its
+    output's dtype."""
+    return dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
+
+
 def _product(hidden, weight, weight_layout, config):
     """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to the head's dtype, kept
     in :func:`kept_dtype` (float16 holds every bfloat16 value up to 65504 exactly)."""
     dtype = jnp.result_type(hidden, weight)
-    # On a GPU, XLA's bfloat16 GEMM rounds its float32 accumulator to the output itself. A
-    # float16 output was seen accumulated at lower precision (jax 0.12, H100: entropies off by
-    # 0.06), and XLA's CPU dot accumulates in its output's dtype: there the product is taken in
-    # float32 and rounded.
-    out = dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
     z = head.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
-                    precision=head.matmul_precision(dtype), preferred_element_type=out)
+                    precision=head.matmul_precision(dtype),
+                    preferred_element_type=gemm_dtype(dtype))
     return z.astype(dtype).astype(kept_dtype(hidden.dtype, weight.dtype, config))
 
 

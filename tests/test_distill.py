@@ -597,6 +597,20 @@ def test_topk_k_errors(k, err):
 
 # -- on a GPU ---------------------------------------------------------------------------------
 
+GPU_SHAPE = (2, 256, 32771)  # B, T, V: bf16 heads, student D_s = 256, teacher D_t = 512
+
+
+def _gpu_heads(seed, with_bias):
+    """The GPU tests' inputs: (student head, its float64 copy, teacher head (no bias), its
+    float64 copy, mask, per-token cotangent, the loss's cotangent)."""
+    rng = np.random.default_rng(seed)
+    b, t, v = GPU_SHAPE
+    student, student64 = _head(rng, b, t, 256, v, "vd", jnp.bfloat16, with_bias)
+    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "dv", jnp.bfloat16, False)
+    mask = random_mask(rng, b, t)
+    return student, student64, (th, tw), (th64, tw64), mask, cotangent(rng, (b, t)), 0.5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_distill_fast_on_gpu(divergence, monkeypatch):
@@ -606,12 +620,9 @@ def test_distill_fast_on_gpu(divergence, monkeypatch):
     heads' float32 logits the materialised code holds."""
     monkeypatch.setattr(fused_distill, "TEACHER_BLOCK_BYTES", 200 * 32771 * 2)  # 3 blocks
     monkeypatch.setattr(fused_distill, "ROW_BLOCK_BYTES", 64 * 32771 * 4)
-    rng = np.random.default_rng(8)
-    b, t, v = 2, 256, 32771
-    (h, w, bs), (h64, w64, bs64) = _head(rng, b, t, 256, v, "vd", jnp.bfloat16, True)
-    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "dv", jnp.bfloat16, False)
-    mask = random_mask(rng, b, t)
-    g_tok, g_loss = cotangent(rng, (b, t)), 0.5
+    b, t, v = GPU_SHAPE
+    (h, w, bs), (h64, w64, bs64), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
+        8, with_bias=True)
 
     def f(h, w, bs):
         return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs,
@@ -646,12 +657,9 @@ def test_distill_on_gpu(divergence, monkeypatch):
     oracle's values and gradients by docs/api.md's rules, bitwise reruns, and no [N, V]
     float32 buffer in the compiled forward+backward."""
     monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 2 * 2**20)
-    rng = np.random.default_rng(7)
-    b, t, v = 2, 256, 32771
-    (h, w, _), (h64, w64, _) = _head(rng, b, t, 256, v, "vd", jnp.bfloat16, False)
-    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "dv", jnp.bfloat16, False)
-    mask = random_mask(rng, b, t)
-    g_tok, g_loss = cotangent(rng, (b, t)), 0.5
+    b, t, v = GPU_SHAPE
+    (h, w, _), (h64, w64, _), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
+        7, with_bias=False)
 
     def f(h, w):
         return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,

@@ -132,21 +132,17 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
                             vocab)
     stats = dm.pair_stats_combine(stats, vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
-    zero = jnp.zeros_like(lse_s)
-    if divergence == "reverse_kl":
-        return reverse, lse_s, lse_t, zero
-    if divergence == "forward_kl":
-        return forward, lse_s, lse_t, zero
 
     def body2(sums, start, cols, fresh, size):
         kl_t, kl_s = dm.jsd_tile_sums(*chunks(start, size), lse_s, lse_t, fresh, beta)
         return sums[0] + kl_t, sums[1] + kl_s
 
-    kl_t, kl_s = _scan(body2, varying_like((zero, zero), *operands, lse_s, lse_t), n_rows,
-                                 vocab)
-    if vocab_axes:
-        kl_t, kl_s = jax.lax.psum((kl_t, kl_s), vocab_axes)
-    return beta * kl_t + (1.0 - beta) * kl_s, lse_s, lse_t, kl_s
+    def jsd_sums():
+        zero = jnp.zeros_like(lse_s)
+        return _scan(body2, varying_like((zero, zero), *operands, lse_s, lse_t), n_rows, vocab)
+
+    d, kl_s = dm.choose_divergence(divergence, beta, reverse, forward, jsd_sums, vocab_axes)
+    return d, lse_s, lse_t, kl_s
 
 
 def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, kl_s,
