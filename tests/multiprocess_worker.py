@@ -17,6 +17,10 @@ mesh set, ``jax.set_mesh``, as a user does):
     linear_ppo_loss with ``dual_clip``, a reference and the entropy bonus, and an FSDP "dv"
     head (D over ``data``, V over ``model``) under hidden states whose D is split over
     ``model``.
+``distill``
+    linear_distill_loss (the JSD, a teacher of another D in the other weight layout, biases)
+    under jax.jit, lean on the backend and ``memory="fast"``, both heads split over the
+    vocabulary; the compiled program gathers no device's share of either head's hidden states.
 ``vocab_axis``
     a user's jax.shard_map (``check_vma=True``) with ``vocab_axis="model"`` while the rows are
     split over ``data``: linear_logprobs, linear_grpo_loss, token_logprobs and grpo_loss; a
@@ -59,6 +63,9 @@ mask = (rng.random((B, T)) < 0.8).astype(np.float32)
 ref_logp = (-8.0 + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
 logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
 ref_logits = (2.0 * rng.standard_normal((B, T, V))).astype(np.float32)
+t_h = rng.standard_normal((B, T, 48)).astype(np.float32)  # a teacher with D_t = 48, "dv" head
+t_w = (rng.standard_normal((48, V)) / 4).astype(np.float32)
+bias, t_bias = (0.3 * rng.standard_normal((2, V))).astype(np.float32)
 
 assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 mesh = None  # the current run's (data=2, model=4) mesh, set below
@@ -140,6 +147,18 @@ def case_options():
         (h, np.ascontiguousarray(w.T)), (P("data", None, "model"), P("data", "model")), (0, 1))
 
 
+def case_distill():
+    for memory in ("lean", "fast"):
+        route = dict(backend=backend) if memory == "lean" else dict(memory="fast")
+        check(f"linear_distill_loss jsd, {memory}", lambda h, w, b, th, tw, tb, m:
+              jk.linear_distill_loss(h, w, th, tw, m, bias=b, teacher_bias=tb, divergence="jsd",
+                                     jsd_beta=0.3, temperature=0.8, teacher_weight_layout="dv",
+                                     loss_agg_mode="seq_mean_token_sum", **route),
+              (h, w, bias, t_h, t_w, t_bias, mask),
+              (ROWS3, P("model", None), P("model"), ROWS3, P(None, "model"), P("model"), ROWS),
+              (0, 1, 2), gather_limit=h.size // 8)
+
+
 def case_vocab_axis():
     def blocks(fn, whole=()):
         """fn of each row block (what a device computes), stacked; ``whole``: the positions
@@ -186,6 +205,7 @@ def case_vocab_axis():
 for kind, cases in RUNS:
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
     for case in cases:
-        {"linear": case_linear, "options": case_options, "vocab_axis": case_vocab_axis}[case]()
+        {"linear": case_linear, "options": case_options, "distill": case_distill,
+         "vocab_axis": case_vocab_axis}[case]()
     print(f"process {pid}: ok ({backend}, {kind}, {','.join(cases)})", flush=True)
 jax.distributed.shutdown()

@@ -614,6 +614,36 @@ def test_grid_fast_memory(case):
     check(case)
 
 
+def _distill_fast_grid() -> tuple[list[Case], list[Case]]:
+    """``linear_distill_loss(memory="fast")`` (the divergence's gradient taken in the forward)
+    over every option × entry × layout × weight layout: (the sample, the rest). The sample
+    takes every entry × layout once, with the options and weight layouts in turn, so that
+    each option runs at least once."""
+    op, options = "linear_distill_loss", list(DISTILL_OPTIONS)
+    places = [(mode, layout) for mode in MODES
+              for layout in (SHARD_MAP_LAYOUTS if mode == "shard_map" else LAYOUTS)["linear"]]
+    full = [Case(op, option, "fast", mode, layout, wl)
+            for option, (mode, layout), wl in itertools.product(options, places, ("vd", "dv"))]
+    count = max(len(places), len(options))
+    sample = [Case(op, options[i % len(options)], "fast", *places[i % len(places)],
+                   ("vd", "dv")[i % 2]) for i in range(count)]
+    return sample, [c for c in full if c not in sample]
+
+
+DISTILL_FAST_SAMPLE, DISTILL_FAST_REST = _distill_fast_grid()
+
+
+@pytest.mark.parametrize("case", DISTILL_FAST_SAMPLE, ids=str)
+def test_grid_distill_fast(case):
+    check(case)
+
+
+@pytest.mark.grid_full
+@pytest.mark.parametrize("case", _grid_shard(DISTILL_FAST_REST), ids=str)
+def test_grid_distill_fast_full(case):
+    check(case)
+
+
 def test_grid_shape():
     """The sample holds every op, option, backend, entry, layout and weight layout."""
     for field in FIELDS:
