@@ -85,10 +85,10 @@ def materialised(divergence: str, beta: float = 0.5):
     return loss
 
 
-def ours(divergence: str, memory: str = "lean"):
+def ours(divergence: str, memory: str = "lean", backend: str = "chunked"):
     import jaxrl_kernels as jk
 
-    route = dict(backend="chunked") if memory == "lean" else dict(memory=memory)
+    route = dict(backend=backend) if memory == "lean" else dict(memory=memory)
 
     def loss(h, w, th, tw, mask):
         return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, **route)[0]
@@ -241,6 +241,9 @@ def main():
         cases += [("ours (fast)", d, ours(d, "fast"),
                    "memory='fast': the gradient taken in the forward, 3 S + T GEMMs", flop_3s_t),
                   ("ours (chunked)", d, ours(d), "", flop[d]),
+                  ("ours (pallas)", d, ours(d, backend="pallas"),
+                   "Mosaic GPU kernels: both heads' tiles and dz in-kernel, XLA's backward "
+                   "GEMMs; the chunked schedule", flop[d]),
                   ("jnp materialised", d, materialised(d),
                    "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; "
                    "3 S + T GEMMs", flop_3s_t),

@@ -24,7 +24,8 @@ _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    d_bias | None)``: the backward alone, for ``ffi``
                    (served by ffi, pallas and chunked)
 distill_divergence per-row divergence between two linear heads (``distill``):
-                   a ``logprob_core.Parts`` (chunked) or ``Whole`` (reference)
+                   a ``logprob_core.Parts`` (chunked, pallas) or ``Whole``
+                   (reference)
 topk_logprobs      top-k logits, ids and lse of a linear head: a
                    ``logprob_core.Parts`` on every backend
 ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig)
@@ -89,6 +90,9 @@ class Problem:
     weight_layout: str = "vd"
     has_bias: bool = False
     return_entropy: bool = False
+    teacher_dtype: str | None = None
+    """A second head's hidden states' dtype (``distill_divergence``; None: no second head)."""
+    teacher_weight_dtype: str | None = None
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     @property

@@ -219,7 +219,9 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
         problem = Problem(
             n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
             dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
-            weight_layout=weight_layout, has_bias=bias is not None)
+            weight_layout=weight_layout, has_bias=bias is not None,
+            teacher_dtype=dtype_name(teacher_hidden),
+            teacher_weight_dtype=dtype_name(teacher_weight))
         choice = dispatch.resolve(op, problem, backend)
         d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis,
                              record=dispatch.plan_recorder(op))

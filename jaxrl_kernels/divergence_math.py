@@ -45,17 +45,25 @@ def _rescale(m_old, tile_max):
     return m_new, m_safe, jnp.exp(m_old - m_safe)
 
 
+def _per_row(x, like):
+    """Row values ``x`` [N] broadcast over the columns of ``like`` [N, C] (in a form Mosaic
+    GPU kernels lower too)."""
+    return jax.lax.broadcast_in_dim(x, like.shape, (0,))
+
+
 def pair_stats_update(stats, zs, zt, fresh):
     """Fold tiles ``zs``, ``zt`` [N, C] (float32) into the statistics; ``fresh`` [C] marks the
-    columns this tile adds (the others are ignored)."""
+    columns this tile adds (the others are ignored; ``None``: all of them)."""
     m_s, s_s, a_s, m_t, s_t, a_t = stats
-    diff = jnp.where(fresh, zs - zt, 0.0)
-    zs = jnp.where(fresh, zs, -jnp.inf)
-    zt = jnp.where(fresh, zt, -jnp.inf)
+    diff = zs - zt
+    if fresh is not None:
+        diff = jnp.where(fresh, diff, 0.0)
+        zs = jnp.where(fresh, zs, -jnp.inf)
+        zt = jnp.where(fresh, zt, -jnp.inf)
     out = []
     for m, s, a, z, sign in ((m_s, s_s, a_s, zs, 1.0), (m_t, s_t, a_t, zt, -1.0)):
         m_new, m_safe, scale = _rescale(m, jnp.max(z, axis=-1))
-        e = jnp.exp(z - m_safe[:, None])
+        e = jnp.exp(z - _per_row(m_safe, z))
         out += [m_new, s * scale + jnp.sum(e, axis=-1),
                 a * scale + sign * jnp.sum(e * diff, axis=-1)]
     return tuple(out)
@@ -99,19 +107,30 @@ def choose_divergence(divergence, beta, reverse, forward, jsd_sums, axes=()):
 
 # -- the JSD's second pass ------------------------------------------------------------------
 
+def _logaddexp(x, y):
+    """``log(eˣ + eʸ)`` in the ops Mosaic GPU kernels lower (``jnp.logaddexp`` is a custom_jvp
+    and ``log1p`` has no lowering there): ``max + log(1 + e^−|x−y|)``, within a float32 rounding of it."""
+    return jnp.maximum(x, y) + jnp.log(1.0 + jnp.exp(-jnp.abs(x - y)))
+
+
 def _logs(beta):
     return math.log(beta), math.log1p(-beta)
 
 
 def jsd_tile_sums(zs, zt, lse_s, lse_t, fresh, beta):
-    """``(KL_t, KL_s)`` summed over the fresh columns of the tiles (per row)."""
+    """``(KL_t, KL_s)`` summed over the fresh columns of the tiles (per row; ``fresh``
+    ``None``: every column)."""
     log_b, log_1mb = _logs(beta)
-    ls = zs - lse_s[:, None]
-    lt = zt - lse_t[:, None]
-    lm = jnp.logaddexp(log_b + lt, log_1mb + ls)
+    ls = zs - _per_row(lse_s, zs)
+    lt = zt - _per_row(lse_t, zt)
+    lm = _logaddexp(log_b + lt, log_1mb + ls)
     pt, ps = jnp.exp(lt), jnp.exp(ls)
-    kl_t = jnp.sum(jnp.where(fresh & (pt > 0), pt * (lt - lm), 0.0), axis=-1)
-    kl_s = jnp.sum(jnp.where(fresh & (ps > 0), ps * (ls - lm), 0.0), axis=-1)
+    terms_t, terms_s = pt * (lt - lm), ps * (ls - lm)
+    keep_t, keep_s = pt > 0, ps > 0
+    if fresh is not None:
+        keep_t, keep_s = fresh & keep_t, fresh & keep_s
+    kl_t = jnp.sum(jnp.where(keep_t, terms_t, 0.0), axis=-1)
+    kl_s = jnp.sum(jnp.where(keep_s, terms_s, 0.0), axis=-1)
     return kl_t, kl_s
 
 
@@ -120,18 +139,18 @@ def jsd_tile_sums(zs, zt, lse_s, lse_t, fresh, beta):
 def student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta, temperature):
     """``g · ∂d/∂a / T`` on a tile [N, C] (d loss / d (hidden·Wᵀ + b)): ``d`` is the row's raw
     divergence, ``kl_s`` its ``KL(p_s ‖ m)`` (JSD only), ``g`` the row's cotangent."""
-    ls = zs - lse_s[:, None]
-    lt = zt - lse_t[:, None]
+    ls = zs - _per_row(lse_s, zs)
+    lt = zt - _per_row(lse_t, zt)
     ps = jnp.exp(ls)
     if divergence == "reverse_kl":
-        dz = ps * ((ls - lt) - d[:, None])
+        dz = ps * ((ls - lt) - _per_row(d, zs))
     elif divergence == "forward_kl":
         dz = ps - jnp.exp(lt)
     else:
         log_b, log_1mb = _logs(beta)
-        lm = jnp.logaddexp(log_b + lt, log_1mb + ls)
-        dz = (1.0 - beta) * ps * ((ls - lm) - kl_s[:, None])
-    return dz * (g / temperature)[:, None]
+        lm = _logaddexp(log_b + lt, log_1mb + ls)
+        dz = (1.0 - beta) * ps * ((ls - lm) - _per_row(kl_s, zs))
+    return dz * _per_row(g / temperature, zs)
 
 
 # -- plain jnp on whole rows (the reference backend) -------------------------------------------
@@ -155,7 +174,7 @@ def divergence_of_logits(zs, zt, divergence, beta, vocab_axes=()):
     if divergence == "forward_kl":
         return psum(jnp.sum(pt * (lt - ls), axis=-1))
     log_b, log_1mb = _logs(beta)
-    lm = jnp.logaddexp(log_b + lt, log_1mb + ls)
+    lm = _logaddexp(log_b + lt, log_1mb + ls)
     return psum(jnp.sum(beta * pt * (lt - lm) + (1.0 - beta) * ps * (ls - lm), axis=-1))
 
 

@@ -28,24 +28,47 @@ DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 
 SERVED = jk.available_backends("linear_distill_loss")
+SERVED_TOPK = jk.available_backends("linear_topk_logprobs")
 
 
 @pytest.fixture(autouse=True)
 def served_backend(request):
-    """The ops have no pallas implementation (conftest adds pallas with JAXRL_TEST_PALLAS=1)."""
+    """Each op on the backends that implement it (conftest adds pallas with
+    JAXRL_TEST_PALLAS=1: it serves the divergence, not the top-k)."""
     callspec = getattr(request.node, "callspec", None)
     backend = callspec.params.get("backend") if callspec else None
-    if backend is not None and backend not in SERVED:
-        pytest.skip(f"backend {backend!r} does not implement the distillation ops")
+    served = SERVED_TOPK if "topk" in request.node.name else SERVED
+    if backend is not None and backend not in served:
+        pytest.skip(f"backend {backend!r} does not implement this op")
+
+
+def pallas_off_gpu_unsharded(backend):
+    """Off a GPU pallas's kernels run emulated (Mosaic GPU interpret mode) in a host callback;
+    in a program sharded over several CPU devices that callback is fed another device's
+    operands (observed with jax 0.12: the cotangent rows of one data shard on both) or
+    crashes, so the sharded cases run on GPUs only (tests/test_distill.py's GPU tests run
+    them inside shard_map and under mesh axes of the one GPU lent)."""
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        pytest.skip("pallas distillation kernels in sharded CPU programs: see "
+                    "pallas_off_gpu_unsharded")
+
+
+def head_dtype(backend):
+    """The dtype a test's heads take on ``backend``: pallas's kernels take 16-bit heads
+    (docs/api.md), so its cases run in bfloat16; float32 elsewhere."""
+    return jnp.bfloat16 if backend == "pallas" else jnp.float32
 
 
 MEMORY = ("lean", "fast")
 
 
-def route(backend, memory):
+def route(backend, memory, dtype=None):
     """The keyword arguments that run ``linear_distill_loss`` on ``backend`` (lean) or in
     ``memory="fast"``, which runs one function whatever the backend: it is tested once, under
-    the first backend's name."""
+    the first backend's name. A float32 ``dtype`` is skipped on pallas (16-bit heads only)."""
+    if dtype is not None and backend == "pallas" and memory == "lean" and (
+            jnp.dtype(dtype) == jnp.float32):
+        pytest.skip("pallas distill_divergence takes 16-bit heads")
     if memory == "lean":
         return dict(backend=backend)
     if backend != SERVED[0]:
@@ -194,6 +217,7 @@ CASES = [
     ("float32", 0.9, "vd", "vd", False, False, 1, 1, 7, "sequence_mean", None),  # N = 1
     ("bfloat16", 0.8, "vd", "dv", True, True, 3, 2, 301, "token_mean", None),
     ("bfloat16", 1.0, "dv", "vd", False, False, 2, 3, 259, "seq_mean_token_sum", None),
+    ("bfloat16", 1.1, "dv", "dv", False, True, 1, 1, 7, "seq_mean_token_sum_norm", 3),  # N = 1
 ]
 
 
@@ -213,7 +237,7 @@ def test_distill_matches_oracle(rng, backend, divergence, case, memory):
 
     def f(h, w, bs, th, tw, tbs):
         return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs, teacher_bias=tbs,
-                                      **route(backend, memory), **kw)
+                                      **route(backend, memory, dtype), **kw)
 
     (loss, per_token), vjp = jax.vjp(jax.jit(f), h, w, bs, th, tw, tbs)
     grads = vjp((jnp.float32(g_loss), g_tok))
@@ -242,8 +266,9 @@ def test_distill_matches_oracle(rng, backend, divergence, case, memory):
 @pytest.mark.parametrize("memory", MEMORY)
 def test_distill_jit_vmap_and_reruns(rng, backend, memory):
     """vmap over a leading batch axis equals the loop; two runs are bitwise equal."""
-    (h, w, _), _ = _head(rng, 2, 3, 8, 301, "vd", jnp.float32, False)
-    (th, tw, _), _ = _head(rng, 2, 3, 12, 301, "vd", jnp.float32, False)
+    dtype = head_dtype(backend)
+    (h, w, _), _ = _head(rng, 2, 3, 8, 301, "vd", dtype, False)
+    (th, tw, _), _ = _head(rng, 2, 3, 12, 301, "vd", dtype, False)
     hs, ths = jnp.stack([h, 2 * h]), jnp.stack([th, -th])
     mask = jnp.asarray(random_mask(rng, 2, 3))
 
@@ -270,9 +295,10 @@ def test_distill_large_logits(rng, backend, divergence, memory):
     taken relative to each head's row max; nothing overflows), gradients finite. (The float32
     logits themselves are off by ~1e-4 here, so the gradients of such near one-hot
     distributions are not held to the 1e-5 rule.)"""
-    (h, w, _), (h64, w64, _) = _head(rng, 2, 3, 8, 301, "vd", jnp.float32, False)
-    (th, tw, _), (th64, tw64, _) = _head(rng, 2, 3, 12, 301, "dv", jnp.float32, False)
-    h, h64, th, th64 = 300 * h, 300 * h64, 300 * th, 300 * th64
+    dtype = head_dtype(backend)  # ×256 is exact in bfloat16 too
+    (h, w, _), (h64, w64, _) = _head(rng, 2, 3, 8, 301, "vd", dtype, False)
+    (th, tw, _), (th64, tw64, _) = _head(rng, 2, 3, 12, 301, "dv", dtype, False)
+    h, h64, th, th64 = 256 * h, 256 * h64, 256 * th, 256 * th64
     mask = np.ones((2, 3), np.float32)
     g = cotangent(rng, (2, 3))
     f = lambda h, w: jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
@@ -291,7 +317,7 @@ def test_distill_large_logits(rng, backend, divergence, memory):
 def test_distill_equal_heads_give_zero(backend, memory):
     """The same head twice: every divergence is 0 (to rounding), and so is its gradient."""
     rng = np.random.default_rng(1)
-    (h, w, _), _ = _head(rng, 2, 2, 8, 130, "vd", jnp.float32, False)
+    (h, w, _), _ = _head(rng, 2, 2, 8, 130, "vd", head_dtype(backend), False)
     mask = jnp.ones((2, 2))
     for div in DIVERGENCES:
         loss, per_token = jk.linear_distill_loss(h, w, h, w, mask, divergence=div,
@@ -392,9 +418,22 @@ def _mesh(kind="Explicit"):
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
 
 
-def _sharded_inputs(rng):
-    (h, w, b), _ = _head(rng, 4, 4, 8, V_SHARD, "vd", jnp.float32, True)
-    (th, tw, _), _ = _head(rng, 4, 4, 12, V_SHARD, "dv", jnp.float32, False)
+def _agree(got, want, name="value"):
+    """A sharded result against the same backend's unsharded one: docs/api.md's float32 rule,
+    or, for 16-bit outputs, within one rounding to their dtype (a sum in another order may
+    round the other way)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype.itemsize == 2:
+        s = max(float(np.max(np.abs(want.astype(np.float64)), initial=0.0)), 1e-30)
+        err = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)), initial=0.0)
+        assert err <= 2.0 ** -7 * s, f"{name}: {err} > 2^-7 x {s}"
+    else:
+        assert_close(got, want, name=name)
+
+
+def _sharded_inputs(rng, dtype=jnp.float32):
+    (h, w, b), _ = _head(rng, 4, 4, 8, V_SHARD, "vd", dtype, True)
+    (th, tw, _), _ = _head(rng, 4, 4, 12, V_SHARD, "dv", dtype, False)
     mask = jnp.asarray(random_mask(rng, 4, 4))
     return h, w, b, th, tw, mask
 
@@ -421,8 +460,9 @@ def _gathered(compiled) -> list[int]:
 def test_distill_sharded(rng, backend, kind, divergence, memory):
     """Rows over ``data``, both heads' vocabulary over ``model``: the unsharded result, and
     d_weight sharded like the weight."""
+    pallas_off_gpu_unsharded(backend)
     mesh = _mesh(kind)
-    args = _sharded_inputs(rng)
+    args = _sharded_inputs(rng, head_dtype(backend))
     specs = [P("data", None, None), P("model", None), P("model"), P("data", None, None),
              P(None, "model"), P("data", None)]
     fn = _distill_fn(backend, divergence, memory=memory)
@@ -440,7 +480,7 @@ def test_distill_sharded(rng, backend, kind, divergence, memory):
         compiled = jax.jit(both).lower(*placed).compile()
         got = compiled(*placed)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert_close(x, np.asarray(y))
+        _agree(x, y)
     # no all-gather rebuilds a head, the hidden states, or a device's share of them
     limit = min(x.size for x in args[:5]) // 8
     gathered = _gathered(compiled)
@@ -492,7 +532,8 @@ def _in_shard_map(fn, in_specs, out_specs):
 def test_distill_vocab_axis(rng, backend, memory):
     """Inside shard_map, heads split over ``model``: per-row statistics of both heads combine
     across the slices; values and gradients (taken through the shard_map) as unsharded."""
-    args = _sharded_inputs(rng)
+    pallas_off_gpu_unsharded(backend)
+    args = _sharded_inputs(rng, head_dtype(backend))
     rows3, rows = P("data", None, None), P("data", None)
     in_specs = (rows3, P("model", None), P("model"), rows3, P(None, "model"), rows)
     for divergence in DIVERGENCES:
@@ -502,9 +543,9 @@ def test_distill_vocab_axis(rng, backend, memory):
         g = cotangent(rng, (4, 4))
         grad = lambda f: jax.jit(jax.grad(lambda h, w, b, *rest: jnp.sum(f(h, w, b, *rest) * g),
                                           argnums=(0, 1, 2)))
-        assert_close(call(*args), np.asarray(jax.jit(unsharded)(*args)), name=divergence)
+        _agree(call(*args), jax.jit(unsharded)(*args), name=divergence)
         for x, y in zip(grad(call)(*args), grad(unsharded)(*args)):
-            assert_close(x, np.asarray(y), name=f"{divergence} grad")
+            _agree(x, y, name=f"{divergence} grad")
 
 
 def test_topk_vocab_axis(rng, backend):
@@ -539,7 +580,12 @@ def test_explain_names_the_backends():
     th, tw = jnp.zeros((2, 3, 16)), jnp.zeros((64, 16))
     text = jk.explain("linear_distill_loss", h, w, th, tw, jnp.ones((2, 3)))
     assert text.splitlines()[0] == "linear_distill_loss: reference (automatic)", text
-    assert "pallas declined: backend 'pallas' does not implement 'distill_divergence'" in text
+    assert "pallas declined: pallas distill_divergence takes 16-bit heads" in text, text
+    text = jk.explain("linear_distill_loss", h.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                      th.astype(jnp.bfloat16), tw.astype(jnp.bfloat16), jnp.ones((2, 3)))
+    assert "pallas declined: platform is 'cpu'; pallas runs only in interpret mode" in text, text
+    text = jk.explain("linear_topk_logprobs", h, w, k=4)
+    assert "pallas declined: backend 'pallas' does not implement 'topk_logprobs'" in text, text
     with jk.use_backend("chunked"):
         text = jk.explain("linear_topk_logprobs", h, w, k=4)
     assert text.splitlines()[1] == "linear_topk_logprobs: chunked (requested)", text
@@ -651,11 +697,12 @@ def test_distill_fast_on_gpu(divergence, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_backend", ["chunked", "pallas"])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_distill_on_gpu(divergence, monkeypatch):
-    """bf16 heads of a realistic shape on the GPU (the module's own chunk size): the float64
-    oracle's values and gradients by docs/api.md's rules, bitwise reruns, and no [N, V]
-    float32 buffer in the compiled forward+backward."""
+def test_distill_on_gpu(divergence, gpu_backend, monkeypatch):
+    """bf16 heads of a realistic shape on the GPU (2 MiB chunks; an odd V, which pallas pads
+    to its tiles): the float64 oracle's values and gradients by docs/api.md's rules, bitwise
+    reruns, and no [N, V] float32 buffer in the compiled forward+backward."""
     monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 2 * 2**20)
     b, t, v = GPU_SHAPE
     (h, w, _), (h64, w64, _), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
@@ -663,7 +710,7 @@ def test_distill_on_gpu(divergence, monkeypatch):
 
     def f(h, w):
         return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
-                                      teacher_weight_layout="dv", backend="chunked")
+                                      teacher_weight_layout="dv", backend=gpu_backend)
 
     step = jax.jit(lambda h, w: jax.vjp(f, h, w)[1]((jnp.float32(g_loss), g_tok)))
     grads = step(h, w)
@@ -680,3 +727,40 @@ def test_distill_on_gpu(divergence, monkeypatch):
                      scale=want[-1] if i < 2 else None, name=name)
     temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
     assert temp < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_distill_pallas_sharded_on_gpu(rng, divergence):
+    """pallas's Mosaic GPU kernels under the mesh axes of the one GPU lent (Explicit and Auto)
+    and inside ``shard_map`` with ``vocab_axis``: values and gradients as the chunked
+    backend's unsharded ones (the CPU suite cannot run these: ``pallas_off_gpu_unsharded``)."""
+    args = _sharded_inputs(rng, jnp.bfloat16)
+    g = cotangent(rng, (4, 4))
+
+    def both(fn):
+        def run(*a):
+            scalar = lambda *a: 0.7 * fn(*a)[0] + jnp.sum(fn(*a)[1] * g)
+            return fn(*a)[1], jax.grad(scalar, argnums=(0, 1, 2))(*a)
+        return run
+
+    want = jax.jit(both(_distill_fn("chunked", divergence)))(*args)
+    specs = [P("data", None, None), P("model", None), P("model"), P("data", None, None),
+             P(None, "model"), P("data", None)]
+    for kind in ("Explicit", "Auto"):
+        mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+        placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        with jax.set_mesh(mesh):
+            got = jax.jit(both(_distill_fn("pallas", divergence)))(*placed)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _agree(x, y, name=f"{kind} {divergence}")
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    inner = _distill_fn("pallas", divergence, vocab_axis="model")
+    mapped = jax.shard_map(lambda *a: inner(*a)[1], mesh=mesh, in_specs=tuple(specs),
+                           out_specs=P("data", None))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(mapped(*a) * g), argnums=(0, 1, 2)))
+    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_distill_fn("chunked", divergence)(*a)[1] * g),
+                                 argnums=(0, 1, 2)))(*args)
+    _agree(jax.jit(mapped)(*args), want[0], name="shard_map per_token")
+    for x, y in zip(grad(*args), want_grad):
+        _agree(x, y, name="shard_map grad")

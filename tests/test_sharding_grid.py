@@ -32,7 +32,9 @@ configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest 
 ``JAXRL_TEST_GRID_SHARD=i/n`` keeps every n-th case of it, for n processes:
 tests/run_full_grid.sh).
 Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1), less
-those that decline an op (``DECLINED``: the distillation ops have no pallas implementation).
+those that decline an op (``DECLINED``: pallas has no top-k, and its distillation kernels take
+16-bit heads, run off a GPU only emulated in a host callback, which sharded CPU programs do not
+run right; tests/test_distill.py says more).
 
 The distillation ops (``DISTILL_OPS``): ``linear_distill_loss`` takes a teacher head too
 (``teacher_hidden`` [B, T, D_t] sharded like ``hidden``, D_t over the tensor-parallel axis in
@@ -179,7 +181,7 @@ LAYOUTS = {
 }
 SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"),
                      "token": ("rows",)}
-DECLINED = {op: ("pallas",) for op in DISTILL_OPS}  # backends that do not implement an op
+DECLINED = {op: ("pallas",) for op in DISTILL_OPS}  # backends left out of an op's grid
 NO_SMALL_INPUTS = ("linear_topk_logprobs",)  # no per-token inputs: no "whole" variant
 
 

@@ -1,8 +1,10 @@
-"""The Pallas backend: Triton-lowered kernels on GPU, interpret mode elsewhere.
+"""The Pallas backend: Triton-lowered and Mosaic GPU kernels on GPU, interpret mode elsewhere.
 
 Each submodule serves some primitives (``logits``: log-probs from logits; ``ppo``: the PPO
-loss and group advantages; ``linear``: log-probs of a linear head, and its backward alone)
-and may name the type that tunes its kernels (``CONFIG``). One that fails to import leaves
+loss and group advantages; ``linear``: log-probs of a linear head, and its backward alone;
+``distill``: the divergence between two linear heads, on Mosaic GPU)
+and may name the type that tunes its kernels (``CONFIG``) and an ``automatic`` rule of its own
+(when automatic choice passes its kernels over on a GPU). One that fails to import leaves
 its primitives declined with the import error as the reason.
 """
 
@@ -16,11 +18,13 @@ _SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),
     "ppo": ("ppo_loss", "group_advantages"),
     "linear": ("linear_logprobs", "linear_logprobs_backward"),
+    "distill": ("distill_divergence",),
 }
 
 OPS: dict = {}
 CONFIGS: dict = {}
 _DECLINERS: dict = {}
+_AUTOMATIC: dict = {}
 _MISSING: dict[str, str] = {}
 
 for _name, _primitives in _SUBMODULES.items():
@@ -33,6 +37,7 @@ for _name, _primitives in _SUBMODULES.items():
     for _p in _primitives:
         OPS[_p] = _mod.OPS[_p]
         _DECLINERS[_p] = getattr(_mod, "declines", None)
+        _AUTOMATIC[_p] = getattr(_mod, "automatic", None)
         if getattr(_mod, "CONFIG", None) is not None:
             CONFIGS[_p] = _mod.CONFIG
 
@@ -53,10 +58,12 @@ def declines(primitive: str, problem) -> str | None:
 
 
 def automatic(primitive: str, problem: Problem) -> str | None:
-    """Off a GPU the kernels run only emulated: automatic choice passes pallas over there."""
+    """Off a GPU the kernels run only emulated: automatic choice passes pallas over there; on
+    a GPU, a submodule's own rule decides."""
     if not problem.on_gpu:
         return f"platform is {problem.platform!r}; pallas runs only in interpret mode there"
-    return None
+    rule = _AUTOMATIC.get(primitive)
+    return rule(primitive, problem) if rule else None
 
 
 BACKEND = Backend("pallas", OPS, unavailable_reason, declines, automatic,
