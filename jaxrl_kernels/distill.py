@@ -4,8 +4,9 @@
 between the full-vocabulary distributions of a student head and a frozen teacher head;
 ``linear_topk_logprobs``: each row's k most likely tokens and their log-probs (the teacher-side
 export for top-k distillation). The per-row math is in ``divergence_math``; the backends'
-pieces are ``backends/reference_distill.py`` (jnp on the logits, the oracle) and
-``backends/chunked_distill.py`` (vocabulary chunks; its docstring counts the GEMMs).
+pieces are ``backends/reference_distill.py`` (jnp on the logits, the oracle),
+``backends/chunked_distill.py`` (vocabulary chunks; its docstring counts the GEMMs) and
+``backends/pallas/distill.py`` (the divergence on Mosaic GPU kernels).
 
 Both run through ``sharding.run`` like the log-prob ops: rows stay where they live, a
 vocabulary split over devices is used in place, and inside ``jax.shard_map`` ``vocab_axis``
@@ -155,7 +156,8 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       weight_layout, teacher_weight_layout: ``"vd"`` or ``"dv"`` for each head.
       bias, teacher_bias: ``[V]`` or ``None``.
       loss_agg_mode, max_len: as in ``aggregate``.
-      backend: ``None`` (automatic), ``"reference"`` or ``"chunked"``.
+      backend: ``None`` (automatic), ``"reference"``, ``"chunked"`` or ``"pallas"``
+        (16-bit heads; docs/api.md).
       vocab_axis: inside ``jax.shard_map``, the mesh axis over which both heads (and biases)
         hold consecutive vocabulary slices.
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: the backward recomputes both heads'

@@ -47,7 +47,7 @@ def pallas_off_gpu_unsharded(backend):
     in a program sharded over several CPU devices that callback is fed another device's
     operands (observed with jax 0.12: the cotangent rows of one data shard on both) or
     crashes, so the sharded cases run on GPUs only (tests/test_distill.py's GPU tests run
-    them inside shard_map and under mesh axes of the one GPU lent)."""
+    them inside shard_map and under mesh axes of one GPU)."""
     if backend == "pallas" and jax.default_backend() != "gpu":
         pytest.skip("pallas distillation kernels in sharded CPU programs: see "
                     "pallas_off_gpu_unsharded")
@@ -519,8 +519,9 @@ def test_topk_sharded(rng, backend, kind):
         assert_close(x, np.asarray(y), scale=10.0)
 
 
-def _in_shard_map(fn, in_specs, out_specs):
-    mesh = _mesh()
+def _in_shard_map(fn, in_specs, out_specs, shape=None):
+    mesh = _mesh() if shape is None else jax.make_mesh(
+        shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     inner = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def mapped(*args):
@@ -726,13 +727,15 @@ def test_distill_on_gpu(divergence, gpu_backend, monkeypatch):
         assert_close(got, want[i], in_dtype=jnp.bfloat16, want32=want32[i],
                      scale=want[-1] if i < 2 else None, name=name)
     temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
-    assert temp < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
+    # pallas pads an odd V to its 128-column tiles: a copy of each head's weight
+    padded = 0 if gpu_backend == "chunked" else -(-v // 128) * 128 * (256 + 512) * 2
+    assert temp - padded < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_distill_pallas_sharded_on_gpu(rng, divergence):
-    """pallas's Mosaic GPU kernels under the mesh axes of the one GPU lent (Explicit and Auto)
+    """pallas's Mosaic GPU kernels under the mesh axes of one GPU (Explicit and Auto)
     and inside ``shard_map`` with ``vocab_axis``: values and gradients as the chunked
     backend's unsharded ones (the CPU suite cannot run these: ``pallas_off_gpu_unsharded``)."""
     args = _sharded_inputs(rng, jnp.bfloat16)
@@ -754,13 +757,12 @@ def test_distill_pallas_sharded_on_gpu(rng, divergence):
             got = jax.jit(both(_distill_fn("pallas", divergence)))(*placed)
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _agree(x, y, name=f"{kind} {divergence}")
-    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     inner = _distill_fn("pallas", divergence, vocab_axis="model")
-    mapped = jax.shard_map(lambda *a: inner(*a)[1], mesh=mesh, in_specs=tuple(specs),
-                           out_specs=P("data", None))
+    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None),
+                              shape=(1, 1))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(mapped(*a) * g), argnums=(0, 1, 2)))
     want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_distill_fn("chunked", divergence)(*a)[1] * g),
                                  argnums=(0, 1, 2)))(*args)
-    _agree(jax.jit(mapped)(*args), want[0], name="shard_map per_token")
+    _agree(mapped(*args), want[0], name="shard_map per_token")
     for x, y in zip(grad(*args), want_grad):
         _agree(x, y, name="shard_map grad")
