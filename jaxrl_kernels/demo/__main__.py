@@ -15,6 +15,9 @@ import os
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
+
 import jaxrl_kernels as jrk
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.demo import checkpoint, train
@@ -86,7 +89,24 @@ def parse_args(argv=None):
         if cfg.backend is not None and cfg.backend not in jrk.available_backends(op):
             parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
                          f"{', '.join(jrk.available_backends(op))}")
+    if cfg.algo == "distill" and cfg.backend is not None:
+        why = _distill_refusal(cfg.backend)
+        if why:
+            parser.error(f"--backend {cfg.backend}: cannot run --algo distill's float32 heads "
+                         f"(linear_distill_loss): {why}")
     return cfg, progress
+
+
+def _distill_refusal(backend: str) -> str | None:
+    """Why ``backend`` cannot run the demo's distillation loss (float32 heads), traced
+    abstractly; None if it can."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    try:
+        jax.eval_shape(lambda *a: jrk.linear_distill_loss(*a, backend=backend), f32(1, 2, 8),
+                       f32(16, 8), f32(1, 2, 8), f32(16, 8), f32(1, 2))
+    except NotImplementedError as err:
+        return str(err).split(": ", 2)[-1].splitlines()[0]
+    return None
 
 
 def _with_flag(message: str) -> str:

@@ -77,8 +77,8 @@ def declines(primitive, problem) -> str | None:
 
 def automatic(primitive, problem) -> str | None:
     """Automatic choice on a GPU passes these kernels over: they trail the chunked backend's
-    cuBLAS GEMMs (benchmarks/results/bench_distill_pallas.md: 2.0× its time for a reverse KL,
-    2.5× for the JSD, on an H100); ``backend="pallas"`` runs them."""
+    cuBLAS GEMMs (benchmarks/results/bench_distill_pallas.md: 1.4× its time for a KL, 1.6×
+    for the JSD, on an H100); ``backend="pallas"`` runs them."""
     return ("its Mosaic GPU kernels are slower than the chunked backend's cuBLAS GEMMs "
             "(benchmarks/results/bench_distill_pallas.md); backend='pallas' runs them")
 
