@@ -3,7 +3,8 @@
 Every kernel works on a block of :data:`BLOCK_ROWS` tokens against the vocabulary in tiles of
 :data:`BLOCK_VOCAB` columns. A tile's logits of either head are a wgmma GEMM over the hidden
 dimension in steps of :data:`BLOCK_K` (``plgpu.emit_pipeline``: TMA loads of the hidden
-block and the weight tile, two steps in flight), scaled by ``1/T`` and added to ``b/T``. Each
+block and the weight tile, :data:`PIPELINE_DEPTH` steps in flight), scaled by ``1/T`` and
+added to ``b/T``. Each
 head is padded to whole tiles; padded vocabulary columns get the logit :data:`PAD_LOGIT`, so
 that ``p = 0`` there and they add nothing (no mask in the kernels).
 
@@ -20,7 +21,8 @@ that ``p = 0`` there and they add nothing (no mask in the kernels).
 GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the JSD. The
 kernels take 16-bit heads (each head's hidden states and weight of one dtype): wgmma's float32
 path is TF32, which would break the float32 accuracy rule of docs/api.md. Off a GPU they run
-in Mosaic GPU interpret mode (``plgpu.InterpretGPUParams``, jax ≥ 0.12).
+in Mosaic GPU interpret mode (``plgpu.InterpretGPUParams``, jax ≥ 0.12) in a host callback
+(:func:`_kernel`), for the tests: unsharded programs only.
 """
 
 from __future__ import annotations
