@@ -14,7 +14,8 @@ for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The GEMM-
 those GEMMs over the same vocabulary chunks (bf16 forward operands, float16 backward ones,
 float32 accumulation) and nothing else. Each row: XLA's temp size of the compiled
 ``jax.jit(jax.grad(L, (h, W)))`` ("extra memory": neither inputs nor outputs; with ``--peak``
-also the device's peak bytes in use less inputs and gradients, one process per row), then the median
+also the device's peak bytes in use less inputs and gradients, one process per row, compiled
+without GEMM autotuning, whose trial buffers would set the peak before the run), then the median
 of synchronised calls by the host clock, in ``--rounds`` rounds whose order rotates.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_distill            # GPU: N=4096, D_s=2048,
@@ -172,24 +173,34 @@ def gemms_only(divergence: str, chunked: bool):
 
 def peak_extra_mib(loss, args) -> float | None:
     """The device's peak bytes in use over one forward+backward, less the inputs and the
-    gradients (in a fresh process: the allocator's peak is never reset)."""
+    gradients (in a fresh process: the allocator's peak is never reset). The program is
+    compiled first, by a process that autotunes no GEMM (:func:`peak_in_subprocess`): the
+    autotuner's trial buffers would otherwise set the peak before the program runs."""
     import jax
 
     from benchmarks import common
 
-    grads = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(*args))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    print("peak_after_compile_mib", common.peak_mib())
+    grads = jax.block_until_ready(compiled(*args))
     peak = common.peak_mib()
     held = sum(x.nbytes for x in jax.tree.leaves((args, grads))) / 2**20
     return None if peak is None else peak - held
 
 
 def peak_in_subprocess(variant: str, divergence: str, small: bool) -> float | None:
-    """:func:`peak_extra_mib` of one variant, in its own process."""
+    """:func:`peak_extra_mib` of one variant, in its own process, without GEMM autotuning
+    (``--xla_gpu_autotune_level=0``: cuBLAS's own choice of algorithm)."""
+    import os
     import subprocess
 
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     cmd = [sys.executable, "-m", "benchmarks.bench_distill", "--peak-of", variant,
            "--divergences", divergence] + (["--small"] if small else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    print(f"peak of {variant} {divergence}:",
+          " ".join(ln for ln in done.stdout.splitlines() if ln.startswith("peak_")), flush=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("peak_extra_mib ")]
     return float(lines[-1].split()[1]) if lines and lines[-1].split()[1] != "None" else None
 
