@@ -33,8 +33,8 @@ configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest 
 tests/run_full_grid.sh).
 Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1), less
 those that decline an op (``DECLINED``: pallas has no top-k, and its distillation kernels take
-16-bit heads, run off a GPU only emulated in a host callback, which sharded CPU programs do not
-run right; tests/test_distill.py says more).
+16-bit heads, which the grid's float32 cases are not, and run off a GPU emulated in a host
+callback that crashes under Auto axes; tests/test_distill.py runs them).
 
 The distillation ops (``DISTILL_OPS``): ``linear_distill_loss`` takes a teacher head too
 (``teacher_hidden`` [B, T, D_t] sharded like ``hidden``, D_t over the tensor-parallel axis in

@@ -22,7 +22,8 @@ GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the
 kernels take 16-bit heads (each head's hidden states and weight of one dtype): wgmma's float32
 path is TF32, which would break the float32 accuracy rule of docs/api.md. Off a GPU they run
 in Mosaic GPU interpret mode (``plgpu.InterpretGPUParams``, jax ≥ 0.12) in a host callback
-(:func:`_kernel`), for the tests: unsharded programs only.
+(:func:`_kernel`), for the tests: unsharded, under Explicit mesh axes and in ``shard_map``
+(under Auto axes XLA's CPU runtime crashes running the callback).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from jaxrl_kernels import divergence_math as dm
 from jaxrl_kernels import head
 from jaxrl_kernels.backends import chunked_distill
 from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.placement import varying_like
 
 BLOCK_ROWS = 64
 """Tokens per kernel program: one warpgroup's wgmma M."""
@@ -157,15 +159,17 @@ def _logits(h_rows, w_tile, bias_cols, layout, inv_t, depth):
 
 
 def _kernel(body, out_type, scratch, grid, grid_names):
-    """The Mosaic GPU kernel ``body`` as a function of arrays. Off a GPU it runs in Mosaic GPU
-    interpret mode inside a ``jax.pure_callback``, one kernel at a time (the interpreter's
-    state is global): its ordered IO effects would otherwise reach ``custom_partitioning`` and
-    ``shard_map``, which lower none."""
+    """The Mosaic GPU kernel ``body`` as a function of arrays, its results typed as varying
+    over the manual axes its operands vary over (a host callback's result is typed varying
+    over none, and autodiff would then sum a cotangent over those axes). Off a GPU it runs in
+    Mosaic GPU interpret mode inside a ``jax.pure_callback``, one kernel at a time (the
+    interpreter's state is global): its ordered IO effects would otherwise reach
+    ``custom_partitioning`` and ``shard_map``, which lower none."""
     call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=grid_names, compiler_params=plgpu.CompilerParams(),
                         interpret=_interpret())
     if jax.default_backend() == "gpu":
-        return call
+        return lambda *args: varying_like(call(*args), *args)
     run = jax.jit(call)
 
     def run_alone(*args):  # the interpreter's state is global: one kernel at a time
@@ -173,7 +177,8 @@ def _kernel(body, out_type, scratch, grid, grid_names):
             return jax.tree.map(np.asarray, run(*args))
 
     def on_host(*args):
-        return jax.pure_callback(run_alone, out_type, *args, vmap_method="sequential")
+        out = jax.pure_callback(run_alone, out_type, *args, vmap_method="sequential")
+        return varying_like(out, *args)
     return on_host
 
 
