@@ -14,7 +14,7 @@ head ([N, D_s] × [D_s, V]) and ``T`` one of the teacher head ([N, D_t] × [D_t,
 * backward: one pass recomputing both heads' chunk logits (``S + T``), forming the student's
   logit gradient ``dz_s`` per chunk, then ``d_hidden += dz_s · W_c`` and ``d_W_c = dz_sᵀ ·
   hidden`` (``2 S``: float32 GEMMs for a float32 head, float16 operands scaled by powers of
-  two for a 16-bit one, see :func:`_student_backward`). The teacher needs no backward GEMM.
+  two for a 16-bit one, see :func:`student_backward`). The teacher needs no backward GEMM.
 
 GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the JSD.
 
@@ -65,9 +65,10 @@ def _pow2_scale(amax):
     return jnp.where(ok, 2.0 ** 14 / top, 1.0).astype(jnp.float32)
 
 
-def _student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
+def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands):
     """(d_hidden, d_weight, d_bias | None) from ``tile_grad(start, cols, fresh, size)``, the
-    float32 logit gradient [N, size] of a chunk: two GEMMs per chunk.
+    float32 logit gradient [N, size] of a chunk: two GEMMs per chunk (the pallas backend's
+    kernels supply ``tile_grad`` too).
 
     float32 heads: float32 GEMMs. 16-bit heads: float16 operands with float32 accumulation,
     every operand scaled by a power of two into float16's range (exact, divided out after the
@@ -156,7 +157,7 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
         return dm.student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta,
                                     temperature)
 
-    return _student_backward(hidden, weight, bias, weight_layout, tile_grad,
+    return student_backward(hidden, weight, bias, weight_layout, tile_grad,
                              (hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d,
                               kl_s, g))
 
@@ -212,7 +213,7 @@ def topk_backward(hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weig
         dz = dz.at[rows, at].add(g_values, mode="drop")
         return dz / temperature
 
-    return _student_backward(hidden, weight, bias, weight_layout, tile_grad,
+    return student_backward(hidden, weight, bias, weight_layout, tile_grad,
                              (hidden, weight, bias, local_ids, lse, g_values, g_lse))
 
 

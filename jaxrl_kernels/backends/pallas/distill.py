@@ -4,9 +4,8 @@ Every kernel works on a block of :data:`BLOCK_ROWS` tokens against the vocabular
 :data:`BLOCK_VOCAB` columns. A tile's logits of either head are a wgmma GEMM over the hidden
 dimension in steps of :data:`BLOCK_K` (``plgpu.emit_pipeline``: TMA loads of the hidden
 block and the weight tile, :data:`PIPELINE_DEPTH` steps in flight), scaled by ``1/T`` and
-added to ``b/T``. Each
-head is padded to whole tiles; padded vocabulary columns get the logit :data:`PAD_LOGIT`, so
-that ``p = 0`` there and they add nothing (no mask in the kernels).
+added to ``b/T``. Each head is padded to whole tiles; padded vocabulary columns get the logit
+:data:`PAD_LOGIT`, so that ``p = 0`` there and they add nothing (no mask in the kernels).
 
 * :func:`_pair_stats` (forward): per row block, a loop over every vocabulary tile folds both
   heads' tiles into ``divergence_math``'s pair statistics (``S + T`` GEMMs).
@@ -15,7 +14,7 @@ that ``p = 0`` there and they add nothing (no mask in the kernels).
 * :func:`_student_grad` (backward): per vocabulary chunk, the student's float32 logit
   gradient ``dz`` (``divergence_math.student_grad_tile``) of every tile of the chunk
   (``S + T``); the chunk's two GEMMs ``d_hidden += dz·W_c`` and ``d_W_c = dzᵀ·h`` are XLA's,
-  as in the chunked backend (``chunked_distill._student_backward``), so that no ``[N, V]``
+  as in the chunked backend (``chunked_distill.student_backward``), so that no ``[N, V]``
   array exists: a chunk is ``chunked_distill.CHUNK_BYTES``.
 
 GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the JSD. The
@@ -41,6 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxrl_kernels import divergence_math as dm
 from jaxrl_kernels import head
 from jaxrl_kernels.backends import chunked_distill
+from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.placement import varying_like
 
@@ -87,13 +87,12 @@ def automatic(primitive, problem) -> str | None:
             "(benchmarks/results/bench_distill_pallas.md); backend='pallas' runs them")
 
 
-def _interpret():
-    return None if jax.default_backend() == "gpu" else plgpu.InterpretGPUParams()
+_LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_TAKES_INDEX = _LOAD_IDX is not None and _LOAD_IDX.default is inspect.Parameter.empty
 
 
 def _load(ref, layout):
-    idx = inspect.signature(plgpu.load).parameters.get("idx")
-    if idx is not None and idx.default is inspect.Parameter.empty:  # an older load(src, idx)
+    if _LOAD_TAKES_INDEX:  # an older plgpu.load(src, idx)
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
@@ -165,10 +164,11 @@ def _kernel(body, out_type, scratch, grid, grid_names):
     Mosaic GPU interpret mode inside a ``jax.pure_callback``, one kernel at a time (the
     interpreter's state is global): its ordered IO effects would otherwise reach
     ``custom_partitioning`` and ``shard_map``, which lower none."""
+    emulated = common.interpret()
     call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=grid_names, compiler_params=plgpu.CompilerParams(),
-                        interpret=_interpret())
-    if jax.default_backend() == "gpu":
+                        interpret=plgpu.InterpretGPUParams() if emulated else None)
+    if not emulated:
         return lambda *args: varying_like(call(*args), *args)
     run = jax.jit(call)
 
@@ -204,7 +204,7 @@ def _bias_tile(b_ref, j, smem, barrier):
     return _load(smem, _COL)
 
 
-def _both_logits(refs, block, j, bias_smem, barriers, layouts, inv_t, depth=None):
+def _both_logits(refs, block, j, bias_smem, barriers, layouts, inv_t, depth=PIPELINE_DEPTH):
     """Both heads' logits [BLOCK_ROWS, BLOCK_VOCAB] of row block ``block``, vocabulary tile
     ``j`` (``refs`` = the six GMEM refs; ``bias_smem``/``barriers`` hold two slots)."""
     hs, ws, bs, ht, wt, bt = refs
@@ -212,7 +212,7 @@ def _both_logits(refs, block, j, bias_smem, barriers, layouts, inv_t, depth=None
     for i, (h, w, b) in enumerate(((hs, ws, bs), (ht, wt, bt))):
         bias = _bias_tile(b, j, bias_smem.at[i], barriers.at[i])
         out.append(_logits(h.at[block], _vocab_tile(w, j, layouts[i]), bias, layouts[i], inv_t,
-                           depth or PIPELINE_DEPTH))
+                           depth))
     return out
 
 
@@ -340,7 +340,7 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
                              temperature=temperature)
 
     d_bias_proxy = None if bias is None else _pad(bias, 0, BLOCK_VOCAB)
-    dh, dw, db = chunked_distill._student_backward(
+    dh, dw, db = chunked_distill.student_backward(
         hs, ws, d_bias_proxy, weight_layout, tile_grad,
         (hs, ws, bs, ht, wt, bt) + rows)
     dw = dw[:vocab, :dim] if weight_layout == "vd" else dw[:dim, :vocab]
