@@ -589,15 +589,6 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 1024)  # 256 columns of 16 rows
 
 
-@pytest.mark.parametrize("case", SAMPLE, ids=str)
-def test_grid_sample(case):
-    check(case)
-
-
-@pytest.mark.grid_full
-@pytest.mark.parametrize("case", _grid_shard(REST), ids=str)
-def test_grid_full(case):
-    check(case)
 
 
 FAST_CASES = [  # memory="fast" (the logits kept for the backward) in every entry and layout
@@ -635,14 +626,14 @@ def _distill_fast_grid() -> tuple[list[Case], list[Case]]:
 DISTILL_FAST_SAMPLE, DISTILL_FAST_REST = _distill_fast_grid()
 
 
-@pytest.mark.parametrize("case", DISTILL_FAST_SAMPLE, ids=str)
-def test_grid_distill_fast(case):
+@pytest.mark.parametrize("case", SAMPLE + DISTILL_FAST_SAMPLE, ids=str)
+def test_grid_sample(case):
     check(case)
 
 
 @pytest.mark.grid_full
-@pytest.mark.parametrize("case", _grid_shard(DISTILL_FAST_REST), ids=str)
-def test_grid_distill_fast_full(case):
+@pytest.mark.parametrize("case", _grid_shard(REST + DISTILL_FAST_REST), ids=str)
+def test_grid_full(case):
     check(case)
 
 
