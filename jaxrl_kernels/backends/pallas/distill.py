@@ -51,9 +51,9 @@ BLOCK_VOCAB = 128
 BLOCK_K = 128
 """Hidden-dimension step (two 128-byte swizzled rows of 16-bit values)."""
 PIPELINE_DEPTH = 4
-"""Hidden-dimension steps whose operands are in shared memory at once (4 × 48 KiB; a sweep on
-an H100 at the benchmark shape: forward 100 ms at BLOCK_K = 64 and 2 steps, 40 ms at 64 and
-4, 30 ms at 128 and 4)."""
+"""Hidden-dimension steps whose operands are in shared memory at once (4 × 48 KiB; five,
+240 KiB, exceed an H100's 227 KiB of shared memory per block). docs/performance.md compares
+this setting with 64-wide steps, two in flight."""
 PAD_LOGIT = -1e30
 """The logit (already divided by T) of a padded vocabulary column: ``exp`` of it is 0."""
 
