@@ -10,13 +10,16 @@ the gradient taken in the forward, ``3 S + T`` GEMMs like the materialised code)
 Problem: N tokens, student h [N, D_s] and W [V, D_s], teacher h_t [N, D_t] and W_t [V, D_t],
 bf16, L = loss (token_mean over N tokens), gradients to the student's h and W. GEMMs per
 forward+backward (``backends/chunked_distill.py``): ``4 S + 2 T`` for either KL, ``5 S + 3 T``
-for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The GEMM-only rows run exactly
-those GEMMs over the same vocabulary chunks (bf16 forward operands, float16 backward ones,
-float32 accumulation) and nothing else. Each row: XLA's temp size of the compiled
-``jax.jit(jax.grad(L, (h, W)))`` ("extra memory": neither inputs nor outputs; with ``--peak``
-also the device's peak bytes in use less inputs and gradients, one process per row, compiled
-without GEMM autotuning, whose trial buffers would set the peak before the run), then the median
-of synchronised calls by the host clock, in ``--rounds`` rounds whose order rotates.
+for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The "GEMMs alone, chunked"
+rows run exactly those GEMMs over the same vocabulary chunks (bf16 forward operands, float16
+backward ones, float32 accumulation) and nothing else; the "GEMMs each alone" rows add up
+the four distinct GEMMs timed one at a time at full size (:func:`each_gemm_ms`), for the
+lean schedule and for the ``3 S + T`` one: the GEMM time each schedule cannot go below.
+Each row: XLA's temp size of the compiled ``jax.jit(jax.grad(L, (h, W)))`` ("extra memory":
+neither inputs nor outputs; with ``--peak`` also the device's peak bytes in use less inputs
+and gradients, one process per row, compiled without GEMM autotuning, whose trial buffers
+would set the peak before the run), then the median of synchronised calls by the host
+clock, in ``--rounds`` rounds whose order rotates.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_distill            # GPU: N=4096, D_s=2048,
                                                                    # D_t=4096, V=151936
@@ -116,9 +119,37 @@ def ours(divergence: str, memory: str = "lean", backend: str = "chunked"):
     return loss
 
 
-def gemms_only(divergence: str, chunked: bool):
-    """The schedule's GEMMs and nothing else (see the module docstring); unchunked: the same
-    GEMMs at full size (bf16 outputs), the GEMM roofline of the schedule."""
+def cases_for(divergence: str, size: dict) -> list[tuple]:
+    """(variant, divergence, loss, note, GEMM flops) of every timed row of one divergence."""
+    d = divergence
+    n_s, n_t = gemm_count(d)
+    flop = 2 * size["N"] * size["V"] * (n_s * size["D_s"] + n_t * size["D_t"])
+    flop_3s_t = 2 * size["N"] * size["V"] * (3 * size["D_s"] + size["D_t"])
+    return [("ours (fast)", d, ours(d, "fast"),
+             "memory='fast': the gradient taken in the forward, 3 S + T GEMMs", flop_3s_t),
+            ("ours (chunked)", d, ours(d), "", flop),
+            ("ours (ffi)", d, ours(d, backend="ffi"),
+             "SM90 kernels: both heads' 128x128 tiles in registers, the row statistics and "
+             "the float16 logit gradient in-kernel; XLA's backward GEMMs", flop),
+            ("ours (pallas)", d, ours(d, backend="pallas"),
+             "Mosaic GPU kernels: both heads' tiles and dz in-kernel, XLA's backward "
+             "GEMMs; the chunked schedule", flop),
+            ("jnp materialised", d, materialised(d),
+             "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; "
+             "3 S + T GEMMs", flop_3s_t),
+            ("GEMMs alone, chunked", d, gemms_only(d),
+             f"the schedule's {n_s} S + {n_t} T GEMMs, same chunks", flop)]
+
+
+def variant_loss(variant: str, divergence: str, size: dict | None = None):
+    """The loss of one row of :func:`cases_for`."""
+    [loss] = [c[2] for c in cases_for(divergence, size or SIZES["small"]) if c[0] == variant]
+    return loss
+
+
+def gemms_only(divergence: str):
+    """The schedule's GEMMs over the chunked backend's vocabulary chunks and nothing else (see
+    the module docstring)."""
     import jax
     import jax.numpy as jnp
 
@@ -135,8 +166,6 @@ def gemms_only(divergence: str, chunked: bool):
         return fwd(h, w, th, tw, mask)[0]
 
     def sizes(n, v):
-        if not chunked:
-            return v, 1
         size = chunked_distill.CHUNK_BYTES // (4 * n)
         size = min(v, max(128, size - size % 128))
         return size, -(-v // size)
@@ -146,7 +175,7 @@ def gemms_only(divergence: str, chunked: bool):
         read back: a loop iteration XLA cannot drop)."""
         n, v = h.shape[0], w.shape[0]
         size, count = sizes(n, v)
-        out = jnp.float32 if chunked else jnp.bfloat16
+        out = jnp.float32
 
         def body(c, tiles):
             start = jnp.minimum(c * size, v - size)
@@ -175,7 +204,7 @@ def gemms_only(divergence: str, chunked: bool):
             start = jnp.minimum(c * size, v - size)
             ws = jax.lax.dynamic_slice_in_dim(w, start, size, 0)
             wt = jax.lax.dynamic_slice_in_dim(tw, start, size, 0)
-            out = jnp.bfloat16 if not chunked else jnp.float32
+            out = jnp.float32
             zs = dot(h2, ws, ((1,), (1,)), out)
             zt = dot(th2, wt, ((1,), (1,)), out)
             dz = (zs.astype(jnp.float32) - zt.astype(jnp.float32)).astype(jnp.float16)
@@ -189,6 +218,60 @@ def gemms_only(divergence: str, chunked: bool):
 
     loss.defvjp(fwd, bwd)
     return loss
+
+
+def each_gemm_ms(size: dict, runs: int) -> dict[str, float]:
+    """Each distinct GEMM of the schedules alone at full size, as XLA runs it (cuBLAS), its
+    output written in full: the student's and the teacher's logits ``S_fwd``, ``T_fwd``
+    ([N, D] × [D, V], bf16 out), the student's ``d_hidden`` (float16 [N, V] × [V, D_s],
+    float32 out) and ``d_weight`` (float16 [V, N] × [N, D_s], bf16 out). Their sums over a
+    schedule are the GEMM time it cannot go below: the 1.15× goal's reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import common
+
+    h, w, th, tw, _ = inputs(size)
+    h, th = h[0], th[0]
+
+    def dot(a, b, contract, out):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=out)
+
+    logits = jax.jit(lambda a, b: dot(a, b, ((1,), (1,)), jnp.bfloat16))
+    g16 = logits(h, w).astype(jnp.float16)
+    w16, h16 = w.astype(jnp.float16), h.astype(jnp.float16)
+    gemms = {"S_fwd": (logits, (h, w)), "T_fwd": (logits, (th, tw)),
+             "S_dh": (jax.jit(lambda g, b: dot(g, b, ((1,), (0,)), jnp.float32)), (g16, w16)),
+             "S_dw": (jax.jit(lambda g, b: dot(g, b, ((0,), (0,)), jnp.bfloat16)), (g16, h16))}
+    out = {}
+    for name, (fn, args) in gemms.items():
+        common.warm_up(fn, *args, seconds=0.3)
+        out[name] = common.median_ms(fn, *args, warmup=2, runs=runs)
+        print(f"GEMM {name}: {out[name]:.3f} ms", flush=True)
+    return out
+
+
+def gemm_rows(size: dict, divergences: list[str], ms: dict[str, float]) -> list[dict]:
+    """Rows of the schedules' GEMM time from :func:`each_gemm_ms`: the lean one (``n_s − 2``
+    student and ``n_t`` teacher logit GEMMs, d_hidden, d_weight) and the ``3 S + T`` one of
+    the fast mode and the materialised code."""
+    rows = []
+    for d in divergences:
+        n_s, n_t = gemm_count(d)
+        passes = n_t - 1  # forward passes (1, or 2 for the JSD); the backward recomputes once
+        lean = (n_s - 2) * ms["S_fwd"] + n_t * ms["T_fwd"] + ms["S_dh"] + ms["S_dw"]
+        fast = ms["S_fwd"] + ms["T_fwd"] + ms["S_dh"] + ms["S_dw"]
+        for name, total, fwd, count in (
+                ("GEMMs each alone, lean schedule", lean, passes * (ms["S_fwd"] + ms["T_fwd"]),
+                 (n_s, n_t)),
+                ("GEMMs each alone, 3 S + T", fast, ms["S_fwd"] + ms["T_fwd"], (3, 1))):
+            flop = 2 * size["N"] * size["V"] * (count[0] * size["D_s"] + count[1] * size["D_t"])
+            rows.append({"variant": name, "divergence": d, **size, "fwdbwd_ms": total,
+                         "fwd_ms": fwd, "gemm_tflop": flop / 1e12,
+                         "tflops": flop / 1e12 / (total * 1e-3),
+                         "note": f"sum of full-size cuBLAS GEMMs timed alone: {count[0]} S + "
+                                 f"{count[1]} T"})
+    return rows
 
 
 def peak_extra_mib(loss, args) -> float | None:
@@ -263,26 +346,7 @@ def main():
     size = SIZES["small" if args.small else "full"]
     divergences = [d for d in args.divergences.split(",") if d]
     h, w, th, tw, mask = inputs(size)
-    flop = {d: 2 * size["N"] * size["V"] * (gemm_count(d)[0] * size["D_s"]
-                                             + gemm_count(d)[1] * size["D_t"])
-            for d in divergences}
-    flop_3s_t = 2 * size["N"] * size["V"] * (3 * size["D_s"] + size["D_t"])
-    cases = []
-    for d in divergences:
-        cases += [("ours (fast)", d, ours(d, "fast"),
-                   "memory='fast': the gradient taken in the forward, 3 S + T GEMMs", flop_3s_t),
-                  ("ours (chunked)", d, ours(d), "", flop[d]),
-                  ("ours (pallas)", d, ours(d, backend="pallas"),
-                   "Mosaic GPU kernels: both heads' tiles and dz in-kernel, XLA's backward "
-                   "GEMMs; the chunked schedule", flop[d]),
-                  ("jnp materialised", d, materialised(d),
-                   "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; "
-                   "3 S + T GEMMs", flop_3s_t),
-                  ("GEMMs alone, chunked", d, gemms_only(d, True),
-                   f"the schedule's {gemm_count(d)[0]} S + {gemm_count(d)[1]} T GEMMs, "
-                   "same chunks", flop[d]),
-                  ("GEMMs alone, full size", d, gemms_only(d, False),
-                   "the same GEMMs unchunked, bf16 outputs", flop[d])]
+    cases = [c for d in divergences for c in cases_for(d, size)]
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     cases = [c for c in cases if not wanted or any(c[0].startswith(v) for v in wanted)]
     if args.peak_of:
@@ -326,6 +390,8 @@ def main():
         row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
         print("timed:", row, flush=True)
     print(f"timing took {time.time() - start:.0f} s")
+    if not wanted or any("GEMMs each alone".startswith(v) for v in wanted):
+        rows += gemm_rows(size, divergences, each_gemm_ms(size, args.runs))
     del h, w, th, tw, fns
     if args.peak:
         for row in rows:

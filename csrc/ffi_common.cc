@@ -41,8 +41,8 @@ bool all_rows(int64_t n, std::initializer_list<size_t> counts) {
   return true;
 }
 
-ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, bool weight_dv,
-                      bool has_bias, float temperature, Head& head) {
+ffi::Error check_head_shapes(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, bool weight_dv, float temperature,
+                             Head& head) {
   using jaxrl_sm90::DType;
   auto hd = hidden.dimensions();
   auto wd = weight.dimensions();
@@ -69,12 +69,19 @@ ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffe
   if (d % 8 != 0) return ffi::Error::InvalidArgument("D must be a multiple of 8 (16-byte TMA row stride)");
   if (weight_dv && v % 8 != 0)
     return ffi::Error::InvalidArgument("V must be a multiple of 8 for the dv layout (16-byte TMA row stride)");
-  if (has_bias && static_cast<int64_t>(bias.element_count()) != v)
-    return ffi::Error::InvalidArgument("bias must be [V]");
   if (!(temperature > 0.f)) return ffi::Error::InvalidArgument("temperature must be > 0");
   head.n = n;
   head.d = d;
   head.v = v;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, bool weight_dv,
+                      bool has_bias, float temperature, Head& head) {
+  ffi::Error checked = check_head_shapes(hidden, weight, weight_dv, temperature, head);
+  if (checked.failure()) return checked;
+  if (has_bias && static_cast<int64_t>(bias.element_count()) != head.v)
+    return ffi::Error::InvalidArgument("bias must be [V]");
   return ffi::Error::Success();
 }
 

@@ -42,6 +42,10 @@ struct Head {
 ffi::Error check_head(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, bool weight_dv,
                       bool has_bias, float temperature, Head& head);
 
+// check_head without a bias.
+ffi::Error check_head_shapes(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, bool weight_dv, float temperature,
+                             Head& head);
+
 // The head's operands checked (check_head) and copied, with the targets, into a launcher's
 // arguments: ForwardArgs or GradArgs, which name the head's fields alike. The targets are
 // checked by each handler with its other [N] operands.

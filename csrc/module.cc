@@ -5,6 +5,8 @@
 //   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)
 //   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone   (ffi_variants.cc;
 //   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
+//   jaxrl_kernels_sm90_distill_stats             distillation: row statistics  (ffi_distill.cc)
+//   jaxrl_kernels_sm90_distill_grad              distillation: the student's logit gradient
 #include <pybind11/pybind11.h>
 
 #include "sm90_launch.h"
@@ -17,6 +19,8 @@ extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillGrad(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -47,6 +51,8 @@ PYBIND11_MODULE(_sm90, m) {
     out["jaxrl_kernels_sm90_linear_logprobs_backward"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearBackward));
     out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
+    out["jaxrl_kernels_sm90_distill_stats"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillStats));
+    out["jaxrl_kernels_sm90_distill_grad"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillGrad));
     return out;
   }, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
@@ -58,6 +64,11 @@ PYBIND11_MODULE(_sm90, m) {
   }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
      "The persistent-grid plan the forward handler uses for N rows and V columns (force_splits: "
      "the call's `splits` attribute, 0 automatic).");
+  m.def("distill_plan", [](int n, int v, int num_sms) {
+    return plan_dict(jaxrl_sm90::choose_distill_plan(n, v, num_sms));
+  }, py::arg("n"), py::arg("v"), py::arg("num_sms"),
+     "The distillation statistics' plan for N rows and V columns (tiles of 128): its `splits` is "
+     "the stats call's attribute and the partials' first dimension.");
   m.def("grad_plan", [](int n, int size, int num_sms) {
     return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
   }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
@@ -73,4 +84,6 @@ PYBIND11_MODULE(_sm90, m) {
   }, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
   m.attr("TILE_ROWS") = jaxrl_sm90::kBlockM;
   m.attr("TILE_COLS") = jaxrl_sm90::kBlockN;
+  m.attr("DISTILL_TILE_COLS") = jaxrl_sm90::kDistillBlockN;
+  m.attr("PAIR_STATS_K") = jaxrl_sm90::kPairStatsK;
 }

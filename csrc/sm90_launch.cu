@@ -67,12 +67,12 @@ static long long makespan(int row_blocks, int splits, int group_rows, int vocab_
   return worst;
 }
 
-Plan choose_plan(int n, int v, int num_sms, int force_splits) {
+Plan choose_plan(int n, int v, int num_sms, int force_splits, int tile_cols) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, Plan> cache;
   Plan plan;
   plan.row_blocks = (n + kBlockM - 1) / kBlockM;
-  plan.vocab_tiles = (v + kBlockN - 1) / kBlockN;
+  plan.vocab_tiles = (v + tile_cols - 1) / tile_cols;
   // 16 row blocks of hidden (2048 rows) live at a time: at D = 4096 that is 16 MiB of L2.
   plan.group_rows = std::min(plan.row_blocks, 16);
   auto key = std::make_tuple(plan.row_blocks, plan.vocab_tiles, num_sms, force_splits);
@@ -121,10 +121,10 @@ std::string launch(const ForwardArgs& args, const Plan& plan, cudaStream_t strea
   return {};
 }
 
-Plan choose_grad_plan(int n, int size, int num_sms) {
+Plan choose_grad_plan(int n, int size, int num_sms, int tile_cols) {
   Plan plan;
   plan.row_blocks = (n + kBlockM - 1) / kBlockM;
-  plan.vocab_tiles = (size + kBlockN - 1) / kBlockN;
+  plan.vocab_tiles = (size + tile_cols - 1) / tile_cols;
   plan.splits = plan.vocab_tiles;  // one tile a unit
   plan.group_rows = std::min(plan.row_blocks, 16);
   const long long units = static_cast<long long>(plan.row_blocks) * plan.splits;
@@ -139,6 +139,14 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
     return args.weight_dv ? launch_grad_bf16_dv(args, plan, stream) : launch_grad_bf16_vd(args, plan, stream);
   }
   return args.weight_dv ? launch_grad_f16_dv(args, plan, stream) : launch_grad_f16_vd(args, plan, stream);
+}
+
+Plan choose_distill_plan(int n, int v, int num_sms, int force_splits) {
+  return choose_plan(n, v, num_sms, force_splits, kDistillBlockN);
+}
+
+Plan choose_distill_grad_plan(int n, int size, int num_sms) {
+  return choose_grad_plan(n, size, num_sms, kDistillBlockN);
 }
 
 std::string build_info() {

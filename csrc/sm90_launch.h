@@ -58,7 +58,8 @@ constexpr int kStages = 4;  // shared-memory pipeline depth (4 x 48 KiB)
 // Plan for N rows, V vocabulary entries on a device with `num_sms` SMs.
 // `force_splits` > 0 sets the split count (ffi.Config.splits, the forward call's `splits`
 // attribute); 0 lets the planner choose.
-Plan choose_plan(int n, int v, int num_sms, int force_splits = 0);
+// `tile_cols`: the kernel's vocabulary tile (256 here, 128 for distillation).
+Plan choose_plan(int n, int v, int num_sms, int force_splits = 0, int tile_cols = kBlockN);
 
 inline size_t partials_bytes(const Plan& plan, int n) {
   return sizeof(float) * 3ull * static_cast<size_t>(plan.splits) * static_cast<size_t>(n);
@@ -100,7 +101,7 @@ struct GradArgs {
 };
 
 // One unit per 128 x 256 tile of the chunk, ordered for L2 reuse like the forward's.
-Plan choose_grad_plan(int n, int size, int num_sms);
+Plan choose_grad_plan(int n, int size, int num_sms, int tile_cols = kBlockN);
 
 std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t stream);
 
@@ -132,6 +133,47 @@ struct BackwardArgs {
 size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype);
 
 std::string launch_backward(const BackwardArgs& args, cudaStream_t stream);
+
+// Distillation between two heads (sm90_distill_kernel.cuh): the student's hidden [N, D_s] and
+// W_s [V, D_s], the teacher's hidden [N, D_t] and W_t [V, D_t] (both "vd", no bias, one 16-bit
+// dtype), tiles of 128 x 128 with both heads' logits side by side. `mode` picks the epilogue:
+//   kPairStats      partials [splits][kPairStatsK][N]: (m_s, s_s, A_s, m_t, s_t, A_t, min z_t)
+//                   per row and vocabulary split (divergence_math.pair_stats_update's, in
+//                   units of z = logit / T, and the smallest teacher logit);
+//   kJsdSums        partials [splits][2][N]: (KL_t, KL_s) given lse_s, lse_t;
+//   kGrad...        out [N, size] float16: G = coef_n dd/dz_s over the chunk [start, start +
+//                   size) of the vocabulary (start at *start_ptr, a multiple of 128), given
+//                   lse_s, lse_t and row_value (the reverse KL's d, the JSD's KL_s).
+constexpr int kDistillBlockN = 128;
+constexpr int kPairStatsK = 7;
+
+enum class DistillMode { kPairStats, kJsdSums, kGradReverseKl, kGradForwardKl, kGradJsd };
+
+struct DistillArgs {
+  const void* hidden_s = nullptr;
+  const void* weight_s = nullptr;
+  const void* hidden_t = nullptr;
+  const void* weight_t = nullptr;
+  int n = 0, v = 0, d_s = 0, d_t = 0;
+  DType dtype = DType::kBF16;
+  float temperature = 1.0f;
+  float beta = 0.5f;                   // the JSD's
+  const float* lse_s = nullptr;        // [N] (kJsdSums, kGrad...)
+  const float* lse_t = nullptr;        // [N]
+  const float* row_value = nullptr;    // [N] (kGrad...)
+  const float* coef = nullptr;         // [N] (kGrad...)
+  float* partials = nullptr;           // kPairStats, kJsdSums
+  const int32_t* start_ptr = nullptr;  // [1] device memory (kGrad...)
+  int size = 0;                        // the chunk's columns (kGrad...)
+  void* out = nullptr;                 // [N, size] float16 (kGrad...)
+};
+
+// The plans: (row block, split) units over tiles of 128 columns for the statistics, and one
+// tile a unit over a chunk of `size` columns for the gradient.
+Plan choose_distill_plan(int n, int v, int num_sms, int force_splits = 0);
+Plan choose_distill_grad_plan(int n, int size, int num_sms);
+
+std::string launch_distill(const DistillArgs& args, DistillMode mode, const Plan& plan, cudaStream_t stream);
 
 // Information about the build, for the Python module.
 std::string build_info();

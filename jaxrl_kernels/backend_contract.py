@@ -93,6 +93,9 @@ class Problem:
     teacher_dtype: str | None = None
     """A second head's hidden states' dtype (``distill_divergence``; None: no second head)."""
     teacher_weight_dtype: str | None = None
+    teacher_hidden_dim: int = 0
+    teacher_weight_layout: str = "vd"
+    teacher_has_bias: bool = False
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     @property

@@ -223,7 +223,9 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
             dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
             weight_layout=weight_layout, has_bias=bias is not None,
             teacher_dtype=dtype_name(teacher_hidden),
-            teacher_weight_dtype=dtype_name(teacher_weight))
+            teacher_weight_dtype=dtype_name(teacher_weight),
+            teacher_hidden_dim=teacher_hidden.shape[-1],
+            teacher_weight_layout=teacher_weight_layout, teacher_has_bias=teacher_bias is not None)
         choice = dispatch.resolve(op, problem, backend)
         d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis,
                              record=dispatch.plan_recorder(op))

@@ -153,6 +153,19 @@ def student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta, temper
     return dz * _per_row(g / temperature, zs)
 
 
+def student_grad_bound(divergence, d, aux, beta):
+    """``B >= max_v |∂d/∂a|`` per row (a float16 logit gradient divided by ``g B / T`` lies in
+    [−1, 1]): 1 for the forward KL (``|p_s − p_t| <= 1``); for the reverse KL ``1/e + R + |d|``
+    with ``aux = R >= max_v |lt|`` (``|p_s (ls − lt − d)| <= p_s |ls| + p_s |lt| + |d|`` and
+    ``p |log p| <= 1/e``); for the JSD ``(1−β) (max(1/e, −log(1−β)) + |KL_s|)`` with ``aux =
+    KL_s`` (``log(1−β) + ls <= log m <= 0`` bounds ``p_s |ls − log m|``)."""
+    if divergence == "forward_kl":
+        return jnp.ones_like(d)
+    if divergence == "reverse_kl":
+        return math.exp(-1.0) + jnp.abs(aux) + jnp.abs(d)
+    return (1.0 - beta) * (max(math.exp(-1.0), -math.log1p(-beta)) + jnp.abs(aux))
+
+
 # -- plain jnp on whole rows (the reference backend) -------------------------------------------
 
 def divergence_of_logits(zs, zt, divergence, beta, vocab_axes=()):

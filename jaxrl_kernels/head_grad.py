@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxrl_kernels import head
+from jaxrl_kernels.placement import varying_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Scaled:
     ``finish`` turns the float32 accumulator of G · W16 (/ σ) into d_hidden."""
 
     s: jax.Array
-    rows: RowGrad
+    rows: RowGrad | None
     h16: jax.Array
     sigma_w: jax.Array | None
     d_w_scale: jax.Array
@@ -137,6 +138,12 @@ class Scaled:
         s = row_bound(g_logp, g_ent, entropy, temperature)
         rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
                           temperature)
+        return cls.of_bound(hidden, weight, s, rows)
+
+    @classmethod
+    def of_bound(cls, hidden, weight, s, rows=None) -> Scaled:
+        """The scaled operands for a given row bound ``s`` [N] of |dz| (another head loss's
+        gradient; ``rows`` None)."""
         top = pow2_at_least(jnp.max(s))
         scaled_h = hidden.astype(jnp.float32) * (s / top)[:, None]
         sigma_h = pow2_range(jnp.max(jnp.abs(scaled_h)))
@@ -157,14 +164,27 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     faster on an H100: bench_linear_backward.md at d9bcddf); they write every column of
     d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
     the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one)."""
+    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
+    return scaled_backward(
+        hidden, weight, bias, scaled,
+        lambda start, size: write_grad(scaled.rows, start, size, hidden, weight, scaled.sigma_w),
+        weight_layout=weight_layout, chunk_bytes=chunk_bytes, align=align,
+        weight_grad_init=weight_grad_init)
+
+
+def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_layout,
+                    chunk_bytes: int, align: int, weight_grad_init=jnp.zeros_like, varying=()):
+    """:func:`backward`'s chunk loop for any head loss: ``write_g(start, size)`` gives the
+    chunk's ``(G, W16 | None)`` with G = dz / s for the row bound ``scaled.s``. Inside a
+    ``shard_map`` the loop's carry varies over the manual axes of hidden, weight, ``s`` and
+    the other operands of ``write_g`` (``varying``)."""
     n_rows = hidden.shape[0]
     vocab = head.vocab_size(weight, weight_layout)
-    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
-    rows, h16, sigma_w = scaled.rows, scaled.h16, scaled.sigma_w
+    h16, sigma_w = scaled.h16, scaled.sigma_w
 
     def chunk(carry, start, size):
         acc, d_weight, d_bias = carry
-        g16, w16 = write_grad(rows, start, size, hidden, weight, sigma_w)
+        g16, w16 = write_g(start, size)
         if w16 is None:
             w16 = (head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
                    * sigma_w).astype(jnp.float16)
@@ -178,8 +198,9 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return acc, d_weight, d_bias
 
-    acc, d_weight, d_bias = run_chunks(
-        chunk, initial_grads(hidden, weight, bias, weight_grad_init), vocab,
-        chunk_columns(n_rows, vocab, chunk_bytes, align))
+    init = varying_like(initial_grads(hidden, weight, bias, weight_grad_init), hidden, weight,
+                        scaled.s, *varying)
+    acc, d_weight, d_bias = run_chunks(chunk, init, vocab,
+                                       chunk_columns(n_rows, vocab, chunk_bytes, align))
     return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))

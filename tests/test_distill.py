@@ -766,3 +766,105 @@ def test_distill_pallas_sharded_on_gpu(rng, divergence):
     _agree(mapped(*args), want[0], name="shard_map per_token")
     for x, y in zip(grad(*args), want_grad):
         _agree(x, y, name="shard_map grad")
+
+
+FFI_SHAPE = (2, 129, 32771)  # B, T, V: 258 rows (a partial row block), V odd
+
+
+def _ffi_heads(seed, dtype=jnp.bfloat16):
+    """Both heads "vd" without a bias (what the SM90 kernels serve): student D_s = 256,
+    teacher D_t = 512; their float64 copies, mask, per-token cotangent."""
+    rng = np.random.default_rng(seed)
+    b, t, v = FFI_SHAPE
+    (h, w, _), (h64, w64, _) = _head(rng, b, t, 256, v, "vd", dtype, False)
+    (th, tw, _), (th64, tw64, _) = _head(rng, b, t, 512, v, "vd", dtype, False)
+    return (h, w, th, tw), (h64, w64, th64, tw64), random_mask(rng, b, t), cotangent(rng, (b, t))
+
+
+def _ffi_loss(divergence, backend="ffi", **kw):
+    def f(h, w, th, tw, mask):
+        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, jsd_beta=0.3,
+                                      temperature=0.8, backend=backend, **kw)
+    return f
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_distill_ffi_on_gpu(divergence, dtype, monkeypatch):
+    """The SM90 kernels (``backend="ffi"``, 1 MiB backward chunks: 4 chunks and a ragged
+    fifth): the float64 oracle's values and gradients by docs/api.md's rules, bitwise reruns,
+    no [N, V] float32 buffer, and automatic choice takes them for these heads."""
+    from jaxrl_kernels.backends import ffi, ffi_distill
+
+    if ffi.unavailable_reason():
+        pytest.skip(ffi.unavailable_reason())
+    monkeypatch.setattr(ffi_distill, "DEFAULT_CONFIG", ffi_distill.DistillConfig(chunk_bytes=2**20))
+    (h, w, th, tw), (h64, w64, th64, tw64), mask, g_tok = _ffi_heads(11, dtype)
+    f = _ffi_loss(divergence)
+    mask_j = jnp.asarray(mask)
+    step = jax.jit(lambda h, w: jax.vjp(lambda h, w: f(h, w, th, tw, mask_j), h, w)[1](
+        (jnp.float32(0.5), g_tok)))
+    grads = step(h, w)
+    for x, y in zip(grads, step(h, w)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    loss, per_token = jax.jit(f)(h, w, th, tw, mask_j)
+    okw = dict(divergence=divergence, beta=0.3, temperature=0.8, g_tok=np.asarray(g_tok),
+               g_loss=0.5)
+    want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
+    want32 = distill_oracle(h64, w64, th64, tw64, mask, dt=np.float32, **okw)
+    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
+                         (grads[1], 3, "dW")):
+        assert_close(got, want[i], in_dtype=dtype, want32=want32[i],
+                     scale=want[-1] if i < 2 else None, name=name)
+    b, t, v = FFI_SHAPE
+    temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
+    auto = _ffi_loss(divergence, backend=None)
+    np.testing.assert_array_equal(np.asarray(jax.jit(auto)(h, w, th, tw, mask_j)[1]),
+                                  np.asarray(per_token))
+    text = jk.explain("linear_distill_loss", h, w, th, tw, mask_j, divergence=divergence,
+                      jsd_beta=0.3, temperature=0.8)
+    assert text.splitlines()[0] == "linear_distill_loss: ffi (automatic)", text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_distill_ffi_sharded_on_gpu(rng, divergence):
+    """The SM90 kernels under the mesh axes of one GPU (Explicit and Auto) and inside
+    ``shard_map`` with ``vocab_axis``: values and gradients as the chunked backend's."""
+    from jaxrl_kernels.backends import ffi
+
+    if ffi.unavailable_reason():
+        pytest.skip(ffi.unavailable_reason())
+    (h, w, _), _ = _head(rng, 4, 4, 64, V_SHARD, "vd", jnp.bfloat16, False)
+    (th, tw, _), _ = _head(rng, 4, 4, 128, V_SHARD, "vd", jnp.bfloat16, False)
+    mask = jnp.asarray(random_mask(rng, 4, 4))
+    args = (h, w, th, tw, mask)
+    g = cotangent(rng, (4, 4))
+
+    def both(fn):
+        def run(*a):
+            scalar = lambda *a: 0.7 * fn(*a)[0] + jnp.sum(fn(*a)[1] * g)
+            return fn(*a)[1], jax.grad(scalar, argnums=(0, 1))(*a)
+        return run
+
+    want = jax.jit(both(_ffi_loss(divergence, "chunked")))(*args)
+    specs = [P("data", None, None), P("model", None), P("data", None, None), P("model", None),
+             P("data", None)]
+    for kind in ("Explicit", "Auto"):
+        mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
+        placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        with jax.set_mesh(mesh):
+            got = jax.jit(both(_ffi_loss(divergence)))(*placed)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _agree(x, y, name=f"{kind} {divergence}")
+    inner = _ffi_loss(divergence, vocab_axis="model")
+    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None),
+                              shape=(1, 1))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(mapped(*a) * g), argnums=(0, 1)))
+    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_ffi_loss(divergence, "chunked")(*a)[1] * g),
+                                 argnums=(0, 1)))(*args)
+    _agree(mapped(*args), want[0], name="shard_map per_token")
+    for x, y in zip(grad(*args), want_grad):
+        _agree(x, y, name="shard_map grad")

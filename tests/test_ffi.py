@@ -220,7 +220,61 @@ def _problem(**kw):
 def test_declines_what_the_kernel_does_not_serve(kw, expect):
     why = ffi.declines("linear_logprobs", _problem(**kw))
     assert (why is None) if expect is None else (expect in why), why
-    assert "linear_logprobs and its backward only" in ffi.declines("token_logprobs", _problem())
+    assert "linear_logprobs, its backward and distill_divergence, not 'token_logprobs'" in (
+        ffi.declines("token_logprobs", _problem()))
+
+
+def _distill_problem(**kw):
+    base = dict(n_rows=64, vocab=1001, hidden_dim=128, dtype="bfloat16", weight_dtype="bfloat16",
+                teacher_dtype="bfloat16", teacher_weight_dtype="bfloat16", teacher_hidden_dim=256,
+                platform="gpu")
+    base.update(kw)
+    return Problem(**base)
+
+
+@pytest.mark.parametrize("kw,expect", [
+    ({}, None),
+    ({key: "float16" for key in ("dtype", "weight_dtype", "teacher_dtype",
+                                 "teacher_weight_dtype")}, None),
+    ({"teacher_dtype": "float16"}, "in one 16-bit dtype"),
+    ({"weight_dtype": "float32"}, "in one 16-bit dtype"),
+    ({"weight_layout": "dv"}, "\"vd\" weights"),
+    ({"teacher_weight_layout": "dv"}, "\"vd\" weights"),
+    ({"has_bias": True}, "without a bias"),
+    ({"teacher_has_bias": True}, "without a bias"),
+    ({"teacher_hidden_dim": 100}, "D_t = 100 must be"),
+])
+def test_distill_declines_what_the_kernels_do_not_serve(kw, expect):
+    why = ffi.declines("distill_divergence", _distill_problem(**kw))
+    assert (why is None) if expect is None else (expect in why), why
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+def test_distill_lowers_to_the_custom_calls_for_cuda(sm90, divergence):
+    """The distillation parts lower for CUDA to the statistics call (twice for the JSD: its
+    sums), and the backward to the gradient call in its chunk loop (and the ragged rest)."""
+    from jaxrl_kernels.backends import ffi_distill as fd
+
+    k = jax.random.split(jax.random.key(0), 4)
+    n, ds, dt, v = 6, 16, 32, 300
+    h, th = (jax.random.normal(k[i], (n, d)).astype(jnp.bfloat16) for i, d in ((0, ds), (2, dt)))
+    w, tw = (jax.random.normal(k[i], (v, d)).astype(jnp.bfloat16) for i, d in ((1, ds), (3, dt)))
+    opts = dict(weight_layout="vd", teacher_weight_layout="vd", divergence=divergence, beta=0.3,
+                temperature=0.7, config=fd.DistillConfig(num_sms=132, chunk_bytes=n * 256 * 2))
+    fwd = jax.jit(lambda *a: fd.distill_forward(a[0], a[1], None, a[2], a[3], None, **opts))
+    text = fwd.trace(h, w, th, tw).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{fd.STATS_TARGET}") == (
+        2 if divergence == "jsd" else 1)
+    assert ("jsd_sums = true" in text) == (divergence == "jsd")
+    splits = sm90.distill_plan(n, v, 132)["splits"]
+    assert f"splits = {splits} : i32" in text and f"tensor<{splits}x7x{n}xf32>" in text
+    rows = jnp.ones((n,), jnp.float32)
+    bwd = jax.jit(lambda *a: fd.distill_backward(a[0], a[1], None, a[2], a[3], None, *a[4:],
+                                                 **opts))
+    text = bwd.trace(h, w, th, tw, rows, rows, rows, rows, rows).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{fd.GRAD_TARGET}") == 2  # 256 columns, then 44
+    assert f"mode = {fd.GRAD_MODES[divergence]} : i32" in text and "stablehlo.while" in text
 
 
 def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
@@ -565,3 +619,66 @@ def test_gpu_vmap_and_automatic_choice():
     assert "ffi declined:" in text and "float32" in text
     with pytest.raises(NotImplementedError, match="multiple of 8"):
         jk.linear_logprobs(h[:, :60], w[:, :60], t, backend="ffi")
+
+
+def _distill_kernel_model(target, result, vmap_method=None):
+    """``jax.ffi.ffi_call`` for the distillation targets, its results computed in jnp from the
+    kernels' contract (csrc/sm90_launch.h: DistillArgs): partials per vocabulary split, and the
+    gradient chunk G = coef · ∂d/∂z_s; the unwritten buffer as zeros."""
+    from jaxrl_kernels import divergence_math as dm
+    from jaxrl_kernels.backends import ffi_distill as fd
+
+    if target == ffi.UNINITIALIZED_TARGET:
+        return lambda: jnp.zeros(result.shape, result.dtype)
+
+    def call(hs, ws, ht, wt, *rows, **attrs):
+        t, beta = float(attrs["temperature"]), float(attrs["beta"])
+        zs = jnp.dot(hs, ws.T, preferred_element_type=jnp.float32) / t
+        zt = jnp.dot(ht, wt.T, preferred_element_type=jnp.float32) / t
+        if target == fd.STATS_TARGET:
+            cuts = np.linspace(0, zs.shape[1], result.shape[0] + 1).astype(int)
+            parts = []
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                if attrs["jsd_sums"]:
+                    parts.append(jnp.stack(dm.jsd_tile_sums(zs[:, a:b], zt[:, a:b], *rows, None,
+                                                            beta)))
+                else:
+                    stats = dm.pair_stats_update(dm.pair_stats_init(zs.shape[:1]), zs[:, a:b],
+                                                 zt[:, a:b], None)
+                    parts.append(jnp.stack([*stats, jnp.min(zt[:, a:b], axis=1)]))
+            return jnp.stack(parts)
+        lse_s, lse_t, row_value, coef, start = rows
+        cut = lambda z: jax.lax.dynamic_slice_in_dim(z, start[0], result.shape[1], 1)
+        divergence = {v: k for k, v in fd.GRAD_MODES.items()}[int(attrs["mode"])]
+        g = dm.student_grad_tile(divergence, cut(zs), cut(zt), lse_s, lse_t, row_value,
+                                 row_value, coef * t, beta, t)
+        return g.astype(jnp.float16)
+    return call
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "forward_kl", "jsd"])
+def test_distill_glue_over_a_model_of_the_kernels(sm90, monkeypatch, divergence):
+    """The ffi distillation's Python side (splits merged like vocabulary shards, the row bound
+    and coefficients, the chunk loop of XLA GEMMs) over a jnp model of the kernels' results:
+    the chunked backend's values, and its gradients within a bfloat16 rounding or two."""
+    from jaxrl_kernels.backends import chunked_distill, ffi_distill as fd
+
+    monkeypatch.setattr(fd.jax.ffi, "ffi_call", _distill_kernel_model)
+    rng = np.random.default_rng(3)
+    n, ds, dt, v = 37, 16, 24, 301
+    h, w, th, tw = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
+                    for s, c in (((n, ds), 1.0), ((v, ds), 0.5), ((n, dt), 1.0), ((v, dt), 0.5)))
+    g = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    opts = dict(weight_layout="vd", teacher_weight_layout="vd", divergence=divergence, beta=0.3,
+                temperature=0.7)
+    config = fd.DistillConfig(num_sms=4, chunk_bytes=n * 128 * 2)  # 3 chunks: 128, 128, 45
+    got = fd.distill_forward(h, w, None, th, tw, None, config=config, **opts)
+    want = chunked_distill.distill_forward(h, w, None, th, tw, None, **opts)
+    for x, y in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    grads = fd.distill_backward(h, w, None, th, tw, None, *got, g, config=config, **opts)
+    want_grads = chunked_distill.distill_backward(h, w, None, th, tw, None, *want, g, **opts)
+    for x, y in zip(grads[:2], want_grads[:2]):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.max(np.abs(x - y)) <= 2 * 2.0 ** -8 * np.max(np.abs(y))
+    assert grads[2] is None

@@ -43,12 +43,7 @@ def write_grad(bias, targets, weight_layout, weight_copy=True):
     return write
 
 
-def uninitialized_like(x):
-    """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
-    a loop carry that the loop overwrites in full: d_weight, which would otherwise be
-    zero-filled first (0.32 ms at V·D = 2²⁸ on an H100:
-    benchmarks/results/profile_backward_vd_3bd01e1.txt)."""
-    return jax.ffi.ffi_call(ffi.UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
+uninitialized_like = ffi.uninitialized_like
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,

@@ -36,12 +36,15 @@ import numpy as np
 
 from jaxrl_kernels import head, head_grad, logprob_core
 from jaxrl_kernels.backend_contract import Backend, Problem
+from jaxrl_kernels.backends import ffi_distill
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
-# Registered as well, but called only by benchmarks/variants/ffi_xla_gemms.py and tests
-# (csrc/ffi_variants.cc): the grad kernel alone over one chunk, and an unwritten buffer.
+# distill_divergence's targets: ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET.
+# Registered as well (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only
+# by benchmarks/variants/ffi_xla_gemms.py and tests, and an unwritten buffer
+# (uninitialized_like, which ffi_distill's backward takes for d_weight).
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
@@ -100,7 +103,10 @@ def unavailable_reason() -> str | None:
 def declines(primitive: str, problem) -> str | None:
     """Why the kernel does not serve these inputs (None if it does)."""
     if primitive not in OPS:
-        return f"ffi implements linear_logprobs and its backward only, not {primitive!r}"
+        return (f"ffi implements linear_logprobs, its backward and distill_divergence, not "
+                f"{primitive!r}")
+    if primitive == "distill_divergence":
+        return ffi_distill.declines(problem)
     if problem.dtype not in SERVED_DTYPES:
         return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
                 "(wgmma operands)")
@@ -142,6 +148,14 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
     return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                 weight_dv=weight_layout == "dv", has_bias=has_bias,
                 temperature=np.float32(temperature), splits=np.int32(config.splits))
+
+
+def uninitialized_like(x):
+    """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
+    a loop carry that the loop overwrites in full: d_weight, which would otherwise be
+    zero-filled first (0.32 ms at V·D = 2²⁸ on an H100:
+    benchmarks/results/profile_backward_vd_3bd01e1.txt)."""
+    return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
@@ -200,13 +214,15 @@ def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, 
 
 def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
-        return "ffi serves only linear_logprobs (forward and backward)"
+        return "ffi serves only linear_logprobs (forward and backward) and distill_divergence"
     return None
 
 
 PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
-OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}
+OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward,
+       "distill_divergence": ffi_distill.PARTS}
 
 BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic,
-                  configs={"linear_logprobs": Config, "linear_logprobs_backward": Config})
+                  configs={"linear_logprobs": Config, "linear_logprobs_backward": Config,
+                           "distill_divergence": ffi_distill.DistillConfig})
