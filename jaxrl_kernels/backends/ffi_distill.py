@@ -46,8 +46,12 @@ GRAD_MODES = {"reverse_kl": 2, "forward_kl": 3, "jsd": 4}  # DistillMode in csrc
 class DistillConfig:
     """What tunes the distillation kernels."""
 
-    chunk_bytes: int = 64 * 2**20
-    """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``)."""
+    chunk_bytes: int = 32 * 2**20
+    """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``). With
+    64 MiB the device's peak at N=4096, D_s=2048, D_t=4096, V=151936 on an H100 was 267.5 MiB
+    above inputs and gradients (benchmarks/results/bench_distill_ffi_peak_a3399e1.log), over
+    the lean mode's 256 MiB; a chunk's gradient, weight copy and float32 d_weight scale with
+    it."""
     num_sms: int = 0
     """Multiprocessors the statistics' plan spreads over; 0: the GPU's own count (give it to
     lower for CUDA where no GPU is attached)."""
