@@ -400,7 +400,9 @@ def main():
                                                             args.small)
     if "jsd" in divergences and not args.no_torch:
         for row in torch_rows(size, timeout=300, runs=args.runs):
-            row.setdefault("gemm_tflop", flop["jsd"] / 1e12)
+            n_s, n_t = gemm_count("jsd")
+            row.setdefault("gemm_tflop", 2 * size["N"] * size["V"] * (
+                n_s * size["D_s"] + n_t * size["D_t"]) / 1e12)
             if row.get("fwdbwd_ms"):
                 row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
             rows.append(row)
