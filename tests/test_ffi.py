@@ -61,8 +61,13 @@ def test_extension_built_and_imports():
                     "is not ON")
     assert ffi._sm90 is not None, f"the build was expected, but no extension: {ffi._IMPORT_ERROR}"
     assert "sm_90a" in ffi._sm90.build_info()
+    from jaxrl_kernels.backends import ffi_distill
+
     assert sorted(ffi._sm90.registrations()) == sorted(
-        [ffi.TARGET, ffi.GRAD_TARGET, ffi.BACKWARD_TARGET, ffi.UNINITIALIZED_TARGET])
+        [ffi.TARGET, ffi.GRAD_TARGET, ffi.BACKWARD_TARGET, ffi.UNINITIALIZED_TARGET,
+         ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET])
+    assert ffi._sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
+    assert ffi._sm90.PAIR_STATS_K == ffi_distill.PAIR_STATS_K
 
 
 @pytest.fixture
