@@ -24,8 +24,8 @@ _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    d_bias | None)``: the backward alone, for ``ffi``
                    (served by ffi, pallas and chunked)
 distill_divergence per-row divergence between two linear heads (``distill``):
-                   a ``logprob_core.Parts`` (chunked, pallas) or ``Whole``
-                   (reference)
+                   a ``logprob_core.Parts`` (chunked, pallas, ffi) or
+                   ``Whole`` (reference)
 topk_logprobs      top-k logits, ids and lse of a linear head: a
                    ``logprob_core.Parts`` on every backend
 ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig)

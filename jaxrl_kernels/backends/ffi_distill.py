@@ -51,7 +51,7 @@ class DistillConfig:
     64 MiB the device's peak at N=4096, D_s=2048, D_t=4096, V=151936 on an H100 was 267.5 MiB
     above inputs and gradients (benchmarks/results/bench_distill_ffi_peak_a3399e1.log), over
     the lean mode's 256 MiB; a chunk's gradient, weight copy and float32 d_weight scale with
-    it."""
+    it, and with 32 MiB it was 96.1 MiB (bench_distill_ffi_peak_8f30456.log)."""
     num_sms: int = 0
     """Multiprocessors the statistics' plan spreads over; 0: the GPU's own count (give it to
     lower for CUDA where no GPU is attached)."""
