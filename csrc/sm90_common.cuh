@@ -54,12 +54,13 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // ---- compile-time configuration -----------------------------------------------------
 
-template <class T, bool kDv>
+// kBN: the vocabulary tile (256 for the log-prob kernels, kDistillBlockN for distillation).
+template <class T, bool kDv, int kBN = kBlockN>
 struct Config {
   using Element = T;
   static constexpr bool kWeightDv = kDv;
   using BM = Int<kBlockM>;
-  using BN = Int<kBlockN>;
+  using BN = Int<kBN>;
   using BK = Int<kBlockK>;
   static constexpr GMMA::Major kMajorB = kDv ? GMMA::Major::MN : GMMA::Major::K;
 
@@ -71,7 +72,7 @@ struct Config {
   using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, BK>, GMMA::Major::K, kMajorB>());
   using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
 
-  static constexpr uint32_t kTmaBytes = (kBlockM + kBlockN) * kBlockK * sizeof(T);
+  static constexpr uint32_t kTmaBytes = (kBlockM + kBN) * kBlockK * sizeof(T);
 
   // Global tensors as TMA sees them: hidden (N, D) K-major; weight as (V, D).
   static auto gmem_a(const T* p, int n, int d) {
@@ -98,7 +99,7 @@ struct Config {
   struct SharedStorage {
     alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutA>, 1024> a;
     alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutB>, 1024> b;
-    alignas(16) float bias[2][2][kBlockN];  // [consumer warpgroup][tile parity][column]
+    alignas(16) float bias[2][2][kBN];  // [consumer warpgroup][tile parity][column]
     typename Pipeline::SharedStorage pipe;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage) + 1024;  // + manual 1 KiB alignment

@@ -27,44 +27,10 @@
 
 namespace jaxrl_sm90 {
 
+// Both heads' weights "vd" (K-major), tiles of 128 columns; the bias tiles of Config's shared
+// storage go unused.
 template <class T>
-struct DistillConfig {
-  using Element = T;
-  using BM = Int<kBlockM>;
-  using BN = Int<kDistillBlockN>;
-  using BK = Int<kBlockK>;
-
-  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                             make_shape(BM{}, BK{}, Int<kStages>{})));
-  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                             make_shape(BN{}, BK{}, Int<kStages>{})));
-  using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, BN, BK>, GMMA::Major::K, GMMA::Major::K>());
-  using TiledMma = decltype(make_tiled_mma(MmaOp{}, Layout<Shape<_2, _1, _1>>{}));
-
-  static constexpr uint32_t kTmaBytes = (kBlockM + kDistillBlockN) * kBlockK * sizeof(T);
-
-  // hidden (N, D) and W (V, D), both K-major.
-  static auto gmem(const T* p, int rows, int d) {
-    return make_tensor(make_gmem_ptr(p), make_shape(rows, d), make_stride(static_cast<int64_t>(d), _1{}));
-  }
-  static auto make_tma_a(const T* p, int n, int d) {
-    return make_tma_atom(SM90_TMA_LOAD{}, gmem(p, n, d), SmemLayoutA{}(_, _, 0), make_shape(BM{}, BK{}));
-  }
-  static auto make_tma_b(const T* p, int v, int d) {
-    return make_tma_atom(SM90_TMA_LOAD{}, gmem(p, v, d), SmemLayoutB{}(_, _, 0), make_shape(BN{}, BK{}));
-  }
-  using TmaA = decltype(make_tma_a(nullptr, 1, 8));
-  using TmaB = decltype(make_tma_b(nullptr, 8, 8));
-
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutA>, 1024> a;
-    alignas(1024) cute::array_aligned<T, cosize_v<SmemLayoutB>, 1024> b;
-    typename Pipeline::SharedStorage pipe;
-  };
-  static constexpr int kSmemBytes = sizeof(SharedStorage) + 1024;  // + manual 1 KiB alignment
-};
+using DistillConfig = Config<T, false, kDistillBlockN>;
 
 // The TMA descriptors of both heads.
 template <class Cfg>
@@ -171,40 +137,45 @@ __device__ __forceinline__ PairStats shfl_pair(const PairStats& x, int off) {
 
 constexpr int kTileJ = kDistillBlockN / 8;  // column groups of 8 per tile
 
+// f(i) for the accumulator index i = 4 j + 2 r + e of each of this lane's columns 8 j + e of
+// row r, those below col_limit only when kMasked (fully unrolled: i is a compile-time
+// register index).
+template <bool kMasked, class F>
+__device__ __forceinline__ void each_lane_column(int r, int col_limit, F&& f) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kTileJ; ++j) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      if (kMasked && 8 * j + e >= col_limit) continue;
+      f(4 * j + 2 * r + e);
+    }
+  }
+}
+
 // Fold row r of both tiles (columns < col_limit of this lane's, see fold_tile in
 // sm90_stats_kernel.cuh) into `st`.
 template <bool kMasked, class Acc>
 __device__ __forceinline__ void fold_pair(const Acc& acc_s, const Acc& acc_t, int r, int col_limit, float inv_t,
                                           PairStats& st) {
   float mx_s = -INFINITY, mx_t = -INFINITY, mn_t = INFINITY;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kTileJ; ++j) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      if (kMasked && 8 * j + e >= col_limit) continue;
-      const float zs = acc_s(4 * j + 2 * r + e) * inv_t, zt = acc_t(4 * j + 2 * r + e) * inv_t;
-      mx_s = fmaxf(mx_s, zs);
-      mx_t = fmaxf(mx_t, zt);
-      mn_t = fminf(mn_t, zt);
-    }
-  }
+  each_lane_column<kMasked>(r, col_limit, [&](int i) __attribute__((always_inline)) {
+    const float zs = acc_s(i) * inv_t, zt = acc_t(i) * inv_t;
+    mx_s = fmaxf(mx_s, zs);
+    mx_t = fmaxf(mx_t, zt);
+    mn_t = fminf(mn_t, zt);
+  });
   if (mx_s == -INFINITY) return;  // no column of this lane is in the vocabulary
   const float ms = fmaxf(st.m_s, mx_s), mt = fmaxf(st.m_t, mx_t);
   const float ws = rescale_of(st.m_s, ms), wt = rescale_of(st.m_t, mt);
   float s_s = 0.f, a_s = 0.f, s_t = 0.f, a_t = 0.f;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kTileJ; ++j) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      if (kMasked && 8 * j + e >= col_limit) continue;
-      const float zs = acc_s(4 * j + 2 * r + e) * inv_t, zt = acc_t(4 * j + 2 * r + e) * inv_t;
-      const float es = exp_e(zs - ms), et = exp_e(zt - mt), diff = zs - zt;
-      s_s += es;
-      a_s = fmaf(es, diff, a_s);
-      s_t += et;
-      a_t = fmaf(-et, diff, a_t);
-    }
-  }
+  each_lane_column<kMasked>(r, col_limit, [&](int i) __attribute__((always_inline)) {
+    const float zs = acc_s(i) * inv_t, zt = acc_t(i) * inv_t;
+    const float es = exp_e(zs - ms), et = exp_e(zt - mt), diff = zs - zt;
+    s_s += es;
+    a_s = fmaf(es, diff, a_s);
+    s_t += et;
+    a_t = fmaf(-et, diff, a_t);
+  });
   st.s_s = fmaf(ws, st.s_s, s_s);
   st.a_s = fmaf(ws, st.a_s, a_s);
   st.s_t = fmaf(wt, st.s_t, s_t);
@@ -224,19 +195,14 @@ template <bool kMasked, class Acc>
 __device__ __forceinline__ void fold_jsd(const Acc& acc_s, const Acc& acc_t, int r, int col_limit, float inv_t,
                                          float lse_s, float lse_t, float log_b, float log_1mb, float& kl_t,
                                          float& kl_s) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kTileJ; ++j) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < 2; ++e) {
-      if (kMasked && 8 * j + e >= col_limit) continue;
-      const float ls = fmaf(acc_s(4 * j + 2 * r + e), inv_t, -lse_s);
-      const float lt = fmaf(acc_t(4 * j + 2 * r + e), inv_t, -lse_t);
-      const float lm = logaddexp(log_b + lt, log_1mb + ls);
-      const float pt = exp_e(lt), ps = exp_e(ls);
-      if (pt > 0.f) kl_t = fmaf(pt, lt - lm, kl_t);
-      if (ps > 0.f) kl_s = fmaf(ps, ls - lm, kl_s);
-    }
-  }
+  each_lane_column<kMasked>(r, col_limit, [&](int i) __attribute__((always_inline)) {
+    const float ls = fmaf(acc_s(i), inv_t, -lse_s);
+    const float lt = fmaf(acc_t(i), inv_t, -lse_t);
+    const float lm = logaddexp(log_b + lt, log_1mb + ls);
+    const float pt = exp_e(lt), ps = exp_e(ls);
+    if (pt > 0.f) kl_t = fmaf(pt, lt - lm, kl_t);
+    if (ps > 0.f) kl_s = fmaf(ps, ls - lm, kl_s);
+  });
 }
 
 // dd/dz_s of one element (divergence_math.student_grad_tile without g / T).
