@@ -69,17 +69,28 @@ def pair_stats_update(stats, zs, zt, fresh):
     return tuple(out)
 
 
+def _pair_stats_merged(stats, reduce_max, reduce_sum):
+    out = []
+    for m, s, a in (stats[:3], stats[3:]):
+        m_all = reduce_max(m)
+        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+        scale = jnp.exp(m - m_safe)
+        out += [m_all, reduce_sum(s * scale), reduce_sum(a * scale)]
+    return tuple(out)
+
+
 def pair_stats_combine(stats, axes):
     """The statistics of the whole vocabulary from each shard's over the mesh ``axes``."""
     if not axes:
         return stats
-    out = []
-    for m, s, a in (stats[:3], stats[3:]):
-        m_all = jax.lax.pmax(m, axes)
-        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-        scale = jnp.exp(m - m_safe)
-        out += [m_all, jax.lax.psum(s * scale, axes), jax.lax.psum(a * scale, axes)]
-    return tuple(out)
+    return _pair_stats_merged(stats, lambda x: jax.lax.pmax(x, axes),
+                              lambda x: jax.lax.psum(x, axes))
+
+
+def pair_stats_merge_splits(stats):
+    """The statistics of a vocabulary from those of its consecutive splits, each statistic
+    [splits, N] (a kernel's vocabulary splits; the same merge as across shards)."""
+    return _pair_stats_merged(stats, lambda x: jnp.max(x, axis=0), lambda x: jnp.sum(x, axis=0))
 
 
 def pair_stats_finalize(stats):

@@ -111,18 +111,6 @@ def _partials(heads, lse_s, lse_t, *, jsd_sums, beta, temperature, config):
     return varying_like(partials, *heads, lse_s, lse_t)  # a custom call's results vary over none
 
 
-def _merge_splits(partials):
-    """The pair statistics of the whole (local) vocabulary from each split's, and min z_t."""
-    out = []
-    for head in (0, 3):
-        m, s, a = (partials[:, head + i] for i in range(3))
-        m_all = jnp.max(m, axis=0)
-        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-        scale = jnp.exp(m - m_safe)
-        out += [m_all, jnp.sum(s * scale, axis=0), jnp.sum(a * scale, axis=0)]
-    return tuple(out), jnp.min(partials[:, 6], axis=0)
-
-
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                     teacher_weight_layout, divergence, beta, temperature, vocab_axes=(),
                     config=None):
@@ -130,8 +118,10 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
     config = config or DEFAULT_CONFIG
     heads = (hidden, weight, t_hidden, t_weight)
     none = jnp.zeros((0,), jnp.float32)
-    stats, min_t = _merge_splits(_partials(heads, none, none, jsd_sums=False, beta=beta,
-                                           temperature=temperature, config=config))
+    partials = _partials(heads, none, none, jsd_sums=False, beta=beta, temperature=temperature,
+                         config=config)
+    stats = dm.pair_stats_merge_splits(tuple(partials[:, k] for k in range(6)))
+    min_t = jnp.min(partials[:, 6], axis=0)
     stats = dm.pair_stats_combine(stats, vocab_axes)
     if vocab_axes:
         min_t = jax.lax.pmin(min_t, vocab_axes)
