@@ -5,7 +5,7 @@
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
 #   many_devices side_by_side e2e tunix device_times kernels fused timeline clocks
-#   profile memcheck fast_mode distill. Each runs under a time limit; a failed step is reported and the others
+#   profile memcheck fast_mode fast_accuracy distill. Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
 #   TESTS=tests               what the tests step gives pytest -m gpu
@@ -28,6 +28,8 @@ step() {  # step <seconds> <command...>: run it under a time limit
 for s in "$@"; do
   case $s in
     tests) step "${TESTS_LIMIT:-300}" bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
+    # four workers share the GPU (no preallocation): the grid's time is mostly compiling
+    fast_accuracy) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs tests/test_fast_accuracy.py tests/test_distill.py -k 'fast or accuracy' 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_fast_accuracy.txt\"; exit \${PIPESTATUS[0]}" ;;
     demo)  step 150 "$PY" -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     ffi|linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
     ppo_base) step 150 "$PY" -m benchmarks.bench_ppo --sizes base ;;

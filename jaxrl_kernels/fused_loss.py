@@ -11,7 +11,10 @@ head's logits ``z = h·Wᵀ`` (one GEMM, rounded to the head's dtype as in
 
 and the backward, given the cotangent ``c`` of the loss, runs the two GEMMs left::
 
-    d_hidden = c · dz·W / T,   d_weight = dzᵀ·(c·h) / T,   d_bias = c · Σ_rows dz / T
+    d_hidden = c · dz·W / T,   d_weight = c · dzᵀ·h / T,   d_bias = c · Σ_rows dz / T
+
+each GEMM accumulated in float32 and rounded once, after the scaling by ``c``; with a bias,
+the forward also keeps ``Σ_rows dz`` in float32, summed before ``dz`` is rounded.
 
 Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to the backward
 (the logits, then their gradient in their place): half of what keeping the logits for a later
@@ -31,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl_kernels import head, logprob_core, saved_logits, sharding, softmax_math
+from jaxrl_kernels import head, head_grad, logprob_core, saved_logits, sharding, softmax_math
+from jaxrl_kernels.placement import varying_like
 
 
 def _is_float(x) -> bool:
@@ -45,7 +49,8 @@ ROW_BLOCK_BYTES = 64 * 2**20
 def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
                       n_rows, weight_layout, temperature):
     """This device's ``dz`` [..., V_local] in z's dtype, written over its kept logits ``z``
-    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer)."""
+    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), and,
+    with a bias, its float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
     vocab = head.vocab_size(weight, weight_layout)
     t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
         plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
@@ -54,7 +59,8 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     size = max(1, min(n, ROW_BLOCK_BYTES // max(1, vocab * flat.dtype.itemsize)))
     per_row = (t_local, lse, entropy, g, g_ent)
 
-    def block(c, flat):
+    def block(c, carry):
+        flat, col_sums = carry
         # the last block is pulled back to end at N; rows an earlier block wrote keep theirs
         start = jnp.minimum(c * size, n - size)
         rows = [None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
@@ -65,34 +71,31 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         fresh = (start + jnp.arange(size) >= c * size)[:, None]
+        col_sums = col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
         dz = jnp.where(fresh, dz.astype(flat.dtype), z_c)
-        return jax.lax.dynamic_update_slice_in_dim(flat, dz, start, 0)
+        return jax.lax.dynamic_update_slice_in_dim(flat, dz, start, 0), col_sums
 
-    flat = jax.lax.fori_loop(0, -(-n // size), block, flat)
-    return (flat.reshape(z.shape),)
+    init = (flat, varying_like(jnp.zeros((vocab,), jnp.float32), flat, weight))
+    flat, col_sums = jax.lax.fori_loop(0, -(-n // size), block, init)
+    return (flat.reshape(z.shape),) + ((col_sums,) if bias is not None else ())
 
 
 def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
-    """``(c·dz·W, dzᵀ·(c·h), c·Σ dz)`` on one device in the operands' dtypes. ``c``, the
-    loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every active row and
-    0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly. It scales the
-    ``[N, D]`` sides only: ``d_hidden`` after its GEMM and ``h`` before ``d_weight``'s, so that
-    the ``[V, D]`` GEMM writes the head's dtype directly. For ``c = 1`` (``jax.grad`` of the
-    loss) or a power of two both are exact; another ``c`` adds one rounding to each. No
-    branch on ``c``: a predicate the host reads would serialise the backward."""
+    """``(c·dz·W, c·dzᵀ·h, None)`` on one device, each accumulated in float32, scaled by ``c``
+    there and rounded once (``d_hidden`` float32: the caller rounds it after any sum over
+    devices; ``d_bias`` comes from the forward's float32 column sums). ``c``, the loss's
+    cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every active row and 0 on
+    the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly. No branch on ``c``:
+    a predicate the host reads would serialise the backward."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
     dtype = jnp.result_type(hidden, weight)
-    precision = head.matmul_precision(dtype)
     dz = dz.astype(dtype)
-    h_scaled = (hidden.astype(jnp.float32) * c).astype(dtype)
-    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout, precision=precision,
-                                preferred_element_type=hidden.dtype)
-    d_weight = head.weight_grad(dz, h_scaled, weight_layout, precision=precision,
-                                preferred_element_type=weight.dtype)
-    d_bias = None if bias is None else (jnp.sum(dz.astype(jnp.float32), axis=0) * c
-                                        ).astype(bias.dtype)
-    return (d_hidden.astype(jnp.float32) * c).astype(hidden.dtype), d_weight, d_bias
+    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout,
+                                precision=head.matmul_precision(dtype),
+                                preferred_element_type=jnp.float32) * c
+    d_weight = head_grad.rounded_weight_grad(dz, hidden.astype(dtype), weight, weight_layout, c)
+    return d_hidden, d_weight, None
 
 
 def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
@@ -127,9 +130,12 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
     def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
         local = functools.partial(_local_logit_grad, n_rows=k, weight_layout=weight_layout,
                                   temperature=temperature)
+        has_bias = bias is not None
         return sharding.run(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
-                            (w_roles, b_roles, rows + "v") + (rows,) * 6, (rows + "v",),
-                            vocab_axis=vocab_axis)[0]
+                            (w_roles, b_roles, rows + "v") + (rows,) * 6,
+                            (rows + "v",) + ((b_roles,) if has_bias else ()),
+                            grads_of=(None,) + ((1,) if has_bias else ()),
+                            vocab_axis=vocab_axis)
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid, leaves):
@@ -146,12 +152,13 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
             **options)
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
-        dz = logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent)
+        dz, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent)
         return outs, (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz,
-                      g, g_ent)
+                      col_sums, g, g_ent)
 
     def bwd(res, cts):
-        hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, g1, g_ent1 = res
+        (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, col_sums, g1,
+         g_ent1) = res
         ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
         c, others = ct_leaves[0], ct_leaves[1:]
         outs, pullback = small_vjp(logp, entropy, leaves)
@@ -159,10 +166,13 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
         grads = None
         if not isinstance(c, SymbolicZero):
             c_rows = jnp.broadcast_to(c.astype(jnp.float32), g1.shape)
-            grads = logprob_core.head_backward(
+            d_hidden, d_weight, _ = logprob_core.head_backward(
                 functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
-                weight, bias, (dz,), targets, lse, entropy, active, c_rows, None,
+                weight, None, (dz,), targets, lse, entropy, active, c_rows, None,
                 weight_layout=weight_layout, vocab_axis=vocab_axis)
+            d_bias = None if bias is None else (c.astype(jnp.float32) * col_sums[0]
+                                                ).astype(bias.dtype)
+            grads = (d_hidden, d_weight, d_bias)
         if not all(isinstance(o, SymbolicZero) for o in others):
             if grads is not None:   # the loss's own part is in grads already
                 g = g - c * g1

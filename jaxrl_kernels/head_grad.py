@@ -204,3 +204,34 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
                                        chunk_columns(n_rows, vocab, chunk_bytes, align))
     return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
+
+
+WEIGHT_BLOCK_BYTES = 64 * 2**20
+""":func:`rounded_weight_grad`'s float32 GEMM results come a block of vocabulary columns of
+about this many bytes at a time."""
+
+
+def rounded_weight_grad(dz, hidden, weight, weight_layout, scale=None):
+    """``scale · dzᵀ·hidden`` [W's shape] in W's dtype, accumulated in float32 and rounded once
+    (``dz`` [N, V] and ``hidden`` [N, D] in the head's dtype; ``scale`` a float32 scalar or
+    None). Where the GEMM can round its own float32 accumulator to W's dtype
+    (:func:`head.gemm_dtype`) and there is no scale, that is one GEMM; otherwise the
+    float32 results come a block of vocabulary columns at a time (``WEIGHT_BLOCK_BYTES``), so
+    no ``[V, D]`` float32 buffer is held."""
+    dtype = jnp.result_type(dz, hidden)
+    precision = head.matmul_precision(dtype)
+    if scale is None and head.gemm_dtype(dtype) == weight.dtype == dtype:
+        return head.weight_grad(dz, hidden, weight_layout, precision=precision,
+                                preferred_element_type=dtype)
+    vocab, dim = head.vocab_size(weight, weight_layout), head.hidden_dim(weight, weight_layout)
+
+    def block(d_weight, start, size):
+        dz_c = lax.dynamic_slice_in_dim(dz, start, size, axis=1)
+        d_w = head.weight_grad(dz_c, hidden, weight_layout, precision=precision,
+                               preferred_element_type=jnp.float32)
+        d_w = d_w if scale is None else d_w * scale
+        return head.vocab_update(d_weight, d_w.astype(weight.dtype), start, weight_layout)
+
+    init = varying_like(jnp.zeros(weight.shape, weight.dtype), dz, hidden, weight)
+    size = min(vocab, max(128, WEIGHT_BLOCK_BYTES // (4 * max(dim, 1))))
+    return run_chunks(block, init, vocab, size)

@@ -45,7 +45,7 @@ class Config:
     or ``"two_pass"`` (the max, then Σ exp). ``vocab_blocks``: the backward writes the
     logits' gradient in this many vocabulary blocks (1: all at once; more: less memory, more
     and smaller GEMMs). ``grad``: the dtype of the logits' gradient in the backward GEMMs of
-    a 16-bit head: ``"head"`` (the head's own dtype) or ``"float16"`` (scaled per row as in
+    a bfloat16 head (a float16 head's is always the scaled float16): ``"head"`` (the head's own dtype) or ``"float16"`` (scaled per row as in
     ``head_grad.Scaled``: three more bits than bfloat16, for a float16 copy of W and h).
     """
 
@@ -73,22 +73,13 @@ def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
     return n_rows * vocab * kept_dtype(hidden_dtype, weight_dtype, config).itemsize
 
 
-def gemm_dtype(dtype):
-    """The output dtype for a GEMM whose float32 accumulator is to be rounded once to
-    ``dtype``: ``dtype`` itself for bfloat16 on a GPU (XLA's GEMM rounds the accumulator to
-    its output), else float32, rounded after. A float16 output was seen accumulated at lower
-    precision (jax 0.12, H100: entropies off by 0.06), and XLA's CPU dot accumulates in its
-    output's dtype."""
-    return dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
-
-
 def _product(hidden, weight, weight_layout, config):
     """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to the head's dtype, kept
     in :func:`kept_dtype` (float16 holds every bfloat16 value up to 65504 exactly)."""
     dtype = jnp.result_type(hidden, weight)
     z = head.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
                     precision=head.matmul_precision(dtype),
-                    preferred_element_type=gemm_dtype(dtype))
+                    preferred_element_type=head.gemm_dtype(dtype))
     return z.astype(dtype).astype(kept_dtype(hidden.dtype, weight.dtype, config))
 
 
@@ -146,7 +137,7 @@ def local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layo
 
 
 def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent, *,
-                 weight_layout, temperature, acc_dtype, fresh=None, scaled=None):
+                 weight_layout, temperature, fresh=None, scaled=None):
     """For the kept logits ``z`` [N, C] of columns ``cols``: (dz·W_c, d_W_c, d_b_c), with dz
     zero outside the ``fresh`` columns (all when None). With ``scaled`` (a
     ``head_grad.Scaled``; ``hidden`` and ``weight`` then its float16 h16 and σ_W·W), the
@@ -161,16 +152,16 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
     if scaled is not None:
         g16 = dz.astype(jnp.float16)
         acc = head.hidden_grad(g16, weight, weight_layout, preferred_element_type=jnp.float32)
-        d_w = head.weight_grad(g16, hidden, weight_layout, preferred_element_type=jnp.float32)
+        d_w = head_grad.rounded_weight_grad(g16, hidden, weight, weight_layout,
+                                            scaled.d_w_scale)
         d_b = None if bias is None else jnp.sum(dz * scaled.s[:, None], axis=0)
-        return acc, d_w * scaled.d_w_scale, d_b
+        return acc, d_w, d_b
     dtype = jnp.result_type(hidden, weight)
-    hi = head.matmul_precision(dtype)
     dz_op = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout, precision=hi,
-                                preferred_element_type=acc_dtype)
-    d_weight = head.weight_grad(dz_op, hidden.astype(dtype), weight_layout, precision=hi,
-                                preferred_element_type=weight.dtype)
+    d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
+                                precision=head.matmul_precision(dtype),
+                                preferred_element_type=jnp.float32)
+    d_weight = head_grad.rounded_weight_grad(dz_op, hidden.astype(dtype), weight, weight_layout)
     d_bias = None if bias is None else jnp.sum(dz, axis=0)
     return d_hidden, d_weight, d_bias
 
@@ -183,17 +174,19 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
     rows = (t_local, lse, entropy, g, g_ent)
     options = dict(weight_layout=weight_layout, temperature=temperature)
     blocks = max(1, min(config.vocab_blocks, vocab))
-    sixteen = jnp.dtype(jnp.result_type(hidden, weight)).itemsize == 2
-    if config.grad == "float16" and sixteen:
+    dtype = jnp.dtype(jnp.result_type(hidden, weight))
+    # float16 always takes the scaled gradient: unscaled, a row's small entries of dz fall
+    # among float16's subnormals (below 6.1e-5), where it keeps few bits
+    if dtype == jnp.float16 or (config.grad == "float16" and dtype.itemsize == 2):
         scaled = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature)
         w16 = (weight.astype(jnp.float32) * scaled.sigma_w).astype(jnp.float16)
         acc, d_w, d_b = _block_grads(scaled.h16, w16, bias, z, jnp.arange(vocab), *rows,
-                                     acc_dtype=jnp.float32, scaled=scaled, **options)
+                                     scaled=scaled, **options)
         return (scaled.finish(acc, hidden.dtype), d_w.astype(weight.dtype),
                 None if bias is None else d_b.astype(bias.dtype))
     if blocks == 1:
         d_hidden, d_weight, d_bias = _block_grads(hidden, weight, bias, z, jnp.arange(vocab),
-                                                  *rows, acc_dtype=hidden.dtype, **options)
+                                                  *rows, **options)
         return d_hidden, d_weight, None if bias is None else d_bias.astype(bias.dtype)
     # Blocks of `size` columns; the last one is pulled back to end at V, and the columns an
     # earlier block already wrote (col < c·size) keep their values.
@@ -207,7 +200,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
         z_c = jax.lax.dynamic_slice_in_dim(z, start, size, axis=1)
         w_c = head.vocab_slice(weight, start, size, weight_layout)
         b_c = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        dh, dw, db = _block_grads(hidden, w_c, b_c, z_c, cols, *rows, acc_dtype=jnp.float32,
+        dh, dw, db = _block_grads(hidden, w_c, b_c, z_c, cols, *rows,
                                   fresh=fresh, **options)
         old = head.vocab_slice(d_weight, start, size, weight_layout)
         d_weight = head.vocab_update(

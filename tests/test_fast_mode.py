@@ -34,8 +34,8 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     the kept logits, and the logits' gradient before the GEMMs (the target logit stays
     exact). Returns ((logp, entropy), (d_hidden, d_weight, d_bias | None)).
     ``loss_cotangent`` c: the fused losses' backward (``g`` then being the cotangents for
-    c = 1): ``d_hidden`` rounded, then scaled by c and rounded; ``d_weight`` of ``h`` scaled
-    by c and rounded."""
+    c = 1): ``d_hidden`` and ``d_weight`` scaled by c before their one rounding, ``d_bias``
+    the column sums of the unrounded logits' gradient."""
     z_exact = oracle.linear_logits(h64, w64, None, weight_layout=layout)
     z = _round(z_exact, dtype)
     if b64 is not None:
@@ -56,17 +56,17 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     onehot = np.eye(z.shape[-1])[t]
     logp_all = z - lse[..., None]
     dz = g[..., None] * (onehot - p) - g_ent[..., None] * p * (logp_all + ent[..., None])
-    dz = _round(dz / temperature, dtype)
+    exact_dz = dz / temperature
+    dz = _round(exact_dz, dtype)
     d = h64.shape[-1]
     dz2, h2 = dz.reshape(-1, dz.shape[-1]), h64.reshape(-1, d)
     dh = dz2 @ (w64 if layout == "vd" else w64.T)
     db = None if b64 is None else dz2.sum(0)
-    if loss_cotangent is not None:
-        c = loss_cotangent
-        dh = _round(c * _round(dh, dtype), dtype)
-        h2 = _round(c * h2, dtype)
-        db = None if db is None else c * db
     dw = dz2.T @ h2 if layout == "vd" else h2.T @ dz2
+    if loss_cotangent is not None:  # c scales the float32 results; d_bias of the unrounded dz
+        c = loss_cotangent
+        dh, dw = c * dh, c * dw
+        db = None if db is None else c * exact_dz.reshape(dz2.shape).sum(0)
     return (logp, ent), (dh.reshape(h64.shape), dw, db)
 
 

@@ -29,8 +29,7 @@ from tunix.rl import function_registry
 
 from jaxrl_kernels.integrations.tunix.cluster import KernelLogprobs, use_kernel_logprobs
 from jaxrl_kernels.integrations.tunix.logprobs import (check_model, compute_per_token_logps,
-                                                       find_head, keep_param_shardings,
-                                                       policy_logprobs)
+                                                       find_head, policy_logprobs)
 from jaxrl_kernels.integrations.tunix.losses import grpo_policy_loss, ppo_policy_loss
 
 GRPO_LOSS_NAME = "jaxrl_grpo"
@@ -47,7 +46,6 @@ __all__ = [
     "compute_per_token_logps",
     "find_head",
     "grpo_policy_loss",
-    "keep_param_shardings",
     "policy_logprobs",
     "ppo_policy_loss",
     "use_kernel_logprobs",

@@ -135,69 +135,46 @@ def _context_mesh():
     return None if mesh.empty else mesh
 
 
-def _declared_spec(variable, axis_names):
-    """The PartitionSpec a parameter's metadata declares (what tunix shards it by), or None
-    when it declares none or names an axis the mesh lacks."""
-    meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
-    names = None
-    for key in ("out_sharding", "sharding_names", "sharding"):
-        if meta.get(key) is not None:
-            names = meta[key]
-            break
-    if names is None or not isinstance(names, (tuple, list)):
-        return None
-    used = [a for entry in names if entry is not None
-            for a in (entry if isinstance(entry, (tuple, list)) else (entry,))]
-    if any(a not in axis_names for a in used):
-        return None
-    return PartitionSpec(*names)
+def _is_explicit_or_manual(mesh) -> bool:
+    """Whether shardings are part of the types here: Explicit mesh axes, or inside shard_map."""
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    return (any(t == explicit for t in getattr(mesh, "axis_types", ()))
+            or bool(getattr(mesh, "manual_axes", ())))
 
 
-def keep_param_shardings(state):
-    """``state`` with each parameter pinned to the sharding its metadata declares.
+def head_layout(hidden):
+    """``hidden`` [..., D] with D whole on every device and every other dimension left to
+    XLA's sharding propagation; the constraint's transpose does the same to the cotangent.
 
-    The pin is ``with_sharding_constraint``: a no-op on the forward values (tunix placed them
-    so), and in the backward pass it pins each parameter's *gradient* to the same sharding.
-    Without it XLA's sharding propagation is free to choose the gradients' layout, and on the
-    log-prob path (the final hidden states sliced to the completion, then the head) it
-    can choose to split the model dimension D of the [B, T, D] cotangents over the FSDP axis;
-    the gradients of every RMSNorm scale over D then come out sharded over "fsdp", the
-    optimizer's update follows them, and the next train step and the sampler, which read the
-    same parameters, compile again for the new layout (tests/test_tunix_learners.py checks
-    every parameter keeps its sharding). Does nothing outside a mesh, under Explicit mesh
-    axes (where shardings are part of the types and gradients follow them) and for
-    parameters that declare no sharding.
+    tunix's losses apply the LM head to these hidden states as an einsum, and the largest
+    arrays of their step, the float32 [B, L, V] logits, are split by rows like the input
+    tokens: where tunix splits a micro-batch's rows over a mesh axis, XLA keeps the model's
+    activations split by rows and gathers the FSDP weights over D, and the RMSNorm scales'
+    gradients stay as declared; where it does not (a micro-batch that does not divide the
+    axis is replicated), XLA splits the activations over D like the weights, and those
+    gradients, AdamW's update and the scales end sharded over the FSDP axis. Our losses never
+    build the logits, and without this constraint XLA took the D split of the weights for the
+    hidden states in both cases (every device then ran the whole micro-batch), so parameters
+    ended laid out otherwise than under tunix's loss. With D whole at the head, which gathers a
+    split D anyway, the layouts are tunix's (tests/test_tunix_learners.py compares every
+    parameter's final sharding). Does nothing outside a mesh, under Explicit axes and inside
+    ``shard_map``, where shardings are part of the types.
     """
     mesh = _context_mesh()
-    if mesh is None:
-        return state
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    if explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ())):
-        return state
-    axis_names = set(mesh.axis_names)
-
-    def pin(variable):
-        if not isinstance(variable, nnx.Param):
-            return variable
-        spec = _declared_spec(variable, axis_names)
-        value = _value(variable)
-        if spec is None or not hasattr(value, "ndim") or len(spec) > value.ndim:
-            return variable
-        return variable.replace(value=jax.lax.with_sharding_constraint(value, spec))
-
-    return jax.tree.map(pin, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if mesh is None or _is_explicit_or_manual(mesh):
+        return hidden
+    spec = PartitionSpec(*([PartitionSpec.UNCONSTRAINED] * (hidden.ndim - 1)), None)
+    return jax.lax.with_sharding_constraint(hidden, spec)
 
 
-def final_hidden_states(model, input_tokens, kwargs, *, pin_params=False):
-    """(hidden [B, L, D], head) of a copy of ``model`` run on ``input_tokens``.
+def final_hidden_states(model, input_tokens, kwargs):
+    """(hidden [B, L, D], head) of a copy of ``model`` run on ``input_tokens``, the hidden
+    states laid out for the head (:func:`head_layout`).
 
     The copy shares the model's arrays (gradients reach them) but not its Python objects, so
-    the caller's module is left as it was. ``pin_params``: pin every parameter (and so its
-    gradient) to its declared sharding (:func:`keep_param_shardings`).
+    the caller's module is left as it was.
     """
     graphdef, state = nnx.split(model)
-    if pin_params:
-        state = keep_param_shardings(state)
     copy = nnx.merge(graphdef, state)
     head = find_head(copy)
     if hasattr(nnx, "capture"):  # flax >= 0.12.x: sow() is meant to run inside capture()
@@ -207,7 +184,7 @@ def final_hidden_states(model, input_tokens, kwargs, *, pin_params=False):
         sown = nnx.pop(copy, nnx.Intermediate)
     if HIDDEN_STATES not in sown:
         raise _unsupported(model, f"output_hidden_states=True sowed no {HIDDEN_STATES!r}")
-    return _value(sown[HIDDEN_STATES])[-1], head
+    return head_layout(_value(sown[HIDDEN_STATES])[-1]), head
 
 
 def tunix_temperature(temperature) -> float:
@@ -240,14 +217,14 @@ class HeadRows:
 
 
 def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
-                     segment_ids=None, segment_positions=None, pin_params=False) -> HeadRows:
+                     segment_ids=None, segment_positions=None) -> HeadRows:
     """The model's forward up to its final hidden states, and what the head's log-probs of the
     completion (or of a packed sequence's next tokens) need (:class:`HeadRows`)."""
     check_model(model)
     input_tokens, positions, attn_mask, pad_segments = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
     kwargs = _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids)
-    hidden, head = final_hidden_states(model, input_tokens, kwargs, pin_params=pin_params)
+    hidden, head = final_hidden_states(model, input_tokens, kwargs)
     packed = segment_ids is not None
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     dtype = head.dtype if head.dtype is not None else jnp.result_type(hidden, head.weight)
@@ -257,18 +234,17 @@ def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, pin_params=False, memory="lean"):
+                    return_entropy=False, backend=None, memory="lean"):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
     for packed sequences (``segment_ids`` given), where position 0 holds logp = 0 and the
-    entropy of all-zero logits, log V, as tunix pads them. ``pin_params``: see
-    :func:`keep_param_shardings` (the losses set it; the no-gradient passes need not).
+    entropy of all-zero logits, log V, as tunix pads them.
     ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward).
     """
     rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=segment_ids,
-                            segment_positions=segment_positions, pin_params=pin_params)
+                            segment_positions=segment_positions)
     out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets, weight_layout=rows.layout,
                              temperature=tunix_temperature(temperature),
                              return_entropy=return_entropy, backend=backend, memory=memory)

@@ -34,8 +34,9 @@ automatic) and ``memory`` (absent: ``"lean"``; ``"fast"`` takes the loss's gradi
 calls or a trainer's loss wrapper; tunix passes none, and others are ignored as tunix's losses
 ignore them.
 
-Every parameter's gradient keeps the sharding the parameter declares
-(:func:`.logprobs.keep_param_shardings`), as under tunix's own losses.
+The final hidden states enter the head with the model dimension whole
+(:func:`.logprobs.head_layout`), so that XLA lays out the step, and every parameter's gradient
+and updated value, as under tunix's own losses.
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def _example_loss(model, example, pad_id, eos_id, temperature, return_entropy, k
     from ``linear_logprobs`` (lean: nothing [B, T, V] kept)."""
     rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
-                            segment_positions=getattr(example, "segment_positions", None),
-                            pin_params=True)
+                            segment_positions=getattr(example, "segment_positions", None))
     memory, backend = kwargs.get("memory", "lean"), kwargs.get("backend")
     note = choose_memory(op, memory, rows.hidden, rows.weight, rows.targets, rows.layout, None,
                          backend, loss=True)
