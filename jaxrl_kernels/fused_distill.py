@@ -6,17 +6,17 @@ of ``z_s = (h·Wᵀ + b) / T``) as soon as both rows are known. A block of rows 
 
     z_s = h_s·W_sᵀ,  z_t = h_t·W_tᵀ       two GEMMs with float32 results: [rows, V] each
     lse_s, lse_t, d (, KL_s)              row statistics (divergence_math) of those products
-    J = ∂d/∂z_s                           scaled per row by a power of two σ (its largest
-                                          entry to 2¹⁴), rounded once to the student head's
-                                          dtype into the one [N, V] buffer kept for the
-                                          backward
+    J = ∂d/∂z_s                           rounded once to the student head's dtype into
+                                          the one [N, V] buffer kept for the backward (a
+                                          float16 one scaled per row by a power of two σ,
+                                          its largest entry to 2¹⁴)
 
 and the backward, given each token's cotangent ``g``, runs the two GEMMs left::
 
     d_hidden = g ⊙ (J·W_s),   d_weight = Jᵀ·(g ⊙ h_s),   d_bias = Σ_rows g ⊙ J
 
-(with ``σ·J`` and ``g/σ``: the scaling is exact, and keeps float16's small entries of ``J``
-out of its subnormals).
+(float16: with ``σ·J`` and ``g/σ``; the scaling is exact, and keeps the small entries of
+``J`` out of float16's subnormals).
 
 Four GEMMs (teacher and student forward, ``d_hidden``, ``d_weight``), as many as the plain
 code that materialises both heads' logits. The statistics, ``d`` and ``J`` see the GEMMs'
@@ -96,7 +96,8 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
         d, lse_s, lse_t, kl_s = _rows_stats(plan, a, t, **math)
         j = dm.student_grad_tile(divergence, a, t, lse_s, lse_t, d, kl_s, jnp.ones_like(d),
                                  beta, temperature)
-        sigma = _row_scale(j, plan.vocab_axes)
+        sigma = (_row_scale(j, plan.vocab_axes) if kept == jnp.float16
+                 else jnp.ones(j.shape[:1], jnp.float32))
         update = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, 0)
         return (update(d_all, d), update(inv_all, 1.0 / sigma),
                 update(grad, (j * sigma[:, None]).astype(kept)))
@@ -110,8 +111,9 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
 
 def _row_scale(j, vocab_axes):
     """σ per row of ``j`` [rows, V_local]: the power of two that brings the row's largest
-    ``|J|`` (over the whole vocabulary) to at most 2¹⁴, so that ``σ·J`` keeps a 16-bit
-    dtype's full precision (float16's subnormals start at 6.1e-5) and dividing by σ is exact."""
+    ``|J|`` (over the whole vocabulary) to at most 2¹⁴, so that ``σ·J`` keeps float16's full
+    precision (its subnormals start at 6.1e-5) and dividing by σ is exact. (bfloat16 has
+    float32's exponent range: there σ = 1, and no pass over the block for its maximum.)"""
     amax = jnp.max(jnp.abs(j), axis=-1)
     if vocab_axes:
         amax = jax.lax.pmax(amax, vocab_axes)
