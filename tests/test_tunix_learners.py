@@ -6,14 +6,20 @@ policy loss and log-probs, and with "jaxrl_grpo" / "jaxrl_ppo" plus
 :func:`use_kernel_logprobs` (the reference model's and the rollout policy's log-probs from
 jaxrl_kernels too). Actor, reference (and PPO's critic) live on an fsdp=2 mesh of host devices;
 the vanilla rollout samples with a fixed seed; two global steps of 2 prompts, mini-batch 2 in
-micro-batches of 1 (gradient accumulation), num_iterations 2, beta 0.04 (a reference pass),
-AdamW (tests/tunix_support.py ``run_learner``). Every metric tunix logs and every final
-parameter must agree (1e-5 of scale), jaxrl_kernels must have served the reference and rollout
-log-probs, and every actor parameter must keep the sharding tunix gave it, so that the train
-step and the sampler compile once (tunix's own PPO loss and its packed GRPO runs do not keep
-it: the final norm's scale ends sharded over "fsdp").
+micro-batches of 1 (gradient accumulation; one PPO test: one global step of 4 prompts in
+micro-batches of 2), num_iterations 2, beta 0.04 (a reference pass),
+AdamW (tests/tunix_support.py ``run_learner``); PPO with a critic, an entropy bonus, the KL in
+the reward and dual clip. Every metric tunix logs and every final parameter must agree (1e-5 of
+scale), jaxrl_kernels must have served the reference and rollout log-probs, every actor
+parameter must end with exactly the sharding (mesh and PartitionSpec) that tunix's own loss
+gives it, and the train step and the sampler, which jit-cache on those shardings, must compile
+as many times as in tunix's run. tunix splits a micro-batch's rows over "fsdp" only when their
+number divides it: GRPO's micro-batches of 2 rows and PPO's of 2 prompts keep every declared
+sharding under tunix's loss; PPO's micro-batches of 1 row leave the three RMSNorm scales
+sharded over "fsdp" (issue 37: ours kept them replicated), and the tests assert both, so that
+the comparison is not vacuous.
 
-Sequence packing (tunix's ``max_seq_token_per_tpu``) is the third test, marked ``slow`` and
+Sequence packing (tunix's ``max_seq_token_per_tpu``) is one more GRPO test, marked ``slow`` and
 run only with JAXRL_TEST_SLOW=1 (CI's time budget). On this CPU Qwen3
 (no flash attention) tunix 0.1.7 packs without any attention mask (``process_ids`` gives
 ``attention_mask=None`` for packed rows), so packed training there is not causal; both losses
@@ -26,6 +32,7 @@ import inspect
 import types
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("tunix", reason="the tunix extra is not installed (pip install -e .[tunix])")
 
@@ -33,32 +40,56 @@ import tunix_support as ts  # noqa: E402
 from jaxrl_kernels.integrations import tunix as jaxrl_tunix  # noqa: E402
 
 
-def check_pair(algo, packed=False):
-    want = ts.run_learner(algo, algo, kernel_logprobs=False, packed=packed)
-    got = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=True, packed=packed)
+# the RMSNorm scales of the one-layer learner model, declared P() (replicated)
+NORM_SCALES = ("['final_norm']['w'].value", "['layers'][0]['input_layernorm']['w'].value",
+               "['layers'][0]['post_attention_layernorm']['w'].value")
+
+
+def check_pair(algo, packed=False, global_steps=2, per_step=2, micro_batch=1):
+    sizes = dict(global_steps=global_steps, per_step=per_step, micro_batch=micro_batch)
+    want = ts.run_learner(algo, algo, kernel_logprobs=False, packed=packed, **sizes)
+    got = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=True, packed=packed, **sizes)
     ts.assert_same_run(got, want)
-    ts.assert_shardings_kept(got)
-    # parameters kept their shardings, so nothing compiled twice
-    assert set(got.compiles.values()) == {1}, got.compiles
     handle = got.kernel_logprobs
     assert handle.patched == ["reference", "rollout"] and not handle.active
     # a reference and an old-policy pass per micro-batch of each global step
-    assert handle.calls == {"reference": 4, "rollout": 4}, handle
+    passes = global_steps * per_step // micro_batch
+    assert handle.calls == {"reference": passes, "rollout": passes}, handle
     # not vacuous: the clipped branch of the surrogate is taken
     assert max(got.metrics["actor/train/pg_clipfrac"]) > 0
     return got, want
 
 
 def test_grpo_learner_matches_tunix():
+    """Micro-batches of 2 rows (1 prompt x 2 generations), split over "fsdp": tunix's loss
+    keeps every parameter's sharding, so ours does, and nothing compiles twice."""
     got, want = check_pair("grpo")
     assert len(got.metrics["actor/train/loss"]) == 4  # 2 global steps x 2 iterations
     assert max(abs(x) for x in got.metrics["actor/train/kl"]) > 1e-3
+    assert ts.moved_shardings(want) == {}
+    assert set(got.compiles.values()) == {1}, got.compiles
 
 
 def test_ppo_learner_matches_tunix():
-    """PPOLearner hands the registered function itself to its trainer (no wrapping lambda)."""
-    got, _ = check_pair("ppo")
+    """PPOLearner hands the registered function itself to its trainer (no wrapping lambda).
+
+    Micro-batches of 1 row, which tunix does not split over "fsdp": its own loss leaves the
+    three RMSNorm scales sharded over "fsdp" (the train step and the sampler compile twice),
+    and ours must leave them the same (issue 37: ours kept them P())."""
+    got, want = check_pair("ppo")
     assert "actor/train/loss/entropy" in got.metrics and "critic/train/loss" in got.metrics
+    assert "actor/train/pg_clipfrac_lower" in got.metrics
+    assert ts.moved_shardings(want) == {name: (P(), P("fsdp")) for name in NORM_SCALES}
+    assert set(got.compiles.values()) == {2}, got.compiles
+
+
+def test_ppo_learner_split_micro_batch_matches_tunix():
+    """Mini-batch 4 prompts in micro-batches of 2, split over "fsdp": tunix's own loss keeps
+    every parameter's sharding here, and ours must too (one global step)."""
+    got, want = check_pair("ppo", global_steps=1, per_step=4, micro_batch=2)
+    assert len(got.metrics["actor/train/loss"]) == 2  # 1 global step x 2 iterations
+    assert ts.moved_shardings(want) == {}
+    assert set(got.compiles.values()) == {1}, got.compiles
 
 
 @pytest.mark.slow  # ~80 s of CPU

@@ -189,6 +189,14 @@ def assert_same(got, want):
 
 LEARNER_VOCAB = 64
 LEARNER_BOS_ID = 2
+LEARNER_LR = 3e-3
+# An AdamW step moves a parameter by lr * m / (sqrt(v) + eps), so gradients that differ by d
+# move it by up to lr * d / eps. The two runs' float32 gradients differ by rounding, ~2e-7 at
+# most here (their summation order follows the sharding layout); with optax's eps = 1e-8 that
+# can move a near-zero entry's parameter by a visible fraction of lr (it did: 3e-5 on one
+# lm_head entry), with 1e-3 by at most 4 steps * lr * 2e-7 / 1e-3 ~ 2.4e-6, inside the 1e-5
+# comparison of the final parameters.
+LEARNER_ADAM_EPS = 1e-3
 
 
 class WordTokenizer:
@@ -288,13 +296,18 @@ def _cache_size(fn):
 
 
 def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = False,
-                global_steps: int = 2, backend: str | None = None) -> LearnerRun:
-    """tunix's GRPOLearner / PPOLearner trained for ``global_steps`` batches of 2 prompts.
+                global_steps: int = 2, per_step: int = 2, micro_batch: int = 1,
+                backend: str | None = None) -> LearnerRun:
+    """tunix's GRPOLearner / PPOLearner trained for ``global_steps`` batches of ``per_step``
+    prompts.
 
     Actor, reference (and PPO's critic) on the fsdp=2 mesh, vanilla rollout (seeded),
-    mini-batch 2 prompts in micro-batches of 1 (gradient accumulation 2), num_iterations 2,
-    beta 0.04 (so a reference pass), AdamW. ``kernel_logprobs``: serve the reference and
-    rollout log-probs with :func:`use_kernel_logprobs`. ``packed``: tunix's sequence packing
+    mini-batch ``per_step`` prompts in micro-batches of ``micro_batch`` prompts (gradient
+    accumulation ``per_step / micro_batch``; tunix splits a micro-batch's rows over "fsdp" only
+    when their number divides it), num_iterations 2, beta 0.04 (so a reference pass; PPO puts
+    the KL in the reward), AdamW (eps :data:`LEARNER_ADAM_EPS`); PPO with an entropy bonus
+    (entropy_coef 0.01) and dual clip (epsilon_c 3). ``kernel_logprobs``: serve the reference
+    and rollout log-probs with :func:`use_kernel_logprobs`. ``packed``: tunix's sequence packing
     (``max_seq_token_per_tpu``) of the training micro-batches.
     """
     import optax
@@ -312,11 +325,12 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
     if algo == "ppo":
         roles.append(rl_cluster_lib.Role.CRITIC)
         critic = rl_utils.create_critic_model(learner_model(seed=7), seed=1)
-    prompt_len, completion_len, per_step = 8, 6, 2
+    prompt_len, completion_len = 8, 6
     training = rl_cluster_lib.RLTrainingConfig(
-        actor_optimizer=optax.adamw(3e-3), critic_optimizer=optax.adamw(3e-3),
+        actor_optimizer=optax.adamw(LEARNER_LR, eps=LEARNER_ADAM_EPS),
+        critic_optimizer=optax.adamw(LEARNER_LR, eps=LEARNER_ADAM_EPS),
         eval_every_n_steps=10**6, max_steps=4 * global_steps,
-        mini_batch_size=per_step, train_micro_batch_size=1,
+        mini_batch_size=per_step, train_micro_batch_size=micro_batch,
         max_seq_token_per_tpu=4 * (prompt_len + completion_len) if packed else None)
     rollout = base_rollout.RolloutConfig(
         max_tokens_to_generate=completion_len, max_prompt_length=prompt_len,
@@ -362,10 +376,9 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
 
 def assert_same_run(got: LearnerRun, want: LearnerRun):
     """Every metric tunix logged (each logged value to 1e-5 of max(|want|, 1)) and every final
-    parameter (1e-5 of the tensor's largest magnitude) equal; no more compiled programs of the
-    train step and the sampler than tunix's own run (which compiles each twice: XLA hands the
-    updated parameters back with specs written differently, e.g. P() for P('tp') with tp = 1,
-    and jit caches on the spec)."""
+    parameter (1e-5 of the tensor's largest magnitude) equal; every actor parameter placed as
+    tunix's run placed it, at the start and after training; as many compiled programs of the
+    train step and the sampler (which jit-cache on the parameters' shardings) as tunix's run."""
     assert sorted(got.metrics) == sorted(want.metrics)
     for name, values in want.metrics.items():
         assert len(got.metrics[name]) == len(values), name
@@ -375,14 +388,27 @@ def assert_same_run(got: LearnerRun, want: LearnerRun):
     assert sorted(got.params) == sorted(want.params)
     for name, w in want.params.items():
         _close(f"param {name}", got.params[name], w, float(np.max(np.abs(w))))
-    assert all(got.compiles[k] <= want.compiles[k] for k in want.compiles), \
-        (got.compiles, want.compiles)
+    assert_same_shardings(got, want)
+    assert got.compiles == want.compiles, (got.compiles, want.compiles)
 
 
-def assert_shardings_kept(run: LearnerRun):
-    """Every actor parameter ends as tunix placed it (equivalent shardings: a mesh axis of size
-    1 may be dropped from a spec, as XLA writes it)."""
-    for name, start in run.shardings_start.items():
-        end = run.shardings_end[name]
-        ndim = run.params[name].ndim
-        assert end.is_equivalent_to(start, ndim), f"{name}: {start} became {end}"
+def assert_same_shardings(got: LearnerRun, want: LearnerRun):
+    """Parameter by parameter, the actor's sharding (mesh and PartitionSpec) equals that of
+    ``want``'s, as tunix placed it and after training."""
+    for when, got_shardings, want_shardings in (
+            ("start", got.shardings_start, want.shardings_start),
+            ("end", got.shardings_end, want.shardings_end)):
+        assert sorted(got_shardings) == sorted(want_shardings)
+        for name, want_sharding in want_shardings.items():
+            assert got_shardings[name] == want_sharding, (
+                f"{name} at the {when}: {got_shardings[name].spec} where tunix's loss gives "
+                f"{want_sharding.spec}")
+
+
+def moved_shardings(run: LearnerRun) -> dict:
+    """{parameter: (spec as placed, spec after training)} for every actor parameter whose final
+    sharding is not equivalent to the one tunix placed it with (a mesh axis of size 1 may be
+    dropped from a spec, as XLA writes it)."""
+    return {name: (start.spec, run.shardings_end[name].spec)
+            for name, start in run.shardings_start.items()
+            if not run.shardings_end[name].is_equivalent_to(start, run.params[name].ndim)}
