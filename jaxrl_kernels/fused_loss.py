@@ -21,9 +21,9 @@ Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to t
 backward holds at its peak (the logits and their gradient at once).
 
 The other outputs (policy loss, KL, metrics) keep exact gradients for any cotangent: where
-one of theirs is not a symbolic zero, the backward adds the gradient of that part of the
-per-token cotangent through :func:`saved_logits.backward` with the logits recomputed (one
-GEMM more). The loss's other inputs get their gradients from the loss function's own VJP.
+one of theirs is not a symbolic zero, the backward takes the whole per-token cotangent (the
+loss's and theirs) through :func:`saved_logits.backward` with the logits recomputed (one
+GEMM more than the loss alone, the kept gradient unused). The loss's other inputs get their gradients from the loss function's own VJP.
 """
 
 from __future__ import annotations
@@ -154,18 +154,22 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
         g, g_ent, _ = pullback(_seed(outs))
         dz, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent)
         return outs, (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz,
-                      col_sums, g, g_ent)
+                      col_sums)
 
     def bwd(res, cts):
-        (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, col_sums, g1,
-         g_ent1) = res
+        hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, col_sums = res
         ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
         c, others = ct_leaves[0], ct_leaves[1:]
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, d_floats = pullback(_instantiate(cts, outs))
         grads = None
-        if not isinstance(c, SymbolicZero):
-            c_rows = jnp.broadcast_to(c.astype(jnp.float32), g1.shape)
+        if not all(isinstance(o, SymbolicZero) for o in others):
+            # the whole per-token cotangent through the recomputed logits: one rounding of
+            # the logits' gradient, as for the loss alone
+            grads = saved_logits.backward(hidden, weight, bias, None, targets, lse, entropy,
+                                          active, g, g_ent, **options)
+        elif not isinstance(c, SymbolicZero):
+            c_rows = jnp.broadcast_to(c.astype(jnp.float32), logp.shape)
             d_hidden, d_weight, _ = logprob_core.head_backward(
                 functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
                 weight, None, (dz,), targets, lse, entropy, active, c_rows, None,
@@ -173,14 +177,6 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
             d_bias = None if bias is None else (c.astype(jnp.float32) * col_sums[0]
                                                 ).astype(bias.dtype)
             grads = (d_hidden, d_weight, d_bias)
-        if not all(isinstance(o, SymbolicZero) for o in others):
-            if grads is not None:   # the loss's own part is in grads already
-                g = g - c * g1
-                g_ent = None if g_ent is None else g_ent - c * g_ent1
-            rest = saved_logits.backward(hidden, weight, bias, None, targets, lse, entropy,
-                                         active, g, g_ent, **options)
-            grads = rest if grads is None else tuple(
-                None if a is None else a + b for a, b in zip(grads, rest))
         if grads is None:
             grads = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
                      None if bias is None else jnp.zeros_like(bias))
