@@ -11,10 +11,11 @@ head's logits ``z = h·Wᵀ`` (one GEMM, rounded to the head's dtype as in
 
 and the backward, given the cotangent ``c`` of the loss, runs the two GEMMs left::
 
-    d_hidden = c · dz·W / T,   d_weight = c · dzᵀ·h / T,   d_bias = c · Σ_rows dz / T
+    d_hidden = c · dz·W / T,   d_weight = dzᵀ·(c·h) / T,   d_bias = c · Σ_rows dz / T
 
-each GEMM accumulated in float32 and rounded once, after the scaling by ``c``; with a bias,
-the forward also keeps ``Σ_rows dz`` in float32, summed before ``dz`` is rounded.
+``d_hidden`` accumulated in float32 and scaled there, ``c·h`` rounded to the head's dtype
+(exact for ``jax.grad``'s ``c = 1``); with a bias, the forward also keeps ``Σ_rows dz`` in
+float32, summed before ``dz`` is rounded.
 
 Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to the backward
 (the logits, then their gradient in their place): half of what keeping the logits for a later
@@ -58,6 +59,7 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     n = flat.shape[0]
     size = max(1, min(n, ROW_BLOCK_BYTES // max(1, vocab * flat.dtype.itemsize)))
     per_row = (t_local, lse, entropy, g, g_ent)
+    scale = _float16_scale(g, g_ent, entropy, temperature) if flat.dtype == jnp.float16 else 1.0
 
     def block(c, carry):
         flat, col_sums = carry
@@ -72,21 +74,37 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         fresh = (start + jnp.arange(size) >= c * size)[:, None]
         col_sums = col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
-        dz = jnp.where(fresh, dz.astype(flat.dtype), z_c)
+        dz = jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c)
         return jax.lax.dynamic_update_slice_in_dim(flat, dz, start, 0), col_sums
 
     init = (flat, varying_like(jnp.zeros((vocab,), jnp.float32), flat, weight))
     flat, col_sums = jax.lax.fori_loop(0, -(-n // size), block, init)
-    return (flat.reshape(z.shape),) + ((col_sums,) if bias is not None else ())
+    inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
+    return ((flat.reshape(z.shape), inv_scale.reshape(z.shape[:-1]))
+            + ((col_sums,) if bias is not None else ()))
+
+
+def _float16_scale(g, g_ent, entropy, temperature):
+    """The power of two that brings this device's largest ``|dz|`` (bounded per row by
+    ``(|g| + |g_H| (1/e + |H|)) / T``) to at most 2¹⁴: ``dz`` is written times it, so that its
+    small entries stay out of float16's subnormals (below 6.1e-5; the aggregation's ``1/N``
+    puts many there)."""
+    bound = jnp.abs(g)
+    if g_ent is not None:
+        bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
+    return head_grad.pow2_range(jnp.max(bound, initial=0.0) / temperature)
 
 
 def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
-    """``(c·dz·W, c·dzᵀ·h, None)`` on one device, each accumulated in float32, scaled by ``c``
-    there and rounded once (``d_hidden`` float32: the caller rounds it after any sum over
-    devices; ``d_bias`` comes from the forward's float32 column sums). ``c``, the loss's
-    cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c`` on every active row and 0 on
-    the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g`` exactly. No branch on ``c``:
-    a predicate the host reads would serialise the backward."""
+    """``(c·dz·W, dzᵀ·(c·h), None)`` on one device (``d_bias`` comes from the forward's float32
+    column sums). ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c``
+    on every active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g``
+    exactly (float16: ``c/σ``, ``σ`` the power of two ``dz`` was written times). ``d_hidden``
+    is accumulated in float32 and scaled there (the caller rounds it
+    after any sum over devices); ``c`` scales ``h`` before ``d_weight``'s GEMM, so that the
+    ``[V, D]`` GEMM writes the head's dtype directly: exact for ``c = 1`` (``jax.grad`` of the
+    loss) or a power of two, one rounding of ``c·h`` more for another ``c``. No branch on
+    ``c``: a predicate the host reads would serialise the backward."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
     dtype = jnp.result_type(hidden, weight)
@@ -94,7 +112,12 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout,
                                 precision=head.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32) * c
-    d_weight = head_grad.rounded_weight_grad(dz, hidden.astype(dtype), weight, weight_layout, c)
+    h_scaled, scale = hidden.astype(jnp.float32) * c, None
+    if dtype == jnp.float16:  # into float16's range by a power of two, undone in float32
+        top = head_grad.pow2_range(jnp.max(jnp.abs(h_scaled)))
+        h_scaled, scale = h_scaled * top, 1.0 / top
+    d_weight = head_grad.rounded_weight_grad(dz, h_scaled.astype(dtype), weight, weight_layout,
+                                             scale)
     return d_hidden, d_weight, None
 
 
@@ -133,8 +156,8 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
         has_bias = bias is not None
         return sharding.run(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
                             (w_roles, b_roles, rows + "v") + (rows,) * 6,
-                            (rows + "v",) + ((b_roles,) if has_bias else ()),
-                            grads_of=(None,) + ((1,) if has_bias else ()),
+                            (rows + "v", rows) + ((b_roles,) if has_bias else ()),
+                            grads_of=(None, None) + ((1,) if has_bias else ()),
                             vocab_axis=vocab_axis)
 
     @jax.custom_vjp
@@ -152,12 +175,14 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
             **options)
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
-        dz, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent)
+        dz, inv_scale, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g,
+                                              g_ent)
         return outs, (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz,
-                      col_sums)
+                      inv_scale, col_sums)
 
     def bwd(res, cts):
-        hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, col_sums = res
+        (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, inv_scale,
+         col_sums) = res
         ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
         c, others = ct_leaves[0], ct_leaves[1:]
         outs, pullback = small_vjp(logp, entropy, leaves)
@@ -169,7 +194,7 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
             grads = saved_logits.backward(hidden, weight, bias, None, targets, lse, entropy,
                                           active, g, g_ent, **options)
         elif not isinstance(c, SymbolicZero):
-            c_rows = jnp.broadcast_to(c.astype(jnp.float32), logp.shape)
+            c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
             d_hidden, d_weight, _ = logprob_core.head_backward(
                 functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
                 weight, None, (dz,), targets, lse, entropy, active, c_rows, None,

@@ -34,8 +34,8 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     the kept logits, and the logits' gradient before the GEMMs (the target logit stays
     exact). Returns ((logp, entropy), (d_hidden, d_weight, d_bias | None)).
     ``loss_cotangent`` c: the fused losses' backward (``g`` then being the cotangents for
-    c = 1): ``d_hidden`` and ``d_weight`` scaled by c before their one rounding, ``d_bias``
-    the column sums of the unrounded logits' gradient."""
+    c = 1): ``d_hidden`` scaled by c before its one rounding, ``d_weight`` of ``c·h`` rounded,
+    ``d_bias`` the column sums of the unrounded logits' gradient."""
     z_exact = oracle.linear_logits(h64, w64, None, weight_layout=layout)
     z = _round(z_exact, dtype)
     if b64 is not None:
@@ -63,9 +63,11 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     dh = dz2 @ (w64 if layout == "vd" else w64.T)
     db = None if b64 is None else dz2.sum(0)
     dw = dz2.T @ h2 if layout == "vd" else h2.T @ dz2
-    if loss_cotangent is not None:  # c scales the float32 results; d_bias of the unrounded dz
-        c = loss_cotangent
-        dh, dw = c * dh, c * dw
+    if loss_cotangent is not None:  # c scales d_hidden's float32 result and h; d_bias of the
+        c = loss_cotangent          # unrounded dz
+        dh = c * dh
+        h2c = _round(c * h2, dtype)
+        dw = dz2.T @ h2c if layout == "vd" else h2c.T @ dz2
         db = None if db is None else c * exact_dz.reshape(dz2.shape).sum(0)
     return (logp, ent), (dh.reshape(h64.shape), dw, db)
 
