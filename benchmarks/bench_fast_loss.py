@@ -10,7 +10,7 @@ the median of synchronised calls by the host clock.
     PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_loss --small  # any device, seconds
 
 Run it from another checkout's package (``PYTHONPATH=<that tree>:$PWD``) to compare commits
-in one session; ``--tag`` names the rows. Results: ``bench_fast_loss.{json,md}``
+in one sitting; ``--tag`` names the rows. Results: ``bench_fast_loss.{json,md}``
 (``--out``, ``--update-results``: benchmarks/README.md).
 """
 

@@ -33,7 +33,7 @@ distillation), and the gradients come back rounded to it. A scalar loss is a sum
 terms cancel (advantages of both signs), so its ``‖exact‖`` is its condition scale
 ``Σ_i |∂L/∂x_i · x_i|`` over the per-token quantities ``x`` it is made of (log-probs,
 entropies, divergences): the error that relative perturbations of those would make, the vector
-rule carried over to a functional of the vector.
+rule applied to a functional of the vector.
 
 Clipped losses: the old log-probs are drawn so that no token's ratio ``exp(logp − old_logp)``
 lies within ``MARGIN`` of a clip boundary (``1 − clip_low``, ``1 + clip_high``, the dual clip

@@ -16,7 +16,7 @@ gives it, and the train step and the sampler, which jit-cache on those shardings
 as many times as in tunix's run. tunix splits a micro-batch's rows over "fsdp" only when their
 number divides it: GRPO's micro-batches of 2 rows and PPO's of 2 prompts keep every declared
 sharding under tunix's loss; PPO's micro-batches of 1 row leave the three RMSNorm scales
-sharded over "fsdp" (issue 37: ours kept them replicated), and the tests assert both, so that
+sharded over "fsdp" (ours once kept them replicated), and the tests assert both, so that
 the comparison is not vacuous.
 
 Sequence packing (tunix's ``max_seq_token_per_tpu``) is one more GRPO test, marked ``slow`` and
@@ -75,7 +75,7 @@ def test_ppo_learner_matches_tunix():
 
     Micro-batches of 1 row, which tunix does not split over "fsdp": its own loss leaves the
     three RMSNorm scales sharded over "fsdp" (the train step and the sampler compile twice),
-    and ours must leave them the same (issue 37: ours kept them P())."""
+    and ours must leave them the same (ours once kept them P())."""
     got, want = check_pair("ppo")
     assert "actor/train/loss/entropy" in got.metrics and "critic/train/loss" in got.metrics
     assert "actor/train/pg_clipfrac_lower" in got.metrics
