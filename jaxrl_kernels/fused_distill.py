@@ -124,9 +124,7 @@ def _local_backward(plan, hidden, weight, bias, grad, inv_sigma, row_valid, g, *
                     weight_layout):
     """``(g ⊙ J·W, Jᵀ·(g ⊙ h), Σ g ⊙ J)`` on one device (see the module docstring), from the
     kept ``σ·J`` and ``1/σ``: ``g/σ`` scales its rows, exactly. ``d_hidden`` is float32 (the
-    caller rounds it after the sum over vocabulary slices). A float16 ``g ⊙ h/σ`` is brought
-    into range by one power of two over the device's rows, undone in ``d_weight``'s float32
-    result."""
+    caller rounds it after the sum over vocabulary slices)."""
     g = plan.output_cotangent(g, weight)
     g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0).reshape(-1, 1)
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -135,12 +133,8 @@ def _local_backward(plan, hidden, weight, bias, grad, inv_sigma, row_valid, g, *
     d_hidden = head.hidden_grad(j, weight.astype(dtype), weight_layout,
                                 precision=head.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32) * g
-    h_scaled, scale = h.astype(jnp.float32) * g, None
-    if dtype == jnp.float16:
-        top = head_grad.pow2_range(jnp.max(jnp.abs(h_scaled)))
-        h_scaled, scale = h_scaled * top, 1.0 / top
-    d_weight = head_grad.rounded_weight_grad(j, h_scaled.astype(dtype), weight, weight_layout,
-                                             scale)
+    d_weight = head_grad.rows_scaled_weight_grad(j, h.astype(jnp.float32) * g, weight,
+                                                 weight_layout)
     d_bias = None if bias is None else jnp.sum(j.astype(jnp.float32) * g, axis=0)
     return (d_hidden.reshape(hidden.shape), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))

@@ -24,7 +24,8 @@ backward holds at its peak (the logits and their gradient at once).
 The other outputs (policy loss, KL, metrics) keep exact gradients for any cotangent: where
 one of theirs is not a symbolic zero, the backward takes the whole per-token cotangent (the
 loss's and theirs) through :func:`saved_logits.backward` with the logits recomputed (one
-GEMM more than the loss alone, the kept gradient unused). The loss's other inputs get their gradients from the loss function's own VJP.
+GEMM more than the loss alone, the kept gradient unused). The loss's other inputs get their
+gradients from the loss function's own VJP.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     scale = _float16_scale(g, g_ent, entropy, temperature) if flat.dtype == jnp.float16 else 1.0
 
     def block(c, carry):
-        flat, col_sums = carry
+        flat, col_sums = carry if bias is not None else (carry, None)
         # the last block is pulled back to end at N; rows an earlier block wrote keep theirs
         start = jnp.minimum(c * size, n - size)
         rows = [None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
@@ -73,12 +74,17 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         fresh = (start + jnp.arange(size) >= c * size)[:, None]
-        col_sums = col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
-        dz = jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c)
-        return jax.lax.dynamic_update_slice_in_dim(flat, dz, start, 0), col_sums
+        flat = jax.lax.dynamic_update_slice_in_dim(
+            flat, jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c), start, 0)
+        if col_sums is None:
+            return flat
+        return flat, col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
 
-    init = (flat, varying_like(jnp.zeros((vocab,), jnp.float32), flat, weight))
-    flat, col_sums = jax.lax.fori_loop(0, -(-n // size), block, init)
+    init = flat
+    if bias is not None:
+        init = (flat, varying_like(jnp.zeros((vocab,), jnp.float32), flat, weight))
+    out = jax.lax.fori_loop(0, -(-n // size), block, init)
+    flat, col_sums = out if bias is not None else (out, None)
     inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
     return ((flat.reshape(z.shape), inv_scale.reshape(z.shape[:-1]))
             + ((col_sums,) if bias is not None else ()))
@@ -100,8 +106,8 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     column sums). ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c``
     on every active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g``
     exactly (float16: ``c/σ``, ``σ`` the power of two ``dz`` was written times). ``d_hidden``
-    is accumulated in float32 and scaled there (the caller rounds it
-    after any sum over devices); ``c`` scales ``h`` before ``d_weight``'s GEMM, so that the
+    is accumulated in float32 and scaled there (the caller rounds it after any sum over
+    devices); ``c`` scales ``h`` before ``d_weight``'s GEMM, so that the
     ``[V, D]`` GEMM writes the head's dtype directly: exact for ``c = 1`` (``jax.grad`` of the
     loss) or a power of two, one rounding of ``c·h`` more for another ``c``. No branch on
     ``c``: a predicate the host reads would serialise the backward."""
@@ -112,12 +118,8 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout,
                                 precision=head.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32) * c
-    h_scaled, scale = hidden.astype(jnp.float32) * c, None
-    if dtype == jnp.float16:  # into float16's range by a power of two, undone in float32
-        top = head_grad.pow2_range(jnp.max(jnp.abs(h_scaled)))
-        h_scaled, scale = h_scaled * top, 1.0 / top
-    d_weight = head_grad.rounded_weight_grad(dz, h_scaled.astype(dtype), weight, weight_layout,
-                                             scale)
+    d_weight = head_grad.rows_scaled_weight_grad(dz, hidden.astype(jnp.float32) * c, weight,
+                                                 weight_layout)
     return d_hidden, d_weight, None
 
 

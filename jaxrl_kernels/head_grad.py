@@ -235,3 +235,15 @@ def rounded_weight_grad(dz, hidden, weight, weight_layout, scale=None):
     init = varying_like(jnp.zeros(weight.shape, weight.dtype), dz, hidden, weight)
     size = min(vocab, max(128, WEIGHT_BLOCK_BYTES // (4 * max(dim, 1))))
     return run_chunks(block, init, vocab, size)
+
+
+def rows_scaled_weight_grad(dz, scaled_hidden, weight, weight_layout):
+    """``dzᵀ·scaled_hidden`` in W's dtype, for a float32 ``scaled_hidden`` [N, D] (the hidden
+    states times per-row cotangents) rounded once to ``dz``'s dtype: a float16 one is first
+    brought into float16's range by a power of two (small cotangents would put it among the
+    subnormals), undone exactly in the float32 result (:func:`rounded_weight_grad`)."""
+    scale = None
+    if dz.dtype == jnp.float16:
+        top = pow2_range(jnp.max(jnp.abs(scaled_hidden)))
+        scaled_hidden, scale = scaled_hidden * top, 1.0 / top
+    return rounded_weight_grad(dz, scaled_hidden.astype(dz.dtype), weight, weight_layout, scale)

@@ -45,8 +45,9 @@ class Config:
     or ``"two_pass"`` (the max, then Σ exp). ``vocab_blocks``: the backward writes the
     logits' gradient in this many vocabulary blocks (1: all at once; more: less memory, more
     and smaller GEMMs). ``grad``: the dtype of the logits' gradient in the backward GEMMs of
-    a bfloat16 head (a float16 head's is always the scaled float16): ``"head"`` (the head's own dtype) or ``"float16"`` (scaled per row as in
-    ``head_grad.Scaled``: three more bits than bfloat16, for a float16 copy of W and h).
+    a bfloat16 head (a float16 head's is always the scaled float16): ``"head"`` (the head's
+    own dtype) or ``"float16"`` (scaled per row as in ``head_grad.Scaled``: three more bits
+    than bfloat16, for a float16 copy of W and h).
     """
 
     kept: str = "bfloat16"
