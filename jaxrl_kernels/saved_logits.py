@@ -96,8 +96,15 @@ def _max_and_sum_exp(zs):
 
 
 def _scaled(z, bias, temperature):
-    """z̃ = (z + b) / T in float32."""
-    z = z.astype(jnp.float32)
+    """z̃ = (z + b) / T in float32, from the values the kept logits ``z`` hold.
+
+    ``reduce_precision`` pins them: XLA's GPU compiler drops a float32 → 16-bit → float32
+    round trip where it can (``xla_allow_excess_precision``, as when an N = 1 product becomes
+    a fused reduction), which would take the forward's statistics from unrounded logits and
+    the backward's softmax from the kept, rounded ones."""
+    finfo = jnp.finfo(z.dtype)
+    z = jax.lax.reduce_precision(z.astype(jnp.float32), exponent_bits=finfo.nexp,
+                                 mantissa_bits=finfo.nmant)
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     return z if temperature == 1.0 else z / temperature
