@@ -9,7 +9,7 @@ the gradient taken in the forward, ``3 S + T`` GEMMs like the materialised code)
 
 Problem: N tokens, student h [N, D_s] and W [V, D_s], teacher h_t [N, D_t] and W_t [V, D_t],
 bf16, L = loss (token_mean over N tokens), gradients to the student's h and W. GEMMs per
-forward+backward (``backends/chunked_distill.py``): ``4 S + 2 T`` for either KL, ``5 S + 3 T``
+forward+backward (``backends/chunked/distill.py``): ``4 S + 2 T`` for either KL, ``5 S + 3 T``
 for the JSD, with ``S = 2·N·V·D_s`` and ``T = 2·N·V·D_t`` flops. The "GEMMs alone, chunked"
 rows run exactly those GEMMs over the same vocabulary chunks (bf16 forward operands, float16
 backward ones, float32 accumulation) and nothing else; the "GEMMs each alone" rows add up
@@ -153,7 +153,7 @@ def gemms_only(divergence: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_kernels.backends import chunked_distill
+    from jaxrl_kernels import vocab_chunks
 
     n_s, n_t = gemm_count(divergence)
     passes = n_t  # forward passes over the teacher: 1 (KL) or 2 (JSD), plus the recompute
@@ -166,7 +166,7 @@ def gemms_only(divergence: str):
         return fwd(h, w, th, tw, mask)[0]
 
     def sizes(n, v):
-        size = chunked_distill.CHUNK_BYTES // (4 * n)
+        size = vocab_chunks.DISTILL_CHUNK_BYTES // (4 * n)
         size = min(v, max(128, size - size % 128))
         return size, -(-v // size)
 

@@ -1,7 +1,7 @@
 """memory="fast" (logits kept for the backward, 3 GEMMs): its settings side by side, one process.
 
-Question: which ``saved_logits.Config`` (kept dtype, one- or two-pass lse, vocabulary blocks
-in the backward) gives the fastest forward+backward at what memory and accuracy, against the
+Question: which fast-mode settings (``benchmarks/variants/fast_mode.py``: kept dtype, one- or
+two-pass lse, vocabulary blocks in the backward, float16 gradient) gives the fastest forward+backward at what memory and accuracy, against the
 same run's lean path (automatic backend) and the plain bf16-logits jnp code.
 
 The problem is the side-by-side one (``side_by_side.shared``): bf16 h [N, D], W [V, D],
@@ -31,7 +31,7 @@ from benchmarks import output
 COLUMNS = ["variant", "layout", "N", "D", "V", "fwdbwd_ms", "spread_ms", "temp_mib", "err_dh",
            "err_dW", "note", "error"]
 
-VARIANTS = {  # name -> (Config kwargs, layouts)
+VARIANTS = {  # name -> (variants.fast_mode.Config kwargs, layouts)
     "fast default": ({}, ("vd", "dv")),
     "fast kept bfloat16": ({"kept": "bfloat16"}, ("vd", "dv")),
     "fast one-pass lse": ({"lse": "one_pass"}, ("vd",)),
@@ -65,7 +65,7 @@ def main():
     import jaxrl_kernels as jk
     from benchmarks import common
     from benchmarks.side_by_side.jax_worker import jnp_bf16_materialised, rel_err
-    from jaxrl_kernels import saved_logits
+    from benchmarks.variants import fast_mode
 
     data = shared.load_inputs(data_path)
     h = jnp.asarray(data["h_bits"].view(jnp.bfloat16))
@@ -78,7 +78,7 @@ def main():
 
     def fast(config):
         def logp(h, w, t, layout):
-            return saved_logits.fast_linear_logprobs(
+            return fast_mode.fast_linear_logprobs(
                 h, w, None, t, jnp.ones(t.shape, bool), weight_layout=layout, temperature=1.0,
                 return_entropy=False, config=config)[0]
         return logp
@@ -93,7 +93,7 @@ def main():
     cases = [("lean (automatic backend)", lean, "vd", ""), ("lean (automatic backend)", lean, "dv", ""),
              ("jnp bf16 logits", plain, "vd", "bf16 logits, float32 log_softmax")]
     for name, (kw, layouts) in VARIANTS.items():
-        config = saved_logits.Config(**kw)
+        config = fast_mode.Config(**kw)
         cases += [(name, fast(config), lay, str(config)) for lay in layouts]
 
     def build(logp, layout, h, w, t, g):

@@ -27,6 +27,7 @@ import numpy as np
 import jaxrl_kernels as jk
 from benchmarks import common, output
 from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends.ffi import extension
 
 SHAPES = [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072), (8192, 4096, 151936)]
 
@@ -87,8 +88,8 @@ def bench_shape(n, d, v, *, with_pallas, with_ref, fwdbwd, reps):
     row["ffi_over_gemm"] = row["ffi_ms"] / row["gemm_ms"]
     row["ffi_tflops"] = flops / (row["ffi_ms"] * 1e-3) / 1e12
     row["gemm_tflops"] = flops / (row["gemm_ms"] * 1e-3) / 1e12
-    if ffi._sm90 is not None:
-        plan = ffi._sm90.plan(n, v, jax.devices()[0].core_count)
+    if extension.sm90 is not None:
+        plan = extension.sm90.plan(n, v, jax.devices()[0].core_count)
         row["ffi_splits"] = plan["splits"]
         row["ffi_scratch_mib"] = plan["partials_bytes"] / 2**20
     if with_ref:
@@ -114,7 +115,7 @@ def main() -> None:
         raise SystemExit(f"bench_ffi: ffi unavailable: {why}")
     with_pallas = "pallas" in jk.available_backends("linear_logprobs")
     print(f"bench_ffi: {jax.devices()[0].device_kind}, pallas {'on' if with_pallas else 'off'}, "
-          f"{ffi._sm90.build_info()}")
+          f"{extension.sm90.build_info()}")
     rows = []
     for n, d, v in SHAPES[:1] if args.quick else SHAPES:
         row = bench_shape(n, d, v, with_pallas=with_pallas, with_ref=True,

@@ -23,11 +23,11 @@ def sm90_kernel_variants(h, w, t, g, layout):
     "logit gradient, no weight copy"."""
     from benchmarks.variants import ffi_xla_gemms
     from jaxrl_kernels import head_grad
-    from jaxrl_kernels.backends import ffi
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     v = w.shape[0] if layout == "vd" else w.shape[1]
     valid = jnp.ones(t.shape, jnp.bool_)
-    fwd = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, valid, layout, 1.0))
+    fwd = jax.jit(lambda h, w, t: ffi_linear._forward_call(h, w, None, t, valid, layout, 1.0))
     lse = fwd(h, w, t)[2]
     variants = {"forward": (fwd, (h, w, t))}
     for name, copy in (("logit gradient", True), ("logit gradient, no weight copy", False)):

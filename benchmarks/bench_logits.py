@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common, output
+from benchmarks import common, kernel_entry, output
 from jaxrl_kernels.backends.pallas import logits as pallas_logits
 
 BACKENDS = ("pallas", "reference", "chunked")
@@ -198,10 +198,10 @@ def run_sweep():
         kernels = {}
         for block_v, warps, stages in SWEEP_PLANS:
             plan = pallas_logits.LogitsLaunch(block_v, 1, warps, stages)
-            fns = {"paired_fwd": (jax.jit(lambda a, b, plan=plan: pallas_logits.kernel_paired_logprobs(
+            fns = {"paired_fwd": (jax.jit(lambda a, b, plan=plan: kernel_entry.pallas_paired_logprobs(
                 a, b, t, valid, plan=plan)), (pol, ref), 2)}
             if vocab == 131072:
-                fns["entropy_fwd"] = (jax.jit(lambda a, plan=plan: pallas_logits.kernel_token_logprobs(
+                fns["entropy_fwd"] = (jax.jit(lambda a, plan=plan: kernel_entry.pallas_token_logprobs(
                     a, t, valid, return_entropy=True, plan=plan)), (pol,), 1)
                 fns["bwd"] = (jax.jit(lambda a, plan=plan: pallas_logits._backward(
                     a, t, valid, lse, g, None, None, temperature=1.0, plan=plan)), (pol,), 2)
@@ -235,12 +235,12 @@ def run_sweep():
 def _dispatch_overhead(pol, ref, t, valid, k=10):
     """Default-plan paired forward: one jitted call vs per call inside a k-call loop."""
     vocab = pol.shape[1]
-    one = jax.jit(lambda a, b, t: pallas_logits.kernel_paired_logprobs(a, b, t, valid))
+    one = jax.jit(lambda a, b, t: kernel_entry.pallas_paired_logprobs(a, b, t, valid))
 
     @jax.jit
     def loop(a, b, t):
         def body(i, acc):
-            lp, rl = pallas_logits.kernel_paired_logprobs(a, b, (t + i) % vocab, valid)
+            lp, rl = kernel_entry.pallas_paired_logprobs(a, b, (t + i) % vocab, valid)
             return acc + lp + rl
         return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 
@@ -262,11 +262,11 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
             plan = pallas_logits.make_launch(n, vocab, 2)._replace(num_stages=stages)
 
             def one(a, b, t, plan=plan):
-                return pallas_logits.kernel_paired_logprobs(a, b, t, valid, plan=plan)
+                return kernel_entry.pallas_paired_logprobs(a, b, t, valid, plan=plan)
 
             def loop(a, b, t, plan=plan):
                 def body(i, acc):
-                    lp, rl = pallas_logits.kernel_paired_logprobs(a, b, (t + i) % vocab, valid, plan=plan)
+                    lp, rl = kernel_entry.pallas_paired_logprobs(a, b, (t + i) % vocab, valid, plan=plan)
                     return acc + lp + rl
                 return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from benchmarks import common
+from benchmarks import common, kernel_entry
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 
 
@@ -108,9 +108,10 @@ def primitive(config, *, return_entropy=False, layout="vd"):
     """``call(h, w, t) -> logp`` through the Pallas primitive under ``config``."""
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return pallas_linear.kernel_logprobs(h, w, None, t, valid, weight_layout=layout,
-                                             temperature=1.0, return_entropy=return_entropy,
-                                             config=config)[0]
+        return kernel_entry.pallas_linear_logprobs(h, w, None, t, valid, weight_layout=layout,
+                                                   temperature=1.0,
+                                                   return_entropy=return_entropy,
+                                                   config=config)[0]
     return call
 
 
@@ -126,9 +127,9 @@ def ffi_variant(layout, backward):
     """``call(h, w, t) -> logp`` with the ffi forward and the given backward part
     (``logprob_core``)."""
     from jaxrl_kernels import logprob_core
-    from jaxrl_kernels.backends import ffi
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
-    parts = logprob_core.Parts(ffi.linear_stats, backward)
+    parts = logprob_core.Parts(ffi_linear.linear_stats, backward)
 
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
@@ -138,11 +139,12 @@ def ffi_variant(layout, backward):
 
 
 def ffi_chunks(mib):
-    """``ffi.linear_backward`` with backward chunks of ``mib`` MiB."""
+    """``ffi.linear.linear_backward`` with backward chunks of ``mib`` MiB."""
     import functools
-    from jaxrl_kernels.backends import ffi
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
-    return functools.partial(ffi.linear_backward, config=ffi.Config(chunk_bytes=mib * 2**20))
+    return functools.partial(ffi_linear.linear_backward,
+                             config=ffi_linear.Config(chunk_bytes=mib * 2**20))
 
 
 def in_rotation(keys, rounds):

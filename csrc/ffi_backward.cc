@@ -1,5 +1,5 @@
 // The backward op's XLA FFI handler, `jaxrl_kernels_sm90_linear_logprobs_backward`
-// (jaxrl_kernels/backends/ffi.py: linear_backward): the whole backward of the head in one
+// (jaxrl_kernels/backends/ffi/linear.py: linear_backward): the whole backward of the head in one
 // call, launch_backward (sm90_backward.cu, BackwardArgs in sm90_launch.h).
 //
 // Operands: hidden, weight, bias, targets as the forward's; lse, alpha, beta, gamma (f32 [N];

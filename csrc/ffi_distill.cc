@@ -1,4 +1,4 @@
-// The distillation handlers (jaxrl_kernels/backends/ffi_distill.py), both on launch_distill
+// The distillation handlers (jaxrl_kernels/backends/ffi/distill.py), both on launch_distill
 // (sm90_distill_kernel.cuh, DistillArgs in sm90_launch.h):
 //
 // `jaxrl_kernels_sm90_distill_stats`: operands hidden_s [N, D_s], weight_s [V, D_s],

@@ -1,11 +1,11 @@
 // The forward op's XLA FFI handler, `jaxrl_kernels_sm90_linear_logprobs`
-// (jaxrl_kernels/backends/ffi.py: _forward_call).
+// (jaxrl_kernels/backends/ffi/linear.py: _forward_call).
 //
 // Operands: hidden [N, D], weight [V, D] ("vd") or [D, V] ("dv") (both bf16 or both f16),
 // bias f32 [V] (ignored unless has_bias), targets s32 [N], row_valid pred [N]. Results, each
 // f32 [N]: logp (0 on invalid rows, NaN for a target outside [0, V)), entropy and lse of
 // every row (not masked; the backward uses them). Attributes: weight_dv, has_bias,
-// temperature, splits (ffi.Config.splits: the vocabulary splits of the persistent grid; 0
+// temperature, splits (ffi.linear.Config.splits: the vocabulary splits of the persistent grid; 0
 // lets choose_plan decide). Scratch (3 floats per row per vocabulary split) comes from the
 // FFI scratch allocator. The kernels: sm90_stats_kernel.cuh and combine_kernel
 // (sm90_launch.cu).

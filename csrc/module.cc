@@ -1,5 +1,5 @@
 // Python module `jaxrl_kernels._sm90`: hands the XLA FFI handlers to Python as PyCapsules
-// (jaxrl_kernels/backends/ffi.py registers each with jax.ffi.register_ffi_target) and
+// (jaxrl_kernels/backends/ffi/extension.py registers each with jax.ffi.register_ffi_target) and
 // exposes the host-side planners for tests and benchmarks. `registrations()` holds:
 //   jaxrl_kernels_sm90_linear_logprobs           the forward op          (ffi_forward.cc)
 //   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)

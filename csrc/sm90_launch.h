@@ -56,7 +56,7 @@ constexpr int kBlockN = 256;
 constexpr int kStages = 4;  // shared-memory pipeline depth (4 x 48 KiB)
 
 // Plan for N rows, V vocabulary entries on a device with `num_sms` SMs.
-// `force_splits` > 0 sets the split count (ffi.Config.splits, the forward call's `splits`
+// `force_splits` > 0 sets the split count (ffi.linear.Config.splits, the forward call's `splits`
 // attribute); 0 lets the planner choose.
 // `tile_cols`: the kernel's vocabulary tile (256 here, 128 for distillation).
 Plan choose_plan(int n, int v, int num_sms, int force_splits = 0, int tile_cols = kBlockN);

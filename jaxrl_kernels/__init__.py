@@ -5,7 +5,8 @@ never materialise the [tokens × vocabulary] logits, behind one dispatch
 function (see ``explain``). The API and its numerics: docs/api.md.
 """
 
-from jaxrl_kernels.dispatch import available_backends, explain, use_backend
+from jaxrl_kernels.dispatch import available_backends, use_backend
+from jaxrl_kernels.explain import explain
 from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
 from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
 from jaxrl_kernels.linear_losses import (
@@ -14,6 +15,7 @@ from jaxrl_kernels.linear_losses import (
     linear_ppo_loss,
 )
 from jaxrl_kernels.logits_losses import grpo_loss, ratio_kl
+from jaxrl_kernels.policy_config import PolicyLoss
 from jaxrl_kernels.losses import (
     aggregate,
     group_advantages,
@@ -26,6 +28,7 @@ from jaxrl_kernels.validation import checks
 __version__ = "0.1.0"
 
 __all__ = [
+    "PolicyLoss",
     "aggregate",
     "available_backends",
     "checks",

@@ -35,8 +35,26 @@ group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's
-vocabulary slice, rows without a gradient) and holds the one custom_vjp and the sharding
-(``sharding.run``) that every kernel backend shares. How a backend is chosen is ``dispatch``.
+vocabulary slice, rows without a gradient); :mod:`engine` turns every op's per-device halves
+into one differentiable, sharded op. How a backend is chosen is ``dispatch``.
+
+Adding an op on a linear head:
+
+1. its two per-device functions on flat rows, ``forward(plan, *operands) -> (*outputs,
+   *residuals)`` and ``backward(plan, *operands, *residuals, *cotangents) -> cotangents``,
+   and ``engine.differentiable`` with the operands' roles (``logprob_core.linear_head_op``
+   when its outputs are log-probs from row statistics); the math on tiles in a ``*_math``
+   module, shared with the kernels;
+2. a row in :data:`OP_PRIMITIVE` (and the primitive in the table above) if backends serve
+   its heavy part, and ``dispatch.resolve`` at its one call site (with ``memory=`` if it
+   has a kept-logits mode);
+3. each backend that serves it: the implementation in its package and an entry in its
+   ``ops`` (and a reason in its ``declines`` for inputs it cannot take).
+
+Adding a backend: a package under ``jaxrl_kernels/backends/`` whose ``__init__`` declares
+``BACKEND`` (a :class:`Backend`: ``ops``, ``unavailable_reason``, ``declines(primitive,
+problem)``, ``automatic``), importing no other backend, and its name in
+``dispatch.BACKENDS`` (best first).
 """
 
 from __future__ import annotations
@@ -116,6 +134,20 @@ def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: 
                    return_entropy=return_entropy)
 
 
+def distill_problem(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout: str,
+                    teacher_weight_layout: str) -> Problem:
+    """The Problem of a distill_divergence call: the student's head as :func:`linear_problem`
+    on flat rows [N, D_s] (``hidden`` [..., D_s]), and the teacher's."""
+    flat = jax.ShapeDtypeStruct((int(np.prod(hidden.shape[:-1])), hidden.shape[-1]),
+                                hidden.dtype)
+    student = linear_problem(flat, weight, bias, weight_layout=weight_layout,
+                             return_entropy=False)
+    return dataclasses.replace(
+        student, teacher_dtype=dtype_name(t_hidden), teacher_weight_dtype=dtype_name(t_weight),
+        teacher_hidden_dim=t_hidden.shape[-1], teacher_weight_layout=teacher_weight_layout,
+        teacher_has_bias=t_bias is not None)
+
+
 def _serves_all(primitive: str, problem: Problem) -> str | None:
     return None
 
@@ -139,8 +171,6 @@ class Backend:
     slower, or emulated); None if automatic choice takes it."""
     native_platforms: tuple[str, ...] | None = None
     """The platforms it runs natively on (None: all); elsewhere it is emulated."""
-    configs: Mapping[str, type] = dataclasses.field(default_factory=dict)
-    """Primitive -> the type of the knobs that tune its kernels (none for plain jnp)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +184,14 @@ class Choice:
     backward: Callable[[], Callable[..., Any]] | None = None
     """For a forward without a backward of its own: a thunk that resolves the standalone
     backward when the backward pass is traced (and records it for ``explain``)."""
+    memory: Any = None
+    """A linear-head op's ``memory.MemoryNote`` (``.mode``: ``"lean"`` or ``"fast"``); None
+    for the other ops."""
+
+    @property
+    def fast(self) -> bool:
+        """``memory="fast"`` was chosen: no backend, the kept-logits path."""
+        return self.memory is not None and self.memory.mode == "fast"
 
 
 def dtype_name(x: Any) -> str:

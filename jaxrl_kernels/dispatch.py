@@ -1,15 +1,15 @@
-"""The one function that chooses a backend, and ``explain``, which reports the choices.
+"""The one function that chooses a backend (and a linear-head op's ``memory=`` mode).
 
 Every public op describes its call as a ``backend_contract.Problem`` and asks :func:`resolve`
 for the implementation of a primitive (the table is in :mod:`backend_contract`); ``resolve``
-chooses (:func:`select`) and notes the choice for :func:`explain`.
+chooses (:func:`select`) and notes the choice for ``jaxrl_kernels.explain``.
 
 Each backend is a module under ``jaxrl_kernels.backends``, imported on first use, that
 declares itself as ``BACKEND``, a ``backend_contract.Backend``: its ``ops`` (primitive ->
 implementation), whether it can run in this process (``unavailable_reason``), which inputs it
 cannot serve (``declines``), when automatic choice passes it over although it could serve the
-call (``automatic``: the rules of docs/api.md, each kept by the backend it concerns) and the
-types of its tuning knobs (``configs``). A requested backend (the ``backend=`` argument,
+call (``automatic``: the rules of docs/api.md, each kept by the backend it concerns). A
+requested backend (the ``backend=`` argument,
 :func:`use_backend`, ``JAXRL_KERNELS_BACKEND``) is taken if it can serve the call; otherwise
 automatic choice takes the first backend of :data:`BACKENDS` that all of these let through;
 nothing else in the package decides.
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import jax
-
-from jaxrl_kernels import logprob_core
+from jaxrl_kernels import logprob_core, trace_log
+from jaxrl_kernels import memory as memory_mode
 from jaxrl_kernels.backend_contract import (OP_PRIMITIVE, STANDALONE_BACKWARDS, Backend, Choice,
                                             Problem)
 
@@ -34,6 +34,10 @@ BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
 """Every backend, best first."""
 
 _MODULES = {name: f"jaxrl_kernels.backends.{name}" for name in BACKENDS}
+
+FAST = "xla-kept"
+"""The ``Choice.backend`` of ``memory="fast"``: XLA's GEMMs, the logits (or a loss's gradient)
+kept from the forward to the backward (``saved_logits``, ``fused_loss``, ``fused_distill``)."""
 
 ENV_VAR = "JAXRL_KERNELS_BACKEND"
 
@@ -72,6 +76,11 @@ def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
     if primitive not in backend.ops:
         return f"backend {name!r} does not implement {primitive!r}"
     return None
+
+
+def scoped_backend() -> str | None:
+    """The backend a :func:`use_backend` scope asks for, if any."""
+    return _override.get()
 
 
 def requested_backend(backend: str | None) -> str | None:
@@ -126,14 +135,31 @@ def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
 
 
 def resolve(op: str, problem: Problem, backend: str | None = None, *,
-            primitive: str | None = None, strict: bool = True) -> Choice:
+            primitive: str | None = None, strict: bool = True,
+            memory: memory_mode.Request | None = None) -> Choice:
     """:func:`select`, recorded for :func:`explain` under ``primitive`` (given) or ``op``.
 
     Every call site uses this. A forward without a backward of its own (``Choice.backward``
     set) resolves its standalone backward here as well, when the backward pass is traced.
+
+    ``memory``: a linear-head op's ``memory=`` request. ``"fast"`` (or a budget the kept
+    buffer fits) is an implementation of its own, XLA's GEMMs with the logits (or the loss's
+    gradient) kept: the choice has no backend (``impl`` None) and its ``memory`` note says
+    why; otherwise a backend is selected as above, for ``"lean"``. Both are recorded with the
+    reason (a byte budget's included), once per call.
     """
+    if memory is not None:
+        wanted = None if backend is not None else requested_backend(None)
+        note = memory_mode.choose(memory, backend, wanted)
+        if note.mode == "fast":
+            record(op, note)
+            return Choice(FAST, None, backend is not None, (), memory=note)
     choice = select(op, problem, backend, primitive=primitive, strict=strict)
-    return record(primitive or op, choice)
+    record(primitive or op, choice)
+    if memory is None:
+        return choice
+    record(op, note)
+    return dataclasses.replace(choice, memory=note)
 
 
 def available_backends(op: str) -> tuple[str, ...]:
@@ -215,81 +241,9 @@ def use_backend(name: str | None) -> Iterator[None]:
         _override.reset(token)
 
 
-# -- explain: record the choices an op makes while it is traced abstractly ---------------
-
-_recorder: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
-    "jaxrl_kernels_recorder", default=None)
-
+# -- explain: the choices an op makes while it is traced abstractly ---------------------------
 
 def record(step: str, note: Any) -> Any:
     """Note ``note`` (a :class:`Choice`, or anything with ``explain_line(step)``, such as
     ``memory.MemoryNote``) for an :func:`explain` in progress; returns it."""
-    log = _recorder.get()
-    if log is not None:
-        log.append((step, note))
-    return note
-
-
-def plan_recorder(op: str) -> Callable[[Any], None]:
-    """A callback for ``sharding.run``: notes how a step is laid out on the devices."""
-    def note(plan) -> None:
-        log = _recorder.get()
-        if log is not None:
-            log.append((op, plan.describe()))
-    return note
-
-
-def explain(op: str, *args: Any, **kwargs: Any) -> str:
-    """Which backend each piece of work of ``op(*args, **kwargs)`` gets, and why.
-
-    Traces the call abstractly (``jax.eval_shape``: nothing is computed) and reports, for each
-    backend choice the op makes, the backend chosen and whether it was requested or
-    automatic, why each better backend declined, an override in force, and how the step is
-    laid out on the devices (``layout:``).
-
-    Args:
-      op: a public op name.
-      *args, **kwargs: the op's arguments (arrays or ``jax.ShapeDtypeStruct``); no
-        ``backend=``.
-
-    Returns:
-      The report, one line per choice or reason.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
-      >>> h = jax.ShapeDtypeStruct((512, 64), jnp.float32)
-      >>> w = jax.ShapeDtypeStruct((32000, 64), jnp.float32)
-      >>> t = jax.ShapeDtypeStruct((512,), jnp.int32)
-      >>> print(jk.explain("linear_logprobs", h, w, t).splitlines()[0])  # on a CPU
-      linear_logprobs: reference (automatic)
-    """
-    import jaxrl_kernels  # the public ops
-
-    if op not in OP_PRIMITIVE:
-        raise ValueError(f"op: unknown op {op!r}; valid: {', '.join(sorted(OP_PRIMITIVE))}")
-    if kwargs.get("backend") is not None:
-        raise ValueError("explain: pass no backend= (explain describes the automatic choice)")
-    fn = getattr(jaxrl_kernels, op)
-    log: list[tuple[str, Any]] = []
-    token = _recorder.set(log)
-    try:
-        jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
-    finally:
-        _recorder.reset(token)
-    lines = []
-    wanted = requested_backend(None)
-    if wanted is not None:
-        source = "use_backend" if _override.get() is not None else ENV_VAR
-        lines.append(f"{op}: backend override {wanted!r} is in force ({source})")
-    for step, choice in log:
-        if isinstance(choice, str):  # a layout note from sharding.run
-            lines.append(f"  layout: {choice}")
-            continue
-        if not isinstance(choice, Choice):
-            lines.append(choice.explain_line(step))
-            continue
-        how = "requested" if choice.explicit else "automatic"
-        lines.append(f"{step}: {choice.backend} ({how})")
-        for name, why in choice.declined:
-            lines.append(f"  - {name} declined: {why}")
-    return "\n".join(lines)
+    return trace_log.note(step, note)

@@ -4,11 +4,11 @@
 between the full-vocabulary distributions of a student head and a frozen teacher head;
 ``linear_topk_logprobs``: each row's k most likely tokens and their log-probs (the teacher-side
 export for top-k distillation). The per-row math is in ``divergence_math``; the backends'
-pieces are ``backends/reference_distill.py`` (jnp on the logits, the oracle),
-``backends/chunked_distill.py`` (vocabulary chunks; its docstring counts the GEMMs) and
-``backends/pallas/distill.py`` (the divergence on Mosaic GPU kernels).
+pieces are each backend's ``distill.py`` (``reference``: jnp on the logits, the oracle;
+``chunked``: vocabulary chunks, its docstring counts the GEMMs; ``pallas``: the divergence on
+Mosaic GPU kernels; ``ffi``: SM90 kernels).
 
-Both run through ``sharding.run`` like the log-prob ops: rows stay where they live, a
+Both are :mod:`engine` ops like the log-prob ops: rows stay where they live, a
 vocabulary split over devices is used in place, and inside ``jax.shard_map`` ``vocab_axis``
 names the axis whose slices of the heads' vocabulary each device holds.
 """
@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, dispatch, fused_distill, head, saved_logits, sharding
+from jaxrl_kernels import (aggregation_math, dispatch, engine, fused_distill, head, saved_logits,
+                           sharding)
 from jaxrl_kernels import memory as memory_mode
-from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
+from jaxrl_kernels.backend_contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.divergence_math import DIVERGENCES
 from jaxrl_kernels.logprob_core import Whole
@@ -32,10 +33,6 @@ from jaxrl_kernels.logprobs import global_vocab
 
 AxisName = str | tuple[str, ...]
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
-
-
-def _flat(x, n_row_dims):
-    return x.reshape((math.prod(x.shape[:n_row_dims]),) + x.shape[n_row_dims:])
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -73,56 +70,34 @@ def _check_temperature(temperature):
 
 # -- linear_distill_loss ------------------------------------------------------------------------
 
-def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis, record):
-    """Per-row d [B, T] (raw on every row) of the validated heads through ``sharding.run``."""
-    hidden, weight, bias, t_hidden, t_weight, t_bias = operands
+def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis):
+    """Per-row d [B, T] (raw on every row) of the validated heads, gradient to the student."""
     rows = "rr"
     roles = (rows + "-", head.roles(opts["weight_layout"]), "v", rows + "-",
              head.roles(opts["teacher_weight_layout"]), "v")
     if isinstance(parts, Whole):
         def local(plan, h, w, b, th, tw, tb):
-            d = parts.fn(_flat(h, 2), w, b, _flat(th, 2), tw, tb, vocab_axes=plan.vocab_axes,
-                         **opts)
+            d = parts.fn(engine.flat_rows(h, 2), w, b, engine.flat_rows(th, 2), tw, tb,
+                         vocab_axes=plan.vocab_axes, **opts)
             return (d.reshape(h.shape[:2]),)
 
         (d,) = sharding.run(local, operands, roles, (rows,), vocab_axis=vocab_axis,
-                            differentiable=True, record=record)
+                            differentiable=True, record=engine.note_layout)
         return d
 
-    def local_forward(plan, h, w, b, th, tw, tb):
-        outs = parts.stats(_flat(h, 2), w, b, _flat(th, 2), tw, tb, vocab_axes=plan.vocab_axes,
-                           **opts)
-        return tuple(o.reshape(h.shape[:2]) for o in outs)
+    def forward(plan, h, w, b, th, tw, tb, valid):
+        d, lse_s, lse_t, kl_s = parts.stats(h, w, b, th, tw, tb, vocab_axes=plan.vocab_axes,
+                                            **opts)
+        return d, lse_s, lse_t, d, kl_s
 
-    def local_backward(plan, h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, valid, g):
-        flat = lambda x: x.reshape(-1)
-        g = plan.output_cotangent(g, w)
-        g = jnp.where(flat(valid), flat(g).astype(jnp.float32), 0.0)
-        dh, dw, db = parts.backward(_flat(h, 2), w, b, _flat(th, 2), tw, tb, flat(lse_s),
-                                    flat(lse_t), flat(d), flat(kl_s), g, **opts)
-        return dh.reshape(h.shape), dw, db
+    def backward(plan, h, w, b, th, tw, tb, valid, lse_s, lse_t, d, kl_s, g):
+        g = jnp.where(valid, g.astype(jnp.float32), 0.0)
+        return parts.backward(h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, g, **opts)
 
-    @jax.custom_vjp
-    def op(*args):
-        return fwd(*args)[0]
-
-    def fwd(h, w, b, th, tw, tb, valid):
-        d, lse_s, lse_t, kl_s = sharding.run(local_forward, (h, w, b, th, tw, tb), roles,
-                                             (rows,) * 4, vocab_axis=vocab_axis, record=record)
-        return d, (h, w, b, th, tw, tb, valid, d, lse_s, lse_t, kl_s)
-
-    def bwd(res, g):
-        h, w, b, th, tw, tb, valid, d, lse_s, lse_t, kl_s = res
-        grads = sharding.run(
-            local_backward, (h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, valid, g),
-            roles + (rows,) * 6, roles[:2] + (("v",) if b is not None else ()),
-            grads_of=(0, 1) + ((2,) if b is not None else ()), vocab_axis=vocab_axis)
-        dh, dw = grads[0].astype(h.dtype), grads[1].astype(w.dtype)
-        db = grads[2].astype(b.dtype) if b is not None else None
-        return dh, dw, db, None, None, None, None  # the teacher and the mask: zero
-
-    op.defvjp(fwd, bwd)
-    return op(*operands, row_valid)
+    (d,) = engine.differentiable(forward, backward, tuple(operands) + (row_valid,),
+                                 roles + (rows,), (rows,), (rows,) * 4, diff=(0, 1, 2),
+                                 vocab_axis=vocab_axis)
+    return d
 
 
 def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: ArrayLike,
@@ -203,32 +178,24 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     vocab = global_vocab(local_vocab, vocab_axis)  # checks the axis
 
     op = "linear_distill_loss"
-    note = memory_mode.choose(
-        op, memory, saved_logits.kept_bytes(math.prod(shape), vocab, hidden.dtype, weight.dtype),
-        tuple(shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype), backend,
-        loss=True, gemms=(4, 6), kept="the student's logit gradient")
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
     opts = dict(weight_layout=weight_layout, teacher_weight_layout=teacher_weight_layout,
                 divergence=divergence, beta=beta, temperature=temperature)
     valid = mask != 0
     operands = (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
                 stop(teacher_bias))
-    if note.mode == "fast":
-        dispatch.record(op, note)
-        d = fused_distill.divergence_rows(operands, valid, opts=opts, vocab_axis=vocab_axis,
-                                          record=dispatch.plan_recorder(op))
+    kept_dtype = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
+    request = memory_mode.Request(
+        memory, math.prod(shape) * vocab * kept_dtype.itemsize, tuple(shape) + (vocab,),
+        kept_dtype, loss=True, gemms=(4, 6), kept="the student's logit gradient")
+    problem = distill_problem(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
+                              weight_layout=weight_layout,
+                              teacher_weight_layout=teacher_weight_layout)
+    choice = dispatch.resolve(op, problem, backend, memory=request)
+    if choice.fast:
+        d = fused_distill.divergence_rows(operands, valid, opts=opts, vocab_axis=vocab_axis)
     else:
-        problem = Problem(
-            n_rows=math.prod(shape), vocab=local_vocab, hidden_dim=hidden.shape[-1],
-            dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
-            weight_layout=weight_layout, has_bias=bias is not None,
-            teacher_dtype=dtype_name(teacher_hidden),
-            teacher_weight_dtype=dtype_name(teacher_weight),
-            teacher_hidden_dim=teacher_hidden.shape[-1],
-            teacher_weight_layout=teacher_weight_layout, teacher_has_bias=teacher_bias is not None)
-        choice = dispatch.resolve(op, problem, backend)
-        d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis,
-                             record=dispatch.plan_recorder(op))
+        d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis)
     per_token = jnp.where(valid, d, 0.0)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
 
@@ -236,55 +203,31 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
 # -- linear_topk_logprobs -----------------------------------------------------------------------
 
 def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, temperature,
-               vocab_axis, record):
-    """``(values [..., k], ids [..., k], lse [...])`` through ``sharding.run``: the values are
+               vocab_axis):
+    """``(values [..., k], ids [..., k], lse [...])`` as an :mod:`engine` op: the values are
     the logits ``z[ids]``; their cotangent and that of ``lse`` pull back to
     ``dz = g_lse·p + Σ_j g_j onehot(id_j)`` (``parts``: a ``Parts`` on every backend, so that
     the top-k runs where the rows and vocabulary slices live, never left to XLA's
     partitioner)."""
     rows = "r" * n_row_dims
-    roles = (rows + "-", head.roles(weight_layout), "v")
-    out_roles = (rows + "-", rows + "-", rows)
-    opts = dict(k=k, weight_layout=weight_layout, temperature=temperature)
+    opts = dict(weight_layout=weight_layout, temperature=temperature)
     local_vocab = lambda w: head.vocab_size(w, weight_layout)
-    def local_forward(plan, h, w, b):
-        values, ids, lse = parts.stats(_flat(h, n_row_dims), w, b, **opts,
-                                 vocab_offset=plan.vocab_offset(local_vocab(w)),
-                                 vocab_axes=plan.vocab_axes)
-        lead = h.shape[:n_row_dims]
-        return values.reshape(lead + (k,)), ids.reshape(lead + (k,)), lse.reshape(lead)
 
-    def local_backward(plan, h, w, b, ids, lse, g_v, g_lse):
-        g_v = plan.output_cotangent(g_v, w).astype(jnp.float32)
-        g_lse = plan.output_cotangent(g_lse, w).astype(jnp.float32)
+    def forward(plan, h, w, b):
+        values, ids, lse = parts.stats(h, w, b, k=k, **opts,
+                                       vocab_offset=plan.vocab_offset(local_vocab(w)),
+                                       vocab_axes=plan.vocab_axes)
+        return values, ids, lse, ids, lse
+
+    def backward(plan, h, w, b, ids, lse, g_v, _g_ids, g_lse):
         local_ids = ids - plan.vocab_offset(local_vocab(w))
-        n = math.prod(h.shape[:n_row_dims])
-        dh, dw, db = parts.backward(_flat(h, n_row_dims), w, b, local_ids.reshape(n, k),
-                                    lse.reshape(n), g_v.reshape(n, k), g_lse.reshape(n),
-                                    weight_layout=weight_layout, temperature=temperature)
-        return dh.reshape(h.shape), dw, db
+        return parts.backward(h, w, b, local_ids, lse, g_v.astype(jnp.float32),
+                              g_lse.astype(jnp.float32), **opts)
 
-    @jax.custom_vjp
-    def op(h, w, b):
-        return fwd(h, w, b)[0]
-
-    def fwd(h, w, b):
-        outs = sharding.run(local_forward, (h, w, b), roles, out_roles, vocab_axis=vocab_axis,
-                            record=record)
-        return outs, (h, w, b, outs[1], outs[2])
-
-    def bwd(res, cot):
-        h, w, b, ids, lse = res
-        g_v, _, g_lse = cot
-        grads = sharding.run(
-            local_backward, (h, w, b, ids, lse, g_v, g_lse), roles + (rows + "-", rows) * 2,
-            roles[:2] + (("v",) if b is not None else ()),
-            grads_of=(0, 1) + ((2,) if b is not None else ()), vocab_axis=vocab_axis)
-        db = grads[2].astype(b.dtype) if b is not None else None
-        return grads[0].astype(h.dtype), grads[1].astype(w.dtype), db
-
-    op.defvjp(fwd, bwd)
-    return op(hidden, weight, bias)
+    return engine.differentiable(
+        forward, backward, (hidden, weight, bias), (rows + "-", head.roles(weight_layout), "v"),
+        (rows + "-", rows + "-", rows), (rows + "-", rows), diff=(0, 1, 2),
+        vocab_axis=vocab_axis)
 
 
 def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
@@ -338,8 +281,7 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
     choice = dispatch.resolve("linear_topk_logprobs", problem, backend)
     values, ids, lse = _topk_rows(choice.impl, hidden, weight, bias, k=int(k),
                                   n_row_dims=n_row_dims, weight_layout=weight_layout,
-                                  temperature=temperature, vocab_axis=vocab_axis,
-                                  record=dispatch.plan_recorder("linear_topk_logprobs"))
+                                  temperature=temperature, vocab_axis=vocab_axis)
     logp = values - lse[..., None]
     if squeeze:
         logp, ids, lse = logp[0], ids[0], lse[0]

@@ -38,20 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import head, head_grad, saved_logits, sharding
+from jaxrl_kernels import engine, head, head_grad, saved_logits
+from jaxrl_kernels.blocks import equal_blocks
 from jaxrl_kernels.placement import varying_like
 
 BLOCK_BYTES = 2**30
 """A block's float32 logits of both heads come to at most this many bytes; the blocks all have
 one size, the fewest that cover the rows."""
-
-
-def equal_blocks(n_rows: int, max_rows: int) -> tuple[int, int]:
-    """``(count, size)``: the fewest blocks of at most ``max_rows`` rows covering ``n_rows``,
-    all of one size (the last one ends at ``n_rows``, overlapping its predecessor by less
-    than ``count`` rows)."""
-    count = -(-n_rows // max(1, min(max_rows, n_rows)))
-    return count, -(-n_rows // count)
 
 
 def _scaled_logits(hidden, weight, bias, layout, temperature):
@@ -74,23 +67,22 @@ def _rows_stats(plan, a, t, *, divergence, beta, temperature):
 
 def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                    teacher_weight_layout, block_bytes, **math):
-    """This device's rows [B, T, ·] and vocabulary slice: ``(d [B, T], J [B, T, V_local])``.
+    """This device's flat rows and vocabulary slice: ``d`` [N], then the residuals ``1/σ`` [N]
+    and ``σ·J`` [N, V_local].
 
     A block of rows at a time: both heads' float32 logits, their row statistics, ``d`` and
     ``J``. The last block ends at N and so repeats a few rows of its predecessor, which it
     recomputes from the same operands."""
-    lead = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1])
-    th = t_hidden.reshape(-1, t_hidden.shape[-1])
+    h, th = hidden, t_hidden
     n, vocab = h.shape[0], head.vocab_size(weight, weight_layout)
     kept = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
-    count, size = equal_blocks(n, block_bytes // max(1, 2 * vocab * 4))
+    spans = equal_blocks(n, block_bytes // max(1, 2 * vocab * 4))
     divergence, beta, temperature = math["divergence"], math["beta"], math["temperature"]
 
     def block(i, carry):
         d_all, inv_all, grad = carry
-        start = jnp.minimum(i * size, n - size)
-        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size)
+        start = spans.start(i)
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, spans.size)
         a = _scaled_logits(rows(h), weight, bias, weight_layout, temperature)
         t = _scaled_logits(rows(th), t_weight, t_bias, teacher_weight_layout, temperature)
         d, lse_s, lse_t, kl_s = _rows_stats(plan, a, t, **math)
@@ -105,8 +97,7 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
     # d and σ have crossed the vocabulary slices (psum, pmax): they vary with the rows only
     per_row = varying_like(jnp.zeros((n,), jnp.float32), hidden, t_hidden)
     init = (per_row, per_row, varying_like(jnp.zeros((n, vocab), kept), hidden, weight, t_hidden))
-    d, inv_sigma, grad = jax.lax.fori_loop(0, count, block, init)
-    return d.reshape(lead), inv_sigma.reshape(lead), grad.reshape(lead + (vocab,))
+    return jax.lax.fori_loop(0, spans.count, block, init)
 
 
 def _row_scale(j, vocab_axes):
@@ -120,57 +111,38 @@ def _row_scale(j, vocab_axes):
     return head_grad.pow2_range(amax)
 
 
-def _local_backward(plan, hidden, weight, bias, grad, inv_sigma, row_valid, g, *,
-                    weight_layout):
-    """``(g ⊙ J·W, Jᵀ·(g ⊙ h), Σ g ⊙ J)`` on one device (see the module docstring), from the
-    kept ``σ·J`` and ``1/σ``: ``g/σ`` scales its rows, exactly. ``d_hidden`` is float32 (the
-    caller rounds it after the sum over vocabulary slices)."""
-    g = plan.output_cotangent(g, weight)
-    g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0).reshape(-1, 1)
-    h = hidden.reshape(-1, hidden.shape[-1])
+def _local_backward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, row_valid,
+                    inv_sigma, grad, g, *, weight_layout):
+    """``(g ⊙ J·W, Jᵀ·(g ⊙ h), Σ g ⊙ J)`` on one device's flat rows (see the module
+    docstring), from the kept ``σ·J`` and ``1/σ``: ``g/σ`` scales its rows, exactly.
+    ``d_hidden`` is float32 (rounded after the sum over vocabulary slices)."""
+    del plan, t_hidden, t_weight, t_bias
+    g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0)[:, None]
+    h = hidden
     dtype = jnp.result_type(hidden, weight)
-    j = grad.reshape(-1, grad.shape[-1]).astype(dtype)
+    j = grad.astype(dtype)
     d_hidden = head.hidden_grad(j, weight.astype(dtype), weight_layout,
                                 precision=head.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32) * g
     d_weight = head_grad.rows_scaled_weight_grad(j, h.astype(jnp.float32) * g, weight,
                                                  weight_layout)
     d_bias = None if bias is None else jnp.sum(j.astype(jnp.float32) * g, axis=0)
-    return (d_hidden.reshape(hidden.shape), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+    return d_hidden, d_weight, None if bias is None else d_bias.astype(bias.dtype)
 
 
-def divergence_rows(operands, row_valid, *, opts, vocab_axis, record):
+def divergence_rows(operands, row_valid, *, opts, vocab_axis):
     """Per-row ``d`` [B, T] of the validated heads ``operands`` = (hidden, weight, bias,
     t_hidden, t_weight, t_bias), its gradient to the student taken in the forward (the
     teacher's operands get none)."""
     rows = "rr"
     roles = (rows + "-", head.roles(opts["weight_layout"]), "v", rows + "-",
-             head.roles(opts["teacher_weight_layout"]), "v")
-    forward = functools.partial(_local_forward, block_bytes=BLOCK_BYTES, **opts)
+             head.roles(opts["teacher_weight_layout"]), "v", rows)
+
+    def forward(plan, *args):
+        return _local_forward(plan, *args[:6], block_bytes=BLOCK_BYTES, **opts)
+
     backward = functools.partial(_local_backward, weight_layout=opts["weight_layout"])
-
-    @jax.custom_vjp
-    def op(*args):
-        return fwd(*args)[0]
-
-    def fwd(h, w, b, th, tw, tb, valid):
-        d, inv_sigma, grad = sharding.run(forward, (h, w, b, th, tw, tb), roles,
-                                          (rows, rows, rows + "v"), vocab_axis=vocab_axis,
-                                          record=record)
-        return d, (h, w, b, grad, inv_sigma, valid)
-
-    def bwd(res, g):
-        h, w, b, grad, inv_sigma, valid = res
-        has_bias = b is not None
-        grads = sharding.run(backward, (h, w, b, grad, inv_sigma, valid, g),
-                             roles[:3] + (rows + "v", rows, rows, rows),
-                             roles[:2] + (("v",) if has_bias else ()),
-                             grads_of=(0, 1) + ((2,) if has_bias else ()),
-                             vocab_axis=vocab_axis)
-        db = grads[2] if has_bias else None
-        dh = grads[0].astype(h.dtype)
-        return dh, grads[1], db, None, None, None, None  # the teacher and the mask: zero
-
-    op.defvjp(fwd, bwd)
-    return op(*operands, row_valid)
+    (d,) = engine.differentiable(forward, backward, tuple(operands) + (row_valid,), roles,
+                                 (rows,), (rows, rows + "v"), diff=(0, 1, 2),
+                                 unused=(3, 4, 5), vocab_axis=vocab_axis)
+    return d

@@ -23,9 +23,13 @@ backward holds at its peak (the logits and their gradient at once).
 
 The other outputs (policy loss, KL, metrics) keep exact gradients for any cotangent: where
 one of theirs is not a symbolic zero, the backward takes the whole per-token cotangent (the
-loss's and theirs) through :func:`saved_logits.backward` with the logits recomputed (one
-GEMM more than the loss alone, the kept gradient unused). The loss's other inputs get their
-gradients from the loss function's own VJP.
+loss's and theirs) through :func:`saved_logits.recomputed_backward` (one GEMM more than the
+loss alone, the kept gradient unused). The loss's other inputs get their gradients from the
+loss function's own VJP.
+
+The op is the engine's two steps (:func:`engine.stage`) with the loss function over every row
+between them, so its ``custom_vjp`` is its own: the loss's leaves and symbolic zeros are
+part of it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl_kernels import head, head_grad, logprob_core, saved_logits, sharding, softmax_math
+from jaxrl_kernels import engine, head, head_grad, logprob_core, saved_logits, softmax_math
+from jaxrl_kernels.blocks import blocks
 from jaxrl_kernels.placement import varying_like
 
 
@@ -48,46 +53,54 @@ ROW_BLOCK_BYTES = 64 * 2**20
 """The logits' gradient is written over them in blocks of rows of about this size."""
 
 
-def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
-                      n_rows, weight_layout, temperature):
-    """This device's ``dz`` [..., V_local] in z's dtype, written over its kept logits ``z``
-    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), and,
-    with a bias, its float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
+def _local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
+                   temperature, with_entropy):
+    """One device's flat rows: (logp, entropy if asked, lse, active, z [N, V_local])."""
     vocab = head.vocab_size(weight, weight_layout)
-    t_local, lse, entropy, g, g_ent = logprob_core._backward_rows(
-        plan, weight, vocab, targets, lse, entropy, active, g, g_ent)
-    flat = logprob_core._rows_flat(z, n_rows)
-    n = flat.shape[0]
-    size = max(1, min(n, ROW_BLOCK_BYTES // max(1, vocab * flat.dtype.itemsize)))
-    per_row = (t_local, lse, entropy, g, g_ent)
-    scale = _float16_scale(g, g_ent, entropy, temperature) if flat.dtype == jnp.float16 else 1.0
+    t_local = targets - plan.vocab_offset(vocab)
+    stats, t_rel, z = saved_logits.local_stats(
+        plan, hidden, weight, bias, t_local, row_valid, weight_layout=weight_layout,
+        temperature=temperature, with_entropy=with_entropy)
+    logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab,
+                                                      row_valid)
+    return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
+
+
+def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
+                      weight_layout, temperature):
+    """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
+    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
+    ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
+    float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
+    vocab = head.vocab_size(weight, weight_layout)
+    g, g_ent = (plan.output_cotangent(c, weight) for c in (g, g_ent))
+    per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
+    g, g_ent = per_row[3], per_row[4]
+    spans = blocks(z.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
+    scale = _float16_scale(g, g_ent, per_row[2], temperature) if z.dtype == jnp.float16 else 1.0
 
     def block(c, carry):
         flat, col_sums = carry if bias is not None else (carry, None)
-        # the last block is pulled back to end at N; rows an earlier block wrote keep theirs
-        start = jnp.minimum(c * size, n - size)
-        rows = [None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size)
-                for x in per_row]
-        t, l, ent, gg, ge = rows
-        z_c = jax.lax.dynamic_slice_in_dim(flat, start, size)
-        zs = saved_logits._scaled(z_c, bias, temperature)
+        start, fresh = spans.start(c), spans.fresh(c)[:, None]
+        t, l, ent, gg, ge = (None if x is None else
+                             jax.lax.dynamic_slice_in_dim(x, start, spans.size) for x in per_row)
+        z_c = jax.lax.dynamic_slice_in_dim(flat, start, spans.size)
+        zs = saved_logits.scaled(z_c, bias, temperature)
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
-        fresh = (start + jnp.arange(size) >= c * size)[:, None]
         flat = jax.lax.dynamic_update_slice_in_dim(
             flat, jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c), start, 0)
         if col_sums is None:
             return flat
         return flat, col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
 
-    init = flat
+    init = z
     if bias is not None:
-        init = (flat, varying_like(jnp.zeros((vocab,), jnp.float32), flat, weight))
-    out = jax.lax.fori_loop(0, -(-n // size), block, init)
-    flat, col_sums = out if bias is not None else (out, None)
+        init = (z, varying_like(jnp.zeros((vocab,), jnp.float32), z, weight))
+    out = jax.lax.fori_loop(0, spans.count, block, init)
+    dz, col_sums = out if bias is not None else (out, None)
     inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
-    return ((flat.reshape(z.shape), inv_scale.reshape(z.shape[:-1]))
-            + ((col_sums,) if bias is not None else ()))
+    return dz, inv_scale, col_sums
 
 
 def _float16_scale(g, g_ent, entropy, temperature):
@@ -124,24 +137,21 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
 
 
 def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
-                      weight_layout, temperature, with_entropy, vocab_axis=None, record=None,
-                      config=saved_logits.DEFAULT):
+                      weight_layout, temperature, with_entropy, vocab_axis=None):
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
 
     ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree
     of its other arrays (float leaves get their gradients through ``loss_fn``'s VJP).
-    ``hidden``, ``weight``, ``bias``, ``targets``, ``row_valid``, ``vocab_axis`` and
-    ``record`` are as in ``logprob_core.linear_from_parts``; ``row_valid`` False rows get no
-    gradient.
+    ``hidden``, ``weight``, ``bias``, ``targets``, ``row_valid`` and ``vocab_axis`` are as in
+    ``logprob_core.linear_from_parts``; ``row_valid`` False rows get no gradient.
     """
-    k = targets.ndim
-    rows = "r" * k
-    h_roles, w_roles, b_roles = logprob_core.head_roles(k, weight_layout)
-    options = dict(weight_layout=weight_layout, temperature=temperature, vocab_axis=vocab_axis,
-                   config=config)
+    rows = "r" * targets.ndim
+    h_roles, w_roles, b_roles = logprob_core.head_roles(targets.ndim, weight_layout)
+    options = dict(weight_layout=weight_layout, temperature=temperature)
     leaves, tree = jax.tree.flatten(inputs)
     floats = [i for i, x in enumerate(leaves) if _is_float(x)]
+    has_bias = bias is not None
 
     def small_vjp(logp, entropy, leaves):
         """``loss_fn``'s outputs and VJP in (logp, entropy, the float leaves of inputs)."""
@@ -152,11 +162,18 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
             return loss_fn(logp, entropy, jax.tree.unflatten(tree, full))
         return jax.vjp(f, logp, entropy, [leaves[i] for i in floats])
 
+    def forward(hidden, weight, bias, targets, row_valid):
+        """(logp, entropy | None), (lse, active, z), through the engine's forward step."""
+        local = functools.partial(_local_forward, with_entropy=with_entropy, **options)
+        outs = engine.stage(local, (hidden, weight, bias, targets, row_valid),
+                            (h_roles, w_roles, b_roles, rows, rows),
+                            (rows,) * (4 if with_entropy else 3) + (rows + "v",),
+                            vocab_axis=vocab_axis, note=True)
+        return (outs[0], outs[1] if with_entropy else None), outs[-3:]
+
     def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
-        local = functools.partial(_local_logit_grad, n_rows=k, weight_layout=weight_layout,
-                                  temperature=temperature)
-        has_bias = bias is not None
-        return sharding.run(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
+        local = functools.partial(_local_logit_grad, **options)
+        return engine.stage(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
                             (w_roles, b_roles, rows + "v") + (rows,) * 6,
                             (rows + "v", rows) + ((b_roles,) if has_bias else ()),
                             grads_of=(None, None) + ((1,) if has_bias else ()),
@@ -164,17 +181,13 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid, leaves):
-        (logp, entropy), _ = saved_logits.forward(
-            hidden, weight, bias, targets, row_valid, with_entropy=with_entropy, record=record,
-            **options)
+        (logp, entropy), _ = forward(hidden, weight, bias, targets, row_valid)
         return small_vjp(logp, entropy, leaves)[0]
 
     def fwd(hidden, weight, bias, targets, row_valid, leaves):
         hidden, weight, bias, targets, row_valid, leaves = jax.tree.map(
             lambda p: p.value, (hidden, weight, bias, targets, row_valid, leaves))
-        (logp, entropy), (lse, active, z) = saved_logits.forward(
-            hidden, weight, bias, targets, row_valid, with_entropy=with_entropy, record=record,
-            **options)
+        (logp, entropy), (lse, active, z) = forward(hidden, weight, bias, targets, row_valid)
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
         dz, inv_scale, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g,
@@ -190,17 +203,19 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, d_floats = pullback(_instantiate(cts, outs))
         grads = None
+        common = (targets, lse, entropy, active)
         if not all(isinstance(o, SymbolicZero) for o in others):
             # the whole per-token cotangent through the recomputed logits: one rounding of
             # the logits' gradient, as for the loss alone
-            grads = saved_logits.backward(hidden, weight, bias, None, targets, lse, entropy,
-                                          active, g, g_ent, **options)
+            grads = logprob_core.head_backward(
+                functools.partial(saved_logits.recomputed_backward, **options), hidden, weight,
+                bias, (), *common, g, g_ent, weight_layout=weight_layout, vocab_axis=vocab_axis)
         elif not isinstance(c, SymbolicZero):
             c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
             d_hidden, d_weight, _ = logprob_core.head_backward(
                 functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
-                weight, None, (dz,), targets, lse, entropy, active, c_rows, None,
-                weight_layout=weight_layout, vocab_axis=vocab_axis)
+                weight, None, (dz,), *common, c_rows, None, weight_layout=weight_layout,
+                vocab_axis=vocab_axis)
             d_bias = None if bias is None else (c.astype(jnp.float32) * col_sums[0]
                                                 ).astype(bias.dtype)
             grads = (d_hidden, d_weight, d_bias)
@@ -227,10 +242,3 @@ def _instantiate(cts, outs):
     """``cts`` with every symbolic zero made an array of its output's shape and dtype."""
     return jax.tree.map(lambda c, o: jnp.zeros_like(o) if isinstance(c, SymbolicZero) else c,
                         cts, outs, is_leaf=lambda c: isinstance(c, SymbolicZero))
-
-
-def fused_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype,
-                config=saved_logits.DEFAULT) -> int:
-    """Bytes of the one ``[N, V]`` buffer the fused losses hold (logits, then their gradient)."""
-    return saved_logits.kept_bytes(n_rows, vocab, hidden_dtype, weight_dtype, config)
-

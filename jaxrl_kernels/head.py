@@ -85,9 +85,9 @@ def matmul_precision(dtype) -> jax.lax.Precision:
 def gemm_dtype(dtype):
     """The output dtype for a GEMM whose float32 accumulator is to be rounded once to
     ``dtype``: ``dtype`` itself for bfloat16 on a GPU (XLA's GEMM rounds the accumulator to
-    its output), else float32, rounded after. A float16 output was seen accumulated at lower
-    precision (jax 0.12, H100: entropies off by 0.06), and XLA's CPU dot accumulates in its
-    output's dtype."""
+    its output), else float32, rounded after: XLA's GPU GEMM may accumulate a float16 output
+    at lower precision (entropies off by 0.06 with jax 0.12), and its CPU dot accumulates in
+    its output's dtype."""
     return dtype if (jax.default_backend() == "gpu" and dtype == jnp.bfloat16) else jnp.float32
 
 

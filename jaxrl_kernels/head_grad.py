@@ -160,8 +160,8 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
              weight_grad_init=jnp.zeros_like):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
-    lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they were no
-    faster on an H100: bench_linear_backward.md at d9bcddf); they write every column of
+    lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
+    faster: benchmarks/results/bench_linear_backward.md); they write every column of
     d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
     the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one)."""
     scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)

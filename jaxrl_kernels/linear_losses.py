@@ -1,8 +1,9 @@
 """The losses computed from a linear LM head's hidden states, never holding the logits:
 ``linear_ppo_loss``, ``linear_grpo_loss`` and ``linear_policy_gradient_loss``.
 
-Each is the math of :mod:`jaxrl_kernels.losses` on the log-probs (and entropies) of the
-sampled tokens: with ``memory="lean"`` from the ``linear_logprobs`` primitive
+Each is the math of :mod:`jaxrl_kernels.losses` (options in
+:class:`policy_config.PolicyLoss`) on the log-probs (and entropies) of the sampled tokens:
+with ``memory="lean"`` from the ``linear_logprobs`` primitive
 (``logprobs.linear_logprobs_rows``, any backend); with ``memory="fast"`` through
 :mod:`jaxrl_kernels.fused_loss`, which takes the loss's gradient in the forward (3 GEMMs).
 """
@@ -15,9 +16,10 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import aggregation_math, dispatch, fused_loss, ppo_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import AxisName, choose_memory, global_vocab, linear_logprobs_rows
-from jaxrl_kernels.losses import (grpo_advantages, grpo_config, grpo_from_logprobs,
-                                  policy_variants, ppo_config, run_ppo)
+from jaxrl_kernels.logprobs import AxisName, global_vocab, head_choice, linear_logprobs_rows
+from jaxrl_kernels.policy_config import (PG_UNUSED, PolicyLoss, from_arguments,
+                                         grpo_advantages, grpo_from_logprobs, kernel_config,
+                                         run_ppo)
 
 _sg = jax.lax.stop_gradient
 
@@ -42,18 +44,17 @@ def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, *, we
     """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``: lean,
     the log-probs from ``linear_logprobs_rows``; fast, the loss's gradient taken in the
     forward (``fused_loss``)."""
-    note = choose_memory(op, memory, hidden, weight, actions, weight_layout, vocab_axis,
-                         backend, loss=True)
+    choice = head_choice(op, memory, hidden, weight, bias, actions, weight_layout=weight_layout,
+                         return_entropy=with_entropy, backend=backend, vocab_axis=vocab_axis,
+                         loss=True)
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    vocab_axis=vocab_axis)
-    if note.mode == "fast":
-        dispatch.record(op, note)
+    if choice.fast:
         return fused_loss.fused_linear_loss(
             loss_fn, hidden, weight, bias, actions.astype(jnp.int32), mask != 0, inputs,
-            with_entropy=with_entropy, record=dispatch.plan_recorder(op), **options)
-    logp, entropy = linear_logprobs_rows(
-        hidden, weight, bias, actions, mask != 0, op=op, return_entropy=with_entropy,
-        backend=backend, memory="lean", **options)
+            with_entropy=with_entropy, **options)
+    logp, entropy = linear_logprobs_rows(hidden, weight, bias, actions, mask != 0, choice=choice,
+                                         return_entropy=with_entropy, **options)
     return loss_fn(logp, entropy, inputs)
 
 
@@ -68,7 +69,8 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                     ratio_level: str = "token", policy_loss: str = "ppo",
                     tis_level: str = "token", tis_mode: str = "truncate",
                     backend: str | None = None, vocab_axis: AxisName | None = None,
-                    memory: str | int = "lean") -> tuple[jax.Array, dict[str, jax.Array]]:
+                    memory: str | int = "lean", config: PolicyLoss | None = None
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ppo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
     The log-probs are ``linear_logprobs(hidden, weight, actions, bias, ...)``; the entropy
@@ -95,6 +97,8 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
         gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
         dtype) or a byte budget (``"fast"`` when that buffer fits in it).
+      config: a ``PolicyLoss`` instead of the options clip_low ... tis_mode, as in
+        ``ppo_loss``.
 
     Returns:
       ``(loss, metrics)`` as in ``ppo_loss`` (``entropy`` among the metrics when
@@ -110,14 +114,14 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       >>> float(loss), float(metrics["clip_fraction"])
       (0.0, 0.0)
     """
+    options = from_arguments("linear_ppo_loss", config, locals())
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
         hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
     shape = mask.shape
     check.positive("temperature", temperature)
-    with_entropy = entropy_coef != 0
-    cfg = ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, with_entropy, entropy_coef, loss_agg_mode, max_len,
-                      policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
+    with_entropy = options.entropy_coef != 0
+    cfg = kernel_config(options, has_rollout=rollout_logp is not None,
+                        has_ref=ref_logp is not None, has_entropy=with_entropy)
     inputs = dict(
         old_logp=old_logp, advantages=check.token_advantages(advantages, shape), mask=mask,
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
@@ -125,7 +129,7 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
 
     def loss_fn(logp, entropy, inputs):
         return run_ppo("linear_ppo_loss", ppo_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
-                       cfg, backend, strict=False)
+                       cfg, backend=backend, strict=False)
 
     return _linear_loss("linear_ppo_loss", loss_fn, inputs, hidden, weight, bias, actions, mask,
                         weight_layout=weight_layout, temperature=temperature,
@@ -146,7 +150,8 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                      tis_level: str = "token", tis_mode: str = "truncate",
                      rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
                      backend: str | None = None, vocab_axis: AxisName | None = None,
-                     memory: str | int = "lean") -> tuple[jax.Array, jax.Array, jax.Array]:
+                     memory: str | int = "lean", config: PolicyLoss | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``grpo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
     The reference policy comes as precomputed log-probs ``ref_logp`` ``[B, T]`` (no
@@ -170,6 +175,7 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
         gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
         dtype) or a byte budget (``"fast"`` when that buffer fits in it).
+      config: a ``PolicyLoss`` instead of the policy options, as in ``grpo_loss``.
 
     Returns:
       ``(loss, policy_loss, kl)``: float32 scalars.
@@ -185,23 +191,23 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       >>> d_hidden.shape, d_head.shape
       ((4, 3, 8), (8, 50))
     """
+    options = from_arguments("linear_grpo_loss", config, locals(),
+                             renamed={"beta": "kl_coef"}, unused=("entropy_coef",))
     hidden, weight, bias, actions, old_logp, mask = _linear_inputs(
         hidden, weight, bias, weight_layout, actions, old_logp, mask, vocab_axis)
-    cfg = grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
-                       rollout_logp, tis_cap,
-                       policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
+    cfg = kernel_config(options, has_rollout=rollout_logp is not None,
+                        has_ref=ref_logp is not None, kl_name="beta")
     check.positive("temperature", temperature)
-    if ref_logp is None and beta != 0:
-        raise ValueError(f"ref_logp: required when beta != 0 (beta={beta!r})")
     ref_logp = _sg(check.optional_per_token("ref_logp", ref_logp, mask.shape))
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(rewards, advantages, hidden.shape[0], group_size, group_boundaries,
-                           normalize_std, eps, backend)
+    adv = grpo_advantages(rewards, advantages=advantages, batch=hidden.shape[0],
+                          group_size=group_size, group_boundaries=group_boundaries,
+                          normalize_std=normalize_std, eps=eps, backend=backend)
     inputs = dict(ref_logp=ref_logp, old_logp=old_logp, advantages=adv, mask=mask,
                   rollout_logp=rollout_logp)
 
     def loss_fn(logp, entropy, inputs):
-        return grpo_from_logprobs(logp, cfg=cfg, **inputs)
+        return grpo_from_logprobs(logp, cfg, **inputs)
 
     return _linear_loss("linear_grpo_loss", loss_fn, inputs, hidden, weight, bias, actions,
                         mask, weight_layout=weight_layout, temperature=temperature,
@@ -215,7 +221,8 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
                                 temperature: float = 1.0, loss_agg_mode: str = "token_mean",
                                 max_len: int | None = None, backend: str | None = None,
                                 vocab_axis: AxisName | None = None,
-                                memory: str | int = "lean") -> jax.Array:
+                                memory: str | int = "lean",
+                                config: PolicyLoss | None = None) -> jax.Array:
     """``policy_gradient_loss`` on the log-probs of a linear LM head: ``aggregate(−A·logp)``.
 
     REINFORCE, reward-weighted and best-of-N fine-tuning, and plain NLL / SFT with ``A = 1``,
@@ -233,6 +240,8 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       memory: ``"lean"``, ``"fast"`` or a byte budget, as in ``linear_ppo_loss``.
+      config: a ``PolicyLoss`` instead of ``loss_agg_mode`` and ``max_len``, as in
+        ``policy_gradient_loss``.
 
     Returns:
       The float32 scalar loss.
@@ -245,6 +254,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       >>> round(float(nll), 3)                                         # log 50
       3.912
     """
+    options = from_arguments("linear_policy_gradient_loss", config, locals(), unused=PG_UNUSED)
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D]")
     shape = hidden.shape[:2]
@@ -252,8 +262,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
     check.shape("actions", actions, shape, "[B, T]")
     mask = check.token_mask(mask, shape)
     advantages = check.token_advantages(advantages, shape)
-    mode = check.agg_mode(loss_agg_mode)
-    max_len = check.max_len(max_len)
+    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
     check.positive("temperature", temperature)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("actions", actions, vocab, mask=mask)

@@ -2,7 +2,7 @@
 
 Both take the policy's and the reference's log-probs of the sampled tokens in one pass over
 the two logits streams (the ``paired_logprobs`` primitive), then the math of
-:mod:`jaxrl_kernels.losses`.
+:mod:`jaxrl_kernels.losses` (``grpo_loss``'s options in :class:`policy_config.PolicyLoss`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from jaxrl_kernels import dispatch, kl_math, logprob_core
 from jaxrl_kernels.backend_contract import Problem, dtype_name
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.logprobs import AxisName, global_vocab
-from jaxrl_kernels.losses import grpo_advantages, grpo_config, grpo_from_logprobs, policy_variants
+from jaxrl_kernels.policy_config import (PolicyLoss, from_arguments, grpo_advantages,
+                                         grpo_from_logprobs, kernel_config)
 
 _sg = jax.lax.stop_gradient
 
@@ -47,8 +48,7 @@ def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, 
     choice = dispatch.resolve(op, problem, backend)
     logp, ref_logp = logprob_core.paired_from_parts(
         choice.impl, policy_logits, ref_logits, actions.astype(jnp.int32), mask != 0,
-        temperature=float(temperature), vocab_axis=vocab_axis,
-        record=dispatch.plan_recorder(op))
+        temperature=float(temperature), vocab_axis=vocab_axis)
     return logp, _sg(ref_logp)
 
 
@@ -105,8 +105,8 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
               temperature: float = 1.0, ratio_level: str = "token", policy_loss: str = "ppo",
               tis_level: str = "token", tis_mode: str = "truncate",
               rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
-              backend: str | None = None, vocab_axis: AxisName | None = None
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+              backend: str | None = None, vocab_axis: AxisName | None = None,
+              config: PolicyLoss | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GRPO from policy and reference logits ``[B, T, V]`` and one reward per sequence.
 
     ``A = group_advantages(rewards)`` (unless ``advantages`` ``[B]`` is given), broadcast over
@@ -130,6 +130,10 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
       temperature: the log-probs are of ``softmax(logits / temperature)``.
       backend: ``None`` (automatic) or a backend name.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the vocabulary.
+      config: a ``PolicyLoss`` instead of clip_low, clip_high, dual_clip, beta (its
+        ``kl_coef``), kl_estimator, loss_agg_mode, ratio_level, policy_loss, tis_level,
+        tis_mode and tis_cap, which then stay at their defaults; its ``entropy_coef`` must
+        be 0, its ``max_len`` applies.
 
     Returns:
       ``(loss, policy_loss, kl)``: float32 scalars, the last two aggregated like the loss.
@@ -143,15 +147,17 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
       >>> round(float(loss), 4), float(kl)
       (0.0, 0.0)
     """
+    options = from_arguments("grpo_loss", config, locals(), renamed={"beta": "kl_coef"},
+                             unused=("entropy_coef",))
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
         policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
-    cfg = grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
-                       rollout_logp, tis_cap,
-                       policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
+    cfg = kernel_config(options, has_rollout=rollout_logp is not None)
     check.positive("temperature", temperature)
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(rewards, advantages, policy_logits.shape[0], group_size,
-                           group_boundaries, normalize_std, eps, backend)
+    adv = grpo_advantages(rewards, advantages=advantages, batch=policy_logits.shape[0],
+                          group_size=group_size, group_boundaries=group_boundaries,
+                          normalize_std=normalize_std, eps=eps, backend=backend)
     logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
                                       temperature, backend, vocab_axis)
-    return grpo_from_logprobs(logp, ref_logp, old_logp, adv, mask, rollout_logp, cfg)
+    return grpo_from_logprobs(logp, cfg, ref_logp=ref_logp, old_logp=old_logp, advantages=adv,
+                              mask=mask, rollout_logp=rollout_logp)

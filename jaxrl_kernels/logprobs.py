@@ -74,8 +74,7 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     choice = dispatch.resolve("token_logprobs", problem, backend)
     logp, entropy = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
-        return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
-        record=dispatch.plan_recorder("token_logprobs"))
+        return_entropy=bool(return_entropy), vocab_axis=vocab_axis)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -87,44 +86,35 @@ def global_vocab(local_vocab: int, vocab_axis) -> int:
     return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
 
 
-def choose_memory(op, memory, hidden, weight, targets, weight_layout, vocab_axis, backend, *,
-                  loss=False):
-    """``memory_mode.choose`` for a linear-head op on these operands (rows ``targets.shape``)."""
+def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, return_entropy,
+                backend, vocab_axis=None, loss=False):
+    """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (rows
+    ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why."""
     vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
     n_rows = math.prod(targets.shape)
-    return memory_mode.choose(
-        op, memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
+    request = memory_mode.Request(
+        memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
         tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
-        backend, loss=loss)
-
-
-def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, op, weight_layout,
-                         temperature, return_entropy, backend, vocab_axis=None, memory="lean"):
-    """Dispatch the linear_logprobs primitive on validated inputs: hidden [..., D] with rows
-    [...] (targets, row_valid). Returns (logp [...], entropy [...] | None).
-
-    ``memory``: ``"lean"``, ``"fast"`` or a byte budget (``memory_mode.choose``); ``"fast"``
-    keeps the logits for the backward (``saved_logits``)."""
-    n_rows = math.prod(targets.shape)
-    memory_note = choose_memory(op, memory, hidden, weight, targets, weight_layout, vocab_axis,
-                                backend)
-    if memory_note.mode == "fast":
-        dispatch.record(op, memory_note)
-        return saved_logits.fast_linear_logprobs(
-            hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-            weight_layout=weight_layout, temperature=float(temperature),
-            return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
-            record=dispatch.plan_recorder(op))
+        loss=loss)
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
                              return_entropy=return_entropy)
-    choice = dispatch.resolve(op, problem, backend)
-    dispatch.record(op, memory_note)
-    return logprob_core.linear_from_parts(
-        choice.impl, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-        weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy), backward=choice.backward,
-        vocab_axis=vocab_axis, record=dispatch.plan_recorder(op))
+    return dispatch.resolve(op, problem, backend, memory=request)
+
+
+def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, weight_layout,
+                         temperature, return_entropy, vocab_axis=None):
+    """The linear_logprobs primitive on validated inputs, by ``choice`` (:func:`head_choice`):
+    hidden [..., D] with rows [...] (targets, row_valid). Returns (logp [...], entropy [...] |
+    None)."""
+    options = dict(weight_layout=weight_layout, temperature=float(temperature),
+                   return_entropy=bool(return_entropy), vocab_axis=vocab_axis)
+    if choice.fast:
+        return saved_logits.fast_linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32),
+                                                 row_valid, **options)
+    return logprob_core.linear_from_parts(choice.impl, hidden, weight, bias,
+                                          targets.astype(jnp.int32), row_valid,
+                                          backward=choice.backward, **options)
 
 
 def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
@@ -172,8 +162,10 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
     vocab = global_vocab(local_vocab, vocab_axis)
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
+    choice = head_choice("linear_logprobs", memory, hidden, weight, bias, targets,
+                         weight_layout=weight_layout, return_entropy=return_entropy,
+                         backend=backend, vocab_axis=vocab_axis)
     logp, entropy = linear_logprobs_rows(
-        hidden, weight, bias, targets, row_valid, op="linear_logprobs",
-        weight_layout=weight_layout, temperature=temperature, return_entropy=return_entropy,
-        backend=backend, vocab_axis=vocab_axis, memory=memory)
+        hidden, weight, bias, targets, row_valid, choice=choice, weight_layout=weight_layout,
+        temperature=temperature, return_entropy=return_entropy, vocab_axis=vocab_axis)
     return (logp, entropy) if return_entropy else logp

@@ -1,23 +1,23 @@
 """The RL losses on per-token log-probs: KL penalty, aggregation, group advantages, policy
-gradient and PPO, and the configuration every PPO/GRPO variant shares.
+gradient and PPO.
 
 The math lives in :mod:`kl_math`, :mod:`aggregation_math`, :mod:`surrogate_math` and
-:mod:`ppo_math`; this module validates arguments (once, here, with
-:mod:`jaxrl_kernels.validation`), shapes them and routes the heavy parts through ``dispatch``.
-The same losses from logits are in :mod:`logits_losses`, from a linear head's hidden states in
-:mod:`linear_losses`.
+:mod:`ppo_math`; the losses' options in :class:`policy_config.PolicyLoss`. This module
+validates arguments (once, here, with :mod:`jaxrl_kernels.validation`), shapes them and routes
+the heavy parts through ``dispatch``. The same losses from logits are in
+:mod:`logits_losses`, from a linear head's hidden states in :mod:`linear_losses`.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, dispatch, kl_math, ppo_math, sharding, surrogate_math
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels import aggregation_math, kl_math, ppo_math, sharding
 from jaxrl_kernels import validation as check
+from jaxrl_kernels.policy_config import (PG_UNUSED, PolicyLoss, compute_group_advantages,
+                                         from_arguments, kernel_config, run_ppo)
 
 _sg = jax.lax.stop_gradient
 
@@ -79,32 +79,6 @@ def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
     return aggregation_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
 
 
-def _segments(batch, group_size, group_boundaries):
-    """(segment_ids [B], number of groups, validity flag for traced boundaries)."""
-    if (group_size is None) == (group_boundaries is None):
-        raise ValueError("group_size / group_boundaries: give exactly one of them")
-    if group_size is not None:
-        if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or batch % group_size:
-            raise ValueError(f"group_size: expected a positive int dividing B = {batch}, "
-                             f"got {group_size!r}")
-        return jnp.arange(batch) // group_size, batch // int(group_size), None
-    bounds = check.integer("group_boundaries", group_boundaries)
-    check.rank("group_boundaries", bounds, 1, "[G + 1]")
-    if bounds.shape[0] < 2:
-        raise ValueError(f"group_boundaries: expected at least 2 entries [0, ..., B], "
-                         f"got shape {tuple(bounds.shape)}")
-    ok = (bounds[0] == 0) & (bounds[-1] == batch) & jnp.all(jnp.diff(bounds) > 0)
-    if check.is_concrete(bounds):
-        if not bool(ok):
-            raise ValueError(f"group_boundaries: expected strictly increasing values starting at "
-                             f"0 and ending at B = {batch}, got {np.asarray(bounds).tolist()}")
-        ok = None
-    else:
-        check.boundaries("group_boundaries", bounds, batch)  # check mode only
-    ids = jnp.searchsorted(bounds[1:], jnp.arange(batch), side="right")
-    return ids, bounds.shape[0] - 1, ok
-
-
 def group_advantages(rewards: ArrayLike, *, group_size: int | None = None,
                      group_boundaries: ArrayLike | None = None, normalize_std: bool = True,
                      std_ddof: int = 0, eps: float = 1e-6, backend: str | None = None
@@ -128,31 +102,15 @@ def group_advantages(rewards: ArrayLike, *, group_size: int | None = None,
       >>> jk.group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]), group_size=2, normalize_std=False)
       Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
     """
-    return _group_advantages(rewards, group_size, group_boundaries, normalize_std, std_ddof, eps,
-                             backend, strict=True)
-
-
-def _group_advantages(rewards, group_size, group_boundaries, normalize_std, std_ddof, eps,
-                      backend, strict):
-    rewards = check.as_array("rewards", rewards)
-    if not (jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.issubdtype(rewards.dtype, jnp.integer)):
-        raise TypeError(f"rewards: expected a real dtype, got {rewards.dtype}")
-    check.rank("rewards", rewards, 1, "[B]")
-    check.non_negative_int("std_ddof", std_ddof)
-    ids, groups, ok = _segments(rewards.shape[0], group_size, group_boundaries)
-    (rewards,) = sharding.pin_grad_shardings(rewards)
-    choice = dispatch.resolve("group_advantages", Problem(n_rows=rewards.shape[0]),
-                              backend, strict=strict)
-    # Groups may straddle any split of B: every device computes all of them from the [B] rewards.
-    rewards = sharding.replicated(rewards.astype(jnp.float32))
-    adv = choice.impl(rewards, ids.astype(jnp.int32), groups, normalize_std=bool(normalize_std),
-                      std_ddof=int(std_ddof), eps=eps)
-    return adv if ok is None else jnp.where(ok, adv, jnp.nan)
+    return compute_group_advantages(rewards, group_size=group_size,
+                                    group_boundaries=group_boundaries,
+                                    normalize_std=normalize_std, std_ddof=std_ddof, eps=eps,
+                                    backend=backend, strict=True)
 
 
 def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-                         loss_agg_mode: str = "token_mean", max_len: int | None = None
-                         ) -> jax.Array:
+                         loss_agg_mode: str = "token_mean", max_len: int | None = None,
+                         config: PolicyLoss | None = None) -> jax.Array:
     """``aggregate(-A · logp, mask)``: REINFORCE, reward-weighted and best-of-N fine-tuning.
 
     Args:
@@ -160,6 +118,8 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
       advantages: ``[B, T]``, or ``[B]`` broadcast over ``T``; no gradient flows to them.
       mask: ``[B, T]``, 1 on the tokens that count (the response), 0 elsewhere.
       loss_agg_mode, max_len: as in ``aggregate``.
+      config: a ``PolicyLoss`` instead of ``loss_agg_mode`` and ``max_len`` (they then stay
+        at their defaults); its other attributes must be at theirs.
 
     Returns:
       A float32 scalar loss.
@@ -170,64 +130,15 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
       >>> round(float(jk.policy_gradient_loss(logp, jnp.array([1.0, 0.0]), jnp.ones((2, 2)))), 4)
       0.5199
     """
+    options = from_arguments("policy_gradient_loss", config, locals(), unused=PG_UNUSED)
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
     per_token = -check.token_advantages(advantages, shape) * logp.astype(jnp.float32)
     return aggregation_math.aggregate(per_token, check.token_mask(mask, shape),
-                                      check.agg_mode(loss_agg_mode), check.max_len(max_len))
+                                      check.agg_mode(options.loss_agg_mode), options.max_len)
 
 
 # -- PPO -----------------------------------------------------------------------------------
-
-def policy_variants(ratio_level, policy_loss, tis_level, tis_mode):
-    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
-                tis_mode=tis_mode)
-
-
-def _policy_options(ratio_level, policy_loss, tis_level, tis_mode, dual_clip):
-    """The policy-loss variant options (docs/api.md "Policy-loss variants")."""
-    check.option("ratio_level", ratio_level, ppo_math.RATIO_LEVELS)
-    check.option("policy_loss", policy_loss, surrogate_math.POLICY_LOSSES)
-    check.option("tis_level", tis_level, ppo_math.TIS_LEVELS)
-    check.option("tis_mode", tis_mode, surrogate_math.TIS_MODES)
-    if policy_loss == "cispo" and dual_clip is not None:
-        raise ValueError(f"dual_clip: expected None with policy_loss='cispo' (CISPO has no dual "
-                         f"clip), got {dual_clip!r}")
-    return dict(ratio_level=ratio_level, policy_loss=policy_loss, tis_level=tis_level,
-                tis_mode=tis_mode)
-
-
-def _tis_options(rollout_logp, tis_cap):
-    if (rollout_logp is None) != (tis_cap is None):
-        raise ValueError("rollout_logp / tis_cap: truncated importance sampling needs both "
-                         f"(got rollout_logp={'set' if rollout_logp is not None else None}, "
-                         f"tis_cap={tis_cap!r})")
-    if tis_cap is not None:
-        check.positive("tis_cap", tis_cap)
-
-
-def ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                kl_estimator, has_entropy, entropy_coef, loss_agg_mode, max_len, variants):
-    check.clip_options(clip_low, clip_high, dual_clip)
-    _tis_options(rollout_logp, tis_cap)
-    check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
-    if ref_logp is None and kl_coef != 0:
-        raise ValueError(f"ref_logp: required when kl_coef != 0 (kl_coef={kl_coef!r})")
-    if not has_entropy and entropy_coef != 0:
-        raise ValueError(f"entropy: required when entropy_coef != 0 (entropy_coef={entropy_coef!r})")
-    return ppo_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                              tis_cap=tis_cap, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                              entropy_coef=entropy_coef,
-                              loss_agg_mode=check.agg_mode(loss_agg_mode),
-                              max_len=check.max_len(max_len),
-                              **_policy_options(dual_clip=dual_clip, **variants))
-
-
-def run_ppo(op, inputs, cfg, backend, strict):
-    choice = dispatch.resolve(op, Problem(n_rows=inputs.logp.size), backend,
-                              primitive="ppo_loss", strict=strict)
-    return choice.impl(inputs, cfg)
-
 
 def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
              clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
@@ -236,8 +147,8 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
              entropy: ArrayLike | None = None, entropy_coef: float = 0.0,
              loss_agg_mode: str = "token_mean", max_len: int | None = None,
              ratio_level: str = "token", policy_loss: str = "ppo", tis_level: str = "token",
-             tis_mode: str = "truncate", backend: str | None = None
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+             tis_mode: str = "truncate", backend: str | None = None,
+             config: PolicyLoss | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's clipped-surrogate loss on per-token log-probs ``[B, T]``.
 
     ``r = exp(clip(logp - old_logp, ±20))``;
@@ -263,6 +174,8 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       loss_agg_mode, max_len: as in ``aggregate``.
       ratio_level, policy_loss, tis_level, tis_mode: the variants, see above.
       backend: ``None`` (automatic), ``"reference"`` or ``"pallas"``.
+      config: a ``PolicyLoss`` instead of the options above (clip_low ... tis_mode), which
+        then stay at their defaults (another value is a ``ValueError``).
 
     Returns:
       ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars
@@ -276,11 +189,11 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       >>> float(loss), float(metrics["ratio_mean"])
       (0.0, 1.0)
     """
+    options = from_arguments("ppo_loss", config, locals())
+    cfg = kernel_config(options, has_rollout=rollout_logp is not None,
+                        has_ref=ref_logp is not None, has_entropy=entropy is not None)
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
-    cfg = ppo_config(clip_low, clip_high, dual_clip, rollout_logp, tis_cap, ref_logp, kl_coef,
-                      kl_estimator, entropy is not None, entropy_coef, loss_agg_mode, max_len,
-                      policy_variants(ratio_level, policy_loss, tis_level, tis_mode))
     inputs = ppo_math.PPOInputs(
         logp=logp.astype(jnp.float32),
         old_logp=_sg(check.per_token("old_logp", old_logp, shape).astype(jnp.float32)),
@@ -290,37 +203,4 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)),
         entropy=sharding.pin_grad_shardings(
             check.optional_per_token("entropy", entropy, shape))[0])
-    return run_ppo("ppo_loss", inputs, cfg, backend, strict=True)
-
-
-def grpo_advantages(rewards, advantages, batch, group_size, group_boundaries, normalize_std,
-                     eps, backend):
-    rewards = check.as_array("rewards", rewards)
-    check.shape("rewards", rewards, (batch,), "[B]")
-    if advantages is not None:
-        advantages = check.floating("advantages", advantages)
-        check.shape("advantages", advantages, (batch,), "[B]")
-        return _sg(advantages.astype(jnp.float32))
-    return _sg(_group_advantages(rewards, group_size, group_boundaries, normalize_std, 0, eps,
-                                 backend, strict=False))
-
-
-def grpo_from_logprobs(logp, ref_logp, old_logp, advantages, mask, rollout_logp, cfg):
-    """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
-    the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef."""
-    inputs = ppo_math.PPOInputs(
-        logp=logp, old_logp=old_logp,
-        advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
-        rollout_logp=rollout_logp, ref_logp=ref_logp)
-    return ppo_math.grpo_loss(inputs, cfg)
-
-
-def grpo_config(clip_low, clip_high, dual_clip, beta, kl_estimator, loss_agg_mode,
-                 rollout_logp, tis_cap, variants):
-    check.clip_options(clip_low, clip_high, dual_clip)
-    check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
-    _tis_options(rollout_logp, tis_cap)
-    return ppo_math.PPOConfig(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                              tis_cap=tis_cap, kl_coef=beta, kl_estimator=kl_estimator,
-                              loss_agg_mode=check.agg_mode(loss_agg_mode),
-                              **_policy_options(dual_clip=dual_clip, **variants))
+    return run_ppo("ppo_loss", inputs, cfg, backend=backend, strict=True)

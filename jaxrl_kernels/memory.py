@@ -3,7 +3,9 @@
 ``"lean"`` (the default) keeps nothing ``[N, V]``-sized and recomputes the logits in the
 backward (4 GEMMs per forward+backward); ``"fast"`` keeps the forward's logits for the backward
 (3 GEMMs, :mod:`jaxrl_kernels.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
-logits fit in it, else ``"lean"``. :func:`choose` decides and says why, for ``explain``.
+logits fit in it, else ``"lean"``. An op states its request (:class:`Request`: the argument and
+what ``"fast"`` would keep); ``dispatch.resolve`` decides with :func:`choose` and records why,
+for ``explain``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-
-from jaxrl_kernels import dispatch
 
 MODES = ("lean", "fast")
 """The named modes of ``memory=`` (an int byte budget is the third form)."""
@@ -38,16 +38,32 @@ def _size(n_bytes: float) -> str:
     return f"{int(n_bytes)} bytes"
 
 
-def choose(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
-           kept_dtype: Any, backend: str | None, *, loss: bool = False,
-           gemms: tuple[int, int] = (3, 4),
-           kept: str = "the head's logits, then their gradient in their place") -> MemoryNote:
-    """``"lean"`` or ``"fast"`` (``.mode``) for a linear-head op's ``memory=`` argument, with the
-    reason (``.text``; pass the note to ``dispatch.record`` for ``explain``). ``kept_bytes``:
-    what ``"fast"`` would keep from forward to backward. ``loss``: the op's fast mode takes
-    its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`, ``fused_distill``).
-    ``gemms``: the GEMMs per forward+backward of ``"fast"`` and ``"lean"``; ``kept``: what
-    a loss's fast mode keeps."""
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A linear-head op's ``memory=`` argument and what ``"fast"`` would keep from its forward
+    to its backward (``kept_bytes`` of ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
+    fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`,
+    ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
+    ``"lean"``; ``kept``: what a loss's fast mode keeps."""
+
+    memory: Any
+    kept_bytes: int
+    kept_shape: tuple[int, ...]
+    kept_dtype: Any
+    loss: bool = False
+    gemms: tuple[int, int] = (3, 4)
+    kept: str = "the head's logits, then their gradient in their place"
+
+
+def choose(request: Request, backend: str | None,
+           wanted: str | None = None) -> MemoryNote:
+    """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``).
+    ``backend``: the op's ``backend=`` argument (with ``"fast"``, an error: the fast mode has
+    no backend); ``wanted``: a backend requested by ``use_backend`` or the environment, which
+    ``"fast"`` notes it does not use."""
+    memory, kept_bytes, kept_shape, kept_dtype = (request.memory, request.kept_bytes,
+                                                  request.kept_shape, request.kept_dtype)
+    loss, gemms, kept = request.loss, request.gemms, request.kept
     is_budget = isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
     if not (is_budget or (isinstance(memory, str) and memory in MODES)):
         raise ValueError(f"memory: expected 'lean', 'fast' or a byte budget (an int >= 0), "
@@ -72,7 +88,6 @@ def choose(op: str, memory: Any, kept_bytes: int, kept_shape: tuple[int, ...],
         text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
                 f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, {gemms[0]} per "
                 "forward+backward")
-        wanted = dispatch.requested_backend(None)
         if wanted is not None:
             text += f"; the backend override {wanted!r} applies to memory='lean' only"
     else:

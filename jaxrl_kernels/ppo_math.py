@@ -50,6 +50,9 @@ class PPOInputs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
+    """The options the PPO / GRPO sums read (``policy_config.PolicyLoss`` is the public,
+    checked form; its docstring says what each means)."""
+
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None

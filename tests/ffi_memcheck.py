@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.backends import chunked, ffi
+from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends.chunked import logprobs as chunked
+from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
 CASES = [  # (N, D, V, layout, dtype, bias)
     (1, 8, 1, "vd", jnp.bfloat16, True),
@@ -83,9 +85,9 @@ def backward_error(h, w, b, t, layout, seed):
     k = jax.random.split(jax.random.key(100 + seed), 2)
     g, g_ent = (jnp.where(valid, jax.random.normal(kk, (n,)), 0.0) for kk in k)
     args = (h, w, b32, t, lse, ent, g, g_ent)
-    config = ffi.Config(chunk_bytes=2 * n * 256)
-    got = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=1.0,
-                                                 config=config))(*args)
+    config = ffi_linear.Config(chunk_bytes=2 * n * 256)
+    got = jax.jit(lambda *a: ffi_linear.linear_backward(*a, weight_layout=layout,
+                                                        temperature=1.0, config=config))(*args)
     want = chunked.linear_backward(h.astype(jnp.float32), w.astype(jnp.float32), *args[2:],
                                    weight_layout=layout, temperature=1.0)
     worst = 0.0

@@ -21,8 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels import fused_distill
-from jaxrl_kernels.backends import chunked_distill
+from jaxrl_kernels import fused_distill, vocab_chunks
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
@@ -78,7 +77,7 @@ def route(backend, memory, dtype=None):
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 4 * 1024)  # 128-column chunks
+    monkeypatch.setattr(vocab_chunks, "DISTILL_CHUNK_BYTES", 4 * 1024)  # 128-column chunks
     # memory="fast": blocks of a few rows, the last overlapping its predecessor
     monkeypatch.setattr(fused_distill, "BLOCK_BYTES", 10000)
 
@@ -702,7 +701,7 @@ def test_distill_on_gpu(divergence, gpu_backend, monkeypatch):
     """bf16 heads of a realistic shape on the GPU (2 MiB chunks; an odd V, which pallas pads
     to its tiles): the float64 oracle's values and gradients by docs/api.md's rules, bitwise
     reruns, and no [N, V] float32 buffer in the compiled forward+backward."""
-    monkeypatch.setattr(chunked_distill, "CHUNK_BYTES", 2 * 2**20)
+    monkeypatch.setattr(vocab_chunks, "DISTILL_CHUNK_BYTES", 2 * 2**20)
     b, t, v = GPU_SHAPE
     (h, w, _), (h64, w64, _), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
         7, with_bias=False)
@@ -794,7 +793,8 @@ def test_distill_ffi_on_gpu(divergence, dtype, monkeypatch):
     """The SM90 kernels (``backend="ffi"``, 1 MiB backward chunks: 4 chunks and a ragged
     fifth): the float64 oracle's values and gradients by docs/api.md's rules, bitwise reruns,
     no [N, V] float32 buffer, and automatic choice takes them for these heads."""
-    from jaxrl_kernels.backends import ffi, ffi_distill
+    from jaxrl_kernels.backends import ffi
+    from jaxrl_kernels.backends.ffi import distill as ffi_distill
 
     if ffi.unavailable_reason():
         pytest.skip(ffi.unavailable_reason())

@@ -7,6 +7,7 @@ no page points outside the repository or speaks the language of how it was made.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import doctest
 import inspect
 import json
@@ -151,6 +152,11 @@ def test_readme_tunix_table_comes_from_its_results_file():
 def test_public_op_docstring_and_types(name):
     fn = getattr(jk, name)
     doc = inspect.getdoc(fn) or ""
+    if inspect.isclass(fn):  # a config: its fields, typed, and an example
+        for section in ("Attributes:", "Example:"):
+            assert section in doc, f"{name}: no {section!r} section"
+        assert all(f.type is not None for f in dataclasses.fields(fn)), name
+        return
     for section in ("Args:", "Returns:", "Example:"):
         assert section in doc, f"{name}: no {section!r} section"
     sig = inspect.signature(fn)

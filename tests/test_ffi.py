@@ -24,11 +24,15 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_bitwise, assert_close, assert_f32, cotangent
+from benchmarks import kernel_entry
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels import head_grad
 from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends.ffi import distill as ffi_distill
+from jaxrl_kernels.backends.ffi import extension
+from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 ON = {"ON", "1", "TRUE", "YES", "Y"}
@@ -59,23 +63,22 @@ def test_extension_built_and_imports():
     if not _cuda_build_expected():
         pytest.skip("pure-Python install: no Hopper GPU and nvcc, and JAXRL_KERNELS_BUILD_CUDA "
                     "is not ON")
-    assert ffi._sm90 is not None, f"the build was expected, but no extension: {ffi._IMPORT_ERROR}"
-    assert "sm_90a" in ffi._sm90.build_info()
-    from jaxrl_kernels.backends import ffi_distill
-
-    assert sorted(ffi._sm90.registrations()) == sorted(
-        [ffi.TARGET, ffi.GRAD_TARGET, ffi.BACKWARD_TARGET, ffi.UNINITIALIZED_TARGET,
-         ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET])
-    assert ffi._sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
-    assert ffi._sm90.PAIR_STATS_K == ffi_distill.PAIR_STATS_K
+    assert extension.sm90 is not None, (
+        f"the build was expected, but no extension: {extension.IMPORT_ERROR}")
+    assert "sm_90a" in extension.sm90.build_info()
+    assert sorted(extension.sm90.registrations()) == sorted(
+        [ffi_linear.TARGET, ffi_linear.GRAD_TARGET, ffi_linear.BACKWARD_TARGET,
+         extension.UNINITIALIZED_TARGET, ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET])
+    assert extension.sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
+    assert extension.sm90.PAIR_STATS_K == ffi_distill.PAIR_STATS_K
 
 
 @pytest.fixture
 def sm90():
     """The extension module, for the tests of its host-side planners (skipped without it)."""
-    if ffi._sm90 is None:
-        pytest.skip(f"extension not built: {ffi._IMPORT_ERROR}")
-    return ffi._sm90
+    if extension.sm90 is None:
+        pytest.skip(f"extension not built: {extension.IMPORT_ERROR}")
+    return extension.sm90
 
 
 def _tile_grid(sm90, n, cols):
@@ -119,42 +122,44 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     rv = jnp.ones(t.shape, bool)
 
     def logp_sum(h, w, b):
-        lp, ent = ffi.kernel_logprobs(h, w, b, t, rv, weight_layout=layout, temperature=0.7,
-                                      return_entropy=True)
+        lp, ent = kernel_entry.ffi_linear_logprobs(h, w, b, t, rv, weight_layout=layout,
+                                                   temperature=0.7, return_entropy=True)
         return jnp.sum(lp) + jnp.sum(ent)
 
     fwd = jax.jit(logp_sum).trace(h, w, b).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"stablehlo.custom_call @{ffi.TARGET}" in fwd
+    assert f"stablehlo.custom_call @{ffi_linear.TARGET}" in fwd
     assert ("weight_dv = true" in fwd) == (layout == "dv")
     assert ("has_bias = true" in fwd) == with_bias
-    assert "splits = 0 : i32" in fwd  # ffi.Config.splits: the planner chooses
+    assert "splits = 0 : i32" in fwd  # ffi.linear.Config.splits: the planner chooses
     grad = jax.jit(jax.grad(logp_sum, argnums=(0, 1))).trace(h, w, b)
     text = grad.lower(lowering_platforms=("cuda",)).as_text()
-    assert f"custom_call @{ffi.TARGET}" in text
+    assert f"custom_call @{ffi_linear.TARGET}" in text
     # the backward dispatch picks at lowering time (platform cpu here): the ffi backward's
     # own custom call when asked for directly: one call for every chunk, no loop
     n = t.shape[0]
     rows = jnp.ones((n,), jnp.float32)
 
     def backward_text(**kw):
-        bwd = jax.jit(lambda *a: ffi.linear_backward(*a, weight_layout=layout, temperature=0.7, **kw))
+        bwd = jax.jit(lambda *a: ffi_linear.linear_backward(*a, weight_layout=layout,
+                                                            temperature=0.7, **kw))
         return bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
             lowering_platforms=("cuda",)).as_text()
 
     text = backward_text()
-    assert text.count(f"stablehlo.custom_call @{ffi.BACKWARD_TARGET}") == 1
-    assert "stablehlo.while" not in text and ffi.GRAD_TARGET + "(" not in text
+    assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
+    assert "stablehlo.while" not in text and ffi_linear.GRAD_TARGET + "(" not in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
 
 
 def test_forward_splits_attribute_from_config():
-    """ffi.Config.splits reaches the forward custom call as its ``splits`` attribute."""
+    """ffi.linear.Config.splits reaches the forward custom call as its ``splits`` attribute."""
     h, w, b, t = _inputs()
     rv = jnp.ones(t.shape, bool)
-    stats = lambda h, w: ffi.linear_stats(h, w, None, t, rv, weight_layout="vd", temperature=1.0,
-                                          with_entropy=False, config=ffi.Config(splits=3))
+    stats = lambda h, w: ffi_linear.linear_stats(h, w, None, t, rv, weight_layout="vd",
+                                                 temperature=1.0, with_entropy=False,
+                                                 config=ffi_linear.Config(splits=3))
     text = jax.jit(stats).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"stablehlo.custom_call @{ffi.TARGET}" in text and "splits = 3 : i32" in text
+    assert f"stablehlo.custom_call @{ffi_linear.TARGET}" in text and "splits = 3 : i32" in text
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -169,9 +174,9 @@ def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
                                                            temperature=0.7))
     text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert f"stablehlo.custom_call @{ffi.GRAD_TARGET}" in text
-    assert f"stablehlo.custom_call @{ffi.UNINITIALIZED_TARGET}" in text
-    assert ffi.BACKWARD_TARGET not in text
+    assert f"stablehlo.custom_call @{ffi_linear.GRAD_TARGET}" in text
+    assert f"stablehlo.custom_call @{extension.UNINITIALIZED_TARGET}" in text
+    assert ffi_linear.BACKWARD_TARGET not in text
 
 
 @pytest.mark.parametrize("n,v,d,chunk,layout", [(4096, 131072, 2048, 8192, "vd"),
@@ -258,7 +263,7 @@ def test_distill_declines_what_the_kernels_do_not_serve(kw, expect):
 def test_distill_lowers_to_the_custom_calls_for_cuda(sm90, divergence):
     """The distillation parts lower for CUDA to the statistics call (twice for the JSD: its
     sums), and the backward to the gradient call in its chunk loop (and the ragged rest)."""
-    from jaxrl_kernels.backends import ffi_distill as fd
+    from jaxrl_kernels.backends.ffi import distill as fd
 
     k = jax.random.split(jax.random.key(0), 4)
     n, ds, dt, v = 6, 16, 32, 300
@@ -290,7 +295,7 @@ def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     pick = lambda **kw: dispatch.select("linear_logprobs", _problem(**kw),
                                         primitive="linear_logprobs_backward", strict=False)
-    assert pick().backend == "ffi" and pick().impl is ffi.linear_backward
+    assert pick().backend == "ffi" and pick().impl is ffi_linear.linear_backward
     assert pick(weight_layout="dv", dtype="float16").backend == "ffi"
     choice = pick(dtype="float32")
     assert choice.backend == "pallas" and "float32" in dict(choice.declined)["ffi"]
@@ -298,8 +303,8 @@ def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
 
 
 def test_unavailable_without_extension(monkeypatch):
-    monkeypatch.setattr(ffi, "_sm90", None)
-    monkeypatch.setattr(ffi, "_IMPORT_ERROR", "ImportError: test")
+    monkeypatch.setattr(extension, "sm90", None)
+    monkeypatch.setattr(extension, "IMPORT_ERROR", "ImportError: test")
     assert "not built" in ffi.unavailable_reason()
 
 
@@ -496,8 +501,8 @@ def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms
     g_ent = None if g_ent is None else np.where(active, g_ent, 0.0)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     if gemms == "cutlass":
-        backward = functools.partial(ffi.linear_backward,
-                                     config=ffi.Config(chunk_bytes=2 * n * cols))
+        backward = functools.partial(ffi_linear.linear_backward,
+                                     config=ffi_linear.Config(chunk_bytes=2 * n * cols))
     else:
         backward = functools.partial(ffi_xla_gemms.linear_backward, chunk_bytes=2 * n * cols)
     got = jax.jit(lambda *a: backward(*a, weight_layout=layout, temperature=temperature))(
@@ -579,20 +584,21 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
     f = jax.jit(jax.grad(lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, t)), argnums=(0, 1)))
     assert_bitwise(f(h, w), f(h, w))
     text = jax.jit(f).lower(h, w).as_text()
-    assert f"custom_call @{ffi.BACKWARD_TARGET}" in text
+    assert f"custom_call @{ffi_linear.BACKWARD_TARGET}" in text
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_gpu_forced_splits_agree_with_the_plan(layout):
-    """ffi.Config.splits (1, 7 and more splits than vocabulary tiles) against the planner's
+    """ffi.linear.Config.splits (1, 7 and more splits than vocabulary tiles) against the planner's
     choice: the same statistics up to the order of the split merge."""
     h, w, b, t = _gpu_inputs(300, 256, 50000, layout, jnp.bfloat16, True, seed=5)
     rv = jnp.ones(t.shape, bool)
     b32 = b.astype(jnp.float32)
     run = lambda splits: [np.asarray(x) for x in jax.jit(
-        lambda h, w: ffi._forward_call(h, w, b32, t, rv, layout, 0.9, ffi.Config(splits=splits))
+        lambda h, w: ffi_linear._forward_call(h, w, b32, t, rv, layout, 0.9,
+                                              ffi_linear.Config(splits=splits))
     )(h, w)]
     want = run(0)
     for splits in (1, 7, 1000):
@@ -605,7 +611,7 @@ def test_gpu_forced_splits_agree_with_the_plan(layout):
 def test_gpu_bitwise_deterministic():
     h, w, _, t = _gpu_inputs(4096, 2048, 32768, "vd", jnp.bfloat16, False, seed=1)
     rv = jnp.ones(t.shape, bool)
-    f = jax.jit(lambda h, w, t: ffi._forward_call(h, w, None, t, rv, "vd", 1.0))
+    f = jax.jit(lambda h, w, t: ffi_linear._forward_call(h, w, None, t, rv, "vd", 1.0))
     first = f(h, w, t)
     for _ in range(2):
         assert_bitwise(first, f(h, w, t))
@@ -631,9 +637,9 @@ def _distill_kernel_model(target, result, vmap_method=None):
     kernels' contract (csrc/sm90_launch.h: DistillArgs): partials per vocabulary split, and the
     gradient chunk G = coef · ∂d/∂z_s; the unwritten buffer as zeros."""
     from jaxrl_kernels import divergence_math as dm
-    from jaxrl_kernels.backends import ffi_distill as fd
+    from jaxrl_kernels.backends.ffi import distill as fd
 
-    if target == ffi.UNINITIALIZED_TARGET:
+    if target == extension.UNINITIALIZED_TARGET:
         return lambda: jnp.zeros(result.shape, result.dtype)
 
     def call(hs, ws, ht, wt, *rows, **attrs):
@@ -666,7 +672,8 @@ def test_distill_glue_over_a_model_of_the_kernels(sm90, monkeypatch, divergence)
     """The ffi distillation's Python side (splits merged like vocabulary shards, the row bound
     and coefficients, the chunk loop of XLA GEMMs) over a jnp model of the kernels' results:
     the chunked backend's values, and its gradients within a bfloat16 rounding or two."""
-    from jaxrl_kernels.backends import chunked_distill, ffi_distill as fd
+    from jaxrl_kernels.backends.chunked import distill as chunked_distill
+    from jaxrl_kernels.backends.ffi import distill as fd
 
     monkeypatch.setattr(fd.jax.ffi, "ffi_call", _distill_kernel_model)
     rng = np.random.default_rng(3)

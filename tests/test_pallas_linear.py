@@ -20,7 +20,8 @@ import conftest
 import oracle
 from conftest import assert_close, assert_zero, dtype_id, rand
 from jaxrl_kernels.backend_contract import Problem
-from jaxrl_kernels.backends import chunked
+from benchmarks import kernel_entry
+from jaxrl_kernels.backends.chunked import logprobs as chunked
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 
 IGNORE = -100
@@ -48,7 +49,7 @@ def make_case(rng, n, d, vocab, dtype, layout, *, bias, invalid=(), bad=()):
 def _jitted(layout, temperature, return_entropy, config):
     def run(h, w, b, t, valid, g_logp, g_ent):
         def f(h, w, b):
-            return pallas_linear.kernel_logprobs(
+            return kernel_entry.pallas_linear_logprobs(
                 h, w, b, t, valid, weight_layout=layout, temperature=temperature,
                 return_entropy=return_entropy, config=config)
         out, vjp = jax.vjp(f, h, w, b)
@@ -192,8 +193,8 @@ def test_vmap(rng):
     valid = jnp.ones(7, bool)
 
     def f(h, t):
-        return pallas_linear.kernel_logprobs(h, w, None, t, valid, weight_layout="vd",
-                                             temperature=1.0, return_entropy=True)
+        return kernel_entry.pallas_linear_logprobs(h, w, None, t, valid, weight_layout="vd",
+                                                   temperature=1.0, return_entropy=True)
 
     def loss(h, t):
         lp, ent = f(h, t)

@@ -13,6 +13,7 @@ import pytest
 
 import oracle
 from conftest import assert_bitwise, assert_close, assert_zero, cotangent, dtype_id, rand
+from benchmarks import kernel_entry
 from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels.backends.pallas import logits as pl_logits
 
@@ -43,9 +44,9 @@ def test_token_logprobs_values_and_vjp(rng, plan, dtype):
     n, vocab, temperature = 9, 150, 0.7
     logits, l64 = rand(rng, (n, vocab), dtype, scale=3.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                            temperature=temperature, return_entropy=True,
-                                            plan=PLANS[plan])
+    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+                                               temperature=temperature, return_entropy=True,
+                                               plan=PLANS[plan])
     (logp, ent), vjp = jax.vjp(fn, logits)
     scale = np.abs(l64).max() / temperature
     want, w32 = _oracle_lp(l64, t, temperature), _oracle_lp(l64, t, temperature, np.float32)
@@ -67,8 +68,8 @@ def test_token_logprobs_without_entropy(rng, plan):
     n, vocab = 6, 150
     logits, l64 = rand(rng, (n, vocab), scale=2.0)
     t, valid = _rows(rng, n, vocab, n_invalid=1, n_out_of_range=0)
-    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                            plan=PLANS.get(plan))
+    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+                                               plan=PLANS.get(plan))
     (logp, ent), vjp = jax.vjp(fn, logits)
     assert ent is None
     assert_close(logp, _oracle_lp(l64, t, 1.0)[0], scale=np.abs(l64).max())
@@ -84,8 +85,8 @@ def test_paired_logprobs_gradient_to_policy_only(rng, plan):
     pol, p64 = rand(rng, (n, vocab), jnp.bfloat16, scale=2.0)
     ref, r64 = rand(rng, (n, vocab), jnp.float16, scale=2.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda a, b: pl_logits.kernel_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid),
-                                                temperature=temperature, plan=PLANS[plan])
+    fn = lambda a, b: kernel_entry.pallas_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid),
+                                                   temperature=temperature, plan=PLANS[plan])
     (lp, ref_lp), vjp = jax.vjp(fn, pol, ref)
     for got, x64, dt, name in ((lp, p64, jnp.bfloat16, "logp"), (ref_lp, r64, jnp.float16, "ref")):
         assert_close(got, _oracle_lp(x64, t, temperature)[0], in_dtype=dt,
@@ -116,8 +117,8 @@ def test_extreme_logits_across_tiles(rng, dtype):
     t = rng.integers(0, vocab, n)
     valid = np.ones(n, bool)
     for plan in PLANS.values():
-        fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                                return_entropy=True, plan=plan)
+        fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+                                                   return_entropy=True, plan=plan)
         (logp, ent), vjp = jax.vjp(fn, logits)
         (d,) = vjp((cotangent(rng, (n,)), cotangent(rng, (n,))))
         for name, x in (("logp", logp), ("entropy", ent), ("d_logits", d)):
@@ -137,8 +138,8 @@ def test_jit_vmap_grad_and_determinism(rng):
     g, ge = cotangent(rng, (k, n)), cotangent(rng, (k, n))
 
     def run(x, t, v, g, ge):
-        fn = lambda x: pl_logits.kernel_token_logprobs(x, t, v, return_entropy=True,
-                                                plan=PLANS["three_splits"])
+        fn = lambda x: kernel_entry.pallas_token_logprobs(x, t, v, return_entropy=True,
+                                                   plan=PLANS["three_splits"])
         out, vjp = jax.vjp(fn, x)
         return out, vjp((g, ge))[0]
 
@@ -191,9 +192,9 @@ def test_kernels_lower_to_triton():
     try:
         for splits in (1, 4):
             plan = pl_logits.LogitsLaunch(256, splits, 4, 2)
-            tok = lambda x: jnp.sum(sum(pl_logits.kernel_token_logprobs(
+            tok = lambda x: jnp.sum(sum(kernel_entry.pallas_token_logprobs(
                 x, t, v, temperature=0.5, return_entropy=True, plan=plan)))
-            pair = lambda x: jnp.sum(pl_logits.kernel_paired_logprobs(x, x, t, v, plan=plan)[0])
+            pair = lambda x: jnp.sum(kernel_entry.pallas_paired_logprobs(x, x, t, v, plan=plan)[0])
             for f in (tok, pair):
                 text = jax.jit(jax.grad(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
                 assert text.count("__gpu$xla.gpu.triton") == 2  # forward + backward kernel
@@ -242,8 +243,8 @@ def test_gpu_token_logprobs_real_size(rng, vocab, dtype):
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
 
     def run(x):
-        fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                                return_entropy=True)
+        fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+                                                   return_entropy=True)
         (lp, ent), vjp = jax.vjp(fn, x)
         return lp, ent, vjp((g, ge))[0]
 
@@ -267,7 +268,7 @@ def test_gpu_paired_logprobs_real_size(rng, vocab, dtype):
     g = cotangent(rng, (n,))
 
     def run(a, b):
-        fn = lambda a: pl_logits.kernel_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid))
+        fn = lambda a: kernel_entry.pallas_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid))
         (lp, ref_lp), vjp = jax.vjp(fn, a)
         return lp, ref_lp, vjp((g, jnp.ones_like(g)))[0]
 
@@ -290,8 +291,8 @@ def test_gpu_few_rows_split_vocabulary(rng):
     t, valid = _rows(rng, n, vocab, n_invalid=2, n_out_of_range=1)
     assert pl_logits.make_launch(n, vocab, 2).splits > 1
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
-    fn = lambda x: pl_logits.kernel_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                            return_entropy=True)
+    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
+                                               return_entropy=True)
     (lp, ent), vjp = jax.vjp(fn, logits)
     (d,) = vjp((g, ge))
     want, w32 = _oracle_lp(l64, t, 1.0), _oracle_lp(l64, t, 1.0, np.float32)

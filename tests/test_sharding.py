@@ -31,7 +31,7 @@ import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, pallas_sample, rand, random_mask
 from sharding_support import collective_sizes, full_spec
-from jaxrl_kernels.backends import chunked
+from jaxrl_kernels.backends.chunked import logprobs as chunked
 
 
 B, T, D, V = 4, 8, 32, 8192

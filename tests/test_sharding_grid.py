@@ -62,7 +62,7 @@ import jaxrl_kernels as jk
 from conftest import CPU_BACKENDS, assert_close, random_mask
 from conftest import call as call_op
 from sharding_support import collective_sizes, full_spec
-from jaxrl_kernels.backends import chunked
+from jaxrl_kernels.backends.chunked import logprobs as chunked
 
 B, T, D, V = 4, 8, 16, 1024
 DATA, MODEL = 2, 4

@@ -1,11 +1,11 @@
 """The SM90 backward's chunks as XLA GEMMs around the grad custom call (measurement only).
 
-``ffi.linear_backward`` runs every chunk inside one custom call with CUTLASS GEMMs. This
-variant runs the same chunks as ``head_grad.backward``: a ``fori_loop`` whose body is the grad
-custom call (``jaxrl_kernels_sm90_linear_logprobs_grad``, csrc/ffi_variants.cc: G = dz / s in
-float16 and the chunk's float16 weight copy) and XLA's two GEMMs; d_weight starts as a buffer
-nobody writes (``jaxrl_kernels_uninitialized``), since the loop writes every column. It is
-the A/B partner of ``bench_linear --fused`` and, through :func:`write_grad`, runs the grad
+``ffi.linear.linear_backward`` runs every chunk inside one custom call with CUTLASS GEMMs.
+This variant runs the same chunks as ``head_grad.backward``: a ``fori_loop`` whose body is the
+grad custom call (``jaxrl_kernels_sm90_linear_logprobs_grad``, csrc/ffi_variants.cc: G = dz / s
+in float16 and the chunk's float16 weight copy) and XLA's two GEMMs; d_weight starts as a
+buffer nobody writes (``jaxrl_kernels_uninitialized``), since the loop writes every column. It
+is the A/B partner of ``bench_linear --fused`` and, through :func:`write_grad`, runs the grad
 kernel alone (``--kernels``, ``--clocks kernels``, tests/test_ffi.py).
 """
 
@@ -16,24 +16,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels import head_grad
-from jaxrl_kernels.backends import ffi
+from jaxrl_kernels.backends.ffi import extension
+from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
 
 def write_grad(bias, targets, weight_layout, weight_copy=True):
     """``head_grad.WriteGrad`` on the grad custom call (operands prepared once, outside the
     chunk loop); ``weight_copy=False`` leaves the chunk's float16 weight copy to XLA."""
-    bias32, targets32 = ffi._f32_or_empty(bias), targets.astype(jnp.int32)
+    bias32, targets32 = ffi_linear._f32_or_empty(bias), targets.astype(jnp.int32)
 
     def write(rows, start, size, hidden, weight, sigma_w):
         depth = hidden.shape[1]
         w16_shape = ((0, 0) if not weight_copy else
                      (size, depth) if weight_layout == "vd" else (depth, size))
-        call = jax.ffi.ffi_call(ffi.GRAD_TARGET,
+        call = jax.ffi.ffi_call(ffi_linear.GRAD_TARGET,
                                 (jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
                                  jax.ShapeDtypeStruct(w16_shape, jnp.float16)),
                                 vmap_method="sequential")
         g16, w16 = call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
-                        ffi._f32_or_empty(rows.gamma),
+                        ffi_linear._f32_or_empty(rows.gamma),
                         jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
                         jnp.reshape(jnp.asarray(sigma_w, jnp.float32), (1,)),
                         weight_dv=weight_layout == "dv", has_bias=bias is not None,
@@ -43,16 +44,16 @@ def write_grad(bias, targets, weight_layout, weight_copy=True):
     return write
 
 
-uninitialized_like = ffi.uninitialized_like
+uninitialized_like = extension.uninitialized_like
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=ffi.GRAD_CHUNK_BYTES,
+                    weight_layout, temperature, chunk_bytes=ffi_linear.GRAD_CHUNK_BYTES,
                     weight_grad_init=uninitialized_like, weight_copy=True):
-    """``ffi.linear_backward``'s arguments and results, its chunks as ``head_grad.backward``'s
-    loop of the grad custom call and XLA's GEMMs."""
-    ffi._check_served(hidden, weight)
+    """``ffi.linear.linear_backward``'s arguments and results, its chunks as
+    ``head_grad.backward``'s loop of the grad custom call and XLA's GEMMs."""
+    ffi_linear._check_served(hidden, weight)
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature, write_grad=write_grad(bias, targets, weight_layout, weight_copy),
-        chunk_bytes=chunk_bytes, align=ffi.TILE_COLS, weight_grad_init=weight_grad_init)
+        chunk_bytes=chunk_bytes, align=ffi_linear.TILE_COLS, weight_grad_init=weight_grad_init)

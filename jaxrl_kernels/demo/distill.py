@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jrk
-from jaxrl_kernels.demo import algos, sampling, train
+from jaxrl_kernels.demo import algos, loop, sampling
 from jaxrl_kernels.demo import model as model_lib
+from jaxrl_kernels.demo.config import Config
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import AdditionTask
 
@@ -110,23 +111,23 @@ def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
 def _distill_program(student_key: tuple, teacher_key: tuple, task: AdditionTask, lr: float,
                      warmup: int, options: tuple, loss: str):
     optimizer = algos.make_optimizer(lr, warmup=warmup)
-    return optimizer, make_distill_step(train._model(*student_key), train._model(*teacher_key),
+    return optimizer, make_distill_step(loop._model(*student_key), loop._model(*teacher_key),
                                         task, optimizer, loss=loss, **dict(options))
 
 
-def distill_backend(cfg: train.Config) -> str:
+def distill_backend(cfg: Config) -> str:
     """The backend of ``linear_distill_loss`` in the demo: ``backend``, else ``chunked``."""
     return cfg.backend or "chunked"
 
 
-def student_config(cfg: train.Config) -> train.Config:
+def student_config(cfg: Config) -> Config:
     """The student as a run of its own: the teacher's configuration with the student's sizes."""
     return dataclasses.replace(cfg.teacher_config(), d_model=cfg.student_d_model,
                                layers=cfg.student_layers, heads=cfg.student_heads,
                                warmup_steps=cfg.student_warmup_steps)
 
 
-def _size(cfg: train.Config, params) -> str:
+def _size(cfg: Config, params) -> str:
     count = sum(x.size for x in jax.tree.leaves(params))
     return f"d={cfg.d_model} L={cfg.layers} H={cfg.heads}, {count / 1e3:,.0f}k params"
 
@@ -154,7 +155,7 @@ def time_steps(steps: dict[str, Callable], args: tuple, runs: int) -> dict[str, 
     return out
 
 
-def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = None
+def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
         ) -> dict[str, Any]:
     """Train the teacher, warm-start and distil the student, time both losses; returns the log
     (also written under ``cfg.out``)."""
@@ -163,7 +164,7 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
     teacher_cfg = dataclasses.replace(cfg.teacher_config(), out=None)
     print(f"teacher: {teacher_cfg.algo}, then on-policy distillation ({cfg.divergence}) of a "
           "smaller student", file=stream)
-    log = train.run(teacher_cfg, progress=progress, stream=stream)
+    log = loop.run(teacher_cfg, progress=progress, stream=stream)
     teacher_params = log.pop("state")["params"]
     teacher_summary = log.pop("summary")
     teacher_seconds = time.perf_counter() - t_start
@@ -171,11 +172,11 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
     log["teacher_summary"] = teacher_summary
 
     # The student: its own warm start (same data as the teacher's), then distillation.
-    student = train.Demo(student_config(cfg))
+    student = loop.Demo(student_config(cfg))
     t0 = time.perf_counter()
     if cfg.student_warmup_steps:
         warm_log: dict[str, Any] = {"warm_start": []}
-        params = train._warm_start(student, warm_log, progress)[0]["params"]
+        params = loop._warm_start(student, warm_log, progress)[0]["params"]
         log["student_warm_start"] = warm_log["warm_start"]
     else:
         params = student.init_params()
@@ -198,7 +199,7 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
         return prompts, sums, jax.random.fold_in(key, step)
 
     before = student.evaluate(params)
-    log["student_evals"] = [{"step": 0, **train._round(before)}]
+    log["student_evals"] = [{"step": 0, **loop._round(before)}]
     log["distill"] = []
     state = {"params": params, "opt_state": optimizer.init(params),
              "step": jnp.zeros((), jnp.int32)}
@@ -211,10 +212,10 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
         metrics = {k: float(v) for k, v in metrics.items()}
         if step == 0:
             first_step_seconds = time.perf_counter() - t1
-        log["distill"].append({"step": step + 1, **train._round(metrics)})
+        log["distill"].append({"step": step + 1, **loop._round(metrics)})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.distill_steps:
             last = student.evaluate(state["params"])
-            log["student_evals"].append({"step": step + 1, **train._round(last)})
+            log["student_evals"].append({"step": step + 1, **loop._round(last)})
         bar.update(step + 1, divergence=metrics["divergence"], acc=metrics["accuracy"],
                    held_out=last["accuracy"])
     bar.close()
@@ -226,7 +227,7 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
                         (state, teacher_params, *inputs(0)), cfg.timing_runs)
 
     divergences = [r["divergence"] for r in log["distill"]]
-    peak, peak_kind = train.peak_memory()
+    peak, peak_kind = loop.peak_memory()
     summary = {
         "algo": cfg.algo,
         "divergence": cfg.divergence,
@@ -249,7 +250,7 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
         "divergence_last10": float(np.mean(divergences[-10:])),
         "distill_step_ms_jaxrl": timing["jaxrl"]["median_ms"],
         "distill_step_ms_materialised": timing["materialised"]["median_ms"],
-        "distill_step_timing": {loss: train._round(t) for loss, t in timing.items()},
+        "distill_step_timing": {loss: loop._round(t) for loss, t in timing.items()},
         "distill_step_timing_runs": cfg.timing_runs,
         "distill_first_step_seconds": first_step_seconds,
         "distill_step_divergence_difference": abs(timing["jaxrl"]["divergence"]
@@ -261,16 +262,16 @@ def run(cfg: train.Config, *, progress: bool = True, stream: TextIO | None = Non
         "peak_memory_kind": peak_kind,
         "wall_seconds": time.perf_counter() - t_start,
     }
-    log["summary"] = train._round(summary)
+    log["summary"] = loop._round(summary)
     print(format_table(summary, cfg), file=stream)
 
     both = {"teacher": teacher_params, "student": state}
-    train.write_outputs(cfg.out, log, both, plot, stream)
+    loop.write_outputs(cfg.out, log, both, plot, stream)
     log["state"] = both
     return log
 
 
-def format_table(s: dict[str, Any], cfg: train.Config) -> str:
+def format_table(s: dict[str, Any], cfg: Config) -> str:
     def pct(x):
         return f"{100 * x:6.1f} %"
 
@@ -343,5 +344,5 @@ def plot(log: dict[str, Any], path: str) -> None:
             ylabel="accuracy (%)", title="held-out accuracy (greedy)")
     ax3.legend(fontsize=8)
     cfg = log["config"]
-    train.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}), "
+    loop.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}), "
                                  f"seed {cfg['seed']}")

@@ -3,9 +3,9 @@
 Each submodule serves some primitives (``logits``: log-probs from logits; ``ppo``: the PPO
 loss and group advantages; ``linear``: log-probs of a linear head, and its backward alone;
 ``distill``: the divergence between two linear heads, on Mosaic GPU)
-and may name the type that tunes its kernels (``CONFIG``) and an ``automatic`` rule of its own
-(when automatic choice passes its kernels over on a GPU). One that fails to import leaves
-its primitives declined with the import error as the reason.
+and may name an ``automatic`` rule of its own (when automatic choice passes its kernels over on
+a GPU). One that fails to import leaves its primitives declined with the import error as the
+reason.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ _SUBMODULES = {  # each submodule's OPS serves these primitives
 }
 
 OPS: dict = {}
-CONFIGS: dict = {}
 _DECLINERS: dict = {}
 _AUTOMATIC: dict = {}
 _MISSING: dict[str, str] = {}
@@ -38,8 +37,6 @@ for _name, _primitives in _SUBMODULES.items():
         OPS[_p] = _mod.OPS[_p]
         _DECLINERS[_p] = getattr(_mod, "declines", None)
         _AUTOMATIC[_p] = getattr(_mod, "automatic", None)
-        if getattr(_mod, "CONFIG", None) is not None:
-            CONFIGS[_p] = _mod.CONFIG
 
 
 def unavailable_reason() -> str | None:
@@ -67,4 +64,4 @@ def automatic(primitive: str, problem: Problem) -> str | None:
 
 
 BACKEND = Backend("pallas", OPS, unavailable_reason, declines, automatic,
-                  native_platforms=GPU_PLATFORMS, configs=CONFIGS)
+                  native_platforms=GPU_PLATFORMS)

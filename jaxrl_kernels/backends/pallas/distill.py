@@ -14,8 +14,8 @@ added to ``b/T``. Each head is padded to whole tiles; padded vocabulary columns 
 * :func:`_student_grad` (backward): per vocabulary chunk, the student's float32 logit
   gradient ``dz`` (``divergence_math.student_grad_tile``) of every tile of the chunk
   (``S + T``); the chunk's two GEMMs ``d_hidden += dz·W_c`` and ``d_W_c = dzᵀ·h`` are XLA's,
-  as in the chunked backend (``chunked_distill.student_backward``), so that no ``[N, V]``
-  array exists: a chunk is ``chunked_distill.CHUNK_BYTES``.
+  as in the chunked backend (``vocab_chunks.student_backward``), so that no ``[N, V]``
+  array exists: a chunk is ``vocab_chunks.DISTILL_CHUNK_BYTES``.
 
 GEMMs per forward + backward: ``4 S + 2 T`` for either KL, ``5 S + 3 T`` for the JSD. The
 kernels take 16-bit heads (each head's hidden states and weight of one dtype): wgmma's float32
@@ -38,8 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import head
-from jaxrl_kernels.backends import chunked_distill
+from jaxrl_kernels import head, vocab_chunks
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.placement import varying_like
@@ -303,7 +302,7 @@ def _student_grad(student, teacher, rows, *, layouts, divergence, beta, temperat
 
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                     teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
-    """Per row [N]: ``(d, lse_s, lse_t, kl_s)``, as ``chunked_distill.distill_forward``."""
+    """Per row [N]: ``(d, lse_s, lse_t, kl_s)``, as the chunked backend's ``distill_forward``."""
     n_rows = hidden.shape[0]
     layouts = (weight_layout, teacher_weight_layout)
     student = _prepare(hidden, weight, bias, weight_layout, temperature)
@@ -340,7 +339,7 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
                              temperature=temperature)
 
     d_bias_proxy = None if bias is None else _pad(bias, 0, BLOCK_VOCAB)
-    dh, dw, db = chunked_distill.student_backward(
+    dh, dw, db = vocab_chunks.student_backward(
         hs, ws, d_bias_proxy, weight_layout, tile_grad,
         (hs, ws, bs, ht, wt, bt) + rows)
     dw = dw[:vocab, :dim] if weight_layout == "vd" else dw[:dim, :vocab]

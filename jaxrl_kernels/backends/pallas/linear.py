@@ -25,13 +25,13 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import head, head_grad, logprob_core, softmax_math
+from jaxrl_kernels import head, head_grad, softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 from jaxrl_kernels.backends.pallas.linear_config import DEFAULT_CONFIG, Config, TileConfig
 from jaxrl_kernels.logprob_core import Parts
 
 __all__ = ["Config", "DEFAULT_CONFIG", "TileConfig", "declines", "kernel_parts",
-           "linear_backward", "kernel_logprobs", "linear_stats", "OPS", "CONFIG"]
+           "linear_backward", "linear_stats", "OPS"]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -154,15 +154,4 @@ def kernel_parts(config: Config | None = None) -> Parts:
                  functools.partial(linear_backward, config=config))
 
 
-def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy, config=None):
-    """(logp [N], entropy [N] | None) of [N, D] hidden states through these kernels under
-    ``config``, for tests and benchmarks (the ops use ``OPS``)."""
-    return logprob_core.linear_from_parts(
-        kernel_parts(config), hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-        weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy))
-
-
 OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}
-CONFIG = Config  # what tunes these kernels (``config=``)

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import logprob_core, softmax_math
+from jaxrl_kernels import softmax_math
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.backends.pallas import common
 
@@ -287,21 +287,4 @@ def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False) -> P
                  functools.partial(token_backward, plan=plan))
 
 
-def kernel_token_logprobs(logits, targets, row_valid, *, temperature=1.0,
-                          return_entropy=False, plan: LogitsLaunch | None = None):
-    """These kernels' ``token_logprobs`` on [N, V] logits, for tests and benchmarks: ``(logp[N], entropy[N] | None)``."""
-    return logprob_core.token_from_parts(kernel_parts(plan), logits, targets.astype(jnp.int32),
-                                       row_valid.astype(jnp.bool_), temperature=float(temperature),
-                                       return_entropy=bool(return_entropy))
-
-
-def kernel_paired_logprobs(policy_logits, ref_logits, targets, row_valid, *, temperature=1.0,
-                           plan: LogitsLaunch | None = None):
-    """These kernels' ``paired_logprobs``, for tests and benchmarks: ``(logp[N], ref_logp[N])``, gradient to policy only."""
-    return logprob_core.paired_from_parts(kernel_parts(plan, paired=True), policy_logits, ref_logits,
-                                        targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
-                                        temperature=float(temperature))
-
-
 OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}
-CONFIG = LogitsLaunch  # what tunes these kernels (``plan=``)

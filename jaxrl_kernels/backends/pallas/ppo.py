@@ -388,4 +388,3 @@ def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, st
 
 
 OPS = {"ppo_loss": ppo_loss, "group_advantages": group_advantages}
-CONFIG = PPOLaunch  # what tunes these kernels (``plan=``)

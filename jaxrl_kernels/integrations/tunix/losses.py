@@ -47,10 +47,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxrl_kernels as jk
-from jaxrl_kernels import dispatch, fused_loss
+from jaxrl_kernels import fused_loss
 from jaxrl_kernels.integrations.tunix import token_math as tm
 from jaxrl_kernels.integrations.tunix.logprobs import policy_head_rows, tunix_temperature
-from jaxrl_kernels.logprobs import choose_memory
+from jaxrl_kernels.logprobs import head_choice, linear_logprobs_rows
 
 LOSS_ALGOS = ("grpo", "gspo-token")
 LOG_RATIO_CLIP = 20.0
@@ -69,21 +69,20 @@ def _example_loss(model, example, pad_id, eos_id, temperature, return_entropy, k
     rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
                             segment_positions=getattr(example, "segment_positions", None))
-    memory, backend = kwargs.get("memory", "lean"), kwargs.get("backend")
-    note = choose_memory(op, memory, rows.hidden, rows.weight, rows.targets, rows.layout, None,
-                         backend, loss=True)
+    choice = head_choice(op, kwargs.get("memory", "lean"), rows.hidden, rows.weight, None,
+                         rows.targets, weight_layout=rows.layout, return_entropy=return_entropy,
+                         backend=kwargs.get("backend"), loss=True)
     options = dict(weight_layout=rows.layout, temperature=tunix_temperature(temperature))
-    if note.mode == "fast":
-        dispatch.record(op, note)
+    valid = jnp.ones(rows.targets.shape, jnp.bool_)
+    if choice.fast:
         return fused_loss.fused_linear_loss(
             lambda logp, entropy, inputs: loss_of_logprobs(*rows.pad(logp, entropy), inputs),
-            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32),
-            jnp.ones(rows.targets.shape, jnp.bool_), inputs, with_entropy=return_entropy,
-            record=dispatch.plan_recorder(op), **options)
-    out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets,
-                             return_entropy=return_entropy, backend=backend, **options)
-    logp, entropy = rows.pad(*(out if return_entropy else (out, None)))
-    return loss_of_logprobs(logp, entropy, inputs)
+            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32), valid, inputs,
+            with_entropy=return_entropy, **options)
+    logp, entropy = linear_logprobs_rows(rows.hidden, rows.weight, None, rows.targets, valid,
+                                         choice=choice, return_entropy=return_entropy,
+                                         **options)
+    return loss_of_logprobs(*rows.pad(logp, entropy), inputs)
 
 
 def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxrl_kernels import divergence_math as dm
 from jaxrl_kernels import head_grad
+from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.logprob_core import Parts
 from jaxrl_kernels.placement import varying_like
 
@@ -60,15 +61,6 @@ class DistillConfig:
 DEFAULT_CONFIG = DistillConfig()
 
 
-def _ffi():
-    from jaxrl_kernels.backends import ffi  # the loaded extension and its registrations
-    return ffi
-
-
-def _sm90():
-    return _ffi()._sm90
-
-
 def _num_sms(config):
     if config.num_sms:
         return config.num_sms
@@ -80,7 +72,7 @@ def _num_sms(config):
     return int(count)
 
 
-def declines(problem) -> str | None:
+def declines(primitive: str, problem) -> str | None:
     """Why the kernels do not serve this distillation (None if they do)."""
     dtypes = {problem.dtype, problem.weight_dtype, problem.teacher_dtype,
               problem.teacher_weight_dtype}
@@ -102,7 +94,7 @@ def declines(problem) -> str | None:
 
 def _partials(heads, lse_s, lse_t, *, jsd_sums, beta, temperature, config):
     n_rows, vocab = heads[0].shape[0], heads[1].shape[0]
-    splits = _sm90().distill_plan(n_rows, vocab, _num_sms(config))["splits"]
+    splits = extension.sm90.distill_plan(n_rows, vocab, _num_sms(config))["splits"]
     k = 2 if jsd_sums else PAIR_STATS_K
     call = jax.ffi.ffi_call(STATS_TARGET, jax.ShapeDtypeStruct((splits, k, n_rows), jnp.float32),
                             vmap_method="sequential")
@@ -162,8 +154,10 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
     return head_grad.scaled_backward(hidden, weight, None, scaled, write_g,
                                      weight_layout=weight_layout,
                                      chunk_bytes=config.chunk_bytes, align=TILE_COLS,
-                                     weight_grad_init=_ffi().uninitialized_like,
+                                     weight_grad_init=extension.uninitialized_like,
                                      varying=(*heads, *rows))
 
 
 PARTS = Parts(distill_forward, distill_backward)
+
+OPS = {"distill_divergence": PARTS}

@@ -1,4 +1,4 @@
-"""The ``ffi`` backend: the SM90 (Hopper) linear log-prob kernels as XLA FFI custom calls.
+"""``linear_logprobs`` and its backward on the SM90 (Hopper) kernels, as XLA FFI custom calls.
 
 With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv"``):
 ``logp = z[target] - lse(z)``, ``entropy = lse(z) - Σ softmax(z)·z``.
@@ -28,25 +28,20 @@ runs once per batch element (``vmap_method="sequential"``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import head, head_grad, logprob_core
-from jaxrl_kernels.backend_contract import Backend, Problem
-from jaxrl_kernels.backends import ffi_distill
+from jaxrl_kernels import head, head_grad
+from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
-# distill_divergence's targets: ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET.
 # Registered as well (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only
-# by benchmarks/variants/ffi_xla_gemms.py and tests, and an unwritten buffer
-# (uninitialized_like, which ffi_distill's backward takes for d_weight).
+# by benchmarks/variants/ffi_xla_gemms.py and tests.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
-UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100
 (bench_fused_backward*.md, one call, rotated rounds), fwd+bwd at N=4096, D=2048, V=131072 took
@@ -72,41 +67,10 @@ class Config:
 
 DEFAULT_CONFIG = Config()
 
-try:
-    from jaxrl_kernels import _sm90
-except ImportError as err:  # not built (no Hopper GPU or nvcc at install time, or OFF)
-    _sm90 = None
-    _IMPORT_ERROR = f"{type(err).__name__}: {err}"
-else:
-    _IMPORT_ERROR = None
-    for _name, _capsule in _sm90.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
-
-
-def unavailable_reason() -> str | None:
-    """None only if the extension is loaded and the default device is a 9.x (Hopper) GPU."""
-    if _sm90 is None:
-        return ("the CUDA extension jaxrl_kernels._sm90 is not built (pip builds it where a "
-                "Hopper GPU and nvcc are found, or with JAXRL_KERNELS_BUILD_CUDA=ON: "
-                f"docs/building.md): {_IMPORT_ERROR}")
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return f"platform is {backend!r}; ffi needs an NVIDIA GPU with compute capability 9.x"
-    dev = jax.devices()[0]
-    cc = str(getattr(dev, "compute_capability", ""))
-    if not cc.startswith("9."):
-        return (f"device {getattr(dev, 'device_kind', dev)} has compute capability {cc or '?'}; "
-                "the extension is built for sm_90a (Hopper) only")
-    return None
-
 
 def declines(primitive: str, problem) -> str | None:
-    """Why the kernel does not serve these inputs (None if it does)."""
-    if primitive not in OPS:
-        return (f"ffi implements linear_logprobs, its backward and distill_divergence, not "
-                f"{primitive!r}")
-    if primitive == "distill_divergence":
-        return ffi_distill.declines(problem)
+    """Why the kernel does not serve these inputs to ``linear_logprobs`` or its backward (None
+    if it does)."""
     if problem.dtype not in SERVED_DTYPES:
         return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
                 "(wgmma operands)")
@@ -150,14 +114,6 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
                 temperature=np.float32(temperature), splits=np.int32(config.splits))
 
 
-def uninitialized_like(x):
-    """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
-    a loop carry that the loop overwrites in full: d_weight, which would otherwise be
-    zero-filled first (0.32 ms at V·D = 2²⁸ on an H100:
-    benchmarks/results/profile_backward_vd_3bd01e1.txt)."""
-    return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()
-
-
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
                     weight_layout, temperature, config=None):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
@@ -170,8 +126,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
     scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature)
     rows = scaled.rows
-    workspace = _sm90.backward_workspace_bytes(n_rows, vocab, depth, chunk, weight_layout == "dv",
-                                               hidden.dtype == jnp.bfloat16)
+    workspace = extension.sm90.backward_workspace_bytes(
+        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16)
     scalars = jnp.stack([scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         BACKWARD_TARGET,
@@ -199,30 +155,6 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
-def kernel_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                    return_entropy, config=None):
-    """(logp [N], entropy [N] | None) of [N, D] hidden states through these kernels alone,
-    forward and backward, under ``config`` (the ops take their backward from dispatch)."""
-    config = config or DEFAULT_CONFIG
-    parts = Parts(functools.partial(linear_stats, config=config),
-                  functools.partial(linear_backward, config=config))
-    return logprob_core.linear_from_parts(
-        parts, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-        weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy))
-
-
-def automatic(primitive: str, problem: Problem) -> str | None:
-    if primitive not in OPS:
-        return "ffi serves only linear_logprobs (forward and backward) and distill_divergence"
-    return None
-
-
 PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
-OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward,
-       "distill_divergence": ffi_distill.PARTS}
-
-BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic,
-                  configs={"linear_logprobs": Config, "linear_logprobs_backward": Config,
-                           "distill_divergence": ffi_distill.DistillConfig})
+OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}

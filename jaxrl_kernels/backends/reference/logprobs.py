@@ -1,6 +1,7 @@
-"""The reference backend: plain jnp, materialises float32 logits. The oracle the others match.
+"""The reference backend's log-probs (of given logits, of a linear head): plain jnp on the
+materialised float32 logits.
 
-Its log-prob ops are ``logprob_core.Whole``: jax differentiates them itself, and under sharding
+These ops are ``logprob_core.Whole``: jax differentiates them itself, and under sharding
 they run as plain jnp (XLA's partitioner for Auto mesh axes; ``shard_map`` with collectives
 over a split vocabulary otherwise).
 """
@@ -10,8 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import aggregation_math, head, ppo_math, softmax_math
-from jaxrl_kernels.backend_contract import Backend
+from jaxrl_kernels import head, softmax_math
 from jaxrl_kernels.logprob_core import Whole
 
 
@@ -75,12 +75,4 @@ OPS = {
     "token_logprobs": Whole(token_jnp),
     "paired_logprobs": Whole(paired_jnp),
     "linear_logprobs": Whole(linear_jnp),
-    "ppo_loss": ppo_math.ppo_loss,
-    "group_advantages": aggregation_math.group_advantages,
 }
-
-from jaxrl_kernels.backends import reference_distill as _distill  # noqa: E402  (imports this module)
-
-OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
-
-BACKEND = Backend("reference", OPS)  # serves everything, always; the last resort

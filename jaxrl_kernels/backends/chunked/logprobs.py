@@ -1,15 +1,11 @@
-"""The chunked backend: jnp, walking the vocabulary in chunks.
+"""The chunked backend's log-probs (of given logits, of a linear head): jnp walking the
+vocabulary in chunks.
 
 No float32 [N, V] buffer is ever live: the forward scans vocabulary chunks of
-``size`` columns with the online softmax of ``softmax_math``; the backward scans
+about :data:`CHUNK_BYTES` with the online softmax of ``softmax_math``; the backward scans
 them again, recomputing each chunk's softmax from the saved per-row lse. These
 are the two ``logprob_core.Parts`` of each op; ``logprob_core`` holds the
-custom_vjp and the sharding.
-
-Chunks never pad or copy their input: chunk ``c`` reads columns
-``[start, start + size)`` with ``start = min(c·size, V - size)``; when the last
-chunk is pulled back to stay in bounds, the columns an earlier chunk already
-covered (``col < c·size``) are masked out.
+custom_vjp and the sharding. ``vocab_chunks`` says how chunks cover the vocabulary.
 """
 
 from __future__ import annotations
@@ -17,55 +13,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import aggregation_math, head, ppo_math, softmax_math
-from jaxrl_kernels.backend_contract import (STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend,
-                                            Problem)
+from jaxrl_kernels import head, softmax_math, vocab_chunks
 from jaxrl_kernels.logprob_core import Parts
 
 CHUNK_BYTES = 4 * 2**20
 """Target size of one float32 [N, chunk] tile."""
 
 
-AUTOMATIC_ABOVE_BYTES = 256 * 2**20
-"""Automatic choice takes chunked over reference for a vocabulary primitive whose float32
-[N, V] logits exceed this size (below, reference's one buffer is faster and fits)."""
-
-
-def automatic(primitive: str, problem: Problem) -> str | None:
-    """Chunked only saves memory: automatic choice takes it for large vocabulary problems and
-    for a standalone backward (it reuses the saved lse, at any size)."""
-    if primitive in STANDALONE_BACKWARDS.values():
-        return None
-    if primitive not in VOCAB_PRIMITIVES:
-        return "chunked adds nothing over reference for ops without a vocabulary axis"
-    size = problem.logits_bytes_f32
-    if size <= AUTOMATIC_ABOVE_BYTES:
-        return (f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
-                f"<= {AUTOMATIC_ABOVE_BYTES // 2**20} MiB, so reference is used")
-    return None
-
-
-def vocab_chunking(n_rows: int, vocab: int) -> tuple[int, int]:
-    """(chunk size, chunk count): about CHUNK_BYTES of float32 per chunk, 128-aligned."""
-    size = CHUNK_BYTES // (4 * max(n_rows, 1))
-    size = min(vocab, max(128, size - size % 128))
-    return size, -(-vocab // size)
-
-
-def _chunk_columns(c, size: int, vocab: int):
-    """(start, columns, fresh): where chunk ``c`` reads and which of its columns are new."""
-    start = jnp.minimum(c * size, vocab - size)
-    cols = start + jnp.arange(size)
-    return start, cols, cols >= c * size
-
-
 def _scan_chunks(body, init, n_rows: int, vocab: int):
-    size, count = vocab_chunking(n_rows, vocab)
-
-    def step(carry, c):
-        return body(carry, *_chunk_columns(c, size, vocab), size), None
-
-    return jax.lax.scan(step, init, jnp.arange(count))[0]
+    """``vocab_chunks.scan_chunks`` in chunks of :data:`CHUNK_BYTES`."""
+    return vocab_chunks.scan_chunks(body, init, n_rows, vocab, CHUNK_BYTES)
 
 
 def _softmax_stats(z_chunks, n_rows, vocab, targets, with_entropy):
@@ -141,35 +98,14 @@ def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature)
 
 # -- log-probs of a linear head -----------------------------------------------------------
 
-def _linear_chunk(hidden, weight, bias, weight_layout, temperature):
-    def chunk(start, size):
-        w = head.vocab_slice(weight, start, size, weight_layout)
-        b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return head.float32_logits(hidden, w, b, weight_layout) / temperature
-    return chunk
-
-
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                  with_entropy):
     n_rows = hidden.shape[0]
     vocab = head.vocab_size(weight, weight_layout)
-    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
+    z_chunk = vocab_chunks.linear_chunk(hidden, weight, bias, weight_layout, temperature)
     [(stats, _, _, target_z)] = _softmax_stats(lambda s, n: (z_chunk(s, n),), n_rows, vocab,
                                                targets, with_entropy)
     return _relative(stats, target_z)
-
-
-def accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size: int, weight_layout: str):
-    """Write a vocabulary chunk's ``d_w`` into ``d_weight`` and ``Σ_rows dz`` into ``d_bias``,
-    on the chunk's fresh columns only (the last chunk overlaps the one before it)."""
-    old = head.vocab_slice(d_weight, start, size, weight_layout)
-    d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
-    d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
-    if d_bias is not None:
-        old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
-        d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
-        d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
-    return d_weight, d_bias
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
@@ -180,7 +116,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32.
     """
     n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
-    z_chunk = _linear_chunk(hidden, weight, bias, weight_layout, temperature)
+    z_chunk = vocab_chunks.linear_chunk(hidden, weight, bias, weight_layout, temperature)
     hidden32 = hidden.astype(jnp.float32)
     hi = head.matmul_precision(jnp.float32)
 
@@ -193,8 +129,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         d_hidden = d_hidden + head.hidden_grad(dz, w, weight_layout, precision=hi)
         d_w = head.weight_grad(dz, hidden32, weight_layout, precision=hi)
-        d_weight, d_bias = accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size,
-                                            weight_layout)
+        d_weight, d_bias = vocab_chunks.accumulate_chunk(d_weight, d_bias, d_w, dz, start,
+                                                         fresh, size, weight_layout)
         return d_hidden, d_weight, d_bias
 
     init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
@@ -209,12 +145,4 @@ OPS = {
     "paired_logprobs": Parts(paired_stats, token_backward),
     "linear_logprobs": Parts(linear_stats, linear_backward),
     "linear_logprobs_backward": linear_backward,
-    "ppo_loss": ppo_math.ppo_loss,
-    "group_advantages": aggregation_math.group_advantages,
 }
-
-from jaxrl_kernels.backends import chunked_distill as _distill  # noqa: E402  (imports this module)
-
-OPS.update(_distill.OPS)  # distill_divergence, topk_logprobs
-
-BACKEND = Backend("chunked", OPS, automatic=automatic)

@@ -1,0 +1,21 @@
+"""The reference backend: plain jnp, materialises float32 logits. The oracle the others match.
+
+``logprobs`` serves the log-prob primitives, ``distill`` the divergence between two linear
+heads and a head's top-k; the PPO loss and group advantages are ``ppo_math``'s and
+``aggregation_math``'s functions. It serves every primitive, always: the last resort.
+"""
+
+from __future__ import annotations
+
+from jaxrl_kernels import aggregation_math, ppo_math
+from jaxrl_kernels.backend_contract import Backend
+from jaxrl_kernels.backends.reference import distill, logprobs
+
+OPS = {
+    **logprobs.OPS,  # token_logprobs, paired_logprobs, linear_logprobs
+    "ppo_loss": ppo_math.ppo_loss,
+    "group_advantages": aggregation_math.group_advantages,
+    **distill.OPS,  # distill_divergence, topk_logprobs
+}
+
+BACKEND = Backend("reference", OPS)

@@ -1,0 +1,124 @@
+"""A linear head's vocabulary walked in chunks: the loop, a chunk's logits, and the student
+head's backward built on them.
+
+Chunk ``c`` of ``size`` columns reads ``[start, start + size)`` with ``start = min(c·size,
+V − size)`` (``blocks.Blocks``): chunks never pad or copy their input, and where the last one
+is pulled back to stay in bounds, the columns an earlier chunk already covered are not
+*fresh* and are masked out. A chunk holds about ``chunk_bytes`` of float32 ``[N, size]``,
+``size`` a multiple of 128 (or the whole vocabulary).
+
+:func:`student_backward` is the backward of a head from a per-chunk logit gradient: two GEMMs
+per chunk, no ``[N, V]`` array; the chunked backend's distillation and top-k and the pallas
+backend's distillation (its logit-gradient kernels) share it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_kernels import head
+from jaxrl_kernels.blocks import Blocks, blocks
+from jaxrl_kernels.placement import varying_like
+
+DISTILL_CHUNK_BYTES = 16 * 2**20
+"""Target size of one float32 [N, chunk] tile of the two-head loops (distillation, top-k, and
+:func:`student_backward`): a few are live at once, per head."""
+
+
+def vocab_chunking(n_rows: int, vocab: int, chunk_bytes: int) -> Blocks:
+    """The chunks of ``vocab`` columns: about ``chunk_bytes`` of float32 per chunk, 128-aligned."""
+    size = chunk_bytes // (4 * max(n_rows, 1))
+    return blocks(vocab, max(128, size - size % 128))
+
+
+def scan_chunks(body, init, n_rows: int, vocab: int, chunk_bytes: int):
+    """The carry after ``body(carry, start, cols, fresh, size)`` over every chunk, in order
+    (``cols``: the chunk's column ids [size]; ``fresh``: which of them no earlier chunk read)."""
+    spans = vocab_chunking(n_rows, vocab, chunk_bytes)
+
+    def step(carry, c):
+        start = spans.start(c)
+        cols = start + jnp.arange(spans.size)
+        return body(carry, start, cols, spans.fresh(c), spans.size), None
+
+    return jax.lax.scan(step, init, jnp.arange(spans.count))[0]
+
+
+def linear_chunk(hidden, weight, bias, weight_layout, temperature):
+    """``chunk(start, size)``: the float32 logits [N, size] of the head's columns
+    ``[start, start + size)``, divided by ``temperature``."""
+    def chunk(start, size):
+        w = head.vocab_slice(weight, start, size, weight_layout)
+        b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        return head.float32_logits(hidden, w, b, weight_layout) / temperature
+    return chunk
+
+
+def accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size: int, weight_layout: str):
+    """Write a vocabulary chunk's ``d_w`` into ``d_weight`` and ``Σ_rows dz`` into ``d_bias``,
+    on the chunk's fresh columns only (the last chunk overlaps the one before it)."""
+    old = head.vocab_slice(d_weight, start, size, weight_layout)
+    d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
+    d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
+    if d_bias is not None:
+        old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
+        d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
+        d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, d_b, start, 0)
+    return d_weight, d_bias
+
+
+def _pow2_scale(amax):
+    """2¹⁴ / (the smallest power of two >= amax): x · it lies in [−2¹⁴, 2¹⁴] for |x| <= amax,
+    inside float16's range (exact: a power of two; 1 where amax is 0 or not finite)."""
+    ok = jnp.isfinite(amax) & (amax > 0)
+    top = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, amax, 1.0))))
+    return jnp.where(ok, 2.0 ** 14 / top, 1.0).astype(jnp.float32)
+
+
+def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
+                     chunk_bytes: int | None = None):
+    """(d_hidden, d_weight, d_bias | None) from ``tile_grad(start, cols, fresh, size)``, the
+    float32 logit gradient [N, size] of a chunk of ``chunk_bytes`` (default
+    :data:`DISTILL_CHUNK_BYTES`): two GEMMs per chunk. ``operands``: the arrays the result
+    varies with (``placement.varying_like``).
+
+    float32 heads: float32 GEMMs. 16-bit heads: float16 operands with float32 accumulation,
+    every operand scaled by a power of two into float16's range (exact, divided out after the
+    GEMM): ``G = σ_c dz`` with σ_c from the chunk's max |dz|, ``h16 = σ_h hidden`` and
+    ``W16 = σ_W W`` from their max |x|, so that ``d_hidden += (G·W16_c) / (σ_c σ_W)`` and
+    ``d_W_c = (Gᵀ·h16) / (σ_c σ_h)``; float16 keeps 2⁻¹¹ of each entry (bfloat16: 2⁻⁸)."""
+    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
+    low = jnp.dtype(hidden.dtype).itemsize == 2 and jnp.dtype(weight.dtype).itemsize == 2
+    if low:
+        sigma_h = _pow2_scale(jnp.max(jnp.abs(hidden.astype(jnp.float32))))
+        sigma_w = _pow2_scale(jnp.max(jnp.abs(weight.astype(jnp.float32))))
+        h_op = (hidden.astype(jnp.float32) * sigma_h).astype(jnp.float16)
+        op_dtype, precision = jnp.float16, jax.lax.Precision.DEFAULT
+    else:
+        sigma_h = sigma_w = jnp.float32(1.0)
+        h_op = hidden.astype(jnp.float32)
+        op_dtype, precision = jnp.float32, head.matmul_precision(jnp.float32)
+
+    dot = dict(precision=precision, preferred_element_type=jnp.float32)
+
+    def body(carry, start, cols, fresh, size):
+        d_hidden, d_weight, d_bias = carry
+        dz = jnp.where(fresh, tile_grad(start, cols, fresh, size), 0.0)
+        sigma = _pow2_scale(jnp.max(jnp.abs(dz))) if low else jnp.float32(1.0)
+        g = (dz * sigma).astype(op_dtype)
+        w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+        w = (w * sigma_w).astype(op_dtype)
+        d_hidden = d_hidden + head.hidden_grad(g, w, weight_layout, **dot) / (sigma * sigma_w)
+        d_w = head.weight_grad(g, h_op, weight_layout, **dot) / (sigma * sigma_h)
+        d_weight, d_bias = accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size,
+                                            weight_layout)
+        return d_hidden, d_weight, d_bias
+
+    init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
+            None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    chunk_bytes = DISTILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    d_hidden, d_weight, d_bias = scan_chunks(body, varying_like(init, *operands), n_rows, vocab,
+                                             chunk_bytes)
+    return (d_hidden.astype(hidden.dtype), d_weight,
+            None if bias is None else d_bias.astype(bias.dtype))
