@@ -416,6 +416,29 @@ def test_memory_budget_and_explain(rng):
     assert "the backend override 'chunked' applies to memory='lean' only" in text
 
 
+@pytest.mark.parametrize("op", ["linear_logprobs", "linear_grpo_loss", "linear_distill_loss"])
+def test_explain_keeps_a_budgets_reason(rng, op):
+    """A byte budget that resolves to lean: one memory line, with the budget's comparison,
+    after the backend's (the mode is decided once per call, by dispatch)."""
+    hidden, _, weight, _, _, _, acts = head(rng, (4, 8), 100, 16, jnp.bfloat16, "vd", False)
+    acts = jnp.asarray(acts)
+    kept = 4 * 8 * 100 * 2
+    args = {"linear_logprobs": (hidden, weight, acts),
+            "linear_grpo_loss": (hidden, weight, acts, jnp.zeros((4, 8)), jnp.ones(4),
+                                 jnp.ones((4, 8))),
+            "linear_distill_loss": (hidden, weight, hidden, weight, jnp.ones((4, 8)))}[op]
+    extra = {"group_size": 2} if op == "linear_grpo_loss" else {}
+    text = jk.explain(op, *args, memory=kept - 1, **extra)
+    lines = [l for l in text.splitlines() if "memory" in l]
+    assert len(lines) == 1, text
+    assert lines[0].startswith(f"  memory: lean (memory={kept - 1}: a budget of "), text
+    assert f"< the {kept / 1024:.1f} KiB" in lines[0], text
+    backend_line = next(i for i, l in enumerate(text.splitlines()) if l.startswith(f"{op}: "))
+    assert text.splitlines().index(lines[0]) > backend_line, text
+    fast = jk.explain(op, *args, memory=kept, **extra)
+    assert f"\n{op}: memory fast (memory={kept}: a budget of " in "\n" + fast, fast
+
+
 @pytest.mark.parametrize("memory,match", [("medium", "memory: expected 'lean', 'fast'"),
                                           (-1, "budget must be >= 0"), (True, "memory"),
                                           (1.5, "memory")])
