@@ -118,14 +118,8 @@ def _local_backward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, row_
     ``d_hidden`` is float32 (rounded after the sum over vocabulary slices)."""
     del plan, t_hidden, t_weight, t_bias
     g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0)[:, None]
-    h = hidden
-    dtype = jnp.result_type(hidden, weight)
-    j = grad.astype(dtype)
-    d_hidden = head.hidden_grad(j, weight.astype(dtype), weight_layout,
-                                precision=head.matmul_precision(dtype),
-                                preferred_element_type=jnp.float32) * g
-    d_weight = head_grad.rows_scaled_weight_grad(j, h.astype(jnp.float32) * g, weight,
-                                                 weight_layout)
+    d_hidden, d_weight = head_grad.row_scaled_grads(grad, hidden, weight, weight_layout, g)
+    j = grad.astype(jnp.result_type(hidden, weight))
     d_bias = None if bias is None else jnp.sum(j.astype(jnp.float32) * g, axis=0)
     return d_hidden, d_weight, None if bias is None else d_bias.astype(bias.dtype)
 

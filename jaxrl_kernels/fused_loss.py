@@ -126,14 +126,7 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     ``c``: a predicate the host reads would serialise the backward."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
-    dtype = jnp.result_type(hidden, weight)
-    dz = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout,
-                                precision=head.matmul_precision(dtype),
-                                preferred_element_type=jnp.float32) * c
-    d_weight = head_grad.rows_scaled_weight_grad(dz, hidden.astype(jnp.float32) * c, weight,
-                                                 weight_layout)
-    return d_hidden, d_weight, None
+    return head_grad.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
 
 
 def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,

@@ -1,4 +1,4 @@
-"""Log-probs from per-shard softmax statistics: the one ``custom_vjp`` every kernel backend uses.
+"""Log-probs from per-shard softmax statistics: the engine halves every kernel backend's op uses.
 
 A kernel backend supplies two pieces of work on one device's data (:class:`Parts`):
 
