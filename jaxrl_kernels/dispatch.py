@@ -153,7 +153,7 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
         note = memory_mode.choose(memory, backend, wanted)
         if note.mode == "fast":
             record(op, note)
-            return Choice(FAST, None, backend is not None, (), memory=note)
+            return Choice(FAST, None, False, (), memory=note)  # never a requested backend
     choice = select(op, problem, backend, primitive=primitive, strict=strict)
     record(primitive or op, choice)
     if memory is None:

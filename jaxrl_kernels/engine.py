@@ -106,6 +106,7 @@ def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple]
     operands, roles = tuple(operands), tuple(roles)
     out_roles, res_roles, diff = tuple(out_roles), tuple(res_roles), tuple(diff)
     n_out, n_ops = len(out_roles), len(operands)
+    assert not set(diff) & set(unused), "a differentiable operand marked unused"
     vocab_at = next((i for i, r in enumerate(roles) if "v" in r), None)
 
     def run_forward(ops):
@@ -126,7 +127,6 @@ def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple]
         ops, res = saved
         cts = tuple(None if c is None or c.dtype == jax.dtypes.float0 else c for c in cts)
         present = tuple(i for i in diff if ops[i] is not None)
-        assert not set(present) & set(unused), "a differentiable operand marked unused"
 
         def local(plan, *args):
             n_in = n_ops + len(res)

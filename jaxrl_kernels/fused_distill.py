@@ -119,9 +119,9 @@ def _local_backward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, row_
     del plan, t_hidden, t_weight, t_bias
     g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0)[:, None]
     d_hidden, d_weight = head_grad.row_scaled_grads(grad, hidden, weight, weight_layout, g)
-    j = grad.astype(jnp.result_type(hidden, weight))
-    d_bias = None if bias is None else jnp.sum(j.astype(jnp.float32) * g, axis=0)
-    return d_hidden, d_weight, None if bias is None else d_bias.astype(bias.dtype)
+    if bias is None:
+        return d_hidden, d_weight, None
+    return d_hidden, d_weight, jnp.sum(grad.astype(jnp.float32) * g, axis=0).astype(bias.dtype)
 
 
 def divergence_rows(operands, row_valid, *, opts, vocab_axis):
