@@ -44,9 +44,11 @@ BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_back
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100
-(bench_fused_backward*.md, one call, rotated rounds), fwd+bwd at N=4096, D=2048, V=131072 took
-15.6 / 14.6 / 14.5 ms ("vd") with 16 / 32 / 64 MiB and 56 / 80 / 128 MiB of temp memory; at
-N=8192, D=4096, 58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB."""
+(one call, rotated rounds), fwd+bwd at N=4096, D=2048, V=131072 took 15.6 / 14.6 / 14.5 ms
+("vd") with 16 / 32 / 64 MiB and 56 / 80 / 128 MiB of temp memory
+(``git show 87b7286:benchmarks/results/bench_fused_backward_d17292a.md``); at N=8192, D=4096,
+58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB
+(benchmarks/results/bench_fused_backward.md)."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
