@@ -7,6 +7,7 @@ function (see ``explain``). The API and its numerics: docs/api.md.
 
 from jaxrl_kernels.dispatch import available_backends, use_backend
 from jaxrl_kernels.explain import explain
+from jaxrl_kernels.memory import memory_mode
 from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
 from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
 from jaxrl_kernels.linear_losses import (
@@ -42,6 +43,7 @@ __all__ = [
     "linear_policy_gradient_loss",
     "linear_ppo_loss",
     "linear_topk_logprobs",
+    "memory_mode",
     "policy_gradient_loss",
     "ppo_loss",
     "ratio_kl",

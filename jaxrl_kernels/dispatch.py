@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxrl_kernels import logprob_core, trace_log
-from jaxrl_kernels import memory as memory_mode
+from jaxrl_kernels import memory as memory_lib
 from jaxrl_kernels.backend_contract import (OP_PRIMITIVE, STANDALONE_BACKWARDS, Backend, Choice,
                                             Problem)
 
@@ -136,21 +136,23 @@ def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
 
 def resolve(op: str, problem: Problem, backend: str | None = None, *,
             primitive: str | None = None, strict: bool = True,
-            memory: memory_mode.Request | None = None) -> Choice:
+            memory: memory_lib.Request | None = None) -> Choice:
     """:func:`select`, recorded for :func:`explain` under ``primitive`` (given) or ``op``.
 
     Every call site uses this. A forward without a backward of its own (``Choice.backward``
     set) resolves its standalone backward here as well, when the backward pass is traced.
 
-    ``memory``: a linear-head op's ``memory=`` request. ``"fast"`` (or a budget the kept
-    buffer fits) is an implementation of its own, XLA's GEMMs with the logits (or the loss's
-    gradient) kept: the choice has no backend (``impl`` None) and its ``memory`` note says
-    why; otherwise a backend is selected as above, for ``"lean"``. Both are recorded with the
-    reason (a byte budget's included), once per call.
+    ``memory``: a linear-head op's ``memory=`` request. Its mode is the argument, else that of
+    the innermost ``memory_mode`` scope, else ``JAXRL_KERNELS_MEMORY``, else ``"lean"``
+    (``memory.requested``, through ``memory.choose``: nowhere else). ``"fast"`` (or a budget
+    the kept buffer fits) is an implementation of its own, XLA's GEMMs with the logits (or the
+    loss's gradient) kept: the choice has no backend (``impl`` None) and its ``memory`` note
+    says why; otherwise a backend is selected as above, for ``"lean"``. Both are recorded with
+    the reason (the mode's source and a byte budget's comparison included), once per call.
     """
     if memory is not None:
         wanted = None if backend is not None else requested_backend(None)
-        note = memory_mode.choose(memory, backend, wanted)
+        note = memory_lib.choose(memory, backend, wanted)
         if note.mode == "fast":
             record(op, note)
             return Choice(FAST, None, False, (), memory=note)  # never a requested backend

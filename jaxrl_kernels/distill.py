@@ -24,7 +24,7 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import (aggregation_math, dispatch, engine, fused_distill, head, saved_logits,
                            sharding)
-from jaxrl_kernels import memory as memory_mode
+from jaxrl_kernels import memory as memory_lib
 from jaxrl_kernels.backend_contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.divergence_math import DIVERGENCES
@@ -108,7 +108,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
                         teacher_bias: ArrayLike | None = None, loss_agg_mode: str = "token_mean",
                         max_len: int | None = None, backend: str | None = None,
                         vocab_axis: AxisName | None = None,
-                        memory: str | int = "lean") -> tuple[jax.Array, jax.Array]:
+                        memory: str | int | None = None) -> tuple[jax.Array, jax.Array]:
     """A per-token divergence between a student and a frozen teacher LM head, over the whole
     vocabulary, without materialising either model's logits.
 
@@ -139,7 +139,8 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
         logits, 4 student GEMMs and 2 teacher ones), ``"fast"`` (the divergence's gradient
         taken in the forward into one ``[B, T, V]`` buffer in the student head's dtype: 3
         student GEMMs and 1 teacher one, ``jaxrl_kernels.fused_distill``) or an int byte
-        budget for that buffer (``"fast"`` when it fits).
+        budget for that buffer (``"fast"`` when it fits); ``None``: the mode of
+        ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
 
     Returns:
       ``(loss, per_token)``: the float32 scalar ``aggregate(d, mask, loss_agg_mode,
@@ -185,7 +186,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     operands = (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
                 stop(teacher_bias))
     kept_dtype = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
-    request = memory_mode.Request(
+    request = memory_lib.Request(
         memory, math.prod(shape) * vocab * kept_dtype.itemsize, tuple(shape) + (vocab,),
         kept_dtype, loss=True, gemms=(4, 6), kept="the student's logit gradient")
     problem = distill_problem(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,

@@ -69,7 +69,7 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                     ratio_level: str = "token", policy_loss: str = "ppo",
                     tis_level: str = "token", tis_mode: str = "truncate",
                     backend: str | None = None, vocab_axis: AxisName | None = None,
-                    memory: str | int = "lean", config: PolicyLoss | None = None
+                    memory: str | int | None = None, config: PolicyLoss | None = None
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ppo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
@@ -96,7 +96,8 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
         gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
-        dtype) or a byte budget (``"fast"`` when that buffer fits in it).
+        dtype) or a byte budget (``"fast"`` when that buffer fits in it); ``None``: the mode
+        of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
       config: a ``PolicyLoss`` instead of the options clip_low ... tis_mode, as in
         ``ppo_loss``.
 
@@ -150,7 +151,7 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                      tis_level: str = "token", tis_mode: str = "truncate",
                      rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
                      backend: str | None = None, vocab_axis: AxisName | None = None,
-                     memory: str | int = "lean", config: PolicyLoss | None = None
+                     memory: str | int | None = None, config: PolicyLoss | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``grpo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
@@ -174,7 +175,8 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
         gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
-        dtype) or a byte budget (``"fast"`` when that buffer fits in it).
+        dtype) or a byte budget (``"fast"`` when that buffer fits in it); ``None``: the mode
+        of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
       config: a ``PolicyLoss`` instead of the policy options, as in ``grpo_loss``.
 
     Returns:
@@ -221,7 +223,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
                                 temperature: float = 1.0, loss_agg_mode: str = "token_mean",
                                 max_len: int | None = None, backend: str | None = None,
                                 vocab_axis: AxisName | None = None,
-                                memory: str | int = "lean",
+                                memory: str | int | None = None,
                                 config: PolicyLoss | None = None) -> jax.Array:
     """``policy_gradient_loss`` on the log-probs of a linear LM head: ``aggregate(−A·logp)``.
 
@@ -239,7 +241,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       loss_agg_mode, max_len: as in ``aggregate``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
-      memory: ``"lean"``, ``"fast"`` or a byte budget, as in ``linear_ppo_loss``.
+      memory: ``"lean"``, ``"fast"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
       config: a ``PolicyLoss`` instead of ``loss_agg_mode`` and ``max_len``, as in
         ``policy_gradient_loss``.
 

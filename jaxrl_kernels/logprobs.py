@@ -10,7 +10,7 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch, head, logprob_core, saved_logits, sharding
 from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
-from jaxrl_kernels import memory as memory_mode
+from jaxrl_kernels import memory as memory_lib
 from jaxrl_kernels import validation as check
 
 
@@ -92,7 +92,7 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
     ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why."""
     vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
     n_rows = math.prod(targets.shape)
-    request = memory_mode.Request(
+    request = memory_lib.Request(
         memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
         tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
         loss=loss)
@@ -121,7 +121,7 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
                     bias: ArrayLike | None = None, *, weight_layout: str = "vd",
                     temperature: float = 1.0, ignore_index: int | None = None,
                     return_entropy: bool = False, backend: str | None = None,
-                    vocab_axis: AxisName | None = None, memory: str | int = "lean"
+                    vocab_axis: AxisName | None = None, memory: str | int | None = None
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
@@ -142,7 +142,8 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         ``bias``) hold consecutive vocabulary slices; targets stay global ids.
       memory: ``"lean"`` (nothing ``[N, V]`` kept: the backward recomputes the logits),
         ``"fast"`` (the forward's logits kept for the backward as float16 / float32: one GEMM
-        fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it).
+        fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it);
+        ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
 
     Returns:
       float32 ``logp`` ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``.

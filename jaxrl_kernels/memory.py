@@ -5,18 +5,98 @@ backward (4 GEMMs per forward+backward); ``"fast"`` keeps the forward's logits f
 (3 GEMMs, :mod:`jaxrl_kernels.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
 logits fit in it, else ``"lean"``. An op states its request (:class:`Request`: the argument and
 what ``"fast"`` would keep); ``dispatch.resolve`` decides with :func:`choose` and records why,
-for ``explain``.
+for ``explain``. An op's ``memory=None`` (its default) takes the mode of the innermost
+:func:`memory_mode` scope, else of ``JAXRL_KERNELS_MEMORY``, else ``"lean"`` (:func:`requested`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 MODES = ("lean", "fast")
 """The named modes of ``memory=`` (an int byte budget is the third form)."""
+
+DEFAULT = "lean"
+"""The mode of ``memory=None`` outside every :func:`memory_mode` scope, without the variable."""
+
+ENV_VAR = "JAXRL_KERNELS_MEMORY"
+
+_scoped: contextvars.ContextVar[str | int | None] = contextvars.ContextVar(
+    "jaxrl_kernels_memory", default=None)
+
+
+def _is_budget(memory: Any) -> bool:
+    return isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
+
+
+def check(memory: Any, what: str = "memory") -> str | int:
+    """``memory`` if it is a mode of :data:`MODES` or a byte budget (an int >= 0), else a
+    ``ValueError`` whose message starts with ``what``."""
+    if not (_is_budget(memory) or (isinstance(memory, str) and memory in MODES)):
+        raise ValueError(f"{what}: expected 'lean', 'fast' or a byte budget (an int >= 0), "
+                         f"got {memory!r}")
+    if _is_budget(memory) and memory < 0:
+        raise ValueError(f"{what}: a byte budget must be >= 0, got {memory}")
+    return int(memory) if _is_budget(memory) else memory
+
+
+def requested(memory: Any) -> tuple[str | int, str]:
+    """The mode in force for an op's ``memory=`` argument, and how it was asked for (as
+    ``explain`` shows it): the argument unless ``None``, else the innermost
+    :func:`memory_mode` scope, else the variable ``JAXRL_KERNELS_MEMORY`` (``fast``, ``lean``
+    or a decimal byte count), else :data:`DEFAULT`. A bad value is a ``ValueError`` naming its
+    source."""
+    if memory is not None:
+        memory = check(memory)
+        return memory, f"memory={memory!r}"
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped, f"jk.memory_mode({scoped!r})"
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return check(int(env) if env.isdecimal() else env, ENV_VAR), f"{ENV_VAR}={env}"
+    return DEFAULT, f"memory={DEFAULT!r}"
+
+
+@contextlib.contextmanager
+def memory_mode(mode: str | int | None) -> Iterator[None]:
+    """Within this scope, an op's ``memory=None`` (its default) means ``mode``.
+
+    For the ops from hidden states (``linear_logprobs``, the linear losses,
+    ``linear_distill_loss``): the mode is the ``memory=`` argument when given, else that of
+    the innermost scope, else the environment variable ``JAXRL_KERNELS_MEMORY`` (``fast``,
+    ``lean`` or a decimal byte count, for the whole process), else ``"lean"``. ``explain``
+    says which. The mode is read when an op is traced: a function jitted and traced inside the
+    scope keeps its mode when called again outside it (same shapes, no new trace).
+
+    Args:
+      mode: ``"lean"``, ``"fast"``, a byte budget (an int >= 0: ``"fast"`` when the kept
+        buffer fits in it), or ``None``: within this scope, as outside every scope (the
+        variable, else ``"lean"``). Anything else is a ``ValueError`` on entry, as the
+        ``memory=`` argument's.
+
+    Returns:
+      A context manager.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> h, w, t = jnp.ones((4, 8)), jnp.zeros((50, 8)), jnp.zeros(4, int)
+      >>> with jk.memory_mode("fast"):
+      ...     print(jk.explain("linear_logprobs", h, w, t).splitlines()[0])
+      linear_logprobs: memory fast (jk.memory_mode('fast')): the head's logits kept ...
+    """
+    token = _scoped.set(None if mode is None else check(mode))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +120,9 @@ def _size(n_bytes: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """A linear-head op's ``memory=`` argument and what ``"fast"`` would keep from its forward
-    to its backward (``kept_bytes`` of ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
+    """A linear-head op's ``memory=`` argument (``None``: not given, :func:`requested`) and
+    what ``"fast"`` would keep from its forward to its backward (``kept_bytes`` of
+    ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
     fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`,
     ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
     ``"lean"``; ``kept``: what a loss's fast mode keeps."""
@@ -57,29 +138,28 @@ class Request:
 
 def choose(request: Request, backend: str | None,
            wanted: str | None = None) -> MemoryNote:
-    """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``).
-    ``backend``: the op's ``backend=`` argument (with ``"fast"``, an error: the fast mode has
-    no backend); ``wanted``: a backend requested by ``use_backend`` or the environment, which
-    ``"fast"`` notes it does not use."""
-    memory, kept_bytes, kept_shape, kept_dtype = (request.memory, request.kept_bytes,
-                                                  request.kept_shape, request.kept_dtype)
+    """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``): its
+    ``memory`` as :func:`requested` resolves it. ``backend``: the op's ``backend=`` argument
+    (with ``"fast"`` from the op's own ``memory=``, an error: the fast mode has no backend;
+    with ``"fast"`` from a scope or the variable, ``"lean"`` on that backend); ``wanted``: a backend requested
+    by ``use_backend`` or the environment, which ``"fast"`` notes it does not use."""
+    memory, asked = requested(request.memory)
+    kept_bytes, kept_shape, kept_dtype = request.kept_bytes, request.kept_shape, request.kept_dtype
     loss, gemms, kept = request.loss, request.gemms, request.kept
-    is_budget = isinstance(memory, (int, np.integer)) and not isinstance(memory, bool)
-    if not (is_budget or (isinstance(memory, str) and memory in MODES)):
-        raise ValueError(f"memory: expected 'lean', 'fast' or a byte budget (an int >= 0), "
-                         f"got {memory!r}")
     size = _size(kept_bytes)
-    if is_budget:
-        if memory < 0:
-            raise ValueError(f"memory: a byte budget must be >= 0, got {memory}")
+    if isinstance(memory, int):
         mode = "fast" if kept_bytes <= memory else "lean"
-        why = (f"memory={int(memory)}: a budget of {_size(int(memory))} "
+        why = (f"{asked}: a budget of {_size(memory)} "
                f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps")
     else:
-        mode, why = memory, f"memory={memory!r}"
+        mode, why = memory, asked
+    if mode == "fast" and backend is not None and request.memory is None:
+        # a scope or the variable is a default: a call's own backend= is more specific
+        mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"
     if mode == "fast" and backend is not None:
-        raise ValueError(f"backend: {backend!r} serves memory='lean' only; memory='fast' computes "
-                         "the logits with XLA's GEMM and keeps them (pass backend=None)")
+        raise ValueError(f"backend: {backend!r} serves memory='lean' only, and 'fast' was chosen "
+                         f"({why}); 'fast' computes the logits with XLA's GEMM and keeps them "
+                         "(pass backend=None, or memory='lean')")
     if mode == "fast" and loss:
         text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
                 f"{np.dtype(kept_dtype).name} "

@@ -69,7 +69,7 @@ def test_every_argument_is_documented_as_the_code_has_it(name):
     assert positional(doc) == positional(code), f"{name}: positional arguments or their order"
 
 
-@pytest.mark.parametrize("name", ["available_backends", "use_backend", "explain"])
+@pytest.mark.parametrize("name", ["available_backends", "use_backend", "explain", "memory_mode"])
 def test_dispatch_functions_are_documented(name):
     assert f"jk.{name}(" in API or f"`{name}" in API
 
@@ -165,7 +165,7 @@ def test_public_op_docstring_and_types(name):
             assert param.annotation is not param.empty, f"{name}({param.name}): no type"
     assert sig.return_annotation is not sig.empty, f"{name}: no return type"
     arrays = [p.name for p in sig.parameters.values() if "ArrayLike" in str(p.annotation)]
-    if name not in ("available_backends", "checks", "explain", "use_backend"):
+    if name not in ("available_backends", "checks", "explain", "memory_mode", "use_backend"):
         assert arrays, f"{name}: no ArrayLike argument"
         assert "jax.Array" in str(sig.return_annotation), name
 

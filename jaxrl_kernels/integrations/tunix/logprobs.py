@@ -234,13 +234,14 @@ def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, memory="lean"):
+                    return_entropy=False, backend=None, memory=None):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
     for packed sequences (``segment_ids`` given), where position 0 holds logp = 0 and the
     entropy of all-zero logits, log V, as tunix pads them.
-    ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward).
+    ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward;
+    ``None``: ``jk.memory_mode``'s, else ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``).
     """
     rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=segment_ids,

@@ -30,9 +30,11 @@ pad_id, eos_id, **kwargs)``: tunix's PPOLearner hands the registered function it
 trainer, whose ``nnx.value_and_grad`` binds every argument by position, so a keyword-only
 parameter would fail there ("keyword arguments could not be resolved to positions"). The
 keywords they read are ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
-automatic) and ``memory`` (absent: ``"lean"``; ``"fast"`` takes the loss's gradient in the forward), for direct
-calls or a trainer's loss wrapper; tunix passes none, and others are ignored as tunix's losses
-ignore them.
+automatic) and ``memory`` (``"fast"`` takes the loss's gradient in the forward; absent or None:
+the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``), for direct calls
+or a trainer's loss wrapper; tunix passes none (a ``jk.memory_mode`` scope in force when the
+training step is traced, or the variable, then sets the mode), and others are ignored as
+tunix's losses ignore them.
 
 The final hidden states enter the head with the model dimension whole
 (:func:`.logprobs.head_layout`), so that XLA lays out the step, and every parameter's gradient
@@ -69,7 +71,7 @@ def _example_loss(model, example, pad_id, eos_id, temperature, return_entropy, k
     rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
                             segment_positions=getattr(example, "segment_positions", None))
-    choice = head_choice(op, kwargs.get("memory", "lean"), rows.hidden, rows.weight, None,
+    choice = head_choice(op, kwargs.get("memory"), rows.hidden, rows.weight, None,
                          rows.targets, weight_layout=rows.layout, return_entropy=return_entropy,
                          backend=kwargs.get("backend"), loss=True)
     options = dict(weight_layout=rows.layout, temperature=tunix_temperature(temperature))
@@ -128,8 +130,9 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``"lean"``, the default, or ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`); others are ignored.
+    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``); others are ignored.
     """
     mode = algo_config.loss_agg_mode
     tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
@@ -192,8 +195,9 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``"lean"``, the default, or ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`); others are ignored.
+    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``); others are ignored.
     """
     old = train_example.old_per_token_logps
     if old is None:
