@@ -1,4 +1,6 @@
 // d_hidden's GEMM of the backward (sm90_head_gemm.h): acc = alpha G . W16 + beta acc.
+#include <algorithm>
+
 #include "sm90_head_gemm.cuh"
 #include "sm90_head_gemm.h"
 
@@ -7,20 +9,57 @@ namespace {
 // A = G [n, k]: K-contiguous. B = W16 as (k, d): d-contiguous ([k, d]) or k-contiguous ([d, k]).
 using HiddenVd = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
 using HiddenDv = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
+using HiddenVdSplit =
+    HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::gemm::StreamKScheduler>;
+using HiddenDvSplit =
+    HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::gemm::StreamKScheduler>;
+
+// At most this many parts per output tile, each of at least kMinSplitK columns of K: short
+// parts would spend more of their time filling the pipeline and in the reduction.
+constexpr int kMaxSplits = 8;
+constexpr int kMinSplitK = 4096;
+
+// K's parts for d_hidden (1: no split): as many as keep the output tiles times the parts within
+// one wave of kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time).
+// The tiles are counted as the scheduler does, the M extent rounded up to whole clusters. A
+// function of the shape only, shared by the workspace size and the launch.
+int hidden_splits(int n, int d, int k) {
+  using Tile = HiddenVd::TileShape;
+  constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
+  constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
+  const int64_t tiles_m = ((n + tm - 1) / tm + cm - 1) / cm * cm;
+  const int64_t tiles = tiles_m * ((d + tn - 1) / tn);
+  const int64_t splits =
+      std::min<int64_t>({kSplitTargetCtas / std::max<int64_t>(tiles, 1), kMaxSplits, k / kMinSplitK});
+  return static_cast<int>(std::max<int64_t>(splits, 1));
+}
 }  // namespace
 
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
                           int sm_count, cudaStream_t stream) {
-  cutlass::Status st = w16_dv ? run_head_gemm<HiddenDv>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta,
-                                                        workspace, sm_count, stream)
-                              : run_head_gemm<HiddenVd>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta,
-                                                        workspace, sm_count, stream);
+  const int splits = hidden_splits(n, d, k);
+  cutlass::Status st;
+  if (splits > 1) {
+    st = w16_dv ? run_head_gemm<HiddenDvSplit>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace,
+                                               sm_count, stream, splits)
+                : run_head_gemm<HiddenVdSplit>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace,
+                                               sm_count, stream, splits);
+  } else {
+    st = w16_dv ? run_head_gemm<HiddenDv>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
+                                          stream)
+                : run_head_gemm<HiddenVd>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
+                                          stream);
+  }
   if (st != cutlass::Status::kSuccess) return std::string("d_hidden GEMM: ") + cutlassGetStatusString(st);
   return {};
 }
 
 size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k) {
+  const int splits = hidden_splits(n, d, k);
+  if (splits > 1)
+    return w16_dv ? head_gemm_workspace<HiddenDvSplit>(n, d, k, splits)
+                  : head_gemm_workspace<HiddenVdSplit>(n, d, k, splits);
   return w16_dv ? head_gemm_workspace<HiddenDv>(n, d, k) : head_gemm_workspace<HiddenVd>(n, d, k);
 }
 

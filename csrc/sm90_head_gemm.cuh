@@ -7,6 +7,14 @@
 //   d_weight:  out = scale (A . B)             W's dtype, written in place into the chunk's
 //                                               rows ("vd") or columns ("dv") of d_weight
 //
+// Each output tile is one CTA's work, except in d_hidden when its [N, D] tiles are too few to
+// fill the GPU (small N: 32 tiles at N = 512, D = 2048, against 132 SMs) while K, the chunk
+// width, is long: then K is split over `splits` CTAs per tile (CUTLASS's stream-K scheduler in
+// split-K mode): each part adds its partial sum into a float32 workspace tile in the order of
+// the K ranges (so the bits do not vary run to run), and the last part adds that to its own and
+// runs the epilogue. d_weight, whose tiles cover the chunk's columns by D (hundreds of tiles at
+// the usual chunk widths) and whose K is N, keeps one CTA per tile.
+//
 // Row-major names: D[M, N] = A[M, K] . B[K, N]. CUTLASS's layout tags say which extent is
 // contiguous: A RowMajor is K-contiguous, B ColumnMajor is K-contiguous, D RowMajor is
 // N-contiguous. Strides are passed with their leading dimensions, so d_weight's chunk is
@@ -23,6 +31,7 @@
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
 
 namespace jaxrl_sm90 {
 
@@ -30,8 +39,9 @@ namespace jaxrl_sm90 {
 // along M that share each B tile through TMA multicast. Against one-CTA clusters, at
 // N=8192, D=4096, V=131072 on an H100 the GEMMs took 2-8 % less device time, and at N=4096,
 // D=2048 the same; a ping-pong schedule with 64 x 256 tiles took 1.3-1.9 x as long
-// (docs/design/linear_backward.md).
-template <class ElementD, class ElementC, class LayoutA, class LayoutB>
+// (docs/design/linear_backward.md). Scheduler: void, CUTLASS's default persistent scheduler
+// (one CTA per output tile), or cutlass::gemm::StreamKScheduler for split-K.
+template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void>
 struct HeadGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
@@ -50,13 +60,31 @@ struct HeadGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
   using StrideC = typename Kernel::StrideC;
   using StrideD = typename Kernel::StrideD;
+  static constexpr bool kSplitK = cute::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
 };
+
+// The SM count split-K sizes its decomposition for: an H100's or H200's (SXM). A constant rather
+// than the device's, so that the split count, and with it the workspace size that the caller
+// allocates before the launch, is a function of the problem shape alone (and is computed where
+// there is no GPU).
+constexpr int kSplitTargetCtas = 132;
+
+// The scheduler arguments of a split-K GEMM in `splits` parts (plain K-splitting, partial sums
+// added in the order of their K ranges, so the result bits depend on the shape only).
+template <class G, class Arguments>
+void set_splits(Arguments& args, int splits) {
+  if constexpr (G::kSplitK) {
+    args.scheduler.splits = splits;
+    args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::SplitK;
+    args.scheduler.reduction_mode = cutlass::gemm::kernel::detail::ReductionMode::Deterministic;
+  }
+}
 
 // Sets the leading dimension of an (M or N, K, L) operand stride: its first mode when that is
 // dynamic (K-contiguous), else its second (the static 1 is the contiguous mode).
@@ -71,12 +99,18 @@ void set_leading_dim(Stride& stride, int64_t ld) {
 
 // One GEMM of M x N x K with leading dimensions lda, ldb, ldd (elements); c may alias d (same
 // layout). alpha, beta: device scalars; beta null means 0 and c is not read (nor is it
-// without a source type). The workspace is the caller's, of at least
-// `head_gemm_workspace<G>(m, n, k)` bytes.
+// without a source type). splits > 1 (split-K kernels only) divides K into that many parts.
+// The workspace is the caller's, of at least `head_gemm_workspace<G>(m, n, k, splits)` bytes.
+//
+// c aliasing d stays correct under split-K: only the CTA of a tile's last K range loads C and
+// stores D, and the other parts add into the workspace, never into D
+// (PersistentTileSchedulerSm90StreamK::fixup and compute_epilogue, and their use in
+// sm90_gemm_tma_warpspecialized_cooperative.hpp, CUTLASS 4.2).
 template <class G>
 cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, const void* b, int64_t ldb,
                               const void* c, void* d, int64_t ldd, const float* alpha, const float* beta,
-                              void* workspace, int sm_count, cudaStream_t stream) {
+                              void* workspace, int sm_count, cudaStream_t stream, int splits = 1) {
+  if (splits > 1 && !G::kSplitK) return cutlass::Status::kErrorInvalidProblem;
   using Kernel = typename G::Kernel;
   using ElementA = typename Kernel::ElementA;
   using ElementB = typename Kernel::ElementB;
@@ -102,6 +136,7 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   args.epilogue.thread.beta = 0.f;
   args.epilogue.thread.beta_ptr = beta;
   args.hw_info.sm_count = sm_count;
+  set_splits<G>(args, splits);
   // The tile scheduler keeps CUTLASS's defaults (heuristic raster order, no swizzle): every
   // other order and swizzle measured within 1 % of them (docs/design/linear_backward.md).
 
@@ -113,11 +148,16 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   return gemm.run(stream);
 }
 
+// The SM count is set so that CUTLASS does not query a device: the size must be computable
+// without a GPU. A split-K workspace holds one float32 partial tile and one lock per output
+// tile and CTA warp group, whatever the split count and SM count.
 template <class G>
-size_t head_gemm_workspace(int m, int n, int k) {
+size_t head_gemm_workspace(int m, int n, int k, int splits = 1) {
   typename G::Kernel::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {m, n, k, 1};
+  args.hw_info.sm_count = kSplitTargetCtas;
+  set_splits<G>(args, splits);
   return G::Gemm::get_workspace_size(args);
 }
 

@@ -16,7 +16,9 @@
 namespace jaxrl_sm90 {
 
 // acc[n, d] = alpha (g[n, :k] . w16) + beta acc, float32; w16 is [k, d] (w16_dv false) or
-// [d, k] (true).
+// [d, k] (true). Where [n, d] has too few output tiles to fill the GPU, K is split over several
+// CTAs per tile (sm90_head_gemm.cuh), by a count that depends on (n, d, k) only, as does the
+// workspace size.
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
                           int sm_count, cudaStream_t stream);
