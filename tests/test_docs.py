@@ -131,6 +131,19 @@ def test_readme_headline_comes_from_its_results_file():
             f"{value} {unit} is not in {block.group(1)}")
 
 
+def test_readme_token_counts_come_from_their_results_file():
+    """Every ratio the token-count paragraph quotes (two decimals) is a ratio of its file's
+    rows, rounded as shown, and the plot it shows exists."""
+    block = re.search(r"<!-- tokens: figures from (\S+) -->(.*?)<!-- /tokens -->", README, re.S)
+    assert block, "README lost its delimited token-count paragraph"
+    data = json.loads((ROOT / block.group(1)).read_text())
+    ratios = {f"{r[k]:.2f}" for r in data["rows"] for k in ("x_floor", "x_jnp") if r.get(k)}
+    quoted = re.findall(r"\b\d\.\d\d\b", block.group(2))
+    assert quoted and set(quoted) <= ratios, sorted(set(quoted) - ratios)
+    plot = re.search(r"!\[[^]]*\]\((\S+\.svg)\)", block.group(2))
+    assert plot and (ROOT / plot.group(1)).exists()
+
+
 def test_readme_tunix_table_comes_from_its_results_file():
     """The tunix table's step times, micro-batches and completions are values of its file."""
     block = re.search(r"<!-- tunix: figures from (\S+) -->(.*?)<!-- /tunix -->", README, re.S)

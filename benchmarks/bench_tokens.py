@@ -1,0 +1,214 @@
+"""``linear_grpo_loss`` forward+backward against the plain code and the GEMM floor, per token count.
+
+Question: at every token count a trainer runs per device, is the library (lean, the default,
+and ``memory="fast"``) at least as fast as what a JAX user writes without it, and how far from
+the matrix units' floor? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))``
+of a GRPO loss (group_size 2, bf16 hidden [N, D] and head [V, D]), the median of synchronised
+calls by the host clock after a warm-up, and XLA's temp size:
+
+- ``jnp bf16``: ``einsum`` to bf16 logits, float32 ``log_softmax`` and gather
+  (``jk.token_logprobs``, reference backend), the same loss (``benchmarks.bench_fast_loss``);
+- ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with ``memory="lean"`` / ``"fast"``;
+- ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
+  Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
+  code; ``lean`` computes the logits twice, so its floor is 4/3 of it (``floor_ms`` columns).
+- ``torch bf16``: the plain torch code (bf16 logits, float32 ``log_softmax``) in a separate
+  process, when torch is importable (``--torch``).
+
+    python -m benchmarks.bench_tokens                    # the sweep (GPU), bench_tokens.{json,md}
+    python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
+    python -m benchmarks.bench_tokens --small            # toy sizes, any device
+
+``benchmarks/plot_tokens.py`` draws ms per token against N from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+
+from benchmarks import output
+
+COLUMNS = ["impl", "N", "D", "V", "fwdbwd_ms", "us_per_token", "x_floor", "x_jnp", "temp_mib"]
+TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+SIZES = {
+    "full": [(n, d, 131072) for d in (2048, 4096) for n in TOKENS]
+    + [(n, 4096, 151936) for n in (512, 2048, 8192)],
+    "d2048": [(n, 2048, 131072) for n in TOKENS],
+    "d4096": [(n, 4096, 131072) for n in TOKENS] + [(n, 4096, 151936) for n in (512, 2048, 8192)],
+    "small_n": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
+    "small": [(8, 32, 1000), (64, 32, 1000)],
+}
+
+
+def inputs(n, d, v, seed=0):
+    """bf16 hidden [B, T, D] (B = 2 sequences per 1024 tokens, at least 2), head [V, D],
+    actions, old log-probs, rewards and mask, as every row of the sweep takes them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    b = max(2, 2 * (n // 1024))
+    t = n // b
+    keys = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(jnp.bfloat16)
+    a = jax.random.randint(keys[2], (b, t), 0, v)
+    old = jnp.full((b, t), -np.log(v), jnp.float32)
+    r = jnp.arange(b, dtype=jnp.float32)
+    mask = jnp.ones((b, t), jnp.float32)
+    return h, w, a, old, r, mask
+
+
+def three_gemms(h, w, *_):
+    """The GEMMs of a forward+backward that keeps bf16 logits, nothing else (the floor)."""
+    import jax.numpy as jnp
+
+    logits = jnp.einsum("btd,vd->btv", h, w)
+    g = (logits * 0.5).astype(h.dtype)  # an elementwise step XLA fuses into the GEMM's epilogue
+    return jnp.einsum("btv,vd->btd", g, w), jnp.einsum("btv,btd->vd", g, h)
+
+
+def steps():
+    """``{impl: jitted step(h, w, a, old, r, mask)}``."""
+    import jax
+
+    from benchmarks.bench_fast_loss import losses
+
+    out = {impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+           for impl, loss in losses().items()}
+    out["3 GEMMs"] = jax.jit(three_gemms)
+    return out
+
+
+def profile(n, d, v, top=12):
+    """Per impl: one call's device span and its kernels by summed time (3 traced calls)."""
+    import jax
+
+    from benchmarks import common
+
+    args = inputs(n, d, v)
+    for impl, step in steps().items():
+        common.warm_up(step, *args, seconds=0.5)
+        spans, kernels, _ = common.call_spans(step, args, calls=3)
+        per_call = collections.Counter()
+        for k in kernels:
+            per_call[k["name"][:90]] += k["dur"] / 1e3 / 3
+        lead, span, busy, tail, _ = spans[-1]
+        print(f"== {impl} N={n} D={d} V={v}: span {span:.3f} ms, kernels busy {busy:.3f}, "
+              f"host lead {lead:.3f}, tail {tail:.3f}; {len(kernels) // 3} kernels per call")
+        for name, ms in per_call.most_common(top):
+            print(f"   {ms:8.3f} ms  {name}")
+        jax.clear_caches()
+
+
+def torch_rows(sizes, runs):
+    """The plain torch code's rows, from a separate process (its allocator apart from XLA's)."""
+    code = ("import json,sys; from benchmarks.bench_tokens import torch_worker; "
+            "print(json.dumps(torch_worker(json.loads(sys.argv[1]), int(sys.argv[2]))))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(sizes), str(runs)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print("torch worker failed:", proc.stderr[-2000:])
+        return {}
+    return {tuple(k): ms for k, ms in json.loads(proc.stdout.splitlines()[-1])}
+
+
+def torch_worker(sizes, runs):
+    """[((N, D, V), median ms)] of the plain torch GRPO loss forward+backward, bf16 logits."""
+    import statistics
+
+    import torch
+
+    out = []
+    for n, d, v in sizes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen,
+                        requires_grad=True)
+        w = (torch.randn(v, d, device="cuda", generator=gen) * (2.0 / d**0.5)).to(
+            torch.bfloat16).requires_grad_()
+        a = torch.randint(0, v, (n,), device="cuda", generator=gen)
+        old = torch.full((n,), -float(torch.log(torch.tensor(float(v)))), device="cuda")
+        adv = torch.randn(n, device="cuda", generator=gen)
+
+        def step():
+            logp = torch.log_softmax((h @ w.T).float(), -1).gather(-1, a[:, None])[:, 0]
+            ratio = torch.exp(logp - old)
+            loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv).mean()
+            loss.backward()
+            h.grad = w.grad = None
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        out.append(((n, d, v), statistics.median(times)))
+        del h, w
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
+    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
+    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
+    parser.add_argument("--profile", type=int, metavar="N",
+                        help="profile the impls at N tokens (D, V: --profile-shape)")
+    parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
+    parser.add_argument("--name", default="bench_tokens", help="the results' file name")
+    args = parser.parse_args()
+
+    import jax
+
+    from benchmarks import common
+
+    if args.profile:
+        d, v = map(int, args.profile_shape.split(","))
+        profile(args.profile, d, v)
+        return
+    sizes = SIZES["small" if args.small else args.sizes]
+    rows = []
+    for n, d, v in sizes:
+        data = inputs(n, d, v)
+        n = data[0].shape[0] * data[0].shape[1]
+        timed = {}
+        for impl, step in steps().items():
+            try:
+                common.warm_up(step, *data, seconds=0.3)
+                timed[impl] = (common.median_ms(step, *data, runs=args.runs),
+                               common.temp_mib(step, *data))
+            except Exception as e:  # noqa: BLE001 - an impl out of memory still leaves its row
+                print(f"{impl} N={n} D={d} V={v}: {type(e).__name__}: {str(e)[:200]}")
+        jax.clear_caches()
+        floor = timed.get("3 GEMMs", (float("nan"),))[0]
+        jnp_ms = timed.get("jnp bf16", (float("nan"),))[0]
+        for impl, (ms, temp) in timed.items():
+            own_floor = floor * (4 / 3 if impl == "ours lean" else 1)
+            row = {"impl": impl, "N": n, "D": d, "V": v, "fwdbwd_ms": ms,
+                   "us_per_token": 1e3 * ms / n, "floor_ms": own_floor,
+                   "x_floor": ms / own_floor, "x_jnp": ms / jnp_ms, "temp_mib": temp}
+            print(row, flush=True)
+            rows.append(row)
+    if args.torch:
+        for (n, d, v), ms in torch_rows([s for s in sizes], args.runs).items():
+            jnp_ms = next(r["fwdbwd_ms"] for r in rows if r["impl"] == "jnp bf16" and
+                          (r["D"], r["V"]) == (d, v) and r["N"] == n)
+            rows.append({"impl": "torch bf16", "N": n, "D": d, "V": v, "fwdbwd_ms": ms,
+                         "us_per_token": 1e3 * ms / n, "x_jnp": ms / jnp_ms})
+    print(common.write_results(args.name, rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
