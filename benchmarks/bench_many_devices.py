@@ -1,18 +1,25 @@
-"""linear_logprobs and linear_grpo_loss fwd+bwd on one device vs all local devices, per layout.
+"""Linear-head ops fwd+bwd on one device vs all local devices, per layout, against the plain code.
 
-Layouts (a 1-D mesh ``x`` of every local device, ``Auto`` axes unless ``--explicit``):
+Layouts (``Auto`` mesh axes unless ``--explicit``):
   ``1dev``  everything on device 0;
-  ``rows``  hidden states / targets / per-token inputs split over ``x`` (data parallel),
-            the weight replicated;
-  ``vocab`` the weight split over its vocabulary (tensor parallel), rows replicated.
+  ``rows``  hidden states / targets / per-token inputs split over a 1-D mesh ``x`` of every
+            local device (data parallel), the weight replicated;
+  ``vocab`` the weight split over its vocabulary on ``x`` (tensor parallel), rows replicated;
+  ``both``  a 2-D mesh ``(x, y)`` of shape ``(n / 2, 2)`` (an even n >= 4): rows split over
+            ``x``, the vocabulary over ``y``.
+Implementations (``--backends``): ``jnp_bf16``, the plain code a JAX user writes (an
+``einsum`` to bf16 logits, float32 ``log_softmax`` through ``jk.token_logprobs``'s reference
+backend, the same loss), under the same shardings (GSPMD partitions it); ``auto``, the library's
+default (lean); ``fast``, ``memory="fast"``; ``reference`` or any backend name, that backend.
 For each: the median time of value_and_grad (wall clock around ``block_until_ready``), XLA's
 temp buffer size, the bytes of the weight each device holds, and every collective of the
 compiled program with its bytes (the hidden states, logits or weight must never be gathered).
-``reference`` is XLA's materialised path under GSPMD: what a JAX user gets without us.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices              # N=8192, D=4096, V=131072 bf16
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base
                                                      # one GPU, N=4096 (B=8, T=512), D=2048
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --sizes base,large,n16k_d2048,n16k_d4096 \
+        --layouts 1dev,rows,vocab,both --backends jnp_bf16,auto,fast     # the 4-GPU grid
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --smoke      # tiny, e.g. on CPU with
         XLA_FLAGS=--xla_force_host_platform_device_count=8
 
@@ -22,6 +29,7 @@ Results: ``bench_many_devices.{json,md}`` (benchmarks.common.write_results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 
 import jax
@@ -32,8 +40,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 from benchmarks import common, output
 
-COLUMNS = ["op", "backend", "layout", "devices", "ms", "speedup", "temp_mib", "weight_mib_per_dev",
-           "collectives"]
+COLUMNS = ["op", "backend", "N", "D", "layout", "devices", "ms", "speedup", "temp_mib",
+           "weight_mib_per_dev", "collectives"]
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4}
 
 
@@ -59,6 +67,8 @@ SIZES = {  # B, T, D, V
     "smoke": (8, 16, 64, 1024),
     "base": (8, 512, 2048, 131072),
     "large": (16, 512, 4096, 131072),
+    "n16k_d2048": (32, 512, 2048, 131072),
+    "n16k_d4096": (32, 512, 4096, 131072),
 }
 
 
@@ -74,45 +84,80 @@ def inputs(b, t, d, v, seed=0):
         mask=jnp.asarray(rng.random((b, t)) < 0.9, jnp.float32))
 
 
-def loss_fn(op, backend):
+def loss_fn(op, impl):
+    """``loss(hidden, weight, inputs)`` of ``op`` by ``impl`` (the module docstring)."""
+    if impl == "jnp_bf16":
+        def logp_of(h, w, x):
+            return jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), x["actions"],
+                                     backend="reference")
+    else:
+        kw = {"memory": "fast"} if impl == "fast" else {
+            "backend": None if impl == "auto" else impl}
+
+        def logp_of(h, w, x):
+            return jk.linear_logprobs(h, w, x["actions"], **kw)
+
     def logprobs(h, w, x):
-        return jnp.sum(jk.linear_logprobs(h, w, x["actions"], backend=backend) * x["mask"])
+        return jnp.sum(logp_of(h, w, x) * x["mask"])
 
     def grpo(h, w, x):
+        if impl == "jnp_bf16":
+            adv = jk.group_advantages(x["rewards"], group_size=4)
+            return jk.ppo_loss(logp_of(h, w, x), x["old_logp"], adv, x["mask"])[0]
         return jk.linear_grpo_loss(h, w, x["actions"], x["old_logp"], x["rewards"], x["mask"],
-                                   group_size=4, backend=backend)[0]
+                                   group_size=4, **kw)[0]
 
     return {"linear_logprobs": logprobs, "linear_grpo_loss": grpo}[op]
 
 
 def specs(layout):
-    rows = P("x") if layout == "rows" else P()
-    return dict(hidden=rows, weight=P("x") if layout == "vocab" else P(), actions=rows,
-                old_logp=rows, rewards=rows, mask=rows)
+    """The PartitionSpec of each input in ``layout``."""
+    rows = P("x") if layout in ("rows", "both") else P()
+    weight = {"vocab": P("x"), "both": P("y")}.get(layout, P())
+    return dict(hidden=rows, weight=weight, actions=rows, old_logp=rows, rewards=rows, mask=rows)
+
+
+def meshes(axis_type):
+    """``{layout kind: mesh}``: 1-D over every local device, and 2-D (rows × vocabulary)
+    where the device count is even and at least 4."""
+    devices = jax.local_devices()
+    out = {"1d": jax.make_mesh((len(devices),), ("x",), axis_types=(axis_type,),
+                               devices=devices)}
+    if len(devices) >= 4 and len(devices) % 2 == 0:
+        out["2d"] = jax.make_mesh((len(devices) // 2, 2), ("x", "y"),
+                                  axis_types=(axis_type,) * 2, devices=devices)
+    return out
 
 
 def run(sizes, ops, backends, layouts, axis_type):
     devices = jax.local_devices()
-    mesh = jax.make_mesh((len(devices),), ("x",), axis_types=(axis_type,), devices=devices)
+    mesh_of = meshes(axis_type)
     data = inputs(*sizes)
+    b, t, d, _ = sizes
     rows, base = [], {}
     for op in ops:
         for backend in backends:
             for layout in layouts:
+                row = dict(op=op, backend=backend, N=b * t, D=d, layout=layout,
+                           devices=1 if layout == "1dev" else len(devices))
+                mesh = mesh_of["2d" if layout == "both" else "1d"] if (
+                    layout != "both" or "2d" in mesh_of) else None
+                if mesh is None:
+                    row["error"] = "layout 'both' needs an even number of devices, at least 4"
+                    rows.append(row)
+                    continue
                 if layout == "1dev":
                     placed = jax.device_put(data, devices[0])
-                    n_dev = 1
                 else:
                     placed = {k: jax.device_put(v, NamedSharding(mesh, specs(layout)[k]))
                               for k, v in data.items()}
-                    n_dev = len(devices)
-                loss = loss_fn(op, None if backend == "auto" else backend)
+                loss = loss_fn(op, backend)
                 step = jax.jit(jax.value_and_grad(
                     lambda h, w, x: loss(h, w, x), argnums=(0, 1)))
                 args = (placed["hidden"], placed["weight"], placed)
-                row = dict(op=op, backend=backend, layout=layout, devices=n_dev)
                 try:
-                    compiled = step.lower(*args).compile()
+                    with jax.set_mesh(mesh) if layout != "1dev" else contextlib.nullcontext():
+                        compiled = step.lower(*args).compile()
                     row["ms"] = common.median_ms(compiled, *args, warmup=2, runs=10)
                     row["temp_mib"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
                     shard = placed["weight"].addressable_shards[0].data
@@ -135,16 +180,20 @@ def main():
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (any device)")
     parser.add_argument("--explicit", action="store_true", help="Explicit mesh axes")
-    parser.add_argument("--backends", default="reference,auto")
-    parser.add_argument("--layouts", default="1dev,rows,vocab")
-    parser.add_argument("--sizes", default="large", choices=sorted(SIZES))
+    parser.add_argument("--backends", default="reference,auto",
+                        help="comma-separated: jnp_bf16, auto (lean), fast, or a backend name")
+    parser.add_argument("--layouts", default="1dev,rows,vocab", help="of 1dev, rows, vocab, both")
+    parser.add_argument("--sizes", default="large",
+                        help=f"comma-separated, of {', '.join(sorted(SIZES))}")
     args = parser.parse_args()
-    sizes = SIZES["smoke" if args.smoke else args.sizes]
+    sizes = ["smoke"] if args.smoke else args.sizes.split(",")
     layouts = args.layouts.split(",")
-    rows = run(sizes, ["linear_logprobs", "linear_grpo_loss"], args.backends.split(","),
-               layouts, AxisType.Explicit if args.explicit else AxisType.Auto)
+    rows = []
+    for size in sizes:
+        rows += run(SIZES[size], ["linear_logprobs", "linear_grpo_loss"], args.backends.split(","),
+                    layouts, AxisType.Explicit if args.explicit else AxisType.Auto)
     name = ("bench_many_devices" + ("_smoke" if args.smoke else "")
-            + ("" if args.sizes == "large" else f"_{args.sizes}")
+            + ("" if args.sizes == "large" else "_" + args.sizes.replace(",", "_"))
             + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts))
             + ("_explicit" if args.explicit else ""))
     print(common.write_results(name, rows, COLUMNS + ["error"]))

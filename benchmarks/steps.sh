@@ -4,7 +4,7 @@
 #   bash benchmarks/steps.sh side_by_side e2e           # results in out/bench/
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
-#   many_devices side_by_side e2e tunix device_times kernels fused timeline clocks
+#   many_devices many_devices_16k side_by_side e2e tunix device_times kernels fused timeline clocks
 #   profile memcheck fast_mode fast_accuracy fast_loss tokens distill. Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
@@ -38,8 +38,12 @@ for s in "$@"; do
     linear_ffi) step 300 "$PY" -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
     one_device) step 300 bash -c "$PY -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
       $PY -m benchmarks.bench_many_devices --layouts 1dev" ;;
-    many_devices) step 480 bash -c "$PY -m benchmarks.bench_many_devices &&
-      $PY -m benchmarks.bench_many_devices --explicit --backends auto" ;;
+    many_devices) step 560 bash -c "$PY -m benchmarks.bench_many_devices --sizes base,large \
+      --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both &&
+      $PY -m benchmarks.bench_many_devices --explicit --sizes base --backends jnp_bf16,auto,fast \
+      --layouts rows,vocab,both" ;;
+    many_devices_16k) step 560 "$PY" -m benchmarks.bench_many_devices --sizes n16k_d2048,n16k_d4096 \
+      --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both ;;
     side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;
     fast_mode) step 240 "$PY" -m benchmarks.bench_fast_mode ;;
     distill) step 540 "$PY" -m benchmarks.bench_distill --peak ;;
