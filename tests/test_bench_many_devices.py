@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 V, D = 1024, 64  # benchmarks.bench_many_devices.SIZES["smoke"]
 
 
-@pytest.mark.parametrize("axes", ["auto", "explicit"])
+@pytest.mark.parametrize("axes", [pytest.param("auto", marks=pytest.mark.slow), "explicit"])
 def test_bench_many_devices_smoke(tmp_path, axes):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
