@@ -24,6 +24,25 @@ COLUMNS = ["impl", "tag", "N", "D", "V", "fwdbwd_ms", "temp_mib", "loss"]
 SIZES = {"full": [(4096, 2048, 131072), (8192, 4096, 131072)], "small": [(64, 32, 1000)]}
 
 
+def inputs(n, d, v, seed=0):
+    """bf16 hidden [B, T, D] (B = 2 sequences per 1024 tokens, at least 2), head [V, D],
+    actions, old log-probs, rewards and mask: the inputs of every loss of :func:`losses`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    b = max(2, 2 * (n // 1024))
+    t = n // b
+    keys = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(jnp.bfloat16)
+    a = jax.random.randint(keys[2], (b, t), 0, v)
+    old = jnp.full((b, t), -np.log(v), jnp.float32)
+    r = jnp.arange(b, dtype=jnp.float32)
+    mask = jnp.ones((b, t), jnp.float32)
+    return h, w, a, old, r, mask
+
+
 def losses():
     """``{impl: loss(hidden, weight, actions, old_logp, rewards, mask)}``."""
     import jax.numpy as jnp
@@ -55,26 +74,16 @@ def main():
     args = parser.parse_args()
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from benchmarks import common
 
     rows = []
     for n, d, v in SIZES["small" if args.small else "full"]:
-        b, t = 2 * max(1, n // 1024), max(1, n // (2 * max(1, n // 1024)))
-        keys = jax.random.split(jax.random.key(0), 3)
-        h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
-        w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(
-            jnp.bfloat16)
-        a = jax.random.randint(keys[2], (b, t), 0, v)
-        old = jnp.full((b, t), -np.log(v), jnp.float32)
-        r = jnp.arange(b, dtype=jnp.float32)
-        mask = jnp.ones((b, t), jnp.float32)
+        h, w, a, old, r, mask = inputs(n, d, v)
         for impl, loss in losses().items():
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             value = float(step(h, w, a, old, r, mask)[0])
-            row = {"impl": impl, "tag": args.tag, "N": b * t, "D": d, "V": v,
+            row = {"impl": impl, "tag": args.tag, "N": h.shape[0] * h.shape[1], "D": d, "V": v,
                    "fwdbwd_ms": common.median_ms(step, h, w, a, old, r, mask, runs=args.runs),
                    "temp_mib": common.temp_mib(step, h, w, a, old, r, mask), "loss": value}
             print(row, flush=True)

@@ -140,8 +140,7 @@ def run(sizes, ops, backends, layouts, axis_type):
             for layout in layouts:
                 row = dict(op=op, backend=backend, N=b * t, D=d, layout=layout,
                            devices=1 if layout == "1dev" else len(devices))
-                mesh = mesh_of["2d" if layout == "both" else "1d"] if (
-                    layout != "both" or "2d" in mesh_of) else None
+                mesh = mesh_of.get("2d" if layout == "both" else "1d")
                 if mesh is None:
                     row["error"] = "layout 'both' needs an even number of devices, at least 4"
                     rows.append(row)

@@ -31,6 +31,7 @@ import subprocess
 import sys
 
 from benchmarks import output
+from benchmarks.bench_fast_loss import inputs, losses
 
 COLUMNS = ["impl", "N", "D", "V", "fwdbwd_ms", "us_per_token", "x_floor", "x_jnp", "temp_mib"]
 TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -42,25 +43,6 @@ SIZES = {
     "small_n": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
     "small": [(8, 32, 1000), (64, 32, 1000)],
 }
-
-
-def inputs(n, d, v, seed=0):
-    """bf16 hidden [B, T, D] (B = 2 sequences per 1024 tokens, at least 2), head [V, D],
-    actions, old log-probs, rewards and mask, as every row of the sweep takes them."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    b = max(2, 2 * (n // 1024))
-    t = n // b
-    keys = jax.random.split(jax.random.key(seed), 3)
-    h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(jnp.bfloat16)
-    a = jax.random.randint(keys[2], (b, t), 0, v)
-    old = jnp.full((b, t), -np.log(v), jnp.float32)
-    r = jnp.arange(b, dtype=jnp.float32)
-    mask = jnp.ones((b, t), jnp.float32)
-    return h, w, a, old, r, mask
 
 
 def three_gemms(h, w, *_):
@@ -75,8 +57,6 @@ def three_gemms(h, w, *_):
 def steps():
     """``{impl: jitted step(h, w, a, old, r, mask)}``."""
     import jax
-
-    from benchmarks.bench_fast_loss import losses
 
     out = {impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
            for impl, loss in losses().items()}
@@ -202,7 +182,7 @@ def main():
             print(row, flush=True)
             rows.append(row)
     if args.torch:
-        for (n, d, v), ms in torch_rows([s for s in sizes], args.runs).items():
+        for (n, d, v), ms in torch_rows(sizes, args.runs).items():
             jnp_ms = next(r["fwdbwd_ms"] for r in rows if r["impl"] == "jnp bf16" and
                           (r["D"], r["V"]) == (d, v) and r["N"] == n)
             rows.append({"impl": "torch bf16", "N": n, "D": d, "V": v, "fwdbwd_ms": ms,

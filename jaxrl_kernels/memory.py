@@ -141,8 +141,9 @@ def choose(request: Request, backend: str | None,
     """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``): its
     ``memory`` as :func:`requested` resolves it. ``backend``: the op's ``backend=`` argument
     (with ``"fast"`` from the op's own ``memory=``, an error: the fast mode has no backend;
-    with ``"fast"`` from a scope or the variable, ``"lean"`` on that backend); ``wanted``: a backend requested
-    by ``use_backend`` or the environment, which ``"fast"`` notes it does not use."""
+    with ``"fast"`` from a scope or the variable, ``"lean"`` on that backend); ``wanted``: a
+    backend requested by ``use_backend`` or the environment, which ``"fast"`` notes it does
+    not use."""
     memory, asked = requested(request.memory)
     kept_bytes, kept_shape, kept_dtype = request.kept_bytes, request.kept_shape, request.kept_dtype
     loss, gemms, kept = request.loss, request.gemms, request.kept
