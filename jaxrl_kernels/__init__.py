@@ -10,6 +10,7 @@ from jaxrl_kernels.explain import explain
 from jaxrl_kernels.memory import memory_mode
 from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
 from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
+from jaxrl_kernels.topk_distill import linear_topk_distill_loss
 from jaxrl_kernels.linear_losses import (
     linear_grpo_loss,
     linear_policy_gradient_loss,
@@ -42,6 +43,7 @@ __all__ = [
     "linear_logprobs",
     "linear_policy_gradient_loss",
     "linear_ppo_loss",
+    "linear_topk_distill_loss",
     "linear_topk_logprobs",
     "memory_mode",
     "policy_gradient_loss",

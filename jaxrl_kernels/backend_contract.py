@@ -81,6 +81,7 @@ OP_PRIMITIVE: dict[str, str] = {
     "group_advantages": "group_advantages",
     "linear_distill_loss": "distill_divergence",
     "linear_topk_logprobs": "topk_logprobs",
+    "linear_topk_distill_loss": "linear_logprobs",
 }
 
 # Primitives whose reference implementation holds a float32 [N, V] buffer.

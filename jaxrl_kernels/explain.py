@@ -11,14 +11,15 @@ from typing import Any
 
 import jax
 
-from jaxrl_kernels import dispatch, distill, linear_losses, logits_losses, logprobs, losses
+from jaxrl_kernels import (dispatch, distill, linear_losses, logits_losses, logprobs, losses,
+                           topk_distill)
 from jaxrl_kernels import trace_log
 from jaxrl_kernels.backend_contract import OP_PRIMITIVE, Choice
 
 
 def _public_ops() -> dict[str, Any]:
     """Public op name -> the function."""
-    modules = (logprobs, losses, logits_losses, linear_losses, distill)
+    modules = (logprobs, losses, logits_losses, linear_losses, distill, topk_distill)
     return {name: getattr(m, name) for m in modules for name in OP_PRIMITIVE if hasattr(m, name)}
 
 

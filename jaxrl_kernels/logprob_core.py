@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, sharding, softmax_math
+from jaxrl_kernels import engine, head, head_ids, sharding, softmax_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
 
 
 def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
-                   weight_layout, with_entropy, n_kept=0, vocab_axis=None):
+                   weight_layout, with_entropy, n_kept=0, vocab_axis=None, temperature=1.0):
     """``(logp, entropy | None)`` of a linear head as an :mod:`engine` op, from its halves on
     one device's flat rows:
 
@@ -178,7 +178,14 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
     *kept)``: this device's row statistics (the module docstring), and ``n_kept`` residuals
     ``[N, V_local]`` (the logits, for ``memory="fast"``);
     ``backward(h, weight, bias, *kept, t_local, lse, entropy, g, g_ent) -> (d_hidden,
-    d_weight, d_bias | None)``, with no gradient on inactive rows (:func:`backward_rows`)."""
+    d_weight, d_bias | None)``, with no gradient on inactive rows (:func:`backward_rows`).
+
+    ``targets`` [..., K] (as many dimensions as ``hidden``, ``row_valid`` per id): K ids per
+    row, see :func:`_linear_ids_op` (``temperature``: the one ``stats`` divides by)."""
+    if targets.ndim == hidden.ndim:
+        return _linear_ids_op(stats, backward, hidden, weight, bias, targets, row_valid,
+                              weight_layout=weight_layout, with_entropy=with_entropy,
+                              n_kept=n_kept, vocab_axis=vocab_axis, temperature=temperature)
     if targets.ndim == 0:  # one row
         return _first_row(linear_head_op(stats, backward, hidden[None], weight, bias,
                                          targets[None], row_valid[None],
@@ -209,6 +216,72 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
     return outs[0], (outs[1] if with_entropy else None)
 
 
+def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weight_layout,
+                   with_entropy, n_kept, vocab_axis, temperature):
+    """:func:`linear_head_op` with K ids per row: ``(logp [..., K], entropy [...] | None)``.
+
+    One statistics pass per row (``stats`` with no target), the K logits at the ids from
+    ``head_ids``; the backward is the halves' ``backward`` with no target and ``g = Σ_k g_k``
+    (the ``−p`` part of ``d logp_k / dz = onehot_k − p``), plus the one-hot part from
+    ``head_ids``. A row counts (entropy, gradient) when one of its ids is valid; an invalid id
+    gives 0 and no gradient, an id outside ``[0, V)`` NaN."""
+    if ids.ndim == 1:  # one row
+        return _first_row(_linear_ids_op(stats, backward, hidden[None], weight, bias, ids[None],
+                                         id_valid[None], weight_layout=weight_layout,
+                                         with_entropy=with_entropy, n_kept=n_kept,
+                                         vocab_axis=vocab_axis, temperature=temperature))
+    rows = "r" * (ids.ndim - 1)
+    n_out = 2 if with_entropy else 1
+    opts = dict(weight_layout=weight_layout, temperature=temperature)
+
+    def local_ids(plan, w, i):
+        local_vocab = head.vocab_size(w, weight_layout)
+        i = i - plan.vocab_offset(local_vocab)
+        return i, (i >= 0) & (i < local_vocab)
+
+    def local_forward(plan, h, w, b, i, valid):
+        i, holds = local_ids(plan, w, i)
+        row_valid = jnp.any(valid, axis=-1)
+        no_target = jnp.full(row_valid.shape, -1, jnp.int32)
+        stats_, _, *kept = stats(plan, h, w, b, no_target, row_valid)
+        stats_, _, _ = softmax_math.combine_vocab_shards(
+            stats_, jnp.zeros(row_valid.shape, jnp.float32), jnp.zeros(row_valid.shape, bool),
+            plan.vocab_axes)
+        z = head_ids.id_logits(h, w, b, i, holds, **opts)
+        holders = holds.astype(jnp.int32)
+        if plan.vocab_axes:
+            z, holders = jax.lax.psum((z, holders), plan.vocab_axes)
+        log_s = jnp.log(stats_[1])
+        lse = stats_[0] + log_s
+        in_range = holders == 1
+        logp = jnp.where(valid, jnp.where(in_range, (z - stats_[0][:, None]) - log_s[:, None],
+                                          jnp.nan), 0.0)
+        outs = (logp,)
+        if with_entropy:
+            outs += (jnp.where(row_valid, log_s - stats_[2] / stats_[1], 0.0),)
+        return outs + (lse,) + outs[1:] + (row_valid, valid & in_range) + tuple(kept)
+
+    def local_backward(plan, h, w, b, i, _valid, *rest):
+        lse, ent, row_valid, rest = _row_residuals(rest, with_entropy)
+        active, kept, (g, *g_ent) = rest[0], rest[1:1 + n_kept], rest[1 + n_kept:]
+        g = jnp.where(active, g.astype(jnp.float32), 0.0)
+        no_target = jnp.full(lse.shape, -1, jnp.int32)
+        _, lse, ent, g_rows, g_ent = backward_rows(plan, 0, no_target, lse, ent, row_valid,
+                                                   jnp.sum(g, axis=-1),
+                                                   g_ent[0] if with_entropy else None)
+        d_h, d_w, d_b = backward(h, w, b, *kept, no_target, lse, ent, g_rows, g_ent)
+        i, holds = local_ids(plan, w, i)
+        return head_ids.id_backward(h, w, b, i, holds, g, d_h, d_w, d_b, **opts)
+
+    outs = engine.differentiable(
+        local_forward, local_backward, (hidden, weight, bias, ids, id_valid),
+        head_roles(ids.ndim - 1, weight_layout) + (rows + "-", rows + "-"),
+        (rows + "-",) + (rows,) * (n_out - 1),
+        (rows,) * n_out + (rows, rows + "-") + (rows + "v",) * n_kept, diff=(0, 1, 2),
+        vocab_axis=vocab_axis)
+    return outs[0], (outs[1] if with_entropy else None)
+
+
 def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight_layout,
                       temperature, return_entropy, backward=None, vocab_axis=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits.
@@ -218,9 +291,10 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
     backward pass is traced.
     """
     if isinstance(parts, Whole):
-        return _whole(parts, (hidden, weight, bias), head_roles(targets.ndim, weight_layout),
+        n_rows = hidden.ndim - 1
+        return _whole(parts, (hidden, weight, bias), head_roles(n_rows, weight_layout),
                       targets, row_valid, 2 if return_entropy else 1, vocab_axis,
-                      weight_layout=weight_layout, temperature=temperature,
+                      n_row_dims=n_rows, weight_layout=weight_layout, temperature=temperature,
                       return_entropy=return_entropy)
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
@@ -236,7 +310,7 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
 
     return linear_head_op(stats, local_backward, hidden, weight, bias, targets, row_valid,
                           weight_layout=weight_layout, with_entropy=return_entropy,
-                          vocab_axis=vocab_axis)
+                          vocab_axis=vocab_axis, temperature=temperature)
 
 
 def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entropy, active, g,
@@ -269,18 +343,22 @@ def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entr
 
 # -- ops jax differentiates itself (the reference backend) -------------------------------------
 
-def _whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis, **options):
+def _whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis, *,
+           n_row_dims=None, **options):
     """Run a ``Whole`` op through ``sharding.run`` as plain jnp; returns its first two outputs
-    (the second None when it has one)."""
-    rows = "r" * targets.ndim
+    (the second None when it has one). ``targets`` may have one dimension more than the
+    ``n_row_dims`` row dimensions (default: all of its own): K ids per row."""
+    n_row_dims = targets.ndim if n_row_dims is None else n_row_dims
+    rows = "r" * n_row_dims
+    per_id = rows + "-" * (targets.ndim - n_row_dims)
 
     def local(plan, *args):
         *ops, targets, row_valid = args
         out = parts.fn(*ops, targets, row_valid, vocab_axes=plan.vocab_axes,
-                       n_row_dims=targets.ndim, **options)
+                       n_row_dims=n_row_dims, **options)
         return tuple(out)[:n_out]
 
-    outs = sharding.run(local, tuple(operands) + (targets, row_valid), tuple(roles) + (rows, rows),
-                        (rows,) * n_out, vocab_axis=vocab_axis, differentiable=True,
-                        record=engine.note_layout)
+    outs = sharding.run(local, tuple(operands) + (targets, row_valid),
+                        tuple(roles) + (per_id, per_id), (per_id,) + (rows,) * (n_out - 1),
+                        vocab_axis=vocab_axis, differentiable=True, record=engine.note_layout)
     return outs[0], (outs[1] if n_out == 2 else None)

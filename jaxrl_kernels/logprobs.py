@@ -105,8 +105,8 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, weight_layout,
                          temperature, return_entropy, vocab_axis=None):
     """The linear_logprobs primitive on validated inputs, by ``choice`` (:func:`head_choice`):
-    hidden [..., D] with rows [...] (targets, row_valid). Returns (logp [...], entropy [...] |
-    None)."""
+    hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
+    (logp like targets, entropy [...] | None)."""
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis)
     if choice.fast:
@@ -133,7 +133,9 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
       hidden: ``[..., D]`` float (a model's final hidden states).
       weight: the LM head: ``[V, D]`` for ``weight_layout="vd"`` (a head or a tied embedding
         table), ``[D, V]`` for ``"dv"`` (the kernel of a Flax ``nn.Dense`` / ``nnx.Linear``).
-      targets: ``[...]`` integer token ids (``hidden.shape[:-1]``).
+      targets: ``[...]`` integer token ids (``hidden.shape[:-1]``), or ``[..., K]``: K ids
+        per position, each position's log-probs at all of them from one pass over the
+        vocabulary (ids ``< 0`` are padding: log-prob 0, no gradient).
       bias: ``[V]`` or ``None``.
       weight_layout: ``"vd"`` or ``"dv"``, as above.
       temperature, ignore_index, return_entropy, backend: as in ``token_logprobs`` (backend
@@ -146,7 +148,9 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
 
     Returns:
-      float32 ``logp`` ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``.
+      float32 ``logp`` shaped like ``targets``, or ``(logp, entropy)`` with
+      ``return_entropy=True`` (entropy ``[...]``, one per position; 0 where every id of a
+      position is padding or ``ignore_index``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
@@ -158,12 +162,22 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
     """
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     targets = check.integer("targets", targets)
-    check.shape("targets", targets, hidden.shape[:-1], "hidden.shape[:-1]")
+    rows = hidden.shape[:-1]
+    if targets.ndim == hidden.ndim and targets.shape[:-1] == rows and targets.shape[-1] >= 1:
+        row_valid, _ = _row_valid(targets, ignore_index)
+        row_valid = row_valid & (targets >= 0)  # K ids per row: ids < 0 are padding
+        ignored = ~row_valid
+    else:
+        if targets.ndim == hidden.ndim:
+            raise ValueError(f"targets: expected shape {tuple(rows)} (hidden.shape[:-1]) or "
+                             f"{tuple(rows)} + (K,) with K >= 1, got {tuple(targets.shape)}")
+        check.shape("targets", targets, rows, "hidden.shape[:-1]")
+        row_valid, ignored = _row_valid(targets, ignore_index)
     check.positive("temperature", temperature)
     vocab = global_vocab(local_vocab, vocab_axis)
-    row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
-    choice = head_choice("linear_logprobs", memory, hidden, weight, bias, targets,
+    choice = head_choice("linear_logprobs", memory, hidden, weight, bias,
+                         jax.ShapeDtypeStruct(rows, jnp.int32),
                          weight_layout=weight_layout, return_entropy=return_entropy,
                          backend=backend, vocab_axis=vocab_axis)
     logp, entropy = linear_logprobs_rows(

@@ -153,4 +153,4 @@ def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_lay
     return logprob_core.linear_head_op(stats, backward, hidden, weight, bias, targets,
                                        row_valid, weight_layout=weight_layout,
                                        with_entropy=return_entropy, n_kept=1,
-                                       vocab_axis=vocab_axis)
+                                       vocab_axis=vocab_axis, temperature=temperature)

@@ -134,6 +134,80 @@ def linear_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, 
     return dh.reshape(h.shape), dw, db
 
 
+def _head_vjp(h, w, dl, weight_layout, with_bias):
+    """(d_hidden, d_weight, d_bias) of logits = h W^T (+ b) for a logits cotangent ``dl``."""
+    d = h.shape[-1]
+    h2, dl2 = h.reshape(-1, d), dl.reshape(-1, dl.shape[-1])
+    if weight_layout == "vd":
+        dh, dw = dl2 @ w, dl2.T @ h2
+    else:
+        dh, dw = dl2 @ w.T, h2.T @ dl2
+    return dh.reshape(h.shape), dw, (dl2.sum(0) if with_bias else None)
+
+
+def linear_id_logprobs(hidden, weight, ids, bias=None, *, weight_layout="vd", temperature=1.0,
+                       dt=F64):
+    """K ids per position: ``(logp [..., K], entropy [...])``. logp = z[id] - logsumexp(z) at
+    each id >= 0 (0 at ids < 0); the entropy of each position with an id >= 0 (0 elsewhere)."""
+    z = linear_logits(hidden, weight, bias, weight_layout=weight_layout, dt=dt) / dt(temperature)
+    ids = np.asarray(ids).astype(np.int64)
+    valid = ids >= 0
+    _, lse, mean_z = _softmax_stats(z)
+    logp = np.take_along_axis(z, np.where(valid, ids, 0), axis=-1) - lse
+    ent = (lse - mean_z)[..., 0]
+    return (np.where(valid, logp, 0).astype(dt),
+            np.where(valid.any(-1), ent, 0).astype(dt))
+
+
+def linear_id_logprobs_vjp(hidden, weight, ids, g_logp, g_ent=None, bias=None, *,
+                           weight_layout="vd", temperature=1.0, dt=F64):
+    """``(d_hidden, d_weight, d_bias)`` of :func:`linear_id_logprobs` for cotangents ``g_logp``
+    [..., K] and ``g_ent`` [...]: dz = (sum_k g_k (onehot_k - p) - g_H p (z - sum p z)) / T over
+    the valid ids (a repeated id adds its one-hot twice)."""
+    h = np.asarray(f64(hidden), dtype=dt)
+    w = np.asarray(f64(weight), dtype=dt)
+    temp = dt(temperature)
+    z = linear_logits(h, w, bias, weight_layout=weight_layout, dt=dt) / temp
+    ids = np.asarray(ids).astype(np.int64)
+    valid = ids >= 0
+    p, _, mean_z = _softmax_stats(z)
+    g = np.where(valid, np.asarray(g_logp, dt), 0)
+    dz = -g.sum(-1, keepdims=True) * p
+    flat_dz, flat_ids, flat_g = dz.reshape(-1, z.shape[-1]), ids.reshape(-1, ids.shape[-1]), \
+        g.reshape(-1, ids.shape[-1])
+    for r in range(flat_dz.shape[0]):
+        for k in range(flat_ids.shape[1]):
+            if flat_ids[r, k] >= 0:
+                flat_dz[r, flat_ids[r, k]] += flat_g[r, k]
+    dz = flat_dz.reshape(z.shape)
+    if g_ent is not None:
+        ge = np.where(valid.any(-1), np.asarray(g_ent, dt), 0)[..., None]
+        dz = dz - ge * p * (z - mean_z)
+    return _head_vjp(h, w, dz / temp, weight_layout, bias is not None)
+
+
+def topk_distill_terms(student_logp, teacher_logp, ids, tail="drop", dt=F64):
+    """Per position: ``(d, dd/dlogp_s [..., K])`` of the forward KL over the valid ids (>= 0),
+    d = sum_k p_t (log p_t - log p_s) (+ tail "bucket": r_t (log r_t - log r_s),
+    r = 1 - sum_k p; 0 where r_t <= 0)."""
+    ls = np.asarray(f64(student_logp), dt)
+    lt = np.asarray(f64(teacher_logp), dt)
+    valid = np.asarray(ids) >= 0
+    p_t = np.where(valid, np.exp(lt), 0)
+    with np.errstate(invalid="ignore"):
+        d = np.sum(np.where(p_t > 0, p_t * (lt - ls), 0), axis=-1)
+    grad = -p_t
+    if tail == "bucket":
+        r_t = 1 - p_t.sum(-1)
+        p_s = np.where(valid, np.exp(ls), 0)
+        r_s = 1 - p_s.sum(-1)
+        some = r_t > 0
+        safe_t, safe_s = np.where(some, r_t, 1), np.where(some, r_s, 1)
+        d = d + np.where(some, r_t * (np.log(safe_t) - np.log(safe_s)), 0)
+        grad = grad + np.where(some, r_t / safe_s, 0)[..., None] * p_s
+    return d.astype(dt), grad.astype(dt)
+
+
 # ----------------------------------------------------------------------------- RL math
 
 

@@ -39,11 +39,39 @@ def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
     return softmax_math.finalize_logprob(target_rel, log_s, entropy, holders == 1, row_valid)
 
 
+def _ids_logprobs_from_z(z, ids, id_valid, return_entropy, vocab_axes):
+    """:func:`_logprobs_from_z` with K ids per row (``ids``, ``id_valid`` [N, K]): log-probs
+    [N, K] (0 at invalid ids, NaN at ids outside [0, V)) and the entropy of each row with a
+    valid id (0 elsewhere)."""
+    local_vocab = z.shape[-1]
+    offset = jax.lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
+    psum = (lambda x: jax.lax.psum(x, vocab_axes)) if vocab_axes else (lambda x: x)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+    if vocab_axes:
+        m = jax.lax.pmax(m, vocab_axes)
+    shifted = z - m[:, None]
+    log_s = jnp.log(psum(jnp.sum(jnp.exp(shifted), axis=-1)))
+    local = ids - offset
+    holds = (local >= 0) & (local < local_vocab)
+    at = jnp.take_along_axis(shifted, jnp.clip(local, 0, local_vocab - 1), axis=-1)
+    target_rel = psum(jnp.where(holds, at, 0.0))
+    in_range = psum(holds.astype(jnp.int32)) == 1
+    logp = jnp.where(id_valid, jnp.where(in_range, target_rel - log_s[:, None], jnp.nan), 0.0)
+    entropy = None
+    if return_entropy:
+        p = jnp.exp(shifted - log_s[:, None])
+        entropy = log_s - psum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
+        entropy = jnp.where(jnp.any(id_valid, axis=-1), entropy, 0.0)
+    return logp, entropy
+
+
 def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
-    shape = targets.shape
     flat = [None if x is None else x.reshape((-1,) + x.shape[n_row_dims:]) for x in operands]
-    logp, entropy = fn(*flat, targets.reshape(-1), row_valid.reshape(-1), **kw)
-    return logp.reshape(shape), None if entropy is None else entropy.reshape(shape)
+    logp, entropy = fn(*flat, targets.reshape((-1,) + targets.shape[n_row_dims:]),
+                       row_valid.reshape((-1,) + targets.shape[n_row_dims:]), **kw)
+    rows = targets.shape[:n_row_dims]
+    return (logp.reshape(targets.shape),
+            None if entropy is None else entropy.reshape(rows))
 
 
 def token_jnp(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
@@ -65,9 +93,13 @@ def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vo
 
 def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                return_entropy, vocab_axes=(), n_row_dims=1):
+    """Log-probs at ``targets`` [*rows] or at K ids per row [*rows, K] (``n_row_dims``
+    leading dimensions of ``hidden`` are rows)."""
+    per_row = _ids_logprobs_from_z if targets.ndim > n_row_dims else _logprobs_from_z
+
     def flat(hidden, targets, row_valid):
         z = head.float32_logits(hidden, weight, bias, weight_layout) / temperature
-        return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
+        return per_row(z, targets, row_valid, return_entropy, vocab_axes)
     return _flat_rows(flat, n_row_dims, targets, row_valid, hidden)
 
 
