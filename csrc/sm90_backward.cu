@@ -71,6 +71,16 @@ __global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const
   }
 }
 
+// G[n, id - start] += coef[n, k] for the ids of row n inside the chunk [start, start + size);
+// atomic, as a row may list an id twice.
+__global__ void add_id_grads_kernel(__half* __restrict__ g, int64_t ld, const int32_t* __restrict__ ids,
+                                    const float* __restrict__ coef, int64_t count, int k, int start, int size) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    const int col = ids[i] - start;
+    if (col >= 0 && col < size && coef[i] != 0.f) atomicAdd(g + (i / k) * ld + col, __float2half(coef[i]));
+  }
+}
+
 // Folds max |W| over the columns [start, start + size) into *out (check with cuda_error).
 void launch_weight_absmax(DType dtype, bool weight_dv, const void* weight, int start, int size, int d, int v,
                                  uint32_t* out, int sm_count, cudaStream_t stream) {
@@ -144,6 +154,13 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     }
     why = launch_grad(grad, choose_grad_plan(n, size, a.sm_count), stream);
     if (!why.empty()) return why;
+    if (a.id_k > 0) {
+      const int64_t count = int64_t{n} * a.id_k;
+      const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 8ll * a.sm_count));
+      add_id_grads_kernel<<<blocks, 256, 0, stream>>>(g, ld, a.ids, a.id_coef, count, a.id_k, start, size);
+      why = cuda_error("add_id_grads_kernel launch");
+      if (!why.empty()) return why;
+    }
 
     // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
     why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,

@@ -126,6 +126,11 @@ struct BackwardArgs {
   void* workspace = nullptr;        // backward_workspace_bytes(...)
   int chunk = 0;                    // columns per chunk, a multiple of 256
   int sm_count = 0;
+  // K ids per row (linear_logprobs at [N, K] ids): G[n, id] += id_coef[n, k] for each
+  // ids[n, k] in [0, V) (a repeated id adds twice); the targets then are all -1. id_k = 0: none.
+  const int32_t* ids = nullptr;     // [N, K]
+  const float* id_coef = nullptr;   // [N, K], in units of G (g_k / (s T))
+  int id_k = 0;
 };
 
 // Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight, each

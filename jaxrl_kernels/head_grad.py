@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import head
+from jaxrl_kernels import head, head_ids
 from jaxrl_kernels.placement import varying_like
 
 
@@ -69,9 +69,13 @@ vocabulary columns [start, start + size), and, if the kernel writes it too, the 
 W16 = float16(σ_W · W[those columns]) in W's layout (None: ``backward`` converts it)."""
 
 
-def row_bound(g_logp, g_ent, entropy, temperature):
-    """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0)."""
+def row_bound(g_logp, g_ent, entropy, temperature, g_ids=None):
+    """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0); with K
+    ids per row (``g_ids`` [N, K], ``g_logp`` their sum: ``head_ids.split_targets``) the
+    one-hot terms add ``Σ_k |g_k|``."""
     bound = jnp.abs(g_logp)
+    if g_ids is not None:
+        bound = bound + jnp.sum(jnp.abs(g_ids), axis=-1)
     if g_ent is not None:
         bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
     bound = bound / temperature
@@ -134,8 +138,8 @@ class Scaled:
     d_w_scale: jax.Array
 
     @classmethod
-    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature) -> Scaled:
-        s = row_bound(g_logp, g_ent, entropy, temperature)
+    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids=None) -> Scaled:
+        s = row_bound(g_logp, g_ent, entropy, temperature, g_ids)
         rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
                           temperature)
         return cls.of_bound(hidden, weight, s, rows)
@@ -163,13 +167,23 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
     faster: benchmarks/results/bench_linear_backward.md); they write every column of
     d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
-    the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one)."""
-    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature)
-    return scaled_backward(
-        hidden, weight, bias, scaled,
-        lambda start, size: write_grad(scaled.rows, start, size, hidden, weight, scaled.sigma_w),
-        weight_layout=weight_layout, chunk_bytes=chunk_bytes, align=align,
-        weight_grad_init=weight_grad_init)
+    the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one).
+    ``targets`` and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``), their
+    one-hot terms added to each chunk's G (``write_grad`` is to write G with no target:
+    built on the split's row targets)."""
+    _, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
+    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids)
+
+    def write_g(start, size):
+        g16, w16 = write_grad(scaled.rows, start, size, hidden, weight, scaled.sigma_w)
+        if ids is not None:
+            g16 = head_ids.add_id_grads(g16, ids, g_ids / (scaled.s * temperature)[:, None],
+                                        start)
+        return g16, w16
+
+    return scaled_backward(hidden, weight, bias, scaled, write_g, weight_layout=weight_layout,
+                           chunk_bytes=chunk_bytes, align=align,
+                           weight_grad_init=weight_grad_init)
 
 
 def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_layout,

@@ -1,17 +1,17 @@
-"""A linear head at a few vocabulary ids per row: their logits, and those logits' backward.
+"""A linear head at K vocabulary ids per row: their logits, and their one-hot gradient.
 
 For ids ``i`` [N, K] (this device's columns; ``holds`` says which ids this device has)::
 
-    z[n, k]  = (h_n · W[i_nk] + b[i_nk]) / T                  (float32, exact products)
-    d_hidden[n]   += Σ_k g[n, k] · W[i_nk] / T
-    d_weight[i_nk] += g[n, k] · h_n / T                        (ids repeat: their terms add)
-    d_bias[i_nk]   += g[n, k] / T
+    z[n, k] = (h_n · W[i_nk] + b[i_nk]) / T            (float32, exact products)
 
-``N·K·D`` work: the K-id log-probs (``logprob_core.linear_head_op`` with ids) take the row
-statistics from a backend's pass over the whole vocabulary and these K logits from here, and
-add this backward's terms (the one-hot part of ``d logp_k / dz``) to the backend's dense
-backward (the ``−p`` part). Rows are walked in blocks of at most :data:`ID_BLOCK_BYTES` of
-gathered weight rows, so no ``[N, K, D]`` array is ever whole.
+is ``N·K·D`` work, walked in row blocks of at most :data:`ID_BLOCK_BYTES` of gathered weight
+rows (no ``[N, K, D]`` array is ever whole). The K-id log-probs
+(``logprob_core.linear_head_op`` with ids) take each row's statistics from a backend's pass
+over the whole vocabulary and these K logits from here. Their backward is the backend's, with
+``d logp_k / dz = onehot_k − p``: the ``−p`` part with the row coefficient ``Σ_k g_k``
+(:func:`split_targets`), the one-hot part added to each vocabulary chunk's logit gradient
+before its GEMMs (:func:`add_id_grads`; the SM90 backward in its own kernel), so the K ids
+cost no GEMM and no pass over the weight.
 """
 
 from __future__ import annotations
@@ -64,29 +64,23 @@ def id_logits(hidden, weight, bias, ids, holds, *, weight_layout, temperature):
     return jnp.where(holds, z if temperature == 1.0 else z / temperature, 0.0)
 
 
-def id_backward(hidden, weight, bias, ids, holds, g, d_hidden, d_weight, d_bias, *,
-                weight_layout, temperature):
-    """``(d_hidden, d_weight, d_bias)`` with the terms of cotangents ``g`` [N, K] of the logits
-    at ``ids`` added (see the module docstring), in float32; ids not ``holds`` add nothing."""
-    n_rows, k = ids.shape
-    dim = hidden.shape[-1]
-    g = jnp.where(holds, g.astype(jnp.float32), 0.0) / temperature
-    safe = jnp.where(holds, ids, 0)
-    column = weight_layout == "dv"
+def split_targets(targets, g):
+    """A backward's targets and cotangents as ``(row_targets [N], row_g [N], ids, g_ids)``:
+    one target per row (``targets`` [N]): themselves and ``ids = g_ids = None``; K ids per
+    row (``targets``, ``g`` [N, K]): no row target (−1), ``row_g = Σ_k g_k`` (the ``−p``
+    part of ``d logp_k / dz = onehot_k − p``) and the ids with their cotangents (the one-hot
+    part, :func:`add_id_grads`)."""
+    if targets.ndim == 1:
+        return targets, g, None, None
+    return (jnp.full(targets.shape[:1], -1, jnp.int32), jnp.sum(g, axis=-1), targets, g)
 
-    def step(carry, args):
-        d_w, d_b = carry
-        gb, ib, hb = args
-        d_h = jnp.sum(gb[:, :, None] * _gathered(weight, ib, weight_layout), axis=1)
-        update = (gb[:, :, None] * hb.astype(jnp.float32)[:, None, :]).reshape(-1, dim)
-        flat = ib.reshape(-1)
-        d_w = d_w.at[:, flat].add(update.T) if column else d_w.at[flat].add(update)
-        if d_b is not None:
-            d_b = d_b.at[flat].add(gb.reshape(-1))
-        return (d_w, d_b), d_h
 
-    init = (d_weight.astype(jnp.float32),
-            None if d_bias is None else d_bias.astype(jnp.float32))
-    (d_weight, d_bias), d_h = jax.lax.scan(step, init, _row_blocks(n_rows, k, dim, g, safe,
-                                                                   hidden))
-    return d_hidden.astype(jnp.float32) + _rows_back(d_h, n_rows), d_weight, d_bias
+def add_id_grads(dz, ids, coef, start):
+    """``dz`` [N, size], the logit gradient of the columns ``[start, start + size)``, with
+    ``coef`` [N, K] added at the columns ``ids`` [N, K] (ids outside the chunk add nothing; an
+    id listed twice adds twice), in ``dz``'s dtype."""
+    size = dz.shape[1]
+    at = ids - start
+    at = jnp.where((at >= 0) & (at < size), at, size)  # size: out of bounds, dropped
+    rows = jnp.broadcast_to(jnp.arange(dz.shape[0])[:, None], ids.shape)
+    return dz.at[rows, at].add(coef.astype(dz.dtype), mode="drop")

@@ -221,9 +221,8 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
     """:func:`linear_head_op` with K ids per row: ``(logp [..., K], entropy [...] | None)``.
 
     One statistics pass per row (``stats`` with no target), the K logits at the ids from
-    ``head_ids``; the backward is the halves' ``backward`` with no target and ``g = Σ_k g_k``
-    (the ``−p`` part of ``d logp_k / dz = onehot_k − p``), plus the one-hot part from
-    ``head_ids``. A row counts (entropy, gradient) when one of its ids is valid; an invalid id
+    ``head_ids.id_logits``; the backward is the halves' ``backward`` with the ids [N, K] as
+    targets and their cotangents [N, K] (``head_ids.split_targets``). A row counts (entropy, gradient) when one of its ids is valid; an invalid id
     gives 0 and no gradient, an id outside ``[0, V)`` NaN."""
     if ids.ndim == 1:  # one row
         return _first_row(_linear_ids_op(stats, backward, hidden[None], weight, bias, ids[None],
@@ -265,13 +264,11 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
         lse, ent, row_valid, rest = _row_residuals(rest, with_entropy)
         active, kept, (g, *g_ent) = rest[0], rest[1:1 + n_kept], rest[1 + n_kept:]
         g = jnp.where(active, g.astype(jnp.float32), 0.0)
-        no_target = jnp.full(lse.shape, -1, jnp.int32)
-        _, lse, ent, g_rows, g_ent = backward_rows(plan, 0, no_target, lse, ent, row_valid,
-                                                   jnp.sum(g, axis=-1),
-                                                   g_ent[0] if with_entropy else None)
-        d_h, d_w, d_b = backward(h, w, b, *kept, no_target, lse, ent, g_rows, g_ent)
+        lse = jnp.where(row_valid, lse, jnp.inf)
+        g_ent = jnp.where(row_valid, g_ent[0].astype(jnp.float32), 0.0) if with_entropy else None
+        ent = jnp.where(row_valid, ent, 0.0) if with_entropy else None
         i, holds = local_ids(plan, w, i)
-        return head_ids.id_backward(h, w, b, i, holds, g, d_h, d_w, d_b, **opts)
+        return backward(h, w, b, *kept, jnp.where(holds, i, -1), lse, ent, g, g_ent)
 
     outs = engine.differentiable(
         local_forward, local_backward, (hidden, weight, bias, ids, id_valid),

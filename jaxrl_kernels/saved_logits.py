@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, head_grad, logprob_core, softmax_math
+from jaxrl_kernels import engine, head, head_grad, head_ids, logprob_core, softmax_math
 
 
 def kept_dtype(hidden_dtype, weight_dtype):
@@ -104,13 +104,16 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
 
     A float16 head takes the scaled gradient (``head_grad.Scaled``): unscaled, a row's small
     entries of ``dz`` fall among float16's subnormals (below 6.1e-5), where it keeps few
-    bits."""
+    bits. ``t_local`` and ``g`` [N, K]: K ids per row (``head_ids.split_targets``)."""
+    t_local, g, ids, g_ids = head_ids.split_targets(t_local, g)
     is_target = jnp.arange(z.shape[1])[None, :] == t_local[:, None]
     dtype = jnp.dtype(jnp.result_type(hidden, weight))
     if dtype == jnp.float16:
-        sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature)
+        sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature, g_ids)
         dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy,
                                             is_target, sc.rows.g, sc.rows.g_ent, temperature)
+        if ids is not None:
+            dz = head_ids.add_id_grads(dz, ids, g_ids / (sc.s * temperature)[:, None], 0)
         g16 = dz.astype(jnp.float16)
         w16 = (weight.astype(jnp.float32) * sc.sigma_w).astype(jnp.float16)
         acc = head.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
@@ -121,6 +124,8 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
                 None if bias is None else d_bias.astype(bias.dtype))
     dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy, is_target,
                                         g, g_ent, temperature)
+    if ids is not None:
+        dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, 0)
     dz_op = dz.astype(dtype)
     d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
                                 precision=head.matmul_precision(dtype),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, softmax_math, vocab_chunks
+from jaxrl_kernels import head, head_ids, softmax_math, vocab_chunks
 from jaxrl_kernels.logprob_core import Parts
 
 CHUNK_BYTES = 4 * 2**20
@@ -113,8 +113,10 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     """(d_hidden, d_weight, d_bias | None) from per-row cotangents, chunk by chunk.
 
     For each vocabulary chunk: dz = d loss/d logits (float32), then
-    d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32.
+    d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32. ``targets``
+    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``).
     """
+    targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
     z_chunk = vocab_chunks.linear_chunk(hidden, weight, bias, weight_layout, temperature)
     hidden32 = hidden.astype(jnp.float32)
@@ -125,6 +127,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         is_target = cols[None, :] == targets[:, None]
         dz = softmax_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
                                        g_ent, temperature)
+        if ids is not None:
+            dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
         dz = jnp.where(fresh, dz, 0.0)
         w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         d_hidden = d_hidden + head.hidden_grad(dz, w, weight_layout, precision=hi)

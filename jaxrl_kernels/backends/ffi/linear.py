@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import head, head_grad
+from jaxrl_kernels import head, head_grad, head_ids
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.logprob_core import Parts
 
@@ -119,14 +119,21 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
                     weight_layout, temperature, config=None):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
-    custom call over all chunks of ``config.chunk_bytes``."""
+    custom call over all chunks of ``config.chunk_bytes``. ``targets`` and ``g_logp`` [N, K]:
+    K ids per row (``head_ids.split_targets``), whose one-hot terms a kernel adds to each
+    chunk's G before its GEMMs."""
     _check_served(hidden, weight)
+    targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
     n_rows, depth = hidden.shape
     vocab = head.vocab_size(weight, weight_layout)
     chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
     # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
-    scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature)
+    scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature, g_ids)
+    if ids is None:
+        ids, id_coef = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+    else:
+        id_coef = (g_ids / (scaled.s * temperature)[:, None]).astype(jnp.float32)
     rows = scaled.rows
     workspace = extension.sm90.backward_workspace_bytes(
         n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16)
@@ -141,6 +148,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     acc, d_weight, d_bias, _ = call(
         hidden, weight, _f32_or_empty(bias), targets.astype(jnp.int32), rows.lse, rows.alpha,
         rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars,
+        ids.astype(jnp.int32), id_coef,
         weight_dv=weight_layout == "dv", has_bias=bias is not None,
         has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
         chunk=np.int64(chunk))

@@ -25,7 +25,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import head, head_grad, softmax_math
+from jaxrl_kernels import head, head_grad, head_ids, softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 from jaxrl_kernels.backends.pallas.linear_config import DEFAULT_CONFIG, Config, TileConfig
 from jaxrl_kernels.logprob_core import Parts
@@ -87,6 +87,7 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
                       temperature, config):
     """Per chunk float32 dz, d_hidden += dz·W_c, d_W_c = dzᵀ·hidden and d_b_c = Σ_rows dz,
     with full-precision float32 GEMMs."""
+    targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     n_rows = hidden.shape[0]
     vocab = head.vocab_size(weight, layout)
     w_axis = 0 if layout == "vd" else 1
@@ -101,6 +102,9 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
         dz, d_b = kernels.grad_call(start, size, hidden, weight, bias, targets, lse, g_logp,
                                     entropy, g_ent, layout=layout, temperature=temperature,
                                     dz_dtype=jnp.float32, config=config)
+        if ids is not None:
+            dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
+            d_b = jnp.sum(dz, axis=0)
         w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
         if layout == "vd":
             d_h, d_w = dot(dz, w_c, ((1,), (0,))), dot(dz, hidden32, ((0,), (0,)))
@@ -127,7 +131,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
 
     The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
     rows without a gradient, whose cotangents are 0), ``entropy`` [N] the entropy output;
-    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term.
+    ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term; targets
+    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``).
 
     16-bit inputs: ``head_grad.backward``, with the grad kernel writing each chunk's
     G = dz / s in float16 -- two GEMM-equivalents per chunk. float32 inputs: float32 dz and
@@ -138,10 +143,11 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     if jnp.dtype(jnp.result_type(hidden, weight)).itemsize == 4:
         return _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
                                  layout=weight_layout, temperature=temperature, config=config)
+    row_targets = head_ids.split_targets(targets, g_logp)[0]
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
         weight_layout=weight_layout, temperature=temperature,
-        write_grad=_write_grad(bias, targets, layout=weight_layout, config=config),
+        write_grad=_write_grad(bias, row_targets, layout=weight_layout, config=config),
         chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab)
 
 
