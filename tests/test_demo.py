@@ -449,8 +449,19 @@ def test_distill_run_cannot_be_resumed(distill_run, capsys):
 def test_distill_fields_are_for_distill_only():
     cfg = Config(algo="distill")
     assert (cfg.divergence, cfg.student_layers, cfg.distill_steps) == ("reverse_kl", 2, 600)
+    assert (cfg.teacher_topk, cfg.topk_tail) == (0, None)  # the whole-vocabulary teacher
     assert cfg.teacher_config() == Config(algo="grpo")
-    assert Config().divergence is None
+    assert Config().divergence is None and Config().teacher_topk is None
+
+
+def test_served_teacher_fields():
+    """--teacher-topk K > 0 defaults to the forward KL (its loss's only divergence) and to
+    --topk-tail drop; the configuration rebuilds as it is."""
+    cfg = Config(algo="distill", teacher_topk=4)
+    assert (cfg.divergence, cfg.topk_tail) == ("forward_kl", "drop")
+    assert dataclasses.replace(cfg, seed=1).topk_tail == "drop"
+    assert Config(algo="distill", teacher_topk=14, topk_tail="bucket").topk_tail == "bucket"
+    assert cfg.teacher_config() == Config(algo="grpo")
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -463,6 +474,16 @@ def test_distill_fields_are_for_distill_only():
     (["--algo", "distill", "--timing-runs", "0"], ("--timing-runs",)),
     (["--algo", "distill", "--group-size", "1"], ("--group-size", "grpo")),
     (["--algo", "distill", "--backend", "pallas"], ("--backend pallas", "linear_distill_loss")),
+    (["--teacher-topk", "4"], ("--teacher-topk", "only --algo distill")),
+    (["--algo", "grpo", "--topk-tail", "bucket"], ("--topk-tail", "only --algo distill")),
+    (["--algo", "distill", "--teacher-topk", "15"], ("--teacher-topk", "vocabulary's 14")),
+    (["--algo", "distill", "--teacher-topk", "-1"], ("--teacher-topk", ">= 0")),
+    (["--algo", "distill", "--topk-tail", "bucket"], ("--topk-tail", "--teacher-topk K > 0")),
+    (["--algo", "distill", "--teacher-topk", "4", "--topk-tail", "all"], ("--topk-tail",)),
+    (["--algo", "distill", "--teacher-topk", "4", "--divergence", "reverse_kl"],
+     ("--divergence", "forward KL", "'reverse_kl'")),
+    (["--algo", "distill", "--teacher-topk", "4", "--backend", "pallas"],
+     ("--backend pallas", "linear_topk_logprobs")),
 ])
 def test_bad_distill_flags_end_with_one_line(capsys, argv, words):
     _one_line_error(capsys, argv, *words)
@@ -488,6 +509,72 @@ def test_materialised_loss_is_linear_distill_loss(divergence):
                 teacher_weight_layout="dv")
     ours = lambda h, w: jk.linear_distill_loss(h, w, th, tw, mask, backend="chunked", **opts)
     jnp_ = lambda h, w: distill.materialised_distill_loss(h, w, th, tw, mask, **opts)
+    for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
+                    jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+# The served teacher: the same TINY run, the student trained on the teacher's top-4 only.
+SERVED_FLAGS = DISTILL_FLAGS + ["--teacher-topk", "4", "--topk-tail", "bucket",
+                                "--timing-runs", "1", "--no-progress"]
+
+
+def test_distill_from_a_served_teacher(tmp_path):
+    """--teacher-topk 4: the student sees only the teacher's top-4 ids and log-probs per token
+    (linear_topk_distill_loss); its whole-vocabulary divergence to the teacher still falls, and
+    with the tail bucket the top-4 loss never exceeds it (merging outcomes cannot raise a KL)."""
+    pytest.importorskip("matplotlib")
+    import contextlib
+    import io
+    out = str(tmp_path / "run")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(SERVED_FLAGS + ["--out", out]) == 0
+    printed = printed.getvalue()
+    for words in ("served teacher's top-4 ids, tail bucket", "linear_topk_distill_loss",
+                  "top-4 forward_kl, bucket", "forward_kl to the teacher"):
+        assert words in printed, (words, printed)
+    with open(os.path.join(out, "log.json")) as f:
+        log = json.load(f)
+    s, steps = log["summary"], log["distill"]
+    assert (s["teacher_topk"], s["topk_tail"], s["divergence"], s["distill_loss_op"]) == (
+        4, "bucket", "forward_kl", "linear_topk_distill_loss")
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    for r in steps:
+        assert np.isfinite([r["topk_loss"], r["divergence"]]).all(), r
+        assert 0.0 <= r["topk_loss"] <= r["divergence"] + 1e-5, r
+        assert 0.0 < r["teacher_topk_mass"] < 1.0, r  # 4 of 14 ids: some mass in the bucket
+    assert s["divergence_last10"] < 0.7 * s["divergence_first10"], s
+    assert s["topk_loss_last10"] < 0.7 * s["topk_loss_first10"], s
+    # The fused step and the materialised one (lax.top_k, jnp loss) agree on the same batch.
+    t = s["distill_step_timing"]
+    for name in ("topk_loss", "divergence"):
+        assert s[f"distill_step_{name}_difference"] < 1e-4 * max(1.0, t["jaxrl"][name]), s
+
+
+@pytest.mark.parametrize("tail", ["drop", "bucket"])
+def test_materialised_topk_loss_is_linear_topk_distill_loss(tail):
+    """The timed jnp step's top-k loss and gradient are ours (padding ids, layout 'dv'), and
+    the served teacher's reply is lax.top_k of the materialised log-softmax."""
+    import jaxrl_kernels as jk
+    from jaxrl_kernels.demo import distill
+    k = jax.random.split(jax.random.key(2), 5)
+    h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
+    w, tw = jax.random.normal(k[2], (8, 14)), jax.random.normal(k[3], (12, 14))
+    mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
+    served = {loss: distill.served_teacher(th, tw, 4, weight_layout="dv", temperature=0.8,
+                                           backend="chunked", loss=loss)
+              for loss in distill.LOSSES}
+    np.testing.assert_array_equal(served["jaxrl"][1], served["materialised"][1])
+    np.testing.assert_allclose(served["jaxrl"][0], served["materialised"][0], rtol=1e-5,
+                               atol=1e-6)
+    logp, ids = served["jaxrl"]
+    ids = ids.at[0, :, 3].set(-1)  # padding
+    opts = dict(tail=tail, temperature=0.8, weight_layout="dv")
+    ours = lambda h, w: jk.linear_topk_distill_loss(h, w, ids, logp, mask, backend="chunked",
+                                                    **opts)
+    jnp_ = lambda h, w: distill.materialised_topk_distill_loss(h, w, ids, logp, mask, **opts)
     for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
                     jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

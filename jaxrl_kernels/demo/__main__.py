@@ -84,26 +84,47 @@ def parse_args(argv=None):
         parser.error(_with_flag(str(err)))
     ops = {"linear_logprobs": ""}
     if cfg.algo == "distill":
-        ops["linear_distill_loss"] = " for --algo distill (linear_distill_loss)"
+        for op in _distill_ops(cfg):
+            ops[op] = f" for --algo distill ({op})"
     for op, what in ops.items():
         if cfg.backend is not None and cfg.backend not in jrk.available_backends(op):
             parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
                          f"{', '.join(jrk.available_backends(op))}")
     if cfg.algo == "distill" and cfg.backend is not None:
-        why = _distill_refusal(cfg.backend)
-        if why:
-            parser.error(f"--backend {cfg.backend}: cannot run --algo distill's float32 heads "
-                         f"(linear_distill_loss): {why}")
+        for op in _distill_ops(cfg):
+            why = _distill_refusal(cfg.backend, op)
+            if why:
+                parser.error(f"--backend {cfg.backend}: cannot run --algo distill's float32 "
+                             f"heads ({op}): {why}")
     return cfg, progress
 
 
-def _distill_refusal(backend: str) -> str | None:
-    """Why ``backend`` cannot run the demo's distillation loss (float32 heads), traced
-    abstractly; None if it can."""
+def _distill_ops(cfg: train.Config) -> tuple[str, ...]:
+    """The ops ``--algo distill`` runs on its backend: ``linear_distill_loss`` (the loss, or
+    with a served teacher the divergence reported), and with one ``linear_topk_logprobs``
+    (the teacher's reply) and ``linear_topk_distill_loss`` (the loss)."""
+    served = ("linear_topk_logprobs", "linear_topk_distill_loss") if cfg.teacher_topk else ()
+    return ("linear_distill_loss",) + served
+
+
+def _distill_refusal(backend: str, op: str = "linear_distill_loss") -> str | None:
+    """Why ``backend`` cannot run ``op`` as the demo's distillation calls it (float32 heads),
+    traced abstractly; None if it can."""
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    h, w, mask = f32(1, 2, 8), f32(16, 8), f32(1, 2)
+    ids = jax.ShapeDtypeStruct((1, 2, 4), jnp.int32)
+    calls = {
+        "linear_distill_loss": (lambda *a: jrk.linear_distill_loss(*a, backend=backend),
+                                (h, w, h, w, mask)),
+        "linear_topk_logprobs": (lambda *a: jrk.linear_topk_logprobs(*a, 4, backend=backend),
+                                 (h, w)),
+        "linear_topk_distill_loss": (
+            lambda *a: jrk.linear_topk_distill_loss(*a, backend=backend),
+            (h, w, ids, f32(1, 2, 4), mask)),
+    }
+    fn, args = calls[op]
     try:
-        jax.eval_shape(lambda *a: jrk.linear_distill_loss(*a, backend=backend), f32(1, 2, 8),
-                       f32(16, 8), f32(1, 2, 8), f32(16, 8), f32(1, 2))
+        jax.eval_shape(fn, *args)
     except NotImplementedError as err:
         return str(err).split(": ", 2)[-1].splitlines()[0]
     return None

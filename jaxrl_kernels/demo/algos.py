@@ -85,7 +85,8 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
 # The defaults of the distillation fields (``--algo distill`` only; None for the others).
 DISTILL_DEFAULTS: dict[str, Any] = {
     "student_d_model": 32, "student_layers": 2, "student_heads": 4, "student_warmup_steps": 350,
-    "distill_steps": 600, "distill_lr": 2e-3, "divergence": "reverse_kl", "timing_runs": 20}
+    "distill_steps": 600, "distill_lr": 2e-3, "divergence": "reverse_kl", "timing_runs": 20,
+    "teacher_topk": 0, "topk_tail": "drop"}
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
 

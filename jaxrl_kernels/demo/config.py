@@ -11,14 +11,17 @@ from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import algos, checkpoint
 from jaxrl_kernels.demo.algos import option
 from jaxrl_kernels.demo.model import check_dims as model_check_dims
-from jaxrl_kernels.demo.task import AdditionTask
+from jaxrl_kernels.demo.task import VOCAB, AdditionTask
 from jaxrl_kernels.divergence_math import DIVERGENCES
+from jaxrl_kernels.topk_distill import TAILS
 
 
 TASK, TRAINING, RUN = "task and model", "training", "run"
 DISTILLATION = "distillation (--algo distill)"
 RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
 """The fields a resumed run may change; every other one comes from the checkpoint."""
+SERVED_DIVERGENCE = "forward_kl"
+"""The divergence of a served teacher's loss, ``linear_topk_distill_loss``: the only one."""
 
 
 def flag(name: str) -> str:
@@ -37,6 +40,17 @@ def distill_option(name: str, help: str, kind: type, **meta: Any) -> Any:
     """A field of ``--algo distill`` only: None for the other algorithms, which reject a value."""
     return option(None, f"{help} [{algos.DISTILL_DEFAULTS[name]}]", type=kind,
                   group=DISTILLATION, **meta)
+
+
+def distill_default(name: str, served: bool) -> Any:
+    """The default of distillation field ``name``: :data:`algos.DISTILL_DEFAULTS`', except
+    that a served teacher (``served``) defaults to its only divergence, forward_kl, and the
+    whole-vocabulary teacher has no ``topk_tail`` (None)."""
+    if name == "divergence" and served:
+        return SERVED_DIVERGENCE
+    if name == "topk_tail" and not served:
+        return None
+    return algos.DISTILL_DEFAULTS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +106,20 @@ class Config(algos.RLConfig):
                                               "(adamw, global-norm clipping 1.0)", float)
     divergence: str | None = distill_option(
         "divergence", "the per-token divergence from the teacher that the student minimises "
-        "(linear_distill_loss)", str, choices=DIVERGENCES)
+        "(linear_distill_loss; a served teacher, --teacher-topk K, takes only forward_kl and "
+        "defaults to it)", str, choices=DIVERGENCES)
     timing_runs: int | None = distill_option(
-        "timing_runs", "timed runs of the distillation step with linear_distill_loss and with "
-        "the materialised jnp loss, after a warm-up (the median is reported)", int)
+        "timing_runs", "timed runs of the distillation step with our loss (linear_distill_loss, "
+        "or linear_topk_distill_loss) and with the materialised jnp loss, after a warm-up (the "
+        "median is reported)", int)
+    teacher_topk: int | None = distill_option(
+        "teacher_topk", "a served teacher: per answer token it returns only its K most likely "
+        "ids and their log-probs (linear_topk_logprobs), and the student minimises the forward "
+        "KL over them (linear_topk_distill_loss); 0: the whole-vocabulary teacher "
+        "(linear_distill_loss)", int, metavar="K")
+    topk_tail: str | None = distill_option(
+        "topk_tail", "with --teacher-topk: the forward KL over the K ids only (drop), or with "
+        "the mass outside them as one more outcome (bucket)", str, choices=TAILS)
 
     def __post_init__(self):
         super().__post_init__()
@@ -114,14 +138,15 @@ class Config(algos.RLConfig):
 
     def _distill_fields(self) -> None:
         """Fill the distillation fields for ``--algo distill``; reject them for the others."""
-        for name, default in algos.DISTILL_DEFAULTS.items():
+        served = bool(self.teacher_topk)
+        for name in algos.DISTILL_DEFAULTS:
             value = getattr(self, name)
             if self.algo != algos.DISTILL:
                 if value is not None:
                     raise ValueError(f"{name}: only --algo distill uses it, got {value!r} with "
                                      f"--algo {self.algo}")
-            elif value is None:
-                object.__setattr__(self, name, default)  # frozen: only while being built
+            elif value is None:  # frozen: set only while being built
+                object.__setattr__(self, name, distill_default(name, served))
         if self.algo != algos.DISTILL:
             return
         try:
@@ -129,13 +154,32 @@ class Config(algos.RLConfig):
         except ValueError as err:
             raise ValueError(f"student_{err}") from None
         for name, low in (("student_warmup_steps", 0), ("distill_steps", 1),
-                          ("timing_runs", 1)):
+                          ("timing_runs", 1), ("teacher_topk", 0)):
             algos.at_least(name, getattr(self, name), low)
         check.positive("distill_lr", self.distill_lr)
         check.option("divergence", self.divergence, DIVERGENCES)
+        self._served_teacher_fields()
         if self.resume is not None:
             raise ValueError("resume: a distill run cannot be resumed (its checkpoint holds the "
                              "teacher and the distilled student for inspection); run it again")
+
+    def _served_teacher_fields(self) -> None:
+        """A served teacher (``teacher_topk`` K > 0): K at most the vocabulary, a tail, the
+        forward KL; the whole-vocabulary teacher (K = 0): no tail."""
+        if not self.teacher_topk:
+            if self.topk_tail is not None:
+                raise ValueError(f"topk_tail: only a served teacher (--teacher-topk K > 0) uses "
+                                 f"it, got {self.topk_tail!r} with teacher_topk=0")
+            return
+        if self.teacher_topk > VOCAB:
+            raise ValueError(f"teacher_topk: expected at most the vocabulary's {VOCAB} tokens, "
+                             f"got {self.teacher_topk}")
+        check.option("topk_tail", self.topk_tail, TAILS)
+        if self.divergence != SERVED_DIVERGENCE:
+            raise ValueError(f"divergence: a served teacher's loss (linear_topk_distill_loss) is "
+                             f"the forward KL over its top-K ids; expected "
+                             f"{SERVED_DIVERGENCE!r} with --teacher-topk, got "
+                             f"{self.divergence!r}")
 
     def teacher_config(self) -> Config:
         """The run that trains the teacher: this one with ``--algo grpo``, no distillation."""

@@ -14,6 +14,15 @@
 4. The same train step with :func:`materialised_distill_loss` (both heads' logits, their
    log-softmaxes, the same divergence, in plain jnp) is timed against it on one batch.
 
+With ``teacher_topk`` K > 0 the teacher is served, as when it runs in an inference server:
+per answer token it returns only its K most likely ids and their log-probs
+(:func:`served_teacher`: ``linear_topk_logprobs`` on its hidden states and head, without
+gradient), and the student minimises the forward KL over those ids,
+``linear_topk_distill_loss(student_hidden, student_head, ids, logp, mask, tail=...)``. The
+divergence reported is still the whole-vocabulary one to the teacher, measured on the same
+tokens, so the two modes compare; the timed jnp step materialises both heads' logits, takes
+the teacher's top-K with ``lax.top_k`` and the loss with :func:`materialised_topk_distill_loss`.
+
 The loss runs on the ``chunked`` backend (the fused one) unless ``backend`` names another:
 the automatic choice would pick ``reference``, the jnp oracle, for a vocabulary this small.
 """
@@ -40,7 +49,16 @@ from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import AdditionTask
 
 LOSSES = ("jaxrl", "materialised")
+COMPARED = ("divergence", "topk_loss")  # the metrics the timed steps' two losses both compute
 PHASE = 3  # the task's prompt stream for distillation (warm start 1, RL 0)
+_LOG_TINY = float(np.log(np.finfo(np.float32).tiny))
+
+
+def materialised_log_probs(hidden, weight, layout, temperature):
+    """``log_softmax(hidden·Wᵀ / temperature)``: the ``[B, T, V]`` logits in the inputs' dtype,
+    the log-softmax in float32."""
+    z = jnp.einsum("btd,vd->btv" if layout == "vd" else "btd,dv->btv", hidden, weight)
+    return jax.nn.log_softmax(z.astype(jnp.float32) / temperature, axis=-1)
 
 
 def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, *,
@@ -49,12 +67,9 @@ def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, ma
                               loss_agg_mode="token_mean"):
     """``linear_distill_loss`` in plain jnp: both heads' ``[B, T, V]`` logits (in the inputs'
     dtype, bf16 or float32), float32 log-softmaxes, the divergence per token."""
-    def log_probs(h, w, layout):
-        z = jnp.einsum("btd,vd->btv" if layout == "vd" else "btd,dv->btv", h, w)
-        return jax.nn.log_softmax(z.astype(jnp.float32) / temperature, axis=-1)
-
-    ls = log_probs(hidden, weight, weight_layout)
-    lt = log_probs(teacher_hidden, teacher_weight, teacher_weight_layout)
+    ls = materialised_log_probs(hidden, weight, weight_layout, temperature)
+    lt = materialised_log_probs(teacher_hidden, teacher_weight, teacher_weight_layout,
+                                temperature)
     ps, pt = jnp.exp(ls), jnp.exp(lt)
     if divergence == "reverse_kl":
         d = jnp.sum(ps * (ls - lt), axis=-1)
@@ -67,18 +82,76 @@ def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, ma
     return jrk.aggregate(d, mask, loss_agg_mode), d
 
 
+def materialised_topk_distill_loss(hidden, weight, teacher_ids, teacher_logp, mask, *,
+                                   tail="drop", temperature=1.0, weight_layout="vd",
+                                   loss_agg_mode="token_mean"):
+    """``linear_topk_distill_loss`` in plain jnp: the student's ``[B, T, V]`` log-softmax
+    gathered at the teacher's ids, per token ``Σ_k p_t,k (log p_t,k − log p_s,k)`` over the
+    valid ids (``>= 0``), plus with ``tail="bucket"`` ``r_t (log r_t − log r_s)`` with
+    ``r = 1 − Σ_k p,k`` (0 where ``r_t <= 0``; ``log r_s`` at least log of float32's smallest
+    normal)."""
+    valid = (teacher_ids >= 0) & (mask != 0)[..., None]
+    ls = jnp.take_along_axis(materialised_log_probs(hidden, weight, weight_layout, temperature),
+                             jnp.maximum(teacher_ids, 0), axis=-1)
+    pt = jnp.where(valid, jnp.exp(teacher_logp.astype(jnp.float32)), 0.0)
+    lt = jnp.where(pt > 0, teacher_logp.astype(jnp.float32), 0.0)
+    d = jnp.sum(pt * (lt - ls), axis=-1)
+    if tail == "bucket":
+        r_t = 1.0 - jnp.sum(pt, axis=-1)
+        r_s = 1.0 - jnp.sum(jnp.where(valid, jnp.exp(ls), 0.0), axis=-1)
+        normal = r_s > np.exp(_LOG_TINY)
+        log_r_s = jnp.where(normal, jnp.log(jnp.where(normal, r_s, 1.0)), _LOG_TINY)
+        some = r_t > 0
+        d = d + jnp.where(some, r_t * (jnp.log(jnp.where(some, r_t, 1.0)) - log_r_s), 0.0)
+    d = jnp.where(mask != 0, d, 0.0)
+    return jrk.aggregate(d, mask, loss_agg_mode), d
+
+
+def served_teacher(hidden, weight, k: int, *, weight_layout: str, temperature: float,
+                   backend: str | None, loss: str = "jaxrl") -> tuple[jax.Array, jax.Array]:
+    """A served teacher's reply: per position its ``k`` most likely ids and their log-probs
+    ``log softmax(hidden·Wᵀ / temperature)`` at those ids, ``([B, T, k] float32, [B, T, k]
+    int32)``, without gradient; through ``linear_topk_logprobs`` (``loss="jaxrl"``, no logits
+    built) or ``lax.top_k`` of the materialised log-softmax."""
+    if loss == "jaxrl":
+        logp, ids, _ = jrk.linear_topk_logprobs(hidden, weight, k, weight_layout=weight_layout,
+                                                temperature=temperature, backend=backend)
+    else:
+        logp, ids = jax.lax.top_k(materialised_log_probs(hidden, weight, weight_layout,
+                                                         temperature), k)
+    return jax.lax.stop_gradient(logp), ids.astype(jnp.int32)
+
+
+def _losses(loss: str, backend: str | None, *, divergence: str, tail: str | None,
+            temperature: float, loss_agg_mode: str) -> tuple[Callable, Callable]:
+    """``(whole_vocabulary, top_k)``: ``linear_distill_loss`` and ``linear_topk_distill_loss``
+    (``loss="jaxrl"``) or their materialised jnp versions, with the run's options."""
+    common = dict(temperature=temperature, loss_agg_mode=loss_agg_mode)
+    if loss == "jaxrl":
+        whole = functools.partial(jrk.linear_distill_loss, backend=backend)
+        topk = functools.partial(jrk.linear_topk_distill_loss, backend=backend)
+    else:
+        whole, topk = materialised_distill_loss, materialised_topk_distill_loss
+    return (functools.partial(whole, divergence=divergence, **common),
+            functools.partial(topk, tail=tail, **common))
+
+
 def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
                       task: AdditionTask, optimizer, *, group_size: int, temperature: float,
                       divergence: str, loss_agg_mode: str, backend: str | None,
+                      teacher_topk: int = 0, topk_tail: str | None = None,
                       loss: str = "jaxrl") -> Callable:
     """The jitted step ``(state, teacher_params, prompts[n, P], sums[n], key) -> (state,
-    metrics)``; ``state`` is the student's ``{"params", "opt_state", "step"}``."""
-    options = dict(divergence=divergence, temperature=temperature,
-                   loss_agg_mode=loss_agg_mode)
-    if loss == "jaxrl":
-        loss_fn = functools.partial(jrk.linear_distill_loss, backend=backend, **options)
-    else:
-        loss_fn = functools.partial(materialised_distill_loss, **options)
+    metrics)``; ``state`` is the student's ``{"params", "opt_state", "step"}``.
+
+    With ``teacher_topk`` K = 0 the student minimises ``divergence`` to the teacher over the
+    whole vocabulary. With K > 0 the teacher is served (:func:`served_teacher`) and the
+    student minimises the forward KL over its top-K ids, ``topk_loss`` in the metrics (with
+    ``teacher_topk_mass``, the teacher's probability in those ids, mean per answer token).
+    ``divergence`` in the metrics is the whole-vocabulary one in both modes, on the step's
+    tokens before the update."""
+    whole, topk = _losses(loss, backend, divergence=divergence, tail=topk_tail,
+                          temperature=temperature, loss_agg_mode=loss_agg_mode)
 
     def step(state, teacher_params, prompts, sums, key):
         prompts = jnp.repeat(prompts, group_size, axis=0)
@@ -89,19 +162,42 @@ def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
         teacher_hidden = sg(algos.answer_hidden(teacher, teacher_params, prompts, actions))
         teacher_weight, teacher_layout = model_lib.head_weight(teacher_params,
                                                                teacher.tie_embeddings)
+        teacher_weight = sg(teacher_weight)
+
+        def whole_vocabulary(hidden, weight, layout):
+            return whole(hidden, weight, teacher_hidden, teacher_weight, mask,
+                         weight_layout=layout, teacher_weight_layout=teacher_layout)
+
+        if teacher_topk:
+            logp_t, ids_t = served_teacher(teacher_hidden, teacher_weight, teacher_topk,
+                                           weight_layout=teacher_layout,
+                                           temperature=temperature, backend=backend, loss=loss)
+            trained = lambda hidden, weight, layout: topk(hidden, weight, ids_t, logp_t, mask,
+                                                          weight_layout=layout)
+        else:
+            trained = whole_vocabulary
 
         def objective(params):
             weight, layout = model_lib.head_weight(params, student.tie_embeddings)
             hidden = algos.answer_hidden(student, params, prompts, actions)
-            return loss_fn(hidden, weight, teacher_hidden, sg(teacher_weight), mask,
-                           weight_layout=layout, teacher_weight_layout=teacher_layout)
+            value, per_token = trained(hidden, weight, layout)
+            return value, (per_token, hidden)
 
-        (value, per_token), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
+        (value, (per_token, hidden)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state["params"])
+        if teacher_topk:
+            weight, layout = model_lib.head_weight(state["params"], student.tie_embeddings)
+            whole_value, whole_per_token = whole_vocabulary(sg(hidden), weight, layout)
+            metrics = {"divergence": whole_value, "divergence_max": jnp.max(whole_per_token),
+                       "topk_loss": value, "topk_loss_max": jnp.max(per_token),
+                       "teacher_topk_mass": jrk.aggregate(jnp.sum(jnp.exp(logp_t), axis=-1),
+                                                          mask, "token_mean")}
+        else:
+            metrics = {"divergence": value, "divergence_max": jnp.max(per_token)}
         params, opt_state = algos._apply(optimizer, state["params"], state["opt_state"], grads)
         scores = task.score(actions, sums)
-        metrics = {"divergence": value, "divergence_max": jnp.max(per_token),
-                   "reward": jnp.mean(scores["reward"]), "accuracy": jnp.mean(scores["correct"]),
-                   "tokens": jnp.sum(mask)}
+        metrics.update(reward=jnp.mean(scores["reward"]), accuracy=jnp.mean(scores["correct"]),
+                       tokens=jnp.sum(mask))
         return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1), metrics
 
     return jax.jit(step)
@@ -116,8 +212,25 @@ def _distill_program(student_key: tuple, teacher_key: tuple, task: AdditionTask,
 
 
 def distill_backend(cfg: Config) -> str:
-    """The backend of ``linear_distill_loss`` in the demo: ``backend``, else ``chunked``."""
+    """The backend of the distillation ops in the demo (``linear_distill_loss``, and with a
+    served teacher ``linear_topk_logprobs`` and ``linear_topk_distill_loss``): ``backend``,
+    else ``chunked``."""
     return cfg.backend or "chunked"
+
+
+def loss_op(cfg: Config) -> str:
+    """The op the student minimises: ``linear_topk_distill_loss`` with a served teacher, else
+    ``linear_distill_loss``."""
+    return "linear_topk_distill_loss" if cfg.teacher_topk else "linear_distill_loss"
+
+
+def objective_text(cfg: Config) -> str:
+    """What the student minimises, in words: ``reverse_kl``, or ``forward_kl over the served
+    teacher's top-4 ids, tail drop``."""
+    if not cfg.teacher_topk:
+        return cfg.divergence
+    return (f"{cfg.divergence} over the served teacher's top-{cfg.teacher_topk} ids, "
+            f"tail {cfg.topk_tail}")
 
 
 def student_config(cfg: Config) -> Config:
@@ -136,13 +249,13 @@ def time_steps(steps: dict[str, Callable], args: tuple, runs: int) -> dict[str, 
     """Each step function on the same ``args``: a first call (which compiles a function not yet
     compiled), a warm-up call, then ``runs`` calls interleaved between the functions, each
     synchronised with ``block_until_ready``; the median and the spread in milliseconds, and
-    the divergence computed."""
+    the metrics of :data:`COMPARED` that the steps compute."""
     out: dict[str, dict[str, float]] = {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
         _, metrics = jax.block_until_ready(fn(*args))
         out[name] = {"first_call_s": time.perf_counter() - t0,
-                     "divergence": float(metrics["divergence"])}
+                     **{k: float(metrics[k]) for k in COMPARED if k in metrics}}
         jax.block_until_ready(fn(*args))
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(runs):
@@ -162,8 +275,8 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     stream = stream if stream is not None else sys.stdout
     t_start = time.perf_counter()
     teacher_cfg = dataclasses.replace(cfg.teacher_config(), out=None)
-    print(f"teacher: {teacher_cfg.algo}, then on-policy distillation ({cfg.divergence}) of a "
-          "smaller student", file=stream)
+    print(f"teacher: {teacher_cfg.algo}, then on-policy distillation ({objective_text(cfg)}) "
+          "of a smaller student", file=stream)
     log = loop.run(teacher_cfg, progress=progress, stream=stream)
     teacher_params = log.pop("state")["params"]
     teacher_summary = log.pop("summary")
@@ -188,7 +301,8 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     teacher_key = (task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
     options = (("group_size", cfg.group_size), ("temperature", cfg.temperature),
                ("divergence", cfg.divergence), ("loss_agg_mode", cfg.loss_agg_mode),
-               ("backend", distill_backend(cfg)))
+               ("backend", distill_backend(cfg)), ("teacher_topk", cfg.teacher_topk),
+               ("topk_tail", cfg.topk_tail))
     programs = {loss: _distill_program(student_key, teacher_key, task, cfg.distill_lr,
                                        cfg.lr_warmup, options, loss) for loss in LOSSES}
     optimizer, step_fn = programs["jaxrl"]
@@ -203,7 +317,8 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     log["distill"] = []
     state = {"params": params, "opt_state": optimizer.init(params),
              "step": jnp.zeros((), jnp.int32)}
-    bar = Progress(cfg.distill_steps, f"distill {cfg.divergence}", enabled=progress)
+    label = f"distill top-{cfg.teacher_topk}" if cfg.teacher_topk else "distill"
+    bar = Progress(cfg.distill_steps, f"{label} {cfg.divergence}", enabled=progress)
     t0 = time.perf_counter()
     last = before
     for step in range(cfg.distill_steps):
@@ -231,6 +346,9 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     summary = {
         "algo": cfg.algo,
         "divergence": cfg.divergence,
+        "teacher_topk": cfg.teacher_topk,
+        "topk_tail": cfg.topk_tail,
+        "distill_loss_op": loss_op(cfg),
         "device": teacher_summary["device"],
         "jax_version": jax.__version__,
         "distill_loss_backend": distill_backend(cfg),
@@ -253,8 +371,9 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
         "distill_step_timing": {loss: loop._round(t) for loss, t in timing.items()},
         "distill_step_timing_runs": cfg.timing_runs,
         "distill_first_step_seconds": first_step_seconds,
-        "distill_step_divergence_difference": abs(timing["jaxrl"]["divergence"]
-                                                  - timing["materialised"]["divergence"]),
+        **{f"distill_step_{k}_difference": abs(timing["jaxrl"][k] - timing["materialised"][k])
+           for k in COMPARED if k in timing["jaxrl"]},
+        **(served_summary(log["distill"]) if cfg.teacher_topk else {}),
         "teacher_seconds": teacher_seconds,
         "student_warm_start_seconds": warm_seconds,
         "distill_seconds": distill_seconds,
@@ -269,6 +388,15 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     loop.write_outputs(cfg.out, log, both, plot, stream)
     log["state"] = both
     return log
+
+
+def served_summary(steps: list[dict[str, float]]) -> dict[str, float]:
+    """A served teacher's distillation: the top-K loss the student minimised (first and last 10
+    steps) and the teacher's mean probability in its K ids."""
+    loss = [r["topk_loss"] for r in steps]
+    return {"topk_loss_first10": float(np.mean(loss[:10])),
+            "topk_loss_last10": float(np.mean(loss[-10:])),
+            "teacher_topk_mass": float(np.mean([r["teacher_topk_mass"] for r in steps]))}
 
 
 def format_table(s: dict[str, Any], cfg: Config) -> str:
@@ -290,19 +418,27 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
         (f"{cfg.divergence} to the teacher (first / last 10 steps)", "",
          f"{s['divergence_first10']:.4f}", f"{s['divergence_last10']:.4f}", ""),
     ]
+    if cfg.teacher_topk:
+        rows.append((f"top-{cfg.teacher_topk} {cfg.divergence}, {cfg.topk_tail} "
+                     "(first / last 10 steps)", "", f"{s['topk_loss_first10']:.4f}",
+                     f"{s['topk_loss_last10']:.4f}", ""))
     t = s["distill_step_timing"]
     ratio = s["distill_step_ms_materialised"] / s["distill_step_ms_jaxrl"]
     lines = [
-        f"jaxrl_kernels demo: distill ({cfg.divergence}) on {cfg.digits}-digit addition | "
+        f"jaxrl_kernels demo: distill ({objective_text(cfg)}) on {cfg.digits}-digit addition | "
         f"teacher {s['teacher']} (grpo) -> student {s['student']} | device {s['device']} | "
         f"distillation loss backend {s['distill_loss_backend']}",
         f"{'':52s}{'teacher':>{w}s}{'student before':>{w}s}{'student after':>{w}s}"
         f"{'change':>{w}s}",
     ]
     lines += [f"{a:52s}{b:>{w}s}{c:>{w}s}{d:>{w}s}{e:>{w}s}" for a, b, c, d, e in rows]
+    if cfg.teacher_topk:
+        lines.append(f"{'served teacher (linear_topk_logprobs)':52s}top-{cfg.teacher_topk} ids "
+                     f"and log-probs per token, {100 * s['teacher_topk_mass']:.1f} % of its "
+                     "probability (mean)")
     runs = f"median of {cfg.timing_runs} runs after a warm-up"
     lines += [
-        f"{'distillation step, linear_distill_loss':52s}{t['jaxrl']['median_ms']:.2f} ms "
+        f"{'distillation step, ' + s['distill_loss_op']:52s}{t['jaxrl']['median_ms']:.2f} ms "
         f"({runs}; first training step incl. compile {s['distill_first_step_seconds']:.1f} s)",
         f"{'distillation step, materialised jnp loss':52s}"
         f"{t['materialised']['median_ms']:.2f} ms ({ratio:.2f}x ours; first call incl. "
@@ -317,7 +453,8 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
 
 def plot(log: dict[str, Any], path: str) -> None:
     """Four panels: both warm starts' NLL, the teacher's grpo reward, the divergence per
-    distillation step, held-out accuracy of the teacher and the student."""
+    distillation step (with a served teacher, also the top-K loss minimised), held-out
+    accuracy of the teacher and the student."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -331,10 +468,15 @@ def plot(log: dict[str, Any], path: str) -> None:
     rl = log["rl"]
     ax1.plot([r["step"] for r in rl], [r["reward"] for r in rl], lw=0.8)
     ax1.set(xlabel="grpo step", ylabel="mean sampled reward", title="the teacher's grpo")
-    dist = log["distill"]
-    ax2.plot([r["step"] for r in dist], [r["divergence"] for r in dist], lw=0.8)
+    dist, cfg = log["distill"], log["config"]
+    ax2.plot([r["step"] for r in dist], [r["divergence"] for r in dist], lw=0.8,
+             label="whole vocabulary")
+    if cfg["teacher_topk"]:
+        ax2.plot([r["step"] for r in dist], [r["topk_loss"] for r in dist], lw=0.8,
+                 label=f"served top-{cfg['teacher_topk']}, tail {cfg['topk_tail']} (minimised)")
+        ax2.legend(fontsize=8)
     ax2.set(xlabel="distillation step", ylabel="mean per token",
-            title=f"student's {log['config']['divergence']} to the teacher (on-policy)")
+            title=f"student's {cfg['divergence']} to the teacher (on-policy)")
     ev = log["student_evals"]
     ax3.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3,
              label="student")
@@ -343,6 +485,6 @@ def plot(log: dict[str, Any], path: str) -> None:
     ax3.set(xlabel="distillation step (0 = after the student's warm start)",
             ylabel="accuracy (%)", title="held-out accuracy (greedy)")
     ax3.legend(fontsize=8)
-    cfg = log["config"]
-    loop.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}), "
+    served = f", served top-{cfg['teacher_topk']}" if cfg["teacher_topk"] else ""
+    loop.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}{served}), "
                                  f"seed {cfg['seed']}")
