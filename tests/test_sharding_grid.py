@@ -42,6 +42,9 @@ The distillation ops (``DISTILL_OPS``): ``linear_distill_loss`` takes a teacher 
 ``teacher_bias`` like ``bias``); the teacher's gradients are checked too: zeros, sharded like
 the teacher's arrays (but under Auto axes, see ``check``). ``linear_topk_logprobs``' int ``ids``
 are compared exactly and left out of the linear functional whose gradients are checked.
+``linear_logprobs`` at K ids per position (options ``k_ids*``: ``[B, T, K]`` targets with
+padding) and ``linear_topk_distill_loss`` (a served teacher's ids and log-probs ``[B, T, K]``,
+sharded like the per-token inputs) run on every backend.
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ LOGPROB_OPTIONS = {
     "all": dict(return_entropy=True, temperature=0.7, ignore_index=-100),
 }
 LINEAR_LOGPROB_OPTIONS = {**LOGPROB_OPTIONS, "bias": dict(_bias=True),
-                          "all": dict(LOGPROB_OPTIONS["all"], _bias=True)}
+                          "all": dict(LOGPROB_OPTIONS["all"], _bias=True),
+                          # "_k_ids": K ids per position ([B, T, K] targets, some padding)
+                          "k_ids": dict(_k_ids=7),
+                          "k_ids_all": dict(LOGPROB_OPTIONS["all"], _bias=True, _k_ids=5)}
 
 AGGREGATIONS = {  # besides "token_mean", the default
     "agg_seq_mean_token_mean": dict(loss_agg_mode="seq_mean_token_mean"),
@@ -137,6 +143,14 @@ DISTILL_OPTIONS = {  # "_teacher_bias": a teacher bias; "_teacher_layout": the t
     "all": dict(divergence="jsd", jsd_beta=0.7, temperature=0.8, _bias=True, _teacher_bias=True,
                 _teacher_layout=True, _teacher_dim=D // 2, loss_agg_mode="seq_mean_token_mean"),
 }
+TOPK_DISTILL_OPTIONS = {  # a served teacher's K = 6 ids ("_k_ids" for another K)
+    "plain": {},  # tail="drop"
+    "bucket": dict(tail="bucket"),
+    "temperature": dict(temperature=0.8, _bias=True),
+    **WITH_MAX_LEN,
+    "all": dict(tail="bucket", temperature=1.3, _bias=True, _k_ids=3,
+                loss_agg_mode="seq_mean_token_mean"),
+}
 TOPK_OPTIONS = {  # k: 5 unless given; k_large: more than a vocabulary slice (V / MODEL) holds
     "plain": {},
     "bias": dict(_bias=True),
@@ -166,11 +180,13 @@ OPTIONS: dict[str, dict[str, dict]] = {
     "kl_penalty": {e: dict(estimator=e) for e in ("k1", "abs", "k2", "k3")},
     "linear_distill_loss": DISTILL_OPTIONS,
     "linear_topk_logprobs": TOPK_OPTIONS,
+    "linear_topk_distill_loss": TOPK_DISTILL_OPTIONS,
 }
 
 LOGITS_OPS = ("token_logprobs", "ratio_kl", "grpo_loss")
 DISTILL_OPS = ("linear_distill_loss", "linear_topk_logprobs")
-LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss") + DISTILL_OPS
+LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss",
+              "linear_topk_distill_loss") + DISTILL_OPS
 TOKEN_OPS = ("ppo_loss", "policy_gradient_loss", "group_advantages", "aggregate", "kl_penalty")
 VOCAB_AXIS_OPS = LOGITS_OPS + LINEAR_OPS
 
@@ -348,7 +364,22 @@ def build(case: Case) -> Built:
             take("mask", mask, "tok")
         if case.op == "linear_topk_logprobs":
             kw.setdefault("k", 5)
-    if fam != "token" and case.op not in DISTILL_OPS:
+        if case.op == "linear_topk_distill_loss":
+            k = need.get("k_ids", 6)
+            ids = np.argsort(rng.random((B, T, V)), axis=-1)[..., :k].astype(np.int32)
+            ids[0, 2, k // 2:] = -1
+            t_logp = np.log(rng.dirichlet(np.ones(k + 1), (B, T))[..., :k])
+            take("teacher_ids", jnp.asarray(ids), "tok")
+            take("teacher_logp", jnp.asarray(t_logp.astype(np.float32)), "tok")
+            take("mask", mask, "tok")
+    if need.get("k_ids") and case.op == "linear_logprobs":
+        ids = rng.integers(0, V, (B, T, need["k_ids"])).astype(np.int32)
+        ids[0, 1, 1:] = -1
+        ids[2, 5] = -1
+        if kw.get("ignore_index") is not None:
+            ids[1, 3, 0] = -100
+        take("targets", jnp.asarray(ids), "tok")
+    elif fam != "token" and case.op not in DISTILL_OPS + ("linear_topk_distill_loss",):
         take("targets", jnp.asarray(acts if case.op in ("token_logprobs", "linear_logprobs")
                                     else np.maximum(acts, 0)), "tok")
         if case.op not in ("token_logprobs", "linear_logprobs"):
@@ -402,6 +433,8 @@ def build(case: Case) -> Built:
             "linear_distill_loss": ("hidden", "weight", "teacher_hidden", "teacher_weight",
                                     "mask"),
             "linear_topk_logprobs": ("hidden", "weight"),
+            "linear_topk_distill_loss": ("hidden", "weight", "teacher_ids", "teacher_logp",
+                                         "mask"),
         }[case.op]
         args = [x.pop(n) for n in fixed]
         if case.op in ("grpo_loss", "linear_grpo_loss", "group_advantages"):
