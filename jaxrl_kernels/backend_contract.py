@@ -22,7 +22,9 @@ linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
 _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
                    d_bias | None)``: the backward alone, for ``ffi``
-                   (served by ffi, pallas and chunked)
+                   (served by ffi, pallas and chunked); ``targets`` and
+                   ``g_logp`` may be [N, K] (K ids per row:
+                   ``head_ids.split_targets``), as for ``Parts.backward``
 distill_divergence per-row divergence between two linear heads (``distill``):
                    a ``logprob_core.Parts`` (chunked, pallas, ffi) or
                    ``Whole`` (reference)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head
-
 ID_BLOCK_BYTES = 64 * 2**20
 """About the most bytes of float32 gathered weight rows ``[rows, K, D]`` one block holds."""
 

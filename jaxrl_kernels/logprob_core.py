@@ -12,6 +12,8 @@ A kernel backend supplies two pieces of work on one device's data (:class:`Parts
     entropy), with ``d logp/dz = onehot − p`` and ``d H/dz = −p (log p + H)`` and
     ``p = exp(z − lse)``. Rows that must get no gradient arrive with ``g = g_ent = 0`` and
     ``lse = +inf`` (so ``p = 0``); a target outside ``[0, V_local)`` adds no one-hot term.
+    A linear head's backward also takes K ids per row, ``targets`` and ``g`` [N, K]
+    (``d logp_k / dz = onehot_k − p``, ``head_ids.split_targets``).
 
 This module turns them into the per-device halves of an :mod:`engine` op: the global row
 statistics across a vocabulary split over devices (``softmax_math.combine_vocab_shards``,
