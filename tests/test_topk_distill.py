@@ -301,6 +301,16 @@ def test_errors(rng):
 SHARDED = [("Explicit", "rows"), ("Explicit", "vocab"), ("Auto", "vocab"), ("Auto", "rows")]
 
 
+def two_device_inputs(rng, b, k, layout, with_bias):
+    """A float32 head (t = 3 positions, V = 64, D = 8), a teacher's top-k and an all-ones mask
+    for the two-device tests (skipped with fewer devices)."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    h, _, w, _, bias, _ = head_inputs(rng, (b, 3), 64, 8, jnp.float32, layout, with_bias)
+    ids, t_logp = teacher_topk(rng, b, 3, 64, k)
+    return h, w, bias, ids, t_logp, jnp.ones((b, 3))
+
+
 @pytest.mark.parametrize("kind,layout", SHARDED)
 @pytest.mark.parametrize("memory", ["lean", "fast"])
 def test_sharded_loss(backend, rng, kind, layout, memory):
@@ -308,12 +318,7 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
     sharded like the weight."""
     if memory == "fast" and backend != "reference":
         pytest.skip("the fast mode has no backend: run once")
-    if len(jax.devices()) < 2:
-        pytest.skip("needs two devices")
-    b, t, vocab, d, k = 4, 3, 64, 8, 5
-    h, _, w, _, bias, _ = head_inputs(rng, (b, t), vocab, d, jnp.float32, "vd", True)
-    ids, t_logp = teacher_topk(rng, b, t, vocab, k)
-    mask = jnp.ones((b, t))
+    h, w, bias, ids, t_logp, mask = two_device_inputs(rng, 4, 5, "vd", True)
     lean_backend = None if memory == "fast" else backend
 
     def loss(h, w, bias):
@@ -336,12 +341,7 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
 
 def test_shard_map_vocab_axis(backend, rng):
     """Inside a user's shard_map with the vocabulary split: global ids, global results."""
-    if len(jax.devices()) < 2:
-        pytest.skip("needs two devices")
-    b, t, vocab, d, k = 2, 3, 64, 8, 6
-    h, _, w, _, _, _ = head_inputs(rng, (b, t), vocab, d, jnp.float32, "dv", False)
-    ids, t_logp = teacher_topk(rng, b, t, vocab, k)
-    mask = jnp.ones((b, t))
+    h, w, _, ids, t_logp, mask = two_device_inputs(rng, 2, 6, "dv", False)
     mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:2])
 

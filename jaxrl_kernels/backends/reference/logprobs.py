@@ -15,13 +15,13 @@ from jaxrl_kernels import head, softmax_math
 from jaxrl_kernels.logprob_core import Whole
 
 
-def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
-    """Log-probs (and entropies) of z [N, V_local]; the vocabulary may be split over
-    ``vocab_axes`` (this device holds ids [i·V_local, (i+1)·V_local)). Plain jnp: jax
-    differentiates it, collectives included (the max only shifts, so it carries no gradient)."""
-    local_vocab = z.shape[-1]
-    offset = jax.lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
-    t_local = targets - offset
+def _row_softmax(z, vocab_axes, return_entropy):
+    """What the log-probs of z [N, V_local] take from each row's softmax, the vocabulary
+    possibly split over ``vocab_axes`` (this device holds ids [i·V_local, (i+1)·V_local)):
+    ``(offset, psum, shifted, log_s, entropy | None)`` with ``shifted = z − max z`` (the max
+    only shifts, so it carries no gradient), ``log_s = log Σ exp(shifted)``, ``psum`` the sum
+    over the vocabulary split and ``offset`` this device's first id."""
+    offset = jax.lax.axis_index(vocab_axes) * z.shape[-1] if vocab_axes else 0
     psum = (lambda x: jax.lax.psum(x, vocab_axes)) if vocab_axes else (lambda x: x)
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
     if vocab_axes:
@@ -29,13 +29,20 @@ def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
     shifted = z - m[:, None]
     e = jnp.exp(shifted)
     log_s = jnp.log(psum(jnp.sum(e, axis=-1)))
-    is_target = jnp.arange(local_vocab)[None, :] == t_local[:, None]
-    target_rel = psum(jnp.sum(jnp.where(is_target, shifted, 0.0), axis=-1))
-    holders = psum(jnp.sum(is_target.astype(jnp.int32), axis=-1))
     entropy = None
     if return_entropy:
         p = e / jnp.exp(log_s)[:, None]
         entropy = log_s - psum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
+    return offset, psum, shifted, log_s, entropy
+
+
+def _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes):
+    """Log-probs (and entropies) of z [N, V_local] at one target per row (:func:`_row_softmax`;
+    plain jnp: jax differentiates it, collectives included)."""
+    offset, psum, shifted, log_s, entropy = _row_softmax(z, vocab_axes, return_entropy)
+    is_target = jnp.arange(z.shape[-1])[None, :] == (targets - offset)[:, None]
+    target_rel = psum(jnp.sum(jnp.where(is_target, shifted, 0.0), axis=-1))
+    holders = psum(jnp.sum(is_target.astype(jnp.int32), axis=-1))
     return softmax_math.finalize_logprob(target_rel, log_s, entropy, holders == 1, row_valid)
 
 
@@ -44,23 +51,14 @@ def _ids_logprobs_from_z(z, ids, id_valid, return_entropy, vocab_axes):
     [N, K] (0 at invalid ids, NaN at ids outside [0, V)) and the entropy of each row with a
     valid id (0 elsewhere)."""
     local_vocab = z.shape[-1]
-    offset = jax.lax.axis_index(vocab_axes) * local_vocab if vocab_axes else 0
-    psum = (lambda x: jax.lax.psum(x, vocab_axes)) if vocab_axes else (lambda x: x)
-    m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
-    if vocab_axes:
-        m = jax.lax.pmax(m, vocab_axes)
-    shifted = z - m[:, None]
-    log_s = jnp.log(psum(jnp.sum(jnp.exp(shifted), axis=-1)))
+    offset, psum, shifted, log_s, entropy = _row_softmax(z, vocab_axes, return_entropy)
     local = ids - offset
     holds = (local >= 0) & (local < local_vocab)
     at = jnp.take_along_axis(shifted, jnp.clip(local, 0, local_vocab - 1), axis=-1)
     target_rel = psum(jnp.where(holds, at, 0.0))
     in_range = psum(holds.astype(jnp.int32)) == 1
     logp = jnp.where(id_valid, jnp.where(in_range, target_rel - log_s[:, None], jnp.nan), 0.0)
-    entropy = None
-    if return_entropy:
-        p = jnp.exp(shifted - log_s[:, None])
-        entropy = log_s - psum(jnp.sum(jnp.where(p > 0, p * shifted, 0.0), axis=-1))
+    if entropy is not None:
         entropy = jnp.where(jnp.any(id_valid, axis=-1), entropy, 0.0)
     return logp, entropy
 
