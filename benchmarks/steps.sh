@@ -5,7 +5,7 @@
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
 #   many_devices many_devices_16k side_by_side e2e tunix device_times kernels fused timeline clocks
-#   profile memcheck fast_mode fast_accuracy fast_loss tokens distill topk_distill. Each runs under a time limit; a failed step is reported and the others
+#   profile memcheck fast_mode fast_accuracy fast_loss tokens distill topk_distill sampler. Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
 #   TESTS=tests               what the tests step gives pytest -m gpu
@@ -48,6 +48,7 @@ for s in "$@"; do
     fast_mode) step 240 "$PY" -m benchmarks.bench_fast_mode ;;
     distill) step 540 "$PY" -m benchmarks.bench_distill --peak ;;
     topk_distill) step 420 "$PY" -m benchmarks.bench_topk_distill --runs 10 ;;
+    sampler) step 540 "$PY" -m benchmarks.bench_sampler_logprobs --runs 10 ;;
     fast_loss) step 240 "$PY" -m benchmarks.bench_fast_loss ;;
     tokens) step 540 "$PY" -m benchmarks.bench_tokens --torch --runs 10 ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;

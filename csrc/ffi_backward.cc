@@ -5,7 +5,9 @@
 // Operands: hidden, weight, bias, targets as the forward's; lse, alpha, beta, gamma (f32 [N];
 // gamma [0] without has_entropy: head_grad.RowGrad); h16 (f16 [N, D]), the row bound s
 // (f32 [N]), scalars (f32 [2]: d_weight's scale, 1), and K ids per row with their terms of G
-// (s32 and f32 [N, K]; both [0] for one target per row: BackwardArgs.ids). Results: the float32 d_hidden
+// (s32 and f32 [N, K]; both [0] for one target per row: BackwardArgs.ids), and the truncated
+// softmax's per-row floor on u = z / T (f32 [N]: p = 0 below it, lse and entropy the kept set's;
+// [0]: no floor, the kernel without it: GradArgs.floor). Results: the float32 d_hidden
 // accumulator [N, D] (d_hidden / s), d_weight (W's shape and dtype), d_bias (f32 [V], or [0]
 // without has_bias) and the workspace (u8, of backward_workspace_bytes). Attributes:
 // weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256).
@@ -23,7 +25,8 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
                               ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale,
                               ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> ids,
-                              ffi::Buffer<ffi::F32> id_coef, ffi::ResultBuffer<ffi::F32> acc,
+                              ffi::Buffer<ffi::F32> id_coef, ffi::Buffer<ffi::F32> floor,
+                              ffi::ResultBuffer<ffi::F32> acc,
                               ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
                               ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, float temperature,
                               bool has_entropy, int64_t chunk) {
@@ -57,6 +60,11 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
     args.id_coef = id_coef.typed_data();
     args.id_k = static_cast<int>(k);
   }
+  if (floor.element_count() != 0) {
+    if (static_cast<int64_t>(floor.element_count()) != g.n)
+      return ffi::Error::InvalidArgument("floor must be [N] (or [0]: no floor)");
+    g.floor = floor.typed_data();
+  }
   checked = read_sm_count(device, args.sm_count);
   if (checked.failure()) return checked;
 
@@ -71,7 +79,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return launched(jaxrl_sm90::launch_backward(args, stream));
 }
 
-// grad_args_of's operands, h16, row_scale, scalars, ids, id_coef; acc, d_weight, d_bias, workspace; the
+// grad_args_of's operands, h16, row_scale, scalars, ids, id_coef, floor; acc, d_weight, d_bias, workspace; the
 // backward's attributes, chunk.
 auto backward_binding() {
   auto results = bind_grad_operands()
@@ -79,6 +87,7 @@ auto backward_binding() {
                      .Arg<ffi::Buffer<ffi::F32>>()
                      .Arg<ffi::Buffer<ffi::F32>>()
                      .Arg<ffi::Buffer<ffi::S32>>()
+                     .Arg<ffi::Buffer<ffi::F32>>()
                      .Arg<ffi::Buffer<ffi::F32>>()
                      .Ret<ffi::Buffer<ffi::F32>>()
                      .Ret<ffi::AnyBuffer>()

@@ -8,6 +8,10 @@
 // where alpha = g / (s T), beta = (g + g_ent H) / (s T), gamma = g_ent / (s T) (0 without
 // an entropy cotangent). G lies in [-1, 1], so float16 keeps 11 significant bits of it.
 // Rows that get no gradient have lse = +inf and alpha = beta = gamma = 0: G = 0 there.
+// With a per-row floor (GradArgs.floor: a truncated softmax, lse and H the kept set's),
+// p = 0 where u = y / T < floor; the one-hot term alpha stays wherever the target lies. The
+// floor is a template parameter of the kernel: without one the kernel is the one it was
+// before the floor existed (no load, no compare).
 //
 // The tiles come from the shared mainloop (sm90_common.cuh); every unit is one 128 x 256
 // tile, so nothing is reduced across CTAs and every element is written exactly once.
@@ -29,14 +33,20 @@ struct GradParams : GradArgs {
   float inv_t;
 };
 
-// G of one logit y (bias added) of a row with coefficients (lse, alpha, beta, gamma).
-template <bool kEntropy>
+// G of one logit y (bias added) of a row with coefficients (lse, alpha, beta, gamma) and, with
+// kFloor, the row's floor on u = y / T.
+template <bool kEntropy, bool kFloor>
 __device__ __forceinline__ float grad_of_logit(float y, float inv_t, float lse, float alpha, float beta,
-                                               float gamma, bool is_target) {
+                                               float gamma, float u_floor, bool is_target) {
   constexpr float kLog2e = 1.4426950408889634f;
   // ln p, kept finite so that p = 0 times the coefficients stays 0 on rows with lse = +inf
+  // (and on logits below the floor, whose d is also clamped and then multiplied by p = 0)
   const float d = fmaxf(fmaf(y, inv_t, -lse), -30000.f);
-  const float pz = ex2(d * kLog2e);
+  float pz = ex2(d * kLog2e);
+  if constexpr (kFloor) {
+    // kept where u >= floor (a NaN u or floor is not kept: jnp.where(z >= floor, p, 0))
+    if (!(y * inv_t >= u_floor)) pz = 0.f;
+  }
   const float v = kEntropy ? -pz * fmaf(gamma, d, beta) : -pz * beta;
   return is_target ? v + alpha : v;
 }
@@ -44,6 +54,7 @@ __device__ __forceinline__ float grad_of_logit(float y, float inv_t, float lse, 
 // The per-row inputs of G for this lane's two rows (row_in_tile and row_in_tile + 8).
 struct LaneRows {
   float lse[2], alpha[2], beta[2], gamma[2];
+  float floor[2];  // read only by kernels with a floor
   int tgt_rel[2];  // target column - (tile's first column + 2 q): element 8 j + e is the target
 };
 
@@ -63,7 +74,7 @@ struct GradStorage {
   alignas(128) __half stage[kConsumerWarps][16 * kStageCols];
 };
 
-template <bool kEntropy, class Acc>
+template <bool kEntropy, bool kFloor, class Acc>
 __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
                                                 const LaneRows& c, float inv_t, __half* stage, __half* out,
                                                 int warp_row0, int n_rows, int size, int ld, int local0,
@@ -86,8 +97,9 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
         float gv[2];
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < 2; ++e) {
-          gv[e] = grad_of_logit<kEntropy>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
-                                          c.gamma[r], 8 * j + e == c.tgt_rel[r]);
+          gv[e] = grad_of_logit<kEntropy, kFloor>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r],
+                                                  c.beta[r], c.gamma[r], kFloor ? c.floor[r] : 0.f,
+                                                  8 * j + e == c.tgt_rel[r]);
         }
         __half* slot = stage + (row_w + 8 * r) * kStageCols + (jj ^ row_w) * 8 + 2 * q;
         *reinterpret_cast<__half2*>(slot) = __floats2half2_rn(gv[0], gv[1]);
@@ -168,7 +180,8 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
   }
 }
 
-template <class Cfg>
+// kFloor: p.floor is set (a truncated softmax), read per row; false: p.floor is not read.
+template <class Cfg, bool kFloor>
 __global__ void __launch_bounds__(kThreads, 1)
     linear_grad_kernel(const __grid_constant__ GradParams p, const __grid_constant__ typename Cfg::TmaA tma_a,
                        const __grid_constant__ typename Cfg::TmaB tma_b) {
@@ -200,6 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         c.alpha[r] = in ? p.alpha[rows[r]] : 0.f;
         c.beta[r] = in ? p.beta[rows[r]] : 0.f;
         c.gamma[r] = (p.gamma && in) ? p.gamma[rows[r]] : 0.f;
+        c.floor[r] = (kFloor && in) ? p.floor[rows[r]] : 0.f;  // rows past N: lse = +inf, p = 0
         tgt[r] = in ? p.targets[rows[r]] : -1;
       }
 
@@ -211,11 +225,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
         const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
         if (p.gamma) {
-          write_grad_tile<true>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
-                                p.ld, local0, vector_ok);
+          write_grad_tile<true, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows,
+                                        p.size, p.ld, local0, vector_ok);
         } else {
-          write_grad_tile<false>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
-                                 p.ld, local0, vector_ok);
+          write_grad_tile<false, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows,
+                                         p.size, p.ld, local0, vector_ok);
         }
       }
     }
@@ -230,7 +244,11 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
   constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg>, p, plan.grid, stream, "linear_grad_kernel", kSmemBytes);
+  if (args.floor) {
+    return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, true>, p, plan.grid, stream, "linear_grad_kernel (floor)",
+                             kSmemBytes);
+  }
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, plan.grid, stream, "linear_grad_kernel", kSmemBytes);
 }
 
 }  // namespace jaxrl_sm90

@@ -83,6 +83,10 @@ struct GradArgs {
   const float* alpha = nullptr;     // [N]
   const float* beta = nullptr;      // [N]
   const float* gamma = nullptr;     // [N] or null
+  // The truncated softmax's per-row floor on u = z / T ([N], float32), or null: no floor (a
+  // kernel without it). p = 0 where u < floor (lse and the entropy in beta are then the kept
+  // set's); the one-hot term of the target is not masked.
+  const float* floor = nullptr;
   const int32_t* start_ptr = nullptr;  // [1], device memory, or null: `start`
   int start = 0;                    // the chunk's first column, a multiple of 256
   const float* w_scale = nullptr;   // [1], device memory: sigma_W; or null, and then:
@@ -115,8 +119,9 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
 // GEMM's alpha is 1 / sigma_c, so acc is d_hidden up to the row scale s, applied by the caller.
 // Scalars live in device memory: scalars = {dw_scale, 1}.
 struct BackwardArgs {
-  GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, n, v, d,
-                                    // dtype, weight_dv, temperature (start/out/w16/size: per chunk)
+  GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, floor, n,
+                                    // v, d, dtype, weight_dv, temperature (start/out/w16/size: per
+                                    // chunk)
   const void* h16 = nullptr;        // [N, D] float16
   const float* row_scale = nullptr; // [N] s (for d_bias), or null without a bias
   const float* scalars = nullptr;   // [2] device: dw_scale, 1

@@ -7,10 +7,10 @@ With ``z = (hidden @ Wᵀ + b) / T``, saved ``lse`` and per-row cotangents ``g``
 ``g_ent`` (of the entropy H), ``dz = (g (onehot − p) − g_ent p (log p + H)) / T``. Per row,
 ``s = (|g| + |g_ent| (1/e + |H|)) / T`` bounds |dz| (|onehot − p| <= 1 and
 |p (log p + H)| <= 1/e + |H|), so ``G = dz / s`` lies in [−1, 1] and float16 holds it to 2⁻¹¹:
-three bits more than bf16, at bf16's GEMM speed. For each chunk of C vocabulary columns, in
-order, a backend kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits), and
-``W16_c`` if it can (else XLA converts it), and two GEMMs (float16 operands, float32
-accumulation) add
+three bits more than bf16, at bf16's GEMM speed. A truncated softmax (p = 0 where z is below
+a per-row floor) keeps the same s. For each chunk of C vocabulary columns, in order, a backend
+kernel writes ``G_c`` [N, C] (float16; it recomputes the chunk's logits), and ``W16_c`` if it
+can (else XLA converts it), and two GEMMs (float16 operands, float32 accumulation) add
 
     acc      += G_c · W16_c                      W16 = σ_W · W            (float16)
     d_W_c     = (S / σ_h) · G_cᵀ · h16            h16 = σ_h (s / S) · hidden (float16)
@@ -42,7 +42,8 @@ class RowGrad:
     ``lse``, the cotangents already divided by the row bound s (``g``, ``g_ent`` | None), the
     ``entropy`` | None and the temperature; and the coefficients of
     ``G = alpha [v = target] − p (beta + gamma log p)`` (``gamma`` None without ``g_ent``).
-    Built once per backward by :meth:`of`, outside the chunk loop."""
+    ``floor`` | None: the truncated softmax's per-row floor on z (p = 0 where z < floor; the
+    one-hot term stays). Built once per backward by :meth:`of`, outside the chunk loop."""
 
     lse: jax.Array
     g: jax.Array
@@ -52,14 +53,15 @@ class RowGrad:
     alpha: jax.Array
     beta: jax.Array
     gamma: jax.Array | None
+    floor: jax.Array | None = None
 
     @classmethod
-    def of(cls, lse, g, g_ent, entropy, temperature) -> RowGrad:
+    def of(cls, lse, g, g_ent, entropy, temperature, floor=None) -> RowGrad:
         inv_t = 1.0 / temperature
         if g_ent is None:
-            return cls(lse, g, None, None, temperature, g * inv_t, g * inv_t, None)
+            return cls(lse, g, None, None, temperature, g * inv_t, g * inv_t, None, floor)
         return cls(lse, g, g_ent, entropy, temperature, g * inv_t, (g + g_ent * entropy) * inv_t,
-                   g_ent * inv_t)
+                   g_ent * inv_t, floor)
 
 
 WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array, jax.Array],
@@ -72,7 +74,8 @@ W16 = float16(σ_W · W[those columns]) in W's layout (None: ``backward`` conver
 def row_bound(g_logp, g_ent, entropy, temperature, g_ids=None):
     """s = (|g| + |g_ent|·(1/e + |H|)) / T >= max |dz| over the row (1 where it is 0); with K
     ids per row (``g_ids`` [N, K], ``g_logp`` their sum: ``head_ids.split_targets``) the
-    one-hot terms add ``Σ_k |g_k|``."""
+    one-hot terms add ``Σ_k |g_k|``. A truncated softmax (p = 0 below a floor) only makes
+    |dz| smaller: the bound holds for it as well."""
     bound = jnp.abs(g_logp)
     if g_ids is not None:
         bound = bound + jnp.sum(jnp.abs(g_ids), axis=-1)
@@ -138,10 +141,11 @@ class Scaled:
     d_w_scale: jax.Array
 
     @classmethod
-    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids=None) -> Scaled:
+    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids=None,
+           floor=None) -> Scaled:
         s = row_bound(g_logp, g_ent, entropy, temperature, g_ids)
         rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
-                          temperature)
+                          temperature, floor)
         return cls.of_bound(hidden, weight, s, rows)
 
     @classmethod
@@ -161,7 +165,7 @@ class Scaled:
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
              temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
-             weight_grad_init=jnp.zeros_like):
+             weight_grad_init=jnp.zeros_like, floor=None):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
@@ -170,9 +174,10 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one).
     ``targets`` and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``), their
     one-hot terms added to each chunk's G (``write_grad`` is to write G with no target:
-    built on the split's row targets)."""
+    built on the split's row targets). ``floor`` [N] | None: the truncated softmax's floor
+    on z, handed to ``write_grad`` in ``RowGrad.floor`` (the one-hot terms are not masked)."""
     _, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
-    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids)
+    scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids, floor)
 
     def write_g(start, size):
         g16, w16 = write_grad(scaled.rows, start, size, hidden, weight, scaled.sigma_w)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, dispatch, fused_loss, ppo_math
+from jaxrl_kernels import aggregation_math, dispatch, fused_loss, ppo_math, sampler_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.logprobs import AxisName, global_vocab, head_choice, linear_logprobs_rows
 from jaxrl_kernels.policy_config import (PG_UNUSED, PolicyLoss, from_arguments,
@@ -40,22 +40,33 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, old_logp, mask,
 
 
 def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, *, weight_layout,
-                 temperature, with_entropy, backend, vocab_axis, memory):
+                 temperature, with_entropy, backend, vocab_axis, memory, sampler=(None,) * 3,
+                 counts_outside=True):
     """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``: lean,
     the log-probs from ``linear_logprobs_rows``; fast, the loss's gradient taken in the
-    forward (``fused_loss``)."""
+    forward (``fused_loss``). ``sampler``: ``(top_k, top_p, min_p)``; with a truncation the
+    log-probs are the processed distribution's (the fast mode keeps the logits,
+    ``saved_logits``) and, where ``counts_outside``, the metrics count the response tokens
+    whose action is outside its kept set (``outside_kept_set``)."""
+    truncation = sampler_math.truncation(*sampler)
     choice = head_choice(op, memory, hidden, weight, bias, actions, weight_layout=weight_layout,
                          return_entropy=with_entropy, backend=backend, vocab_axis=vocab_axis,
                          loss=True)
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    vocab_axis=vocab_axis)
-    if choice.fast:
+    if choice.fast and truncation is None:
         return fused_loss.fused_linear_loss(
             loss_fn, hidden, weight, bias, actions.astype(jnp.int32), mask != 0, inputs,
             with_entropy=with_entropy, **options)
-    logp, entropy = linear_logprobs_rows(hidden, weight, bias, actions, mask != 0, choice=choice,
-                                         return_entropy=with_entropy, **options)
-    return loss_fn(logp, entropy, inputs)
+    logp, entropy, *kept = linear_logprobs_rows(
+        hidden, weight, bias, actions, mask != 0, choice=choice, return_entropy=with_entropy,
+        truncation=truncation, **options)
+    out = loss_fn(logp, entropy, inputs)
+    if truncation is None or not counts_outside:
+        return out
+    loss, metrics = out
+    outside = jnp.sum(((mask != 0) & ~kept[0]).astype(jnp.float32))
+    return loss, {**metrics, "outside_kept_set": _sg(outside)}
 
 
 def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -69,7 +80,9 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                     ratio_level: str = "token", policy_loss: str = "ppo",
                     tis_level: str = "token", tis_mode: str = "truncate",
                     backend: str | None = None, vocab_axis: AxisName | None = None,
-                    memory: str | int | None = None, config: PolicyLoss | None = None
+                    memory: str | int | None = None, config: PolicyLoss | None = None,
+                    top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ppo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
@@ -100,6 +113,10 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
         of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
       config: a ``PolicyLoss`` instead of the options clip_low ... tis_mode, as in
         ``ppo_loss``.
+      top_k, top_p, min_p: the rollout sampler's truncation, as in ``linear_logprobs``: the
+        log-probs (and entropy) of the distribution it sampled from (with ``memory="fast"``
+        the logits are kept for the backward); the metrics count the response tokens whose
+        action is outside its kept set (``outside_kept_set``).
 
     Returns:
       ``(loss, metrics)`` as in ``ppo_loss`` (``entropy`` among the metrics when
@@ -135,7 +152,7 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
     return _linear_loss("linear_ppo_loss", loss_fn, inputs, hidden, weight, bias, actions, mask,
                         weight_layout=weight_layout, temperature=temperature,
                         with_entropy=with_entropy, backend=backend, vocab_axis=vocab_axis,
-                        memory=memory)
+                        memory=memory, sampler=(top_k, top_p, min_p))
 
 
 def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -151,7 +168,9 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
                      tis_level: str = "token", tis_mode: str = "truncate",
                      rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
                      backend: str | None = None, vocab_axis: AxisName | None = None,
-                     memory: str | int | None = None, config: PolicyLoss | None = None
+                     memory: str | int | None = None, config: PolicyLoss | None = None,
+                     top_k: int | None = None, top_p: float | None = None,
+                     min_p: float | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``grpo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
@@ -178,6 +197,8 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
         dtype) or a byte budget (``"fast"`` when that buffer fits in it); ``None``: the mode
         of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
       config: a ``PolicyLoss`` instead of the policy options, as in ``grpo_loss``.
+      top_k, top_p, min_p: the rollout sampler's truncation, as in ``linear_ppo_loss``
+        (``linear_logprobs(..., return_kept=True)`` counts the actions outside the kept set).
 
     Returns:
       ``(loss, policy_loss, kl)``: float32 scalars.
@@ -214,7 +235,7 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
     return _linear_loss("linear_grpo_loss", loss_fn, inputs, hidden, weight, bias, actions,
                         mask, weight_layout=weight_layout, temperature=temperature,
                         with_entropy=False, backend=backend, vocab_axis=vocab_axis,
-                        memory=memory)
+                        memory=memory, sampler=(top_k, top_p, min_p), counts_outside=False)
 
 
 def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
@@ -224,7 +245,9 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
                                 max_len: int | None = None, backend: str | None = None,
                                 vocab_axis: AxisName | None = None,
                                 memory: str | int | None = None,
-                                config: PolicyLoss | None = None) -> jax.Array:
+                                config: PolicyLoss | None = None, top_k: int | None = None,
+                                top_p: float | None = None, min_p: float | None = None
+                                ) -> jax.Array:
     """``policy_gradient_loss`` on the log-probs of a linear LM head: ``aggregate(−A·logp)``.
 
     REINFORCE, reward-weighted and best-of-N fine-tuning, and plain NLL / SFT with ``A = 1``,
@@ -244,6 +267,7 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       memory: ``"lean"``, ``"fast"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
       config: a ``PolicyLoss`` instead of ``loss_agg_mode`` and ``max_len``, as in
         ``policy_gradient_loss``.
+      top_k, top_p, min_p: the rollout sampler's truncation, as in ``linear_logprobs``.
 
     Returns:
       The float32 scalar loss.
@@ -275,4 +299,4 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
                         dict(advantages=advantages, mask=mask), hidden, weight, bias, actions,
                         mask, weight_layout=weight_layout, temperature=temperature,
                         with_entropy=False, backend=backend, vocab_axis=vocab_axis,
-                        memory=memory)
+                        memory=memory, sampler=(top_k, top_p, min_p), counts_outside=False)

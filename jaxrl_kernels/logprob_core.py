@@ -35,7 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, head_ids, sharding, softmax_math
+from jaxrl_kernels import engine, head, head_ids, kept_set, sharding, softmax_math, vocab_chunks
+from jaxrl_kernels.placement import varying_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,26 @@ def _finished(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entro
     return (logp, ent)[:n_out] + (lse,) + ((ent,) if with_entropy else ()) + (active,)
 
 
+def _finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
+                        truncation, u_chunks, varying):
+    """:func:`_finished` under a sampler's truncation (``truncation``: a
+    ``sampler_math.Truncation``): the outputs over each row's kept set (``kept_set.find`` on
+    ``u_chunks``), then whether the row's target is in it; residuals: lse, entropy if kept,
+    active, and the gradient's floor."""
+    holds = (t_local >= 0) & (t_local < local_vocab)
+    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
+                                                                   plan.vocab_axes)
+    m = stats[0]
+    found = kept_set.find(u_chunks, t_local.shape[0], local_vocab, m, valid, truncation,
+                          vocab_axes=plan.vocab_axes, varying=varying)
+    logp, ent, lse, active = softmax_math.finalize_row_stats((m, found.s, found.a), target_rel,
+                                                             holders, valid)
+    inside = active & (target_rel + m >= found.floor)
+    floor = jnp.where(active, found.floor, -jnp.inf)
+    return ((logp, ent)[:n_out] + (inside, lse) + ((ent,) if with_entropy else ())
+            + (active, floor))
+
+
 def _first_row(outs):
     """An op's outputs on a single row added in front, that row's."""
     return tuple(None if o is None else o[0] for o in outs)
@@ -95,31 +116,49 @@ def _row_residuals(rest, with_entropy):
 
 # -- logits [..., V] --------------------------------------------------------------------------
 
-def _logits_backward(parts, n_logits, with_entropy, temperature):
-    """The backward half of the logits ops: the gradient to the first logits operand."""
+def _logits_backward(parts, n_logits, with_entropy, temperature, truncated=False):
+    """The backward half of the logits ops: the gradient to the first logits operand (with
+    the kept set's floor among the residuals when ``truncated``)."""
     def backward(plan, logits, *args):
         t, rest = args[n_logits - 1], args[n_logits + 1:]
         lse, ent, active, cts = _row_residuals(rest, with_entropy)
+        floor, cts = (cts[0], cts[1:]) if truncated else (None, cts)
         g, g_ent = cts[0], (cts[1] if with_entropy else None)
         t_local, lse, ent, g, g_ent = backward_rows(plan, logits.shape[-1], t, lse, ent, active,
                                                     g, g_ent)
-        return (sharding.kernel_region(lambda *a: parts.backward(*a, temperature=temperature),
-                                       logits, t_local, lse, ent, g, g_ent),)
+        if floor is None:
+            return (sharding.kernel_region(
+                lambda *a: parts.backward(*a, temperature=temperature),
+                logits, t_local, lse, ent, g, g_ent),)
+        return (sharding.kernel_region(
+            lambda f, *a: parts.backward(*a, temperature=temperature, floor=f),
+            floor, logits, t_local, lse, ent, g, g_ent),)
     return backward
 
 
+def _logits_chunks(x, temperature):
+    """``chunk(start, size)``: float32 ``x[:, start:start + size] / temperature``."""
+    def chunk(start, size):
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1).astype(jnp.float32) / temperature
+    return chunk
+
+
 def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
-                     vocab_axis=None):
-    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table)."""
+                     vocab_axis=None, truncation=None):
+    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table);
+    with a ``truncation``, ``(logp, entropy | None, inside)`` as :func:`linear_head_op`."""
     rows = "r" * targets.ndim
     n_out = 2 if return_entropy else 1
+    truncated = truncation is not None
     if isinstance(parts, Whole):
         return _whole(parts, (logits,), (rows + "v",), targets, row_valid, n_out, vocab_axis,
-                      temperature=temperature, return_entropy=return_entropy)
+                      truncation=truncation, temperature=temperature,
+                      return_entropy=return_entropy)
     if targets.ndim == 0:  # one row
         return _first_row(token_from_parts(parts, logits[None], targets[None], row_valid[None],
                                            temperature=temperature,
-                                           return_entropy=return_entropy, vocab_axis=vocab_axis))
+                                           return_entropy=return_entropy, vocab_axis=vocab_axis,
+                                           truncation=truncation))
 
     def forward(plan, x, t, valid):
         t_local = t - plan.vocab_offset(x.shape[-1])
@@ -127,13 +166,19 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
             lambda x, t, v: parts.stats(x, t, v, temperature=temperature,
                                         with_entropy=return_entropy), x, t_local, valid)
         stats = (m, s) + ((a,) if return_entropy else ())
+        if truncated:
+            return _finished_truncated(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out,
+                                       return_entropy, truncation,
+                                       _logits_chunks(x, temperature),
+                                       lambda y: varying_like(y, x))
         return _finished(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out, return_entropy)
 
     outs = engine.differentiable(
-        forward, _logits_backward(parts, 1, return_entropy, temperature),
-        (logits, targets, row_valid), (rows + "v", rows, rows), (rows,) * n_out,
-        (rows,) * (n_out + 1), diff=(0,), vocab_axis=vocab_axis)
-    return outs[0], (outs[1] if return_entropy else None)
+        forward, _logits_backward(parts, 1, return_entropy, temperature, truncated),
+        (logits, targets, row_valid), (rows + "v", rows, rows), (rows,) * (n_out + truncated),
+        (rows,) * (n_out + 1 + truncated), diff=(0,), vocab_axis=vocab_axis)
+    entropy = outs[1] if return_entropy else None
+    return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
 
 
 def paired_from_parts(parts, policy_logits, ref_logits, targets, row_valid, *, temperature,
@@ -172,19 +217,30 @@ def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
 
 
 def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
-                   weight_layout, with_entropy, n_kept=0, vocab_axis=None, temperature=1.0):
+                   weight_layout, with_entropy, n_kept=0, vocab_axis=None, temperature=1.0,
+                   truncation=None, logit_chunks=None):
     """``(logp, entropy | None)`` of a linear head as an :mod:`engine` op, from its halves on
     one device's flat rows:
 
     ``stats(plan, h [N, D], weight, bias, t_local [N], valid [N]) -> ((m, s[, a]), t_rel,
     *kept)``: this device's row statistics (the module docstring), and ``n_kept`` residuals
     ``[N, V_local]`` (the logits, for ``memory="fast"``);
-    ``backward(h, weight, bias, *kept, t_local, lse, entropy, g, g_ent) -> (d_hidden,
-    d_weight, d_bias | None)``, with no gradient on inactive rows (:func:`backward_rows`).
+    ``backward(h, weight, bias, *kept, t_local, lse, entropy, g, g_ent[, floor=]) ->
+    (d_hidden, d_weight, d_bias | None)``, with no gradient on inactive rows
+    (:func:`backward_rows`).
+
+    ``truncation`` (a ``sampler_math.Truncation``): the log-probs and entropy of the
+    sampler's processed distribution, each row's kept set found by ``kept_set.find`` in passes
+    over ``logit_chunks(h, weight, bias, *kept)`` (default: the head's float32 logits in
+    vocabulary chunks, ``vocab_chunks.linear_chunk``); the backward gets the kept set's lse
+    and entropy and its ``floor``. Returns ``(logp, entropy | None, inside)`` then, ``inside``
+    whether each row's target is in its kept set.
 
     ``targets`` [..., K] (as many dimensions as ``hidden``, ``row_valid`` per id): K ids per
     row, see :func:`_linear_ids_op` (``temperature``: the one ``stats`` divides by)."""
     if targets.ndim == hidden.ndim:
+        if truncation is not None:
+            raise ValueError("top_k, top_p and min_p take one target per position, not K ids")
         return _linear_ids_op(stats, backward, hidden, weight, bias, targets, row_valid,
                               weight_layout=weight_layout, with_entropy=with_entropy,
                               n_kept=n_kept, vocab_axis=vocab_axis, temperature=temperature)
@@ -192,30 +248,46 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
         return _first_row(linear_head_op(stats, backward, hidden[None], weight, bias,
                                          targets[None], row_valid[None],
                                          weight_layout=weight_layout, with_entropy=with_entropy,
-                                         n_kept=n_kept, vocab_axis=vocab_axis))
+                                         n_kept=n_kept, vocab_axis=vocab_axis,
+                                         temperature=temperature, truncation=truncation,
+                                         logit_chunks=logit_chunks))
     rows = "r" * targets.ndim
     n_out = 2 if with_entropy else 1
+    truncated = truncation is not None
+    if logit_chunks is None:
+        def logit_chunks(h, w, b, *kept):
+            return vocab_chunks.linear_chunk(h, w, b, weight_layout, temperature)
 
     def local_forward(plan, h, w, b, t, valid):
         local_vocab = head.vocab_size(w, weight_layout)
         t_local = t - plan.vocab_offset(local_vocab)
         stats_, t_rel, *kept = stats(plan, h, w, b, t_local, valid)
+        if truncated:
+            return _finished_truncated(
+                plan, stats_, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
+                truncation, logit_chunks(h, w, b, *kept),
+                lambda x: varying_like(x, h, w, b)) + tuple(kept)
         return _finished(plan, stats_, t_rel, t_local, local_vocab, valid, n_out,
                          with_entropy) + tuple(kept)
 
     def local_backward(plan, h, w, b, t, _valid, *rest):
         lse, ent, active, rest = _row_residuals(rest, with_entropy)
+        floor, rest = (rest[0], rest[1:]) if truncated else (None, rest)
         kept, (g, *g_ent) = rest[:n_kept], rest[n_kept:]
         t_local, lse, ent, g, g_ent = backward_rows(plan, head.vocab_size(w, weight_layout), t,
                                                     lse, ent, active, g,
                                                     g_ent[0] if with_entropy else None)
-        return backward(h, w, b, *kept, t_local, lse, ent, g, g_ent)
+        extra = dict(floor=floor) if truncated else {}
+        return backward(h, w, b, *kept, t_local, lse, ent, g, g_ent, **extra)
 
+    out_roles = (rows,) * (n_out + truncated)
+    res_roles = (rows,) * (n_out + 1 + truncated) + (rows + "v",) * n_kept
     outs = engine.differentiable(
         local_forward, local_backward, (hidden, weight, bias, targets, row_valid),
-        head_roles(targets.ndim, weight_layout) + (rows, rows), (rows,) * n_out,
-        (rows,) * (n_out + 1) + (rows + "v",) * n_kept, diff=(0, 1, 2), vocab_axis=vocab_axis)
-    return outs[0], (outs[1] if with_entropy else None)
+        head_roles(targets.ndim, weight_layout) + (rows, rows), out_roles, res_roles,
+        diff=(0, 1, 2), vocab_axis=vocab_axis)
+    entropy = outs[1] if with_entropy else None
+    return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
 
 
 def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weight_layout,
@@ -282,8 +354,10 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
 
 
 def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight_layout,
-                      temperature, return_entropy, backward=None, vocab_axis=None):
-    """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits.
+                      temperature, return_entropy, backward=None, vocab_axis=None,
+                      truncation=None):
+    """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits
+    (``truncation``: ``(logp, entropy | None, inside)``, see :func:`linear_head_op`).
 
     ``backward``: where ``parts.backward`` is None (``ffi``), the standalone backward as a
     thunk ``() -> backward function`` (``backend_contract.Choice.backward``), called when the
@@ -293,8 +367,8 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
         n_rows = hidden.ndim - 1
         return _whole(parts, (hidden, weight, bias), head_roles(n_rows, weight_layout),
                       targets, row_valid, 2 if return_entropy else 1, vocab_axis,
-                      n_row_dims=n_rows, weight_layout=weight_layout, temperature=temperature,
-                      return_entropy=return_entropy)
+                      n_row_dims=n_rows, truncation=truncation, weight_layout=weight_layout,
+                      temperature=temperature, return_entropy=return_entropy)
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
     def stats(plan, h, w, b, t_local, valid):
@@ -303,13 +377,17 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
                                               **options), h, w, b, t_local, valid)
         return (m, s) + ((a,) if return_entropy else ()), t_rel
 
-    def local_backward(*args):
+    def local_backward(*args, floor=None):
         backward_fn = parts.backward or backward()
-        return sharding.kernel_region(lambda *a: backward_fn(*a, **options), *args)
+        if floor is None:
+            return sharding.kernel_region(lambda *a: backward_fn(*a, **options), *args)
+        return sharding.kernel_region(lambda f, *a: backward_fn(*a, floor=f, **options),
+                                      floor, *args)
 
     return linear_head_op(stats, local_backward, hidden, weight, bias, targets, row_valid,
                           weight_layout=weight_layout, with_entropy=return_entropy,
-                          vocab_axis=vocab_axis, temperature=temperature)
+                          vocab_axis=vocab_axis, temperature=temperature,
+                          truncation=truncation)
 
 
 def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entropy, active, g,
@@ -343,21 +421,27 @@ def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entr
 # -- ops jax differentiates itself (the reference backend) -------------------------------------
 
 def _whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis, *,
-           n_row_dims=None, **options):
+           n_row_dims=None, truncation=None, **options):
     """Run a ``Whole`` op through ``sharding.run`` as plain jnp; returns its first two outputs
-    (the second None when it has one). ``targets`` may have one dimension more than the
-    ``n_row_dims`` row dimensions (default: all of its own): K ids per row."""
+    (the second None when it has one), and with a ``truncation`` (passed on to the op, which
+    returns ``(logp, entropy | None, inside)`` then) the third. ``targets`` may have one
+    dimension more than the ``n_row_dims`` row dimensions (default: all of its own): K ids
+    per row."""
     n_row_dims = targets.ndim if n_row_dims is None else n_row_dims
     rows = "r" * n_row_dims
     per_id = rows + "-" * (targets.ndim - n_row_dims)
+    if truncation is not None:
+        options["truncation"] = truncation
 
     def local(plan, *args):
         *ops, targets, row_valid = args
         out = parts.fn(*ops, targets, row_valid, vocab_axes=plan.vocab_axes,
                        n_row_dims=n_row_dims, **options)
-        return tuple(out)[:n_out]
+        return tuple(out)[:n_out] + ((out[2],) if truncation is not None else ())
 
+    out_roles = (per_id,) + (rows,) * (n_out - 1) + ((rows,) if truncation is not None else ())
     outs = sharding.run(local, tuple(operands) + (targets, row_valid),
-                        tuple(roles) + (per_id, per_id), (per_id,) + (rows,) * (n_out - 1),
+                        tuple(roles) + (per_id, per_id), out_roles,
                         vocab_axis=vocab_axis, differentiable=True, record=engine.note_layout)
-    return outs[0], (outs[1] if n_out == 2 else None)
+    entropy = outs[1] if n_out == 2 else None
+    return (outs[0], entropy, outs[-1]) if truncation is not None else (outs[0], entropy)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, head, logprob_core, saved_logits, sharding
+from jaxrl_kernels import dispatch, head, logprob_core, sampler_math, saved_logits, sharding
 from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
 from jaxrl_kernels import memory as memory_lib
 from jaxrl_kernels import validation as check
@@ -28,8 +28,10 @@ def _row_valid(targets, ignore_index):
 
 def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float = 1.0,
                    ignore_index: int | None = None, return_entropy: bool = False,
-                   backend: str | None = None, vocab_axis: AxisName | None = None
-                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   backend: str | None = None, vocab_axis: AxisName | None = None,
+                   top_k: int | None = None, top_p: float | None = None,
+                   min_p: float | None = None, return_kept: bool = False
+                   ) -> jax.Array | tuple[jax.Array, ...]:
     """Log-probabilities of the target tokens under ``softmax(logits / temperature)``.
 
     ``logp = z[target] - logsumexp(z)`` with ``z = logits / temperature`` in float32, and
@@ -45,9 +47,17 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
         ``explain``).
       vocab_axis: inside ``jax.shard_map``, the mesh axis over which ``logits`` holds
         consecutive slices of the vocabulary (targets stay global ids; results are global).
+      top_k, top_p, min_p: the sampler's truncation (None: off): the log-probs (and entropy)
+        of the distribution it samples from, ``softmax(z)`` on each row's kept set,
+        renormalised (min-p, then top-k, then top-p, as vLLM; ties at a threshold kept; see
+        docs/api.md "Sampler-matched log-probs"). A target outside its row's kept set gets
+        ``z[target] − lse(kept set)`` (finite) and the gradient of that expression.
+      return_kept: also return whether each target is in its row's kept set (bool; False
+        on ignored rows; all True with no truncation).
 
     Returns:
-      float32 ``logp`` ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``.
+      float32 ``logp`` ``[...]``, then ``entropy`` with ``return_entropy=True``, then
+      ``kept`` with ``return_kept=True``.
       Another target outside ``[0, V)`` raises ``ValueError`` when concrete; traced, it gives
       NaN there (or raises in check mode, see ``checks``).
 
@@ -62,6 +72,7 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     targets = check.integer("targets", targets)
     check.shape("targets", targets, logits.shape[:-1], "logits.shape[:-1]")
     check.positive("temperature", temperature)
+    truncation = sampler_math.truncation(top_k, top_p, min_p)
     local_vocab = logits.shape[-1]
     if local_vocab == 0:
         raise ValueError("logits: expected a non-empty vocabulary axis, got V = 0")
@@ -72,10 +83,18 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     problem = Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
                       dtype=dtype_name(logits), return_entropy=return_entropy)
     choice = dispatch.resolve("token_logprobs", problem, backend)
-    logp, entropy = logprob_core.token_from_parts(
+    logp, entropy, *kept = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
-        return_entropy=bool(return_entropy), vocab_axis=vocab_axis)
-    return (logp, entropy) if return_entropy else logp
+        return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation)
+    return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
+
+
+def _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept):
+    """``logp``, then the entropy and whether each target is kept, as asked."""
+    outs = (logp,) + ((entropy,) if return_entropy else ())
+    if return_kept:
+        outs += (kept[0] if kept else row_valid & jnp.ones(logp.shape, bool),)
+    return outs[0] if len(outs) == 1 else outs
 
 
 def global_vocab(local_vocab: int, vocab_axis) -> int:
@@ -103,12 +122,14 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
 
 
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, weight_layout,
-                         temperature, return_entropy, vocab_axis=None):
+                         temperature, return_entropy, vocab_axis=None, truncation=None):
     """The linear_logprobs primitive on validated inputs, by ``choice`` (:func:`head_choice`):
     hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
-    (logp like targets, entropy [...] | None)."""
+    (logp like targets, entropy [...] | None), and with a ``truncation``
+    (``sampler_math.Truncation``) whether each target is in its row's kept set."""
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
-                   return_entropy=bool(return_entropy), vocab_axis=vocab_axis)
+                   return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
+                   truncation=truncation)
     if choice.fast:
         return saved_logits.fast_linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32),
                                                  row_valid, **options)
@@ -121,8 +142,10 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
                     bias: ArrayLike | None = None, *, weight_layout: str = "vd",
                     temperature: float = 1.0, ignore_index: int | None = None,
                     return_entropy: bool = False, backend: str | None = None,
-                    vocab_axis: AxisName | None = None, memory: str | int | None = None
-                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    vocab_axis: AxisName | None = None, memory: str | int | None = None,
+                    top_k: int | None = None, top_p: float | None = None,
+                    min_p: float | None = None, return_kept: bool = False
+                    ) -> jax.Array | tuple[jax.Array, ...]:
     """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
     Same outputs and the same gradients as ``token_logprobs`` on the logits, chained into
@@ -146,11 +169,14 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         ``"fast"`` (the forward's logits kept for the backward as float16 / float32: one GEMM
         fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it);
         ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
+      top_k, top_p, min_p, return_kept: the sampler's truncation, as in ``token_logprobs``
+        (one target per position); each row's kept set is found in passes over the
+        vocabulary, no ``[N, V]`` buffer.
 
     Returns:
-      float32 ``logp`` shaped like ``targets``, or ``(logp, entropy)`` with
-      ``return_entropy=True`` (entropy ``[...]``, one per position; 0 where every id of a
-      position is padding or ``ignore_index``).
+      float32 ``logp`` shaped like ``targets``, then ``entropy`` with ``return_entropy=True``
+      (``[...]``, one per position; 0 where every id of a position is padding or
+      ``ignore_index``), then ``kept`` with ``return_kept=True``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrl_kernels as jk
@@ -174,13 +200,17 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         check.shape("targets", targets, rows, "hidden.shape[:-1]")
         row_valid, ignored = _row_valid(targets, ignore_index)
     check.positive("temperature", temperature)
+    truncation = sampler_math.truncation(top_k, top_p, min_p)
+    if truncation is not None and targets.ndim == hidden.ndim:
+        raise ValueError("top_k, top_p and min_p take one target per position, not K ids")
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("targets", targets, vocab, ignored)
     choice = head_choice("linear_logprobs", memory, hidden, weight, bias,
                          jax.ShapeDtypeStruct(rows, jnp.int32),
                          weight_layout=weight_layout, return_entropy=return_entropy,
                          backend=backend, vocab_axis=vocab_axis)
-    logp, entropy = linear_logprobs_rows(
+    logp, entropy, *kept = linear_logprobs_rows(
         hidden, weight, bias, targets, row_valid, choice=choice, weight_layout=weight_layout,
-        temperature=temperature, return_entropy=return_entropy, vocab_axis=vocab_axis)
-    return (logp, entropy) if return_entropy else logp
+        temperature=temperature, return_entropy=return_entropy, vocab_axis=vocab_axis,
+        truncation=truncation)
+    return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)

@@ -98,20 +98,22 @@ def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout
 
 
 def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
-                   temperature):
+                   temperature, floor=None):
     """(d_hidden, d_weight, d_bias | None) on one device from the kept logits; rows without a
     gradient arrive with g = g_ent = 0 and lse = +inf (``logprob_core.backward_rows``).
 
     A float16 head takes the scaled gradient (``head_grad.Scaled``): unscaled, a row's small
     entries of ``dz`` fall among float16's subnormals (below 6.1e-5), where it keeps few
-    bits. ``t_local`` and ``g`` [N, K]: K ids per row (``head_ids.split_targets``)."""
+    bits. ``t_local`` and ``g`` [N, K]: K ids per row (``head_ids.split_targets``);
+    ``floor``: a kept set's (``softmax_math.logprob_grad_tile``)."""
     t_local, g, ids, g_ids = head_ids.split_targets(t_local, g)
     is_target = jnp.arange(z.shape[1])[None, :] == t_local[:, None]
     dtype = jnp.dtype(jnp.result_type(hidden, weight))
     if dtype == jnp.float16:
         sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature, g_ids)
         dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy,
-                                            is_target, sc.rows.g, sc.rows.g_ent, temperature)
+                                            is_target, sc.rows.g, sc.rows.g_ent, temperature,
+                                            floor)
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / (sc.s * temperature)[:, None], 0)
         g16 = dz.astype(jnp.float16)
@@ -123,7 +125,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
         return (sc.finish(acc, hidden.dtype), d_weight.astype(weight.dtype),
                 None if bias is None else d_bias.astype(bias.dtype))
     dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy, is_target,
-                                        g, g_ent, temperature)
+                                        g, g_ent, temperature, floor)
     if ids is not None:
         dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, 0)
     dz_op = dz.astype(dtype)
@@ -140,22 +142,34 @@ def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature)
                           weight_layout=weight_layout, temperature=temperature)
 
 
+def kept_chunks(bias, z, temperature):
+    """``chunk(start, size)``: z̃ of the kept logits' columns ``[start, start + size)``."""
+    def chunk(start, size):
+        b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        return scaled(jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature)
+    return chunk
+
+
 def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
-                         temperature, return_entropy, vocab_axis=None):
+                         temperature, return_entropy, vocab_axis=None, truncation=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
     Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
-    target ids, ``vocab_axis`` inside ``jax.shard_map``)."""
+    target ids, ``vocab_axis`` inside ``jax.shard_map``); a ``truncation``'s kept set is found
+    over the kept logits."""
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
     def stats(plan, h, w, b, t_local, valid):
         return local_stats(plan, h, w, b, t_local, valid, with_entropy=return_entropy,
                            **options)
 
-    def backward(*args):
-        return local_backward(*args, **options)
+    def backward(*args, floor=None):
+        return local_backward(*args, floor=floor, **options)
 
     return logprob_core.linear_head_op(stats, backward, hidden, weight, bias, targets,
                                        row_valid, weight_layout=weight_layout,
                                        with_entropy=return_entropy, n_kept=1,
-                                       vocab_axis=vocab_axis, temperature=temperature)
+                                       vocab_axis=vocab_axis, temperature=temperature,
+                                       truncation=truncation,
+                                       logit_chunks=lambda h, w, b, z: kept_chunks(
+                                           b, z, temperature))

@@ -106,15 +106,19 @@ def finalize_row_stats(stats, target_rel, holders, row_valid):
     return logp, entropy, stats[0] + log_s, row_valid & in_range
 
 
-def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature):
+def logprob_grad_tile(z, lse, entropy, is_target, g_logp, g_entropy, temperature, floor=None):
     """d loss / d logits on a tile, from per-row cotangents of logp and entropy.
 
     With p = exp(z - lse):  d logp/d logits = (onehot - p) / T and
     d entropy/d logits = -p · (z - Σ p z) / T = -p · (log p + H) / T.
-    ``g_entropy``/``entropy`` may be None (no entropy output).
+    ``g_entropy``/``entropy`` may be None (no entropy output). ``floor`` (per row, None: no
+    truncation): the distribution keeps only ``z >= floor`` (``lse`` and ``entropy`` are the
+    kept set's), so ``p = 0`` below it; the one-hot term is the target's wherever it lies.
     """
     logp_all = z - lse[..., None]
     p = jnp.exp(logp_all)
+    if floor is not None:
+        p = jnp.where(z >= floor[..., None], p, 0.0)
     dz = g_logp[..., None] * (jnp.where(is_target, 1.0, 0.0) - p)
     if g_entropy is not None:
         dz = dz - g_entropy[..., None] * p * jnp.where(p > 0, logp_all + entropy[..., None], 0.0)

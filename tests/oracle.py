@@ -567,3 +567,88 @@ def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=N
                                    weight_layout=weight_layout, dt=dt)
 
     return outs, vjp, scale
+
+
+# ----------------------------------------------------------------------------- sampler-matched
+
+
+def kept_set(z, *, top_k=None, top_p=None, min_p=None):
+    """Which entries of each row of ``z`` [..., V] (already divided by the temperature) a
+    sampler keeps, docs/api.md "Sampler-matched log-probs": min-p (``p >= min_p · max p``),
+    then top-k (values at least the k-th largest of those), then top-p (a value is kept
+    when the mass of the kept values strictly above it is below ``top_p`` of theirs)."""
+    z = f64(z)
+    keep = np.ones(z.shape, bool)
+    for idx in np.ndindex(z.shape[:-1]):
+        row, k = z[idx], np.ones(z.shape[-1], bool)
+        m = row.max()
+        if min_p:
+            k &= np.exp(row - m) >= min_p
+        if top_k and top_k < k.sum():
+            k &= row >= np.sort(row[k])[::-1][top_k - 1]
+        if top_p and top_p < 1:
+            e = np.where(k, np.exp(row - m), 0.0)
+            order = np.argsort(-row, kind="stable")
+            above = np.empty_like(e)
+            total = 0.0
+            for j, v in enumerate(row[order]):  # mass strictly above each distinct value
+                if j == 0 or v != row[order[j - 1]]:
+                    level = total
+                above[order[j]] = level
+                total += e[order[j]]
+            k &= above < top_p * e.sum()
+        keep[idx] = k
+    return keep
+
+
+def sampler_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd",
+                     temperature=1.0, ignore_index=None, top_k=None, top_p=None, min_p=None,
+                     logits=None, dt=F64):
+    """``(logp, entropy, kept)`` under the processed distribution ``q = softmax(z)`` on the
+    kept set: logp = z[t] - logsumexp(z[kept]) (also for a target outside it), entropy of q,
+    kept: the target is in the kept set. ``logits``: given directly instead of a head."""
+    if logits is None:
+        logits = linear_logits(hidden, weight, bias, weight_layout=weight_layout)
+    z = np.asarray(f64(logits), dtype=dt) / dt(temperature)
+    keep = kept_set(z, top_k=top_k, top_p=top_p, min_p=min_p)
+    safe, ignored, bad = _row_status(targets, z.shape[-1], ignore_index)
+    zk = np.where(keep, z, -np.inf)
+    m = np.max(zk, axis=-1, keepdims=True)
+    e = np.exp(zk - m)
+    lse = m + np.log(e.sum(-1, keepdims=True))
+    q = np.exp(zk - lse)
+    ent = -np.sum(np.where(keep, q * (z - lse), 0.0), axis=-1)
+    logp = (np.take_along_axis(z, safe[..., None], -1) - lse)[..., 0]
+    inside = np.take_along_axis(keep, safe[..., None], -1)[..., 0] & ~ignored & ~bad
+    logp = np.where(ignored, 0, np.where(bad, np.nan, logp)).astype(dt)
+    ent = np.where(ignored, 0, np.where(bad, np.nan, ent)).astype(dt)
+    return logp, ent, inside
+
+
+def sampler_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, *,
+                         weight_layout="vd", temperature=1.0, ignore_index=None, top_k=None,
+                         top_p=None, min_p=None, logits=None, dt=F64):
+    """Cotangents of :func:`sampler_logprobs` with the kept set held fixed: ``d logp / dz =
+    onehot - q``, ``d H / dz = -q (log q + H)`` (q = 0 outside the kept set); ``(d_hidden,
+    d_weight, d_bias)``, or the logits' cotangent when ``logits`` is given."""
+    head = logits is None
+    if head:
+        h, w = np.asarray(f64(hidden), dtype=dt), np.asarray(f64(weight), dtype=dt)
+        logits = linear_logits(h, w, bias, weight_layout=weight_layout, dt=dt)
+    temp = dt(temperature)
+    z = np.asarray(f64(logits), dtype=dt) / temp
+    keep = kept_set(z, top_k=top_k, top_p=top_p, min_p=min_p)
+    safe, ignored, bad = _row_status(targets, z.shape[-1], ignore_index)
+    zk = np.where(keep, z, -np.inf)
+    m = np.max(zk, axis=-1, keepdims=True)
+    lse = m + np.log(np.exp(zk - m).sum(-1, keepdims=True))
+    q = np.exp(zk - lse)
+    logq = np.where(keep, z - lse, 0.0)
+    ent = -np.sum(q * logq, axis=-1, keepdims=True)
+    onehot = np.zeros_like(z)
+    np.put_along_axis(onehot, safe[..., None], 1, axis=-1)
+    dz = np.asarray(g_logp, dtype=dt)[..., None] * (onehot - q)
+    if g_ent is not None:
+        dz = dz - np.asarray(g_ent, dtype=dt)[..., None] * q * (logq + ent)
+    dz = np.where((~ignored & ~bad)[..., None], dz / temp, 0).astype(dt)
+    return _head_vjp(h, w, dz, weight_layout, bias is not None) if head else dz

@@ -81,15 +81,16 @@ def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature):
     return tuple(_relative(stats, target_z) for stats, _, _, target_z in streams)
 
 
-def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature):
-    """d loss / d logits, written chunk by chunk into one buffer of the logits' dtype."""
+def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature, floor=None):
+    """d loss / d logits, written chunk by chunk into one buffer of the logits' dtype
+    (``floor``: the kept set's, ``softmax_math.logprob_grad_tile``)."""
     n_rows, vocab = logits.shape
     z_chunk = _logits_chunk(logits, temperature)
 
     def body(d_logits, start, cols, fresh, size):
         is_target = cols[None, :] == targets[:, None]
         dz = softmax_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
-                                       g_ent, temperature).astype(d_logits.dtype)
+                                            g_ent, temperature, floor).astype(d_logits.dtype)
         old = jax.lax.dynamic_slice_in_dim(d_logits, start, size, axis=1)
         return jax.lax.dynamic_update_slice_in_dim(d_logits, jnp.where(fresh, dz, old), start, 1)
 
@@ -109,12 +110,13 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature):
+                    weight_layout, temperature, floor=None):
     """(d_hidden, d_weight, d_bias | None) from per-row cotangents, chunk by chunk.
 
     For each vocabulary chunk: dz = d loss/d logits (float32), then
     d_hidden += dz · W_c, d_W_c = dzᵀ · hidden, d_b_c = Σ_rows dz, in float32. ``targets``
-    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``).
+    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``); ``floor``: the kept
+    set's (``softmax_math.logprob_grad_tile``).
     """
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
@@ -126,7 +128,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         d_hidden, d_weight, d_bias = carry
         is_target = cols[None, :] == targets[:, None]
         dz = softmax_math.logprob_grad_tile(z_chunk(start, size), lse, entropy, is_target, g_logp,
-                                       g_ent, temperature)
+                                            g_ent, temperature, floor)
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
         dz = jnp.where(fresh, dz, 0.0)

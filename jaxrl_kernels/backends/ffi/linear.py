@@ -18,7 +18,9 @@ wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / 
 by a power of two from the chunk's max |W|, which the previous chunk's kernel found) and
 the next chunk's max |W|; two CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator
 and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``). :class:`Config` holds what tunes them: the
-forward's vocabulary splits (0: the planner's choice) and the backward's chunk size.
+forward's vocabulary splits (0: the planner's choice) and the backward's chunk size. A
+truncated softmax's per-row ``floor`` (on ``z``, with ``lse`` and ``entropy`` the kept set's)
+is the backward call's last operand: its grad kernel takes p = 0 below it.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
 for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
@@ -117,11 +119,14 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, config=None):
+                    weight_layout, temperature, floor=None, config=None):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
     custom call over all chunks of ``config.chunk_bytes``. ``targets`` and ``g_logp`` [N, K]:
     K ids per row (``head_ids.split_targets``), whose one-hot terms a kernel adds to each
-    chunk's G before its GEMMs."""
+    chunk's G before its GEMMs. ``floor`` [N] | None: a truncated softmax's per-row floor on
+    ``z = (hidden @ Wᵀ + b) / T`` (``lse`` and ``entropy`` the kept set's): the grad kernel takes
+    p = 0 where ``z < floor`` (the one-hot terms stay); None passes an empty operand, and the call runs
+    the kernel without a floor. The row bound s needs no floor: masking p only shrinks |dz|."""
     _check_served(hidden, weight)
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
@@ -148,7 +153,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     acc, d_weight, d_bias, _ = call(
         hidden, weight, _f32_or_empty(bias), targets.astype(jnp.int32), rows.lse, rows.alpha,
         rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars,
-        ids.astype(jnp.int32), id_coef,
+        ids.astype(jnp.int32), id_coef, _f32_or_empty(floor),
         weight_dv=weight_layout == "dv", has_bias=bias is not None,
         has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
         chunk=np.int64(chunk))

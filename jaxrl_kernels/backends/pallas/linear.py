@@ -12,7 +12,8 @@ Forward (:func:`linear_stats`)
   target logit comes from a gather-dot kernel.
 Backward (:func:`linear_backward`)
   per vocabulary chunk of C columns, the grad kernel recomputes the chunk's logits and writes
-  ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse) -- for 16-bit inputs
+  ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse, optional per-row
+  floor of a truncated softmax) -- for 16-bit inputs
   scaled per row into float16 (``head_grad``); XLA's GEMMs then add ``dz · W_c`` to a float32
   d_hidden and write ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; no atomics, the
   order of every sum is fixed.
@@ -76,7 +77,7 @@ def _write_grad(bias, targets, *, layout, config):
         g16, _ = kernels.grad_call(start, size, hidden, weight, bias, targets, rows.lse, rows.g,
                                    rows.entropy, rows.g_ent, layout=layout,
                                    temperature=rows.temperature, dz_dtype=jnp.float16,
-                                   config=config)
+                                   config=config, floor=rows.floor)
         # the kernel's column sums of dz are unused (head_grad takes d_bias from G), and
         # head_grad converts the weight chunk
         return g16, None
@@ -84,7 +85,7 @@ def _write_grad(bias, targets, *, layout, config):
 
 
 def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, layout,
-                      temperature, config):
+                      temperature, config, floor):
     """Per chunk float32 dz, d_hidden += dz·W_c, d_W_c = dzᵀ·hidden and d_b_c = Σ_rows dz,
     with full-precision float32 GEMMs."""
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
@@ -101,7 +102,7 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
         d_hidden, d_weight, d_bias = carry
         dz, d_b = kernels.grad_call(start, size, hidden, weight, bias, targets, lse, g_logp,
                                     entropy, g_ent, layout=layout, temperature=temperature,
-                                    dz_dtype=jnp.float32, config=config)
+                                    dz_dtype=jnp.float32, config=config, floor=floor)
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
             d_b = jnp.sum(dz, axis=0)
@@ -126,13 +127,15 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, config=None):
+                    weight_layout, temperature, floor=None, config=None):
     """(d_hidden, d_weight, d_bias | None) of linear_logprobs from per-row cotangents.
 
     The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
     rows without a gradient, whose cotangents are 0), ``entropy`` [N] the entropy output;
     ``g_ent``/``entropy`` may be None; targets outside [0, V) add no one-hot term; targets
-    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``).
+    and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``). ``floor`` [N] | None:
+    a truncated softmax keeping z >= floor per row (``lse``/``entropy`` are the kept set's), so
+    p = 0 below it in every term; the one-hot terms are not masked.
 
     16-bit inputs: ``head_grad.backward``, with the grad kernel writing each chunk's
     G = dz / s in float16 -- two GEMM-equivalents per chunk. float32 inputs: float32 dz and
@@ -142,13 +145,14 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     targets = targets.astype(jnp.int32)
     if jnp.dtype(jnp.result_type(hidden, weight)).itemsize == 4:
         return _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
-                                 layout=weight_layout, temperature=temperature, config=config)
+                                 layout=weight_layout, temperature=temperature, config=config,
+                                 floor=floor)
     row_targets = head_ids.split_targets(targets, g_logp)[0]
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
         weight_layout=weight_layout, temperature=temperature,
         write_grad=_write_grad(bias, row_targets, layout=weight_layout, config=config),
-        chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab)
+        chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab, floor=floor)
 
 
 # -- the parts of logprob_core, and the primitive built from them ---------------------------

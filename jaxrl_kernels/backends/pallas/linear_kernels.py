@@ -8,8 +8,8 @@ With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv
   ``softmax_math.online_softmax_update``. Out: S partial statistics per row.
 * :func:`target_call`: the target logit ``h · W[target] + b[target]`` as a gather-dot.
 * :func:`grad_call`: for the vocabulary columns of one backward chunk, recompute the logits
-  and write ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse), and the
-  chunk's column sums of dz.
+  and write ``dz = d loss / d logits`` (``softmax_math.logprob_grad_tile``, saved lse, and a
+  per-row floor on z where the softmax is truncated), and the chunk's column sums of dz.
 
 W is read in place in either layout; ragged edges of N, V and D are masked. float32 inputs
 use full-precision (IEEE) float32 dots, 16-bit inputs 16-bit operands with float32
@@ -226,12 +226,13 @@ def target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
 # -- backward: the logit gradient of one vocabulary chunk --------------------------------------
 
 def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, temperature,
-                 has_bias, with_entropy):
+                 has_bias, with_entropy, has_floor):
     it = iter(refs)
     start_ref, h_ref, w_ref = next(it), next(it), next(it)
     b_ref = next(it) if has_bias else None
     t_ref, lse_ref, gl_ref = next(it), next(it), next(it)
     ent_ref, ge_ref = (next(it), next(it)) if with_entropy else (None, None)
+    floor_ref = next(it) if has_floor else None
     dz_ref = next(it)
     db_ref = next(it) if has_bias else None
 
@@ -253,7 +254,8 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
     is_target = (col0 + jnp.arange(bn))[None, :] == t[:, None]
     dz = softmax_math.logprob_grad_tile(
         z, rows(lse_ref), rows(ent_ref) if with_entropy else None, is_target, rows(gl_ref),
-        rows(ge_ref) if with_entropy else None, temperature)
+        rows(ge_ref) if with_entropy else None, temperature,
+        floor=rows(floor_ref) if has_floor else None)
     cols_ok = in_bounds(local0, bn, size, not ragged)
     if cols_ok is not None:
         dz = jnp.where(cols_ok[None, :], dz, 0.0)
@@ -268,9 +270,10 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
 
 
 def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, *,
-              layout, temperature, dz_dtype, config):
+              layout, temperature, dz_dtype, config, floor=None):
     """(dz [N, size] in ``dz_dtype``, d_bias [size] | None) for the vocabulary columns
-    [start, start + size): ``softmax_math.logprob_grad_tile`` of the recomputed logits."""
+    [start, start + size): ``softmax_math.logprob_grad_tile`` of the recomputed logits, with
+    p = 0 where z < ``floor`` [N] (None: no floor, and no such operand)."""
     n_rows, dim = hidden.shape
     compute_dtype = jnp.result_type(hidden, weight)
     tiles = fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize)
@@ -279,10 +282,11 @@ def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, 
     kernel = functools.partial(
         _grad_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim, size=size,
         tiles=tiles, layout=layout, compute_dtype=compute_dtype, temperature=temperature,
-        has_bias=bias is not None, with_entropy=with_entropy)
+        has_bias=bias is not None, with_entropy=with_entropy, has_floor=floor is not None)
     args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]
     args += [] if bias is None else [bias]
     args += [targets, lse, g_logp] + ([entropy, g_ent] if with_entropy else [])
+    args += [] if floor is None else [floor.astype(jnp.float32)]
     out_shape = [jax.ShapeDtypeStruct((n_rows, size), dz_dtype)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((n_row_blocks, size), jnp.float32))

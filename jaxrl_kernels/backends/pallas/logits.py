@@ -16,7 +16,8 @@ logit leave the kernel; ``softmax_math.online_softmax_merge`` combines the split
 Backward (the ``backward`` part): one program per (row, split) recomputes
 ``p = exp(z - lse)`` tile by tile from the saved lse and writes
 ``d logits = softmax_math.logprob_grad_tile(...)`` once, in the logits' dtype, with the per-row
-cotangents folded in. Rows without a gradient come with ``lse = +inf`` and read nothing.
+cotangents folded in (p = 0 below a per-row ``floor`` of a truncated softmax, if given).
+Rows without a gradient come with ``lse = +inf`` and read nothing.
 
 Rows with ``row_valid == False`` read no logits. The target is only used to index when the
 row is valid and the target inside this device's columns; no address outside the logits is
@@ -151,18 +152,19 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
             out_refs[pos + k][...] = target_z[k]
 
 
-def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, temperature: float,
-                 block_v: int, tiles_per_split: int):
-    if entropy:
-        ent_ref, g_ent_ref, dx_ref = refs
-    else:
-        (dx_ref,) = refs
+def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, has_floor: bool,
+                 temperature: float, block_v: int, tiles_per_split: int):
+    refs = list(refs)
+    ent_ref, g_ent_ref = (refs.pop(0), refs.pop(0)) if entropy else (None, None)
+    floor_ref = refs.pop(0) if has_floor else None
+    (dx_ref,) = refs
     vocab = x_ref.shape[-1]
     n_tiles = pl.cdiv(vocab, block_v)
     target = target_ref[...]
     lse, g = lse_ref[...], g_ref[...]
     live = lse != jnp.inf  # rows without a gradient come with lse = +inf: no reads
     ent, g_ent = (ent_ref[...], g_ent_ref[...]) if entropy else (None, None)
+    floor = floor_ref[...] if has_floor else None
     lo = pl.program_id(1) * tiles_per_split
     hi = jnp.minimum(lo + tiles_per_split, n_tiles)
 
@@ -171,7 +173,7 @@ def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, temper
         cols, inside = _tile_columns(j, block_v, vocab)
         x = plgpu.load(x_ref.at[cols], mask=inside & live, other=0.0, eviction_policy="evict_first")
         dz = softmax_math.logprob_grad_tile(_scaled(x, temperature), lse, ent, cols == target, g,
-                                       g_ent, temperature)
+                                       g_ent, temperature, floor=floor)
         plgpu.store(dx_ref.at[cols], jnp.where(live, dz, 0.0).astype(dx_ref.dtype), mask=inside)
 
 
@@ -223,14 +225,16 @@ def _combine_splits(outs, *, n_in: int, entropy: bool):
     return result
 
 
-def _backward(x, targets, lse, g, ent, g_ent, *, temperature: float, plan: LogitsLaunch):
+def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float,
+              plan: LogitsLaunch):
     n, vocab = x.shape
     entropy = ent is not None
     block_v, num_warps = plan.backward()
-    kernel = functools.partial(_grad_kernel, entropy=entropy, temperature=temperature,
-                               block_v=block_v,
+    kernel = functools.partial(_grad_kernel, entropy=entropy, has_floor=floor is not None,
+                               temperature=temperature, block_v=block_v,
                                tiles_per_split=plan.tiles_per_split(vocab, block_v))
-    extra = (ent, g_ent) if entropy else ()
+    extra = ((ent, g_ent) if entropy else ()) + (() if floor is None else
+                                                  (floor.astype(jnp.float32),))
     return pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
@@ -272,10 +276,16 @@ def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature, 
                           entropy=False, plan=_checked_plan(policy_logits, plan)))
 
 
-def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, plan=None):
+def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floor=None,
+                   plan=None):
+    """d logits of token_logprobs from per-row cotangents (the ``logprob_core`` backward part).
+
+    ``floor`` [N] | None: a truncated softmax keeping ``logits / T >= floor`` per row (``lse``
+    and ``entropy`` are the kept set's), so p = 0 below it; the one-hot term is not masked.
+    """
     if logits.shape[0] == 0:
         return jnp.zeros_like(logits)
-    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent,
+    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
                      temperature=float(temperature),
                      plan=_checked_plan(logits, plan, entropy is not None))
 

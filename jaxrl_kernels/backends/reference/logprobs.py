@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, softmax_math
+from jaxrl_kernels import head, sampler_math, softmax_math
 from jaxrl_kernels.logprob_core import Whole
 
 
@@ -63,20 +63,54 @@ def _ids_logprobs_from_z(z, ids, id_valid, return_entropy, vocab_axes):
     return logp, entropy
 
 
+def _truncated_logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes, truncation):
+    """Log-probs, entropies and whether each target is kept, under a sampler's truncation
+    (``sampler_math.kept_mask`` on whole rows: a split vocabulary is gathered first, by a
+    ``psum`` of each slice in its place; the kept set carries no gradient)."""
+    if vocab_axes:  # the whole rows on every device: each slice in its place, summed
+        n_shards = jax.lax.psum(1, vocab_axes)
+        whole = jnp.zeros((z.shape[0], n_shards * z.shape[1]), z.dtype)
+        offset = jax.lax.axis_index(vocab_axes) * z.shape[1]
+        z = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, z, offset, axis=1),
+                         vocab_axes)
+    keep = jax.lax.stop_gradient(sampler_math.kept_mask(jax.lax.stop_gradient(z), truncation))
+    in_range = (targets >= 0) & (targets < z.shape[-1])
+    t = jnp.clip(targets, 0, z.shape[-1] - 1)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1))
+    shifted = jnp.where(keep, z - m[:, None], 0.0)
+    e = jnp.where(keep, jnp.exp(shifted), 0.0)
+    log_s = jnp.log(jnp.sum(e, axis=-1))
+    entropy = log_s - jnp.sum(e * shifted, axis=-1) / jnp.exp(log_s) if return_entropy else None
+    z_t = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
+    logp, entropy = softmax_math.finalize_logprob(z_t - m, log_s, entropy, in_range, row_valid)
+    inside = row_valid & in_range & jnp.take_along_axis(keep, t[:, None], axis=-1)[:, 0]
+    return logp, entropy, inside
+
+
 def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
     flat = [None if x is None else x.reshape((-1,) + x.shape[n_row_dims:]) for x in operands]
-    logp, entropy = fn(*flat, targets.reshape((-1,) + targets.shape[n_row_dims:]),
-                       row_valid.reshape((-1,) + targets.shape[n_row_dims:]), **kw)
+    logp, entropy, *inside = fn(*flat, targets.reshape((-1,) + targets.shape[n_row_dims:]),
+                                row_valid.reshape((-1,) + targets.shape[n_row_dims:]), **kw)
     rows = targets.shape[:n_row_dims]
     return (logp.reshape(targets.shape),
-            None if entropy is None else entropy.reshape(rows))
+            None if entropy is None else entropy.reshape(rows)) + tuple(
+                x.reshape(rows) for x in inside)
+
+
+def _per_row(targets, n_row_dims, truncation):
+    """The log-probs of z [N, V_local] for these targets (one per row, K ids, truncated)."""
+    if truncation is not None:
+        return lambda *a: _truncated_logprobs_from_z(*a, truncation)
+    return _ids_logprobs_from_z if targets.ndim > n_row_dims else _logprobs_from_z
 
 
 def token_jnp(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
-              n_row_dims=1):
+              n_row_dims=1, truncation=None):
+    per_row = _per_row(targets, n_row_dims, truncation)
+
     def flat(logits, targets, row_valid):
         z = logits.astype(jnp.float32) / temperature
-        return _logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes)
+        return per_row(z, targets, row_valid, return_entropy, vocab_axes)
     return _flat_rows(flat, n_row_dims, targets, row_valid, logits)
 
 
@@ -90,10 +124,11 @@ def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vo
 
 
 def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-               return_entropy, vocab_axes=(), n_row_dims=1):
+               return_entropy, vocab_axes=(), n_row_dims=1, truncation=None):
     """Log-probs at ``targets`` [*rows] or at K ids per row [*rows, K] (``n_row_dims``
-    leading dimensions of ``hidden`` are rows)."""
-    per_row = _ids_logprobs_from_z if targets.ndim > n_row_dims else _logprobs_from_z
+    leading dimensions of ``hidden`` are rows); under a ``truncation`` also whether each
+    target is in its row's kept set."""
+    per_row = _per_row(targets, n_row_dims, truncation)
 
     def flat(hidden, targets, row_valid):
         z = head.float32_logits(hidden, weight, bias, weight_layout) / temperature

@@ -1,0 +1,333 @@
+"""Sampler-matched log-probs (``top_k``, ``top_p``, ``min_p``) against the float64 sort-based
+oracle: every backend and the fast mode, logits and a linear head, both layouts, bias,
+temperature, float32 / bfloat16 / float16; ties at top-k's threshold, a nucleus of one token
+and of more than 1000, min-p on a flat row, targets outside the kept set, ignored rows, one
+row; sharded meshes (Auto and Explicit axes, a user's shard_map with ``vocab_axis``); the
+errors docs/api.md promises; GPU runs of the kernel backends."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxrl_kernels as jk
+import oracle
+from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+
+TRUNCATIONS = [
+    dict(top_k=5),
+    dict(top_p=0.9),
+    dict(min_p=0.05),
+    dict(top_k=50, top_p=0.95),
+    dict(top_k=20, top_p=0.5, min_p=0.01),
+]
+# (leading shape, V, D, temperature, with bias, dtype, layout)
+CASES = [
+    ((7,), 300, 16, 1.0, False, jnp.float32, "vd"),
+    ((2, 5), 257, 8, 0.7, True, jnp.float32, "dv"),
+    ((3, 4), 401, 12, 1.3, True, jnp.bfloat16, "vd"),
+    ((2, 3), 129, 8, 1.0, False, jnp.float16, "dv"),
+]
+PALLAS_VALUES = {(CASES[0],) + (i,) for i in range(len(TRUNCATIONS))}
+
+
+def head_inputs(rng, lead, vocab, d, dtype, layout, with_bias, scale=3.0):
+    hidden, h64 = rand(rng, lead + (d,), dtype)
+    wshape = (vocab, d) if layout == "vd" else (d, vocab)
+    weight, w64 = rand(rng, wshape, dtype, scale=scale / np.sqrt(d))
+    bias, b64 = rand(rng, (vocab,), dtype, scale=0.5) if with_bias else (None, None)
+    return hidden, h64, weight, w64, bias, b64
+
+
+def check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, *, layout, temperature,
+                 ignore_index=None, backend=None, memory=None):
+    """Values, kept flags and the VJP of ``linear_logprobs`` against the oracle."""
+    dtype = h.dtype
+    primals = (h, w) if b is None else (h, w, b)
+    kw = dict(weight_layout=layout, temperature=temperature, ignore_index=ignore_index, **trunc)
+
+    def fn(h, w, b=None):
+        return jk.linear_logprobs(h, w, jnp.asarray(targets), b, return_entropy=True,
+                                  return_kept=True, backend=backend, memory=memory, **kw)
+
+    logp, ent, kept = fn(*primals)
+    _, vjp = jax.vjp(lambda *p: fn(*p)[:2], *primals)
+    assert_f32(logp, ent)
+    assert kept.dtype == jnp.bool_ and kept.shape == targets.shape
+    want = oracle.sampler_logprobs(h64, w64, targets, b64, **kw)
+    want32 = oracle.sampler_logprobs(h64, w64, targets, b64, dt=np.float32, **kw)
+    zscale = np.max(np.abs(oracle.linear_logits(h64, w64, b64, weight_layout=layout)))
+    zscale /= temperature
+    assert_close(logp, want[0], in_dtype=dtype, want32=want32[0], scale=zscale, name="logp")
+    assert_close(ent, want[1], in_dtype=dtype, want32=want32[1], scale=zscale, name="entropy")
+    np.testing.assert_array_equal(np.asarray(kept), want[2])
+
+    g_lp, g_ent = cotangent(rng, targets.shape), cotangent(rng, targets.shape)
+    grads = vjp((g_lp, g_ent))
+    args = (h64, w64, targets, np.asarray(g_lp), np.asarray(g_ent), b64)
+    gw = oracle.sampler_logprobs_vjp(*args, **kw)
+    gw32 = oracle.sampler_logprobs_vjp(*args, dt=np.float32, **kw)
+    for name, got, p, w_, w32 in zip(("d_hidden", "d_weight", "d_bias"), grads, primals, gw, gw32):
+        assert got.dtype == p.dtype and got.shape == p.shape, name
+        assert_close(got, w_, in_dtype=dtype, want32=w32, name=name)
+    return logp, ent, kept, grads
+
+
+@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias,dtype,layout,trunc",
+                         pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS))))
+def test_linear_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype,
+                               layout, trunc):
+    h, h64, w, w64, b, b64 = head_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
+    targets = rng.integers(0, vocab, lead).astype(np.int32)
+    check_linear(rng, h, h64, w, w64, b, b64, targets, TRUNCATIONS[trunc], layout=layout,
+                 temperature=temperature, backend=backend)
+
+
+@pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_linear_fast_mode(rng, trunc, layout):
+    """memory="fast": the kept set found over the kept logits (float32 heads)."""
+    h, h64, w, w64, b, b64 = head_inputs(rng, (3, 7), 211, 8, jnp.float32, layout, True)
+    targets = rng.integers(0, 211, (3, 7)).astype(np.int32)
+    check_linear(rng, h, h64, w, w64, b, b64, targets, TRUNCATIONS[trunc], layout=layout,
+                 temperature=0.9, memory="fast")
+
+
+@pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
+def test_logits_values_and_vjp(backend, rng, trunc):
+    """token_logprobs on given logits (bfloat16 and float32)."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        logits, z64 = rand(rng, (4, 6, 333), dtype, scale=2.5)
+        targets = rng.integers(0, 333, (4, 6)).astype(np.int32)
+        kw = dict(temperature=0.8, **TRUNCATIONS[trunc])
+        fn = lambda x: jk.token_logprobs(x, jnp.asarray(targets), return_entropy=True,
+                                         backend=backend, **kw)
+        (logp, ent), vjp = jax.vjp(fn, logits)
+        kept = jk.token_logprobs(logits, jnp.asarray(targets), return_kept=True,
+                                 backend=backend, **kw)[1]
+        want = oracle.sampler_logprobs(None, None, targets, logits=z64, **kw)
+        want32 = oracle.sampler_logprobs(None, None, targets, logits=z64, dt=np.float32, **kw)
+        scale = np.max(np.abs(z64)) / 0.8
+        assert_close(logp, want[0], in_dtype=dtype, want32=want32[0], scale=scale, name="logp")
+        assert_close(ent, want[1], in_dtype=dtype, want32=want32[1], scale=scale, name="entropy")
+        np.testing.assert_array_equal(np.asarray(kept), want[2])
+        g_lp, g_ent = cotangent(rng, targets.shape), cotangent(rng, targets.shape)
+        (dx,) = vjp((g_lp, g_ent))
+        args = (None, None, targets, np.asarray(g_lp), np.asarray(g_ent))
+        want_dx = oracle.sampler_logprobs_vjp(*args, logits=z64, **kw)
+        want_dx32 = oracle.sampler_logprobs_vjp(*args, logits=z64, dt=np.float32, **kw)
+        assert_close(dx, want_dx, in_dtype=dtype, want32=want_dx32, name="d_logits")
+
+
+def integer_head(rng, rows, vocab, d, layout):
+    """A head whose logits are small integers (exact in float32 whatever the summation
+    order): one-hot hidden rows and integer weights."""
+    hidden = np.zeros((rows, d), np.float32)
+    hidden[np.arange(rows), rng.integers(0, d, rows)] = 1.0
+    weight = rng.integers(-6, 7, (vocab, d)).astype(np.float32)
+    weight = weight if layout == "vd" else weight.T.copy()
+    return jnp.asarray(hidden), hidden.astype(np.float64), jnp.asarray(weight), \
+        weight.astype(np.float64)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_ties_at_top_k_are_kept(backend, rng, layout):
+    """Integer logits with many equal values: every value equal to the k-th largest is kept
+    (vLLM's rule), so a row keeps more than k tokens."""
+    h, h64, w, w64 = integer_head(rng, 6, 97, 5, layout)
+    targets = rng.integers(0, 97, 6).astype(np.int32)
+    logp, _, kept, _ = check_linear(rng, h, h64, w, w64, None, None, targets, dict(top_k=10),
+                                    layout=layout, temperature=1.0, backend=backend)
+    z = oracle.linear_logits(h64, w64, weight_layout=layout)
+    sizes = oracle.kept_set(z, top_k=10).sum(-1)
+    assert np.all(sizes >= 10) and np.any(sizes > 10), sizes
+    # top-p over tied values keeps them all as well
+    check_linear(rng, h, h64, w, w64, None, None, targets, dict(top_p=0.6), layout=layout,
+                 temperature=1.0, backend=backend)
+
+
+def test_nucleus_of_one_token(backend, rng):
+    """A dominant token and top_p below its probability: it alone is kept (logp 0, entropy 0,
+    no gradient through a target equal to it); other targets are outside."""
+    h, h64, w, w64, _, _ = head_inputs(rng, (5,), 64, 8, jnp.float32, "vd", False, scale=1.0)
+    z = oracle.linear_logits(h64, w64)
+    top = np.argmax(z, axis=-1)
+    w64 = w64.copy()
+    for n in range(5):  # make row n's top token dominate (p > 0.9)
+        w64[top[n]] += 8.0 * h64[n] / np.dot(h64[n], h64[n])
+    w = jnp.asarray(w64.astype(np.float32))
+    w64 = np.asarray(w).astype(np.float64)
+    top = np.argmax(oracle.linear_logits(h64, w64), axis=-1)
+    targets = np.where(np.arange(5) % 2 == 0, top, (top + 1) % 64).astype(np.int32)
+    logp, ent, kept, grads = check_linear(rng, h, h64, w, w64, None, None, targets,
+                                          dict(top_p=0.5), layout="vd", temperature=1.0,
+                                          backend=backend)
+    np.testing.assert_array_equal(np.asarray(kept), np.arange(5) % 2 == 0)
+    assert_zero(np.asarray(logp)[::2], "logp of the only kept token")
+    assert_zero(np.asarray(ent), "entropy of a one-token nucleus")
+
+
+def test_nucleus_of_thousands(backend, rng):
+    """A flat distribution (high temperature): the nucleus spans more than 1000 tokens."""
+    h, h64, w, w64, b, b64 = head_inputs(rng, (4,), 3001, 8, jnp.float32, "dv", True,
+                                         scale=1.0)
+    targets = rng.integers(0, 3001, 4).astype(np.int32)
+    check_linear(rng, h, h64, w, w64, b, b64, targets, dict(top_p=0.95), layout="dv",
+                 temperature=3.0, backend=backend)
+    z = oracle.linear_logits(h64, w64, b64, weight_layout="dv") / 3.0
+    assert np.all(oracle.kept_set(z, top_p=0.95).sum(-1) > 1000)
+
+
+def test_min_p_on_a_flat_row(backend, rng):
+    """Equal logits: min-p keeps every token (each has the max probability)."""
+    d, vocab = 4, 50
+    h = jnp.zeros((3, d), jnp.float32)
+    w, _ = rand(rng, (vocab, d))
+    targets = jnp.asarray([0, 17, 49])
+    logp, ent, kept = jk.linear_logprobs(h, w, targets, min_p=0.5, top_k=7,
+                                         return_entropy=True, return_kept=True,
+                                         backend=backend)
+    np.testing.assert_allclose(np.asarray(logp), -np.log(vocab), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent), np.log(vocab), rtol=1e-6)
+    assert np.all(np.asarray(kept))
+
+
+def test_targets_outside_the_kept_set(backend, rng):
+    """A target the truncation drops: finite logp = z_t − lse(kept), kept False, and the
+    gradient of that expression (checked by check_linear against the oracle)."""
+    h, h64, w, w64, _, _ = head_inputs(rng, (6,), 120, 8, jnp.float32, "vd", False)
+    z = oracle.linear_logits(h64, w64)
+    targets = np.argsort(z, axis=-1)[:, 3].astype(np.int32)  # among the least likely
+    logp, _, kept, grads = check_linear(rng, h, h64, w, w64, None, None, targets,
+                                        dict(top_k=5), layout="vd", temperature=1.0,
+                                        backend=backend)
+    assert not np.any(np.asarray(kept))
+    assert np.all(np.isfinite(np.asarray(logp)))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+def test_ignored_rows_and_one_row(backend, rng):
+    """ignore_index rows give 0 and no gradient; a single position (0-d target) works."""
+    h, h64, w, w64, b, b64 = head_inputs(rng, (2, 4), 90, 8, jnp.float32, "vd", True)
+    targets = rng.integers(0, 90, (2, 4)).astype(np.int32)
+    targets[1] = 89
+    logp, ent, kept, grads = check_linear(rng, h, h64, w, w64, b, b64, targets,
+                                          dict(top_k=8, top_p=0.8), layout="vd",
+                                          temperature=1.0, ignore_index=89, backend=backend)
+    assert_zero(np.asarray(logp)[1], "logp of ignored rows")
+    assert_zero(np.asarray(grads[0])[1], "d_hidden of ignored rows")
+    assert not np.any(np.asarray(kept)[1])
+    one = jk.linear_logprobs(h[0, 0], w, jnp.asarray(targets[0, 0]), b, top_p=0.8,
+                             backend=backend)
+    want = oracle.sampler_logprobs(h64[0, 0], w64, targets[0, 0], b64, top_p=0.8)[0]
+    assert one.shape == ()
+    np.testing.assert_allclose(float(one), float(want), rtol=1e-5, atol=1e-5)
+
+
+def test_no_truncation_is_the_plain_call(backend, rng):
+    """top_p = 1 and min_p = 0 truncate nothing: bitwise the plain call."""
+    h, _, w, _, _, _ = head_inputs(rng, (3, 5), 77, 8, jnp.float32, "vd", False)
+    t = jnp.asarray(rng.integers(0, 77, (3, 5)))
+    plain = jk.linear_logprobs(h, w, t, backend=backend)
+    same, kept = jk.linear_logprobs(h, w, t, top_p=1.0, min_p=0.0, return_kept=True,
+                                    backend=backend)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(same))
+    assert np.all(np.asarray(kept))
+
+
+def test_errors(rng):
+    h, _, w, _, _, _ = head_inputs(rng, (3,), 20, 4, jnp.float32, "vd", False)
+    t = jnp.zeros((3,), jnp.int32)
+    for bad, match in [(dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
+                       (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                       (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p")]:
+        with pytest.raises(ValueError, match=match):
+            jk.linear_logprobs(h, w, t, **bad)
+        with pytest.raises(ValueError, match=match):
+            jk.token_logprobs(jnp.zeros((3, 20)), t, **bad)
+    with pytest.raises(ValueError, match="one target per position"):
+        jk.linear_logprobs(h, w, jnp.zeros((3, 2), jnp.int32), top_k=3)
+
+
+# -- sharded ------------------------------------------------------------------------------------
+
+SHARDED = [("Explicit", "rows"), ("Explicit", "vocab"), ("Auto", "vocab"), ("Auto", "rows")]
+
+
+@pytest.mark.parametrize("kind,layout", SHARDED)
+@pytest.mark.parametrize("memory", ["lean", "fast"])
+def test_sharded(backend, rng, kind, layout, memory):
+    """Under jit with sharded inputs: the unsharded call's values and gradients."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    if memory == "fast" and backend != "reference":
+        pytest.skip("the fast mode has no backend: run once")
+    h, _, w, _, b, _ = head_inputs(rng, (4, 3), 64, 8, jnp.float32, "vd", True)
+    t = jnp.asarray(rng.integers(0, 64, (4, 3)))
+    g = cotangent(rng, (4, 3))
+    lean_backend = None if memory == "fast" else backend
+
+    def loss(h, w, b):
+        logp, ent = jk.linear_logprobs(h, w, t, b, top_k=9, top_p=0.8, return_entropy=True,
+                                       backend=lean_backend, memory=memory)
+        return jnp.sum(g * logp + ent)
+
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(getattr(AxisType, kind),),
+                         devices=jax.devices()[:2])
+    rows, vocab_spec = (P("x"), P()) if layout == "rows" else (P(), P("x"))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+            put(h, rows), put(w, vocab_spec), put(b, vocab_spec))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, c in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
+
+
+def test_shard_map_vocab_axis(backend, rng):
+    """Inside a user's shard_map with the vocabulary split: the kept set of the whole row."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    h, _, w, _, _, _ = head_inputs(rng, (6,), 64, 8, jnp.float32, "dv", False)
+    t = jnp.asarray(rng.integers(0, 64, (6,)))
+    mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+    kw = dict(weight_layout="dv", top_k=12, top_p=0.7, min_p=0.02, return_entropy=True,
+              backend=backend)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, "v")), out_specs=(P(), P()))
+    def sharded(h, w_slice):
+        return jk.linear_logprobs(h, w_slice, t, vocab_axis="v", **kw)
+
+    want = jk.linear_logprobs(h, w, t, **kw)
+    with jax.set_mesh(mesh):
+        w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "v")))
+        got = jax.jit(sharded)(h, w_sharded)
+        g = jax.jit(jax.grad(lambda h, w: jnp.sum(sharded(h, w)[0]), argnums=(0, 1)))(
+            h, w_sharded)
+    g_want = jax.grad(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, t, **kw)[0]),
+                      argnums=(0, 1))(h, w)
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    for a, c in zip(g, g_want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "ffi", "chunked", "fast"])
+@pytest.mark.parametrize("trunc", [dict(top_k=50, top_p=0.95), dict(top_p=0.9, min_p=0.02)])
+def test_gpu(rng, impl, trunc):
+    """The kernel backends' sampler-matched log-probs on the GPU (bfloat16; the fast mode
+    float32): 300 rows, V = 12304 (not a multiple of 256)."""
+    if impl not in ("fast",) + tuple(jk.available_backends("linear_logprobs")):
+        pytest.skip(f"{impl} is not available here")
+    dtype = jnp.float32 if impl == "fast" else jnp.bfloat16
+    h, h64, w, w64, b, b64 = head_inputs(rng, (3, 100), 12304, 256, dtype, "vd", True)
+    targets = rng.integers(0, 12304, (3, 100)).astype(np.int32)
+    check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="vd", temperature=0.9,
+                 backend=None if impl == "fast" else impl,
+                 memory="fast" if impl == "fast" else "lean")
