@@ -21,7 +21,8 @@ value below ``τ``: the gradient's floor is the midpoint between the two, so tha
 recomputing the logits with other rounding keeps the same tokens.
 
 Stages of a row: top-k (if asked), top-p (if asked), the pass at ``τ``, done. min-p needs no
-search: its threshold is ``m + log(min_p)``, where top-k's search starts.
+search: its threshold is ``max u + log(min_p)`` (the max from a pass of its own), where
+top-k's search starts.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ PIVOTS = 16
 CHUNK_BYTES = 16 * 2**20
 """About the float32 bytes of one ``[N, chunk]`` tile of ``u`` per pass."""
 
-MAX_PASSES = 2 * (32 // 4 + 2) + 1
-"""More passes than two searches and the final pass can take (a guard, never reached)."""
+MAX_PASSES = 3 * (32 // 4 + 2) + 2
+"""More passes than two searches (one restarted), the max and the final pass can take (a
+guard, never reached)."""
 
 TOP_K, TOP_P, AT_TAU, DONE = 0, 1, 2, 3
 
@@ -110,13 +112,31 @@ def _pass(u_chunks, n_rows, vocab, m, pivots, vocab_axes, varying):
 
 
 def _spread(lo, hi):
-    """``P + 1`` pivot keys from ``lo`` to ``hi`` (first and last), increasing, in int32
-    without overflow (the span may exceed 2³¹)."""
+    """``P + 1`` pivot keys from ``lo`` to ``hi`` (first and last), non-decreasing: evenly
+    spaced values where the interval spans more than two binades (keys crowd near zero),
+    else evenly spaced keys (within a binade the same thing), in int32 without overflow."""
     span = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)
     step, rest = span // PIVOTS, span % PIVOTS
     j = jnp.arange(PIVOTS + 1, dtype=jnp.uint32)
     offset = step[:, None] * j + (rest[:, None] * j) // PIVOTS
-    return (lo.astype(jnp.uint32)[:, None] + offset).astype(jnp.int32)
+    by_key = (lo.astype(jnp.uint32)[:, None] + offset).astype(jnp.int32)
+    lo_v, hi_v = key_value(lo)[:, None], key_value(hi)[:, None]
+    frac = jnp.arange(PIVOTS + 1, dtype=jnp.float32) / PIVOTS
+    by_value = jnp.clip(float_key(lo_v + (hi_v - lo_v) * frac), lo[:, None], hi[:, None])
+    by_value = by_value.at[:, 0].set(lo).at[:, -1].set(hi)
+    # (values near float32's limits: keys, which halve their magnitude's exponent each pass)
+    wide = (span > 2**24) & (jnp.abs(lo_v[:, 0]) < 2.0**64) & (jnp.abs(hi_v[:, 0]) < 2.0**64)
+    return jnp.where(wide[:, None], by_value, by_key)
+
+
+def row_max(u_chunks, n_rows: int, vocab: int, vocab_axes=(), varying=lambda x: x):
+    """``max u`` per row over the whole vocabulary: one pass."""
+    def body(m, start, cols, fresh, size):
+        return jnp.maximum(m, jnp.max(jnp.where(fresh, u_chunks(start, size), -jnp.inf), -1))
+
+    m = vocab_chunks.scan_chunks(body, varying(jnp.full((n_rows,), -jnp.inf, jnp.float32)),
+                                 n_rows, vocab, CHUNK_BYTES)
+    return jax.lax.pmax(m, vocab_axes) if vocab_axes else m
 
 
 def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, vocab_axes=(),
@@ -125,15 +145,24 @@ def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, voc
     float32 [N, size]), ``m`` [N] the max over the whole vocabulary; rows not ``active`` get
     no search (their results are unused). ``varying``: gives a pass's carry the device
     variance of the operands (``placement.varying_like``) inside ``shard_map``; the search's
-    own state varies as ``m`` does (its statistics are summed over a vocabulary split)."""
-    min_floor = sampler_math.min_p_floor(m, trunc.min_p)
-    start_lo = jnp.where(min_floor == -jnp.inf, float_key(jnp.float32(-3.4028235e38)),
-                         float_key(min_floor))
+    own state varies as ``m`` does (its statistics are summed over a vocabulary split).
+    ``m`` may be any value ``>= max u`` (a backend's statistics may give the lse): min-p's
+    threshold takes the max from a pass of its own."""
+    top_value = m if trunc.min_p is None else row_max(u_chunks, n_rows, vocab, vocab_axes,
+                                                      varying)
+    min_floor = sampler_math.min_p_floor(top_value, trunc.min_p)
+    lowest = jnp.where(min_floor == -jnp.inf, float_key(jnp.float32(-3.4028235e38)),
+                       float_key(min_floor))
+    # Where the searches start: top-p's below m − 104, where exp(u − m) is 0 in float32, has
+    # no mass to count; top-k's k-th value lies above m − 64 on any real row (else the search
+    # starts again from the lowest value).
+    near = {TOP_K: float_key(m - 64.0), TOP_P: float_key(m - 104.0)}
     top = float_key(m) + 1
     first = TOP_K if trunc.top_k is not None else TOP_P if trunc.top_p is not None else AT_TAU
     stage = jnp.where(active, first, DONE).astype(jnp.int32)
     zeros = jnp.zeros_like(m)
-    state = dict(stage=stage, lo=start_lo, hi=top,
+    start_lo = jnp.maximum(lowest, near[first]) if first in near else lowest
+    state = dict(stage=stage, lo=start_lo, hi=top, lowest=lowest, p_start=near[TOP_P],
                  target=jnp.full_like(m, trunc.top_k or 0.0), tau=start_lo,
                  exact=jnp.zeros(m.shape, bool), floor=jnp.full_like(m, -jnp.inf), s=zeros,
                  a=zeros, passes=jnp.zeros(m.shape, jnp.int32))
@@ -173,8 +202,11 @@ def _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_e
     x_star = below[rows, nxt]
     f_star = f[rows, nxt] + t_f[rows, nxt]
     found = (q >= 0) & (x_star != KEY_NONE) & (f_star >= target)
-    # Fewer than k values above min-p's floor: top-k keeps them all (τ = lo, not a value).
-    no_op = is_k & (q < 0)
+    # Fewer than k values above min-p's floor: top-k keeps them all (τ = lo, not a value);
+    # above a start nearer the max: the search starts again from the lowest value.
+    short = is_k & (q < 0)
+    no_op = short & (lo == state["lowest"])
+    restart = short & ~no_op
     searching = is_k | is_p
     done_search = searching & (found | no_op)
     tau = jnp.where(found, x_star, jnp.where(no_op, lo, state["tau"]))
@@ -182,6 +214,8 @@ def _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_e
     tau = jnp.where(searching, tau, state["tau"])
     new_lo = jnp.where(searching & ~done_search, pivots[rows, jnp.clip(q, 0, None)], lo)
     new_hi = jnp.where(searching & ~done_search, x_star, hi)
+    new_lo = jnp.where(restart, state["lowest"], new_lo)
+    new_hi = jnp.where(restart, lo, new_hi)
     # What follows a search: top-k is followed by top-p (from τ up), top-p by the pass at τ.
     then = jnp.where(is_k & (trunc.top_p is not None), TOP_P, AT_TAU)
     next_stage = jnp.where(done_search, then, stage)
@@ -197,7 +231,8 @@ def _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_e
     mid = jnp.where(mid > gap, mid, tau_value)  # adjacent floats: τ itself
     floor = jnp.where(state["exact"], jnp.where(below[:, 0] == KEY_NONE, -jnp.inf, mid),
                       tau_value)
-    return dict(stage=jnp.where(fin, DONE, next_stage), lo=new_lo, hi=new_hi, target=target,
+    return dict(stage=jnp.where(fin, DONE, next_stage), lo=new_lo, hi=new_hi,
+                lowest=state["lowest"], p_start=state["p_start"], target=target,
                 tau=tau, exact=exact, floor=jnp.where(fin, floor, state["floor"]),
                 s=jnp.where(fin, mass[:, 0], state["s"]), a=jnp.where(fin, ent[:, 0], state["a"]),
                 passes=state["passes"] + (stage != DONE))

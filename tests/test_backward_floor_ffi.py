@@ -419,7 +419,7 @@ def test_gpu_columns_every_row_masks_get_exact_zeros(layout):
     """Every row keeps only its few largest logits: a column that no active row keeps and
     none targets gets G = 0 in every row, so its d_weight and d_bias are exactly 0 (and the
     rest matches float64)."""
-    n, d, v, cols, dtype = 200, 64, 2048, 512, jnp.bfloat16
+    n, d, v, cols, dtype = 40, 64, 2048, 512, jnp.bfloat16  # few rows: most columns unkept
     args, kwargs, want, active, b = _case(n, d, v, layout, dtype, True, True, 1.0, seed=21,
                                           all_floored=True)
     floor = np.asarray(kwargs["floor"], np.float64)

@@ -207,6 +207,16 @@ def test_targets_outside_the_kept_set(backend, rng):
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
+def test_spread_logits(backend, rng):
+    """Logits hundreds apart: top-k's k-th value lies far below the max (its search starts
+    again from the lowest value) and top-p's nucleus is one token."""
+    h, h64, w, w64, _, _ = head_inputs(rng, (5,), 97, 8, jnp.float32, "vd", False, scale=120.0)
+    targets = rng.integers(0, 97, 5).astype(np.int32)
+    for trunc in (dict(top_k=50), dict(top_k=50, top_p=0.95), dict(top_k=90, min_p=1e-30)):
+        check_linear(rng, h, h64, w, w64, None, None, targets, trunc, layout="vd",
+                     temperature=1.0, backend=backend)
+
+
 def test_ignored_rows_and_one_row(backend, rng):
     """ignore_index rows give 0 and no gradient; a single position (0-d target) works."""
     h, h64, w, w64, b, b64 = head_inputs(rng, (2, 4), 90, 8, jnp.float32, "vd", True)
