@@ -203,6 +203,107 @@ def test_other_families_qualify():
     assert jt.find_head(model).layout == "vd"
 
 
+# -- sampler matching -------------------------------------------------------------------------
+
+SAMPLER = jt.SamplerSettings(0.7, top_k=5, top_p=0.8)  # of V = 61
+
+
+@pytest.mark.parametrize("case", ["grpo", "grpo-fast", "ppo"])
+def test_sampler_matched_losses(models, case):
+    """The sampler-matched variant (``sampler_matched_loss``, what tunix's learners call):
+    loss, every aux value and every gradient equal the oracle's (tunix's logits,
+    jk.token_logprobs with the sampler's top_k / top_p at its temperature, the same loss
+    formula; tests/tunix_support.py), ``outside_kept_set`` counting the completion tokens
+    outside their kept set; and they differ from the untruncated loss's (the option off:
+    tunix's, which the tests above check)."""
+    model = models["qwen3"]
+    algo = case.split("-")[0]
+    if algo == "grpo":
+        config = ts.grpo_config(SAMPLER.temperature, loss_agg_mode="token-mean", beta=0.04,
+                                kl_loss_mode="low_var_kl")
+        example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=11,
+                                  temperature=SAMPLER.temperature)
+    else:  # tunix's PPO loss takes temperature 1; sampler-matched, the sampler's
+        config = ts.ppo_config(entropy_coef=0.05, epsilon_c=3.0)
+        example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=12,
+                                  ppo=True)
+    name = jt.sampler_matched_loss(f"jaxrl_{algo}", SAMPLER)
+    assert name == f"jaxrl_{algo}[temperature=0.7,top_k=5,top_p=0.8]"
+    kwargs = dict(memory="fast") if case == "grpo-fast" else {}
+    got = ts.loss_and_grads(name, model, example, config, **kwargs)
+    ts.assert_same(got, ts.processed_loss_and_grads(model, example, config, SAMPLER))
+    outside = float(got[1]["outside_kept_set"])
+    assert 0 < outside < float(np.sum(example.completion_mask))
+    if case != "grpo-fast":
+        off = ts.loss_and_grads(f"jaxrl_{algo}", model, example, config)
+        assert abs(float(got[0]) - float(off[0])) > 1e-3 * max(abs(float(off[0])), 1.0)
+        entropy = "entropy" if algo == "grpo" else "loss/entropy"
+        assert float(got[1][entropy]) < float(off[1][entropy])  # the kept set's, smaller
+
+
+def test_sampler_matched_logprob_pass(models):
+    """compute_per_token_logps(top_k=, top_p=): the oracle's processed log-probs, not the
+    untruncated ones."""
+    model = models["qwen3_tied"]
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(), seed=13)
+    graphdef, state = nnx.split(model)
+    args = (graphdef, state, example.prompt_ids, example.completion_ids)
+    got = np.asarray(jt.compute_per_token_logps(*args, ts.PAD_ID, ts.EOS_ID,
+                                                temperature=SAMPLER.temperature,
+                                                **SAMPLER.options()))
+    logits = ts.tunix_logits(*args)
+    want = np.asarray(ts.processed_logprobs(logits, example.completion_ids, SAMPLER))
+    np.testing.assert_allclose(got, want, atol=ts.RTOL * float(np.max(np.abs(want))))
+    full = np.asarray(jk.token_logprobs(logits, example.completion_ids,
+                                        temperature=SAMPLER.temperature))
+    assert np.min(got - full) > -1e-5 and np.mean(got - full) > 0.05  # lse - lse(kept) >= 0
+
+
+def test_sampler_settings(models):
+    """tunix's rollout conventions mapped to ours; what is refused."""
+    import types
+
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+    def settings(**options):
+        return jt.SamplerSettings.from_rollout_config(base_rollout.RolloutConfig(**options))
+
+    assert settings() == jt.SamplerSettings(0.9)  # tunix's defaults: top_p 1.0, top_k None
+    assert settings(temperature=1.0, top_k=50, top_p=0.95) == \
+        jt.SamplerSettings(1.0, top_k=50, top_p=0.95)
+    for off in (None, 0, -1):
+        assert settings(top_k=off).top_k is None
+    assert settings(top_p=None).top_p is None and settings(top_p=1.0).truncation is None
+    assert jt.SamplerSettings(0.5, top_p=1.0, min_p=0.0) == jt.SamplerSettings(0.5)
+    with pytest.raises(ValueError, match="temperature is 0"):
+        settings(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        settings(top_p=0.0)
+    for bad in (dict(temperature=0.0), dict(temperature=1.0, top_k=0),
+                dict(temperature=1.0, top_p=1.5), dict(temperature=1.0, min_p=-0.1)):
+        with pytest.raises(ValueError):
+            jt.SamplerSettings(**bad)
+    # the vanilla engine samples greedily when top_p is None: refused there, not elsewhere
+    config = base_rollout.RolloutConfig(top_p=None, top_k=8)
+    cluster = types.SimpleNamespace(get_rollout_config=lambda mode: config,
+                                    rollout=object.__new__(vanilla_rollout.VanillaRollout))
+    with pytest.raises(ValueError, match="greedily"):
+        jt.sampler_settings(cluster)
+    cluster.rollout = object()
+    assert jt.sampler_settings(cluster) == jt.SamplerSettings(0.9, top_k=8)
+    # the GRPO loss refuses a sampler whose temperature is not the config's (the rollout's)
+    example = ts.make_example(models["qwen3"], VOCAB, ts.ExampleSpec(), seed=1)
+    grpo = ts.grpo_config(1.0, loss_agg_mode="token-mean")
+    with pytest.raises(ValueError, match="one temperature"):
+        jt.grpo_policy_loss(models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID,
+                            sampler=SAMPLER)
+    with pytest.raises(TypeError, match="SamplerSettings"):
+        jt.grpo_policy_loss(models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID,
+                            sampler=dict(top_k=5))
+    with pytest.raises(ValueError, match="'grpo'"):
+        jt.sampler_matched_loss("grpo", SAMPLER)
+
+
 # -- no [B, T, V] buffer ----------------------------------------------------------------------
 
 SHAPE = re.compile(r"\b(?:f64|f32|bf16|f16|s64|s32|u32|s8|u8|pred)\[([0-9,]*)\]")

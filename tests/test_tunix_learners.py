@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("tunix", reason="the tunix extra is not installed (pip install -e .[tunix])")
 
 import tunix_support as ts  # noqa: E402
+from tunix.rl import function_registry  # noqa: E402
 from jaxrl_kernels.integrations import tunix as jaxrl_tunix  # noqa: E402
 
 
@@ -92,6 +93,72 @@ def test_ppo_learner_split_micro_batch_matches_tunix():
     assert set(got.compiles.values()) == {1}, got.compiles
 
 
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+def test_sampler_matched_learner(algo):  # grpo ~35 s of CPU, ppo ~65 s
+    """Sampler matching in tunix's own loop: a rollout with top_k 8 (of 64) and top_p 0.9 at
+    temperature 0.9, ``use_kernel_logprobs(..., sampler_matched=True, algo_config=config)``
+    (both passes and the loss's variant) against the oracle (tunix's logits, then
+    jk.token_logprobs with the same top_k / top_p, for both passes and inside the loss;
+    tests/tunix_support.py): every logged metric and final parameter, the shardings and the
+    compile counts agree. One global step of 2 prompts in micro-batches of 1 (GRPO: 2
+    generations each)."""
+    sizes = dict(global_steps=1, per_step=2, micro_batch=1, top_k=8, top_p=0.9,
+                 sampler_matched=True)
+    want = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=False, **sizes)
+    got = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=True, **sizes)
+    ts.assert_same_run(got, want)
+    handle = got.kernel_logprobs
+    assert handle.sampler == jaxrl_tunix.SamplerSettings(0.9, top_k=8, top_p=0.9)
+    assert handle.loss == f"jaxrl_{algo}[temperature=0.9,top_k=8,top_p=0.9]"
+    assert handle.patched == ["reference", "rollout"] and not handle.active
+    assert handle.calls == {"reference": 2, "rollout": 2}, handle
+    # not vacuous: the truncation raised every pass's log-probs (lse - lse(kept set) > 0)
+    gains = want.kernel_logprobs.gains
+    assert len(gains["reference"]) == len(gains["rollout"]) == 2
+    assert min(gains["reference"] + gains["rollout"]) > 0.05, gains
+
+
+def test_use_kernel_logprobs_sampler_matched_options():
+    """sampler_matched needs the learner's config (one of our losses, no learner built on the
+    plain loss yet); it sets the config's loss to the variant, and restore() sets it back."""
+    from tunix.rl.rollout import base_rollout
+
+    from jaxrl_kernels.integrations.tunix import losses
+
+    rollout_config = base_rollout.RolloutConfig(temperature=0.8, top_k=0, top_p=0.95)
+    cluster = types.SimpleNamespace(
+        inference_worker=types.SimpleNamespace(_models={}), rollout=object(),
+        get_rollout_config=lambda mode: rollout_config,
+        actor_trainer=types.SimpleNamespace(loss_fn=None))
+    with pytest.raises(ValueError, match="algo_config="):
+        jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True)
+    config = ts.ppo_config(policy_loss_fn="ppo")
+    with pytest.raises(ValueError, match="'ppo'"):
+        jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True, algo_config=config)
+    config.policy_loss_fn = "jaxrl_ppo"
+    cluster.actor_trainer.loss_fn = losses.ppo_policy_loss  # as PPOLearner binds it
+    with pytest.raises(ValueError, match="before building the learner"):
+        jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True, algo_config=config)
+    policy_loss_fn = losses.grpo_policy_loss  # as GRPOLearner binds it: a lambda calling it
+    cluster.actor_trainer.loss_fn = lambda model, example, algo_config: policy_loss_fn(
+        model, example, algo_config, 0, 1)
+    with pytest.raises(ValueError, match="before building the learner"):
+        jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True, algo_config=config)
+    assert config.policy_loss_fn == "jaxrl_ppo"
+    cluster.actor_trainer.loss_fn = None
+    with jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True,
+                                         algo_config=config) as handle:
+        assert handle.sampler == jaxrl_tunix.SamplerSettings(0.8, top_p=0.95)
+        assert config.policy_loss_fn == handle.loss == "jaxrl_ppo[temperature=0.8,top_p=0.95]"
+        variant = function_registry.get_policy_loss_fn(handle.loss)
+        assert variant.sampler == handle.sampler and variant.base is losses.ppo_policy_loss
+        assert handle.active and handle.patched == []
+    assert config.policy_loss_fn == "jaxrl_ppo" and not handle.active
+    # off (the default): the config is not read or touched
+    handle = jaxrl_tunix.use_kernel_logprobs(cluster, algo_config=config)
+    assert handle.sampler is None and handle.loss is None and not handle.active
+
+
 @pytest.mark.slow  # ~80 s of CPU
 def test_grpo_learner_packed_matches_tunix():
     got, _ = check_pair("grpo", packed=True)
@@ -99,9 +166,10 @@ def test_grpo_learner_packed_matches_tunix():
 
 
 def test_losses_have_tunix_signature():
-    from tunix.rl import function_registry
-
-    for ours, theirs in (("jaxrl_grpo", "grpo"), ("jaxrl_ppo", "ppo")):
+    sampler = jaxrl_tunix.SamplerSettings(1.0, top_k=4)
+    for ours, theirs in (("jaxrl_grpo", "grpo"), ("jaxrl_ppo", "ppo"),
+                         (jaxrl_tunix.sampler_matched_loss("jaxrl_grpo", sampler), "grpo"),
+                         (jaxrl_tunix.sampler_matched_loss("jaxrl_ppo", sampler), "ppo")):
         got = inspect.signature(function_registry.get_policy_loss_fn(ours)).parameters
         want = inspect.signature(function_registry.get_policy_loss_fn(theirs)).parameters
         assert [(p.name, p.kind, p.default) for p in got.values()] == \

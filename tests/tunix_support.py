@@ -19,7 +19,9 @@ from tunix.rl import common, function_registry
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.ppo import ppo_learner
 
+import jaxrl_kernels as jk
 import jaxrl_kernels.integrations.tunix  # noqa: F401  (registers jaxrl_grpo / jaxrl_ppo)
+from jaxrl_kernels.integrations.tunix import losses as tunix_losses
 
 PAD_ID, EOS_ID = 0, 1
 RTOL = 1e-5  # float32: |got - want| <= RTOL * scale (docs/api.md "Numerics")
@@ -154,6 +156,104 @@ def loss_and_grads(loss_name: str, model, example, algo_config, **loss_kwargs):
 
     (loss, aux), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(state, example)
     return loss, aux, grads
+
+
+# -- sampler matching: an oracle from tunix's own logits ----------------------------------------
+#
+# The processed log-probs computed the long way: tunix's compute_per_token_logps returns the
+# completion's [B, C, V] logits (temperature 1: the raw logits), and jk.token_logprobs on the
+# "reference" backend (the logits in memory, checked against NumPy by the op tests) takes the
+# log-probs (and entropy) of softmax(z / T) truncated by the settings' top-k / top-p. The loss
+# on them is the registered loss's own formula (LossTerms.loss_of_logprobs, which
+# tests/test_tunix.py holds to tunix's loss): what the oracle checks is the route of the
+# log-probs (hidden states, head, targets, temperature, truncation, gradients), not the formula.
+
+def tunix_logits(graphdef, state, prompt, completion, stop_gradient=True):
+    """tunix's own float32 [B, C, V] logits of the completion positions (unpacked)."""
+    _, logits = common.compute_per_token_logps(
+        graphdef, state, prompt, completion, PAD_ID, EOS_ID, stop_gradient=stop_gradient,
+        return_logits=True, temperature=1.0)
+    return logits
+
+
+def processed_logprobs(logits, targets, sampler, **options):
+    """jk.token_logprobs of the sampler's truncated distribution ("reference" backend)."""
+    return jk.token_logprobs(logits, targets, temperature=sampler.temperature,
+                             backend="reference", **sampler.options(), **options)
+
+
+def processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    """The registered loss (GRPO or PPO by the config's type) on the oracle's processed
+    log-probs of ``kwargs["sampler"]``, with the same ``aux`` (``outside_kept_set`` too)."""
+    assert getattr(train_example, "segment_ids", None) is None, "unpacked examples only"
+    sampler = kwargs["sampler"]
+    terms_of = (tunix_losses.ppo_loss_terms if isinstance(algo_config, ppo_learner.PPOConfig)
+                else tunix_losses.grpo_loss_terms)
+    terms = terms_of(train_example, algo_config, sampler)
+    graphdef, state = nnx.split(model)
+    logits = tunix_logits(graphdef, state, train_example.prompt_ids,
+                          train_example.completion_ids, stop_gradient=False)
+    logp, entropy, kept = processed_logprobs(logits, train_example.completion_ids, sampler,
+                                             return_entropy=True, return_kept=True)
+    loss, aux = terms.loss_of_logprobs(logp, entropy if terms.with_entropy else None,
+                                       terms.inputs)
+    if sampler.truncation is not None:
+        outside = (train_example.completion_mask != 0) & ~kept
+        aux = {**aux, "outside_kept_set": jax.lax.stop_gradient(
+            jnp.sum(outside.astype(jnp.float32)))}
+    return loss, aux
+
+
+def processed_oracle_name(sampler):
+    """A registered policy loss: :func:`processed_oracle_loss` with ``sampler`` (tunix's
+    learners pass their loss no keywords)."""
+    name = f"test_processed_oracle[{sampler}]"
+
+    def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+        return processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id,
+                                     sampler=sampler)
+
+    function_registry.register_policy_loss_fn(name)(loss)
+    return name
+
+
+def processed_loss_and_grads(model, example, algo_config, sampler):
+    """(loss, aux, grads) of :func:`processed_oracle_loss`, as :func:`loss_and_grads`."""
+    return loss_and_grads(processed_oracle_name(sampler), model, example, algo_config)
+
+
+class OracleLogprobs:
+    """The processed reference and old-policy passes of an RLCluster, the long way (tunix's
+    logits, then :func:`processed_logprobs`), patched onto the cluster as
+    ``use_kernel_logprobs`` patches its own. ``gains`` records, per pass, the mean over the
+    completion's tokens of processed − untruncated log-prob (lse − lse of the kept set: >= 0,
+    > 0 where the truncation removed mass)."""
+
+    def __init__(self, cluster, sampler):
+        self.sampler = sampler
+        self.gains = {"reference": [], "rollout": []}
+        worker, rollout = cluster.inference_worker, cluster.rollout
+
+        def reference(prompt, completion, pad_id, eos_id, temperature=1.0):
+            assert temperature == sampler.temperature  # the cluster passes the rollout's
+            return self._pass("reference", *worker._model_states["reference"], prompt,
+                              completion)
+
+        def old_policy(prompt, completion):
+            return self._pass("rollout", *rollout._sampler.model_def_and_state(), prompt,
+                              completion)
+
+        worker.get_ref_per_token_logps = reference
+        rollout.get_per_token_logps = old_policy
+
+    def _pass(self, role, graphdef, state, prompt, completion):
+        logits = tunix_logits(graphdef, state, prompt, completion)
+        logp = processed_logprobs(logits, completion, self.sampler)
+        full = jk.token_logprobs(logits, completion, temperature=self.sampler.temperature,
+                                 backend="reference")
+        tokens = np.asarray(completion) != PAD_ID
+        self.gains[role].append(float(np.mean(np.asarray(logp - full)[tokens])))
+        return logp
 
 
 def _close(name, got, want, scale):
@@ -297,7 +397,8 @@ def _cache_size(fn):
 
 def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = False,
                 global_steps: int = 2, per_step: int = 2, micro_batch: int = 1,
-                backend: str | None = None) -> LearnerRun:
+                backend: str | None = None, top_k: int | None = None, top_p: float = 1.0,
+                sampler_matched: bool = False) -> LearnerRun:
     """tunix's GRPOLearner / PPOLearner trained for ``global_steps`` batches of ``per_step``
     prompts.
 
@@ -308,7 +409,12 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
     the KL in the reward), AdamW (eps :data:`LEARNER_ADAM_EPS`); PPO with an entropy bonus
     (entropy_coef 0.01) and dual clip (epsilon_c 3). ``kernel_logprobs``: serve the reference
     and rollout log-probs with :func:`use_kernel_logprobs`. ``packed``: tunix's sequence packing
-    (``max_seq_token_per_tpu``) of the training micro-batches.
+    (``max_seq_token_per_tpu``) of the training micro-batches. ``top_k`` / ``top_p``: the
+    rollout config's (temperature 0.9). ``sampler_matched``: sampler-matched log-probs:
+    with ``kernel_logprobs``, ``use_kernel_logprobs(..., sampler_matched=True,
+    algo_config=config)`` (``loss`` one of ours); without, the oracle's
+    (:class:`OracleLogprobs` for both passes, :func:`processed_oracle_loss` whatever
+    ``loss`` says); ``LearnerRun.kernel_logprobs`` is then the :class:`OracleLogprobs`.
     """
     import optax
     from tunix.rl import rl_cluster as rl_cluster_lib
@@ -334,27 +440,33 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
         max_seq_token_per_tpu=4 * (prompt_len + completion_len) if packed else None)
     rollout = base_rollout.RolloutConfig(
         max_tokens_to_generate=completion_len, max_prompt_length=prompt_len,
-        kv_cache_size=prompt_len + completion_len + 2, temperature=0.9, top_p=1.0, seed=0)
+        kv_cache_size=prompt_len + completion_len + 2, temperature=0.9, top_p=top_p,
+        top_k=top_k, seed=0)
     cluster = rl_cluster_lib.RLCluster(
         actor=actor, reference=reference, critic=critic, tokenizer=WordTokenizer(),
         cluster_config=rl_cluster_lib.ClusterConfig(
             role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla",
             offload_to_cpu=False, training_config=training, rollout_config=rollout))
     start = param_shardings(cluster.actor_trainer.model)
-    handle = jaxrl_tunix.use_kernel_logprobs(cluster, backend=backend) if kernel_logprobs \
-        else None
     if algo == "grpo":
-        from tunix.rl.grpo import grpo_learner
-
         config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=2, beta=0.04,
                                          loss_agg_mode="sequence-mean-token-mean",
                                          epsilon=0.1, policy_loss_fn=loss)
-        learner = grpo_learner.GRPOLearner(cluster, config, reward_fns=[word_reward])
     else:
-        from tunix.rl.ppo import ppo_learner
-
         config = ppo_learner.PPOConfig(num_iterations=2, beta=0.04, epsilon=0.1,
                                        entropy_coef=0.01, epsilon_c=3.0, policy_loss_fn=loss)
+    handle = None
+    if kernel_logprobs:
+        handle = jaxrl_tunix.use_kernel_logprobs(
+            cluster, backend=backend, sampler_matched=sampler_matched,
+            algo_config=config if sampler_matched else None)
+    elif sampler_matched:
+        sampler = jaxrl_tunix.sampler_settings(cluster)
+        config.policy_loss_fn = processed_oracle_name(sampler)
+        handle = OracleLogprobs(cluster, sampler)
+    if algo == "grpo":
+        learner = grpo_learner.GRPOLearner(cluster, config, reward_fns=[word_reward])
+    else:
         learner = ppo_learner.PPOLearner(cluster, config, reward_fns=[word_reward])
     batches = [{"prompts": PROMPTS[per_step * i:per_step * (i + 1)]}
                for i in range(global_steps)]
@@ -369,8 +481,9 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
                for mode, names in modes.items() for name, values in names.items()}
     params = {jax.tree_util.keystr(path): np.asarray(leaf)
               for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
-    if handle is not None:
+    if kernel_logprobs:
         handle.restore()
+        assert config.policy_loss_fn == loss  # restore() set it back
     return LearnerRun(metrics, params, start, param_shardings(model), compiles, handle)
 
 

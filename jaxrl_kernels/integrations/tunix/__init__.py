@@ -19,6 +19,14 @@ reversible call per cluster, :func:`use_kernel_logprobs` (see :mod:`.cluster`)::
 
     kernels = jaxrl_tunix.use_kernel_logprobs(rl_cluster)
 
+Sampler-matched ("processed") log-probs, an option that is off by default: the log-probs of
+the distribution the rollout samples from (its top-k / top-p, at its temperature) in both
+passes and in the loss, with one call, made before the learner is built, that also points the
+config's ``policy_loss_fn`` at the loss's sampler-matched variant (:mod:`.sampler`)::
+
+    kernels = jaxrl_tunix.use_kernel_logprobs(rl_cluster, sampler_matched=True,
+                                              algo_config=config)
+
 The backend follows jaxrl_kernels' automatic choice, ``JAXRL_KERNELS_BACKEND`` or a
 ``jaxrl_kernels.use_backend`` scope around the first (tracing) call; docs/tunix.md has the rest.
 """
@@ -30,10 +38,10 @@ from tunix.rl import function_registry
 from jaxrl_kernels.integrations.tunix.cluster import KernelLogprobs, use_kernel_logprobs
 from jaxrl_kernels.integrations.tunix.logprobs import (check_model, compute_per_token_logps,
                                                        find_head, policy_logprobs)
-from jaxrl_kernels.integrations.tunix.losses import grpo_policy_loss, ppo_policy_loss
-
-GRPO_LOSS_NAME = "jaxrl_grpo"
-PPO_LOSS_NAME = "jaxrl_ppo"
+from jaxrl_kernels.integrations.tunix.losses import (GRPO_LOSS_NAME, PPO_LOSS_NAME,
+                                                     grpo_policy_loss, ppo_policy_loss,
+                                                     sampler_matched_loss)
+from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, sampler_settings
 
 function_registry.register_policy_loss_fn(GRPO_LOSS_NAME)(grpo_policy_loss)
 function_registry.register_policy_loss_fn(PPO_LOSS_NAME)(ppo_policy_loss)
@@ -42,11 +50,14 @@ __all__ = [
     "GRPO_LOSS_NAME",
     "KernelLogprobs",
     "PPO_LOSS_NAME",
+    "SamplerSettings",
     "check_model",
     "compute_per_token_logps",
     "find_head",
     "grpo_policy_loss",
     "policy_logprobs",
     "ppo_policy_loss",
+    "sampler_matched_loss",
+    "sampler_settings",
     "use_kernel_logprobs",
 ]

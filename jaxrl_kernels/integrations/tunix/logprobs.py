@@ -215,6 +215,11 @@ class HeadRows:
                               constant_values=jnp.log(jnp.float32(vocab)))
         return logp, entropy
 
+    def pad_kept(self, kept):
+        """``kept`` (target inside its row's kept set) in tunix's layout: packed, position 0
+        (no target) counts as kept."""
+        return jnp.pad(kept, ((0, 0), (1, 0)), constant_values=True) if self.packed else kept
+
 
 def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                      segment_ids=None, segment_positions=None) -> HeadRows:
@@ -234,7 +239,8 @@ def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, memory=None):
+                    return_entropy=False, backend=None, memory=None, top_k=None, top_p=None,
+                    min_p=None):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
@@ -242,22 +248,28 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     entropy of all-zero logits, log V, as tunix pads them.
     ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward;
     ``None``: ``jk.memory_mode``'s, else ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``).
+    ``top_k``, ``top_p``, ``min_p``: the sampler's truncation, as in ``jk.linear_logprobs``
+    (all None, the default: tunix's log-probs of the whole vocabulary); the log-probs and
+    entropy are then those of the truncated, renormalised distribution (sampler matching,
+    :mod:`.sampler`).
     """
     rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=segment_ids,
                             segment_positions=segment_positions)
     out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets, weight_layout=rows.layout,
                              temperature=tunix_temperature(temperature),
-                             return_entropy=return_entropy, backend=backend, memory=memory)
+                             return_entropy=return_entropy, backend=backend, memory=memory,
+                             top_k=top_k, top_p=top_p, min_p=min_p)
     return rows.pad(*(out if return_entropy else (out, None)))
 
 
 @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
-                                             "return_logits", "temperature", "backend"))
+                                             "return_logits", "temperature", "backend",
+                                             "top_k", "top_p", "min_p"))
 def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
                             images=None, stop_gradient=True, return_logits=False,
                             segment_ids=None, segment_positions=None, temperature=1.0,
-                            backend=None):
+                            backend=None, top_k=None, top_p=None, min_p=None):
     """tunix's ``common.compute_per_token_logps`` (same arguments, same result) without logits.
 
     The per-token log-probs of the completion under ``nnx.merge(graphdef, state)``, float32
@@ -268,7 +280,9 @@ def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, p
     :func:`jaxrl_kernels.integrations.tunix.use_kernel_logprobs` is enabled on an RLCluster.
 
     ``return_logits=True`` and ``images`` are refused (NotImplementedError): both need the
-    logits. ``backend``: jaxrl_kernels' backend (None: automatic).
+    logits. ``backend``: jaxrl_kernels' backend (None: automatic). ``top_k``, ``top_p``,
+    ``min_p`` (not tunix's; all None by default): the log-probs of the sampler's truncated,
+    renormalised distribution instead (:func:`policy_logprobs`; sampler matching).
     """
     if return_logits:
         raise NotImplementedError(
@@ -282,5 +296,5 @@ def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, p
     logp, _ = policy_logprobs(model, prompt_tokens, completion_tokens, pad_id=pad_id,
                               eos_id=eos_id, segment_ids=segment_ids,
                               segment_positions=segment_positions, temperature=temperature,
-                              backend=backend)
+                              backend=backend, top_k=top_k, top_p=top_p, min_p=min_p)
     return jax.lax.stop_gradient(logp) if stop_gradient else logp

@@ -30,11 +30,20 @@ pad_id, eos_id, **kwargs)``: tunix's PPOLearner hands the registered function it
 trainer, whose ``nnx.value_and_grad`` binds every argument by position, so a keyword-only
 parameter would fail there ("keyword arguments could not be resolved to positions"). The
 keywords they read are ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
-automatic) and ``memory`` (``"fast"`` takes the loss's gradient in the forward; absent or None:
-the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``), for direct calls
-or a trainer's loss wrapper; tunix passes none (a ``jk.memory_mode`` scope in force when the
-training step is traced, or the variable, then sets the mode), and others are ignored as
-tunix's losses ignore them.
+automatic), ``sampler`` (below) and ``memory`` (``"fast"`` takes the loss's gradient in the
+forward; absent or None: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else
+``"lean"``), for direct calls or a trainer's loss wrapper; tunix passes none (a
+``jk.memory_mode`` scope in force when the training step is traced, or the variable, then sets
+the mode), and others are ignored as tunix's losses ignore them.
+
+Sampler matching (off by default; :mod:`.sampler`): with a ``sampler`` keyword (a
+:class:`.sampler.SamplerSettings`; tunix's learners pass it through the variant that
+:func:`sampler_matched_loss` registers, e.g. ``"jaxrl_grpo[temperature=0.9,top_k=50]"``), the
+policy's log-probs and entropy are those of the rollout's truncated, renormalised distribution
+(its top-k / top-p, at its temperature, also for PPO, whose tunix loss takes temperature 1),
+and ``aux`` gains ``"outside_kept_set"`` (how many completion tokens lie outside their
+position's kept set) when the settings truncate. The loss formulas are unchanged. Absent or
+None: tunix's log-probs, exactly as without the option.
 
 The final hidden states enter the head with the model dimension whole
 (:func:`.logprobs.head_layout`), so that XLA lays out the step, and every parameter's gradient
@@ -43,17 +52,23 @@ and updated value, as under tunix's own losses.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from tunix.rl import function_registry
 
 import jaxrl_kernels as jk
 from jaxrl_kernels import fused_loss
 from jaxrl_kernels.integrations.tunix import token_math as tm
 from jaxrl_kernels.integrations.tunix.logprobs import policy_head_rows, tunix_temperature
+from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, loss_sampler
 from jaxrl_kernels.logprobs import head_choice, linear_logprobs_rows
 
+GRPO_LOSS_NAME = "jaxrl_grpo"
+PPO_LOSS_NAME = "jaxrl_ppo"
 LOSS_ALGOS = ("grpo", "gspo-token")
 LOG_RATIO_CLIP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
@@ -61,30 +76,70 @@ GSPO_LOG_RATIO_MAX = 10.0
 _sg = jax.lax.stop_gradient
 
 
-def _example_loss(model, example, pad_id, eos_id, temperature, return_entropy, kwargs,
-                  loss_of_logprobs, inputs, op):
-    """``loss_of_logprobs(logp, entropy | None, inputs) -> (loss, aux)`` on the policy's
-    per-token log-probs (tunix's layout, :func:`policy_head_rows`' ``pad``). With
-    ``kwargs["memory"]`` resolving to ``"fast"`` the loss's gradient is taken in the forward
-    (:mod:`jaxrl_kernels.fused_loss`: 3 GEMMs, one [B, T, V] buffer); else the log-probs come
-    from ``linear_logprobs`` (lean: nothing [B, T, V] kept)."""
+@dataclasses.dataclass(frozen=True)
+class LossTerms:
+    """What a registered loss computes on the policy's per-token log-probs:
+    ``loss_of_logprobs(logp, entropy | None, inputs) -> (loss, aux)`` (tunix's layout,
+    :class:`.logprobs.HeadRows`' ``pad``), with the log-probs taken at ``temperature``, from
+    ``sampler``'s truncated distribution when it is given (sampler matching), with the
+    entropy when ``with_entropy``; ``op`` names the kernels' loss for the memory choice."""
+
+    loss_of_logprobs: Callable
+    inputs: dict
+    temperature: float
+    with_entropy: bool
+    sampler: SamplerSettings | None
+    op: str
+
+
+def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
+    """``terms.loss_of_logprobs`` on the policy's per-token log-probs. With
+    ``kwargs["memory"]`` resolving to ``"fast"`` (and no sampler truncation) the loss's
+    gradient is taken in the forward (:mod:`jaxrl_kernels.fused_loss`: 3 GEMMs, one [B, T, V]
+    buffer); else the log-probs come from ``linear_logprobs`` (lean: nothing [B, T, V] kept;
+    fast with a truncation: the logits kept for the backward). With a truncation, ``aux``
+    gains ``"outside_kept_set"``: how many completion tokens (mask != 0) lie outside their
+    position's kept set."""
     rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
                             segment_positions=getattr(example, "segment_positions", None))
-    choice = head_choice(op, kwargs.get("memory"), rows.hidden, rows.weight, None,
-                         rows.targets, weight_layout=rows.layout, return_entropy=return_entropy,
-                         backend=kwargs.get("backend"), loss=True)
-    options = dict(weight_layout=rows.layout, temperature=tunix_temperature(temperature))
+    choice = head_choice(terms.op, kwargs.get("memory"), rows.hidden, rows.weight, None,
+                         rows.targets, weight_layout=rows.layout,
+                         return_entropy=terms.with_entropy, backend=kwargs.get("backend"),
+                         loss=True)
+    options = dict(weight_layout=rows.layout, temperature=terms.temperature)
+    truncation = None if terms.sampler is None else terms.sampler.truncation
     valid = jnp.ones(rows.targets.shape, jnp.bool_)
-    if choice.fast:
+    if choice.fast and truncation is None:
         return fused_loss.fused_linear_loss(
-            lambda logp, entropy, inputs: loss_of_logprobs(*rows.pad(logp, entropy), inputs),
-            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32), valid, inputs,
-            with_entropy=return_entropy, **options)
-    logp, entropy = linear_logprobs_rows(rows.hidden, rows.weight, None, rows.targets, valid,
-                                         choice=choice, return_entropy=return_entropy,
-                                         **options)
-    return loss_of_logprobs(*rows.pad(logp, entropy), inputs)
+            lambda logp, entropy, inputs: terms.loss_of_logprobs(*rows.pad(logp, entropy),
+                                                                 inputs),
+            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32), valid,
+            terms.inputs, with_entropy=terms.with_entropy, **options)
+    logp, entropy, *kept = linear_logprobs_rows(
+        rows.hidden, rows.weight, None, rows.targets, valid, choice=choice,
+        return_entropy=terms.with_entropy, truncation=truncation, **options)
+    out = terms.loss_of_logprobs(*rows.pad(logp, entropy), terms.inputs)
+    if truncation is None:
+        return out
+    loss, aux = out
+    outside = (terms.inputs["mask"] != 0) & ~rows.pad_kept(kept[0])
+    return loss, {**aux, "outside_kept_set": _sg(jnp.sum(outside.astype(jnp.float32)))}
+
+
+def _loss_temperature(algo_config, sampler, tunix_value):
+    """The temperature of the policy's log-probs: tunix's (``tunix_value``), or with sampler
+    matching the sampler's, which must then agree with ``algo_config.temperature`` where the
+    config has one (GRPOLearner copies the rollout's there)."""
+    if sampler is None:
+        return tunix_temperature(tunix_value)
+    own = getattr(algo_config, "temperature", None)
+    if own is not None and tunix_temperature(own) != sampler.temperature:
+        raise ValueError(
+            f"sampler.temperature = {sampler.temperature} but "
+            f"algo_config.temperature = {own}: sampler-matched log-probs take one temperature, "
+            "the rollout's")
+    return sampler.temperature
 
 
 def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
@@ -126,29 +181,38 @@ def _grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
     }
 
 
-def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
-    """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
-
-    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
-    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``); others are ignored.
-    """
+def grpo_loss_terms(train_example, algo_config, sampler=None) -> LossTerms:
+    """The :class:`LossTerms` of tunix's ``"grpo"`` loss (checks the config's options);
+    ``sampler``: the :class:`.sampler.SamplerSettings` of sampler matching, or None."""
     mode = algo_config.loss_agg_mode
     tm.check_option("loss_agg_mode", mode, tm.AGG_MODES)
     tm.check_option("loss_algo", algo_config.loss_algo, LOSS_ALGOS)
     epsilon = algo_config.epsilon
     epsilon_high = getattr(algo_config, "epsilon_high", epsilon)
     beta = algo_config.beta
-    mask = train_example.completion_mask
-
-    inputs = dict(mask=mask, adv=train_example.advantages.astype(jnp.float32),
+    inputs = dict(mask=train_example.completion_mask,
+                  adv=train_example.advantages.astype(jnp.float32),
                   old=train_example.old_per_token_logps, ref=train_example.ref_per_token_logps,
                   weights=getattr(train_example, "sampler_is_weights", None))
-    return _example_loss(model, train_example, pad_id, eos_id, algo_config.temperature, True,
-                         kwargs, functools.partial(_grpo_loss, algo_config, epsilon,
-                                                   epsilon_high, beta, mode),
-                         inputs, "linear_grpo_loss")
+    return LossTerms(
+        functools.partial(_grpo_loss, algo_config, epsilon, epsilon_high, beta, mode), inputs,
+        _loss_temperature(algo_config, sampler, algo_config.temperature), True, sampler,
+        "linear_grpo_loss")
+
+
+def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    """tunix's ``"grpo"`` policy loss (GRPO / GSPO-token) from hidden states; (loss, aux).
+
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
+    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
+    :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
+    others are ignored.
+    """
+    return _example_loss(model, train_example, pad_id, eos_id,
+                         grpo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
+                         kwargs)
 
 
 def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, inputs):
@@ -191,27 +255,35 @@ def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, in
     return loss, aux
 
 
-def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
-    """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
-
-    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
-    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
-    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``); others are ignored.
-    """
+def ppo_loss_terms(train_example, algo_config, sampler=None) -> LossTerms:
+    """The :class:`LossTerms` of tunix's ``"ppo"`` policy loss (log-probs at temperature 1,
+    as tunix's; with a ``sampler``, sampler matching, at the sampler's)."""
     old = train_example.old_per_token_logps
     if old is None:
         raise ValueError("train_example.old_per_token_logps: PPO's ratio needs the rollout "
                          "policy's log-probs, got None")
     entropy_coef = algo_config.entropy_coef
     with_entropy = entropy_coef is not None and entropy_coef != 0.0
-    mask = train_example.completion_mask
-
-    inputs = dict(mask=mask, adv=train_example.advantages, old=old,
+    inputs = dict(mask=train_example.completion_mask, adv=train_example.advantages, old=old,
                   ref=train_example.ref_per_token_logps)
-    return _example_loss(model, train_example, pad_id, eos_id, 1.0, with_entropy, kwargs,
-                         functools.partial(_ppo_loss, algo_config, entropy_coef, with_entropy),
-                         inputs, "linear_ppo_loss")
+    return LossTerms(functools.partial(_ppo_loss, algo_config, entropy_coef, with_entropy),
+                     inputs, _loss_temperature(algo_config, sampler, 1.0), with_entropy,
+                     sampler, "linear_ppo_loss")
+
+
+def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+    """tunix's ``"ppo"`` policy loss from hidden states; (loss, aux).
+
+    ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
+    (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
+    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
+    :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
+    others are ignored.
+    """
+    return _example_loss(model, train_example, pad_id, eos_id,
+                         ppo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
+                         kwargs)
 
 
 def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
@@ -236,3 +308,45 @@ def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
         aux["kl"] = tm.masked_mean(kl, mask)
         loss = loss + kl_coef * aux["kl"]
     return loss, aux
+
+
+def sampler_matched_loss(loss_name: str, sampler: SamplerSettings) -> str:
+    """Register (once) and return the name of ``loss_name``'s sampler-matched variant.
+
+    ``loss_name``: ``"jaxrl_grpo"`` or ``"jaxrl_ppo"``; ``sampler``: a
+    :class:`.sampler.SamplerSettings`. The variant, registered with tunix's policy losses
+    under a name that spells the settings (``"jaxrl_grpo[temperature=0.9,top_k=50,top_p=0.95]"``),
+    has tunix's loss signature and calls the loss with ``sampler=sampler`` (other keywords
+    pass through): set it as a config's ``policy_loss_fn`` before the learner is built (the
+    learner looks its loss up then), as ``use_kernel_logprobs(..., sampler_matched=True,
+    algo_config=config)`` does.
+    """
+    losses = {GRPO_LOSS_NAME: grpo_policy_loss, PPO_LOSS_NAME: ppo_policy_loss}
+    if loss_name not in losses:
+        raise ValueError(f"sampler_matched_loss: expected {GRPO_LOSS_NAME!r} or "
+                         f"{PPO_LOSS_NAME!r}, got {loss_name!r}")
+    if not isinstance(sampler, SamplerSettings):
+        raise TypeError(f"sampler_matched_loss: expected a SamplerSettings, got "
+                        f"{type(sampler).__name__}")
+    fields = ",".join(f"{f.name}={getattr(sampler, f.name)!r}"
+                      for f in dataclasses.fields(sampler) if getattr(sampler, f.name) is not None)
+    name = f"{loss_name}[{fields}]"
+    try:
+        function_registry.get_policy_loss_fn(name)
+    except LookupError:
+        function_registry.register_policy_loss_fn(name)(_matched(losses[loss_name], sampler,
+                                                                 name))
+    return name
+
+
+def _matched(loss_fn, sampler, name):
+    def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
+        return loss_fn(model, train_example, algo_config, pad_id, eos_id,
+                       **{**kwargs, "sampler": sampler})
+
+    loss.__name__ = loss.__qualname__ = f"{loss_fn.__name__}_sampler_matched"
+    loss.__doc__ = (f"{name!r}: {loss_fn.__name__} with sampler={sampler} (sampler-matched "
+                    "log-probs; jaxrl_kernels.integrations.tunix.sampler_matched_loss).")
+    loss.sampler = sampler
+    loss.base = loss_fn
+    return loss
