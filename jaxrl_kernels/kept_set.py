@@ -8,7 +8,7 @@ float_key``)::
     count(x) = #{u >= x},   mass(x) = Σ_{u >= x} e,   ent(x) = Σ_{u >= x} e·(u − m)
     below(x) = the largest key < x, with the count, mass and ent of the entries equal to it
 
-(``e = exp(u − m)``, ``m`` the row max), summed over a vocabulary split. A threshold is "the
+(``e = exp(u − m)``, ``m`` at least the row max), summed over a vocabulary split. A threshold is "the
 largest value ``x`` with ``F(x) >= target``" for ``F`` the count (top-k, target k) or the
 mass (top-p, target ``top_p · mass(τ_k)``), searched in an interval of keys ``[lo, hi)``
 with ``F(lo) >= target > F(hi)``: the pivots split it into ``P`` parts; the last pivot ``x_q``
@@ -23,6 +23,12 @@ recomputing the logits with other rounding keeps the same tokens.
 Stages of a row: top-k (if asked), top-p (if asked), the pass at ``τ``, done. min-p needs no
 search: its threshold is ``max u + log(min_p)`` (the max from a pass of its own), where
 top-k's search starts.
+
+With top-k (the usual sampler), one pass does it all: each row's ``k + 1`` largest values
+(``lax.top_k`` per chunk, merged) hold the max (min-p's threshold), the k-th value, every
+value top-p can keep, the value below the kept set and so the floor, exactly; only a row
+whose ``k + 1`` candidates are all kept (values tied with the last may lie beyond them) goes
+through the pivot search.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import sampler_math, vocab_chunks
+from jaxrl_kernels import divergence_math, sampler_math, vocab_chunks
 from jaxrl_kernels.placement import varying_like
 from jaxrl_kernels.sampler_math import KEY_NONE, Truncation, float_key, key_value
 
@@ -142,12 +148,93 @@ def row_max(u_chunks, n_rows: int, vocab: int, vocab_axes=(), varying=lambda x: 
 def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, vocab_axes=(),
          varying=lambda x: x) -> KeptSet:
     """The kept set of each row of ``u`` (this device's columns, ``u_chunks(start, size)`` ->
-    float32 [N, size]), ``m`` [N] the max over the whole vocabulary; rows not ``active`` get
-    no search (their results are unused). ``varying``: gives a pass's carry the device
-    variance of the operands (``placement.varying_like``) inside ``shard_map``; the search's
-    own state varies as ``m`` does (its statistics are summed over a vocabulary split).
-    ``m`` may be any value ``>= max u`` (a backend's statistics may give the lse): min-p's
-    threshold takes the max from a pass of its own."""
+    float32 [N, size]); ``m`` [N] any value ``>= max u`` over the whole vocabulary (the max,
+    or a backend's lse); rows not ``active`` get no search (their results are unused).
+    ``varying``: gives a pass's carry the device variance of the operands
+    (``placement.varying_like``) inside ``shard_map``.
+
+    With top-k (k below the vocabulary and at most :data:`MAX_CANDIDATES`): one pass for each
+    row's ``k + 1`` largest values (:func:`_from_candidates`), the pivot search
+    (:func:`search`) only for rows it leaves open; else the pivot search."""
+    shards = jax.lax.psum(1, vocab_axes) if vocab_axes else 1
+    k = trunc.top_k
+    if k is None or k >= vocab * shards or k > MAX_CANDIDATES:
+        return search(u_chunks, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
+                      varying=varying)
+    values = _candidates(u_chunks, n_rows, vocab, k + 1, vocab_axes, varying)
+    found, open_rows = _from_candidates(values, m, trunc)
+    open_rows = open_rows & active
+
+    fields = dataclasses.astuple(found)
+
+    def searched(_):
+        other = search(u_chunks, n_rows, vocab, m, open_rows, trunc, vocab_axes=vocab_axes,
+                       varying=varying)
+        return tuple(jnp.where(open_rows, b, a)
+                     for a, b in zip(fields, dataclasses.astuple(other)))
+
+    return KeptSet(*jax.lax.cond(jnp.any(open_rows), searched, lambda _: fields, None))
+
+
+MAX_CANDIDATES = 1024
+"""The largest top-k whose kept set comes from a pass of candidates (``lax.top_k``)."""
+
+CANDIDATE_CHUNK_BYTES = 128 * 2**20
+"""About the float32 bytes of one ``[N, chunk]`` tile of the candidates' pass."""
+
+
+def _candidates(u_chunks, n_rows, vocab, c, vocab_axes, varying):
+    """Each row's ``c`` largest values over the whole vocabulary, in decreasing order (one
+    pass: each chunk's ``lax.top_k`` merged into the running ones; shards' merged after)."""
+    c_local = min(c, vocab)
+
+    def body(top, start, cols, fresh, size):
+        chunk = jnp.where(fresh, u_chunks(start, size), -jnp.inf)
+        best = jax.lax.top_k(chunk, min(c_local, size))[0]
+        return jax.lax.top_k(jnp.concatenate([top, best], axis=1), c_local)[0]
+
+    init = varying(jnp.full((n_rows, c_local), -jnp.inf, jnp.float32))
+    top = vocab_chunks.scan_chunks(body, init, n_rows, vocab, CANDIDATE_CHUNK_BYTES)
+    if vocab_axes:
+        top, _ = divergence_math.topk_across_shards(top, jnp.zeros(top.shape, jnp.int32), c,
+                                                    vocab_axes)
+    return top
+
+
+def _from_candidates(v, m, trunc):
+    """The kept set of each row from its ``k + 1`` largest values ``v`` [N, k + 1] (sorted,
+    decreasing), and which rows they leave open (every candidate kept: values equal to the
+    last may lie beyond them)."""
+    c = v.shape[1]
+    keep = v >= v[:, trunc.top_k - 1:trunc.top_k]
+    if trunc.min_p is not None:
+        keep &= v >= sampler_math.min_p_floor(v[:, :1], trunc.min_p)
+    shifted = v - m[:, None]
+    e = jnp.where(keep, jnp.exp(shifted), 0.0)
+    if trunc.top_p is not None:
+        above = jnp.cumsum(e, axis=-1) - e
+        # Equal values share the mass above the first of them.
+        first = jax.vmap(lambda row: jnp.searchsorted(-row, -row, side="left"))(v)
+        above = jnp.take_along_axis(above, first, axis=-1)
+        keep &= above < trunc.top_p * jnp.sum(e, axis=-1, keepdims=True)
+        e = jnp.where(keep, e, 0.0)
+    n_kept = jnp.sum(keep, axis=-1)
+    rows = jnp.arange(v.shape[0])
+    tau = v[rows, n_kept - 1]
+    gap = v[rows, jnp.minimum(n_kept, c - 1)]
+    mid = gap + (tau - gap) * 0.5
+    mid = jnp.where(mid > gap, mid, tau)  # adjacent floats: τ itself
+    floor = jnp.where(gap == -jnp.inf, -jnp.inf, mid)
+    found = KeptSet(floor, jnp.sum(e, axis=-1),
+                    jnp.sum(jnp.where(keep, e * shifted, 0.0), axis=-1),
+                    jnp.ones(n_kept.shape, jnp.int32))
+    return found, n_kept >= c
+
+
+def search(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, vocab_axes=(),
+           varying=lambda x: x) -> KeptSet:
+    """:func:`find` by the pivot search of the module docstring, for every ``active`` row
+    (min-p's threshold takes the max from a pass of its own)."""
     top_value = m if trunc.min_p is None else row_max(u_chunks, n_rows, vocab, vocab_axes,
                                                       varying)
     min_floor = sampler_math.min_p_floor(top_value, trunc.min_p)

@@ -217,6 +217,15 @@ def test_spread_logits(backend, rng):
                      temperature=1.0, backend=backend)
 
 
+def test_top_k_of_the_whole_vocabulary(backend, rng):
+    """top_k >= V keeps every token: only top-p truncates (the pivot search's path)."""
+    h, h64, w, w64, b, b64 = head_inputs(rng, (6,), 40, 8, jnp.float32, "dv", True)
+    targets = rng.integers(0, 40, 6).astype(np.int32)
+    for trunc in (dict(top_k=40), dict(top_k=64, top_p=0.8)):
+        check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="dv",
+                     temperature=1.0, backend=backend)
+
+
 def test_ignored_rows_and_one_row(backend, rng):
     """ignore_index rows give 0 and no gradient; a single position (0-d target) works."""
     h, h64, w, w64, b, b64 = head_inputs(rng, (2, 4), 90, 8, jnp.float32, "vd", True)
