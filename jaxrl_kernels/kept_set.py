@@ -24,10 +24,10 @@ Stages of a row: top-k (if asked), top-p (if asked), the pass at ``τ``, done. m
 search: its threshold is ``max u + log(min_p)`` (the max from a pass of its own), where
 top-k's search starts.
 
-With top-k (the usual sampler), one pass does it all: each row's ``k + 1`` largest values
-(``lax.top_k`` per chunk, merged) hold the max (min-p's threshold), the k-th value, every
-value top-p can keep, the value below the kept set and so the floor, exactly; only a row
-whose ``k + 1`` candidates are all kept (values tied with the last may lie beyond them) goes
+With top-k (the usual sampler), one pass does it all: each row's ``k + 1 + 32`` largest
+values (``lax.top_k`` per chunk, merged) hold the max (min-p's threshold), the k-th value,
+every value top-p can keep, the value below the kept set and so the floor, exactly; only a
+row whose candidates are all kept (values tied with the last may lie beyond them) goes
 through the pivot search.
 """
 
@@ -154,14 +154,15 @@ def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, voc
     (``placement.varying_like``) inside ``shard_map``.
 
     With top-k (k below the vocabulary and at most :data:`MAX_CANDIDATES`): one pass for each
-    row's ``k + 1`` largest values (:func:`_from_candidates`), the pivot search
-    (:func:`search`) only for rows it leaves open; else the pivot search."""
+    row's ``k + 1 +`` :data:`CANDIDATE_SLACK` largest values (:func:`_from_candidates`), the
+    pivot search (:func:`search`) only for rows it leaves open; else the pivot search."""
     shards = jax.lax.psum(1, vocab_axes) if vocab_axes else 1
     k = trunc.top_k
     if k is None or k >= vocab * shards or k > MAX_CANDIDATES:
         return search(u_chunks, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
                       varying=varying)
-    values = _candidates(u_chunks, n_rows, vocab, k + 1, vocab_axes, varying)
+    values = _candidates(u_chunks, n_rows, vocab, min(k + 1 + CANDIDATE_SLACK, vocab * shards),
+                         vocab_axes, varying)
     found, open_rows = _from_candidates(values, m, trunc)
     open_rows = open_rows & active
 
@@ -178,6 +179,10 @@ def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, voc
 
 MAX_CANDIDATES = 1024
 """The largest top-k whose kept set comes from a pass of candidates (``lax.top_k``)."""
+
+CANDIDATE_SLACK = 32
+"""Candidates beyond ``k + 1``: room for values tied with the k-th (16-bit kept logits tie
+often), whose rows would otherwise go through the pivot search."""
 
 CANDIDATE_CHUNK_BYTES = 128 * 2**20
 """About the float32 bytes of one ``[N, chunk]`` tile of the candidates' pass."""
@@ -202,7 +207,7 @@ def _candidates(u_chunks, n_rows, vocab, c, vocab_axes, varying):
 
 
 def _from_candidates(v, m, trunc):
-    """The kept set of each row from its ``k + 1`` largest values ``v`` [N, k + 1] (sorted,
+    """The kept set of each row from its ``c > k`` largest values ``v`` [N, c] (sorted,
     decreasing), and which rows they leave open (every candidate kept: values equal to the
     last may lie beyond them)."""
     c = v.shape[1]
