@@ -31,11 +31,6 @@ Results: ``bench_sampler_logprobs.{json,md}`` (``--name``) in out/bench (``--out
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
-from benchmarks import output
-
 COLUMNS = ["impl", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "nv_mib",
            "no_nv_buffer", "kept", "err_logp", "err_dh", "err_dW", "error"]
 SIZES = {"full": [(4096, 2048, 131072), (8192, 4096, 151936)], "n4096": [(4096, 2048, 131072)],
@@ -166,16 +161,9 @@ def measure(size, runs, rounds, small):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"{impl} {name} N={n} D={d} V={v}: {row['error']}", flush=True)
         rows.append(row)
-    times = {id(row): [] for row, _ in steps}
-    for r in range(rounds):
-        shift = r % max(len(steps), 1)
-        for row, step in steps[shift:] + steps[:shift]:
-            common.warm_up(step, *data, seconds=0.0 if small else 0.3)
-            times[id(row)].append(common.median_ms(step, *data, runs=runs))
-    base = next((statistics.median(times[id(row)]) for row, _ in steps
-                 if row["impl"] == "lean" and row["truncation"] == "none"), float("nan"))
+    common.rotated_ms(steps, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
+    base = next((row["fwdbwd_ms"] for row, _ in steps if row["impl"] == "lean" and row["truncation"] == "none"), float("nan"))
     for row, _ in steps:
-        row["fwdbwd_ms"] = statistics.median(times[id(row)])
         row["x_plain"] = row["fwdbwd_ms"] / base
     for row in rows:
         print(row, flush=True)
@@ -186,24 +174,10 @@ def measure(size, runs, rounds, small):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    output.output_arguments(parser)
-    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
-    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="timing rounds, each in a rotated order (the median is kept)")
-    parser.add_argument("--name", default="bench_sampler_logprobs", help="the results' name")
-    args = parser.parse_args(argv)
-
     from benchmarks import common
 
-    small = args.small or args.sizes == "small"
-    rows = []
-    for size in SIZES["small" if small else args.sizes]:
-        rows += measure(size, args.runs, args.rounds, small)
-    print(common.write_results(args.name, rows, COLUMNS))
-    return rows
+    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
+                             name="bench_sampler_logprobs", columns=COLUMNS, measure=measure, rounds=2)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,6 @@ Sizes ``full``: the goal's shape (4096×2048×151936, K = 64) and 4096×2048×13
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
-from benchmarks import output
-
 COLUMNS = ["impl", "tail", "N", "D", "V", "K", "fwdbwd_ms", "x_1id", "temp_mib", "nv_mib",
            "no_nv_buffer", "teacher_mass", "loss", "err_loss", "err_dh", "err_dW", "error"]
 SIZES = {  # (N, D, V, K)
@@ -212,16 +207,9 @@ def measure(size, runs, rounds, small):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"{impl} N={n} D={d} V={v} K={k}: {row['error']}", flush=True)
         rows.append(row)
-    times = {id(row): [] for row, _ in steps}
-    for r in range(rounds):
-        shift = r % max(len(steps), 1)
-        for row, step in steps[shift:] + steps[:shift]:
-            common.warm_up(step, *data, seconds=0.0 if small else 0.3)
-            times[id(row)].append(common.median_ms(step, *data, runs=runs))
-    base = next((statistics.median(times[id(row)]) for row, _ in steps if row["impl"] == BASE),
-                float("nan"))
+    common.rotated_ms(steps, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
+    base = next((row["fwdbwd_ms"] for row, _ in steps if row["impl"] == BASE), float("nan"))
     for row, _ in steps:
-        row["fwdbwd_ms"] = statistics.median(times[id(row)])
         row["x_1id"] = row["fwdbwd_ms"] / base
     for row in rows:
         print(row, flush=True)
@@ -232,24 +220,10 @@ def measure(size, runs, rounds, small):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    output.output_arguments(parser)
-    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
-    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="timing rounds, each in a rotated order (the median is kept)")
-    parser.add_argument("--name", default="bench_topk_distill", help="the results' file name")
-    args = parser.parse_args(argv)
-
     from benchmarks import common
 
-    small = args.small or args.sizes == "small"
-    rows = []
-    for size in SIZES["small" if small else args.sizes]:
-        rows += measure(size, args.runs, args.rounds, small)
-    print(common.write_results(args.name, rows, COLUMNS))
-    return rows
+    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
+                             name="bench_topk_distill", columns=COLUMNS, measure=measure, rounds=3)
 
 
 if __name__ == "__main__":

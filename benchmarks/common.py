@@ -173,3 +173,46 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     (path / f"{name}.md").write_text(table)
     print(f"wrote {path / name}.json and .md")
     return table
+
+
+def rotated_ms(steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]], args: Sequence[Any],
+               *, runs: int, rounds: int, warm_seconds: float) -> None:
+    """Time each ``(row, step)`` on ``args`` into ``row["fwdbwd_ms"]``: the median over
+    ``rounds`` rounds, each in an order rotated by one, of :func:`median_ms` of ``runs`` calls
+    after :func:`warm_up` (so that no step always runs first or after the same one)."""
+    import statistics
+
+    times: dict[int, list[float]] = {id(row): [] for row, _ in steps}
+    for r in range(rounds):
+        shift = r % max(len(steps), 1)
+        for row, step in list(steps[shift:]) + list(steps[:shift]):
+            warm_up(step, *args, seconds=warm_seconds)
+            times[id(row)].append(median_ms(step, *args, runs=runs))
+    for row, _ in steps:
+        row["fwdbwd_ms"] = statistics.median(times[id(row)])
+
+
+def sized_main(argv, *, description: str, sizes: dict[str, list], name: str, columns,
+               measure: Callable[..., list], rounds: int) -> list[dict[str, Any]]:
+    """A benchmark's command line: ``--sizes`` (a key of ``sizes``; ``--small`` for
+    "small"), ``--runs``, ``--rounds``, ``--name`` and the output options; ``measure(size,
+    runs, rounds, small)`` gives each size's rows, written as ``name``."""
+    import argparse
+
+    from benchmarks import output
+
+    parser = argparse.ArgumentParser(description=description)
+    output.output_arguments(parser)
+    parser.add_argument("--sizes", default="full", choices=sorted(sizes))
+    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help="timing rounds, each in a rotated order (the median is kept)")
+    parser.add_argument("--name", default=name, help="the results' file name")
+    args = parser.parse_args(argv)
+    small = args.small or args.sizes == "small"
+    rows: list[dict[str, Any]] = []
+    for size in sizes["small" if small else args.sizes]:
+        rows += measure(size, args.runs, args.rounds, small)
+    print(write_results(args.name, rows, columns))
+    return rows

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+from sharding_support import on_two_devices
 
 TRUNCATIONS = [
     dict(top_k=5),
@@ -208,13 +209,35 @@ def test_targets_outside_the_kept_set(backend, rng):
 
 
 def test_spread_logits(backend, rng):
-    """Logits hundreds apart: top-k's k-th value lies far below the max (its search starts
-    again from the lowest value) and top-p's nucleus is one token."""
-    h, h64, w, w64, _, _ = head_inputs(rng, (5,), 97, 8, jnp.float32, "vd", False, scale=120.0)
+    """Logits tens apart (float32 gradients within docs/api.md's bound still): top-p's
+    nucleus is one token, min-p keeps nearly everything top-k leaves. (Rows hundreds wide:
+    ``test_pivot_search``.)"""
+    h, h64, w, w64, _, _ = head_inputs(rng, (5,), 97, 8, jnp.float32, "vd", False, scale=12.0)
     targets = rng.integers(0, 97, 5).astype(np.int32)
     for trunc in (dict(top_k=50), dict(top_k=50, top_p=0.95), dict(top_k=90, min_p=1e-30)):
         check_linear(rng, h, h64, w, w64, None, None, targets, trunc, layout="vd",
                      temperature=1.0, backend=backend)
+
+
+@pytest.mark.parametrize("spread", [0.01, 3.0, 300.0])
+@pytest.mark.parametrize("trunc", [dict(top_k=40), dict(top_k=40, top_p=0.9), dict(top_p=0.5),
+                                   dict(min_p=0.01, top_k=120), dict(top_k=7, top_p=0.99)])
+def test_pivot_search(rng, spread, trunc):
+    """The pivot search alone (kept_set.search; with top-k the op takes candidates first):
+    the kept set ``u >= floor`` and its mass are the oracle's, on rows from nearly flat to
+    hundreds wide (where top-k's search starts again from the lowest value)."""
+    from jaxrl_kernels import kept_set, sampler_math
+
+    u = (spread * rng.standard_normal((6, 500))).astype(np.float32)
+    u[0, :50] = u[0, 0]  # a tie at the thresholds
+    m = u.max(-1)
+    found = kept_set.search(lambda start, size: jax.lax.dynamic_slice_in_dim(
+        jnp.asarray(u), start, size, axis=1), 6, 500, jnp.asarray(m), jnp.ones(6, bool),
+        sampler_math.truncation(**trunc))
+    want = oracle.kept_set(u, **trunc)
+    np.testing.assert_array_equal(u >= np.asarray(found.floor)[:, None], want)
+    mass = np.sum(np.where(want, np.exp(u.astype(np.float64) - m[:, None]), 0.0), -1)
+    np.testing.assert_allclose(np.asarray(found.s), mass, rtol=1e-5)
 
 
 def test_top_k_of_the_whole_vocabulary(backend, rng):
@@ -293,13 +316,7 @@ def test_sharded(backend, rng, kind, layout, memory):
         return jnp.sum(g * logp + ent)
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(getattr(AxisType, kind),),
-                         devices=jax.devices()[:2])
-    rows, vocab_spec = (P("x"), P()) if layout == "rows" else (P(), P("x"))
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-            put(h, rows), put(w, vocab_spec), put(b, vocab_spec))
+    got = on_two_devices(loss, h, w, b, kind=kind, layout=layout)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, c in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)

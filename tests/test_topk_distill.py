@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+from sharding_support import on_two_devices
 
 LAYOUTS = ["vd", "dv"]
 # (leading shape, V, D, K, temperature, with bias)
@@ -326,13 +327,8 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
                                            backend=lean_backend, memory=memory)[0]
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, bias)
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(getattr(AxisType, kind),),
-                         devices=jax.devices()[:2])
-    rows, vocab_spec = (P("x"), P()) if layout == "rows" else (P(), P("x"))
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-            put(h, rows), put(w, vocab_spec), put(bias, vocab_spec))
+    got = on_two_devices(loss, h, w, bias, kind=kind, layout=layout)
+    vocab_spec = P() if layout == "rows" else P("x")
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, c in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
