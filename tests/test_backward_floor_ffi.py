@@ -32,22 +32,13 @@ from jaxrl_kernels.backend_contract import Problem
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
+from test_ffi import _gpu_inputs  # the ffi tests' random head
 
 N_OPERANDS = 14  # hidden, weight, bias, targets, lse, alpha, beta, gamma, h16, s, scalars,
 FLOOR_OPERAND = 13  # ids, id_coef, floor
 
 
 # ----------------------------------------------------------------------------- float64 reference
-
-
-def _inputs(n, d, v, layout, dtype, with_bias, seed):
-    k = jax.random.split(jax.random.key(seed), 4)
-    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dtype)
-    wshape = (v, d) if layout == "vd" else (d, v)
-    w = (jax.random.normal(k[1], wshape, jnp.float32) * (2.0 / np.sqrt(d))).astype(dtype)
-    b = (0.5 * jax.random.normal(k[2], (v,), jnp.float32)).astype(dtype) if with_bias else None
-    t = jax.random.randint(k[3], (n,), 0, v, jnp.int32)
-    return h, w, b, t
 
 
 def _u64(h, w, b, layout, temperature):
@@ -101,7 +92,7 @@ def _case(n, d, v, layout, dtype, with_bias, entropy, temperature, seed, k_ids=0
     (lse = +inf, cotangents 0); the others keep 1, 2, 5, 40 or half of the vocabulary's
     largest logits. ``k_ids`` > 0: K ids per row (targets and g_logp [N, K]), one repeated and
     one out of range."""
-    h, w, b, t = _inputs(n, d, v, layout, dtype, with_bias, seed)
+    h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed)
     u = _u64(h, w, b, layout, temperature)
     rng = np.random.default_rng(seed)
     keep = rng.choice([1, 2, 5, 40, v // 2], size=n)
@@ -187,7 +178,7 @@ def workspace_sizes(monkeypatch):
 
 
 def _small(n=6, d=16, v=40, layout="vd", bias=True):
-    h, w, b, t = _inputs(n, d, v, layout, jnp.bfloat16, bias, seed=0)
+    h, w, b, t = _gpu_inputs(n, d, v, layout, jnp.bfloat16, bias, seed=0)
     return h, w, None if b is None else b.astype(jnp.float32), t
 
 
