@@ -14,16 +14,21 @@ default (lean); ``fast``, ``memory="fast"``; ``reference`` or any backend name, 
 For each: the median time of value_and_grad (wall clock around ``block_until_ready``), XLA's
 temp buffer size, the bytes of the weight each device holds, and every collective of the
 compiled program with its bytes (the hidden states, logits or weight must never be gathered).
+``--profile`` adds where one call's time goes on the first device of each split layout (a
+profiler trace: its span, the compute kernels' busy time, the NCCL kernels' time and how much
+of it no compute kernel overlaps).
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices              # N=8192, D=4096, V=131072 bf16
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base
                                                      # one GPU, N=4096 (B=8, T=512), D=2048
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --sizes base,large,n16k_d2048,n16k_d4096 \
-        --layouts 1dev,rows,vocab,both --backends jnp_bf16,auto,fast     # the 4-GPU grid
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --sizes base,n4k_d4096,n16k_d2048,n16k_d4096 \
+        --layouts 1dev,rows,vocab,both --backends jnp_bf16,auto,fast --ops linear_grpo_loss \
+        --profile                                                  # the 4-GPU grid
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --smoke      # tiny, e.g. on CPU with
         XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-Results: ``bench_many_devices.{json,md}`` (benchmarks.common.write_results).
+Results: ``bench_many_devices.{json,md}`` (benchmarks.common.write_results; the name adds
+the sizes and layouts when not the default, and the device count beyond two).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ import jaxrl_kernels as jk
 from benchmarks import common, output
 
 COLUMNS = ["op", "backend", "N", "D", "layout", "devices", "ms", "speedup", "temp_mib",
-           "weight_mib_per_dev", "collectives"]
+           "weight_mib_per_dev", "collectives", "profile"]
+OPS = ["linear_logprobs", "linear_grpo_loss"]
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4}
 
 
@@ -66,6 +72,7 @@ def collectives(hlo: str) -> list[str]:
 SIZES = {  # B, T, D, V
     "smoke": (8, 16, 64, 1024),
     "base": (8, 512, 2048, 131072),
+    "n4k_d4096": (8, 512, 4096, 131072),
     "large": (16, 512, 4096, 131072),
     "n16k_d2048": (32, 512, 2048, 131072),
     "n16k_d4096": (32, 512, 4096, 131072),
@@ -110,6 +117,46 @@ def loss_fn(op, impl):
     return {"linear_logprobs": logprobs, "linear_grpo_loss": grpo}[op]
 
 
+def _merged(spans):
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(spans, cover):
+    """How much of the disjoint ``spans`` the disjoint ``cover`` intervals overlap."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in cover)
+
+
+def time_split(fn, args):
+    """Where one call's time goes on the first device (its profiler trace's kernels): 'span S
+    ms: compute C (GEMMs G), nccl X (Y not overlapped)'."""
+    kernels, host, meta = common.traced(fn, args, calls=2)
+    last = [e for e in host if e["name"] == "call1"][0]
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
+             if e.get("name") == "process_name"}
+    first = min((pid for pid in {k["pid"] for k in kernels}),
+                key=lambda pid: ("GPU:0" not in names.get(pid, ""), pid))
+    mine = [(k["ts"], k["ts"] + k["dur"], k["name"].lower()) for k in kernels
+            if k["pid"] == first and last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
+    if not mine:
+        return "no device kernels traced"
+    nccl = _merged([(a, b) for a, b, name in mine if "nccl" in name])
+    compute = _merged([(a, b) for a, b, name in mine if "nccl" not in name])
+    gemm = _merged([(a, b) for a, b, name in mine if "nccl" not in name and any(
+        g in name for g in ("gemm", "nvjet", "xmma", "cutlass", "sm90", "wgmma"))])
+    size = lambda spans: sum(b - a for a, b in spans) / 1e3
+    span = (max(b for _, b, _ in mine) - min(a for a, _, _ in mine)) / 1e3
+    exposed = size(nccl) - _overlap(nccl, compute) / 1e3
+    return (f"span {span:.2f} ms: compute {size(compute):.2f} (GEMMs {size(gemm):.2f}), "
+            f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped)")
+
+
 def specs(layout):
     """The PartitionSpec of each input in ``layout``."""
     rows = P("x") if layout in ("rows", "both") else P()
@@ -129,7 +176,7 @@ def meshes(axis_type):
     return out
 
 
-def run(sizes, ops, backends, layouts, axis_type):
+def run(sizes, ops, backends, layouts, axis_type, profile=False):
     devices = jax.local_devices()
     mesh_of = meshes(axis_type)
     data = inputs(*sizes)
@@ -162,6 +209,11 @@ def run(sizes, ops, backends, layouts, axis_type):
                     shard = placed["weight"].addressable_shards[0].data
                     row["weight_mib_per_dev"] = shard.size * shard.dtype.itemsize / 2**20
                     row["collectives"] = "; ".join(collectives(compiled.as_text()))
+                    if profile and layout != "1dev" and jax.default_backend() == "gpu":
+                        try:
+                            row["profile"] = time_split(compiled, args)
+                        except Exception as err:  # the timing above stands without it
+                            row["profile"] = f"no profile: {type(err).__name__}: {err}"[:200]
                 except Exception as err:  # an OOM or a failure is a row, not a crash
                     row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 if layout == "1dev" and "ms" in row:
@@ -184,17 +236,21 @@ def main():
     parser.add_argument("--layouts", default="1dev,rows,vocab", help="of 1dev, rows, vocab, both")
     parser.add_argument("--sizes", default="large",
                         help=f"comma-separated, of {', '.join(sorted(SIZES))}")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
+    parser.add_argument("--profile", action="store_true",
+                        help="where each split layout's time goes (GPU: a profiler trace)")
     args = parser.parse_args()
     sizes = ["smoke"] if args.smoke else args.sizes.split(",")
     layouts = args.layouts.split(",")
     rows = []
     for size in sizes:
-        rows += run(SIZES[size], ["linear_logprobs", "linear_grpo_loss"], args.backends.split(","),
-                    layouts, AxisType.Explicit if args.explicit else AxisType.Auto)
+        rows += run(SIZES[size], args.ops.split(","), args.backends.split(","), layouts,
+                    AxisType.Explicit if args.explicit else AxisType.Auto, args.profile)
     name = ("bench_many_devices" + ("_smoke" if args.smoke else "")
             + ("" if args.sizes == "large" else "_" + args.sizes.replace(",", "_"))
             + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts))
-            + ("_explicit" if args.explicit else ""))
+            + ("_explicit" if args.explicit else "")
+            + (f"_{len(jax.local_devices())}dev" if len(jax.local_devices()) > 2 else ""))
     print(common.write_results(name, rows, COLUMNS + ["error"]))
 
 

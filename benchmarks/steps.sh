@@ -4,7 +4,7 @@
 #   bash benchmarks/steps.sh side_by_side e2e           # results in out/bench/
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
-#   many_devices many_devices_16k side_by_side e2e tunix device_times kernels fused timeline clocks
+#   many_devices many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times kernels fused timeline clocks
 #   profile memcheck fast_mode fast_accuracy fast_loss tokens distill topk_distill sampler. Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
@@ -42,6 +42,14 @@ for s in "$@"; do
       --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both &&
       $PY -m benchmarks.bench_many_devices --explicit --sizes base --backends jnp_bf16,auto,fast \
       --layouts rows,vocab,both" ;;
+    # every local GPU: rows, vocabulary and both split, GRPO only, each split layout profiled;
+    # GRID_SIZES picks the sizes, GRID_AXES=--explicit the mesh axes
+    many_devices_grid) step 580 "$PY" -m benchmarks.bench_many_devices \
+      --sizes "${GRID_SIZES:-base,n4k_d4096,n16k_d2048,n16k_d4096}" --backends jnp_bf16,auto,fast \
+      --layouts 1dev,rows,vocab,both --ops linear_grpo_loss --profile ${GRID_AXES:-} ;;
+    # the tests over 2 and 4 GPUs and two processes of half the GPUs each
+    tests_many_gpus) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs \
+      tests/test_sharding.py tests/test_multiprocess.py 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_many_gpus.txt\"; exit \${PIPESTATUS[0]}" ;;
     many_devices_16k) step 560 "$PY" -m benchmarks.bench_many_devices --sizes n16k_d2048,n16k_d4096 \
       --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both ;;
     side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;

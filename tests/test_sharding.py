@@ -416,19 +416,25 @@ def test_vocab_axis_compiled_kernels_under_vma_checks(rng, backend_name):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(wv, np.float32))
 
 
-# -- on GPUs: the compiled kernels (ffi, pallas) over two GPUs -----------------------------------
+# -- on GPUs: the compiled kernels (ffi, pallas) over two and four GPUs -------------------------
 
 GPU_B, GPU_T, GPU_D, GPU_V = 4, 96, 256, 12304  # per GPU of two: 192 rows (not a multiple of
-# the kernels' 128-row tile), or 6152 vocabulary columns (24 tiles of 256 and a partial one)
-GPU_LAYOUTS = {"rows": ("x", None), "vocab": (None, "x")}
+# the kernels' 128-row tile), or 6152 vocabulary columns (24 tiles of 256 and a partial one);
+# of four: 96 rows, or 3076 columns
+# layout: (rows' axis, vocabulary's axis); "both" runs on a (2, 2) mesh of four GPUs
+GPU_LAYOUTS = {"rows": ("x", None), "vocab": (None, "x"), "both": ("x", "y")}
+GPU_GRID = [(n, layout) for n in (2, 4) for layout in GPU_LAYOUTS
+            if not (n == 2 and layout == "both")]
 GPU_LOW_REL = 4e-3  # about one bfloat16 rounding (2^-8) of a two-term sum, in norm
 
 
-def gpu_mesh(kind: str):
-    if jax.default_backend() != "gpu" or jax.local_device_count() < 2:
-        pytest.skip("needs two GPUs")
-    return jax.make_mesh((2,), ("x",), axis_types=(getattr(AxisType, kind),),
-                         devices=jax.local_devices()[:2])
+def gpu_mesh(kind: str, n: int = 2, layout: str = "rows"):
+    """A mesh of the first ``n`` GPUs: 1-D ``x``, or ``(x, y)`` of shape (2, 2) for "both"."""
+    if jax.default_backend() != "gpu" or jax.local_device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+    shape, names = ((2, 2), ("x", "y")) if layout == "both" else ((n,), ("x",))
+    return jax.make_mesh(shape, names, axis_types=(getattr(AxisType, kind),) * len(names),
+                         devices=jax.local_devices()[:n])
 
 
 def gpu_backend(name):
@@ -447,12 +453,12 @@ def gpu_head(rng, weight_layout="vd"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+@pytest.mark.parametrize("n_gpus,layout", GPU_GRID)
 @pytest.mark.parametrize("mesh_kind", MESHES)
 @pytest.mark.parametrize("weight_layout", ["vd", "dv"])
 @pytest.mark.parametrize("backend_name", ["ffi", "pallas"])
-def test_gpus_linear_logprobs(rng, backend_name, weight_layout, mesh_kind, layout):
-    """Rows or vocabulary split over two GPUs: values and gradients (hidden, weight, bias) equal
+def test_gpus_linear_logprobs(rng, backend_name, weight_layout, mesh_kind, n_gpus, layout):
+    """Rows or vocabulary split (or both) over two or four GPUs: values and gradients (hidden, weight, bias) equal
     the one-GPU call, no all-gather of hidden states or weight, d_weight sharded like W."""
     backend = gpu_backend(backend_name)
     h, w, t, _ = gpu_head(rng, weight_layout)
@@ -461,15 +467,15 @@ def test_gpus_linear_logprobs(rng, backend_name, weight_layout, mesh_kind, layou
     fn = functools.partial(_linear_logprobs, backend=backend, weight_layout=weight_layout)
     check_sharded(fn, (h, w, b, t),
                   [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
-                  gpu_mesh(mesh_kind), diff=(0, 1, 2), big=(0, 1), like=((1, 1), (2, 2)),
-                  low_rel=GPU_LOW_REL)
+                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1, 2), big=(0, 1),
+                  like=((1, 1), (2, 2)), low_rel=GPU_LOW_REL)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+@pytest.mark.parametrize("n_gpus,layout", GPU_GRID)
 @pytest.mark.parametrize("mesh_kind", MESHES)
 @pytest.mark.parametrize("backend_name", ["ffi", "pallas"])
-def test_gpus_linear_losses(rng, backend_name, mesh_kind, layout):
+def test_gpus_linear_losses(rng, backend_name, mesh_kind, n_gpus, layout):
     backend = gpu_backend(backend_name)
     h, w, t, mask = gpu_head(rng)
     old = jnp.asarray(-np.log(GPU_V) + 0.3 * rng.standard_normal((GPU_B, GPU_T)), jnp.float32)
@@ -477,15 +483,16 @@ def test_gpus_linear_losses(rng, backend_name, mesh_kind, layout):
     adv = jnp.asarray(rng.standard_normal(GPU_B), jnp.float32)
     rows, vocab = GPU_LAYOUTS[layout]
     check_sharded(*_linear_losses_case(backend, (h, w, t, old, adv, ref, mask), rows, vocab),
-                  gpu_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),),
+                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1), big=(0, 1), like=((1, 1),),
                   low_rel=GPU_LOW_REL)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", list(GPU_LAYOUTS))
+@pytest.mark.parametrize("n_gpus,layout", GPU_GRID)
 @pytest.mark.parametrize("mesh_kind", MESHES)
-def test_gpus_logits_ops(rng, mesh_kind, layout):
-    """token_logprobs, grpo_loss and ratio_kl on logits split over two GPUs (pallas kernels)."""
+def test_gpus_logits_ops(rng, mesh_kind, n_gpus, layout):
+    """token_logprobs, grpo_loss and ratio_kl on logits split over two or four GPUs (pallas
+    kernels)."""
     backend = gpu_backend("pallas")
     n, v = GPU_B * GPU_T, GPU_V
     pol = jnp.asarray(rng.standard_normal((GPU_B, GPU_T, v)) * 2, jnp.bfloat16)
@@ -510,7 +517,7 @@ def test_gpus_logits_ops(rng, mesh_kind, layout):
     logit_spec = (rows, None, vocab)
     check_sharded(fn, (pol, ref, t, old, rewards, mask),
                   [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
-                  gpu_mesh(mesh_kind), diff=(0,), big=(0, 1), like=((0, 0),),
+                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0,), big=(0, 1), like=((0, 0),),
                   low_rel=GPU_LOW_REL)
 
 
