@@ -115,6 +115,17 @@ def _inputs(n=6, d=16, v=40, layout="vd", dtype=jnp.bfloat16, bias=True, seed=0)
     return h, w, b, t
 
 
+def test_dv_slice_not_a_multiple_of_8_is_refused_when_traced():
+    """A device's "dv" slice of 36 columns (a vocabulary of 144 split four ways): the per-device
+    call raises when traced, rather than the kernel failing at run time."""
+    h, w, b, t = _inputs(v=36, layout="dv", bias=False)
+    rv = jnp.ones(t.shape, bool)
+    with pytest.raises(NotImplementedError, match="not a multiple of 8"):
+        jax.jit(lambda h, w: kernel_entry.ffi_linear_logprobs(
+            h, w, None, t, rv, weight_layout="dv", temperature=1.0, return_entropy=False)
+        ).trace(h, w)
+
+
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):

@@ -418,14 +418,20 @@ def test_vocab_axis_compiled_kernels_under_vma_checks(rng, backend_name):
 
 # -- on GPUs: the compiled kernels (ffi, pallas) over two and four GPUs -------------------------
 
-GPU_B, GPU_T, GPU_D, GPU_V = 4, 96, 256, 12304  # per GPU of two: 192 rows (not a multiple of
-# the kernels' 128-row tile), or 6152 vocabulary columns (24 tiles of 256 and a partial one);
-# of four: 96 rows, or 3076 columns
+GPU_B, GPU_T, GPU_D, GPU_V = 4, 96, 256, 12352  # per GPU of two: 192 rows (not a multiple of
+# the kernels' 128-row tile), or 6176 vocabulary columns (24 tiles of 256 and a partial one);
+# of four: 96 rows, or 3088 columns (a multiple of 8, as the ffi "dv" kernel needs)
 # layout: (rows' axis, vocabulary's axis); "both" runs on a (2, 2) mesh of four GPUs
 GPU_LAYOUTS = {"rows": ("x", None), "vocab": (None, "x"), "both": ("x", "y")}
 GPU_GRID = [(n, layout) for n in (2, 4) for layout in GPU_LAYOUTS
             if not (n == 2 and layout == "both")]
 GPU_LOW_REL = 4e-3  # about one bfloat16 rounding (2^-8) of a two-term sum, in norm
+
+
+def gpu_low_rel(n: int) -> float:
+    """GPU_LOW_REL for ``n`` GPUs: a vocabulary-split d_hidden is all-reduced in bfloat16, one
+    rounding per hop of the partial sums, so the bound grows as √(n / 2)."""
+    return GPU_LOW_REL * float(np.sqrt(n / 2))
 
 
 def gpu_mesh(kind: str, n: int = 2, layout: str = "rows"):
@@ -468,7 +474,7 @@ def test_gpus_linear_logprobs(rng, backend_name, weight_layout, mesh_kind, n_gpu
     check_sharded(fn, (h, w, b, t),
                   [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
                   gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1, 2), big=(0, 1),
-                  like=((1, 1), (2, 2)), low_rel=GPU_LOW_REL)
+                  like=((1, 1), (2, 2)), low_rel=gpu_low_rel(n_gpus))
 
 
 @pytest.mark.gpu
@@ -484,7 +490,7 @@ def test_gpus_linear_losses(rng, backend_name, mesh_kind, n_gpus, layout):
     rows, vocab = GPU_LAYOUTS[layout]
     check_sharded(*_linear_losses_case(backend, (h, w, t, old, adv, ref, mask), rows, vocab),
                   gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1), big=(0, 1), like=((1, 1),),
-                  low_rel=GPU_LOW_REL)
+                  low_rel=gpu_low_rel(n_gpus))
 
 
 @pytest.mark.gpu
@@ -518,7 +524,7 @@ def test_gpus_logits_ops(rng, mesh_kind, n_gpus, layout):
     check_sharded(fn, (pol, ref, t, old, rewards, mask),
                   [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
                   gpu_mesh(mesh_kind, n_gpus, layout), diff=(0,), big=(0, 1), like=((0, 0),),
-                  low_rel=GPU_LOW_REL)
+                  low_rel=gpu_low_rel(n_gpus))
 
 
 @pytest.mark.gpu

@@ -23,8 +23,10 @@ truncated softmax's per-row ``floor`` (on ``z``, with ``lse`` and ``entropy`` th
 is the backward call's last operand: its grad kernel takes p = 0 below it.
 
 Serves bfloat16 or float16 hidden and weight of the same dtype, D a multiple of 8 and,
-for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides). Under ``vmap`` the call
-runs once per batch element (``vmap_method="sequential"``).
+for ``"dv"``, V a multiple of 8 (TMA needs 16-byte row strides), on each device: a
+vocabulary split that leaves a device a share that is not raises ``NotImplementedError`` when
+the per-device call is traced. Under ``vmap`` the call runs once per batch element
+(``vmap_method="sequential"``).
 """
 
 from __future__ import annotations
@@ -92,11 +94,20 @@ def declines(primitive: str, problem) -> str | None:
     return None
 
 
-def _check_served(hidden, weight):
+def _check_served(hidden, weight, weight_layout):
+    """The per-device operands' checks (dispatch saw the global shapes: a vocabulary split can
+    leave a device a "dv" slice whose width TMA cannot stride)."""
     if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
         raise NotImplementedError(
             f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
             "or both float16 (dispatch should have declined this call)")
+    vocab = head.vocab_size(weight, weight_layout)
+    if weight_layout == "dv" and vocab % ALIGN != 0:
+        raise NotImplementedError(
+            f"ffi: this device's \"dv\" weight slice is [{weight.shape[0]}, {vocab}]; its "
+            f"{vocab} vocabulary columns are not a multiple of {ALIGN} (TMA needs 16-byte row "
+            "strides). Split the vocabulary so that each device's share is a multiple of "
+            f"{ALIGN}, use the \"vd\" layout, or pass backend=\"pallas\" or \"chunked\".")
 
 
 def _f32_or_empty(x):
@@ -107,7 +118,7 @@ def _f32_or_empty(x):
 def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
                   config=DEFAULT_CONFIG):
     """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
-    _check_served(hidden, weight)
+    _check_served(hidden, weight, weight_layout)
     n_rows = hidden.shape[0]
     has_bias = bias is not None
     bias32 = _f32_or_empty(bias)
@@ -127,7 +138,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     ``z = (hidden @ Wᵀ + b) / T`` (``lse`` and ``entropy`` the kept set's): the grad kernel takes
     p = 0 where ``z < floor`` (the one-hot terms stay); None passes an empty operand, and the call runs
     the kernel without a floor. The row bound s needs no floor: masking p only shrinks |dz|."""
-    _check_served(hidden, weight)
+    _check_served(hidden, weight, weight_layout)
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
     n_rows, depth = hidden.shape
