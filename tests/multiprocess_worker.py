@@ -82,6 +82,8 @@ if ON_GPU:
         x.astype(jnp.bfloat16) for x in (h, w, logits, ref_logits, t_h, t_w, bias, t_bias))
     TOL = 1e-2
 
+# ffi's kernels take a linear head; on logits its runs use pallas, the GPU's logits kernels
+LOGITS_BACKEND = "pallas" if backend == "ffi" else backend
 LOCAL = len(jax.local_devices())
 assert jax.process_count() == 2 and len(jax.devices()) == 2 * LOCAL and LOCAL in (2, 4)
 mesh = None  # the current run's (data=2, model=LOCAL) mesh, set below
@@ -152,7 +154,7 @@ def case_linear():
 
 def case_options():
     check("grpo_loss beta", lambda x, y: jk.grpo_loss(
-        x, y, t, old, rewards, mask, group_size=2, beta=0.05, backend=backend),
+        x, y, t, old, rewards, mask, group_size=2, beta=0.05, backend=LOGITS_BACKEND),
         (logits, ref_logits), (P("data", None, "model"),) * 2, (0,))
     check("linear_ppo_loss dual_clip + reference + entropy", lambda h, w: jk.linear_ppo_loss(
         h, w, t, old, rewards, mask, dual_clip=3.0, ref_logp=ref_logp, kl_coef=0.1,
@@ -208,9 +210,10 @@ def case_vocab_axis():
           unsharded=blocks(linear, whole=(1,)))
 
     def from_logits(x, y, t, old, rewards, mask, vocab_axis=None):
-        lp = jk.token_logprobs(x, t, ignore_index=-100, backend=backend, vocab_axis=vocab_axis)
+        lp = jk.token_logprobs(x, t, ignore_index=-100, backend=LOGITS_BACKEND,
+                               vocab_axis=vocab_axis)
         loss = jk.grpo_loss(x, y, jnp.maximum(t, 0), old, rewards, mask, group_size=2,
-                            beta=0.05, backend=backend, vocab_axis=vocab_axis)
+                            beta=0.05, backend=LOGITS_BACKEND, vocab_axis=vocab_axis)
         return lp, jnp.stack(loss)
 
     t_ignored = t.copy()
