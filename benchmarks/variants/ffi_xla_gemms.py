@@ -52,7 +52,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
                     weight_grad_init=uninitialized_like, weight_copy=True):
     """``ffi.linear.linear_backward``'s arguments and results, its chunks as
     ``head_grad.backward``'s loop of the grad custom call and XLA's GEMMs."""
-    ffi_linear._check_served(hidden, weight)
+    ffi_linear._check_served(hidden, weight, weight_layout)
     return head_grad.backward(
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
         temperature=temperature, write_grad=write_grad(bias, targets, weight_layout, weight_copy),
