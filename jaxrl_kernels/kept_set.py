@@ -166,15 +166,19 @@ def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, voc
     found, open_rows = _from_candidates(values, m, trunc)
     open_rows = open_rows & active
 
+    # both branches typed with the per-row values' device variance (a shard_map's cond
+    # needs equal types; a constant field would otherwise be invariant in one branch only)
+    def typed(xs):
+        return tuple(varying_like(x, m, open_rows) for x in xs)
     fields = dataclasses.astuple(found)
 
     def searched(_):
         other = search(u_chunks, n_rows, vocab, m, open_rows, trunc, vocab_axes=vocab_axes,
                        varying=varying)
-        return tuple(jnp.where(open_rows, b, a)
+        return typed(jnp.where(open_rows, b, a)
                      for a, b in zip(fields, dataclasses.astuple(other)))
 
-    return KeptSet(*jax.lax.cond(jnp.any(open_rows), searched, lambda _: fields, None))
+    return KeptSet(*jax.lax.cond(jnp.any(open_rows), searched, lambda _: typed(fields), None))
 
 
 MAX_CANDIDATES = 1024
