@@ -55,8 +55,8 @@ Adding an op on a linear head:
 
 Adding a backend: a package under ``jaxrl_kernels/backends/`` whose ``__init__`` declares
 ``BACKEND`` (a :class:`Backend`: ``ops``, ``unavailable_reason``, ``declines(primitive,
-problem)``, ``automatic``), importing no other backend, and its name in
-``dispatch.BACKENDS`` (best first).
+problem)``, ``automatic``, and ``invariant_ops`` for ``batch_invariant=True``), importing no
+other backend, and its name in ``dispatch.BACKENDS`` (best first).
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ class Problem:
     teacher_hidden_dim: int = 0
     teacher_weight_layout: str = "vd"
     teacher_has_bias: bool = False
+    batch_invariant: bool = False
+    """Each row's results must be bitwise independent of the other rows (``batch_invariant=True``:
+    the backend's :attr:`Backend.invariant_ops`)."""
     platform: str = dataclasses.field(default_factory=lambda: jax.default_backend())
 
     @property
@@ -128,13 +131,14 @@ class Problem:
         return self.platform in GPU_PLATFORMS
 
 
-def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: bool) -> Problem:
+def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: bool,
+                   batch_invariant: bool = False) -> Problem:
     """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
     n_rows, dim = hidden.shape
     return Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout), hidden_dim=dim,
                    dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
                    weight_layout=weight_layout, has_bias=bias is not None,
-                   return_entropy=return_entropy)
+                   return_entropy=return_entropy, batch_invariant=batch_invariant)
 
 
 def distill_problem(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout: str,
@@ -174,6 +178,15 @@ class Backend:
     slower, or emulated); None if automatic choice takes it."""
     native_platforms: tuple[str, ...] | None = None
     """The platforms it runs natively on (None: all); elsewhere it is emulated."""
+    invariant_ops: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Primitive -> the implementation for a call with ``Problem.batch_invariant``: schedules
+    (tiles, splits, chunks, GEMM shapes) that do not depend on N, so that each row's results
+    are bitwise independent of the other rows. A primitive missing here is declined for such
+    a call."""
+
+    def ops_for(self, problem: Problem) -> Mapping[str, Any]:
+        """:attr:`invariant_ops` for a batch-invariant call, else :attr:`ops`."""
+        return self.invariant_ops if problem.batch_invariant else self.ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +203,8 @@ class Choice:
     memory: Any = None
     """A linear-head op's ``memory.MemoryNote`` (``.mode``: ``"lean"`` or ``"fast"``); None
     for the other ops."""
+    batch_invariant: bool = False
+    """``impl`` is the backend's batch-invariant implementation (``Backend.invariant_ops``)."""
 
     @property
     def fast(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 
@@ -51,3 +52,28 @@ def equal_blocks(n: int, max_size: int) -> Blocks:
     items)."""
     count = -(-n // max(1, min(int(max_size), n)))
     return blocks(n, -(-n // count))
+
+
+def map_blocks(fn, xs, size: int):
+    """``fn`` on blocks of ``size`` rows of the arrays ``xs`` (each [N, ...], N shared): its
+    output [size, ...] per block, put together as [N, ...]. Every call has the same shapes
+    whatever N is (:func:`blocks`: the last block pulled back; fewer than ``size`` rows are
+    padded with zeros), and each call sits between optimization barriers, so an XLA GEMM in
+    ``fn`` rounds each row the same way whatever N and the other rows are (XLA picks a GEMM's
+    blocking and split by its shape). For work with no gradient: jax would differentiate the
+    slices into whole-size updates."""
+    n = xs[0].shape[0]
+    if n < size:
+        xs = [jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
+    spans = blocks(max(n, size), size)
+
+    def block(c):  # behind barriers: one block (a loop XLA inlines) compiles as each of several
+        barrier = jax.lax.optimization_barrier
+        return barrier(fn(*barrier(tuple(jax.lax.dynamic_slice_in_dim(x, spans.start(c), size)
+                                         for x in xs))))
+
+    ys = jax.lax.map(block, jnp.arange(spans.count))
+    rows = jnp.arange(n)  # traced (no constant array: custom_partitioning takes none)
+    which = jnp.minimum(rows // size, spans.count - 1)  # the block a row is taken from
+    at = rows - spans.start(which)
+    return jax.tree.map(lambda y: y[which, at], ys)

@@ -12,7 +12,8 @@ call (``automatic``: the rules of docs/api.md, each kept by the backend it conce
 requested backend (the ``backend=`` argument,
 :func:`use_backend`, ``JAXRL_KERNELS_BACKEND``) is taken if it can serve the call; otherwise
 automatic choice takes the first backend of :data:`BACKENDS` that all of these let through;
-nothing else in the package decides.
+nothing else in the package decides. A call with ``Problem.batch_invariant`` gets the
+backend's ``invariant_ops`` (a backend without one for the primitive declines it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _backend_refusal(name: str, primitive: str, problem: Problem) -> str | None:
         return why
     if primitive not in backend.ops:
         return f"backend {name!r} does not implement {primitive!r}"
+    if primitive not in backend.ops_for(problem):
+        return f"backend {name!r} has no batch-invariant {primitive!r}"
     return None
 
 
@@ -125,13 +128,14 @@ def select(op: str, problem: Problem, backend: str | None = None, *,
 
 
 def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
-    impl = _backend(name).ops[primitive]
+    impl = _backend(name).ops_for(problem)[primitive]
     backward = None
     if isinstance(impl, logprob_core.Parts) and impl.backward is None:
         def backward():
             return resolve(op, problem, primitive=STANDALONE_BACKWARDS[primitive],
                            strict=False).impl
-    return Choice(name, impl, explicit, declined, backward)
+    return Choice(name, impl, explicit, declined, backward,
+                  batch_invariant=problem.batch_invariant)
 
 
 def resolve(op: str, problem: Problem, backend: str | None = None, *,
@@ -152,7 +156,8 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
     """
     if memory is not None:
         wanted = None if backend is not None else requested_backend(None)
-        note = memory_lib.choose(memory, backend, wanted)
+        note = memory_lib.choose(memory, backend, wanted,
+                                 batch_invariant=problem.batch_invariant)
         if note.mode == "fast":
             record(op, note)
             return Choice(FAST, None, False, (), memory=note)  # never a requested backend

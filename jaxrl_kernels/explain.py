@@ -70,6 +70,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
             lines.append(choice.explain_line(step))
             continue
         how = "requested" if choice.explicit else "automatic"
+        how += ", batch-invariant" if choice.batch_invariant else ""
         lines.append(f"{step}: {choice.backend} ({how})")
         for name, why in choice.declined:
             lines.append(f"  - {name} declined: {why}")

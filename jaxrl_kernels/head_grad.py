@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import head, head_ids
+from jaxrl_kernels import blocks, head, head_ids
 from jaxrl_kernels.placement import varying_like
 
 
@@ -95,6 +95,31 @@ def pow2_range(amax, target=2.0 ** 14):
     """A power of two σ with σ·amax <= target: float16 operands keep their range (max 65504)
     and leave the subnormals to what is 2⁻²⁴ of the largest value."""
     return target / pow2_at_least(amax.astype(jnp.float32))
+
+
+INVARIANT_CHUNK_COLUMNS = 4096
+"""Columns of a backward chunk when batch-invariant (:func:`invariant_chunk_columns`): a
+function of V alone, so that a row's d_hidden sums the same chunks' products in the same order
+whatever N is; a chunk's logit gradient is then ``N·4096`` entries."""
+
+GEMM_ROWS = 1024
+"""Rows of every d_hidden GEMM when batch-invariant (``blocks.map_blocks``): XLA picks a GEMM,
+its blocking and any split of K by the shape, so one shape whatever N."""
+
+
+def invariant_chunk_columns(vocab: int, align: int) -> int:
+    """:data:`INVARIANT_CHUNK_COLUMNS` rounded down to a multiple of ``align`` (at least
+    ``align``), at most V."""
+    return min(max(align, INVARIANT_CHUNK_COLUMNS - INVARIANT_CHUNK_COLUMNS % align), vocab)
+
+
+def hidden_grad_rows(g, w, weight_layout, gemm_rows: int | None, **dot_options):
+    """``head.hidden_grad(g, w)`` [N, D], in blocks of ``gemm_rows`` rows when given (every GEMM
+    of one shape, ``blocks.map_blocks``), else as one GEMM."""
+    if gemm_rows is None:
+        return head.hidden_grad(g, w, weight_layout, **dot_options)
+    return blocks.map_blocks(lambda g: head.hidden_grad(g, w, weight_layout, **dot_options),
+                             (g,), gemm_rows)
 
 
 def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
@@ -165,7 +190,7 @@ class Scaled:
 
 def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
              temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
-             weight_grad_init=jnp.zeros_like, floor=None):
+             weight_grad_init=jnp.zeros_like, floor=None, batch_invariant=False):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
@@ -175,7 +200,10 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     ``targets`` and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``), their
     one-hot terms added to each chunk's G (``write_grad`` is to write G with no target:
     built on the split's row targets). ``floor`` [N] | None: the truncated softmax's floor
-    on z, handed to ``write_grad`` in ``RowGrad.floor`` (the one-hot terms are not masked)."""
+    on z, handed to ``write_grad`` in ``RowGrad.floor`` (the one-hot terms are not masked).
+    ``batch_invariant``: chunks of :func:`invariant_chunk_columns` and d_hidden's GEMMs in
+    blocks of :data:`GEMM_ROWS` rows, so that each row's d_hidden is bitwise independent of N
+    and of the other rows (``write_grad`` is to write each row's G independently of them)."""
     _, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     scaled = Scaled.of(hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids, floor)
 
@@ -188,18 +216,21 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
 
     return scaled_backward(hidden, weight, bias, scaled, write_g, weight_layout=weight_layout,
                            chunk_bytes=chunk_bytes, align=align,
-                           weight_grad_init=weight_grad_init)
+                           weight_grad_init=weight_grad_init, batch_invariant=batch_invariant)
 
 
 def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_layout,
-                    chunk_bytes: int, align: int, weight_grad_init=jnp.zeros_like, varying=()):
+                    chunk_bytes: int, align: int, weight_grad_init=jnp.zeros_like, varying=(),
+                    batch_invariant=False):
     """:func:`backward`'s chunk loop for any head loss: ``write_g(start, size)`` gives the
     chunk's ``(G, W16 | None)`` with G = dz / s for the row bound ``scaled.s``. Inside a
     ``shard_map`` the loop's carry varies over the manual axes of hidden, weight, ``s`` and
-    the other operands of ``write_g`` (``varying``)."""
+    the other operands of ``write_g`` (``varying``). ``batch_invariant``: as in
+    :func:`backward`."""
     n_rows = hidden.shape[0]
     vocab = head.vocab_size(weight, weight_layout)
     h16, sigma_w = scaled.h16, scaled.sigma_w
+    gemm_rows = GEMM_ROWS if batch_invariant else None
 
     def chunk(carry, start, size):
         acc, d_weight, d_bias = carry
@@ -207,7 +238,8 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
         if w16 is None:
             w16 = (head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
                    * sigma_w).astype(jnp.float16)
-        acc = acc + head.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
+        acc = acc + hidden_grad_rows(g16, w16, weight_layout, gemm_rows,
+                                     preferred_element_type=jnp.float32)
         d_w = head.weight_grad(g16, h16, weight_layout, preferred_element_type=jnp.float32)
         d_weight = head.vocab_update(d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype),
                                      start, weight_layout)
@@ -219,8 +251,9 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
 
     init = varying_like(initial_grads(hidden, weight, bias, weight_grad_init), hidden, weight,
                         scaled.s, *varying)
-    acc, d_weight, d_bias = run_chunks(chunk, init, vocab,
-                                       chunk_columns(n_rows, vocab, chunk_bytes, align))
+    columns = (invariant_chunk_columns(vocab, align) if batch_invariant
+               else chunk_columns(n_rows, vocab, chunk_bytes, align))
+    acc, d_weight, d_bias = run_chunks(chunk, init, vocab, columns)
     return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
 

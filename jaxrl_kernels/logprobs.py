@@ -30,8 +30,8 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
                    ignore_index: int | None = None, return_entropy: bool = False,
                    backend: str | None = None, vocab_axis: AxisName | None = None,
                    top_k: int | None = None, top_p: float | None = None,
-                   min_p: float | None = None, return_kept: bool = False
-                   ) -> jax.Array | tuple[jax.Array, ...]:
+                   min_p: float | None = None, return_kept: bool = False,
+                   batch_invariant: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """Log-probabilities of the target tokens under ``softmax(logits / temperature)``.
 
     ``logp = z[target] - logsumexp(z)`` with ``z = logits / temperature`` in float32, and
@@ -54,6 +54,9 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
         ``z[target] − lse(kept set)`` (finite) and the gradient of that expression.
       return_kept: also return whether each target is in its row's kept set (bool; False
         on ignored rows; all True with no truncation).
+      batch_invariant: each row's outputs and gradient bitwise independent of the other rows
+        and of N (schedules that do not depend on N, on every backend; not with a
+        truncation). See docs/api.md "Batch-invariant log-probs".
 
     Returns:
       float32 ``logp`` ``[...]``, then ``entropy`` with ``return_entropy=True``, then
@@ -80,13 +83,26 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     row_valid, ignored = _row_valid(targets, ignore_index)
     check.targets_in_range("targets", targets, vocab, ignored)
 
+    _check_invariant(batch_invariant, truncation)
     problem = Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
-                      dtype=dtype_name(logits), return_entropy=return_entropy)
+                      dtype=dtype_name(logits), return_entropy=return_entropy,
+                      batch_invariant=bool(batch_invariant))
     choice = dispatch.resolve("token_logprobs", problem, backend)
     logp, entropy, *kept = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
         return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation)
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
+
+
+def _check_invariant(batch_invariant, truncation, k_ids=False):
+    """``batch_invariant=True`` takes one target per position and no sampler truncation."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
+    if batch_invariant and truncation is not None:
+        raise ValueError("batch_invariant: top_k, top_p and min_p are not batch-invariant "
+                         "(their kept-set passes take all rows at once)")
+    if batch_invariant and k_ids:
+        raise ValueError("batch_invariant: takes one target per position, not K ids")
 
 
 def _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept):
@@ -106,9 +122,10 @@ def global_vocab(local_vocab: int, vocab_axis) -> int:
 
 
 def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, return_entropy,
-                backend, vocab_axis=None, loss=False):
+                backend, vocab_axis=None, loss=False, batch_invariant=False):
     """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (rows
-    ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why."""
+    ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why
+    (``batch_invariant``: the backend's batch-invariant implementation, always lean)."""
     vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
     n_rows = math.prod(targets.shape)
     request = memory_lib.Request(
@@ -117,7 +134,7 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
         loss=loss)
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
-                             return_entropy=return_entropy)
+                             return_entropy=return_entropy, batch_invariant=batch_invariant)
     return dispatch.resolve(op, problem, backend, memory=request)
 
 
@@ -144,8 +161,8 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
                     return_entropy: bool = False, backend: str | None = None,
                     vocab_axis: AxisName | None = None, memory: str | int | None = None,
                     top_k: int | None = None, top_p: float | None = None,
-                    min_p: float | None = None, return_kept: bool = False
-                    ) -> jax.Array | tuple[jax.Array, ...]:
+                    min_p: float | None = None, return_kept: bool = False,
+                    batch_invariant: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
     Same outputs and the same gradients as ``token_logprobs`` on the logits, chained into
@@ -172,6 +189,8 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
       top_k, top_p, min_p, return_kept: the sampler's truncation, as in ``token_logprobs``
         (one target per position); each row's kept set is found in passes over the
         vocabulary, no ``[N, V]`` buffer.
+      batch_invariant: as in ``token_logprobs`` (also d_hidden of each row; one target per
+        position, ``memory="lean"``).
 
     Returns:
       float32 ``logp`` shaped like ``targets``, then ``entropy`` with ``return_entropy=True``
@@ -203,12 +222,14 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
     truncation = sampler_math.truncation(top_k, top_p, min_p)
     if truncation is not None and targets.ndim == hidden.ndim:
         raise ValueError("top_k, top_p and min_p take one target per position, not K ids")
+    _check_invariant(batch_invariant, truncation, k_ids=targets.ndim == hidden.ndim)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("targets", targets, vocab, ignored)
     choice = head_choice("linear_logprobs", memory, hidden, weight, bias,
                          jax.ShapeDtypeStruct(rows, jnp.int32),
                          weight_layout=weight_layout, return_entropy=return_entropy,
-                         backend=backend, vocab_axis=vocab_axis)
+                         backend=backend, vocab_axis=vocab_axis,
+                         batch_invariant=batch_invariant)
     logp, entropy, *kept = linear_logprobs_rows(
         hidden, weight, bias, targets, row_valid, choice=choice, weight_layout=weight_layout,
         temperature=temperature, return_entropy=return_entropy, vocab_axis=vocab_axis,

@@ -137,13 +137,15 @@ class Request:
 
 
 def choose(request: Request, backend: str | None,
-           wanted: str | None = None) -> MemoryNote:
+           wanted: str | None = None, *, batch_invariant: bool = False) -> MemoryNote:
     """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``): its
     ``memory`` as :func:`requested` resolves it. ``backend``: the op's ``backend=`` argument
     (with ``"fast"`` from the op's own ``memory=``, an error: the fast mode has no backend;
     with ``"fast"`` from a scope or the variable, ``"lean"`` on that backend); ``wanted``: a
     backend requested by ``use_backend`` or the environment, which ``"fast"`` notes it does
-    not use."""
+    not use. ``batch_invariant``: the op's ``batch_invariant=True``, which ``"fast"`` does not
+    serve (its GEMM and reductions take all N rows at once): ``memory="fast"`` is an error,
+    a budget, a scope or the variable give ``"lean"``."""
     memory, asked = requested(request.memory)
     kept_bytes, kept_shape, kept_dtype = request.kept_bytes, request.kept_shape, request.kept_dtype
     loss, gemms, kept = request.loss, request.gemms, request.kept
@@ -154,6 +156,12 @@ def choose(request: Request, backend: str | None,
                f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps")
     else:
         mode, why = memory, asked
+    if mode == "fast" and batch_invariant:
+        if memory == "fast" and request.memory is not None:
+            raise ValueError("memory: 'fast' is not batch-invariant (XLA's GEMM and reductions "
+                             "over all N rows at once); batch_invariant=True takes "
+                             "memory='lean' (or None)")
+        mode, why = "lean", f"{why}, but batch_invariant=True, which 'fast' does not serve"
     if mode == "fast" and backend is not None and request.memory is None:
         # a scope or the variable is a default: a call's own backend= is more specific
         mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"

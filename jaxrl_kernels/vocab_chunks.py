@@ -14,6 +14,8 @@ backend's distillation (its logit-gradient kernels) share it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +32,101 @@ def vocab_chunking(n_rows: int, vocab: int, chunk_bytes: int) -> Blocks:
     """The chunks of ``vocab`` columns: about ``chunk_bytes`` of float32 per chunk, 128-aligned."""
     size = chunk_bytes // (4 * max(n_rows, 1))
     return blocks(vocab, max(128, size - size % 128))
+
+
+TILE_ROWS = 256
+"""Rows of every tile of a batch-invariant :func:`tiling`: fixed, so that each product and
+reduction a row goes through has one shape whatever N is (docs/api.md "Batch-invariant
+log-probs")."""
+
+
+def tile_chunking(vocab: int, dim: int, chunk_bytes: int) -> Blocks:
+    """The vocabulary chunks of a batch-invariant :func:`tiling`: a float32 [TILE_ROWS, size]
+    tile of about ``chunk_bytes`` and a float32 [size, D] weight chunk of at most
+    ``4·chunk_bytes`` (``dim``: D, 0 without a head), 128-aligned: a function of V and D
+    only."""
+    size = chunk_bytes // (4 * TILE_ROWS)
+    if dim:
+        size = min(size, chunk_bytes // dim)
+    return blocks(vocab, max(128, size - size % 128))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The tiles of :func:`scan_tiles`: ``rows``, blocks of ``rows.size`` rows over ``rows.n``
+    rows (operands of fewer rows padded to ``rows.n`` by :meth:`pad`; the last block pulled back
+    to end there, its rows an earlier block covered not fresh), and ``chunks`` of
+    ``chunks.size`` vocabulary columns."""
+
+    rows: Blocks
+    chunks: Blocks
+    invariant: bool = False
+
+    def isolate(self, values):
+        """``values`` behind an optimization barrier when batch-invariant: XLA then compiles a
+        tile's arithmetic as one piece in every context (as the body of a loop over several
+        row blocks, or inlined where one block is all), not fused with different neighbours
+        (a fused producer changes how XLA vectorises a reduction and where it contracts
+        ``a·b + c`` into an FMA)."""
+        return jax.lax.optimization_barrier(values) if self.invariant else values
+
+    def pad(self, x, value=0):
+        """``x`` [N, ...] (or None) with rows of ``value`` appended up to ``rows.n``."""
+        if x is None or x.shape[0] == self.rows.n:
+            return x
+        return jnp.pad(x, [(0, self.rows.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1),
+                       constant_values=value)
+
+    def read(self, x, r0):
+        """The rows ``[r0, r0 + rows.size)`` of ``x`` (None: None)."""
+        return None if x is None else jax.lax.dynamic_slice_in_dim(x, r0, self.rows.size)
+
+    def write(self, x, update, r0, fresh):
+        """``x`` with the block ``update`` written at row ``r0`` where ``fresh`` [rows.size]."""
+        fresh = fresh.reshape(fresh.shape + (1,) * (update.ndim - 1))
+        return jax.lax.dynamic_update_slice_in_dim(
+            x, jnp.where(fresh, update, self.read(x, r0)), r0, 0)
+
+
+def tiling(n_rows: int, vocab: int, chunk_bytes: int, *, dim: int = 0,
+           batch_invariant: bool = False) -> Tiling:
+    """The tiles over N rows and V columns: all rows at once in chunks of about
+    ``chunk_bytes`` of float32 [N, size] (:func:`vocab_chunking`); ``batch_invariant``: blocks
+    of :data:`TILE_ROWS` rows in chunks of :func:`tile_chunking`, so that no shape a row's
+    arithmetic sees depends on N (up to ``TILE_ROWS − 1`` rows more work)."""
+    if batch_invariant:
+        return Tiling(blocks(max(n_rows, TILE_ROWS), TILE_ROWS),
+                      tile_chunking(vocab, dim, chunk_bytes), invariant=True)
+    n = max(n_rows, 1)
+    return Tiling(blocks(n, n), vocab_chunking(n_rows, vocab, chunk_bytes))
+
+
+def scan_tiles(tile, carry, tiles: Tiling, *, open_chunk=None, close_chunk=None):
+    """The carry after ``tile`` over every tile: the vocabulary chunks in order, and in each
+    the row blocks in order.
+
+    ``tile(carry, acc, r0, fresh_rows, start, cols, fresh_cols, size) -> (carry, acc)``:
+    ``r0`` the block's first row, ``fresh_rows`` [rows.size] which of its rows no earlier
+    block covered, ``cols`` the chunk's column ids [size] and ``fresh_cols`` which of them no
+    earlier chunk read; ``acc`` the chunk's own state, ``open_chunk(start, size)`` at its
+    start (None: none) and handed to ``close_chunk(carry, acc, start, fresh_cols, size) ->
+    carry`` at its end."""
+    rows, size = tiles.rows, tiles.chunks.size
+
+    def chunk(carry, c):
+        start = tiles.chunks.start(c)
+        cols, fresh_cols = start + jnp.arange(size), tiles.chunks.fresh(c)
+        acc = None if open_chunk is None else open_chunk(start, size)
+
+        def row_block(r, state):
+            return tile(*state, rows.start(r), rows.fresh(r), start, cols, fresh_cols, size)
+
+        carry, acc = jax.lax.fori_loop(0, rows.count, row_block, (carry, acc))
+        if close_chunk is not None:
+            carry = close_chunk(carry, acc, start, fresh_cols, size)
+        return carry, None
+
+    return jax.lax.scan(chunk, carry, jnp.arange(tiles.chunks.count))[0]
 
 
 def scan_chunks(body, init, n_rows: int, vocab: int, chunk_bytes: int):

@@ -39,4 +39,6 @@ OPS = {
     **distill.OPS,  # distill_divergence, topk_logprobs
 }
 
-BACKEND = Backend("chunked", OPS, automatic=automatic)
+INVARIANT_OPS = logprobs.INVARIANT_OPS  # token_logprobs, linear_logprobs(_backward)
+
+BACKEND = Backend("chunked", OPS, automatic=automatic, invariant_ops=INVARIANT_OPS)

@@ -32,4 +32,7 @@ def automatic(primitive: str, problem: Problem) -> str | None:
     return None
 
 
-BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic)
+INVARIANT_OPS = dict(linear.INVARIANT_OPS)  # linear_logprobs and its backward
+
+BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic,
+                  invariant_ops=INVARIANT_OPS)

@@ -32,6 +32,7 @@ the per-device call is traced. Under ``vmap`` the call runs once per batch eleme
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,11 @@ GRAD_CHUNK_BYTES = 64 * 2**20
 58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB
 (benchmarks/results/bench_fused_backward.md)."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
+INVARIANT_SPLITS = 132
+"""The forward's vocabulary splits when batch-invariant (at most one per 256-column tile): a
+constant, where the planner's choice follows N. 132 (an H100 / H200 SXM's SM count) keeps the
+planner's model of the busiest CTA's tiles (``makespan`` in csrc/sm90_launch.cu) within 1 % of
+its own choice for N = 128 ... 16384 and V = 32000 ... 151936; on the GPU it is not measured."""
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8  # elements: 16-byte TMA strides for 16-bit types
 
@@ -69,9 +75,21 @@ class Config:
     (``choose_plan`` in csrc/sm90_launch.cu, ``_sm90.plan``)."""
     chunk_bytes: int = GRAD_CHUNK_BYTES
     """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``)."""
+    batch_invariant: bool = False
+    """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`) and
+    backward chunks of ``head_grad.invariant_chunk_columns`` (4096 columns, below the 8192 from
+    which the d_hidden GEMM splits K by a count that follows N: ``hidden_splits`` in
+    csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
+    rows."""
+
+    def forward_splits(self) -> int:
+        """The forward call's ``splits`` attribute (0: the planner's choice)."""
+        return self.splits or (INVARIANT_SPLITS if self.batch_invariant else 0)
 
 
 DEFAULT_CONFIG = Config()
+
+INVARIANT_CONFIG = Config(batch_invariant=True)
 
 
 def declines(primitive: str, problem) -> str | None:
@@ -126,7 +144,17 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
     call = jax.ffi.ffi_call(TARGET, (row, row, row), vmap_method="sequential")
     return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                 weight_dv=weight_layout == "dv", has_bias=has_bias,
-                temperature=np.float32(temperature), splits=np.int32(config.splits))
+                temperature=np.float32(temperature), splits=np.int32(config.forward_splits()))
+
+
+def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> int:
+    """The backward call's ``chunk`` attribute: columns per chunk, a multiple of
+    :data:`TILE_COLS` (``config.batch_invariant``: a function of V alone)."""
+    if config.batch_invariant:
+        columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS)
+    else:
+        columns = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, TILE_COLS)
+    return -(-columns // TILE_COLS) * TILE_COLS
 
 
 def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
@@ -140,10 +168,10 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     the kernel without a floor. The row bound s needs no floor: masking p only shrinks |dz|."""
     _check_served(hidden, weight, weight_layout)
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
-    chunk_bytes = (config or DEFAULT_CONFIG).chunk_bytes
+    config = config or DEFAULT_CONFIG
     n_rows, depth = hidden.shape
     vocab = head.vocab_size(weight, weight_layout)
-    chunk = -(-head_grad.chunk_columns(n_rows, vocab, chunk_bytes, TILE_COLS) // TILE_COLS) * TILE_COLS
+    chunk = backward_chunk(n_rows, vocab, config)
     # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
     scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature, g_ids)
     if ids is None:
@@ -184,3 +212,11 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
 PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
 OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}
+
+INVARIANT_OPS = {
+    "linear_logprobs": Parts(functools.partial(linear_stats, config=INVARIANT_CONFIG),
+                             backward=None),
+    "linear_logprobs_backward": functools.partial(linear_backward, config=INVARIANT_CONFIG),
+}
+"""The same under :data:`INVARIANT_CONFIG` (the backward resolved for a batch-invariant call
+is a batch-invariant one too): each row's results bitwise independent of the other rows."""

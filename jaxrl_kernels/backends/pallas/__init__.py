@@ -22,6 +22,7 @@ _SUBMODULES = {  # each submodule's OPS serves these primitives
 }
 
 OPS: dict = {}
+INVARIANT_OPS: dict = {}
 _DECLINERS: dict = {}
 _AUTOMATIC: dict = {}
 _MISSING: dict[str, str] = {}
@@ -35,6 +36,8 @@ for _name, _primitives in _SUBMODULES.items():
         continue
     for _p in _primitives:
         OPS[_p] = _mod.OPS[_p]
+        if _p in getattr(_mod, "INVARIANT_OPS", {}):
+            INVARIANT_OPS[_p] = _mod.INVARIANT_OPS[_p]
         _DECLINERS[_p] = getattr(_mod, "declines", None)
         _AUTOMATIC[_p] = getattr(_mod, "automatic", None)
 
@@ -64,4 +67,4 @@ def automatic(primitive: str, problem: Problem) -> str | None:
 
 
 BACKEND = Backend("pallas", OPS, unavailable_reason, declines, automatic,
-                  native_platforms=GPU_PLATFORMS)
+                  native_platforms=GPU_PLATFORMS, invariant_ops=INVARIANT_OPS)

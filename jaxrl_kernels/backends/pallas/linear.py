@@ -17,6 +17,10 @@ Backward (:func:`linear_backward`)
   scaled per row into float16 (``head_grad``); XLA's GEMMs then add ``dz · W_c`` to a float32
   d_hidden and write ``d_W_c = dzᵀ · hidden``. C bounds the extra memory; no atomics, the
   order of every sum is fixed.
+Batch-invariant (:data:`INVARIANT_OPS`, ``Config.batch_invariant``)
+  row tiles of ``block_rows`` whatever N, C fixed (``head_grad.invariant_chunk_columns``) and
+  d_hidden's GEMMs on blocks of ``head_grad.GEMM_ROWS`` rows: each row's results do not
+  depend on the other rows.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from jax import lax
 
 from jaxrl_kernels import head, head_grad, head_ids, softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
-from jaxrl_kernels.backends.pallas.linear_config import DEFAULT_CONFIG, Config, TileConfig
+from jaxrl_kernels.backends.pallas.linear_config import (DEFAULT_CONFIG, INVARIANT_CONFIG, Config,
+                                                         TileConfig)
 from jaxrl_kernels.logprob_core import Parts
 
-__all__ = ["Config", "DEFAULT_CONFIG", "TileConfig", "declines", "kernel_parts",
-           "linear_backward", "linear_stats", "OPS"]
+__all__ = ["Config", "DEFAULT_CONFIG", "INVARIANT_CONFIG", "TileConfig", "declines",
+           "kernel_parts", "linear_backward", "linear_stats", "OPS", "INVARIANT_OPS"]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,6 +46,13 @@ def declines(primitive, problem) -> str | None:
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"pallas linear_logprobs serves {', '.join(SUPPORTED_DTYPES)}, not {problem.dtype}"
     return None
+
+
+def _isolated(outs, config):
+    """A kernel's outputs behind an optimization barrier under ``config.batch_invariant``: in
+    interpret mode a grid of one program is inlined by XLA and fused with what follows, which
+    can round differently from the loop over several programs."""
+    return lax.optimization_barrier(outs) if config.batch_invariant else outs
 
 
 def merge_splits(parts):
@@ -61,23 +73,23 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     config = config or DEFAULT_CONFIG
     vocab = head.vocab_size(weight, weight_layout)
     scale = 1.0 / temperature
-    parts = kernels.stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
-                               with_entropy=with_entropy, config=config)
+    parts = _isolated(kernels.stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
+                                         with_entropy=with_entropy, config=config), config)
     stats = merge_splits(tuple(parts))
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
-    target_z = kernels.target_call(hidden, weight, bias, safe, layout=weight_layout, scale=scale,
-                                   config=config)
+    target_z = _isolated(kernels.target_call(hidden, weight, bias, safe, layout=weight_layout,
+                                             scale=scale, config=config), config)
     return stats[0], stats[1], (stats[2] if with_entropy else None), target_z - stats[0]
 
 
 def _write_grad(bias, targets, *, layout, config):
     """``head_grad.WriteGrad`` on the Triton grad kernel: G = dz / s as float16."""
     def write(rows: head_grad.RowGrad, start, size, hidden, weight, sigma_w):
-        g16, _ = kernels.grad_call(start, size, hidden, weight, bias, targets, rows.lse, rows.g,
-                                   rows.entropy, rows.g_ent, layout=layout,
-                                   temperature=rows.temperature, dz_dtype=jnp.float16,
-                                   config=config, floor=rows.floor)
+        g16, _ = _isolated(kernels.grad_call(
+            start, size, hidden, weight, bias, targets, rows.lse, rows.g, rows.entropy,
+            rows.g_ent, layout=layout, temperature=rows.temperature, dz_dtype=jnp.float16,
+            config=config, floor=rows.floor), config)
         # the kernel's column sums of dz are unused (head_grad takes d_bias from G), and
         # head_grad converts the weight chunk
         return g16, None
@@ -100,17 +112,20 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
 
     def chunk(carry, start, size):
         d_hidden, d_weight, d_bias = carry
-        dz, d_b = kernels.grad_call(start, size, hidden, weight, bias, targets, lse, g_logp,
-                                    entropy, g_ent, layout=layout, temperature=temperature,
-                                    dz_dtype=jnp.float32, config=config, floor=floor)
+        dz, d_b = _isolated(kernels.grad_call(
+            start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, layout=layout,
+            temperature=temperature, dz_dtype=jnp.float32, config=config, floor=floor), config)
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
             d_b = jnp.sum(dz, axis=0)
         w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
+        d_h = head_grad.hidden_grad_rows(dz, w_c, layout, gemm_rows,
+                                         precision=lax.Precision.HIGHEST,
+                                         preferred_element_type=jnp.float32)
         if layout == "vd":
-            d_h, d_w = dot(dz, w_c, ((1,), (0,))), dot(dz, hidden32, ((0,), (0,)))
+            d_w = dot(dz, hidden32, ((0,), (0,)))
         else:
-            d_h, d_w = dot(dz, w_c, ((1,), (1,))), dot(hidden32, dz, ((0,), (0,)))
+            d_w = dot(hidden32, dz, ((0,), (0,)))
         d_hidden = d_hidden + d_h
         d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
                                                    axis=w_axis)
@@ -118,8 +133,12 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return d_hidden, d_weight, d_bias
 
-    size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, config.grad.block_vocab,
-                                   bytes_per_entry=4)
+    gemm_rows = head_grad.GEMM_ROWS if config.batch_invariant else None
+    if config.batch_invariant:
+        size = head_grad.invariant_chunk_columns(vocab, config.grad.block_vocab)
+    else:
+        size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes,
+                                       config.grad.block_vocab, bytes_per_entry=4)
     d_hidden, d_weight, d_bias = head_grad.run_chunks(
         chunk, head_grad.initial_grads(hidden, weight, bias), vocab, size)
     return (d_hidden.astype(hidden.dtype), d_weight,
@@ -152,7 +171,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
         weight_layout=weight_layout, temperature=temperature,
         write_grad=_write_grad(bias, row_targets, layout=weight_layout, config=config),
-        chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab, floor=floor)
+        chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab, floor=floor,
+        batch_invariant=config.batch_invariant)
 
 
 # -- the parts of logprob_core, and the primitive built from them ---------------------------
@@ -165,3 +185,9 @@ def kernel_parts(config: Config | None = None) -> Parts:
 
 
 OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}
+
+INVARIANT_OPS = {"linear_logprobs": kernel_parts(INVARIANT_CONFIG),
+                 "linear_logprobs_backward": functools.partial(linear_backward,
+                                                               config=INVARIANT_CONFIG)}
+"""The same under ``linear_config.INVARIANT_CONFIG``: each row's results bitwise independent of
+the other rows."""

@@ -36,9 +36,16 @@ class Config:
     target_k: int = 128
     grad: TileConfig = TileConfig()
     chunk_bytes: int = 32 * 2**20  # dz buffers of one backward chunk (head_grad.chunk_columns)
+    batch_invariant: bool = False
+    """Schedules that do not depend on N: row tiles of ``block_rows`` rows whatever N (not
+    shrunk by :func:`fit`), backward chunks of ``head_grad.invariant_chunk_columns`` and
+    d_hidden's GEMMs in blocks of ``head_grad.GEMM_ROWS`` rows; each row's results are then
+    bitwise independent of the other rows."""
 
 
 DEFAULT_CONFIG = Config()
+
+INVARIANT_CONFIG = Config(batch_invariant=True)
 
 SMEM_BYTES = 200 * 2**10
 """Shared memory the software pipeline's operand buffers may take (H100: 227 KiB per block)."""
@@ -49,11 +56,13 @@ def pow2_block(size: int, extent: int) -> int:
     return max(16, min(size, pl.next_power_of_2(max(extent, 1))))
 
 
-def fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int, itemsize: int) -> TileConfig:
-    """Shrink tiles to the problem, and the pipeline so its num_stages - 1 buffers fit."""
+def fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int, itemsize: int,
+        fixed_rows: bool = False) -> TileConfig:
+    """Shrink tiles to the problem, and the pipeline so its num_stages - 1 buffers fit;
+    ``fixed_rows``: the row tile stays ``block_rows`` whatever N (batch-invariant)."""
     tiles = dataclasses.replace(
         tiles,
-        block_rows=pow2_block(tiles.block_rows, n_rows),
+        block_rows=tiles.block_rows if fixed_rows else pow2_block(tiles.block_rows, n_rows),
         block_vocab=pow2_block(tiles.block_vocab, vocab),
         block_k=pow2_block(tiles.block_k, dim))
     per_stage = (tiles.block_rows + tiles.block_vocab) * tiles.block_k * itemsize

@@ -104,7 +104,7 @@ def forward_tiles(config, hidden, weight, layout):
     n_rows, dim = hidden.shape
     vocab = head.vocab_size(weight, layout)
     tiles = fit(config.forward, n_rows, vocab, dim,
-                jnp.dtype(jnp.result_type(hidden, weight)).itemsize)
+                jnp.dtype(jnp.result_type(hidden, weight)).itemsize, config.batch_invariant)
     return tiles, pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
 
 
@@ -276,7 +276,8 @@ def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, 
     p = 0 where z < ``floor`` [N] (None: no floor, and no such operand)."""
     n_rows, dim = hidden.shape
     compute_dtype = jnp.result_type(hidden, weight)
-    tiles = fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize)
+    tiles = fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize,
+                config.batch_invariant)
     with_entropy = g_ent is not None
     n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
     kernel = functools.partial(

@@ -19,6 +19,9 @@ Backward (the ``backward`` part): one program per (row, split) recomputes
 cotangents folded in (p = 0 below a per-row ``floor`` of a truncated softmax, if given).
 Rows without a gradient come with ``lse = +inf`` and read nothing.
 
+Batch-invariant (:data:`INVARIANT_OPS`): one program per row whatever N, so that each row's
+results do not depend on the other rows.
+
 Rows with ``row_valid == False`` read no logits. The target is only used to index when the
 row is valid and the target inside this device's columns; no address outside the logits is
 formed. ``logprob_core`` holds the custom_vjp, the outputs (0 for invalid rows, NaN for
@@ -185,9 +188,10 @@ def _row_specs(count: int, vocab: int | None = None):
     return [pl.BlockSpec((None, vocab), lambda i, s: (i, 0)) for _ in range(count)]
 
 
-def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch):
+def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch,
+             isolate: bool = False):
     """Per input, the row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``
-    (entropy statistics for input 0 only, when asked)."""
+    (entropy statistics for input 0 only, when asked). ``isolate``: :func:`_isolated`."""
     n, vocab = xs[0].shape
     n_in = len(xs)
     n_stats = 2 * n_in + entropy
@@ -206,7 +210,14 @@ def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan:
         interpret=common.interpret(),
         name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
     )(targets, row_valid, *xs)
-    return _combine_splits(outs, n_in=n_in, entropy=entropy)
+    return _combine_splits(_isolated(outs, isolate), n_in=n_in, entropy=entropy)
+
+
+def _isolated(outs, isolate: bool):
+    """A kernel's outputs behind an optimization barrier (``isolate``, batch-invariant calls): in
+    interpret mode a grid of one program is inlined by XLA and fused with what follows, which
+    rounds differently from the loop over several programs."""
+    return lax.optimization_barrier(outs) if isolate else outs
 
 
 def _combine_splits(outs, *, n_in: int, entropy: bool):
@@ -249,18 +260,23 @@ def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float,
 
 # -- the two parts of logprob_core, and the primitives built from them ----------------------
 
-def _checked_plan(logits, plan, entropy=False):
+def _checked_plan(logits, plan, entropy=False, batch_invariant=False):
+    """``plan``, else :func:`make_launch`'s for this shape; ``batch_invariant``: one program
+    per row (no split of the vocabulary, whose count would follow N)."""
     n, vocab = logits.shape
-    return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
+    return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy,
+                               splits=1 if batch_invariant else None)
 
 
-def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None):
+def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None,
+                batch_invariant=False):
     if logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
         return empty, empty, (empty if with_entropy else None), empty
     (stats,) = _forward([logits], targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                         temperature=float(temperature), entropy=bool(with_entropy),
-                        plan=_checked_plan(logits, plan, bool(with_entropy)))
+                        plan=_checked_plan(logits, plan, bool(with_entropy), batch_invariant),
+                        isolate=batch_invariant)
     return stats
 
 
@@ -277,7 +293,7 @@ def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature, 
 
 
 def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floor=None,
-                   plan=None):
+                   plan=None, batch_invariant=False):
     """d logits of token_logprobs from per-row cotangents (the ``logprob_core`` backward part).
 
     ``floor`` [N] | None: a truncated softmax keeping ``logits / T >= floor`` per row (``lse``
@@ -285,16 +301,25 @@ def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floo
     """
     if logits.shape[0] == 0:
         return jnp.zeros_like(logits)
-    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
-                     temperature=float(temperature),
-                     plan=_checked_plan(logits, plan, entropy is not None))
+    return _isolated(_backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
+                               temperature=float(temperature),
+                               plan=_checked_plan(logits, plan, entropy is not None,
+                                                  batch_invariant)), batch_invariant)
 
 
-def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False) -> Parts:
-    """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given."""
-    stats = paired_stats if paired else token_stats
-    return Parts(functools.partial(stats, plan=plan),
-                 functools.partial(token_backward, plan=plan))
+def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False,
+                 batch_invariant: bool = False) -> Parts:
+    """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given
+    (``batch_invariant``: :func:`token_logprobs`' only, one program per row)."""
+    if paired:
+        return Parts(functools.partial(paired_stats, plan=plan),
+                     functools.partial(token_backward, plan=plan))
+    return Parts(functools.partial(token_stats, plan=plan, batch_invariant=batch_invariant),
+                 functools.partial(token_backward, plan=plan, batch_invariant=batch_invariant))
 
 
 OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}
+
+INVARIANT_OPS = {"token_logprobs": kernel_parts(batch_invariant=True)}
+"""One program per row whatever N (``make_launch(splits=1)``): each row's results bitwise
+independent of the other rows."""

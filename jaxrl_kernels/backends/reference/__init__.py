@@ -18,4 +18,4 @@ OPS = {
     **distill.OPS,  # distill_divergence, topk_logprobs
 }
 
-BACKEND = Backend("reference", OPS)
+BACKEND = Backend("reference", OPS, invariant_ops=logprobs.INVARIANT_OPS)

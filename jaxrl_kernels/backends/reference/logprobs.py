@@ -8,10 +8,12 @@ over a split vocabulary otherwise).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, sampler_math, softmax_math
+from jaxrl_kernels import head, sampler_math, softmax_math, vocab_chunks
 from jaxrl_kernels.logprob_core import Whole
 
 
@@ -104,14 +106,40 @@ def _per_row(targets, n_row_dims, truncation):
     return _ids_logprobs_from_z if targets.ndim > n_row_dims else _logprobs_from_z
 
 
+def _in_row_blocks(fn, rows: int | None):
+    """``fn(*operands)`` (each [N, ...]) on blocks of ``rows`` rows, the last padded with zeros
+    (``lax.map``): one shape whatever N, so that every product and reduction of a row, and of
+    its gradient, is the same whatever N and the other rows are (``rows`` None: ``fn``)."""
+    if rows is None:
+        return fn
+
+    def blocked(*operands):
+        n = operands[0].shape[0]
+        count = max(1, -(-n // rows))
+        split = [jnp.pad(x, [(0, count * rows - n)] + [(0, 0)] * (x.ndim - 1))
+                 .reshape((count, rows) + x.shape[1:]) for x in operands]
+        # behind barriers: one block, inlined, compiles as each block of a loop does
+        barrier = jax.lax.optimization_barrier
+        outs = jax.lax.map(lambda xs: barrier(fn(*barrier(xs))), split)
+        return jax.tree.map(lambda y: y.reshape((count * rows,) + y.shape[2:])[:n], outs)
+    return blocked
+
+
+def _exact_f32(x):
+    """``x`` as float32 where it is a 16-bit float (exact): a constant of a ``lax.map`` body
+    accumulates its cotangent over the blocks in its own dtype."""
+    return None if x is None else x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def token_jnp(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
-              n_row_dims=1, truncation=None):
+              n_row_dims=1, truncation=None, row_block=None):
+    """``row_block``: the rows in blocks of this many (:func:`_in_row_blocks`; batch-invariant)."""
     per_row = _per_row(targets, n_row_dims, truncation)
 
     def flat(logits, targets, row_valid):
         z = logits.astype(jnp.float32) / temperature
         return per_row(z, targets, row_valid, return_entropy, vocab_axes)
-    return _flat_rows(flat, n_row_dims, targets, row_valid, logits)
+    return _flat_rows(_in_row_blocks(flat, row_block), n_row_dims, targets, row_valid, logits)
 
 
 def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),
@@ -124,16 +152,19 @@ def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vo
 
 
 def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-               return_entropy, vocab_axes=(), n_row_dims=1, truncation=None):
+               return_entropy, vocab_axes=(), n_row_dims=1, truncation=None, row_block=None):
     """Log-probs at ``targets`` [*rows] or at K ids per row [*rows, K] (``n_row_dims``
     leading dimensions of ``hidden`` are rows); under a ``truncation`` also whether each
-    target is in its row's kept set."""
+    target is in its row's kept set. ``row_block``: the rows in blocks of this many
+    (:func:`_in_row_blocks`; batch-invariant), the head's product then in float32."""
     per_row = _per_row(targets, n_row_dims, truncation)
+    if row_block is not None:
+        weight, bias = _exact_f32(weight), _exact_f32(bias)
 
     def flat(hidden, targets, row_valid):
         z = head.float32_logits(hidden, weight, bias, weight_layout) / temperature
         return per_row(z, targets, row_valid, return_entropy, vocab_axes)
-    return _flat_rows(flat, n_row_dims, targets, row_valid, hidden)
+    return _flat_rows(_in_row_blocks(flat, row_block), n_row_dims, targets, row_valid, hidden)
 
 
 OPS = {
@@ -141,3 +172,10 @@ OPS = {
     "paired_logprobs": Whole(paired_jnp),
     "linear_logprobs": Whole(linear_jnp),
 }
+
+INVARIANT_OPS = {
+    "token_logprobs": Whole(functools.partial(token_jnp, row_block=vocab_chunks.TILE_ROWS)),
+    "linear_logprobs": Whole(functools.partial(linear_jnp, row_block=vocab_chunks.TILE_ROWS)),
+}
+"""The same on blocks of ``vocab_chunks.TILE_ROWS`` rows (:func:`_in_row_blocks`): each
+row's results bitwise independent of the other rows."""
