@@ -99,28 +99,33 @@ def test_linear_logprobs_rows_bitwise_independent_of_the_batch(backend, rng, lay
 
 def check_linear_invariance(backend, rng, layout, dtype, d, v):
     weight, _ = rand(rng, (v, d) if layout == "vd" else (d, v), dtype, scale=2.0 / np.sqrt(d))
-    f = _linear_fn(backend, weight, layout)
-    h = rng.standard_normal((ROWS, d)).astype(np.float32)
-    t = rng.integers(0, v, ROWS)
-    c, e = rng.standard_normal(ROWS).astype(np.float32), rng.standard_normal(ROWS).astype(np.float32)
+    check_rows(rng, _linear_fn(backend, weight, layout), dtype, d, v, scale=1.0)
 
-    def call(h, t, c, e, shape=None):
-        shape = shape or (h.shape[0],)
-        return f(jnp.asarray(h, dtype).reshape(shape + (d,)), jnp.asarray(t, jnp.int32)
+
+def check_rows(rng, f, dtype, width, v, scale):
+    """``f(x [*shape, width], targets, c, e) -> (logp, entropy, d_x)`` of ROWS drawn rows
+    (``scale`` · standard normal, targets in [0, v)) alone against the same rows placed in
+    the batches of :func:`placements`: bitwise equal (:func:`assert_rows_invariant`)."""
+    def draw(gen, n):
+        x = scale * gen.standard_normal((n, width)).astype(np.float32)
+        t = gen.integers(0, v, n)
+        c, e = gen.standard_normal(n).astype(np.float32), gen.standard_normal(n).astype(np.float32)
+        return x, t, c, e
+
+    def call(x, t, c, e, shape=None):
+        shape = shape or (x.shape[0],)
+        return f(jnp.asarray(x, dtype).reshape(shape + (width,)), jnp.asarray(t, jnp.int32)
                  .reshape(shape), jnp.asarray(c).reshape(shape), jnp.asarray(e).reshape(shape))
 
-    alone = [call(h[i:i + 1], t[i:i + 1], c[i:i + 1], e[i:i + 1]) for i in range(ROWS)]
+    x, t, c, e = draw(rng, ROWS)
+    alone = [call(x[i:i + 1], t[i:i + 1], c[i:i + 1], e[i:i + 1]) for i in range(ROWS)]
     batches = []
     for shape, where, pads, seed in placements(rng):
         n = int(np.prod(shape))
-        other = np.random.default_rng(seed)
-        hb = other.standard_normal((n, d)).astype(np.float32)
-        tb = other.integers(0, v, n)
-        cb, eb = other.standard_normal(n).astype(np.float32), other.standard_normal(n).astype(
-            np.float32)
-        hb[pads], tb[pads] = 0.0, IGNORE
-        hb[where], tb[where], cb[where], eb[where] = h, t, c, e
-        batches.append((f"N={n} {shape}", call(hb, tb, cb, eb, shape), where))
+        xb, tb, cb, eb = draw(np.random.default_rng(seed), n)
+        xb[pads], tb[pads] = 0.0, IGNORE
+        xb[where], tb[where], cb[where], eb[where] = x, t, c, e
+        batches.append((f"N={n} {shape}", call(xb, tb, cb, eb, shape), where))
     assert_rows_invariant(alone, batches)
 
 
@@ -140,29 +145,7 @@ def check_token_invariance(backend, rng, dtype, v):
         (_, (lp, ent)), dx = jax.value_and_grad(loss, has_aux=True)(logits)
         return lp.reshape(-1), ent.reshape(-1), dx.reshape(-1, v)
 
-    f = jax.jit(f)
-    x = 3 * rng.standard_normal((ROWS, v)).astype(np.float32)
-    t = rng.integers(0, v, ROWS)
-    c, e = rng.standard_normal(ROWS).astype(np.float32), rng.standard_normal(ROWS).astype(np.float32)
-
-    def call(x, t, c, e, shape=None):
-        shape = shape or (x.shape[0],)
-        return f(jnp.asarray(x, dtype).reshape(shape + (v,)), jnp.asarray(t, jnp.int32)
-                 .reshape(shape), jnp.asarray(c).reshape(shape), jnp.asarray(e).reshape(shape))
-
-    alone = [call(x[i:i + 1], t[i:i + 1], c[i:i + 1], e[i:i + 1]) for i in range(ROWS)]
-    batches = []
-    for shape, where, pads, seed in placements(rng):
-        n = int(np.prod(shape))
-        other = np.random.default_rng(seed)
-        xb = 3 * other.standard_normal((n, v)).astype(np.float32)
-        tb = other.integers(0, v, n)
-        cb, eb = other.standard_normal(n).astype(np.float32), other.standard_normal(n).astype(
-            np.float32)
-        xb[pads], tb[pads] = 0.0, IGNORE
-        xb[where], tb[where], cb[where], eb[where] = x, t, c, e
-        batches.append((f"N={n} {shape}", call(xb, tb, cb, eb, shape), where))
-    assert_rows_invariant(alone, batches)
+    check_rows(rng, jax.jit(f), dtype, v, v, scale=3.0)
 
 
 # -- still the formula ---------------------------------------------------------------------------
