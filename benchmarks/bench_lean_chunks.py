@@ -1,0 +1,123 @@
+"""The lean backward at small token counts: where its time goes, and what the chunk width does.
+
+Question: at N = 256 … 2048 tokens, how much of lean's forward + backward (``linear_grpo_loss``,
+bf16, the ffi kernels) is spent in each kind of kernel, and how does that change when the
+backward's vocabulary chunks are wider than ``head_grad.chunk_columns`` makes them (at least
+``min_columns``)? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the
+inputs of ``benchmarks.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
+``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
+GEMMs of the same run; the per-kernel columns are the mean device time per call of one
+profiler trace of 3 calls, by kernel:
+
+- ``fwd``: the forward kernel (logits' statistics); ``grad``: the backward's grad kernel
+  (recomputed logits → their gradient G, and the float16 weight copy); ``absmax``: the
+  first chunk's max |W|;
+- ``gemm_dh``: d_hidden's CUTLASS GEMM (``gemm_dh_splitk`` when it splits K); ``gemm_dw``:
+  d_weight's; ``other``: the rest (XLA's fusions, memsets);
+- ``chunk``: the backward's chunk width in columns, ``chunks`` their number.
+
+    python -m benchmarks.bench_lean_chunks --runs 10     # GPU (Hopper: the ffi kernels)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+COLUMNS = ["impl", "min_columns", "N", "D", "V", "chunk", "chunks", "fwdbwd_ms", "x_jnp",
+           "temp_mib", "fwd", "grad", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other"]
+SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048)] + [(512, 4096, 131072)],
+         "small": [(64, 32, 1000)]}
+MIN_COLUMNS = (0, 16384, 32768, 65536)
+KERNELS = ("fwd", "grad", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
+
+
+def kernel_kind(name: str) -> str:
+    if "linear_grad_kernel" in name:
+        return "grad"
+    if "weight_absmax" in name:
+        return "absmax"
+    if "linear_lse_kernel" in name or "linear_stats" in name:
+        return "fwd"
+    if "GemmUniversal" in name:
+        if "StreamK" in name:
+            return "gemm_dh_splitk"
+        return "gemm_dw" if ("bfloat16" in name or "half_tEvE" in name) else "gemm_dh"
+    return "other"
+
+
+@contextlib.contextmanager
+def min_chunk_columns(columns: int):
+    """``head_grad.chunk_columns`` at least ``columns`` wide (and at most V) while tracing."""
+    from jaxrl_kernels import head_grad
+
+    original = head_grad.chunk_columns
+
+    def wider(n_rows, vocab, chunk_bytes, align, *rest):
+        size = original(n_rows, vocab, chunk_bytes, align, *rest)
+        return min(vocab, max(size, columns - columns % align))
+
+    head_grad.chunk_columns = wider
+    try:
+        yield
+    finally:
+        head_grad.chunk_columns = original
+
+
+def measure(size, runs, rounds, small):
+    import collections
+
+    import jax
+
+    from benchmarks import common
+    from benchmarks.bench_fast_loss import inputs, losses
+    from benchmarks.bench_tokens import three_gemms
+    from jaxrl_kernels import head_grad
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
+
+    n, d, v = size
+    args = inputs(n, d, v)
+    loss = losses()
+    steps = []
+    for impl in ("jnp bf16", "3 GEMMs"):
+        fn = jax.jit(three_gemms) if impl == "3 GEMMs" else jax.jit(
+            jax.value_and_grad(loss[impl], argnums=(0, 1)))
+        steps.append(({"impl": impl, "min_columns": "", "N": n, "D": d, "V": v},
+                      fn.lower(*args).compile()))
+    for columns in MIN_COLUMNS:
+        with min_chunk_columns(columns):
+            chunk = ffi_linear.backward_chunk(n, v)
+            compiled = jax.jit(jax.value_and_grad(loss["ours lean"], argnums=(0, 1))).lower(
+                *args).compile()
+        row = {"impl": "ours lean", "min_columns": columns, "N": n, "D": d, "V": v,
+               "chunk": chunk, "chunks": -(-v // chunk),
+               "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
+        steps.append((row, compiled))
+    del head_grad
+    common.rotated_ms(steps, args, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
+    jnp_ms = steps[0][0]["fwdbwd_ms"]
+    rows = []
+    for row, fn in steps:
+        row["x_jnp"] = row["fwdbwd_ms"] / jnp_ms
+        if row["impl"] == "ours lean" and not small:
+            _, kernels, _ = common.call_spans(fn, args, calls=3)
+            per = collections.Counter()
+            for k in kernels:
+                per[kernel_kind(k["name"])] += k["dur"] / 1e3 / 3
+            row.update({kind: per.get(kind, 0.0) for kind in KERNELS})
+        print(row, flush=True)
+        rows.append(row)
+    del args, steps
+    if not small:
+        jax.clear_caches()
+    return rows
+
+
+def main(argv=None):
+    from benchmarks import common
+
+    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
+                             name="bench_lean_chunks", columns=COLUMNS, measure=measure, rounds=3)
+
+
+if __name__ == "__main__":
+    main()
