@@ -1,17 +1,19 @@
-"""The lean backward at small token counts: where its time goes, and what the chunk width does.
+"""The lean backward at small token counts: where its time goes, and what the chunk width and the
+weight copy's placement do.
 
-Question: at N = 256 … 2048 tokens, how much of lean's forward + backward (``linear_grpo_loss``,
+Question: at N = 256 … 4096 tokens, how much of lean's forward + backward (``linear_grpo_loss``,
 bf16, the ffi kernels) is spent in each kind of kernel, and how does that change when the
 backward's vocabulary chunks are wider than ``head_grad.chunk_columns`` makes them (at least
-``min_columns``)? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the
+``min_columns``), and with the float16 weight copy in the grad kernel or apart
+(``ffi.linear.Config.weight_copy``: ``copy``)? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the
 inputs of ``benchmarks.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
 GEMMs of the same run; the per-kernel columns are the mean device time per call of one
 profiler trace of 3 calls, by kernel:
 
 - ``fwd``: the forward kernel (logits' statistics); ``grad``: the backward's grad kernel
-  (recomputed logits → their gradient G, and the float16 weight copy); ``absmax``: the
-  first chunk's max |W|;
+  (recomputed logits → their gradient G, and the float16 weight copy when it is in the
+  kernel); ``copy``: the weight copy's own kernel; ``absmax``: the first chunk's max |W|;
 - ``gemm_dh``: d_hidden's CUTLASS GEMM (``gemm_dh_splitk`` when it splits K); ``gemm_dw``:
   d_weight's; ``other``: the rest (XLA's fusions, memsets);
 - ``chunk``: the backward's chunk width in columns, ``chunks`` their number.
@@ -23,17 +25,21 @@ from __future__ import annotations
 
 import contextlib
 
-COLUMNS = ["impl", "min_columns", "N", "D", "V", "chunk", "chunks", "fwdbwd_ms", "x_jnp",
-           "temp_mib", "fwd", "grad", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other"]
-SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048)] + [(512, 4096, 131072)],
+COLUMNS = ["impl", "copy", "min_columns", "N", "D", "V", "chunk", "chunks", "fwdbwd_ms", "x_jnp",
+           "temp_mib", "fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other"]
+SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)]
+         + [(512, 4096, 131072)],
          "small": [(64, 32, 1000)]}
-MIN_COLUMNS = (0, 16384, 32768, 65536)
-KERNELS = ("fwd", "grad", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
+VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
+"""(weight copy, min_columns) of the lean rows."""
+KERNELS = ("fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
 
 
 def kernel_kind(name: str) -> str:
     if "linear_grad_kernel" in name:
         return "grad"
+    if "weight_copy_kernel" in name:
+        return "copy_ms"
     if "weight_absmax" in name:
         return "absmax"
     if "linear_lse_kernel" in name or "linear_stats" in name:
@@ -46,21 +52,26 @@ def kernel_kind(name: str) -> str:
 
 
 @contextlib.contextmanager
-def min_chunk_columns(columns: int):
-    """``head_grad.chunk_columns`` at least ``columns`` wide (and at most V) while tracing."""
-    from jaxrl_kernels import head_grad
+def lean_variant(copy: str, columns: int):
+    """While tracing: the ffi backward's weight copy ``copy``, and ``head_grad.chunk_columns``
+    at least ``columns`` wide (and at most V)."""
+    import dataclasses
 
-    original = head_grad.chunk_columns
+    from jaxrl_kernels import head_grad
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
+
+    original, config = head_grad.chunk_columns, ffi_linear.DEFAULT_CONFIG
 
     def wider(n_rows, vocab, chunk_bytes, align, *rest):
         size = original(n_rows, vocab, chunk_bytes, align, *rest)
         return min(vocab, max(size, columns - columns % align))
 
     head_grad.chunk_columns = wider
+    ffi_linear.DEFAULT_CONFIG = dataclasses.replace(config, weight_copy=copy)
     try:
         yield
     finally:
-        head_grad.chunk_columns = original
+        head_grad.chunk_columns, ffi_linear.DEFAULT_CONFIG = original, config
 
 
 def measure(size, runs, rounds, small):
@@ -71,7 +82,6 @@ def measure(size, runs, rounds, small):
     from benchmarks import common
     from benchmarks.bench_fast_loss import inputs, losses
     from benchmarks.bench_tokens import three_gemms
-    from jaxrl_kernels import head_grad
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     n, d, v = size
@@ -81,18 +91,19 @@ def measure(size, runs, rounds, small):
     for impl in ("jnp bf16", "3 GEMMs"):
         fn = jax.jit(three_gemms) if impl == "3 GEMMs" else jax.jit(
             jax.value_and_grad(loss[impl], argnums=(0, 1)))
-        steps.append(({"impl": impl, "min_columns": "", "N": n, "D": d, "V": v},
+        steps.append(({"impl": impl, "copy": "", "min_columns": "", "N": n, "D": d, "V": v},
                       fn.lower(*args).compile()))
-    for columns in MIN_COLUMNS:
-        with min_chunk_columns(columns):
+    for copy, columns in VARIANTS:
+        if columns and n > 1024:
+            continue
+        with lean_variant(copy, columns):
             chunk = ffi_linear.backward_chunk(n, v)
             compiled = jax.jit(jax.value_and_grad(loss["ours lean"], argnums=(0, 1))).lower(
                 *args).compile()
-        row = {"impl": "ours lean", "min_columns": columns, "N": n, "D": d, "V": v,
+        row = {"impl": "ours lean", "copy": copy, "min_columns": columns, "N": n, "D": d, "V": v,
                "chunk": chunk, "chunks": -(-v // chunk),
                "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
         steps.append((row, compiled))
-    del head_grad
     common.rotated_ms(steps, args, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
     jnp_ms = steps[0][0]["fwdbwd_ms"]
     rows = []

@@ -10,7 +10,9 @@
 // [0]: no floor, the kernel without it: GradArgs.floor). Results: the float32 d_hidden
 // accumulator [N, D] (d_hidden / s), d_weight (W's shape and dtype), d_bias (f32 [V], or [0]
 // without has_bias) and the workspace (u8, of backward_workspace_bytes). Attributes:
-// weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256).
+// weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256),
+// weight_copy (jaxrl_sm90::WeightCopy: 0 auto, 1 in the grad kernel, 2 apart), split_k (false:
+// d_hidden's GEMM keeps one CTA per tile, for a batch-invariant backward).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -29,7 +31,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::ResultBuffer<ffi::F32> acc,
                               ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
                               ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, float temperature,
-                              bool has_entropy, int64_t chunk) {
+                              bool has_entropy, int64_t chunk, int64_t weight_copy, bool split_k) {
   jaxrl_sm90::BackwardArgs args;
   jaxrl_sm90::GradArgs& g = args.grad;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
@@ -46,7 +48,8 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("d_bias must be [V]");
   if (chunk <= 0 || chunk % jaxrl_sm90::kBlockN != 0 || chunk >= (int64_t{1} << 31))
     return ffi::Error::InvalidArgument("chunk must be a positive multiple of 256");
-  const size_t need = jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype);
+  const size_t need =
+      jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype, split_k);
   if (workspace->element_count() < need)
     return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
                                        std::to_string(workspace->element_count()));
@@ -65,6 +68,10 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
       return ffi::Error::InvalidArgument("floor must be [N] (or [0]: no floor)");
     g.floor = floor.typed_data();
   }
+  if (weight_copy < 0 || weight_copy > 2)
+    return ffi::Error::InvalidArgument("weight_copy must be 0 (auto), 1 (in the grad kernel) or 2 (apart)");
+  args.weight_copy = static_cast<jaxrl_sm90::WeightCopy>(weight_copy);
+  args.split_k = split_k;
   checked = read_sm_count(device, args.sm_count);
   if (checked.failure()) return checked;
 
@@ -93,7 +100,7 @@ auto backward_binding() {
                      .Ret<ffi::AnyBuffer>()
                      .Ret<ffi::Buffer<ffi::F32>>()
                      .Ret<ffi::Buffer<ffi::U8>>();
-  return bind_grad_attrs(std::move(results)).Attr<int64_t>("chunk");
+  return bind_grad_attrs(std::move(results)).Attr<int64_t>("chunk").Attr<int64_t>("weight_copy").Attr<bool>("split_k");
 }
 
 }  // namespace

@@ -73,10 +73,11 @@ PYBIND11_MODULE(_sm90, m) {
     return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
   }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
      "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
-  m.def("backward_workspace_bytes", [](int n, int v, int d, int chunk, bool weight_dv, bool bf16) {
+  m.def("backward_workspace_bytes", [](int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k) {
     return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv,
-                                                bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16);
+                                                bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16, split_k);
   }, py::arg("n"), py::arg("v"), py::arg("d"), py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"),
+     py::arg("split_k") = true,
      "Bytes of the backward custom call's workspace result.");
   m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
     jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);

@@ -1,6 +1,7 @@
 // The linear-head backward as one launch sequence on XLA's stream (BackwardArgs in
-// sm90_launch.h): per vocabulary chunk, the grad kernel (sm90_grad_kernel.cuh) and the two
-// CUTLASS GEMMs (sm90_head_gemm.h), in order, with no host synchronisation and no copies but
+// sm90_launch.h): per vocabulary chunk, the grad kernel (sm90_grad_kernel.cuh; before it the
+// weight copy's own kernel where choose_weight_copy says so) and the two CUTLASS GEMMs
+// (sm90_head_gemm.h), in order, with no host synchronisation and no copies but
 // the one for a "vd" tail that TMA cannot address in place.
 #include <algorithm>
 #include <string>
@@ -30,7 +31,7 @@ int chunks_of(int v, int chunk) { return (v + chunk - 1) / chunk; }
 // weight copy are sized for the widest, with rows padded to a multiple of 8 columns. In
 // "vd", a last chunk whose width is not a multiple of 8 has its d_weight rows written to
 // `tail` (padded to 8) and copied in place: TMA needs the contiguous extent in 16-byte units.
-Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype) {
+Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k) {
   const int widest = std::min(chunk, v);
   const int last = v - (v - 1) / chunk * chunk;
   const int ld = round8(widest);
@@ -44,7 +45,7 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   w.gemm = w.inv_scale + align_up(4ull * chunks_of(v, chunk));
   size_t gemm = 0;
   for (int width : {widest, last}) {
-    gemm = std::max(gemm, gemm_d_hidden_workspace(weight_dv, n, d, round8(width)));
+    gemm = std::max(gemm, gemm_d_hidden_workspace(weight_dv, n, d, round8(width), split_k));
     gemm = std::max(gemm, weight_dv ? gemm_d_weight_workspace(dtype, d, width, n)
                                     : gemm_d_weight_workspace(dtype, round8(width), d, n));
   }
@@ -103,8 +104,8 @@ std::string cuda_error(const char* what) {
 
 }  // namespace
 
-size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype) {
-  return workspace_of(n, v, d, chunk, weight_dv, dtype).total;
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k) {
+  return workspace_of(n, v, d, chunk, weight_dv, dtype, split_k).total;
 }
 
 std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
@@ -117,7 +118,7 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     return {};
   }
   if (a.chunk <= 0 || a.chunk % kBlockN != 0) return "chunk must be a positive multiple of 256";
-  const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype);
+  const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype, a.split_k);
   char* ws = static_cast<char*>(a.workspace);
   __half* g = reinterpret_cast<__half*>(ws + w.g);
   __half* w16 = reinterpret_cast<__half*>(ws + w.w16);
@@ -152,7 +153,15 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
       grad.next_start = start + a.chunk;
       grad.next_size = std::min(a.chunk, v - grad.next_start);
     }
-    why = launch_grad(grad, choose_grad_plan(n, size, a.sm_count), stream);
+    const Plan plan = choose_grad_plan(n, size, a.sm_count);
+    const WeightCopy copy = a.weight_copy == WeightCopy::kAuto ? choose_weight_copy(plan) : a.weight_copy;
+    if (copy == WeightCopy::kApart) {
+      why = launch_weight_copy(grad, a.sm_count, stream);
+      if (!why.empty()) return why;
+      grad.w16 = nullptr;  // written: the grad kernel leaves it, and the next max |W|, alone
+      grad.next_wmax = nullptr;
+    }
+    why = launch_grad(grad, plan, stream);
     if (!why.empty()) return why;
     if (a.id_k > 0) {
       const int64_t count = int64_t{n} * a.id_k;
@@ -164,7 +173,7 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
 
     // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
     why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,
-                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream);
+                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k);
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G

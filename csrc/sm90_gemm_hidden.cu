@@ -17,13 +17,14 @@ using HiddenDvSplit =
 // At most this many parts per output tile, each of at least kMinSplitK columns of K: short
 // parts would spend more of their time filling the pipeline and in the reduction.
 constexpr int kMaxSplits = 8;
-constexpr int kMinSplitK = 4096;
+constexpr int kMinSplitK = 2048;
 
 // K's parts for d_hidden (1: no split): as many as keep the output tiles times the parts within
 // one wave of kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time).
 // The tiles are counted as the scheduler does, the M extent rounded up to whole clusters. A
 // function of the shape only, shared by the workspace size and the launch.
-int hidden_splits(int n, int d, int k) {
+int hidden_splits(int n, int d, int k, bool split_k) {
+  if (!split_k) return 1;
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
   constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
@@ -37,8 +38,8 @@ int hidden_splits(int n, int d, int k) {
 
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, cudaStream_t stream) {
-  const int splits = hidden_splits(n, d, k);
+                          int sm_count, cudaStream_t stream, bool split_k) {
+  const int splits = hidden_splits(n, d, k, split_k);
   cutlass::Status st;
   if (splits > 1) {
     st = w16_dv ? run_head_gemm<HiddenDvSplit>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace,
@@ -55,8 +56,8 @@ std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64
   return {};
 }
 
-size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k) {
-  const int splits = hidden_splits(n, d, k);
+size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k, bool split_k) {
+  const int splits = hidden_splits(n, d, k, split_k);
   if (splits > 1)
     return w16_dv ? head_gemm_workspace<HiddenDvSplit>(n, d, k, splits)
                   : head_gemm_workspace<HiddenVdSplit>(n, d, k, splits);

@@ -128,26 +128,22 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
   }
 }
 
-// The producer warpgroup's warps 1-3 (warp 0 streams the tiles) have nothing to do but wait;
-// they write the chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])
-// for the d_hidden GEMM that follows, in 16-byte vectors spread over all CTAs (its memory
-// traffic runs under the tensor-core-bound tiles instead of in a pass of its own). W's
-// columns are its rows in "vd" (one contiguous block, padded with zero rows up to ld) and
-// strided rows of 8k elements in "dv". Without a given sigma_W they scale the chunk by its
-// own max |W| (sigma_W = weight_scale_of_max), and fold the next chunk's max |W| for the
-// next launch: W is read once more, under the tiles, instead of in a pass before them.
-constexpr int kCopyThreads = 96;
+// The chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])  for the
+// d_hidden GEMM that follows, in 16-byte vectors: this thread writes vectors first, first +
+// stride, ... W's columns are its rows in "vd" (one contiguous block, padded with zero rows up to
+// ld) and strided rows of 8k elements in "dv". Without a given sigma_W the chunk is scaled by its
+// own max |W| (sigma_W = weight_scale_of_max), and the next chunk's max |W| is folded in for the
+// next launch. Two callers: the grad kernel's otherwise idle producer warps (its memory traffic
+// runs under the tensor-core-bound tiles) and, where the tiles are too few to cover it,
+// weight_copy_kernel on the whole GPU before them (choose_weight_copy in sm90_launch.cu).
+constexpr int kCopyThreads = 96;  // the grad kernel's producer warps 1-3
 constexpr int kCopyInFlight = 4;
 
-template <class Cfg>
-__device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start, int tid) {
-  using T = typename Cfg::Element;
-  constexpr bool kDv = Cfg::kWeightDv;
+template <class T, bool kDv>
+__device__ __forceinline__ void copy_weight_chunk(const GradArgs& p, int start, int64_t first, int64_t stride) {
   const float scale = p.w_scale ? *p.w_scale : weight_scale_of_max(*p.wmax);
-  if (p.inv_scale && blockIdx.x == 0 && tid == 0) *p.inv_scale = 1.f / scale;  // exact: a power of two
-  const int64_t depth = p.units.depth, vocab = p.units.vocab, size = p.size;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCopyThreads;
-  const int64_t first = blockIdx.x * static_cast<int64_t>(kCopyThreads) + tid;
+  if (p.inv_scale && first == 0) *p.inv_scale = 1.f / scale;  // exact: a power of two
+  const int64_t depth = p.d, vocab = p.v, size = p.size;
   const T* weight = static_cast<const T*>(p.weight);
   // "vd" walks the ld rows of the copy, the ones past size reading as 0; "dv" walks W's range
   const int64_t src_vecs = size * depth / 8;
@@ -180,6 +176,13 @@ __device__ __forceinline__ void copy_weight_chunk(const GradParams& p, int start
   }
 }
 
+// The copy alone, every thread of the grid walking the chunk (GradArgs as the grad kernel's).
+template <class T, bool kDv>
+__global__ void __launch_bounds__(256) weight_copy_kernel(const __grid_constant__ GradArgs p) {
+  copy_weight_chunk<T, kDv>(p, p.start, blockIdx.x * int64_t{blockDim.x} + threadIdx.x,
+                            int64_t{gridDim.x} * blockDim.x);
+}
+
 // kFloor: p.floor is set (a truncated softmax), read per row; false: p.floor is not read.
 template <class Cfg, bool kFloor>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -191,7 +194,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Units& g = p.units;
   const int start = p.start_ptr ? *p.start_ptr : p.start;
   auto copy_weight = [&](int warp_idx) {
-    if (warp_idx > 0 && p.w16 != nullptr) copy_weight_chunk<Cfg>(p, start, threadIdx.x - 32);
+    if (warp_idx > 0 && p.w16 != nullptr) {
+      copy_weight_chunk<typename Cfg::Element, Cfg::kWeightDv>(
+          p, start, blockIdx.x * int64_t{kCopyThreads} + (threadIdx.x - 32), int64_t{gridDim.x} * kCopyThreads);
+    }
   };
   run_tile_kernel<Cfg>(storage.main, tma_a, tma_b, g, start / kBlockN, p.bias, copy_weight,
                        [&](const ConsumerLane& lane, auto& acc, auto& compute_tile) __attribute__((always_inline)) {
@@ -249,6 +255,13 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
                              kSmemBytes);
   }
   return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, plan.grid, stream, "linear_grad_kernel", kSmemBytes);
+}
+
+template <class T, bool kDv>
+std::string launch_weight_copy_typed(const GradArgs& args, int sm_count, cudaStream_t stream) {
+  weight_copy_kernel<T, kDv><<<8 * sm_count, 256, 0, stream>>>(args);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("weight_copy_kernel launch: ") + cudaGetErrorString(err);
 }
 
 }  // namespace jaxrl_sm90

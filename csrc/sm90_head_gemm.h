@@ -16,13 +16,14 @@
 namespace jaxrl_sm90 {
 
 // acc[n, d] = alpha (g[n, :k] . w16) + beta acc, float32; w16 is [k, d] (w16_dv false) or
-// [d, k] (true). Where [n, d] has too few output tiles to fill the GPU, K is split over several
-// CTAs per tile (sm90_head_gemm.cuh), by a count that depends on (n, d, k) only, as does the
-// workspace size.
+// [d, k] (true). Where [n, d] has too few output tiles to fill the GPU and `split_k`, K is split
+// over several CTAs per tile (sm90_head_gemm.cuh), by a count that depends on (n, d, k) only, as
+// does the workspace size; split_k false keeps one CTA per tile whatever n is (a batch-invariant
+// backward: each row's sums then do not depend on n).
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, cudaStream_t stream);
-size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k);
+                          int sm_count, cudaStream_t stream, bool split_k = true);
+size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k, bool split_k = true);
 
 // out[m, n] = alpha (x[:k, :m]^T . y[:k, :n]) in `out_dtype` (row stride ldo).
 std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y,

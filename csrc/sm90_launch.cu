@@ -141,6 +141,20 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
   return args.weight_dv ? launch_grad_f16_dv(args, plan, stream) : launch_grad_f16_vd(args, plan, stream);
 }
 
+WeightCopy choose_weight_copy(const Plan& grad_plan) {
+  return grad_plan.makespan < kCopyHiddenTiles ? WeightCopy::kApart : WeightCopy::kInKernel;
+}
+
+std::string launch_weight_copy(const GradArgs& args, int sm_count, cudaStream_t stream) {
+  if (args.size == 0) return {};
+  if (args.dtype == DType::kBF16) {
+    return args.weight_dv ? launch_weight_copy_bf16_dv(args, sm_count, stream)
+                          : launch_weight_copy_bf16_vd(args, sm_count, stream);
+  }
+  return args.weight_dv ? launch_weight_copy_f16_dv(args, sm_count, stream)
+                        : launch_weight_copy_f16_vd(args, sm_count, stream);
+}
+
 Plan choose_distill_plan(int n, int v, int num_sms, int force_splits) {
   return choose_plan(n, v, num_sms, force_splits, kDistillBlockN);
 }

@@ -109,6 +109,20 @@ Plan choose_grad_plan(int n, int size, int num_sms, int tile_cols = kBlockN);
 
 std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t stream);
 
+// The grad kernel's weight copy alone (its w16, w_scale / wmax, inv_scale and next_* fields), by
+// a kernel on the whole GPU: for a chunk whose tiles are too few to hide the copy under them.
+std::string launch_weight_copy(const GradArgs& args, int sm_count, cudaStream_t stream);
+
+// Who writes each chunk's float16 weight copy: the grad kernel's producer warps (kInKernel), or
+// launch_weight_copy before it (kApart); kAuto: choose_weight_copy's pick for the chunk's plan.
+enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
+
+// kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its
+// producer warps, with few loads in flight, then take longer over their share of the copy than
+// the tiles do (bench_lean_chunks: at N = 256 and 512 the grad kernel took 4-7 x its tiles' time).
+constexpr long long kCopyHiddenTiles = 4;
+WeightCopy choose_weight_copy(const Plan& grad_plan);
+
 // The whole backward of the head (`launch_backward`, sm90_backward.cu): for each vocabulary
 // chunk of `chunk` columns in order, the grad kernel above writes G_c and W16_c, and two
 // CUTLASS GEMMs (sm90_head_gemm.cuh) consume them:
@@ -136,11 +150,13 @@ struct BackwardArgs {
   const int32_t* ids = nullptr;     // [N, K]
   const float* id_coef = nullptr;   // [N, K], in units of G (g_k / (s T))
   int id_k = 0;
+  WeightCopy weight_copy = WeightCopy::kAuto;
+  bool split_k = true;              // false: d_hidden's GEMM never splits K (gemm_d_hidden)
 };
 
 // Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight, each
 // chunk's max |W| and 1 / sigma, and the GEMMs' own workspace, each 256-byte aligned.
-size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype);
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k = true);
 
 std::string launch_backward(const BackwardArgs& args, cudaStream_t stream);
 

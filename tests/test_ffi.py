@@ -28,7 +28,7 @@ from benchmarks import kernel_entry
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.backend_contract import Problem
-from jaxrl_kernels import head_grad
+from jaxrl_kernels import head_grad, logprob_core
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
@@ -160,6 +160,27 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
     assert "stablehlo.while" not in text and ffi_linear.GRAD_TARGET + "(" not in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
+
+
+def test_weight_copy_attribute_from_config():
+    """ffi.linear.Config.weight_copy reaches the backward custom call as its ``weight_copy``
+    attribute (csrc/sm90_launch.h WeightCopy); an unknown value is a ValueError."""
+    if extension.sm90 is None:
+        pytest.skip(f"extension not built (its workspace size): {extension.IMPORT_ERROR}")
+    h, w, _, t = _inputs()
+    n = h.shape[0]
+    rows = [jnp.zeros((n,), jnp.float32)] * 4
+
+    def lowered(copy):
+        f = functools.partial(ffi_linear.linear_backward, weight_layout="vd", temperature=1.0,
+                              config=ffi_linear.Config(weight_copy=copy))
+        return jax.jit(f).trace(h, w, None, t, *rows).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    for copy, code in (("auto", 0), ("in_kernel", 1), ("apart", 2)):
+        assert f"weight_copy = {code} : i64" in lowered(copy)
+    with pytest.raises(ValueError, match="weight_copy"):
+        lowered("elsewhere")
 
 
 def test_forward_splits_attribute_from_config():
@@ -458,15 +479,16 @@ GRAD_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("gemms", ["cutlass", "xla"])
+@pytest.mark.parametrize("gemms", ["cutlass", "cutlass_in_kernel", "cutlass_apart", "xla"])
 @pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols", GRAD_CASES,
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy, temperature,
                                       cols, gemms):
     """The ffi backward part against the float64 VJP, with ignored rows (lse = +inf, zero
     cotangents) and a target outside [0, V): the fused custom call (CUTLASS GEMMs; chunks of
-    `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer) and the
-    grad call in head_grad's loop of XLA GEMMs (benchmarks/variants/ffi_xla_gemms.py)."""
+    `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer), with the
+    weight copy where the backward puts it, in the grad kernel and apart, and the grad call in
+    head_grad's loop of XLA GEMMs (benchmarks/variants/ffi_xla_gemms.py)."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
     _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms)
 
@@ -486,7 +508,7 @@ def test_gpu_backward_weight_range_per_chunk(layout):
     w = (w.astype(jnp.float32) * (col_scale[:, None] if layout == "vd" else col_scale[None, :])
          ).astype(jnp.bfloat16)
     h = (h.astype(jnp.float32) * 2.0 ** -18).astype(jnp.bfloat16)
-    for gemms in ("cutlass", "xla"):
+    for gemms in ("cutlass_in_kernel", "cutlass_apart", "xla"):
         _check_backward(h, w, b, t, layout, jnp.bfloat16, True, 1.0, cols, gemms)
 
 
@@ -511,9 +533,10 @@ def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms
     g = np.where(active, g, 0.0)
     g_ent = None if g_ent is None else np.where(active, g_ent, 0.0)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    if gemms == "cutlass":
-        backward = functools.partial(ffi_linear.linear_backward,
-                                     config=ffi_linear.Config(chunk_bytes=2 * n * cols))
+    if gemms.startswith("cutlass"):
+        copy = {"cutlass": "auto", "cutlass_in_kernel": "in_kernel", "cutlass_apart": "apart"}
+        backward = functools.partial(ffi_linear.linear_backward, config=ffi_linear.Config(
+            chunk_bytes=2 * n * cols, weight_copy=copy[gemms]))
     else:
         backward = functools.partial(ffi_xla_gemms.linear_backward, chunk_bytes=2 * n * cols)
     got = jax.jit(lambda *a: backward(*a, weight_layout=layout, temperature=temperature))(
@@ -596,6 +619,28 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
     assert_bitwise(f(h, w), f(h, w))
     text = jax.jit(f).lower(h, w).as_text()
     assert f"custom_call @{ffi_linear.BACKWARD_TARGET}" in text
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_gpu_weight_copy_apart_or_in_kernel_bitwise_the_same(layout):
+    """The weight copy by its own kernel or by the grad kernel's producer warps: the same float16
+    copy, scales and GEMMs, so the same bits, over several chunks and a ragged last one."""
+    h, w, _, t = _gpu_inputs(200, 256, 5000, layout, jnp.bfloat16, False, seed=6)
+    g = jnp.asarray(np.random.default_rng(1).standard_normal(200), jnp.float32)
+
+    def grads(copy):
+        backward = functools.partial(ffi_linear.linear_backward, config=ffi_linear.Config(
+            chunk_bytes=2 * 200 * 1024, weight_copy=copy))
+        parts = logprob_core.Parts(ffi_linear.linear_stats, backward)
+        rv = jnp.ones(t.shape, bool)
+        f = lambda h, w: jnp.sum(g * logprob_core.linear_from_parts(
+            parts, h, w, None, t, rv, weight_layout=layout, temperature=1.0,
+            return_entropy=False)[0])
+        return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
+
+    assert_bitwise(grads("apart"), grads("in_kernel"))
 
 
 @pytest.mark.gpu

@@ -75,12 +75,27 @@ class Config:
     (``choose_plan`` in csrc/sm90_launch.cu, ``_sm90.plan``)."""
     chunk_bytes: int = GRAD_CHUNK_BYTES
     """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``)."""
+    weight_copy: str = "auto"
+    """Who writes each backward chunk's float16 weight copy: ``"in_kernel"``, the grad kernel's
+    otherwise idle producer warps, under its tiles; ``"apart"``, a kernel of its own on the
+    whole GPU before it (faster where the chunk has too few tiles to hide the copy: small N);
+    ``"auto"``: the backward's choice per chunk (``choose_weight_copy`` in
+    csrc/sm90_launch.cu). Results are bitwise the same either way."""
     batch_invariant: bool = False
-    """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`) and
-    backward chunks of ``head_grad.invariant_chunk_columns`` (4096 columns, below the 8192 from
-    which the d_hidden GEMM splits K by a count that follows N: ``hidden_splits`` in
+    """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`),
+    backward chunks of ``head_grad.invariant_chunk_columns`` (4096 columns) and a d_hidden GEMM
+    that never splits K (the backward call's ``split_k`` attribute; otherwise it splits K by a
+    count that follows N where its tiles are few: ``hidden_splits`` in
     csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
     rows."""
+
+    def weight_copy_code(self) -> int:
+        """The backward call's ``weight_copy`` attribute (csrc/sm90_launch.h ``WeightCopy``)."""
+        codes = {"auto": 0, "in_kernel": 1, "apart": 2}
+        if self.weight_copy not in codes:
+            raise ValueError(f"weight_copy: expected one of {sorted(codes)}, got "
+                             f"{self.weight_copy!r}")
+        return codes[self.weight_copy]
 
     def forward_splits(self) -> int:
         """The forward call's ``splits`` attribute (0: the planner's choice)."""
@@ -179,8 +194,9 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     else:
         id_coef = (g_ids / (scaled.s * temperature)[:, None]).astype(jnp.float32)
     rows = scaled.rows
+    split_k = not config.batch_invariant
     workspace = extension.sm90.backward_workspace_bytes(
-        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16)
+        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16, split_k)
     scalars = jnp.stack([scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         BACKWARD_TARGET,
@@ -195,7 +211,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         ids.astype(jnp.int32), id_coef, _f32_or_empty(floor),
         weight_dv=weight_layout == "dv", has_bias=bias is not None,
         has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
-        chunk=np.int64(chunk))
+        chunk=np.int64(chunk), weight_copy=np.int64(config.weight_copy_code()), split_k=split_k)
     return (scaled.finish(acc, hidden.dtype), d_weight,
             None if bias is None else d_bias.astype(bias.dtype))
 
