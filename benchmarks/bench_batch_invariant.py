@@ -25,6 +25,7 @@ from __future__ import annotations
 COLUMNS = ["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise",
            "error"]
 SIZES = {"full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
+         "n4096": [(4096, 2048, 131072)],
          "small": [(8, 32, 1000), (100, 32, 1000)]}
 LINEAR_BACKENDS = ("ffi", "pallas", "chunked")
 TOKEN_BACKENDS = ("pallas", "reference")
