@@ -20,7 +20,8 @@ cotangents folded in (p = 0 below a per-row ``floor`` of a truncated softmax, if
 Rows without a gradient come with ``lse = +inf`` and read nothing.
 
 Batch-invariant (:data:`INVARIANT_OPS`): one program per row whatever N, so that each row's
-results do not depend on the other rows.
+results do not depend on the other rows; that program also finishes the row's statistics
+(``lse``, ``entropy``, ``logp``), which XLA's fusions of them would round by N on a GPU.
 
 Rows with ``row_valid == False`` read no logits. The target is only used to index when the
 row is valid and the target inside this device's columns; no address outside the logits is
@@ -118,9 +119,11 @@ def _tile_columns(j, block_v: int, vocab: int):
 
 
 def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temperature: float,
-                    block_v: int, tiles_per_split: int):
+                    block_v: int, tiles_per_split: int, finish: bool = False):
     """Outputs: (m, s[, a]) of each input for this (row, split), then z_target of each input
-    (written by split 0; 0 where the target is not a column of these logits)."""
+    (written by split 0; 0 where the target is not a column of these logits). ``finish`` (one
+    split, one input): the finished statistics instead, ``(lse, 1, −entropy)`` and
+    ``logp = (z_target − m) − log s``, the statistics of ``logprob_core`` for m = lse."""
     x_refs, out_refs = refs[:n_in], refs[n_in:]
     vocab = x_refs[0].shape[-1]
     n_tiles = pl.cdiv(vocab, block_v)
@@ -143,6 +146,11 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
                 for ref in x_refs]  # issued before the walk
     init = tuple(softmax_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
+    if finish:
+        (m, s, *a), = stats
+        log_s = jnp.log(s)
+        stats = ((m + log_s, jnp.ones_like(s), *[-(log_s - x / s) for x in a]),)
+        target_z = [(target_z[0] - m) - log_s]
     pos = 0
     for st in stats:
         for val in st:
@@ -191,13 +199,16 @@ def _row_specs(count: int, vocab: int | None = None):
 def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch,
              isolate: bool = False):
     """Per input, the row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``
-    (entropy statistics for input 0 only, when asked). ``isolate``: :func:`_isolated`."""
+    (entropy statistics for input 0 only, when asked). ``isolate`` (batch-invariant calls):
+    the kernel finishes them (``_forward_kernel``'s ``finish``: one split) and its outputs sit
+    behind :func:`_isolated`."""
     n, vocab = xs[0].shape
     n_in = len(xs)
     n_stats = 2 * n_in + entropy
+    finish = isolate and n_in == 1 and plan.splits == 1
     kernel = functools.partial(
         _forward_kernel, n_in=n_in, entropy=entropy, temperature=temperature,
-        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
+        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab), finish=finish)
     outs = pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
@@ -210,7 +221,7 @@ def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan:
         interpret=common.interpret(),
         name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
     )(targets, row_valid, *xs)
-    return _combine_splits(_isolated(outs, isolate), n_in=n_in, entropy=entropy)
+    return _combine_splits(_isolated(outs, isolate), n_in=n_in, entropy=entropy, finished=finish)
 
 
 def _isolated(outs, isolate: bool):
@@ -220,8 +231,9 @@ def _isolated(outs, isolate: bool):
     return lax.optimization_barrier(outs) if isolate else outs
 
 
-def _combine_splits(outs, *, n_in: int, entropy: bool):
-    """Merge the per-split statistics of each input in split order (deterministic)."""
+def _combine_splits(outs, *, n_in: int, entropy: bool, finished: bool = False):
+    """Merge the per-split statistics of each input in split order (deterministic);
+    ``finished``: one split whose target output is already ``logp`` (no ``− m``)."""
     pos, result = 0, []
     for k in range(n_in):
         width = 3 if (entropy and k == 0) else 2
@@ -232,7 +244,7 @@ def _combine_splits(outs, *, n_in: int, entropy: bool):
             stats = softmax_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
         target_z = outs[2 * n_in + entropy + k]
         a = stats[2] if width == 3 else None
-        result.append((stats[0], stats[1], a, target_z - stats[0]))
+        result.append((stats[0], stats[1], a, target_z if finished else target_z - stats[0]))
     return result
 
 
