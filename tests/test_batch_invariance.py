@@ -133,7 +133,21 @@ def check_rows(rng, f, dtype, width, v, scale):
 
 @pytest.mark.parametrize("dtype", TOKEN_DTYPES)
 def test_token_logprobs_rows_bitwise_independent_of_the_batch(backend, rng, dtype):
+    if backend == "pallas":
+        pytest.skip("pallas has no batch-invariant token_logprobs (test_pallas_token_logprobs_"
+                    "is_declined)")
     check_token_invariance(backend, rng, dtype, V)
+
+
+def test_pallas_token_logprobs_is_declined():
+    """On a GPU its one-program-per-row kernel still gave a row's entropy one or two units in the
+    last place apart between N = 1 and N = 8 (docs/api.md): pallas serves no batch-invariant
+    token_logprobs, and the automatic choice takes another backend."""
+    with pytest.raises(NotImplementedError, match="no batch-invariant 'token_logprobs'"):
+        jk.token_logprobs(jnp.zeros((4, 16)), jnp.zeros(4, int), backend="pallas",
+                          batch_invariant=True)
+    problem = Problem(n_rows=4, vocab=16, batch_invariant=True)
+    assert dispatch.select("token_logprobs", problem).backend != "pallas"
 
 
 def check_token_invariance(backend, rng, dtype, v):
@@ -187,6 +201,8 @@ def test_batch_invariant_values_and_vjp_against_float64(backend, rng, layout, dt
 
 @pytest.mark.parametrize("op", ["token_logprobs", "linear_logprobs"])
 def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
+    if (backend, op) == ("pallas", "token_logprobs"):
+        pytest.skip("declined: test_pallas_token_logprobs_is_declined")
     plain = dispatch.select(op, Problem(n_rows=4, vocab=8), backend)
     pinned = dispatch.select(op, Problem(n_rows=4, vocab=8, batch_invariant=True), backend)
     table = dispatch._backend(backend)
@@ -317,10 +333,10 @@ def test_gpu_linear_logprobs_rows_bitwise_independent_of_the_batch(rng, gpu_back
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpu_backend", ["reference", "chunked", "pallas"])
+@pytest.mark.parametrize("gpu_backend", ["reference", "chunked"])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_gpu_token_logprobs_rows_bitwise_independent_of_the_batch(rng, gpu_backend, dtype):
-    """Pallas's default splits the vocabulary of fewer than 512 rows over programs: pinned."""
+    """The backends with a batch-invariant token_logprobs (pallas has none)."""
     check_token_invariance(_gpu_backend(gpu_backend), rng, dtype, 50257)
 
 

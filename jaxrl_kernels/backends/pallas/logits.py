@@ -19,10 +19,6 @@ Backward (the ``backward`` part): one program per (row, split) recomputes
 cotangents folded in (p = 0 below a per-row ``floor`` of a truncated softmax, if given).
 Rows without a gradient come with ``lse = +inf`` and read nothing.
 
-Batch-invariant (:data:`INVARIANT_OPS`): one program per row whatever N, so that each row's
-results do not depend on the other rows; that program also finishes the row's statistics
-(``lse``, ``entropy``, ``logp``), which XLA's fusions of them would round by N on a GPU.
-
 Rows with ``row_valid == False`` read no logits. The target is only used to index when the
 row is valid and the target inside this device's columns; no address outside the logits is
 formed. ``logprob_core`` holds the custom_vjp, the outputs (0 for invalid rows, NaN for
@@ -119,11 +115,9 @@ def _tile_columns(j, block_v: int, vocab: int):
 
 
 def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temperature: float,
-                    block_v: int, tiles_per_split: int, finish: bool = False):
+                    block_v: int, tiles_per_split: int):
     """Outputs: (m, s[, a]) of each input for this (row, split), then z_target of each input
-    (written by split 0; 0 where the target is not a column of these logits). ``finish`` (one
-    split, one input): the finished statistics instead, ``(lse, 1, −entropy)`` and
-    ``logp = (z_target − m) − log s``, the statistics of ``logprob_core`` for m = lse."""
+    (written by split 0; 0 where the target is not a column of these logits)."""
     x_refs, out_refs = refs[:n_in], refs[n_in:]
     vocab = x_refs[0].shape[-1]
     n_tiles = pl.cdiv(vocab, block_v)
@@ -146,11 +140,6 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
                 for ref in x_refs]  # issued before the walk
     init = tuple(softmax_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
-    if finish:
-        (m, s, *a), = stats
-        log_s = jnp.log(s)
-        stats = ((m + log_s, jnp.ones_like(s), *[-(log_s - x / s) for x in a]),)
-        target_z = [(target_z[0] - m) - log_s]
     pos = 0
     for st in stats:
         for val in st:
@@ -196,19 +185,15 @@ def _row_specs(count: int, vocab: int | None = None):
     return [pl.BlockSpec((None, vocab), lambda i, s: (i, 0)) for _ in range(count)]
 
 
-def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch,
-             isolate: bool = False):
+def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan: LogitsLaunch):
     """Per input, the row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``
-    (entropy statistics for input 0 only, when asked). ``isolate`` (batch-invariant calls):
-    the kernel finishes them (``_forward_kernel``'s ``finish``: one split) and its outputs sit
-    behind :func:`_isolated`."""
+    (entropy statistics for input 0 only, when asked)."""
     n, vocab = xs[0].shape
     n_in = len(xs)
     n_stats = 2 * n_in + entropy
-    finish = isolate and n_in == 1 and plan.splits == 1
     kernel = functools.partial(
         _forward_kernel, n_in=n_in, entropy=entropy, temperature=temperature,
-        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab), finish=finish)
+        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
     outs = pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
@@ -221,19 +206,11 @@ def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan:
         interpret=common.interpret(),
         name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
     )(targets, row_valid, *xs)
-    return _combine_splits(_isolated(outs, isolate), n_in=n_in, entropy=entropy, finished=finish)
+    return _combine_splits(outs, n_in=n_in, entropy=entropy)
 
 
-def _isolated(outs, isolate: bool):
-    """A kernel's outputs behind an optimization barrier (``isolate``, batch-invariant calls): in
-    interpret mode a grid of one program is inlined by XLA and fused with what follows, which
-    rounds differently from the loop over several programs."""
-    return lax.optimization_barrier(outs) if isolate else outs
-
-
-def _combine_splits(outs, *, n_in: int, entropy: bool, finished: bool = False):
-    """Merge the per-split statistics of each input in split order (deterministic);
-    ``finished``: one split whose target output is already ``logp`` (no ``− m``)."""
+def _combine_splits(outs, *, n_in: int, entropy: bool):
+    """Merge the per-split statistics of each input in split order (deterministic)."""
     pos, result = 0, []
     for k in range(n_in):
         width = 3 if (entropy and k == 0) else 2
@@ -244,7 +221,7 @@ def _combine_splits(outs, *, n_in: int, entropy: bool, finished: bool = False):
             stats = softmax_math.online_softmax_merge(stats, tuple(p[:, j] for p in parts))
         target_z = outs[2 * n_in + entropy + k]
         a = stats[2] if width == 3 else None
-        result.append((stats[0], stats[1], a, target_z if finished else target_z - stats[0]))
+        result.append((stats[0], stats[1], a, target_z - stats[0]))
     return result
 
 
@@ -272,23 +249,18 @@ def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float,
 
 # -- the two parts of logprob_core, and the primitives built from them ----------------------
 
-def _checked_plan(logits, plan, entropy=False, batch_invariant=False):
-    """``plan``, else :func:`make_launch`'s for this shape; ``batch_invariant``: one program
-    per row (no split of the vocabulary, whose count would follow N)."""
+def _checked_plan(logits, plan, entropy=False):
     n, vocab = logits.shape
-    return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy,
-                               splits=1 if batch_invariant else None)
+    return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
 
 
-def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None,
-                batch_invariant=False):
+def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=None):
     if logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
         return empty, empty, (empty if with_entropy else None), empty
     (stats,) = _forward([logits], targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                         temperature=float(temperature), entropy=bool(with_entropy),
-                        plan=_checked_plan(logits, plan, bool(with_entropy), batch_invariant),
-                        isolate=batch_invariant)
+                        plan=_checked_plan(logits, plan, bool(with_entropy)))
     return stats
 
 
@@ -305,7 +277,7 @@ def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature, 
 
 
 def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floor=None,
-                   plan=None, batch_invariant=False):
+                   plan=None):
     """d logits of token_logprobs from per-row cotangents (the ``logprob_core`` backward part).
 
     ``floor`` [N] | None: a truncated softmax keeping ``logits / T >= floor`` per row (``lse``
@@ -313,25 +285,16 @@ def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floo
     """
     if logits.shape[0] == 0:
         return jnp.zeros_like(logits)
-    return _isolated(_backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
-                               temperature=float(temperature),
-                               plan=_checked_plan(logits, plan, entropy is not None,
-                                                  batch_invariant)), batch_invariant)
+    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
+                     temperature=float(temperature),
+                     plan=_checked_plan(logits, plan, entropy is not None))
 
 
-def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False,
-                 batch_invariant: bool = False) -> Parts:
-    """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given
-    (``batch_invariant``: :func:`token_logprobs`' only, one program per row)."""
-    if paired:
-        return Parts(functools.partial(paired_stats, plan=plan),
-                     functools.partial(token_backward, plan=plan))
-    return Parts(functools.partial(token_stats, plan=plan, batch_invariant=batch_invariant),
-                 functools.partial(token_backward, plan=plan, batch_invariant=batch_invariant))
+def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False) -> Parts:
+    """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given."""
+    stats = paired_stats if paired else token_stats
+    return Parts(functools.partial(stats, plan=plan),
+                 functools.partial(token_backward, plan=plan))
 
 
 OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}
-
-INVARIANT_OPS = {"token_logprobs": kernel_parts(batch_invariant=True)}
-"""One program per row whatever N (``make_launch(splits=1)``): each row's results bitwise
-independent of the other rows."""
