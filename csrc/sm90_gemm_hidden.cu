@@ -15,7 +15,10 @@ using HiddenDvSplit =
     HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::gemm::StreamKScheduler>;
 
 // At most this many parts per output tile, each of at least kMinSplitK columns of K: short
-// parts would spend more of their time filling the pipeline and in the reduction.
+// parts would spend more of their time filling the pipeline and in the reduction. With parts
+// of 2048 rather than 4096 columns, the 8192-column chunks of N = 512, D = 2048 take 4 parts
+// instead of 2, and the GEMM 0.68 ms over V = 131072 instead of 0.99 (one H200,
+// benchmarks/results/bench_lean_chunks_{ff5c7bd,da0ca9e}.md).
 constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
