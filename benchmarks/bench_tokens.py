@@ -13,9 +13,24 @@ calls by the host clock after a warm-up, and XLA's temp size:
   Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
   code; ``lean`` computes the logits twice, so its floor is 4/3 of it (``floor_ms`` columns).
 - ``torch bf16``: the plain torch code (bf16 logits, float32 ``log_softmax``) in a separate
-  process, when torch is importable (``--torch``).
+  process, when torch is importable (``--torch``);
+- ``QuACK chunked`` / ``Liger`` (``--peers``): the peer libraries' fused linear
+  cross-entropy, QuACK's ``chunked_linear_cross_entropy`` (its summed loss: its API has no
+  per-token loss) and Liger's ``liger_fused_linear_cross_entropy`` (per-token loss,
+  reduction "none", summed with a random cotangent), forward+backward on the same shapes in
+  a separate PyTorch process (``benchmarks.token_peers``, which imports the side-by-side
+  worker's ``quack()`` / ``liger()``) that runs before JAX touches the device. They compute
+  cross-entropy, the log-probs: the GRPO loss on top adds one elementwise pass over [N],
+  negligible. Their rows carry ``version`` (as those functions report it) and ``note``.
+
+The torch and peer rows are timed by CUDA events around each call (median of ``--runs``
+calls after 3 warm-up calls) and have no temp size or floor; ``x_jnp`` divides by the jnp
+bf16 row of the same size. A peer that is not installed (or a size it fails at) is printed
+and leaves a row with ``error`` and no times; it never stops the sweep. The table adds the
+``version`` and ``error`` columns when a row has one (``note`` is in the JSON only).
 
     python -m benchmarks.bench_tokens                    # the sweep (GPU), bench_tokens.{json,md}
+    python -m benchmarks.bench_tokens --torch --peers    # with torch, QuACK and Liger
     python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
     python -m benchmarks.bench_tokens --small            # toy sizes, any device
 
@@ -27,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -97,6 +113,59 @@ def torch_rows(sizes, runs):
     return {tuple(k): ms for k, ms in json.loads(proc.stdout.splitlines()[-1])}
 
 
+PEERS = ("QuACK chunked", "Liger")  # benchmarks.token_peers.PEERS, without importing torch
+PEER_TIMEOUT = 1800  # seconds for the whole peers' process
+
+
+def jnp_row_ms(rows, n, d, v):
+    """The jnp bf16 row's milliseconds at (N, D, V) (NaN if it has none)."""
+    return next((r["fwdbwd_ms"] for r in rows if r["impl"] == "jnp bf16" and
+                 (r["N"], r["D"], r["V"]) == (n, d, v)), float("nan"))
+
+
+def peer_results(sizes, runs):
+    """The peers' records (``benchmarks.token_peers``) from a separate process; if it fails,
+    one record per peer that says why."""
+    cmd = [sys.executable, "-m", "benchmarks.token_peers", json.dumps(sizes), str(runs)]
+    try:
+        proc = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parents[1],
+                              capture_output=True, text=True, timeout=PEER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        reason = f"the peers' worker ran past {PEER_TIMEOUT} s"
+    else:
+        if proc.returncode == 0:
+            try:
+                return json.loads(proc.stdout.splitlines()[-1])
+            except (IndexError, ValueError):
+                pass
+        print("peers' worker failed:", proc.stderr[-2000:])
+        last = next((x for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
+        reason = (f"the peers' worker exited with code {proc.returncode}: {last[:250]}"
+                  if proc.returncode else "the peers' worker printed no records")
+    return [{"impl": impl, "error": reason} for impl in PEERS]
+
+
+def peer_rows(results, rows):
+    """The rows of the peers' records: ``us_per_token`` and ``x_jnp`` against ``rows``' jnp
+    bf16 row of the same size. A record with an error is printed and kept (an import failure
+    is one record per peer, so it is reported once)."""
+    out = []
+    for rec in results:
+        row = {"impl": rec["impl"]}
+        row.update((k, rec[k]) for k in ("N", "D", "V") if k in rec)
+        if "error" in rec:
+            size = f" N={rec['N']} D={rec['D']} V={rec['V']}" if "N" in rec else ""
+            print(f"{rec['impl']}{size}: {rec['error']}", flush=True)
+            row["error"] = rec["error"]
+        else:
+            n, ms = rec["N"], rec["fwdbwd_ms"]
+            row.update(fwdbwd_ms=ms, us_per_token=1e3 * ms / n,
+                       x_jnp=ms / jnp_row_ms(rows, n, rec["D"], rec["V"]))
+        row.update((k, rec[k]) for k in ("version", "note") if k in rec)
+        out.append(row)
+    return out
+
+
 def torch_worker(sizes, runs):
     """[((N, D, V), median ms)] of the plain torch GRPO loss forward+backward, bf16 logits."""
     import statistics
@@ -144,6 +213,8 @@ def main():
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
+    parser.add_argument("--peers", action="store_true",
+                        help="add QuACK's chunked and Liger's fused linear cross-entropy rows")
     parser.add_argument("--profile", type=int, metavar="N",
                         help="profile the impls at N tokens (D, V: --profile-shape)")
     parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
@@ -159,6 +230,8 @@ def main():
         profile(args.profile, d, v)
         return
     sizes = SIZES["small" if args.small else args.sizes]
+    # The peers' process runs before this one touches the device (its memory pool).
+    peers = peer_results(sizes, args.runs) if args.peers else []
     rows = []
     for n, d, v in sizes:
         data = inputs(n, d, v)
@@ -183,11 +256,11 @@ def main():
             rows.append(row)
     if args.torch:
         for (n, d, v), ms in torch_rows(sizes, args.runs).items():
-            jnp_ms = next(r["fwdbwd_ms"] for r in rows if r["impl"] == "jnp bf16" and
-                          (r["D"], r["V"]) == (d, v) and r["N"] == n)
             rows.append({"impl": "torch bf16", "N": n, "D": d, "V": v, "fwdbwd_ms": ms,
-                         "us_per_token": 1e3 * ms / n, "x_jnp": ms / jnp_ms})
-    print(common.write_results(args.name, rows, COLUMNS))
+                         "us_per_token": 1e3 * ms / n, "x_jnp": ms / jnp_row_ms(rows, n, d, v)})
+    rows += peer_rows(peers, rows)
+    extra = [c for c in ("version", "error") if any(c in r for r in rows)]
+    print(common.write_results(args.name, rows, COLUMNS + extra))
 
 
 if __name__ == "__main__":

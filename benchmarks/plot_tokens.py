@@ -1,10 +1,11 @@
 """Draw ``bench_tokens.json`` as an SVG: microseconds per token against the token count N.
 
-One panel per (D, V) of the file; a line per implementation; the GEMM floor dashed (the
-three GEMMs of a forward+backward that keeps the logits, measured in the same run) and the
-lean mode's own floor (4/3 of it: lean computes the logits twice) dotted. The x axis is
-log2 N; the title carries the file's device, date, jax version and commit. Plain SVG, no
-plotting library.
+One panel per (D, V) of the file; a line per implementation with times (every impl of the
+file, the peers of ``--peers`` included; a row with an ``error`` and no times draws nothing);
+the GEMM floor dashed (the three GEMMs of a forward+backward that keeps the logits, measured
+in the same run) and the lean mode's own floor (4/3 of it: lean computes the logits twice)
+dotted. The x axis is log2 N; the title carries the file's device, date, jax version and
+commit. Plain SVG, no plotting library.
 
     python -m benchmarks.plot_tokens benchmarks/results/bench_tokens.json docs/tokens.svg
 """
@@ -21,6 +22,8 @@ STYLE = {  # impl: (colour, dash pattern)
     "ours fast": ("#2ca02c", ""),
     "jnp bf16": ("#d62728", ""),
     "torch bf16": ("#ff7f0e", ""),
+    "QuACK chunked": ("#8c564b", ""),  # the peers (bench_tokens --peers): cross-entropy
+    "Liger": ("#e377c2", ""),
     "3 GEMMs": ("#555555", "6,4"),
     "lean floor (4 GEMMs)": ("#1f77b4", "2,3"),
 }
