@@ -26,6 +26,11 @@ mesh set, ``jax.set_mesh``, as a user does):
     a user's jax.shard_map (``check_vma=True``) with ``vocab_axis="model"`` while the rows are
     split over ``data``: linear_logprobs, linear_grpo_loss, token_logprobs and grpo_loss; a
     loss there is the loss of the device's row block.
+``sampler``
+    sampler-matched log-probs (top-k, top-p, min-p; docs/api.md) under jax.jit:
+    linear_logprobs and token_logprobs in one program, the rows split over ``model`` and the
+    vocabulary over ``data``, so that the kept-set passes combine each row's counts and sums
+    across the two processes; the compiled program gathers no device's share of the logits.
 
 With ``JAXRL_MULTIPROCESS_ON=gpu`` each process runs on the GPUs its CUDA_VISIBLE_DEVICES
 names (NCCL collectives) instead, the mesh is (data=2, model=<GPUs per process>), the head,
@@ -225,10 +230,51 @@ def case_vocab_axis():
           unsharded=blocks(from_logits))
 
 
+# the sampler's truncations (after test_sharding_grid.py's SAMPLER_OPTIONS), each on one op:
+# the candidates' pass (top-k), the pivot search (top-p alone), top-k with top-p, and all three
+# with the entropy and whether each target is kept (min_p 0.2: it keeps fewer than top_k's 40
+# in some rows here, so each option changes the results)
+SAMPLER = (("linear", dict(top_k=20)),
+           ("token", dict(top_p=0.9, temperature=0.8)),
+           ("linear", dict(top_k=40, top_p=0.9, min_p=0.2, return_entropy=True,
+                           return_kept=True, ignore_index=-100)),
+           ("token", dict(top_k=40, top_p=0.9)))
+
+
+def case_sampler():
+    def in_set(z):  # half the targets the row's argmax (kept by every truncation), half t
+        on = (np.arange(B)[:, None] + np.arange(T)) % 2 == 0
+        targets = np.where(on, np.argmax(np.asarray(z, np.float32), -1), t).astype(np.int32)
+        ignored = targets.copy()
+        ignored[0, 1] = ignored[3, 6] = -100
+        return targets, ignored
+
+    targets = {"linear": in_set(np.asarray(h, np.float32) @ np.asarray(w, np.float32).T),
+               "token": in_set(logits)}
+
+    def sampled(h, w, x, *ids):
+        ids = dict(zip(("linear", "token"), (ids[:2], ids[2:])))
+        out = []
+        for op, opts in SAMPLER:
+            tg = ids[op]["ignore_index" in opts]
+            out.append(jk.linear_logprobs(h, w, tg, backend=backend, **opts) if op == "linear"
+                       else jk.token_logprobs(x, tg, backend=LOGITS_BACKEND, **opts))
+        # kept (bool) compared as 0 / 1
+        return jax.tree.map(lambda o: o.astype(jnp.float32) if o.dtype == jnp.bool_ else o, out)
+
+    # the rows split over model, the vocabulary over data: across the two processes, which
+    # combine each row's kept-set statistics
+    rows = P("model", None)
+    check("sampler: top-k, top-p, min-p", sampled,
+          (h, w, logits, *targets["linear"], *targets["token"]),
+          (P("model", None, None), P("data", None), P("model", None, "data")) + (rows,) * 4,
+          (0, 1, 2), gather_limit=logits.size // 8)  # limit: a device's share of the logits
+
+
 for kind, cases in RUNS:
     mesh = jax.make_mesh((2, LOCAL), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
     for case in cases:
         {"linear": case_linear, "options": case_options, "distill": case_distill,
-         "vocab_axis": case_vocab_axis}[case]()
+         "vocab_axis": case_vocab_axis, "sampler": case_sampler}[case]()
     print(f"process {pid}: ok ({backend}, {kind}, {','.join(cases)})", flush=True)
 jax.distributed.shutdown()

@@ -1,7 +1,8 @@
 """Two processes joined by jax.distributed (CPU, gloo collectives), 4 devices each: no process
 sees every device, and the ops still compute rows where they live and use a vocabulary-sharded
 weight or logits in place, under jax.jit (Auto and Explicit mesh axes, option combinations, an
-FSDP head, distillation lean and fast) and inside a user's jax.shard_map with ``vocab_axis`` (see multiprocess_worker.py).
+FSDP head, distillation lean and fast, sampler-matched log-probs with the vocabulary split across
+the processes) and inside a user's jax.shard_map with ``vocab_axis`` (see multiprocess_worker.py).
 One pair of processes per backend runs every case under both mesh types (starting and joining
 them is a good part of the cost). On a host of 4 or 8 GPUs the ``gpu`` test runs the same cases
 with each process on half of the GPUs."""
@@ -22,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNS = ["Auto:linear,distill", "Explicit:linear,options,distill,vocab_axis"]
+RUNS = ["Auto:linear,distill", "Explicit:linear,options,distill,vocab_axis,sampler"]
 
 
 def test_two_processes(backend):
