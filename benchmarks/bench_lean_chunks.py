@@ -5,8 +5,9 @@ Question: at N = 256 … 4096 tokens, how much of lean's forward + backward (``l
 bf16, the ffi kernels) is spent in each kind of kernel, and how does that change when the
 backward's vocabulary chunks are wider than ``head_grad.chunk_columns`` makes them (at least
 ``min_columns``), and with the float16 weight copy in the grad kernel or apart
-(``ffi.linear.Config.weight_copy``: ``copy``)? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the
-inputs of ``benchmarks.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
+(``ffi.linear.Config.weight_copy``: ``copy``)? Each row is
+``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the inputs of
+``benchmarks.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
 GEMMs of the same run; the per-kernel columns are the mean device time per call of one
 profiler trace of 3 calls, by kernel:
@@ -26,7 +27,8 @@ from __future__ import annotations
 import contextlib
 
 COLUMNS = ["impl", "copy", "min_columns", "N", "D", "V", "chunk", "chunks", "fwdbwd_ms", "x_jnp",
-           "temp_mib", "fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other"]
+           "temp_mib", "fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw",
+           "other"]
 SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)]
          + [(512, 4096, 131072)],
          "small": [(64, 32, 1000)]}

@@ -48,6 +48,7 @@ import sys
 
 from benchmarks import output
 from benchmarks.bench_fast_loss import inputs, losses
+from benchmarks.token_peers import PEERS  # torch is imported only inside its worker
 
 COLUMNS = ["impl", "N", "D", "V", "fwdbwd_ms", "us_per_token", "x_floor", "x_jnp", "temp_mib"]
 TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -113,7 +114,6 @@ def torch_rows(sizes, runs):
     return {tuple(k): ms for k, ms in json.loads(proc.stdout.splitlines()[-1])}
 
 
-PEERS = ("QuACK chunked", "Liger")  # benchmarks.token_peers.PEERS, without importing torch
 PEER_TIMEOUT = 1800  # seconds for the whole peers' process
 
 
