@@ -16,6 +16,7 @@ rounds (``common.rotated_ms``):
 
     python -m benchmarks.bench_batch_invariant --runs 20     # GPU
     python -m benchmarks.bench_batch_invariant --small       # toy sizes, any device
+    python -m benchmarks.bench_batch_invariant --backends ffi  # only these backends' rows
 
 Results: ``bench_batch_invariant.{json,md}`` (``--name``) in out/bench (``--out``).
 """
@@ -31,6 +32,8 @@ LINEAR_BACKENDS = ("ffi", "pallas", "chunked")
 TOKEN_BACKENDS = ("pallas", "reference")
 SMALL_BACKENDS = {"linear_logprobs": ("chunked", "reference"), "token_logprobs": ("reference",)}
 ALONE = 7
+ONLY: tuple[str, ...] = ()
+"""``--backends``: the backends whose rows run (empty: all)."""
 
 
 def inputs(n, d, v, seed=0):
@@ -105,6 +108,8 @@ def measure(size, runs, rounds, small):
             logits = jnp.einsum("nd,vd->nv", h, w)
         data = (h, w, t, g) if op == "linear_logprobs" else (logits, t, g)
         for backend in backends:
+            if ONLY and backend not in ONLY:
+                continue
             row = {"op": op, "backend": backend, "N": n, "D": d, "V": v}
             try:
                 default, invariant = step(op, backend, False), step(op, backend, True)
@@ -129,9 +134,16 @@ def measure(size, runs, rounds, small):
 
 
 def main(argv=None):
+    import argparse
+
     from benchmarks import common
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
+    global ONLY
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--backends", default="", help="comma-separated; default: all")
+    known, rest = parser.parse_known_args(argv)
+    ONLY = tuple(b for b in known.backends.split(",") if b)
+    return common.sized_main(rest, description=__doc__.split("\n")[0], sizes=SIZES,
                              name="bench_batch_invariant", columns=COLUMNS, measure=measure,
                              rounds=3)
 

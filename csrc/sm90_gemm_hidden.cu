@@ -14,6 +14,10 @@ using HiddenVdSplit =
 using HiddenDvSplit =
     HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::gemm::StreamKScheduler>;
 
+// Narrow (128-wide) tiles for the unsplit GEMM: same per-element sums as the wide ones.
+using HiddenVdNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::RowMajor, void, 128>;
+using HiddenDvNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, void, 128>;
+
 // At most this many parts per output tile, each of at least kMinSplitK columns of K: short
 // parts would spend more of their time filling the pipeline and in the reduction. With parts
 // of 2048 rather than 4096 columns, the 8192-column chunks of N = 512, D = 2048 take 4 parts
@@ -22,48 +26,65 @@ using HiddenDvSplit =
 constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
-// K's parts for d_hidden (1: no split): as many as keep the output tiles times the parts within
-// one wave of kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time).
-// The tiles are counted as the scheduler does, the M extent rounded up to whole clusters. A
-// function of the shape only, shared by the workspace size and the launch.
-int hidden_splits(int n, int d, int k, bool split_k) {
-  if (!split_k) return 1;
+// How d_hidden's GEMM covers [n, d]: K in `splits` parts (1: not split), and tiles 128 wide
+// rather than 256 (`narrow`).
+struct HiddenPlan {
+  int splits = 1;
+  bool narrow = false;
+};
+
+// K's parts: as many as keep the output tiles times the parts within one wave of
+// kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time), none without
+// `split_k`. Unsplit, the tiles are halved in width where that still fits one wave: a
+// batch-invariant backward (split_k false) must not let the sums' order follow n, but the
+// tile's width leaves each sum as it is. The tiles are counted as the scheduler does, the M
+// extent rounded up to whole clusters. A function of the shape only, shared by the workspace
+// size and the launch.
+HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
   constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
   const int64_t tiles_m = ((n + tm - 1) / tm + cm - 1) / cm * cm;
   const int64_t tiles = tiles_m * ((d + tn - 1) / tn);
-  const int64_t splits =
-      std::min<int64_t>({kSplitTargetCtas / std::max<int64_t>(tiles, 1), kMaxSplits, k / kMinSplitK});
-  return static_cast<int>(std::max<int64_t>(splits, 1));
+  HiddenPlan plan;
+  if (split_k) {
+    const int64_t splits =
+        std::min<int64_t>({kSplitTargetCtas / std::max<int64_t>(tiles, 1), kMaxSplits, k / kMinSplitK});
+    plan.splits = static_cast<int>(std::max<int64_t>(splits, 1));
+  }
+  plan.narrow = plan.splits == 1 && 2 * tiles <= kSplitTargetCtas;
+  return plan;
 }
+
 }  // namespace
 
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
                           int sm_count, cudaStream_t stream, bool split_k) {
-  const int splits = hidden_splits(n, d, k, split_k);
+  const HiddenPlan plan = hidden_plan(n, d, k, split_k);
+  const auto run = [&](auto gemm) {
+    return run_head_gemm<decltype(gemm)>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
+                                         stream, plan.splits);
+  };
   cutlass::Status st;
-  if (splits > 1) {
-    st = w16_dv ? run_head_gemm<HiddenDvSplit>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace,
-                                               sm_count, stream, splits)
-                : run_head_gemm<HiddenVdSplit>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace,
-                                               sm_count, stream, splits);
+  if (plan.splits > 1) {
+    st = w16_dv ? run(HiddenDvSplit{}) : run(HiddenVdSplit{});
+  } else if (plan.narrow) {
+    st = w16_dv ? run(HiddenDvNarrow{}) : run(HiddenVdNarrow{});
   } else {
-    st = w16_dv ? run_head_gemm<HiddenDv>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
-                                          stream)
-                : run_head_gemm<HiddenVd>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
-                                          stream);
+    st = w16_dv ? run(HiddenDv{}) : run(HiddenVd{});
   }
   if (st != cutlass::Status::kSuccess) return std::string("d_hidden GEMM: ") + cutlassGetStatusString(st);
   return {};
 }
 
 size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k, bool split_k) {
-  const int splits = hidden_splits(n, d, k, split_k);
-  if (splits > 1)
-    return w16_dv ? head_gemm_workspace<HiddenDvSplit>(n, d, k, splits)
-                  : head_gemm_workspace<HiddenVdSplit>(n, d, k, splits);
+  const HiddenPlan plan = hidden_plan(n, d, k, split_k);
+  if (plan.splits > 1)
+    return w16_dv ? head_gemm_workspace<HiddenDvSplit>(n, d, k, plan.splits)
+                  : head_gemm_workspace<HiddenVdSplit>(n, d, k, plan.splits);
+  if (plan.narrow)
+    return w16_dv ? head_gemm_workspace<HiddenDvNarrow>(n, d, k) : head_gemm_workspace<HiddenVdNarrow>(n, d, k);
   return w16_dv ? head_gemm_workspace<HiddenDv>(n, d, k) : head_gemm_workspace<HiddenVd>(n, d, k);
 }
 

@@ -40,11 +40,13 @@ namespace jaxrl_sm90 {
 // N=8192, D=4096, V=131072 on an H100 the GEMMs took 2-8 % less device time, and at N=4096,
 // D=2048 the same; a ping-pong schedule with 64 x 256 tiles took 1.3-1.9 x as long
 // (docs/design/linear_backward.md). Scheduler: void, CUTLASS's default persistent scheduler
-// (one CTA per output tile), or cutlass::gemm::StreamKScheduler for split-K.
-template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void>
+// (one CTA per output tile), or cutlass::gemm::StreamKScheduler for split-K. TileN: 128 for
+// d_hidden where 256-wide tiles are too few to fill the GPU and K is not split (each output
+// element is the same sum of the same wgmma steps whatever the tile's width).
+template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void, int TileN = 256>
 struct HeadGemm {
   using LayoutD = cutlass::layout::RowMajor;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::Int<TileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   static constexpr int kAlignC = 16 / sizeof(cute::conditional_t<cute::is_void_v<ElementC>, ElementD, ElementC>);
 
