@@ -12,7 +12,11 @@ rounds (``common.rotated_ms``):
 - ``fwdbwd_ms`` default, ``invariant_ms`` with ``batch_invariant=True``, ``x_default`` their
   ratio;
 - ``bitwise``: with ``batch_invariant=True``, the first ``ALONE`` rows' log-probs and rows of
-  ``d_hidden`` (``d_logits``) at this N have the bits of the same rows' call at N = ``ALONE``.
+  ``d_hidden`` (``d_logits``) at this N have the bits of the same rows' call at N = ``ALONE``;
+- ffi rows on a GPU: the mean device ms per call by kernel kind (``bench_lean_chunks.
+  kernel_kind``: forward, grad kernel, weight copy, d_hidden's GEMM unsplit and split-K,
+  d_weight's, the rest) of the default call and (``inv_``) the invariant one, from one
+  profiler trace of 3 calls each.
 
     python -m benchmarks.bench_batch_invariant --runs 20     # GPU
     python -m benchmarks.bench_batch_invariant --small       # toy sizes, any device
@@ -23,8 +27,10 @@ Results: ``bench_batch_invariant.{json,md}`` (``--name``) in out/bench (``--out`
 
 from __future__ import annotations
 
-COLUMNS = ["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise",
-           "error"]
+KINDS = ("fwd", "grad", "copy_ms", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
+"""The kernel kinds of the ffi rows' breakdown (``bench_lean_chunks.KERNELS`` but absmax)."""
+COLUMNS = (["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise"]
+           + [k for kind in KINDS for k in (kind, "inv_" + kind)] + ["error"])
 SIZES = {"full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
          "n4096": [(4096, 2048, 131072)],
          "small": [(8, 32, 1000), (100, 32, 1000)]}
@@ -84,6 +90,21 @@ def row_outputs(op, backend, data):
     return logp, jax.jit(vjp)(g)[0]
 
 
+def kernel_ms(fn, data, calls=3):
+    """Mean device ms per call of ``fn(*data)`` by kernel kind (:data:`KINDS`)."""
+    import collections
+
+    from benchmarks import common
+    from benchmarks.bench_lean_chunks import kernel_kind
+
+    _, kernels, _ = common.call_spans(fn, data, calls=calls)
+    per = collections.Counter()
+    for k in kernels:
+        kind = kernel_kind(k["name"])
+        per[kind if kind in KINDS else "other"] += k["dur"] / 1e3 / calls
+    return {kind: per.get(kind, 0.0) for kind in KINDS}
+
+
 def same_bits(a, b):
     import numpy as np
 
@@ -124,6 +145,9 @@ def measure(size, runs, rounds, small):
                 logp1, grad1 = row_outputs(op, backend, alone)
                 row["bitwise"] = (same_bits(logp[:ALONE], logp1)
                                   and same_bits(grad[:ALONE], grad1))
+                if backend == "ffi" and not small:
+                    row.update(kernel_ms(default, data))
+                    row.update({"inv_" + k: ms for k, ms in kernel_ms(invariant, data).items()})
             except Exception as e:  # noqa: BLE001 - a backend that fails still leaves its row
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(row, flush=True)

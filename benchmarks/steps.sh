@@ -5,7 +5,7 @@
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
 #   many_devices many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times kernels fused timeline clocks
-#   profile memcheck fast_mode fast_accuracy fast_loss tokens lean_chunks batch_invariant distill topk_distill sampler.
+#   profile memcheck fast_mode fast_accuracy fast_loss tokens lean_chunks batch_invariant batch_invariant_ffi distill topk_distill sampler.
 #   Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
@@ -63,6 +63,7 @@ for s in "$@"; do
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     lean_chunks) step 420 "$PY" -m benchmarks.bench_lean_chunks --runs 10 --rounds 2 ;;
     batch_invariant) step 590 "$PY" -m benchmarks.bench_batch_invariant --runs 10 --rounds 2 ;;
+    batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
     tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
     device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;
