@@ -48,6 +48,44 @@ import pytest
 # every compile here short.
 jax.config.update("jax_traceback_in_locations_limit", 5)
 
+# On CPU the suite's time is mostly XLA compiling thousands of small programs (every eager op
+# call compiles its primitives one by one, ~20 ms each), not running them: compile them with
+# XLA's backend optimizations off (jax_disable_most_optimizations: LLVM -O0, no expensive
+# passes), which cuts a compile by a quarter or more. It changes how fast a program runs; the
+# float64-oracle tolerances hold as before. The environment variable carries it to the processes
+# tests start (test_multiprocess.py, test_demo.py). Not on GPUs; JAXRL_TEST_XLA_OPT=1 keeps
+# XLA's defaults everywhere. The modules of DEFAULT_XLA_MODULES run with XLA's defaults (see
+# default_xla_optimizations).
+FAST_COMPILE = (os.environ.get("JAXRL_TEST_XLA_OPT") != "1" and jax.default_backend() == "cpu"
+                and os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "1") == "1")
+if FAST_COMPILE:
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    jax.config.update("jax_disable_most_optimizations", True)
+
+# Assertions that hold for XLA's default code generation only: batch invariance (a row's bits
+# independent of the other rows) is a property of the programs XLA emits at its default
+# optimization level; at -O0 XLA:CPU's code for a row differs with the batch size
+# (test_batch_invariance.py fails there).
+DEFAULT_XLA_MODULES = {"test_batch_invariance"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def default_xla_optimizations(request):
+    """XLA's default optimizations for the modules of DEFAULT_XLA_MODULES. jax's in-memory
+    caches are cleared on the way in and out (a cached executable was compiled under the
+    other setting; the persistent cache's keys include it)."""
+    if not FAST_COMPILE or request.module.__name__ not in DEFAULT_XLA_MODULES:
+        yield
+        return
+    jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+        jax.clear_caches()
+
+
 CPU_BACKENDS = ["reference", "chunked"]
 if os.environ.get("JAXRL_TEST_PALLAS") == "1":
     CPU_BACKENDS.append("pallas")
@@ -85,7 +123,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", CPU_BACKENDS)
 
 
+# Modules whose tests take longest (tens of seconds each on CPU: processes started, models
+# trained), run first: under ``pytest -n 2 --dist worksteal`` a long test that starts last
+# leaves the other worker idle at the end.
+SLOW_MODULES_FIRST = ("test_multiprocess", "test_tunix_learners", "test_bench_distill",
+                      "test_demo", "test_examples", "test_bench_sampler_logprobs",
+                      "test_bench_many_devices")
+
+
 def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    module = lambda item: getattr(getattr(item, "module", None), "__name__", "")
+    items.sort(key=lambda item: order.get(module(item), len(order)))  # stable: rest in order
     on_gpu = jax.default_backend() == "gpu"
     skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
     skip_slow_pallas = pytest.mark.skip(
