@@ -38,8 +38,6 @@ LINEAR_BACKENDS = ("ffi", "pallas", "chunked")
 TOKEN_BACKENDS = ("pallas", "reference")
 SMALL_BACKENDS = {"linear_logprobs": ("chunked", "reference"), "token_logprobs": ("reference",)}
 ALONE = 7
-ONLY: tuple[str, ...] = ()
-"""``--backends``: the backends whose rows run (empty: all)."""
 
 
 def inputs(n, d, v, seed=0):
@@ -90,21 +88,6 @@ def row_outputs(op, backend, data):
     return logp, jax.jit(vjp)(g)[0]
 
 
-def kernel_ms(fn, data, calls=3):
-    """Mean device ms per call of ``fn(*data)`` by kernel kind (:data:`KINDS`)."""
-    import collections
-
-    from benchmarks import common
-    from benchmarks.bench_lean_chunks import kernel_kind
-
-    _, kernels, _ = common.call_spans(fn, data, calls=calls)
-    per = collections.Counter()
-    for k in kernels:
-        kind = kernel_kind(k["name"])
-        per[kind if kind in KINDS else "other"] += k["dur"] / 1e3 / calls
-    return {kind: per.get(kind, 0.0) for kind in KINDS}
-
-
 def same_bits(a, b):
     import numpy as np
 
@@ -112,11 +95,14 @@ def same_bits(a, b):
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def measure(size, runs, rounds, small):
+def measure(size, runs, rounds, small, only=()):
+    """The rows of one size; ``only`` (``--backends``): the backends whose rows run (empty:
+    all)."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks import common
+    from benchmarks.bench_lean_chunks import kernel_ms
 
     n, d, v = size
     h, w, t, g = inputs(n, d, v)
@@ -129,7 +115,7 @@ def measure(size, runs, rounds, small):
             logits = jnp.einsum("nd,vd->nv", h, w)
         data = (h, w, t, g) if op == "linear_logprobs" else (logits, t, g)
         for backend in backends:
-            if ONLY and backend not in ONLY:
+            if only and backend not in only:
                 continue
             row = {"op": op, "backend": backend, "N": n, "D": d, "V": v}
             try:
@@ -146,8 +132,9 @@ def measure(size, runs, rounds, small):
                 row["bitwise"] = (same_bits(logp[:ALONE], logp1)
                                   and same_bits(grad[:ALONE], grad1))
                 if backend == "ffi" and not small:
-                    row.update(kernel_ms(default, data))
-                    row.update({"inv_" + k: ms for k, ms in kernel_ms(invariant, data).items()})
+                    row.update(kernel_ms(default, data, KINDS))
+                    row.update({"inv_" + k: ms
+                                for k, ms in kernel_ms(invariant, data, KINDS).items()})
             except Exception as e:  # noqa: BLE001 - a backend that fails still leaves its row
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(row, flush=True)
@@ -159,17 +146,17 @@ def measure(size, runs, rounds, small):
 
 def main(argv=None):
     import argparse
+    import functools
 
     from benchmarks import common
 
-    global ONLY
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--backends", default="", help="comma-separated; default: all")
     known, rest = parser.parse_known_args(argv)
-    ONLY = tuple(b for b in known.backends.split(",") if b)
+    only = tuple(b for b in known.backends.split(",") if b)
     return common.sized_main(rest, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_batch_invariant", columns=COLUMNS, measure=measure,
-                             rounds=3)
+                             name="bench_batch_invariant", columns=COLUMNS,
+                             measure=functools.partial(measure, only=only), rounds=3)
 
 
 if __name__ == "__main__":

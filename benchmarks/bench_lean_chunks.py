@@ -53,6 +53,22 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def kernel_ms(fn, args, kinds, calls=3):
+    """Mean device ms per call of ``fn(*args)`` by :func:`kernel_kind`, over one profiler trace
+    of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds not among them count as
+    ``"other"``, which ``kinds`` then holds)."""
+    import collections
+
+    from benchmarks import common
+
+    _, kernels, _ = common.call_spans(fn, args, calls=calls)
+    per = collections.Counter()
+    for k in kernels:
+        kind = kernel_kind(k["name"])
+        per[kind if kind in kinds else "other"] += k["dur"] / 1e3 / calls
+    return {kind: per.get(kind, 0.0) for kind in kinds}
+
+
 @contextlib.contextmanager
 def lean_variant(copy: str, columns: int):
     """While tracing: the ffi backward's weight copy ``copy``, and ``head_grad.chunk_columns``
@@ -77,8 +93,6 @@ def lean_variant(copy: str, columns: int):
 
 
 def measure(size, runs, rounds, small):
-    import collections
-
     import jax
 
     from benchmarks import common
@@ -112,11 +126,7 @@ def measure(size, runs, rounds, small):
     for row, fn in steps:
         row["x_jnp"] = row["fwdbwd_ms"] / jnp_ms
         if row["impl"] == "ours lean" and not small:
-            _, kernels, _ = common.call_spans(fn, args, calls=3)
-            per = collections.Counter()
-            for k in kernels:
-                per[kernel_kind(k["name"])] += k["dur"] / 1e3 / 3
-            row.update({kind: per.get(kind, 0.0) for kind in KERNELS})
+            row.update(kernel_ms(fn, args, KERNELS))
         print(row, flush=True)
         rows.append(row)
     del args, steps
