@@ -34,6 +34,7 @@ from __future__ import annotations
 COLUMNS = ["impl", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "nv_mib",
            "no_nv_buffer", "kept", "err_logp", "err_dh", "err_dW", "error"]
 SIZES = {"full": [(4096, 2048, 131072), (8192, 4096, 151936)], "n4096": [(4096, 2048, 131072)],
+         "n8192": [(8192, 4096, 151936)],
          "small": [(64, 32, 1000)]}
 TRUNCATIONS = {"none": {}, "top-k 50": dict(top_k=50), "top-p 0.95": dict(top_p=0.95),
                "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95)}

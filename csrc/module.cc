@@ -7,6 +7,7 @@
 //   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
 //   jaxrl_kernels_sm90_distill_stats             distillation: row statistics  (ffi_distill.cc)
 //   jaxrl_kernels_sm90_distill_grad              distillation: the student's logit gradient
+//   jaxrl_kernels_kept_set                       a sampler's kept set per row (ffi_kept_set.cc)
 #include <pybind11/pybind11.h>
 
 #include "sm90_launch.h"
@@ -21,6 +22,7 @@ extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillGrad(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsKeptSet(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -53,6 +55,7 @@ PYBIND11_MODULE(_sm90, m) {
     out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
     out["jaxrl_kernels_sm90_distill_stats"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillStats));
     out["jaxrl_kernels_sm90_distill_grad"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillGrad));
+    out["jaxrl_kernels_kept_set"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsKeptSet));
     return out;
   }, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");

@@ -34,6 +34,11 @@ ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig
                    -> (loss, metrics)``
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
                    normalize_std, std_ddof, eps) -> adv[B]``
+kept_set           ``(logits: kept_set.Logits, n_rows, vocab, m[N], active[N],
+                   truncation, *, vocab_axes, varying) -> kept_set.KeptSet``:
+                   each row's kept set under a sampler's truncation, for the
+                   log-prob ops' ``top_k`` / ``top_p`` / ``min_p`` (reference:
+                   jnp passes over vocabulary chunks; ffi: a kernel on whole rows)
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's

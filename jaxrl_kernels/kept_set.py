@@ -1,8 +1,10 @@
 """Each row's kept set under a sampler's truncation, found in passes over the vocabulary.
 
 The kept set is ``{u >= τ}`` (``sampler_math``); ``τ`` is found without an ``[N, V]``
-buffer. Each pass walks the vocabulary in chunks of ``u`` (recomputed, or read from kept
-logits) and takes, per row and for each of ``P + 1`` pivot keys ``x`` (``sampler_math.
+buffer. This module is the ``kept_set`` primitive in plain jnp (the reference backend's; the
+ffi backend's is a CUDA kernel on whole rows, ``backends/ffi/kept_set.py``), on a device's
+:class:`Logits`. Each pass walks the vocabulary in chunks of ``u`` (recomputed, or read from
+kept logits) and takes, per row and for each of ``P + 1`` pivot keys ``x`` (``sampler_math.
 float_key``)::
 
     count(x) = #{u >= x},   mass(x) = Σ_{u >= x} e,   ent(x) = Σ_{u >= x} e·(u − m)
@@ -34,6 +36,7 @@ through the pivot search.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +56,16 @@ MAX_PASSES = 3 * (32 // 4 + 2) + 2
 guard, never reached)."""
 
 TOP_K, TOP_P, AT_TAU, DONE = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """One device's float32 ``u`` [N, V_local] (the logits divided by the temperature), made
+    on demand and never held whole: ``columns(start, size)`` -> [N, size] and
+    ``rows(start, size)`` -> [size, V_local]."""
+
+    columns: Callable[..., jax.Array]
+    rows: Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +158,10 @@ def row_max(u_chunks, n_rows: int, vocab: int, vocab_axes=(), varying=lambda x: 
     return jax.lax.pmax(m, vocab_axes) if vocab_axes else m
 
 
-def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, vocab_axes=(),
-         varying=lambda x: x) -> KeptSet:
-    """The kept set of each row of ``u`` (this device's columns, ``u_chunks(start, size)`` ->
-    float32 [N, size]); ``m`` [N] any value ``>= max u`` over the whole vocabulary (the max,
+def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, *,
+         vocab_axes=(), varying=lambda x: x) -> KeptSet:
+    """The kept set of each row of ``u`` (this device's columns, read by
+    ``logits.columns``); ``m`` [N] any value ``>= max u`` over the whole vocabulary (the max,
     or a backend's lse); rows not ``active`` get no search (their results are unused).
     ``varying``: gives a pass's carry the device variance of the operands
     (``placement.varying_like``) inside ``shard_map``.
@@ -156,6 +169,7 @@ def find(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, voc
     With top-k (k below the vocabulary and at most :data:`MAX_CANDIDATES`): one pass for each
     row's ``k + 1 +`` :data:`CANDIDATE_SLACK` largest values (:func:`_from_candidates`), the
     pivot search (:func:`search`) only for rows it leaves open; else the pivot search."""
+    u_chunks = logits.columns
     shards = jax.lax.psum(1, vocab_axes) if vocab_axes else 1
     k = trunc.top_k
     if k is None or k >= vocab * shards or k > MAX_CANDIDATES:

@@ -83,17 +83,20 @@ def _finished(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entro
 
 
 def _finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
-                        truncation, u_chunks, varying):
+                        truncation, logits, varying, find_kept):
     """:func:`_finished` under a sampler's truncation (``truncation``: a
-    ``sampler_math.Truncation``): the outputs over each row's kept set (``kept_set.find`` on
-    ``u_chunks``), then whether the row's target is in it; residuals: lse, entropy if kept,
-    active, and the gradient's floor."""
+    ``sampler_math.Truncation``): the outputs over each row's kept set (``find_kept``, the
+    ``kept_set`` primitive dispatch chose, on ``logits``: a ``kept_set.Logits``), then whether
+    the row's target is in it; residuals: lse, entropy if kept, active, and the gradient's
+    floor."""
+    if find_kept is None:
+        raise TypeError("a truncation needs its kept_set primitive (dispatch.resolve)")
     holds = (t_local >= 0) & (t_local < local_vocab)
     stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
                                                                    plan.vocab_axes)
     m = stats[0]
-    found = kept_set.find(u_chunks, t_local.shape[0], local_vocab, m, valid, truncation,
-                          vocab_axes=plan.vocab_axes, varying=varying)
+    found = find_kept(logits, t_local.shape[0], local_vocab, m, valid, truncation,
+                      vocab_axes=plan.vocab_axes, varying=varying)
     logp, ent, lse, active = softmax_math.finalize_row_stats((m, found.s, found.a), target_rel,
                                                              holders, valid)
     inside = active & (target_rel + m >= found.floor)
@@ -136,17 +139,21 @@ def _logits_backward(parts, n_logits, with_entropy, temperature, truncated=False
     return backward
 
 
-def _logits_chunks(x, temperature):
-    """``chunk(start, size)``: float32 ``x[:, start:start + size] / temperature``."""
-    def chunk(start, size):
-        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1).astype(jnp.float32) / temperature
-    return chunk
+def _logits_of(x, temperature):
+    """float32 ``x / temperature`` as a ``kept_set.Logits`` (columns or rows of ``x``)."""
+    def part(axis):
+        def slice_(start, size):
+            y = jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+            return y.astype(jnp.float32) / temperature
+        return slice_
+    return kept_set.Logits(columns=part(1), rows=part(0))
 
 
 def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
-                     vocab_axis=None, truncation=None):
+                     vocab_axis=None, truncation=None, find_kept=None):
     """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table);
-    with a ``truncation``, ``(logp, entropy | None, inside)`` as :func:`linear_head_op`."""
+    with a ``truncation``, ``(logp, entropy | None, inside)`` as :func:`linear_head_op`
+    (``find_kept``: the ``kept_set`` primitive)."""
     rows = "r" * targets.ndim
     n_out = 2 if return_entropy else 1
     truncated = truncation is not None
@@ -158,7 +165,7 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
         return _first_row(token_from_parts(parts, logits[None], targets[None], row_valid[None],
                                            temperature=temperature,
                                            return_entropy=return_entropy, vocab_axis=vocab_axis,
-                                           truncation=truncation))
+                                           truncation=truncation, find_kept=find_kept))
 
     def forward(plan, x, t, valid):
         t_local = t - plan.vocab_offset(x.shape[-1])
@@ -168,9 +175,8 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
         stats = (m, s) + ((a,) if return_entropy else ())
         if truncated:
             return _finished_truncated(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out,
-                                       return_entropy, truncation,
-                                       _logits_chunks(x, temperature),
-                                       lambda y: varying_like(y, x))
+                                       return_entropy, truncation, _logits_of(x, temperature),
+                                       lambda y: varying_like(y, x), find_kept)
         return _finished(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out, return_entropy)
 
     outs = engine.differentiable(
@@ -218,7 +224,7 @@ def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
 
 def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
                    weight_layout, with_entropy, n_kept=0, vocab_axis=None, temperature=1.0,
-                   truncation=None, logit_chunks=None):
+                   truncation=None, logits_of=None, find_kept=None):
     """``(logp, entropy | None)`` of a linear head as an :mod:`engine` op, from its halves on
     one device's flat rows:
 
@@ -230,11 +236,12 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
     (:func:`backward_rows`).
 
     ``truncation`` (a ``sampler_math.Truncation``): the log-probs and entropy of the
-    sampler's processed distribution, each row's kept set found by ``kept_set.find`` in passes
-    over ``logit_chunks(h, weight, bias, *kept)`` (default: the head's float32 logits in
-    vocabulary chunks, ``vocab_chunks.linear_chunk``); the backward gets the kept set's lse
-    and entropy and its ``floor``. Returns ``(logp, entropy | None, inside)`` then, ``inside``
-    whether each row's target is in its kept set.
+    sampler's processed distribution, each row's kept set found by ``find_kept`` (the
+    ``kept_set`` primitive) on ``logits_of(h, weight, bias, *kept)``, a ``kept_set.Logits``
+    (default: the head's float32 logits, recomputed: ``vocab_chunks.linear_chunk`` /
+    ``linear_rows``); the backward gets the kept set's lse and entropy and its ``floor``.
+    Returns ``(logp, entropy | None, inside)`` then, ``inside`` whether each row's target is
+    in its kept set.
 
     ``targets`` [..., K] (as many dimensions as ``hidden``, ``row_valid`` per id): K ids per
     row, see :func:`_linear_ids_op` (``temperature``: the one ``stats`` divides by)."""
@@ -250,13 +257,15 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
                                          weight_layout=weight_layout, with_entropy=with_entropy,
                                          n_kept=n_kept, vocab_axis=vocab_axis,
                                          temperature=temperature, truncation=truncation,
-                                         logit_chunks=logit_chunks))
+                                         logits_of=logits_of, find_kept=find_kept))
     rows = "r" * targets.ndim
     n_out = 2 if with_entropy else 1
     truncated = truncation is not None
-    if logit_chunks is None:
-        def logit_chunks(h, w, b, *kept):
-            return vocab_chunks.linear_chunk(h, w, b, weight_layout, temperature)
+    if logits_of is None:
+        def logits_of(h, w, b, *kept):
+            return kept_set.Logits(
+                vocab_chunks.linear_chunk(h, w, b, weight_layout, temperature),
+                vocab_chunks.linear_rows(h, w, b, weight_layout, temperature))
 
     def local_forward(plan, h, w, b, t, valid):
         local_vocab = head.vocab_size(w, weight_layout)
@@ -265,8 +274,8 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
         if truncated:
             return _finished_truncated(
                 plan, stats_, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
-                truncation, logit_chunks(h, w, b, *kept),
-                lambda x: varying_like(x, h, w, b)) + tuple(kept)
+                truncation, logits_of(h, w, b, *kept),
+                lambda x: varying_like(x, h, w, b), find_kept) + tuple(kept)
         return _finished(plan, stats_, t_rel, t_local, local_vocab, valid, n_out,
                          with_entropy) + tuple(kept)
 
@@ -355,7 +364,7 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
 
 def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight_layout,
                       temperature, return_entropy, backward=None, vocab_axis=None,
-                      truncation=None):
+                      truncation=None, find_kept=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits
     (``truncation``: ``(logp, entropy | None, inside)``, see :func:`linear_head_op`).
 
@@ -387,7 +396,7 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, *, weight
     return linear_head_op(stats, local_backward, hidden, weight, bias, targets, row_valid,
                           weight_layout=weight_layout, with_entropy=return_entropy,
                           vocab_axis=vocab_axis, temperature=temperature,
-                          truncation=truncation)
+                          truncation=truncation, find_kept=find_kept)
 
 
 def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entropy, active, g,

@@ -90,8 +90,18 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     choice = dispatch.resolve("token_logprobs", problem, backend)
     logp, entropy, *kept = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
-        return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation)
+        return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation,
+        find_kept=kept_search("token_logprobs", truncation, problem, backend))
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
+
+
+def kept_search(op, truncation, problem, backend):
+    """The ``kept_set`` primitive for a call with a sampler's ``truncation`` (None without
+    one): the requested backend's where it has one, else automatic choice's."""
+    if truncation is None:
+        return None
+    return dispatch.resolve(op, Problem(n_rows=problem.n_rows, vocab=problem.vocab), backend,
+                            primitive="kept_set", strict=False).impl
 
 
 def _check_invariant(batch_invariant, truncation, k_ids=False):
@@ -144,9 +154,13 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, we
     hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
     (logp like targets, entropy [...] | None), and with a ``truncation``
     (``sampler_math.Truncation``) whether each target is in its row's kept set."""
+    n_rows = math.prod(hidden.shape[:-1])
+    find_kept = kept_search("linear_logprobs", truncation,
+                            Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout)),
+                            choice.backend if choice.explicit else None)
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
-                   truncation=truncation)
+                   truncation=truncation, find_kept=find_kept)
     if choice.fast:
         return saved_logits.fast_linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32),
                                                  row_valid, **options)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, head_grad, head_ids, logprob_core, softmax_math
+from jaxrl_kernels import engine, head, head_grad, head_ids, kept_set, logprob_core, softmax_math
 
 
 def kept_dtype(hidden_dtype, weight_dtype):
@@ -142,21 +142,26 @@ def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature)
                           weight_layout=weight_layout, temperature=temperature)
 
 
-def kept_chunks(bias, z, temperature):
-    """``chunk(start, size)``: z̃ of the kept logits' columns ``[start, start + size)``."""
-    def chunk(start, size):
+def kept_logits(bias, z, temperature):
+    """z̃ of the kept logits as a ``kept_set.Logits``: columns ``[start, start + size)`` or
+    rows ``[start, start + size)``."""
+    def columns(start, size):
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
         return scaled(jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature)
-    return chunk
+
+    def rows(start, size):
+        return scaled(jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature)
+    return kept_set.Logits(columns, rows)
 
 
 def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
-                         temperature, return_entropy, vocab_axis=None, truncation=None):
+                         temperature, return_entropy, vocab_axis=None, truncation=None,
+                         find_kept=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
     Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
     target ids, ``vocab_axis`` inside ``jax.shard_map``); a ``truncation``'s kept set is found
-    over the kept logits."""
+    over the kept logits (by ``find_kept``, the ``kept_set`` primitive)."""
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
     def stats(plan, h, w, b, t_local, valid):
@@ -170,6 +175,6 @@ def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_lay
                                        row_valid, weight_layout=weight_layout,
                                        with_entropy=return_entropy, n_kept=1,
                                        vocab_axis=vocab_axis, temperature=temperature,
-                                       truncation=truncation,
-                                       logit_chunks=lambda h, w, b, z: kept_chunks(
+                                       truncation=truncation, find_kept=find_kept,
+                                       logits_of=lambda h, w, b, z: kept_logits(
                                            b, z, temperature))

@@ -152,6 +152,15 @@ def linear_chunk(hidden, weight, bias, weight_layout, temperature):
     return chunk
 
 
+def linear_rows(hidden, weight, bias, weight_layout, temperature):
+    """``rows(start, size)``: the float32 logits [size, V] of the hidden states' rows
+    ``[start, start + size)``, divided by ``temperature`` (:func:`linear_chunk`'s values)."""
+    def rows(start, size):
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, size)
+        return head.float32_logits(h, weight, bias, weight_layout) / temperature
+    return rows
+
+
 def accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size: int, weight_layout: str):
     """Write a vocabulary chunk's ``d_w`` into ``d_weight`` and ``Σ_rows dz`` into ``d_bias``,
     on the chunk's fresh columns only (the last chunk overlaps the one before it)."""

@@ -262,7 +262,7 @@ def _problem(**kw):
 def test_declines_what_the_kernel_does_not_serve(kw, expect):
     why = ffi.declines("linear_logprobs", _problem(**kw))
     assert (why is None) if expect is None else (expect in why), why
-    assert "linear_logprobs, its backward and distill_divergence, not 'token_logprobs'" in (
+    assert "its backward, distill_divergence and kept_set, not 'token_logprobs'" in (
         ffi.declines("token_logprobs", _problem()))
 
 

@@ -2,17 +2,18 @@
 
 ``linear`` serves ``linear_logprobs`` (its ``Parts`` have no backward: dispatch resolves
 ``linear_logprobs_backward`` for it, ``Choice.backward``) and that backward alone; ``distill``
-serves ``distill_divergence``. ``extension`` loads the extension and registers its targets;
-without it, or off a Hopper GPU, the backend is unavailable.
+serves ``distill_divergence``; ``kept_set`` a sampler's kept set per row. ``extension``
+loads the extension and registers its targets; without it, or off a Hopper GPU, the backend
+is unavailable.
 """
 
 from __future__ import annotations
 
 from jaxrl_kernels.backend_contract import Backend, Problem
-from jaxrl_kernels.backends.ffi import distill, linear
+from jaxrl_kernels.backends.ffi import distill, kept_set, linear
 from jaxrl_kernels.backends.ffi.extension import unavailable_reason
 
-_SUBMODULES = (linear, distill)
+_SUBMODULES = (linear, distill, kept_set)
 
 OPS = {primitive: op for mod in _SUBMODULES for primitive, op in mod.OPS.items()}
 _DECLINERS = {primitive: mod.declines for mod in _SUBMODULES for primitive in mod.OPS}
@@ -21,14 +22,15 @@ _DECLINERS = {primitive: mod.declines for mod in _SUBMODULES for primitive in mo
 def declines(primitive: str, problem: Problem) -> str | None:
     """Why the kernels do not serve these inputs (None if they do)."""
     if primitive not in OPS:
-        return (f"ffi implements linear_logprobs, its backward and distill_divergence, not "
-                f"{primitive!r}")
+        return (f"ffi implements linear_logprobs, its backward, distill_divergence and "
+                f"kept_set, not {primitive!r}")
     return _DECLINERS[primitive](primitive, problem)
 
 
 def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
-        return "ffi serves only linear_logprobs (forward and backward) and distill_divergence"
+        return ("ffi serves only linear_logprobs (forward and backward), distill_divergence "
+                "and kept_set")
     return None
 
 

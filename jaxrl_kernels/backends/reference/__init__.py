@@ -2,12 +2,13 @@
 
 ``logprobs`` serves the log-prob primitives, ``distill`` the divergence between two linear
 heads and a head's top-k; the PPO loss and group advantages are ``ppo_math``'s and
-``aggregation_math``'s functions. It serves every primitive, always: the last resort.
+``aggregation_math``'s functions, a sampler's kept set ``kept_set.find`` (passes over
+vocabulary chunks: no [N, V] buffer). It serves every primitive, always: the last resort.
 """
 
 from __future__ import annotations
 
-from jaxrl_kernels import aggregation_math, ppo_math
+from jaxrl_kernels import aggregation_math, kept_set, ppo_math
 from jaxrl_kernels.backend_contract import Backend
 from jaxrl_kernels.backends.reference import distill, logprobs
 
@@ -15,6 +16,7 @@ OPS = {
     **logprobs.OPS,  # token_logprobs, paired_logprobs, linear_logprobs
     "ppo_loss": ppo_math.ppo_loss,
     "group_advantages": aggregation_math.group_advantages,
+    "kept_set": kept_set.find,
     **distill.OPS,  # distill_divergence, topk_logprobs
 }
 

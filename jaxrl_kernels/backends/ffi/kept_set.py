@@ -1,0 +1,93 @@
+"""The ``kept_set`` primitive on whole rows: a CUDA kernel (``csrc/kept_set_kernel.cu``).
+
+Rows of ``u`` are made in blocks of about :data:`ROW_BLOCK_BYTES` of float32 (``[R, V]``:
+the kept logits' rows, or one GEMM of the block's hidden states for a lean head), and one CTA
+per row finds its kept set ``{u >= τ}`` (``sampler_math``) in passes over the row:
+
+1. min-p only: the row's max (min-p's threshold ``max u + log(min_p)``);
+2. per stage (top-k: the count of values ``>= x`` reaches k; top-p: their mass reaches
+   ``top_p`` of the mass the stage starts from): a histogram of 2048 bins of the values near
+   ``m`` (counts, and masses in 64-bit fixed point, so that the sums do not depend on the
+   order of the atomics), then the values of the bin where the target is crossed (with all
+   above it where at most 4096) gathered and sorted, which give τ exactly; a bin of more
+   values is split again (each split cuts its interval at least 2048-fold);
+3. where the gathered values hold the kept set (top-k of a few thousand at most, a nucleus
+   inside the gathered ones), its sums come from them; otherwise one pass more sums
+   ``exp(u − m)`` and ``exp(u − m)(u − m)`` over ``u >= τ`` (in float64).
+
+So top-k, top-p and both take two passes over a row on most rows (one histogram, one gather),
+against the jnp search's candidate pass or ``ceil(32 / 4) + 1`` passes per threshold. The
+floor is the midpoint between τ and the largest value below it, as ``kept_set.find``'s.
+
+A vocabulary split over devices (``vocab_axes``) leaves no device a whole row: there the
+kept set is ``kept_set.find``'s, its passes' statistics summed across the devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_kernels import kept_set, sharding
+from jaxrl_kernels.blocks import equal_blocks
+from jaxrl_kernels.sampler_math import Truncation
+
+TARGET = "jaxrl_kernels_kept_set"  # csrc/ffi_kept_set.cc
+
+ROW_BLOCK_BYTES = 128 * 2**20
+"""About the float32 bytes of one block of rows of ``u`` (256 rows at V = 131072)."""
+
+
+def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
+    """The kernel on rows ``u`` float32 [R, V] (``m`` [R] at least each row's max, ``active``
+    [R]): floor, s, a and passes per row, as :class:`kept_set.KeptSet`."""
+    n_rows = u.shape[0]
+    row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, (row, row, row, jax.ShapeDtypeStruct((n_rows,), jnp.int32)),
+                            vmap_method="sequential")
+    floor, s, a, passes = call(
+        u.astype(jnp.float32), m.astype(jnp.float32), active.astype(jnp.bool_),
+        top_k=np.int64(trunc.top_k or 0),
+        top_p=np.float32(1.0 if trunc.top_p is None else trunc.top_p),
+        has_min_p=trunc.min_p is not None,
+        log_min_p=np.float32(0.0 if trunc.min_p is None else math.log(trunc.min_p)))
+    return kept_set.KeptSet(floor, s, a, passes)
+
+
+def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc: Truncation,
+              *, vocab_axes=(), varying=lambda x: x) -> kept_set.KeptSet:
+    """``kept_set.find``'s contract, by :func:`kept_set_call` on blocks of ``logits.rows``."""
+    if vocab_axes:
+        return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
+                             varying=varying)
+    spans = equal_blocks(n_rows, max(1, ROW_BLOCK_BYTES // (4 * vocab)))
+
+    def block(c):
+        start = spans.start(c)
+
+        def rows_of(x):
+            return jax.lax.dynamic_slice_in_dim(x, start, spans.size)
+
+        found = sharding.kernel_region(lambda *a: kept_set_call(*a, trunc),
+                                       logits.rows(start, spans.size), rows_of(m),
+                                       rows_of(active))
+        return found.floor, found.s, found.a, found.passes
+
+    if spans.count == 1:
+        return kept_set.KeptSet(*block(0))
+    outs = jax.lax.map(block, jnp.arange(spans.count))
+    rows = jnp.arange(n_rows)
+    which = jnp.minimum(rows // spans.size, spans.count - 1)  # the block a row is taken from
+    at = rows - spans.start(which)
+    return kept_set.KeptSet(*(y[which, at] for y in outs))
+
+
+def declines(primitive: str, problem) -> str | None:
+    """The kernel takes any rows (the logits' dtype and layout are the caller's)."""
+    return None
+
+
+OPS = {"kept_set": find_rows}

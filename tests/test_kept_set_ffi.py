@@ -1,0 +1,119 @@
+"""The ffi backend's ``kept_set`` kernel (``csrc/kept_set_kernel.cu``): dispatch, lowering, and
+on a Hopper GPU each row's kept set and sums against the float64 oracle.
+
+CPU (CI): automatic choice takes the reference's jnp passes for ``kept_set`` off a GPU, and
+ffi says why not; the ffi path lowers for CUDA to one custom call per block of rows (a loop
+over the blocks), with the truncation's attributes. GPU (``-m gpu``): rows from flat
+(``u`` within 0.01, a nucleus of every token) to hundreds wide, 16-bit ties, rows whose
+top ties exceed the kernel's gathered list, ``-inf`` entries, an anchor above the max (an
+lse), inactive rows and V from 1 to 131072, under top-k (1 to 5000), top-p, min-p and
+their combinations: the kept set ``u >= floor`` is the oracle's exactly, its mass and
+``Σ e·(u − m)`` to float32 rounding, and the same twice (the kernel's atomics do not
+change the bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from jaxrl_kernels import dispatch, kept_set, sampler_math
+from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels.backends.ffi import extension
+from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+
+TRUNCATIONS = [
+    dict(top_k=1),
+    dict(top_k=5),
+    dict(top_k=50),
+    dict(top_k=5000),
+    dict(top_p=0.5),
+    dict(top_p=0.95),
+    dict(top_p=0.999),
+    dict(min_p=0.05),
+    dict(top_k=50, top_p=0.95),
+    dict(top_k=1000, top_p=0.9, min_p=0.001),
+]
+
+
+def test_cpu_takes_the_reference_passes():
+    choice = dispatch.select("linear_logprobs", Problem(n_rows=8, vocab=100), primitive="kept_set")
+    if jax.default_backend() != "gpu":
+        assert choice.backend == "reference" and choice.impl is kept_set.find
+        assert dict(choice.declined)["ffi"] == extension.unavailable_reason()
+
+
+@pytest.mark.parametrize("trunc", [dict(top_k=50, top_p=0.95), dict(min_p=0.1)])
+def test_lowers_to_one_call_per_row_block(monkeypatch, trunc):
+    """Blocks of rows (a loop where more than one), the truncation as attributes."""
+    monkeypatch.setattr(ffi_kept_set, "ROW_BLOCK_BYTES", 4 * 300 * 16)  # 16 rows a block
+    u = jnp.ones((40, 300), jnp.float32)
+
+    def find(u):
+        logits = kept_set.Logits(columns=None,
+                                 rows=lambda s, n: jax.lax.dynamic_slice_in_dim(u, s, n))
+        found = ffi_kept_set.find_rows(logits, 40, 300, jnp.max(u, -1), jnp.ones(40, bool),
+                                       sampler_math.truncation(**trunc))
+        return found.floor, found.s
+
+    text = jax.jit(find).trace(u).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{ffi_kept_set.TARGET}") == 1
+    assert "stablehlo.while" in text and "tensor<14x300xf32>" in text  # 3 blocks of 14
+    assert f"top_k = {trunc.get('top_k', 0)} : i64" in text
+    assert ("has_min_p = true" in text) == ("min_p" in trunc)
+
+
+def _rows(rng):
+    """(u [R, V] float32, the anchor m [R]) for each kind of row."""
+    cases = []
+    for vocab, spread, rows in ((1000, 3.0, 24), (50257, 3.0, 6), (131072, 4.0, 4),
+                                (20000, 0.01, 4), (20000, 300.0, 4), (7, 1.0, 6), (1, 1.0, 3)):
+        u = (spread * rng.standard_normal((rows, vocab))).astype(np.float32)
+        cases.append((f"V={vocab} spread={spread}", u, u.max(-1)))
+    u = (3.0 * rng.standard_normal((8, 6000))).astype(jnp.bfloat16).astype(np.float32)
+    cases.append(("bfloat16 ties", u, u.max(-1)))
+    u = (3.0 * rng.standard_normal((4, 9000))).astype(np.float32)
+    u[:, :5000] = u.max(-1, keepdims=True) + 1.0  # 5000 tied at the top: more than one list
+    cases.append(("5000 tied at the top", u, u.max(-1)))
+    u = np.full((2, 3000), 0.25, np.float32)
+    cases.append(("flat", u, u.max(-1)))
+    u = (3.0 * rng.standard_normal((6, 2000))).astype(np.float32)
+    u[:, ::3] = -np.inf
+    cases.append(("-inf entries", u, u.max(-1)))
+    u = (2.0 * rng.standard_normal((6, 4000))).astype(np.float32)
+    lse = np.log(np.sum(np.exp(u.astype(np.float64)), -1)).astype(np.float32)
+    cases.append(("anchor = lse", u, np.maximum(lse, u.max(-1))))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trunc", TRUNCATIONS, ids=lambda t: ",".join(f"{k}={v}"
+                                                                      for k, v in t.items()))
+def test_gpu_kernel_against_the_oracle(rng, trunc):
+    if extension.unavailable_reason():
+        pytest.skip(extension.unavailable_reason())
+    call = jax.jit(lambda u, m, a: dataclasses.astuple(ffi_kept_set.kept_set_call(
+        u, m, a, sampler_math.truncation(**trunc))))
+    for name, u, m in _rows(rng):
+        active = np.ones(u.shape[0], bool)
+        active[1::5] = False
+        found = call(jnp.asarray(u), jnp.asarray(m), jnp.asarray(active))
+        again = call(jnp.asarray(u), jnp.asarray(m), jnp.asarray(active))
+        for x, y in zip(found, again):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+        floor, s, a, passes = (np.asarray(x) for x in found)
+        assert np.all(np.isneginf(floor[~active])) and np.all(s[~active] == 0), name
+        want = oracle.kept_set(u[active], **trunc)
+        np.testing.assert_array_equal(u[active] >= floor[active, None], want, err_msg=name)
+        shifted = u[active].astype(np.float64) - m[active, None]
+        e = np.where(want, np.exp(shifted), 0.0)
+        np.testing.assert_allclose(s[active], e.sum(-1), rtol=2e-6, err_msg=name)
+        ent = np.sum(np.where(want & (e > 0), e * shifted, 0.0), -1)
+        np.testing.assert_allclose(a[active], ent, rtol=2e-6, atol=2e-6 * e.sum(-1).max(),
+                                   err_msg=name)
+        assert np.all(passes[active] >= 2) and np.all(passes[~active] == 0), name
