@@ -32,6 +32,7 @@ from jaxrl_kernels import head_grad, logprob_core
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
+from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
@@ -68,7 +69,8 @@ def test_extension_built_and_imports():
     assert "sm_90a" in extension.sm90.build_info()
     assert sorted(extension.sm90.registrations()) == sorted(
         [ffi_linear.TARGET, ffi_linear.GRAD_TARGET, ffi_linear.BACKWARD_TARGET,
-         extension.UNINITIALIZED_TARGET, ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET])
+         extension.UNINITIALIZED_TARGET, ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET,
+         ffi_kept_set.TARGET])
     assert extension.sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
     assert extension.sm90.PAIR_STATS_K == ffi_distill.PAIR_STATS_K
 

@@ -48,6 +48,11 @@ def test_cpu_takes_the_reference_passes():
         assert dict(choice.declined)["ffi"] == extension.unavailable_reason()
 
 
+def test_declines_rows_wider_than_the_kernel_takes():
+    assert ffi_kept_set.declines("kept_set", Problem(n_rows=4, vocab=2**23)) is None
+    assert "2^23" in ffi_kept_set.declines("kept_set", Problem(n_rows=4, vocab=2**23 + 1))
+
+
 @pytest.mark.parametrize("trunc", [dict(top_k=50, top_p=0.95), dict(min_p=0.1)])
 def test_lowers_to_one_call_per_row_block(monkeypatch, trunc):
     """Blocks of rows (a loop where more than one), the truncation as attributes."""

@@ -37,6 +37,9 @@ from jaxrl_kernels.sampler_math import Truncation
 
 TARGET = "jaxrl_kernels_kept_set"  # csrc/ffi_kept_set.cc
 
+MAX_VOCAB = 2**23
+"""The most columns of a row the kernel takes (its masses, 2⁴⁰ units each, sum in 64 bits)."""
+
 ROW_BLOCK_BYTES = 128 * 2**20
 """About the float32 bytes of one block of rows of ``u`` (256 rows at V = 131072)."""
 
@@ -86,7 +89,10 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
 
 
 def declines(primitive: str, problem) -> str | None:
-    """The kernel takes any rows (the logits' dtype and layout are the caller's)."""
+    """Rows of at most :data:`MAX_VOCAB` columns (any dtype and layout: the caller makes the
+    float32 rows)."""
+    if problem.vocab > MAX_VOCAB:
+        return f"kept_set: V = {problem.vocab} columns a device, the kernel takes at most 2^23"
     return None
 
 
