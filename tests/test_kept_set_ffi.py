@@ -3,7 +3,8 @@ on a Hopper GPU each row's kept set and sums against the float64 oracle.
 
 CPU (CI): automatic choice takes the reference's jnp passes for ``kept_set`` off a GPU, and
 ffi says why not; the ffi path lowers for CUDA to one custom call per block of rows (a loop
-over the blocks), with the truncation's attributes. GPU (``-m gpu``): rows from flat
+over the blocks), with the truncation's attributes, and inside ``shard_map`` on a device's
+rows. GPU (``-m gpu``): rows from flat
 (``u`` within 0.01, a nucleus of every token) to hundreds wide, 16-bit ties, rows whose
 top ties exceed the kernel's gathered list, ``-inf`` entries, an anchor above the max (an
 lse), inactive rows and V from 1 to 131072, under top-k (1 to 5000), top-p, min-p and
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import oracle
 from jaxrl_kernels import dispatch, kept_set, sampler_math
@@ -71,6 +73,26 @@ def test_lowers_to_one_call_per_row_block(monkeypatch, trunc):
     assert "stablehlo.while" in text and "tensor<14x300xf32>" in text  # 3 blocks of 14
     assert f"top_k = {trunc.get('top_k', 0)} : i64" in text
     assert ("has_min_p = true" in text) == ("min_p" in trunc)
+
+
+def test_lowers_inside_shard_map_with_the_rows_split():
+    """Each device's rows (how the engine runs the op under a mesh): the custom call inside
+    ``shard_map``, typed as varying over the rows' axis."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    u = jax.device_put(jnp.ones((8, 300)), NamedSharding(mesh, P("x")))
+
+    def local(u):
+        logits = kept_set.Logits(columns=None,
+                                 rows=lambda s, n: jax.lax.dynamic_slice_in_dim(u, s, n))
+        found = ffi_kept_set.find_rows(logits, 4, 300, jnp.max(u, -1), jnp.ones(4, bool),
+                                       sampler_math.truncation(top_k=5))
+        return found.floor, found.s
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))
+    text = fn.trace(u).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{ffi_kept_set.TARGET}") == 1
 
 
 def _rows(rng):

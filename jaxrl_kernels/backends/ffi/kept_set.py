@@ -25,6 +25,7 @@ kept set is ``kept_set.find``'s, its passes' statistics summed across the device
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -74,10 +75,9 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
         def rows_of(x):
             return jax.lax.dynamic_slice_in_dim(x, start, spans.size)
 
-        found = sharding.kernel_region(lambda *a: kept_set_call(*a, trunc),
-                                       logits.rows(start, spans.size), rows_of(m),
-                                       rows_of(active))
-        return found.floor, found.s, found.a, found.passes
+        return sharding.kernel_region(
+            lambda *a: dataclasses.astuple(kept_set_call(*a, trunc)),
+            logits.rows(start, spans.size), rows_of(m), rows_of(active))
 
     if spans.count == 1:
         return kept_set.KeptSet(*block(0))
