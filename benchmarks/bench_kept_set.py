@@ -44,9 +44,6 @@ def measure(size, runs, rounds, small):
     u = jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * LOGIT_STD
     m = jnp.max(u, -1)
     active = jnp.ones((n,), bool)
-    logits = lambda u: kept_set.Logits(
-        columns=lambda s, k: jax.lax.dynamic_slice_in_dim(u, s, k, axis=1),
-        rows=lambda s, k: jax.lax.dynamic_slice_in_dim(u, s, k))
     impls = {"reference": kept_set.find}
     if not small:
         choice = dispatch.select("linear_logprobs", Problem(n_rows=n, vocab=v),
@@ -58,7 +55,7 @@ def measure(size, runs, rounds, small):
     for impl, find in impls.items():
         for name, trunc in TRUNCATIONS.items():
             t = sampler_math.truncation(**trunc)
-            fn = jax.jit(lambda u, m, a, find=find, t=t: find(logits(u), n, v, m, a, t).passes)
+            fn = jax.jit(lambda u, m, a, find=find, t=t: find(kept_set.Logits.of_array(u), n, v, m, a, t).passes)
             passes = np.asarray(fn(u, m, active))
             row = dict(impl=impl, truncation=name, N=n, V=v,
                        passes_mean=float(passes.mean()), passes_max=int(passes.max()),

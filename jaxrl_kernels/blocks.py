@@ -40,6 +40,14 @@ class Blocks:
         """``[size]`` bool: which items of block ``c`` no earlier block covered."""
         return self.start(c) + jnp.arange(self.size) >= c * self.size
 
+    def collect(self, ys, n: int):
+        """Items ``[0, n)`` (``n <= self.n``) from per-block outputs ``ys`` (a pytree of
+        ``[count, size, ...]``), each item from the block where it is fresh."""
+        items = jnp.arange(n)  # traced (no constant array: custom_partitioning takes none)
+        which = jnp.minimum(items // self.size, self.count - 1)
+        at = items - self.start(which)
+        return jax.tree.map(lambda y: y[which, at], ys)
+
 
 def blocks(n: int, size: int) -> Blocks:
     """``n`` items (``n >= 1``) in blocks of ``size``, clamped to ``[1, n]``."""
@@ -72,8 +80,4 @@ def map_blocks(fn, xs, size: int):
         return barrier(fn(*barrier(tuple(jax.lax.dynamic_slice_in_dim(x, spans.start(c), size)
                                          for x in xs))))
 
-    ys = jax.lax.map(block, jnp.arange(spans.count))
-    rows = jnp.arange(n)  # traced (no constant array: custom_partitioning takes none)
-    which = jnp.minimum(rows // size, spans.count - 1)  # the block a row is taken from
-    at = rows - spans.start(which)
-    return jax.tree.map(lambda y: y[which, at], ys)
+    return spans.collect(jax.lax.map(block, jnp.arange(spans.count)), n)

@@ -67,6 +67,16 @@ class Logits:
     columns: Callable[..., jax.Array]
     rows: Callable[..., jax.Array]
 
+    @staticmethod
+    def of_array(x, temperature: float = 1.0) -> "Logits":
+        """float32 ``x / temperature`` of an array ``x`` [N, V_local] (columns or rows of it)."""
+        def part(axis):
+            def slice_(start, size):
+                y = jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+                return y.astype(jnp.float32) / temperature
+            return slice_
+        return Logits(columns=part(1), rows=part(0))
+
 
 @dataclasses.dataclass(frozen=True)
 class KeptSet:

@@ -139,16 +139,6 @@ def _logits_backward(parts, n_logits, with_entropy, temperature, truncated=False
     return backward
 
 
-def _logits_of(x, temperature):
-    """float32 ``x / temperature`` as a ``kept_set.Logits`` (columns or rows of ``x``)."""
-    def part(axis):
-        def slice_(start, size):
-            y = jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-            return y.astype(jnp.float32) / temperature
-        return slice_
-    return kept_set.Logits(columns=part(1), rows=part(0))
-
-
 def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
                      vocab_axis=None, truncation=None, find_kept=None):
     """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table);
@@ -175,7 +165,7 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
         stats = (m, s) + ((a,) if return_entropy else ())
         if truncated:
             return _finished_truncated(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out,
-                                       return_entropy, truncation, _logits_of(x, temperature),
+                                       return_entropy, truncation, kept_set.Logits.of_array(x, temperature),
                                        lambda y: varying_like(y, x), find_kept)
         return _finished(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out, return_entropy)
 

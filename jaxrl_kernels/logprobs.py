@@ -91,16 +91,18 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     logp, entropy, *kept = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
         return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation,
-        find_kept=kept_search("token_logprobs", truncation, problem, backend))
+        find_kept=kept_search("token_logprobs", truncation, problem.n_rows, local_vocab,
+                              backend))
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
 
 
-def kept_search(op, truncation, problem, backend):
+def kept_search(op, truncation, n_rows, vocab, backend):
     """The ``kept_set`` primitive for a call with a sampler's ``truncation`` (None without
-    one): the requested backend's where it has one, else automatic choice's."""
+    one) on ``n_rows`` rows of ``vocab`` columns a device: the requested backend's where it
+    has one, else automatic choice's."""
     if truncation is None:
         return None
-    return dispatch.resolve(op, Problem(n_rows=problem.n_rows, vocab=problem.vocab), backend,
+    return dispatch.resolve(op, Problem(n_rows=n_rows, vocab=vocab), backend,
                             primitive="kept_set", strict=False).impl
 
 
@@ -154,9 +156,8 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, we
     hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
     (logp like targets, entropy [...] | None), and with a ``truncation``
     (``sampler_math.Truncation``) whether each target is in its row's kept set."""
-    n_rows = math.prod(hidden.shape[:-1])
-    find_kept = kept_search("linear_logprobs", truncation,
-                            Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout)),
+    find_kept = kept_search("linear_logprobs", truncation, math.prod(hidden.shape[:-1]),
+                            head.vocab_size(weight, weight_layout),
                             choice.backend if choice.explicit else None)
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,

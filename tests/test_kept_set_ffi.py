@@ -62,8 +62,7 @@ def test_lowers_to_one_call_per_row_block(monkeypatch, trunc):
     u = jnp.ones((40, 300), jnp.float32)
 
     def find(u):
-        logits = kept_set.Logits(columns=None,
-                                 rows=lambda s, n: jax.lax.dynamic_slice_in_dim(u, s, n))
+        logits = kept_set.Logits.of_array(u)
         found = ffi_kept_set.find_rows(logits, 40, 300, jnp.max(u, -1), jnp.ones(40, bool),
                                        sampler_math.truncation(**trunc))
         return found.floor, found.s
@@ -84,8 +83,7 @@ def test_lowers_inside_shard_map_with_the_rows_split():
     u = jax.device_put(jnp.ones((8, 300)), NamedSharding(mesh, P("x")))
 
     def local(u):
-        logits = kept_set.Logits(columns=None,
-                                 rows=lambda s, n: jax.lax.dynamic_slice_in_dim(u, s, n))
+        logits = kept_set.Logits.of_array(u)
         found = ffi_kept_set.find_rows(logits, 4, 300, jnp.max(u, -1), jnp.ones(4, bool),
                                        sampler_math.truncation(top_k=5))
         return found.floor, found.s

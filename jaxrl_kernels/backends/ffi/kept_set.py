@@ -81,11 +81,7 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
 
     if spans.count == 1:
         return kept_set.KeptSet(*block(0))
-    outs = jax.lax.map(block, jnp.arange(spans.count))
-    rows = jnp.arange(n_rows)
-    which = jnp.minimum(rows // spans.size, spans.count - 1)  # the block a row is taken from
-    at = rows - spans.start(which)
-    return kept_set.KeptSet(*(y[which, at] for y in outs))
+    return kept_set.KeptSet(*spans.collect(jax.lax.map(block, jnp.arange(spans.count)), n_rows))
 
 
 def declines(primitive: str, problem) -> str | None:
