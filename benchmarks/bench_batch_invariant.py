@@ -33,6 +33,7 @@ COLUMNS = (["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_defa
            + [k for kind in KINDS for k in (kind, "inv_" + kind)] + ["error"])
 SIZES = {"full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
          "n4096": [(4096, 2048, 131072)],
+         "n1000_n4096": [(n, 2048, 131072) for n in (1000, 4096)],
          "small": [(8, 32, 1000), (100, 32, 1000)]}
 LINEAR_BACKENDS = ("ffi", "pallas", "chunked")
 TOKEN_BACKENDS = ("pallas", "reference")

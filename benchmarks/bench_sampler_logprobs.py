@@ -107,26 +107,35 @@ def rel_err(got, ref):
 
 
 def reference(data, trunc):
-    """``(logp, d_hidden, d_weight, mean kept-set size)`` by the reference backend."""
+    """``(logp, d_hidden, d_weight, mean kept-set size)`` by the reference backend, one
+    sequence of the batch at a time (its float32 logits, sorted for top-p, take several
+    ``[N, V]`` buffers: at 8192×151936 more than the GPU holds at once)."""
     import jax
     import jax.numpy as jnp
 
     import jaxrl_kernels as jk
 
     h, w, targets, g = data
+    w32 = w.astype(jnp.float32)
 
     @jax.jit
-    def run(h, w):
+    def run(h, targets, g):
         f = lambda h, w: jk.linear_logprobs(h, w, targets, backend="reference", **trunc)
-        logp, vjp = jax.vjp(f, h, w)
+        logp, vjp = jax.vjp(f, h, w32)
         return logp, *vjp(g)
 
-    logp, dh, dw = run(h.astype(jnp.float32), w.astype(jnp.float32))
+    logps, dhs, dw = [], [], None
+    for i in range(h.shape[0]):
+        logp_i, dh_i, dw_i = run(h[i:i + 1].astype(jnp.float32), targets[i:i + 1], g[i:i + 1])
+        logps.append(logp_i)
+        dhs.append(dh_i)
+        dw = dw_i if dw is None else dw + dw_i
+    logp, dh = jnp.concatenate(logps), jnp.concatenate(dhs)
     kept = None
     if trunc:
         from jaxrl_kernels import sampler_math
 
-        rows = jnp.einsum("btd,vd->btv", h[:1, :64].astype(jnp.float32), w.astype(jnp.float32))
+        rows = jnp.einsum("btd,vd->btv", h[:1, :64].astype(jnp.float32), w32)
         kept = float(jnp.mean(jnp.sum(sampler_math.kept_mask(
             rows.reshape(-1, rows.shape[-1]), sampler_math.truncation(**trunc)), axis=-1)))
     return logp, dh, dw, kept

@@ -107,10 +107,11 @@ GEMM_ROWS = 1024
 its blocking and any split of K by the shape, so one shape whatever N."""
 
 
-def invariant_chunk_columns(vocab: int, align: int) -> int:
-    """:data:`INVARIANT_CHUNK_COLUMNS` rounded down to a multiple of ``align`` (at least
-    ``align``), at most V."""
-    return min(max(align, INVARIANT_CHUNK_COLUMNS - INVARIANT_CHUNK_COLUMNS % align), vocab)
+def invariant_chunk_columns(vocab: int, align: int,
+                            columns: int = INVARIANT_CHUNK_COLUMNS) -> int:
+    """``columns`` (a backend's constant, :data:`INVARIANT_CHUNK_COLUMNS` by default) rounded
+    down to a multiple of ``align`` (at least ``align``), at most V."""
+    return min(max(align, columns - columns % align), vocab)
 
 
 def hidden_grad_rows(g, w, weight_layout, gemm_rows: int | None, **dot_options):

@@ -254,7 +254,7 @@ def test_not_with_fast_memory_or_truncation_or_k_ids():
 def test_ffi_invariant_launch_parameters_do_not_depend_on_n():
     chunks = {ffi_linear.backward_chunk(n, 151936, ffi_linear.INVARIANT_CONFIG)
               for n in (1, 7, 100, 4096, 65536)}
-    assert chunks == {head_grad.INVARIANT_CHUNK_COLUMNS}
+    assert chunks == {ffi_linear.INVARIANT_CHUNK_COLUMNS}
     assert ffi_linear.backward_chunk(5, 1000, ffi_linear.INVARIANT_CONFIG) == 1024
     assert len({ffi_linear.backward_chunk(n, 151936) for n in (1, 4096, 65536)}) > 1  # default
     assert ffi_linear.INVARIANT_CONFIG.forward_splits() == ffi_linear.INVARIANT_SPLITS
@@ -289,7 +289,7 @@ def test_ffi_invariant_backward_lowers_with_a_fixed_chunk(n):
     text = jax.jit(lambda *a: bwd(*a, weight_layout="vd", temperature=1.0)).trace(
         h, w, None, t, rows, rows, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
-    assert f"chunk = {head_grad.INVARIANT_CHUNK_COLUMNS} : i64" in text
+    assert f"chunk = {ffi_linear.INVARIANT_CHUNK_COLUMNS} : i64" in text
     assert "split_k = false" in text  # d_hidden's GEMM splits K by a count that follows N
 
 

@@ -55,6 +55,14 @@ GRAD_CHUNK_BYTES = 64 * 2**20
 58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB
 (benchmarks/results/bench_fused_backward.md)."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
+INVARIANT_CHUNK_COLUMNS = 8192
+"""The backward's chunk when batch-invariant (a function of V alone): twice the other backends'
+(``head_grad.INVARIANT_CHUNK_COLUMNS``). Its d_hidden GEMM does not split K, so each chunk is a
+GEMM with few output tiles at small N, and halving their number halves what a chunk costs
+beyond its arithmetic: at N = 1000, D = 2048, V = 131072 (one H200) the invariant call took
+1.08–1.10× the default with 4096 columns (benchmarks/results/bench_batch_invariant_ffi_065929d.txt)
+and 0.97× with 8192 (its results file of this change). Its G holds ``N·8192`` float16
+entries."""
 INVARIANT_SPLITS = 132
 """The forward's vocabulary splits when batch-invariant (at most one per 256-column tile): a
 constant, where the planner's choice follows N. 132 (an H100 / H200 SXM's SM count) keeps the
@@ -83,7 +91,7 @@ class Config:
     csrc/sm90_launch.cu). Results are bitwise the same either way."""
     batch_invariant: bool = False
     """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`),
-    backward chunks of ``head_grad.invariant_chunk_columns`` (4096 columns) and a d_hidden GEMM
+    backward chunks of :data:`INVARIANT_CHUNK_COLUMNS` and a d_hidden GEMM
     that never splits K (the backward call's ``split_k`` attribute; otherwise it splits K by a
     count that follows N where its tiles are few: ``hidden_splits`` in
     csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
@@ -166,7 +174,7 @@ def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> 
     """The backward call's ``chunk`` attribute: columns per chunk, a multiple of
     :data:`TILE_COLS` (``config.batch_invariant``: a function of V alone)."""
     if config.batch_invariant:
-        columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS)
+        columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS, INVARIANT_CHUNK_COLUMNS)
     else:
         columns = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, TILE_COLS)
     return -(-columns // TILE_COLS) * TILE_COLS
