@@ -65,7 +65,7 @@ for s in "$@"; do
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     lean_chunks) step 420 "$PY" -m benchmarks.bench_lean_chunks --runs 10 --rounds 2 ;;
     batch_invariant) step 590 "$PY" -m benchmarks.bench_batch_invariant --runs 10 --rounds 2 ;;
-    batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;
+    batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --sizes n1000_n4096 --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
     tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
     device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;

@@ -61,7 +61,7 @@ INVARIANT_CHUNK_COLUMNS = 8192
 GEMM with few output tiles at small N, and halving their number halves what a chunk costs
 beyond its arithmetic: at N = 1000, D = 2048, V = 131072 (one H200) the invariant call took
 1.08–1.10× the default with 4096 columns (benchmarks/results/bench_batch_invariant_ffi_065929d.txt)
-and 0.97× with 8192 (its results file of this change). Its G holds ``N·8192`` float16
+and 0.97× with 8192 (bench_batch_invariant_ffi_bb4bbe2.md). Its G holds ``N·8192`` float16
 entries."""
 INVARIANT_SPLITS = 132
 """The forward's vocabulary splits when batch-invariant (at most one per 256-column tile): a
