@@ -6,7 +6,7 @@
 # Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
 #   many_devices many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times kernels fused timeline clocks
 #   profile memcheck fast_mode fast_accuracy fast_loss tokens lean_chunks batch_invariant batch_invariant_ffi distill topk_distill sampler
-#   kept_set.
+#   kept_set sampler_forward.
 #   Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
@@ -61,6 +61,7 @@ for s in "$@"; do
     topk_distill) step 420 "$PY" -m benchmarks.bench_topk_distill --runs 10 ;;
     sampler) step 540 "$PY" -m benchmarks.bench_sampler_logprobs --runs 10 ;;
     kept_set) step 240 "$PY" -m benchmarks.bench_kept_set --runs 10 ;;
+    sampler_forward) step 300 "$PY" -m benchmarks.bench_sampler_forward --runs 10 ;;
     fast_loss) step 240 "$PY" -m benchmarks.bench_fast_loss ;;
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     lean_chunks) step 420 "$PY" -m benchmarks.bench_lean_chunks --runs 10 --rounds 2 ;;

@@ -81,12 +81,34 @@ class Logits:
 @dataclasses.dataclass(frozen=True)
 class KeptSet:
     """Per row: the gradient's ``floor`` (the kept set is ``u >= floor``), ``s = Σ e`` and
-    ``a = Σ e·(u − m)`` over the kept set (``e = exp(u − m)``), and the number of passes."""
+    ``a = Σ e·(u − m)`` over the kept set (``e = exp(u − m)``), and the number of passes;
+    from an implementation called with ``m=None`` (:func:`finds_row_max`), also ``m``, each
+    row's max, and ``target_rel``, ``u − m`` at the row's target (where it is in ``[0, V)``)."""
 
     floor: jax.Array
     s: jax.Array
     a: jax.Array
     passes: jax.Array
+    m: jax.Array | None = None
+    target_rel: jax.Array | None = None
+
+    def search_fields(self) -> tuple[jax.Array, ...]:
+        """``(floor, s, a, passes)``: what every implementation returns."""
+        return self.floor, self.s, self.a, self.passes
+
+
+def finding_row_max(find):
+    """Marks a ``kept_set`` implementation on whole rows that also takes ``m=None`` with
+    ``targets=``: it then takes each row's max and target from the rows it makes
+    (``KeptSet.m``, ``KeptSet.target_rel``), and a truncated forward needs no statistics pass
+    of its own."""
+    find.finds_row_max = True
+    return find
+
+
+def finds_row_max(find) -> bool:
+    """Whether ``find`` (a ``kept_set`` implementation) was marked by :func:`finding_row_max`."""
+    return getattr(find, "finds_row_max", False)
 
 
 def _pivot_stats(u_chunk, m, pivots, fresh):
@@ -194,13 +216,13 @@ def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, 
     # needs equal types; a constant field would otherwise be invariant in one branch only)
     def typed(xs):
         return tuple(varying_like(x, m, open_rows) for x in xs)
-    fields = dataclasses.astuple(found)
+    fields = found.search_fields()
 
     def searched(_):
         other = search(u_chunks, n_rows, vocab, m, open_rows, trunc, vocab_axes=vocab_axes,
                        varying=varying)
         return typed(jnp.where(open_rows, b, a)
-                     for a, b in zip(fields, dataclasses.astuple(other)))
+                     for a, b in zip(fields, other.search_fields()))
 
     return KeptSet(*jax.lax.cond(jnp.any(open_rows), searched, lambda _: typed(fields), None))
 

@@ -88,21 +88,35 @@ def _finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, 
     ``sampler_math.Truncation``): the outputs over each row's kept set (``find_kept``, the
     ``kept_set`` primitive dispatch chose, on ``logits``: a ``kept_set.Logits``), then whether
     the row's target is in it; residuals: lse, entropy if kept, active, and the gradient's
-    floor."""
+    floor. ``stats`` None (:func:`_stats_from_kept_set`): ``find_kept`` takes each row's max
+    and target logit from the rows it makes."""
     if find_kept is None:
         raise TypeError("a truncation needs its kept_set primitive (dispatch.resolve)")
     holds = (t_local >= 0) & (t_local < local_vocab)
-    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
-                                                                   plan.vocab_axes)
-    m = stats[0]
-    found = find_kept(logits, t_local.shape[0], local_vocab, m, valid, truncation,
-                      vocab_axes=plan.vocab_axes, varying=varying)
+    if stats is None:
+        found = find_kept(logits, t_local.shape[0], local_vocab, None, valid, truncation,
+                          varying=varying, targets=t_local)
+        m, target_rel = found.m, jnp.where(holds, found.target_rel, 0.0)
+        holders = holds.astype(jnp.int32)
+    else:
+        stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
+                                                                       plan.vocab_axes)
+        m = stats[0]
+        found = find_kept(logits, t_local.shape[0], local_vocab, m, valid, truncation,
+                          vocab_axes=plan.vocab_axes, varying=varying)
     logp, ent, lse, active = softmax_math.finalize_row_stats((m, found.s, found.a), target_rel,
                                                              holders, valid)
     inside = active & (target_rel + m >= found.floor)
     floor = jnp.where(active, found.floor, -jnp.inf)
     return ((logp, ent)[:n_out] + (inside, lse) + ((ent,) if with_entropy else ())
             + (active, floor))
+
+
+def _stats_from_kept_set(plan, find_kept, n_kept: int) -> bool:
+    """Whether a truncated forward skips its statistics pass: the kept-set search makes
+    whole rows of this device (no vocabulary split) and finds their max and target itself
+    (``kept_set.finds_row_max``), and no logits are kept for the backward."""
+    return not plan.vocab_axes and n_kept == 0 and kept_set.finds_row_max(find_kept)
 
 
 def _first_row(outs):
@@ -260,6 +274,10 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
     def local_forward(plan, h, w, b, t, valid):
         local_vocab = head.vocab_size(w, weight_layout)
         t_local = t - plan.vocab_offset(local_vocab)
+        if truncated and _stats_from_kept_set(plan, find_kept, n_kept):
+            return _finished_truncated(
+                plan, None, None, t_local, local_vocab, valid, n_out, with_entropy,
+                truncation, logits_of(h, w, b), lambda x: varying_like(x, h, w, b), find_kept)
         stats_, t_rel, *kept = stats(plan, h, w, b, t_local, valid)
         if truncated:
             return _finished_truncated(

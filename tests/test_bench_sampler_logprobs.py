@@ -31,3 +31,22 @@ def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
             assert 1 <= row["kept"] < v, row
     table = (tmp_path / "bench_sampler_logprobs.md").read_text()
     assert "| " + " | ".join(bench.COLUMNS) + " |" in table
+
+
+def test_bench_sampler_forward_small(tmp_path, monkeypatch):
+    from benchmarks import bench_sampler_forward as forward
+    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+
+    skip, block = logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    rows = forward.main(["--small", "--runs", "2", "--rounds", "1"])
+    assert (logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES) == (skip, block)
+    assert len(rows) == 1 + (len(forward.TRUNCATIONS) - 1) * len(forward.VARIANTS)
+    assert rows[0]["variant"] == "none" and rows[0]["x_plain"] == 1.0
+    for name in forward.TRUNCATIONS:
+        losses = {row["loss"] for row in rows if row["truncation"] == name}
+        assert len(losses) == 1 and all(math.isfinite(x) for x in losses), name
+    assert all(math.isfinite(row["fwdbwd_ms"]) and row["fwdbwd_ms"] > 0 for row in rows)
+    data = json.loads((tmp_path / "bench_sampler_forward.json").read_text())
+    assert data["rows"] == rows

@@ -15,8 +15,6 @@ change the bits).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +91,36 @@ def test_lowers_inside_shard_map_with_the_rows_split():
     assert text.count(f"stablehlo.custom_call @{ffi_kept_set.TARGET}") == 1
 
 
+@pytest.mark.parametrize("whole_rows", [True, False], ids=("ffi", "reference"))
+def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
+    """A lean ffi head whose kept set is ffi's (whole rows): the kept-set search's GEMM of
+    each block's rows gives the rows' max and target too, so the forward has no statistics
+    call, only the kept-set kernel and the backward; with the reference's search, the
+    statistics call and its candidates' passes."""
+    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.backends.ffi import linear as ffi_linear
+
+    k = jax.random.split(jax.random.key(0), 2)
+    h = jax.random.normal(k[0], (40, 64), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(k[1], (1000, 64), jnp.float32).astype(jnp.bfloat16)
+    t, valid = jnp.zeros((40,), jnp.int32), jnp.ones((40,), bool)
+
+    def loss(h, w):
+        logp, _, _ = logprob_core.linear_from_parts(
+            ffi_linear.PARTS, h, w, None, t, valid, weight_layout="vd", temperature=1.0,
+            return_entropy=False, backward=lambda: ffi_linear.linear_backward,
+            truncation=sampler_math.truncation(top_k=50, top_p=0.9),
+            find_kept=ffi_kept_set.find_rows if whole_rows else kept_set.find)
+        return jnp.sum(logp)
+
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(h, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}(") == 1
+    statistics_calls = text.count(f"stablehlo.custom_call @{ffi_linear.TARGET}(")
+    kernel_calls = text.count(f"stablehlo.custom_call @{ffi_kept_set.TARGET}(")
+    assert (statistics_calls, kernel_calls) == ((0, 1) if whole_rows else (1, 0))
+
+
 def _rows(rng):
     """(u [R, V] float32, the anchor m [R]) for each kind of row."""
     cases = []
@@ -122,8 +150,8 @@ def _rows(rng):
 def test_gpu_kernel_against_the_oracle(rng, trunc):
     if extension.unavailable_reason():
         pytest.skip(extension.unavailable_reason())
-    call = jax.jit(lambda u, m, a: dataclasses.astuple(ffi_kept_set.kept_set_call(
-        u, m, a, sampler_math.truncation(**trunc))))
+    call = jax.jit(lambda u, m, a: ffi_kept_set.kept_set_call(
+        u, m, a, sampler_math.truncation(**trunc)).search_fields())
     for name, u, m in _rows(rng):
         active = np.ones(u.shape[0], bool)
         active[1::5] = False

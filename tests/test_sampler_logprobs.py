@@ -5,6 +5,8 @@ and of more than 1000, min-p on a flat row, targets outside the kept set, ignore
 row; sharded meshes (Auto and Explicit axes, a user's shard_map with ``vocab_axis``); the
 errors docs/api.md promises; GPU runs of the kernel backends."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrl_kernels as jk
 import oracle
+from jaxrl_kernels import kept_set
 from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
 from sharding_support import on_two_devices
 
@@ -276,6 +279,44 @@ def test_no_truncation_is_the_plain_call(backend, rng):
                                     backend=backend)
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(same))
     assert np.all(np.asarray(kept))
+
+
+@kept_set.finding_row_max
+def _find_on_whole_rows(logits, n_rows, vocab, m, active, trunc, *, vocab_axes=(),
+                        varying=lambda x: x, targets=None):
+    """The reference search, taking each row's max and target logit from its whole rows where
+    asked (``m=None``), as ffi's kernel does on a GPU."""
+    if m is not None:
+        return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
+                             varying=varying)
+    _find_on_whole_rows.without_max += 1
+    u = logits.rows(0, n_rows)
+    m = jnp.max(u, axis=1)
+    u_t = jnp.take_along_axis(u, jnp.clip(targets, 0, vocab - 1)[:, None], axis=1)[:, 0]
+    found = kept_set.find(logits, n_rows, vocab, m, active, trunc, varying=varying)
+    return dataclasses.replace(found, m=m, target_rel=u_t - m)
+
+
+@pytest.mark.parametrize("trunc", [TRUNCATIONS[0], TRUNCATIONS[4]], ids=("top_k", "all"))
+def test_no_statistics_pass_where_the_search_finds_the_max(backend, rng, monkeypatch, trunc):
+    """A ``kept_set`` implementation that finds each row's max and target itself (ffi's on a
+    GPU) replaces the forward's statistics pass of a lean linear head: the oracle's values,
+    kept flags and VJP, with odd V, a bias, ignored rows and a target outside [0, V)."""
+    from jaxrl_kernels.backends import reference
+
+    if backend == "reference":
+        pytest.skip("the reference backend materialises the logits: no statistics pass")
+    monkeypatch.setitem(reference.BACKEND.ops, "kept_set", _find_on_whole_rows)
+    _find_on_whole_rows.without_max = 0
+    h, h64, w, w64, b, b64 = head_inputs(rng, (2, 7), 211, 12, jnp.float32, "vd", True)
+    targets = rng.integers(0, 211, (2, 7)).astype(np.int32)
+    targets[1, ::3] = -100
+    check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="vd", temperature=1.2,
+                 ignore_index=-100, backend=backend)
+    assert _find_on_whole_rows.without_max > 0
+    logp = jax.jit(lambda t: jk.linear_logprobs(h, w, t, b, **trunc, backend=backend))(
+        jnp.asarray(targets).at[0, 0].set(211))
+    assert np.isnan(np.asarray(logp)[0, 0])  # as without truncation: an id outside [0, V)
 
 
 def test_errors(rng):

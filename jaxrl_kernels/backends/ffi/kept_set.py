@@ -2,7 +2,10 @@
 
 Rows of ``u`` are made in blocks of about :data:`ROW_BLOCK_BYTES` of float32 (``[R, V]``:
 the kept logits' rows, or one GEMM of the block's hidden states for a lean head), and one CTA
-per row finds its kept set ``{u >= τ}`` (``sampler_math``) in passes over the row:
+per row finds its kept set ``{u >= τ}`` (``sampler_math``) in passes over the row. Asked
+without ``m`` (a lean head's forward, ``logprob_core``), each block's rows give their own max
+and target logit, and the forward runs no statistics pass: at 4096×2048×131072 (one H200)
+that took top-k 50 from 1.46× plain ``linear_logprobs`` to 1.22×. The kernel's passes:
 
 1. min-p only: the row's max (min-p's threshold ``max u + log(min_p)``);
 2. per stage (top-k: the count of values ``>= x`` reaches k; top-p: their mass reaches
@@ -25,7 +28,6 @@ kept set is ``kept_set.find``'s, its passes' statistics summed across the device
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -61,9 +63,13 @@ def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
     return kept_set.KeptSet(floor, s, a, passes)
 
 
+@kept_set.finding_row_max
 def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc: Truncation,
-              *, vocab_axes=(), varying=lambda x: x) -> kept_set.KeptSet:
-    """``kept_set.find``'s contract, by :func:`kept_set_call` on blocks of ``logits.rows``."""
+              *, vocab_axes=(), varying=lambda x: x, targets=None) -> kept_set.KeptSet:
+    """``kept_set.find``'s contract, by :func:`kept_set_call` on blocks of ``logits.rows``.
+    ``m=None`` (whole rows, no ``vocab_axes``): each block's max is its rows' own, returned
+    with ``targets``' ``u − m`` (``KeptSet.m``, ``KeptSet.target_rel``), so that the caller
+    needs no statistics pass for them."""
     if vocab_axes:
         return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
                              varying=varying)
@@ -75,9 +81,16 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
         def rows_of(x):
             return jax.lax.dynamic_slice_in_dim(x, start, spans.size)
 
+        u = logits.rows(start, spans.size)
+        if m is None:
+            m_block = jnp.max(u, axis=1)
+            t = jnp.clip(rows_of(targets), 0, vocab - 1)
+            found_max = (m_block, jnp.take_along_axis(u, t[:, None], axis=1)[:, 0] - m_block)
+        else:
+            m_block, found_max = rows_of(m), ()
         return sharding.kernel_region(
-            lambda *a: dataclasses.astuple(kept_set_call(*a, trunc)),
-            logits.rows(start, spans.size), rows_of(m), rows_of(active))
+            lambda *a: kept_set_call(*a, trunc).search_fields(), u, m_block,
+            rows_of(active)) + found_max
 
     if spans.count == 1:
         return kept_set.KeptSet(*block(0))

@@ -1,0 +1,124 @@
+"""Where a lean sampler-matched call's time goes: its forward with and without the statistics
+pass, by the size of the kept-set kernel's blocks of rows, and by kernel.
+
+Question: a lean ``linear_logprobs`` with ``top_k`` / ``top_p`` makes each block of float32
+rows by a GEMM for the kept-set kernel (``backends.ffi.kept_set``); when those rows also give
+each row's max and target logit, the forward needs no statistics pass over the vocabulary
+(``logprob_core._stats_from_kept_set``). What does that save, what do wider blocks of rows
+(``ffi.kept_set.ROW_BLOCK_BYTES``) add, and how are the kernels' times split? Inputs and the
+step as ``bench_sampler_logprobs`` (``jax.jit(jax.value_and_grad(Σ g·logp, (hidden,
+weight)))``, bf16, lean, backend automatic: on a Hopper GPU the ffi kernels). Rows:
+
+- ``variant``: ``stats pass`` (the forward's statistics pass forced, as before it was
+  skipped) or ``rows only``, with the block size in MiB; ``none`` is the plain call.
+
+Columns: ``fwdbwd_ms`` the median of ``--runs`` synchronised calls after a warm-up
+(``--rounds`` rotated rounds, the median kept), ``x_plain`` its ratio to the plain call,
+``temp_mib`` XLA's temp size (``memory_analysis``), ``loss`` the value (the same in every
+variant of a truncation); the per-kernel columns (top-k 50 and top-p 0.95 only, blocks of
+128 and 256 MiB) are the mean device ms per call over one profiler trace of 3 calls:
+``fwd`` the statistics kernel, ``rows_gemm`` XLA's GEMMs (the rows), ``kept`` the kept-set
+kernel, ``grad`` the backward's grad kernel, ``gemms`` its CUTLASS GEMMs, ``other`` the rest.
+
+    python -m benchmarks.bench_sampler_forward --runs 10      # GPU (Hopper: the ffi kernels)
+    python -m benchmarks.bench_sampler_forward --small        # toy sizes, any device
+
+Results: ``bench_sampler_forward.{json,md}`` (``--name``) in out/bench (``--out``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+COLUMNS = ["variant", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "loss",
+           "fwd", "rows_gemm", "kept", "grad", "gemms", "other"]
+SIZES = {"full": [(4096, 2048, 131072)], "small": [(64, 32, 1000)]}
+TRUNCATIONS = {"none": {}, "top-k 50": dict(top_k=50), "top-p 0.95": dict(top_p=0.95),
+               "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95)}
+VARIANTS = (("stats pass", 128), ("rows only", 128), ("rows only", 256), ("rows only", 512))
+"""(forward, ROW_BLOCK_BYTES in MiB)."""
+KINDS = ("fwd", "rows_gemm", "kept", "grad", "gemms", "other")
+
+
+def kernel_kind(name: str) -> str:
+    if "linear_lse_kernel" in name or "linear_stats" in name:
+        return "fwd"
+    if "kept_set" in name:
+        return "kept"
+    if "linear_grad_kernel" in name or "weight_copy" in name or "weight_absmax" in name:
+        return "grad"
+    if "GemmUniversal" in name:
+        return "gemms"
+    if "gemm" in name.lower() or "nvjet" in name or "xmma" in name:
+        return "rows_gemm"
+    return "other"
+
+
+@contextlib.contextmanager
+def forward_variant(stats_pass: bool, block_mib: int):
+    """While tracing: the truncated forward's statistics pass forced (``stats_pass``), and the
+    kept-set kernel's blocks of ``block_mib`` MiB of rows."""
+    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+
+    skip, block = logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
+    if stats_pass:
+        logprob_core._stats_from_kept_set = lambda *args: False
+    ffi_kept_set.ROW_BLOCK_BYTES = block_mib * 2**20
+    try:
+        yield
+    finally:
+        logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES = skip, block
+
+
+def measure(size, runs, rounds, small):
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxrl_kernels as jk
+    from benchmarks import common
+    from benchmarks.bench_sampler_logprobs import inputs
+
+    n, d, v = size
+    data = inputs(n, d, v)
+    steps = []
+    for forward, mib in VARIANTS:
+        for name, trunc in TRUNCATIONS.items():
+            if not trunc and (forward, mib) != VARIANTS[0]:
+                continue
+            def loss(h, w, targets, g, trunc=trunc):
+                return jnp.sum(g * jk.linear_logprobs(h, w, targets, memory="lean", **trunc))
+
+            with forward_variant(forward == "stats pass", mib):
+                step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*data).compile()
+            row = {"variant": f"{forward}, {mib} MiB" if trunc else "none", "truncation": name,
+                   "N": n, "D": d, "V": v,
+                   "temp_mib": step.memory_analysis().temp_size_in_bytes / 2**20,
+                   "loss": float(step(*data)[0])}
+            steps.append((row, step))
+    common.rotated_ms(steps, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
+    for row, step in steps:
+        row["x_plain"] = row["fwdbwd_ms"] / steps[0][0]["fwdbwd_ms"]
+        if (not small and row["truncation"] in ("top-k 50", "top-p 0.95")
+                and not row["variant"].endswith("512 MiB")):
+            _, kernels, _ = common.call_spans(step, data, calls=3)
+            per = collections.Counter()
+            for k in kernels:
+                per[kernel_kind(k["name"])] += k["dur"] / 1e3 / 3
+            row.update({kind: per.get(kind, 0.0) for kind in KINDS})
+        print(row, flush=True)
+    return [row for row, _ in steps]
+
+
+def main(argv=None):
+    from benchmarks import common
+
+    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
+                             name="bench_sampler_forward", columns=COLUMNS, measure=measure,
+                             rounds=2)
+
+
+if __name__ == "__main__":
+    main()
