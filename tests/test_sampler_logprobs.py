@@ -307,7 +307,7 @@ def test_no_statistics_pass_where_the_search_finds_the_max(backend, rng, monkeyp
     if backend == "reference":
         pytest.skip("the reference backend materialises the logits: no statistics pass")
     monkeypatch.setitem(reference.BACKEND.ops, "kept_set", _find_on_whole_rows)
-    _find_on_whole_rows.without_max = 0
+    monkeypatch.setattr(_find_on_whole_rows, "without_max", 0, raising=False)
     h, h64, w, w64, b, b64 = head_inputs(rng, (2, 7), 211, 12, jnp.float32, "vd", True)
     targets = rng.integers(0, 211, (2, 7)).astype(np.int32)
     targets[1, ::3] = -100
@@ -358,6 +358,36 @@ def test_sharded(backend, rng, kind, layout, memory):
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
     got = on_two_devices(loss, h, w, b, kind=kind, layout=layout)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, c in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind,layout", SHARDED)
+def test_sharded_where_the_search_finds_the_max(rng, monkeypatch, kind, layout):
+    """A search that finds each row's max itself (as ffi's on a GPU) under sharded inputs:
+    the rows split skips the statistics pass on each device's rows, the vocabulary split over
+    Explicit axes keeps it; the unsharded call's values and gradients either way."""
+    from jaxrl_kernels.backends import reference
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    monkeypatch.setitem(reference.BACKEND.ops, "kept_set", _find_on_whole_rows)
+    monkeypatch.setattr(_find_on_whole_rows, "without_max", 0, raising=False)
+    h, _, w, _, b, _ = head_inputs(rng, (4, 3), 64, 8, jnp.float32, "vd", True)
+    t = jnp.asarray(rng.integers(0, 64, (4, 3)))
+    g = cotangent(rng, (4, 3))
+
+    def loss(h, w, b):
+        logp, ent = jk.linear_logprobs(h, w, t, b, top_k=9, top_p=0.8, return_entropy=True,
+                                       backend="chunked")
+        return jnp.sum(g * logp + ent)
+
+    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
+    _find_on_whole_rows.without_max = 0
+    got = on_two_devices(loss, h, w, b, kind=kind, layout=layout)
+    if layout == "rows" or kind == "Explicit":  # Auto axes leave the vocabulary split to XLA
+        assert (_find_on_whole_rows.without_max > 0) == (layout == "rows")
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     for a, c in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=2e-5, atol=2e-6)
