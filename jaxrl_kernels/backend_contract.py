@@ -38,7 +38,9 @@ kept_set           ``(logits: kept_set.Logits, n_rows, vocab, m[N], active[N],
                    truncation, *, vocab_axes, varying) -> kept_set.KeptSet``:
                    each row's kept set under a sampler's truncation, for the
                    log-prob ops' ``top_k`` / ``top_p`` / ``min_p`` (reference:
-                   jnp passes over vocabulary chunks; ffi: a kernel on whole rows)
+                   jnp passes over vocabulary chunks; ffi: a kernel on whole rows,
+                   which also takes ``m=None`` with ``targets=``: then the rows'
+                   own max and target, ``kept_set.finds_row_max``)
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's

@@ -5,7 +5,8 @@ the kept logits' rows, or one GEMM of the block's hidden states for a lean head)
 per row finds its kept set ``{u >= τ}`` (``sampler_math``) in passes over the row. Asked
 without ``m`` (a lean head's forward, ``logprob_core``), each block's rows give their own max
 and target logit, and the forward runs no statistics pass: at 4096×2048×131072 (one H200)
-that took top-k 50 from 1.46× plain ``linear_logprobs`` to 1.22×. The kernel's passes:
+that took top-k 50 from 1.41× plain ``linear_logprobs`` to 1.18×
+(benchmarks/results/bench_sampler_forward_8c08b3f.md). The kernel's passes:
 
 1. min-p only: the row's max (min-p's threshold ``max u + log(min_p)``);
 2. per stage (top-k: the count of values ``>= x`` reaches k; top-p: their mass reaches
