@@ -53,10 +53,10 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def kernel_ms(fn, args, kinds, calls=3):
-    """Mean device ms per call of ``fn(*args)`` by :func:`kernel_kind`, over one profiler trace
-    of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds not among them count as
-    ``"other"``, which ``kinds`` then holds)."""
+def kernel_ms(fn, args, kinds, calls=3, kind_of=kernel_kind):
+    """Mean device ms per call of ``fn(*args)`` by ``kind_of`` (a kernel's name -> its kind),
+    over one profiler trace of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds
+    not among them count as ``"other"``, which ``kinds`` then holds)."""
     import collections
 
     from benchmarks import common
@@ -64,7 +64,7 @@ def kernel_ms(fn, args, kinds, calls=3):
     _, kernels, _ = common.call_spans(fn, args, calls=calls)
     per = collections.Counter()
     for k in kernels:
-        kind = kernel_kind(k["name"])
+        kind = kind_of(k["name"])
         per[kind if kind in kinds else "other"] += k["dur"] / 1e3 / calls
     return {kind: per.get(kind, 0.0) for kind in kinds}
 

@@ -72,13 +72,12 @@ def forward_variant(stats_pass: bool, block_mib: int):
 
 
 def measure(size, runs, rounds, small):
-    import collections
-
     import jax
     import jax.numpy as jnp
 
     import jaxrl_kernels as jk
     from benchmarks import common
+    from benchmarks.bench_lean_chunks import kernel_ms
     from benchmarks.bench_sampler_logprobs import inputs
 
     n, d, v = size
@@ -103,11 +102,7 @@ def measure(size, runs, rounds, small):
         row["x_plain"] = row["fwdbwd_ms"] / steps[0][0]["fwdbwd_ms"]
         if (not small and row["truncation"] in ("top-k 50", "top-p 0.95")
                 and not row["variant"].endswith("512 MiB")):
-            _, kernels, _ = common.call_spans(step, data, calls=3)
-            per = collections.Counter()
-            for k in kernels:
-                per[kernel_kind(k["name"])] += k["dur"] / 1e3 / 3
-            row.update({kind: per.get(kind, 0.0) for kind in KINDS})
+            row.update(kernel_ms(step, data, KINDS, kind_of=kernel_kind))
         print(row, flush=True)
     return [row for row, _ in steps]
 
