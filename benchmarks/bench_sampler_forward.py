@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import contextlib
 
+from benchmarks.bench_sampler_logprobs import TRUNCATIONS
+
 COLUMNS = ["variant", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "loss",
            "fwd", "rows_gemm", "kept", "grad", "gemms", "other"]
 SIZES = {"full": [(4096, 2048, 131072)], "small": [(64, 32, 1000)]}
-TRUNCATIONS = {"none": {}, "top-k 50": dict(top_k=50), "top-p 0.95": dict(top_p=0.95),
-               "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95)}
 VARIANTS = (("stats pass", 128), ("rows only", 128), ("rows only", 256), ("rows only", 512))
 """(forward, ROW_BLOCK_BYTES in MiB)."""
 KINDS = ("fwd", "rows_gemm", "kept", "grad", "gemms", "other")
@@ -54,31 +54,28 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-@contextlib.contextmanager
-def forward_variant(stats_pass: bool, block_mib: int):
+def forward_variant(stats_pass: bool, block_mib: int) -> contextlib.ExitStack:
     """While tracing: the truncated forward's statistics pass forced (``stats_pass``), and the
     kept-set kernel's blocks of ``block_mib`` MiB of rows."""
+    from unittest import mock
+
     from jaxrl_kernels import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 
-    skip, block = logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
+    patches = contextlib.ExitStack()
     if stats_pass:
-        logprob_core._stats_from_kept_set = lambda *args: False
-    ffi_kept_set.ROW_BLOCK_BYTES = block_mib * 2**20
-    try:
-        yield
-    finally:
-        logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES = skip, block
+        patches.enter_context(mock.patch.object(logprob_core, "_stats_from_kept_set",
+                                                lambda *args: False))
+    patches.enter_context(mock.patch.object(ffi_kept_set, "ROW_BLOCK_BYTES", block_mib * 2**20))
+    return patches
 
 
 def measure(size, runs, rounds, small):
     import jax
-    import jax.numpy as jnp
 
-    import jaxrl_kernels as jk
     from benchmarks import common
     from benchmarks.bench_lean_chunks import kernel_ms
-    from benchmarks.bench_sampler_logprobs import inputs
+    from benchmarks.bench_sampler_logprobs import calls, inputs
 
     n, d, v = size
     data = inputs(n, d, v)
@@ -87,9 +84,7 @@ def measure(size, runs, rounds, small):
         for name, trunc in TRUNCATIONS.items():
             if not trunc and (forward, mib) != VARIANTS[0]:
                 continue
-            def loss(h, w, targets, g, trunc=trunc):
-                return jnp.sum(g * jk.linear_logprobs(h, w, targets, memory="lean", **trunc))
-
+            loss = calls()[("lean", name)]  # a new function: traced under this variant
             with forward_variant(forward == "stats pass", mib):
                 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*data).compile()
             row = {"variant": f"{forward}, {mib} MiB" if trunc else "none", "truncation": name,

@@ -111,6 +111,15 @@ def finds_row_max(find) -> bool:
     return getattr(find, "finds_row_max", False)
 
 
+def row_max_and_target(u, targets):
+    """Each row's max of whole rows ``u`` [R, V] and ``u − max`` at its target ``targets`` [R]
+    (``KeptSet.m``, ``KeptSet.target_rel``; ids outside ``[0, V)`` read a clipped column: the
+    caller masks them)."""
+    m = jnp.max(u, axis=1)
+    t = jnp.clip(targets, 0, u.shape[1] - 1)
+    return m, jnp.take_along_axis(u, t[:, None], axis=1)[:, 0] - m
+
+
 def _pivot_stats(u_chunk, m, pivots, fresh):
     """One chunk's ``(count, mass, ent, below, t_count, t_mass, t_ent)`` [N, P + 1] at
     ``pivots`` [N, P + 1] (the module docstring)."""

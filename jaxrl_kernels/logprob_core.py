@@ -93,15 +93,15 @@ def _finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, 
     if find_kept is None:
         raise TypeError("a truncation needs its kept_set primitive (dispatch.resolve)")
     holds = (t_local >= 0) & (t_local < local_vocab)
-    if stats is None:
+    found = None
+    if stats is None:  # whole rows, no vocabulary split: the search's own max and target
         found = find_kept(logits, t_local.shape[0], local_vocab, None, valid, truncation,
                           varying=varying, targets=t_local)
-        m, target_rel = found.m, jnp.where(holds, found.target_rel, 0.0)
-        holders = holds.astype(jnp.int32)
-    else:
-        stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
-                                                                       plan.vocab_axes)
-        m = stats[0]
+        stats, t_rel = (found.m,), found.target_rel
+    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
+                                                                   plan.vocab_axes)
+    m = stats[0]
+    if found is None:
         found = find_kept(logits, t_local.shape[0], local_vocab, m, valid, truncation,
                           vocab_axes=plan.vocab_axes, varying=varying)
     logp, ent, lse, active = softmax_math.finalize_row_stats((m, found.s, found.a), target_rel,

@@ -290,11 +290,9 @@ def _find_on_whole_rows(logits, n_rows, vocab, m, active, trunc, *, vocab_axes=(
         return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
                              varying=varying)
     _find_on_whole_rows.without_max += 1
-    u = logits.rows(0, n_rows)
-    m = jnp.max(u, axis=1)
-    u_t = jnp.take_along_axis(u, jnp.clip(targets, 0, vocab - 1)[:, None], axis=1)[:, 0]
+    m, target_rel = kept_set.row_max_and_target(logits.rows(0, n_rows), targets)
     found = kept_set.find(logits, n_rows, vocab, m, active, trunc, varying=varying)
-    return dataclasses.replace(found, m=m, target_rel=u_t - m)
+    return dataclasses.replace(found, m=m, target_rel=target_rel)
 
 
 @pytest.mark.parametrize("trunc", [TRUNCATIONS[0], TRUNCATIONS[4]], ids=("top_k", "all"))

@@ -84,9 +84,8 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
 
         u = logits.rows(start, spans.size)
         if m is None:
-            m_block = jnp.max(u, axis=1)
-            t = jnp.clip(rows_of(targets), 0, vocab - 1)
-            found_max = (m_block, jnp.take_along_axis(u, t[:, None], axis=1)[:, 0] - m_block)
+            found_max = kept_set.row_max_and_target(u, rows_of(targets))
+            m_block = found_max[0]
         else:
             m_block, found_max = rows_of(m), ()
         return sharding.kernel_region(
