@@ -7,15 +7,18 @@
 // stage starts from) looks for tau = the largest x with F(x) >= target, in an interval of
 // keys [lo, hi):
 //   histogram pass  the interval in kBins bins (evenly spaced values where it spans more
-//                   than two binades, evenly spaced keys inside one), each bin's count (and
-//                   mass); the bin where F crosses the target;
+//                   than two binades, evenly spaced keys inside one), each bin's count (top-k)
+//                   or mass (top-p: its count bounded from the mass where every value of the
+//                   interval weighs at least kBoundedCountUnit, else counted too); the bin
+//                   where F crosses the target;
 //   gather pass     where that bin and everything above it hold at most kListCap values
 //                   (else the bin alone, else the bin is the next interval): those values,
-//                   sorted, give tau exactly.
+//                   sorted (bitonic up to one a thread, else by radix), give tau exactly.
 // A gathered list that holds every value >= tau answers the next stage and the kept set's
 // sums without another pass; otherwise one last pass sums them. Masses are exp(u - m) in
 // fixed point (kMassScale units, 64-bit integers): a bin's mass and its values' summed
 // one-by-one are the same integer, and the sums do not depend on the order of the atomics.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -54,11 +57,15 @@ using ull = unsigned long long;
 
 enum Kind { kCount, kMass };
 
+// The keys of -inf and +inf by the bit flip below: NaNs fall outside them (a negative NaN
+// below, a positive one above) and, with -inf, take kKeyNone.
+constexpr int32_t kKeyMinusInf = static_cast<int32_t>(0xff800000u ^ 0x7fffffffu);
+constexpr int32_t kKeyPlusInf = 0x7f800000;
+
 __device__ __forceinline__ int32_t float_key(float u) {
-  if (isnan(u) || u == -INFINITY) return kKeyNone;
-  if (u == 0.0f) u = 0.0f;  // -0 as +0
-  const int32_t bits = __float_as_int(u);
-  return bits < 0 ? bits ^ 0x7fffffff : bits;
+  const int32_t bits = __float_as_int(u + 0.0f);  // -0 as +0
+  const int32_t key = bits ^ ((bits >> 31) & 0x7fffffff);
+  return key > kKeyMinusInf && key <= kKeyPlusInf ? key : kKeyNone;
 }
 
 __device__ __forceinline__ float key_value(int32_t key) {
@@ -71,7 +78,11 @@ __device__ __forceinline__ float key_value(int32_t key) {
 // within its 2^-21 relative error of the float64 sums' only at near ties. The kept set's
 // sums take expf.
 __device__ __forceinline__ ull fixed_mass(float u, float m) {
-  return __float2ull_rn(__expf(u - m) * kMassScale);
+  // __expf's ex2 on (u - m) log2(e), without its rescaling of results below 2^-126 (they are
+  // 0 units either way)
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((u - m) * 1.4426950408889634f));
+  return __float2ull_rn(e * kMassScale);
 }
 
 struct MaxOp {
@@ -88,29 +99,62 @@ using ReduceUll = cub::BlockReduce<ull, kThreads>;
 using ReduceF64 = cub::BlockReduce<double, kThreads>;
 using ReduceF32 = cub::BlockReduce<float, kThreads>;
 using ReduceInt = cub::BlockReduce<int, kThreads>;
+using ReduceU32 = cub::BlockReduce<uint32_t, kThreads>;
+using SortKeys = cub::BlockRadixSort<uint32_t, kThreads, kListPerThread>;
+
+// A histogram's bins over the keys [lo, hi): evenly spaced values (by_value: the interval spans
+// more than two binades) or keys.
+struct Bins {
+  int32_t lo, hi;
+  bool by_value;
+  float lo_value, bins_per_unit;
+  uint32_t step;
+  // false: a mass histogram that took no count atomics (bounded_count gives its bins' counts)
+  bool counted;
+
+  __device__ __forceinline__ int of_value(float value) const {
+    const float guess = fminf(fmaxf((value - lo_value) * bins_per_unit, 0.0f), static_cast<float>(kBins - 1));
+    return static_cast<int>(guess);
+  }
+  // The bin of a value in [lo, hi): by_value, its offset from lo in bins, clamped (monotone in
+  // the value, so that each bin holds the keys between two edges).
+  __device__ __forceinline__ int of(int32_t key, float value) const {
+    if (by_value) return of_value(value);
+    return static_cast<int>((static_cast<uint32_t>(key) - static_cast<uint32_t>(lo)) / step);
+  }
+  // A value no larger than any of bin b's (its lower edge, or below it by less than half a bin).
+  __device__ __forceinline__ float floor_value(int b) const {
+    if (!by_value) return key_value(edge_by_key(b));
+    return b == 0 ? lo_value : lo_value + (static_cast<float>(b) - 0.5f) / bins_per_unit;
+  }
+  __device__ __forceinline__ int32_t edge_by_key(int b) const {
+    const uint32_t span = static_cast<uint32_t>(static_cast<int64_t>(hi) - lo);
+    return static_cast<int32_t>(lo + static_cast<int64_t>(min(static_cast<ull>(b) * step, static_cast<ull>(span))));
+  }
+};
 
 struct Shared {
-  unsigned int mass_lo[kBins];  // a bin's mass in two 32-bit words (two native atomics)
+  // a bin's mass in two 32-bit words: two native atomics (a 64-bit add on shared memory is a
+  // compare-and-swap loop, 8 % slower over a top-p pass)
+  unsigned int mass_lo[kBins];
   unsigned int mass_hi[kBins];
   unsigned int count[kBins];
-  int32_t edge[kBins + 1];
   int32_t list[kListCap];
   union {
+    SortKeys::TempStorage sort;
     ScanUll::TempStorage scan;
     ReduceUll::TempStorage reduce_ull;
     ReduceF64::TempStorage reduce_f64;
     ReduceF32::TempStorage reduce_f32;
     ReduceInt::TempStorage reduce_int;
+    ReduceU32::TempStorage reduce_u32;
   } tmp;
   // values every thread reads after a __syncthreads()
   ull bcast_ull[4];
   double bcast_f64[2];
   int bcast_int[4];
   int list_len;
-  // the histogram's bins: evenly spaced values (by_value) or keys
-  bool by_value;
-  float lo_value, bins_per_unit;
-  uint32_t step;
+  Bins bins;
 };
 
 struct Row {
@@ -181,6 +225,15 @@ __device__ int all_max(Shared& sh, int x) {
   return r;
 }
 
+__device__ uint32_t all_max_u32(Shared& sh, uint32_t x) {
+  uint32_t r = ReduceU32(sh.tmp.reduce_u32).Reduce(x, MaxOp());
+  if (threadIdx.x == 0) sh.bcast_int[0] = static_cast<int>(r);
+  __syncthreads();
+  r = static_cast<uint32_t>(sh.bcast_int[0]);
+  __syncthreads();
+  return r;
+}
+
 __device__ int all_min(Shared& sh, int x) {
   int r = ReduceInt(sh.tmp.reduce_int).Reduce(x, MinOp());
   if (threadIdx.x == 0) sh.bcast_int[0] = r;
@@ -201,52 +254,71 @@ __device__ float row_max(Shared& sh, const Row& row) {
   return r;
 }
 
-// The bins of [lo, hi) (kBins of them, edge[b] <= key < edge[b + 1]).
-__device__ void spread(Shared& sh, int32_t lo, int32_t hi) {
-  const uint32_t span = static_cast<uint32_t>(static_cast<int64_t>(hi) - lo);
-  const float lo_v = key_value(lo), hi_v = key_value(hi);
-  const float limit = 18446744073709551616.0f;  // 2^64: no overflow of hi_v - lo_v
-  const bool by_value = span > (1u << 24) && fabsf(lo_v) < limit && fabsf(hi_v) < limit;
-  const float width = (hi_v - lo_v) / kBins;
-  const uint32_t step = span / kBins + (span % kBins != 0);
-  for (int b = threadIdx.x; b <= kBins; b += kThreads) {
-    int32_t e;
-    if (b == 0) {
-      e = lo;
-    } else if (b == kBins) {
-      e = hi;
-    } else if (by_value) {
-      e = min(max(float_key(lo_v + width * b), lo), hi);
-    } else {
-      e = static_cast<int32_t>(lo + static_cast<int64_t>(min(static_cast<ull>(b) * step, static_cast<ull>(span))));
-    }
-    sh.edge[b] = e;
-  }
+// Lays out the bins of [lo, hi) and clears them. `counted`: whether the histogram pass counts
+// each bin's values.
+__device__ void spread(Shared& sh, int32_t lo, int32_t hi, bool counted) {
   for (int b = threadIdx.x; b < kBins; b += kThreads) {
     sh.count[b] = 0;
     sh.mass_lo[b] = 0;
     sh.mass_hi[b] = 0;
   }
   if (threadIdx.x == 0) {
-    sh.by_value = by_value;
-    sh.lo_value = lo_v;
-    sh.bins_per_unit = kBins / (hi_v - lo_v);
-    sh.step = step;
+    const uint32_t span = static_cast<uint32_t>(static_cast<int64_t>(hi) - lo);
+    const float lo_v = key_value(lo), hi_v = key_value(hi);
+    const float limit = 18446744073709551616.0f;  // 2^64: no overflow of hi_v - lo_v
+    Bins& bins = sh.bins;
+    bins.lo = lo;
+    bins.hi = hi;
+    bins.by_value = span > (1u << 24) && fabsf(lo_v) < limit && fabsf(hi_v) < limit;
+    bins.lo_value = lo_v;
+    bins.bins_per_unit = kBins / (hi_v - lo_v);
+    bins.step = span / kBins + (span % kBins != 0);
+    bins.counted = counted;
   }
   __syncthreads();
 }
 
-__device__ __forceinline__ int bin_of(const Shared& sh, int32_t key, float value, int32_t lo) {
-  int b;
-  if (sh.by_value) {
-    const float guess = (value - sh.lo_value) * sh.bins_per_unit;
-    b = guess < 0.0f ? 0 : guess >= kBins - 1 ? kBins - 1 : static_cast<int>(guess);
-    while (b > 0 && key < sh.edge[b]) --b;
-    while (b < kBins - 1 && key >= sh.edge[b + 1]) ++b;
-  } else {
-    b = static_cast<int>((static_cast<uint32_t>(key) - static_cast<uint32_t>(lo)) / sh.step);
+// Bin b's lower edge (edge(b) <= key < edge(b + 1) in bin b; edge(kBins) = hi). By value, the
+// first key whose bin is >= b, found by warp 0 in steps that split the interval 32-fold.
+__device__ int32_t edge(Shared& sh, int b) {
+  const Bins& bins = sh.bins;
+  if (!bins.by_value || b == 0 || b == kBins) return b == kBins ? bins.hi : bins.edge_by_key(b);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int64_t first = bins.lo, last = bins.hi;  // the edge is in [first, last]
+    while (first < last) {
+      const int64_t step = (last - first + 31) / 32;
+      const int64_t probe = first + lane * step;
+      const bool at_or_above = probe >= last || bins.of_value(key_value(static_cast<int32_t>(probe))) >= b;
+      const int j = __ffs(__ballot_sync(0xffffffffu, at_or_above)) - 1;  // lane 31's probe is >= last
+      if (j < 0) {  // every probe below the edge
+        first = first + 31 * step + 1;
+      } else if (j == 0) {
+        last = first;
+      } else {
+        last = min(last, first + j * step);
+        first = first + (j - 1) * step + 1;
+      }
+    }
+    if (lane == 0) sh.bcast_int[2] = static_cast<int32_t>(first);
   }
-  return b;
+  __syncthreads();
+  const int32_t e = sh.bcast_int[2];
+  __syncthreads();
+  return e;
+}
+
+// A mass histogram leaves out the count atomics where every value of its interval has a mass of
+// at least this many units: a bin's count is then at most its mass over its lower edge's
+// (bounded_count), within a relative 2^-16 of the exact one for these units.
+constexpr ull kBoundedCountUnit = ull{1} << 16;
+
+// At least the count of bin b of `mass`: each value's fixed mass is at least that of the bin's
+// floor_value (the fast exp is monotone to within its 2^-21 error, the rounding to within half
+// a unit: together less than the 2^-12 taken off).
+__device__ __forceinline__ ull bounded_count(const Bins& bins, int b, ull mass, float m) {
+  const ull unit = fixed_mass(bins.floor_value(b), m);
+  return mass / (unit - (unit >> 12));
 }
 
 // F over parts of the filtered values: count and mass.
@@ -262,21 +334,24 @@ struct Histogram {
 
 // One pass: the bins of [lo, hi) over the values with key >= filter.
 __device__ Histogram histogram(Shared& sh, const Row& row, int32_t filter, int32_t lo, int32_t hi, bool with_mass) {
-  spread(sh, lo, hi);
-  Sums above, below;
+  const bool counted = !with_mass || fixed_mass(key_value(lo), row.m) < kBoundedCountUnit;
+  spread(sh, lo, hi, counted);
+  const Bins bins = sh.bins;  // in registers: the atomics below would make the compiler reread it
+  unsigned int above_count = 0, below_count = 0;  // V < 2^32
+  ull above_mass = 0, below_mass = 0;
   for_each(row, [&](float value) {
     const int32_t key = float_key(value);
     if (key < filter) return;
     const ull e = with_mass ? fixed_mass(value, row.m) : 0;
     if (key >= hi) {
-      above.count += 1;
-      above.mass += e;
+      above_count += 1;
+      above_mass += e;
     } else if (key < lo) {
-      below.count += 1;
-      below.mass += e;
+      below_count += 1;
+      below_mass += e;
     } else {
-      const int b = bin_of(sh, key, value, lo);
-      atomicAdd(&sh.count[b], 1u);
+      const int b = bins.of(key, value);
+      if (counted) atomicAdd(&sh.count[b], 1u);
       if (with_mass) {
         const unsigned int lo_word = static_cast<unsigned int>(e);
         unsigned int hi_word = static_cast<unsigned int>(e >> 32);
@@ -287,30 +362,32 @@ __device__ Histogram histogram(Shared& sh, const Row& row, int32_t filter, int32
     }
   });
   Histogram h;
-  h.above.count = all_sum(sh, above.count);
-  h.above.mass = all_sum(sh, above.mass);
-  h.below.count = all_sum(sh, below.count);
-  h.below.mass = all_sum(sh, below.mass);
+  h.above.count = all_sum(sh, ull{above_count});
+  h.above.mass = all_sum(sh, above_mass);
+  h.below.count = all_sum(sh, ull{below_count});
+  h.below.mass = all_sum(sh, below_mass);
   return h;
 }
 
 // Where F (count or mass) of the values >= each bin's lower edge crosses the target.
+// The counts are upper bounds where the histogram took no count atomics (Bins::counted): they
+// only decide whether a gather fits the list.
 struct Crossing {
   int bin = -1;       // -1: F(>= lo) < target
-  Sums above_bin;     // over the values >= edge[bin + 1]
-  Sums at_or_above;   // over the values >= edge[bin]
+  Sums above_bin;     // over the values >= edge(bin + 1)
+  Sums at_or_above;   // over the values >= edge(bin)
   Sums inside;        // over [lo, hi)
 };
 
-__device__ Crossing crossing(Shared& sh, const Histogram& h, Kind kind, ull target) {
+__device__ Crossing crossing(Shared& sh, const Row& row, const Histogram& h, Kind kind, ull target) {
   // thread t holds bins kBins - 1 - (t * kBinsPerThread + j): from the top down
   ull cnt[kBinsPerThread], mas[kBinsPerThread];
   ull cnt_sum = 0, mas_sum = 0;
 #pragma unroll
   for (int j = 0; j < kBinsPerThread; ++j) {
     const int b = kBins - 1 - (threadIdx.x * kBinsPerThread + j);
-    cnt[j] = sh.count[b];
     mas[j] = (static_cast<ull>(sh.mass_hi[b]) << 32) | sh.mass_lo[b];
+    cnt[j] = sh.bins.counted ? sh.count[b] : bounded_count(sh.bins, b, mas[j], row.m);
     cnt_sum += cnt[j];
     mas_sum += mas[j];
   }
@@ -349,6 +426,50 @@ __device__ Crossing crossing(Shared& sh, const Histogram& h, Kind kind, ull targ
   return c;
 }
 
+// Sorts sh.list[0, len) (keys >= lo) in decreasing order: a bitonic sort where the list is at
+// most one key a thread, else a radix sort of the keys' offsets from lo (over as many bits as
+// the largest needs).
+__device__ void sort_list(Shared& sh, int len, int32_t lo) {
+  if (len <= kThreads) {
+    int n = 2;
+    while (n < len) n <<= 1;
+    if (threadIdx.x >= len && threadIdx.x < n) sh.list[threadIdx.x] = kKeyNone;
+    __syncthreads();
+    const int i = threadIdx.x;
+    for (int k = 2; k <= n; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        const int partner = i ^ j;
+        if (i < n && partner > i) {
+          const int32_t x = sh.list[i], y = sh.list[partner];
+          const bool decreasing = (i & k) == 0;
+          if (decreasing ? x < y : x > y) {
+            sh.list[i] = y;
+            sh.list[partner] = x;
+          }
+        }
+        __syncthreads();
+      }
+    }
+    return;
+  }
+  // padding takes offset 0, the smallest: the first len keys sorted are the list's
+  uint32_t offsets[kListPerThread];
+  uint32_t top = 0;
+#pragma unroll
+  for (int j = 0; j < kListPerThread; ++j) {
+    const int i = threadIdx.x * kListPerThread + j;
+    offsets[j] = i < len ? static_cast<uint32_t>(sh.list[i]) - static_cast<uint32_t>(lo) : 0u;
+    top = max(top, offsets[j]);
+  }
+  const int bits = 32 - __clz(static_cast<int>(all_max_u32(sh, top)));
+  if (bits == 0) return;  // all equal
+  SortKeys(sh.tmp.sort).SortDescending(offsets, 0, bits);
+#pragma unroll
+  for (int j = 0; j < kListPerThread; ++j)
+    sh.list[threadIdx.x * kListPerThread + j] = static_cast<int32_t>(static_cast<uint32_t>(lo) + offsets[j]);
+  __syncthreads();
+}
+
 // The filtered values with keys in [lo, hi) into sh.list, sorted in decreasing order
 // (sh.list_len of them, at most kListCap); returns the largest key below lo of any value.
 __device__ int32_t gather(Shared& sh, const Row& row, int32_t filter, int32_t lo, int32_t hi) {
@@ -364,27 +485,7 @@ __device__ int32_t gather(Shared& sh, const Row& row, int32_t filter, int32_t lo
     }
   });
   below = all_max(sh, below);  // (synchronises: list_len is final)
-  const int len = sh.list_len;
-  int n = 2;
-  while (n < len) n <<= 1;
-  for (int i = len + threadIdx.x; i < n; i += kThreads) sh.list[i] = kKeyNone;
-  __syncthreads();
-  for (int k = 2; k <= n; k <<= 1) {  // bitonic sort, decreasing
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < n; i += kThreads) {
-        const int partner = i ^ j;
-        if (partner > i) {
-          const int32_t x = sh.list[i], y = sh.list[partner];
-          const bool decreasing = (i & k) == 0;
-          if (decreasing ? x < y : x > y) {
-            sh.list[i] = y;
-            sh.list[partner] = x;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
+  sort_list(sh, sh.list_len, max(lo, filter));
   return below;
 }
 
@@ -452,13 +553,13 @@ __device__ Stage search(Shared& sh, const Row& row, int32_t filter, Kind kind, u
     Crossing c;
     if (first && kind == kMass) {
       // the target needs the total, which needs this pass's sums first
-      c = crossing(sh, h, kind, ~0ull);
+      c = crossing(sh, row, h, kind, ~0ull);
       const ull total = h.above.mass + c.inside.mass + h.below.mass;
       target = static_cast<ull>(ceil(static_cast<double>(top_p) * static_cast<double>(total)));
       if (target == 0) return Stage{filter};
     }
     first = false;
-    c = crossing(sh, h, kind, target);
+    c = crossing(sh, row, h, kind, target);
     if (c.bin < 0) {
       const Sums ge_lo{h.above.count + c.inside.count, h.above.mass + c.inside.mass};
       const ull f_ge_lo = kind == kCount ? ge_lo.count : ge_lo.mass;
@@ -470,7 +571,7 @@ __device__ Stage search(Shared& sh, const Row& row, int32_t filter, Kind kind, u
       }
       return Stage{filter};  // fewer than the target: everything from the filter up is kept
     }
-    const int32_t bin_lo = sh.edge[c.bin], bin_hi = sh.edge[c.bin + 1];
+    const int32_t bin_lo = edge(sh, c.bin), bin_hi = edge(sh, c.bin + 1);
     if (bin_hi - bin_lo == 1) return Stage{bin_lo};  // one value, tied entries
     const bool all_above = c.at_or_above.count <= kListCap;
     if (all_above || c.at_or_above.count - c.above_bin.count <= kListCap) {

@@ -1,14 +1,16 @@
-// The kept-set kernel (csrc/kept_set_kernel.cu) alone on float32 rows u [N, V] ~ N(0, 16) (the
-// logits of benchmarks/bench_kept_set.py), built with JAXRL_KEPT_SET_LOAD_BATCH float4 loads
-// a thread issues before it uses any: does batching the loads bring a pass nearer the copy
-// bandwidth? Times by CUDA events (2 warm-up launches, the median of 10), the device's
-// copy of the same bytes alongside; `floor-sum` (the sum of the rows' floors) must not
-// change with the batch.
+// The kept-set kernel (csrc/kept_set_kernel.cu) alone on float32 rows u [N, V] ~ N(0, sigma^2)
+// (sigma = 4: the logits of benchmarks/bench_kept_set.py; a small sigma makes flat rows whose
+// nucleus spans thousands of values), built with JAXRL_KEPT_SET_LOAD_BATCH float4 loads a thread
+// issues before it uses any: does batching the loads bring a pass nearer the copy bandwidth?
+// Times by CUDA events (2 warm-up launches, the median of 10), the device's copy of the same
+// bytes alongside; with a row block R > 0, the rows go in launches of R rows (as a lean head's
+// forward makes them). `floor-sum`, `s-sum` (the sums of the rows' floors and kept masses) and
+// the passes must not change with the build.
 //
 //   for b in 1 2 4; do
 //     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //       -DJAXRL_KEPT_SET_LOAD_BATCH=$b -Icsrc benchmarks/variants/kept_set_load_batch.cu \
-//       -o /tmp/kept_set_b$b && /tmp/kept_set_b$b 4096 131072
+//       -o /tmp/kept_set_b$b && /tmp/kept_set_b$b 4096 131072 [row block] [sigma]
 //   done
 #include <algorithm>
 #include <cmath>
@@ -22,8 +24,8 @@
 
 namespace {
 
-// u = 4 z, z ~ N(0, 1) by Box-Muller on a hash of the index.
-__global__ void fill_normal(float* u, long long total, unsigned long long seed) {
+// u = sigma z, z ~ N(0, 1) by Box-Muller on a hash of the index.
+__global__ void fill_normal(float* u, long long total, unsigned long long seed, float sigma) {
   for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
     unsigned long long x = static_cast<unsigned long long>(i) * 0x9E3779B97F4A7C15ull + seed;
@@ -33,7 +35,7 @@ __global__ void fill_normal(float* u, long long total, unsigned long long seed) 
     x *= 0xc4ceb9fe1a85ec53ull;
     x ^= x >> 33;
     const float a = ((x & 0xffffff) + 0.5f) / 16777216.f, b = (((x >> 24) & 0xffffff) + 0.5f) / 16777216.f;
-    u[i] = 4.f * sqrtf(-2.f * logf(a)) * cospif(2.f * b);
+    u[i] = sigma * sqrtf(-2.f * logf(a)) * cospif(2.f * b);
   }
 }
 
@@ -73,6 +75,8 @@ float median_ms(F&& launch, int warmup, int runs) {
 
 int main(int argc, char** argv) {
   const long long n = argc > 2 ? atoll(argv[1]) : 4096, v = argc > 2 ? atoll(argv[2]) : 131072;
+  const long long block = argc > 3 && atoll(argv[3]) > 0 ? atoll(argv[3]) : n;
+  const float sigma = argc > 4 ? static_cast<float>(atof(argv[4])) : 4.f;
   float *u, *m, *floor_, *s, *a, *copy;
   bool* active;
   int* passes;
@@ -85,11 +89,11 @@ int main(int argc, char** argv) {
   cudaMalloc(&active, n);
   cudaMalloc(&passes, n * 4);
   cudaMemset(active, 1, n);
-  fill_normal<<<1024, 256>>>(u, n * v, 7);
+  fill_normal<<<1024, 256>>>(u, n * v, 7, sigma);
   row_max<<<static_cast<unsigned>(n), 256>>>(u, v, m);
   const float copy_ms = median_ms([&] { cudaMemcpyAsync(copy, u, n * v * 4, cudaMemcpyDeviceToDevice); }, 2, 10);
-  printf("load batch %d, N=%lld V=%lld: copy %.3f ms (%.0f GB/s read + write)\n", JAXRL_KEPT_SET_LOAD_BATCH, n, v,
-         copy_ms, 2.0 * n * v * 4 / copy_ms / 1e6);
+  printf("load batch %d, N=%lld V=%lld, row block %lld, sigma %g: copy %.3f ms (%.0f GB/s read + write)\n",
+         JAXRL_KEPT_SET_LOAD_BATCH, n, v, block, sigma, copy_ms, 2.0 * n * v * 4 / copy_ms / 1e6);
   struct Case {
     const char* name;
     long long top_k;
@@ -100,37 +104,44 @@ int main(int argc, char** argv) {
                         {"top-k 50, top-p 0.95", 50, 0.95f, false}, {"min-p 0.05", 0, 1.f, true}};
   for (const Case& c : cases) {
     jaxrl_kept::KeptSetArgs args;
-    args.u = u;
-    args.m = m;
-    args.active = active;
-    args.floor = floor_;
-    args.s = s;
-    args.a = a;
-    args.passes = passes;
-    args.rows = n;
     args.vocab = v;
     args.top_k = c.top_k;
     args.top_p = c.top_p;
     args.has_min_p = c.min_p;
     args.log_min_p = logf(0.05f);
     std::string why;
-    const float ms = median_ms([&] { why = jaxrl_kept::launch_kept_set(args, 0); }, 2, 10);
+    const float ms = median_ms([&] {
+      for (long long r0 = 0; r0 < n; r0 += block) {
+        args.u = u + r0 * v;
+        args.m = m + r0;
+        args.active = active + r0;
+        args.floor = floor_ + r0;
+        args.s = s + r0;
+        args.a = a + r0;
+        args.passes = passes + r0;
+        args.rows = std::min(block, n - r0);
+        const std::string err = jaxrl_kept::launch_kept_set(args, 0);
+        if (why.empty()) why = err;
+      }
+    }, 2, 10);
     if (!why.empty()) {
       printf("%s: %s\n", c.name, why.c_str());
       return 1;
     }
     std::vector<int> p(n);
-    std::vector<float> f(n);
+    std::vector<float> f(n), kept_s(n);
     cudaMemcpy(p.data(), passes, n * 4, cudaMemcpyDeviceToHost);
     cudaMemcpy(f.data(), floor_, n * 4, cudaMemcpyDeviceToHost);
-    double mean_passes = 0.0, floor_sum = 0.0;
+    cudaMemcpy(kept_s.data(), s, n * 4, cudaMemcpyDeviceToHost);
+    double mean_passes = 0.0, floor_sum = 0.0, s_sum = 0.0;
     for (long long r = 0; r < n; ++r) {
       mean_passes += p[r];
       floor_sum += f[r];
+      s_sum += kept_s[r];
     }
     mean_passes /= n;
-    printf("  %-22s %.3f ms  passes %.2f  %.0f GB/s a pass  floor-sum %.6f  %s\n", c.name, ms, mean_passes,
-           mean_passes * n * v * 4 / ms / 1e6, floor_sum, cudaGetErrorString(cudaGetLastError()));
+    printf("  %-22s %.3f ms  passes %.2f  %.0f GB/s a pass  floor-sum %.6f  s-sum %.6f  %s\n", c.name, ms,
+           mean_passes, mean_passes * n * v * 4 / ms / 1e6, floor_sum, s_sum, cudaGetErrorString(cudaGetLastError()));
   }
   return 0;
 }
