@@ -22,6 +22,11 @@ kernel, ``grad`` the backward's grad kernel, ``gemms`` its CUTLASS GEMMs, ``othe
 
     python -m benchmarks.bench_sampler_forward --runs 10      # GPU (Hopper: the ffi kernels)
     python -m benchmarks.bench_sampler_forward --small        # toy sizes, any device
+    python -m benchmarks.bench_sampler_forward --peak 256 top_p   # one call's device peak
+
+``--peak MIB TRUNCATION`` (``none`` or ``top_p``): one lean call at the full size with blocks of
+``MIB`` MiB, in a process of its own, printing XLA's temp size and the device's peak above the
+inputs (``memory_stats``: XLA's temp size leaves out the FFI kernels' own workspace).
 
 Results: ``bench_sampler_forward.{json,md}`` (``--name``) in out/bench (``--out``).
 """
@@ -102,8 +107,33 @@ def measure(size, runs, rounds, small):
     return [row for row, _ in steps]
 
 
+def print_peak(block_mib: int, truncation: str) -> None:
+    """``--peak``: one lean call's XLA temp size and device peak above its inputs (MiB)."""
+    import jax
+
+    from benchmarks.bench_sampler_logprobs import calls, inputs
+
+    data = inputs(*SIZES["full"][0])
+    loss = calls()[("lean", {"none": "none", "top_p": "top-p 0.95"}[truncation])]
+    with forward_variant(False, block_mib):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*data).compile()
+    device = jax.devices()[0]
+    before = device.memory_stats()["bytes_in_use"]
+    jax.block_until_ready(step(*data))
+    peak = device.memory_stats()["peak_bytes_in_use"] - before
+    print(f"{device.device_kind}, jax {jax.__version__}, {SIZES['full'][0]}, {truncation}, blocks of "
+          f"{block_mib} MiB: temp {step.memory_analysis().temp_size_in_bytes / 2**20:.1f} MiB, "
+          f"device peak above the inputs {peak / 2**20:.1f} MiB", flush=True)
+
+
 def main(argv=None):
+    import sys
+
     from benchmarks import common
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--peak"]:
+        return print_peak(int(argv[1]), argv[2])
 
     return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
                              name="bench_sampler_forward", columns=COLUMNS, measure=measure,

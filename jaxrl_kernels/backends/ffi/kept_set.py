@@ -44,8 +44,11 @@ TARGET = "jaxrl_kernels_kept_set"  # csrc/ffi_kept_set.cc
 MAX_VOCAB = 2**23
 """The most columns of a row the kernel takes (its masses, 2⁴⁰ units each, sum in 64 bits)."""
 
-ROW_BLOCK_BYTES = 128 * 2**20
-"""About the float32 bytes of one block of rows of ``u`` (256 rows at V = 131072)."""
+ROW_BLOCK_BYTES = 256 * 2**20
+"""About the float32 bytes of one block of rows of ``u`` (512 rows at V = 131072): a lean top-p
+call at 4096×2048×131072 (H200) took 1.24× plain lean with these against 1.28× with 128 MiB (each
+launch waits for its slowest row; XLA's GEMM of fewer rows is slower), at the same device peak
+(benchmarks/results/bench_sampler_forward_6be2f44.md, bench_sampler_peak_6be2f44.txt)."""
 
 
 def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
