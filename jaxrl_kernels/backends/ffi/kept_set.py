@@ -48,7 +48,7 @@ ROW_BLOCK_BYTES = 256 * 2**20
 """About the float32 bytes of one block of rows of ``u`` (512 rows at V = 131072): a lean top-p
 call at 4096×2048×131072 (H200) took 1.24× plain lean with these against 1.28× with 128 MiB (each
 launch waits for its slowest row; XLA's GEMM of fewer rows is slower), at the same device peak
-(benchmarks/results/bench_sampler_forward_6be2f44.md, bench_sampler_peak_6be2f44.txt)."""
+(benchmarks/results/bench_sampler_forward_6be2f44.md, bench_sampler_peak_20e3273.txt)."""
 
 
 def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
