@@ -290,8 +290,8 @@ __device__ int32_t edge(Shared& sh, int b) {
       const int64_t step = (last - first + 31) / 32;
       const int64_t probe = first + lane * step;
       const bool at_or_above = probe >= last || bins.of_value(key_value(static_cast<int32_t>(probe))) >= b;
-      const int j = __ffs(__ballot_sync(0xffffffffu, at_or_above)) - 1;  // lane 31's probe is >= last
-      if (j < 0) {  // every probe below the edge
+      const int j = __ffs(__ballot_sync(0xffffffffu, at_or_above)) - 1;  // the first probe at or above
+      if (j < 0) {  // every probe below the edge: it is past lane 31's
         first = first + 31 * step + 1;
       } else if (j == 0) {
         last = first;
