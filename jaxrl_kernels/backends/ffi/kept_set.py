@@ -47,8 +47,10 @@ MAX_VOCAB = 2**23
 ROW_BLOCK_BYTES = 256 * 2**20
 """About the float32 bytes of one block of rows of ``u`` (512 rows at V = 131072): a lean top-p
 call at 4096×2048×131072 (H200) took 1.24× plain lean with these against 1.28× with 128 MiB (each
-launch waits for its slowest row; XLA's GEMM of fewer rows is slower), at the same device peak
-(benchmarks/results/bench_sampler_forward_6be2f44.md, bench_sampler_peak_20e3273.txt)."""
+launch waits for its slowest row; XLA's GEMM of fewer rows is slower;
+benchmarks/results/bench_sampler_forward_6be2f44.md). The forward holds one block at a time;
+what the extra 128 MiB does to the device peak is not measured (bench_sampler_peak_20e3273.txt
+shows a process peak set before the call, not the call's)."""
 
 
 def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
