@@ -62,7 +62,23 @@ def losses():
             return jk.linear_grpo_loss(h, w, a, old, r, mask, memory=memory, **kw)[0]
         return loss
 
-    return {"jnp bf16": plain, "ours lean": ours("lean"), "ours fast": ours("fast")}
+    return {"jnp bf16": plain, "ours lean": ours("lean"), "ours fast": ours("fast"),
+            "ours fast, XLA logits": xla_logits(ours("fast"))}
+
+
+def xla_logits(loss):
+    """``loss`` traced with the ffi backend's ``kept_logits`` withheld: ``memory="fast"``'s
+    logits and their statistics from XLA's GEMM and reductions (the reference backend's), as
+    off Hopper, against the kernel that writes them and folds them at once."""
+    def traced(*args):
+        from unittest import mock
+
+        from jaxrl_kernels.backends import ffi
+
+        with mock.patch.dict(ffi.OPS):
+            ffi.OPS.pop("kept_logits", None)
+            return loss(*args)
+    return traced
 
 
 def main():

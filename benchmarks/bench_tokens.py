@@ -8,7 +8,8 @@ calls by the host clock after a warm-up, and XLA's temp size:
 
 - ``jnp bf16``: ``einsum`` to bf16 logits, float32 ``log_softmax`` and gather
   (``jk.token_logprobs``, reference backend), the same loss (``benchmarks.bench_fast_loss``);
-- ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with ``memory="lean"`` / ``"fast"``;
+- ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with ``memory="lean"`` / ``"fast"``
+  (``ours fast, XLA logits``: its logits and statistics by XLA, as off Hopper);
 - ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
   Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
   code; ``lean`` computes the logits twice, so its floor is 4/3 of it (``floor_ms`` columns).

@@ -1,14 +1,18 @@
-// The forward op's XLA FFI handler, `jaxrl_kernels_sm90_linear_logprobs`
-// (jaxrl_kernels/backends/ffi/linear.py: _forward_call).
+// The forward op's XLA FFI handlers (jaxrl_kernels/backends/ffi/linear.py: _forward_call and
+// kept_logits).
 //
-// Operands: hidden [N, D], weight [V, D] ("vd") or [D, V] ("dv") (both bf16 or both f16),
-// bias f32 [V] (ignored unless has_bias), targets s32 [N], row_valid pred [N]. Results, each
-// f32 [N]: logp (0 on invalid rows, NaN for a target outside [0, V)), entropy and lse of
-// every row (not masked; the backward uses them). Attributes: weight_dv, has_bias,
-// temperature, splits (ffi.linear.Config.splits: the vocabulary splits of the persistent grid; 0
-// lets choose_plan decide). Scratch (3 floats per row per vocabulary split) comes from the
-// FFI scratch allocator. The kernels: sm90_stats_kernel.cuh and combine_kernel
-// (sm90_launch.cu).
+// `jaxrl_kernels_sm90_linear_logprobs`. Operands: hidden [N, D], weight [V, D] ("vd") or
+// [D, V] ("dv") (both bf16 or both f16), bias f32 [V] (ignored unless has_bias), targets s32
+// [N], row_valid pred [N]. Results, each f32 [N]: logp (0 on invalid rows, NaN for a target
+// outside [0, V)), entropy and lse of every row (not masked; the backward uses them).
+// Attributes: weight_dv, has_bias, temperature, splits (ffi.linear.Config.splits: the
+// vocabulary splits of the persistent grid; 0 lets choose_plan decide). Scratch (3 floats per
+// row per vocabulary split) comes from the FFI scratch allocator. The kernels:
+// sm90_stats_kernel.cuh and combine_kernel (sm90_launch.cu).
+//
+// `jaxrl_kernels_sm90_linear_kept_logits`: the same with a first result, the logits
+// hidden . W^T [N, V] in the head's dtype, and the statistics taken from those rounded
+// logits (ForwardArgs::logits): memory="fast"'s forward.
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -18,15 +22,21 @@
 namespace jaxrl_ffi {
 namespace {
 
-ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
-                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
-                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
-                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
-                              float temperature, int32_t splits) {
+// Both handlers; `logits` null: none kept.
+ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t device, ffi::AnyBuffer& hidden,
+                   ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, ffi::Buffer<ffi::S32>& targets,
+                   ffi::Buffer<ffi::PRED>& row_valid, ffi::AnyBuffer* logits, ffi::ResultBuffer<ffi::F32>& logp,
+                   ffi::ResultBuffer<ffi::F32>& entropy, ffi::ResultBuffer<ffi::F32>& lse, bool weight_dv,
+                   bool has_bias, float temperature, int32_t splits) {
   jaxrl_sm90::ForwardArgs args;
   ffi::Error checked = head_args_of(hidden, weight, bias, targets, weight_dv, has_bias, temperature, args);
   if (checked.failure()) return checked;
+  if (logits != nullptr) {
+    auto ld = logits->dimensions();
+    if (ld.size() != 2 || ld[0] != args.n || ld[1] != args.v || logits->element_type() != hidden.element_type())
+      return ffi::Error::InvalidArgument("the kept logits must be [N, V] in the head's dtype, got " + dims_str(ld));
+    args.logits = logits->untyped_data();
+  }
   if (!all_rows(args.n, {targets.element_count(), row_valid.element_count(), logp->element_count(),
                          entropy->element_count(), lse->element_count()}))
     return ffi::Error::InvalidArgument("targets, row_valid and the results must all be [N]");
@@ -51,21 +61,45 @@ ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch
   return launched(jaxrl_sm90::launch(args, plan, stream));
 }
 
-// stream, scratch, device; the head's operands, row_valid; logp, entropy, lse; the head's
-// attributes, splits.
-auto forward_binding() {
-  auto operands = bind_head_operands(
-      ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>().Ctx<ffi::DeviceOrdinal>());
-  auto results = std::move(operands)
-                     .Arg<ffi::Buffer<ffi::PRED>>()
-                     .Ret<ffi::Buffer<ffi::F32>>()
-                     .Ret<ffi::Buffer<ffi::F32>>()
-                     .Ret<ffi::Buffer<ffi::F32>>();
-  return bind_head_attrs(std::move(results)).Attr<int32_t>("splits");
+ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
+                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
+                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
+                              float temperature, int32_t splits) {
+  return Forward(stream, scratch, device, hidden, weight, bias, targets, row_valid, nullptr, logp, entropy, lse,
+                 weight_dv, has_bias, temperature, splits);
+}
+
+ffi::Error LinearKeptLogitsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+                                ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
+                                ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
+                                ffi::Result<ffi::AnyBuffer> logits, ffi::ResultBuffer<ffi::F32> logp,
+                                ffi::ResultBuffer<ffi::F32> entropy, ffi::ResultBuffer<ffi::F32> lse,
+                                bool weight_dv, bool has_bias, float temperature, int32_t splits) {
+  return Forward(stream, scratch, device, hidden, weight, bias, targets, row_valid, &*logits, logp, entropy, lse,
+                 weight_dv, has_bias, temperature, splits);
+}
+
+// stream, scratch, device; the head's operands, row_valid.
+auto forward_operands() {
+  return bind_head_operands(
+             ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>().Ctx<ffi::DeviceOrdinal>())
+      .Arg<ffi::Buffer<ffi::PRED>>();
+}
+
+// logp, entropy, lse; the head's attributes, splits.
+template <class Binding>
+auto forward_results(Binding&& binding) {
+  auto results = std::move(binding).template Ret<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<ffi::F32>>()
+                     .template Ret<ffi::Buffer<ffi::F32>>();
+  return bind_head_attrs(std::move(results)).template Attr<int32_t>("splits");
 }
 
 }  // namespace
 }  // namespace jaxrl_ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, jaxrl_ffi::LinearLogprobsImpl,
-                              jaxrl_ffi::forward_binding());
+                              jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearKeptLogits, jaxrl_ffi::LinearKeptLogitsImpl,
+                              jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands().Ret<ffi::AnyBuffer>()));

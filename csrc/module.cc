@@ -2,6 +2,7 @@
 // (jaxrl_kernels/backends/ffi/extension.py registers each with jax.ffi.register_ffi_target) and
 // exposes the host-side planners for tests and benchmarks. `registrations()` holds:
 //   jaxrl_kernels_sm90_linear_logprobs           the forward op          (ffi_forward.cc)
+//   jaxrl_kernels_sm90_linear_kept_logits        the same, the logits kept (memory="fast")
 //   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)
 //   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone   (ffi_variants.cc;
 //   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
@@ -17,6 +18,7 @@
 namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearKeptLogits(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
@@ -48,6 +50,8 @@ PYBIND11_MODULE(_sm90, m) {
     py::dict out;
     out["jaxrl_kernels_sm90_linear_logprobs"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
+    out["jaxrl_kernels_sm90_linear_kept_logits"] =
+        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearKeptLogits));
     out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
     out["jaxrl_kernels_sm90_linear_logprobs_backward"] =

@@ -45,6 +45,11 @@ struct ForwardArgs {
   float* entropy = nullptr;         // [N] out
   float* lse = nullptr;             // [N] out
   float* partials = nullptr;        // [splits * 3 * N] scratch
+  // [N, V] in the head's dtype, or null. When set, the kernel also writes the logits
+  // hidden . W^T (before bias and temperature) rounded to that dtype, and takes the row
+  // statistics from the rounded values (the target logit stays unrounded): the forward of
+  // memory="fast", whose backward forms the softmax from the same rounded logits.
+  void* logits = nullptr;
   int n = 0, v = 0, d = 0;
   DType dtype = DType::kBF16;
   bool weight_dv = false;

@@ -1,5 +1,6 @@
 // SM90 (Hopper) fused linear log-prob forward: TMA -> shared memory -> wgmma,
-// with the softmax statistics reduced in registers so logits never leave the SM.
+// with the softmax statistics reduced in registers so logits never leave the SM (unless the
+// caller keeps them: ForwardArgs::logits, memory="fast").
 //
 // The tiles come from the shared mainloop (sm90_common.cuh). For every row a consumer
 // thread keeps, for the raw logits y = hidden . w_v + b_v (z = y / T) of its own 64
@@ -12,6 +13,9 @@
 // The raw target logit y_t is picked out of the accumulators by the one thread
 // that holds it and stored in the logp output, which the combine kernel rewrites.
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "sm90_common.cuh"
 
@@ -113,6 +117,45 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
   }
 }
 
+// Rounds this thread's accumulators of a tile to T (round to nearest even), in place, and
+// stores them to `logits` [n_rows, vocab] (row stride vocab) at the tile's rows and columns
+// inside the matrix: two adjacent columns per 32-bit store where the row stride allows it.
+template <class T, class Acc>
+__device__ __forceinline__ void keep_rounded_tile(Acc& acc, T* __restrict__ logits, const int (&rows)[2],
+                                                  int n_rows, int vocab, int col0, int q) {
+  using Pair = cute::conditional_t<cute::is_same_v<T, cutlass::half_t>, __half2, __nv_bfloat162>;
+  constexpr int kJ = kBlockN / 8;
+  const bool pairs = vocab % 2 == 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    T* row = logits + static_cast<int64_t>(rows[r]) * vocab;
+    const bool in_rows = rows[r] < n_rows;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kJ; ++j) {
+      float& lo = acc(4 * j + 2 * r);
+      float& hi = acc(4 * j + 2 * r + 1);
+      Pair pair;
+      if constexpr (cute::is_same_v<T, cutlass::half_t>) {
+        pair = __floats2half2_rn(lo, hi);
+        lo = __low2float(pair);
+        hi = __high2float(pair);
+      } else {
+        pair = __floats2bfloat162_rn(lo, hi);
+        lo = __low2float(pair);
+        hi = __high2float(pair);
+      }
+      const int col = col0 + 8 * j + 2 * q;
+      if (!in_rows || col >= vocab) continue;
+      if (pairs) {
+        *reinterpret_cast<Pair*>(row + col) = pair;
+      } else {
+        reinterpret_cast<decltype(pair.x)*>(row)[col] = pair.x;
+        if (col + 1 < vocab) reinterpret_cast<decltype(pair.x)*>(row)[col + 1] = pair.y;
+      }
+    }
+  }
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 
 // The launch's ForwardArgs (the kernel reads bias, targets, row_valid, logp and partials)
@@ -165,6 +208,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (has_bias) v += bias_tile[rel];
             p.logp[rows[r]] = v;  // the raw target logit, finished by combine_kernel
           }
+        }
+
+        // ---- the kept logits, rounded; the statistics then fold the rounded values ----
+        if (p.logits != nullptr) {
+          keep_rounded_tile(acc, static_cast<typename Cfg::Element*>(p.logits), rows, g.n_rows, g.vocab, col0, q);
         }
 
         // ---- fold the tile into the running statistics ----

@@ -41,6 +41,13 @@ kept_set           ``(logits: kept_set.Logits, n_rows, vocab, m[N], active[N],
                    jnp passes over vocabulary chunks; ffi: a kernel on whole rows,
                    which also takes ``m=None`` with ``targets=``: then the rows'
                    own max and target, ``kept_set.finds_row_max``)
+kept_logits        ``(plan, hidden[N,D], weight, bias | None, t_local[N],
+                   row_valid[N], *, weight_layout, temperature, with_entropy)
+                   -> (stats, target_rel, z)``: ``memory="fast"``'s forward
+                   on one device, the logits ``z`` rounded to the head's
+                   dtype and the row statistics of the rounded values (the
+                   target logit unrounded), as ``saved_logits.local_stats``
+                   (reference: XLA's GEMM and reductions; ffi: one kernel)
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's

@@ -37,8 +37,9 @@ BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
 _MODULES = {name: f"jaxrl_kernels.backends.{name}" for name in BACKENDS}
 
 FAST = "xla-kept"
-"""The ``Choice.backend`` of ``memory="fast"``: XLA's GEMMs, the logits (or a loss's gradient)
-kept from the forward to the backward (``saved_logits``, ``fused_loss``, ``fused_distill``)."""
+"""The ``Choice.backend`` of ``memory="fast"`` where no primitive makes the kept buffer
+(``fused_distill``: XLA's GEMMs); the linear-head log-prob ops' fast mode is the backend that
+serves ``kept_logits`` (``saved_logits``, ``fused_loss``)."""
 
 ENV_VAR = "JAXRL_KERNELS_BACKEND"
 
@@ -117,6 +118,12 @@ def select(op: str, problem: Problem, backend: str | None = None, *,
             return _choice(op, problem, primitive, wanted, True, ())
         if strict:
             raise NotImplementedError(f"{op}: backend {wanted!r} cannot serve this call: {why}")
+    return _automatic(op, problem, primitive)
+
+
+def _automatic(op: str, problem: Problem, primitive: str) -> Choice:
+    """The first backend of :data:`BACKENDS` that serves ``primitive`` and that automatic
+    choice takes."""
     declined = []
     for name in BACKENDS:
         why = (_backend_refusal(name, primitive, problem)
@@ -140,7 +147,7 @@ def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
 
 def resolve(op: str, problem: Problem, backend: str | None = None, *,
             primitive: str | None = None, strict: bool = True,
-            memory: memory_lib.Request | None = None) -> Choice:
+            memory: memory_lib.Request | None = None, kept: str | None = None) -> Choice:
     """:func:`select`, recorded for :func:`explain` under ``primitive`` (given) or ``op``.
 
     Every call site uses this. A forward without a backward of its own (``Choice.backward``
@@ -150,9 +157,12 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
     the innermost ``memory_mode`` scope, else ``JAXRL_KERNELS_MEMORY``, else ``"lean"``
     (``memory.requested``, through ``memory.choose``: nowhere else). ``"fast"`` (or a budget
     the kept buffer fits) is an implementation of its own, XLA's GEMMs with the logits (or the
-    loss's gradient) kept: the choice has no backend (``impl`` None) and its ``memory`` note
-    says why; otherwise a backend is selected as above, for ``"lean"``. Both are recorded with
-    the reason (the mode's source and a byte budget's comparison included), once per call.
+    loss's gradient) kept: its ``memory`` note says why, and the choice is the backend that
+    automatic choice takes for the primitive ``kept`` (the one that makes the kept buffer:
+    ``"kept_logits"`` for the linear-head log-prob ops; never a requested backend), or none
+    (``FAST``, ``impl`` None) without ``kept``; otherwise a backend is selected as above, for
+    ``"lean"``. Both are recorded with the reason (the mode's source and a byte budget's
+    comparison included), once per call.
     """
     if memory is not None:
         wanted = None if backend is not None else requested_backend(None)
@@ -160,7 +170,10 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
                                  batch_invariant=problem.batch_invariant)
         if note.mode == "fast":
             record(op, note)
-            return Choice(FAST, None, False, (), memory=note)  # never a requested backend
+            if kept is None:
+                return Choice(FAST, None, False, (), memory=note)
+            choice = record(kept, _automatic(op, problem, kept))
+            return dataclasses.replace(choice, memory=note)
     choice = select(op, problem, backend, primitive=primitive, strict=strict)
     record(primitive or op, choice)
     if memory is None:

@@ -53,12 +53,13 @@ ROW_BLOCK_BYTES = 64 * 2**20
 """The logits' gradient is written over them in blocks of rows of about this size."""
 
 
-def _local_forward(plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
+def _local_forward(kept, plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
                    temperature, with_entropy):
-    """One device's flat rows: (logp, entropy if asked, lse, active, z [N, V_local])."""
+    """One device's flat rows: (logp, entropy if asked, lse, active, z [N, V_local]), the
+    logits and their statistics from ``kept`` (the ``kept_logits`` primitive)."""
     vocab = head.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
-    stats, t_rel, z = saved_logits.local_stats(
+    stats, t_rel, z = kept(
         plan, hidden, weight, bias, t_local, row_valid, weight_layout=weight_layout,
         temperature=temperature, with_entropy=with_entropy)
     logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab,
@@ -129,10 +130,13 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     return head_grad.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
 
 
-def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
+def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
                       weight_layout, temperature, with_entropy, vocab_axis=None):
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
+
+    ``kept``: the ``kept_logits`` primitive dispatch chose (``saved_logits.local_stats``, or
+    a kernel with its contract), which makes the logits and their row statistics.
 
     ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree
     of its other arrays (float leaves get their gradients through ``loss_fn``'s VJP).
@@ -157,7 +161,7 @@ def fused_linear_loss(loss_fn, hidden, weight, bias, targets, row_valid, inputs,
 
     def forward(hidden, weight, bias, targets, row_valid):
         """(logp, entropy | None), (lse, active, z), through the engine's forward step."""
-        local = functools.partial(_local_forward, with_entropy=with_entropy, **options)
+        local = functools.partial(_local_forward, kept, with_entropy=with_entropy, **options)
         outs = engine.stage(local, (hidden, weight, bias, targets, row_valid),
                             (h_roles, w_roles, b_roles, rows, rows),
                             (rows,) * (4 if with_entropy else 3) + (rows + "v",),

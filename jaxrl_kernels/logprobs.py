@@ -147,7 +147,7 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
                              return_entropy=return_entropy, batch_invariant=batch_invariant)
-    return dispatch.resolve(op, problem, backend, memory=request)
+    return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
 
 
 def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, weight_layout,
@@ -163,8 +163,8 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, we
                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
                    truncation=truncation, find_kept=find_kept)
     if choice.fast:
-        return saved_logits.fast_linear_logprobs(hidden, weight, bias, targets.astype(jnp.int32),
-                                                 row_valid, **options)
+        return saved_logits.fast_linear_logprobs(choice.impl, hidden, weight, bias,
+                                                 targets.astype(jnp.int32), row_valid, **options)
     return logprob_core.linear_from_parts(choice.impl, hidden, weight, bias,
                                           targets.astype(jnp.int32), row_valid,
                                           backward=choice.backward, **options)

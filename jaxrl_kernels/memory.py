@@ -172,10 +172,10 @@ def choose(request: Request, backend: str | None,
     if mode == "fast" and loss:
         text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
                 f"{np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}); XLA's GEMMs, {gemms[0]} per forward+backward")
+                f"{list(kept_shape)} ({size}); GEMMs of the head: {gemms[0]} per forward+backward")
     elif mode == "fast":
         text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}) for the backward; XLA's GEMMs, {gemms[0]} per "
+                f"{list(kept_shape)} ({size}) for the backward; GEMMs of the head: {gemms[0]} per "
                 "forward+backward")
         if wanted is not None:
             text += f"; the backend override {wanted!r} applies to memory='lean' only"

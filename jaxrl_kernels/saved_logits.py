@@ -88,7 +88,12 @@ def row_stats(zs, with_entropy):
 def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
                 with_entropy):
     """One device's rows [N, D] and columns: its row statistics, the target's ``z̃ − m`` and
-    the kept logits ``z`` [N, V_local] (``logprob_core.linear_head_op``'s forward half)."""
+    the kept logits ``z`` [N, V_local] (``logprob_core.linear_head_op``'s forward half): the
+    ``kept_logits`` primitive on XLA's GEMM and reductions (the reference backend's).
+
+    The statistics are those of the rounded logits the backward reads (``scaled``), so that
+    the backward's softmax sums to 1 with the forward's ``lse``: a row whose mass sits on one
+    token gets ``p = 1`` there, not ``exp`` of that token's rounding error."""
     del plan, row_valid
     z = product(hidden, weight, weight_layout)
     stats = row_stats(scaled(z, bias, temperature), with_entropy)
@@ -154,19 +159,19 @@ def kept_logits(bias, z, temperature):
     return kept_set.Logits(columns, rows)
 
 
-def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
+def fast_linear_logprobs(kept, hidden, weight, bias, targets, row_valid, *, weight_layout,
                          temperature, return_entropy, vocab_axis=None, truncation=None,
                          find_kept=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
-    Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows ``[...]``, global
-    target ids, ``vocab_axis`` inside ``jax.shard_map``); a ``truncation``'s kept set is found
-    over the kept logits (by ``find_kept``, the ``kept_set`` primitive)."""
+    ``kept``: the ``kept_logits`` primitive dispatch chose (:func:`local_stats`, or a kernel
+    with its contract). Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows
+    ``[...]``, global target ids, ``vocab_axis`` inside ``jax.shard_map``); a ``truncation``'s
+    kept set is found over the kept logits (by ``find_kept``, the ``kept_set`` primitive)."""
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
     def stats(plan, h, w, b, t_local, valid):
-        return local_stats(plan, h, w, b, t_local, valid, with_entropy=return_entropy,
-                           **options)
+        return kept(plan, h, w, b, t_local, valid, with_entropy=return_entropy, **options)
 
     def backward(*args, floor=None):
         return local_backward(*args, floor=floor, **options)

@@ -28,7 +28,7 @@ from benchmarks import kernel_entry
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.backend_contract import Problem
-from jaxrl_kernels import head_grad, logprob_core
+from jaxrl_kernels import fused_loss, head_grad, logprob_core, saved_logits
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
@@ -68,7 +68,7 @@ def test_extension_built_and_imports():
         f"the build was expected, but no extension: {extension.IMPORT_ERROR}")
     assert "sm_90a" in extension.sm90.build_info()
     assert sorted(extension.sm90.registrations()) == sorted(
-        [ffi_linear.TARGET, ffi_linear.GRAD_TARGET, ffi_linear.BACKWARD_TARGET,
+        [ffi_linear.TARGET, ffi_linear.KEPT_TARGET, ffi_linear.GRAD_TARGET, ffi_linear.BACKWARD_TARGET,
          extension.UNINITIALIZED_TARGET, ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET,
          ffi_kept_set.TARGET])
     assert extension.sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
@@ -162,6 +162,29 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
     assert "stablehlo.while" not in text and ffi_linear.GRAD_TARGET + "(" not in text
     assert ("has_entropy = true" in text) and (("has_bias = true" in text) == with_bias)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_fast_loss_forward_is_one_custom_call_for_cuda(layout):
+    """memory="fast" on ffi's ``kept_logits``: the forward's logits and statistics come from
+    the kept-logits call (no GEMM of XLA's and no reduction over them), and ``jax.grad`` of the
+    loss runs the backward's two GEMMs only."""
+    h, w, b, t = _inputs(layout=layout, bias=False)
+    rv = jnp.ones(t.shape, bool)
+    loss_fn = lambda logp, entropy, inputs: jnp.sum(logp * inputs) + jnp.sum(entropy)
+
+    def loss(h, w):
+        return fused_loss.fused_linear_loss(ffi_linear.kept_logits, loss_fn, h, w, None, t, rv,
+                                            jnp.linspace(-1, 1, t.shape[0]), weight_layout=layout,
+                                            temperature=0.7, with_entropy=True)
+
+    fwd = jax.jit(loss).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert fwd.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
+    assert "stablehlo.dot_general" not in fwd and ffi_linear.TARGET + "(" not in fwd
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(h, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert grad.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
+    assert grad.count("stablehlo.dot_general") == 2
 
 
 def test_weight_copy_attribute_from_config():
@@ -662,6 +685,40 @@ def test_gpu_forced_splits_agree_with_the_plan(layout):
     for splits in (1, 7, 1000):
         for got, ref in zip(run(splits), want):
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("layout,v,dtype,with_bias", [
+    ("vd", 50257, jnp.bfloat16, True), ("dv", 32768, jnp.bfloat16, False),
+    ("vd", 4099, jnp.float16, False), ("dv", 151936, jnp.float16, True)])
+def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
+    """ffi's ``kept_logits`` against the reference's (``saved_logits.local_stats``: XLA's GEMM
+    rounded once, then its reductions over the rounded logits): the same kept logits up to one
+    rounding step where the two float32 sums round to neighbours, and the same statistics of
+    them; the target logit unrounded. Rows past a 128-row block, an odd V (single stores)."""
+    n = 300
+    h, w, b, t = _gpu_inputs(n, 256, v, layout, dtype, with_bias, seed=v)
+    t = t.at[:4].set(jnp.array([0, v - 1, -1, v]))  # edges; outside [0, V): not held
+    rv = jnp.ones(t.shape, bool).at[5].set(False)
+    kw = dict(weight_layout=layout, temperature=0.8, with_entropy=True)  # plan: unused by both
+    got = jax.jit(lambda h, w, b: ffi_linear.kept_logits(None, h, w, b, t, rv, **kw))(h, w, b)
+    want = jax.jit(lambda h, w, b: saved_logits.local_stats(None, h, w, b, t, rv, **kw))(h, w, b)
+    (stats, t_rel, z), (stats_x, t_rel_x, z_x) = got, want
+    assert z.dtype == dtype and z.shape == (n, v)
+    z, z_x = np.asarray(z, np.float32), np.asarray(z_x, np.float32)
+    ulp = np.abs(z_x) * float(jnp.finfo(dtype).eps) + 1e-30
+    assert (np.abs(z - z_x) <= ulp).all() and (z == z_x).mean() > 0.95
+    lse, ent = (np.asarray(x) for x in (stats[0] + jnp.log(stats[1]),
+                                        jnp.log(stats[1]) - stats[2] / stats[1]))
+    lse_x, ent_x = (np.asarray(x) for x in (stats_x[0] + jnp.log(stats_x[1]),
+                                            jnp.log(stats_x[1]) - stats_x[2] / stats_x[1]))
+    np.testing.assert_allclose(lse, lse_x, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(ent, ent_x, rtol=0, atol=2e-3)
+    held = np.asarray((t >= 0) & (t < v) & rv)
+    z_t = np.asarray(stats[0])[held] + np.asarray(t_rel)[held]
+    z_t_x = np.asarray(stats_x[0])[held] + np.asarray(t_rel_x)[held]
+    np.testing.assert_allclose(z_t, z_t_x, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.gpu

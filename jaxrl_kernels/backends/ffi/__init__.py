@@ -1,7 +1,8 @@
 """The ``ffi`` backend: SM90 (Hopper) kernels of the CUDA extension as XLA FFI custom calls.
 
 ``linear`` serves ``linear_logprobs`` (its ``Parts`` have no backward: dispatch resolves
-``linear_logprobs_backward`` for it, ``Choice.backward``) and that backward alone; ``distill``
+``linear_logprobs_backward`` for it, ``Choice.backward``), that backward alone and
+``memory="fast"``'s ``kept_logits``; ``distill``
 serves ``distill_divergence``; ``kept_set`` a sampler's kept set per row. ``extension``
 loads the extension and registers its targets; without it, or off a Hopper GPU, the backend
 is unavailable.
@@ -22,15 +23,15 @@ _DECLINERS = {primitive: mod.declines for mod in _SUBMODULES for primitive in mo
 def declines(primitive: str, problem: Problem) -> str | None:
     """Why the kernels do not serve these inputs (None if they do)."""
     if primitive not in OPS:
-        return (f"ffi implements linear_logprobs, its backward, distill_divergence and "
-                f"kept_set, not {primitive!r}")
+        return (f"ffi implements memory='fast''s kept_logits, linear_logprobs, its backward, "
+                f"distill_divergence and kept_set, not {primitive!r}")
     return _DECLINERS[primitive](primitive, problem)
 
 
 def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
-        return ("ffi serves only linear_logprobs (forward and backward), distill_divergence "
-                "and kept_set")
+        return ("ffi serves only linear_logprobs (forward and backward), kept_logits, "
+                "distill_divergence and kept_set")
     return None
 
 

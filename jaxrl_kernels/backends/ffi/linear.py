@@ -43,6 +43,7 @@ from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.logprob_core import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
+KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
 # Registered as well (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only
 # by benchmarks/variants/ffi_xla_gemms.py and tests.
@@ -157,14 +158,21 @@ def _f32_or_empty(x):
 
 
 def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                  config=DEFAULT_CONFIG):
-    """(logp, entropy unmasked, lse), float32 [N] each, from the custom call."""
+                  config=DEFAULT_CONFIG, keep_logits=False):
+    """(logp, entropy unmasked, lse), float32 [N] each, from the custom call; with
+    ``keep_logits``, first the logits ``hidden @ Wᵀ`` [N, V] in the head's dtype, the
+    statistics then those of the rounded logits (the target logit unrounded)."""
     _check_served(hidden, weight, weight_layout)
     n_rows = hidden.shape[0]
     has_bias = bias is not None
     bias32 = _f32_or_empty(bias)
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, (row, row, row), vmap_method="sequential")
+    results = (row, row, row)
+    if keep_logits:
+        vocab = head.vocab_size(weight, weight_layout)
+        results = (jax.ShapeDtypeStruct((n_rows, vocab), hidden.dtype),) + results
+    call = jax.ffi.ffi_call(KEPT_TARGET if keep_logits else TARGET, results,
+                            vmap_method="sequential")
     return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
                 weight_dv=weight_layout == "dv", has_bias=has_bias,
                 temperature=np.float32(temperature), splits=np.int32(config.forward_splits()))
@@ -233,9 +241,22 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
+def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
+                with_entropy):
+    """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
+    ``saved_logits.local_stats``) from one custom call: the kernel writes the logits rounded
+    to the head's dtype as it folds them, so no pass reads them back for the statistics."""
+    del plan
+    z, logp, entropy, lse = _forward_call(hidden, weight, bias, t_local, row_valid,
+                                          weight_layout, temperature, keep_logits=True)
+    stats = (lse, jnp.ones_like(lse)) + ((-entropy,) if with_entropy else ())
+    return stats, logp, z
+
+
 PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
-OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward}
+OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward,
+       "kept_logits": kept_logits}
 
 INVARIANT_OPS = {
     "linear_logprobs": Parts(functools.partial(linear_stats, config=INVARIANT_CONFIG),

@@ -3,12 +3,14 @@
 ``logprobs`` serves the log-prob primitives, ``distill`` the divergence between two linear
 heads and a head's top-k; the PPO loss and group advantages are ``ppo_math``'s and
 ``aggregation_math``'s functions, a sampler's kept set ``kept_set.find`` (passes over
-vocabulary chunks: no [N, V] buffer). It serves every primitive, always: the last resort.
+vocabulary chunks: no [N, V] buffer), ``memory="fast"``'s kept logits
+``saved_logits.local_stats`` (XLA's GEMM and reductions). It serves every primitive, always:
+the last resort.
 """
 
 from __future__ import annotations
 
-from jaxrl_kernels import aggregation_math, kept_set, ppo_math
+from jaxrl_kernels import aggregation_math, kept_set, ppo_math, saved_logits
 from jaxrl_kernels.backend_contract import Backend
 from jaxrl_kernels.backends.reference import distill, logprobs
 
@@ -17,6 +19,7 @@ OPS = {
     "ppo_loss": ppo_math.ppo_loss,
     "group_advantages": aggregation_math.group_advantages,
     "kept_set": kept_set.find,
+    "kept_logits": saved_logits.local_stats,
     **distill.OPS,  # distill_divergence, topk_logprobs
 }
 

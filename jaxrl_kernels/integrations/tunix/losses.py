@@ -112,7 +112,7 @@ def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
     valid = jnp.ones(rows.targets.shape, jnp.bool_)
     if choice.fast and truncation is None:
         return fused_loss.fused_linear_loss(
-            lambda logp, entropy, inputs: terms.loss_of_logprobs(*rows.pad(logp, entropy),
+            choice.impl, lambda logp, entropy, inputs: terms.loss_of_logprobs(*rows.pad(logp, entropy),
                                                                  inputs),
             rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32), valid,
             terms.inputs, with_entropy=terms.with_entropy, **options)
