@@ -246,6 +246,66 @@ __device__ __forceinline__ ConsumerLane consumer_lane() {
   return {ct, ct / 128, lane % 4, (ct / 128) * 64 + ((ct / 32) % 4) * 16 + lane / 4};
 }
 
+// A tile's 16-bit values from the accumulator layout to global memory: each consumer warp
+// writes its 16 rows through a 16 x 64 slice of shared memory (TileStage), a quarter of the
+// tile's columns at a time. Its 16-byte chunks are XOR-swizzled by row (chunk k of row r sits
+// at k ^ (r % 8)), so that both the writes in the accumulator layout (4 bytes a lane) and the
+// row reads (16 bytes a lane) are free of bank conflicts; each global store then writes 128
+// contiguous bytes of four rows. Stored straight from the accumulator layout, 4 bytes a lane,
+// the grad kernel took 1.14-1.27 x one GEMM, against 1.05-1.15 x this way
+// (benchmarks/results/bench_sm90_kernels_c4fed7c.md).
+constexpr int kStageCols = 64;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+
+struct TileStage {
+  alignas(128) uint16_t slice[kConsumerWarps][16 * kStageCols];
+};
+
+// `pairs(j, bits)` gives this lane's two 16-bit values of columns 8 j + 2 q and + 1 as one
+// 32-bit word for each row half r (bits[r]). They are stored to `out` (row stride ld) at rows
+// warp_row0 + [0, 16) below n_rows and columns local0 + [0, 256) below ld, and 0 at the columns
+// in [size, ld) (a padded chunk); 16 bytes a store where `vector_ok` (ld a multiple of 8, out
+// 16-byte aligned) and all 8 columns lie below size.
+template <class Pairs>
+__device__ __forceinline__ void store_tile_16bit(Pairs&& pairs, uint16_t* stage, uint16_t* out, int warp_row0,
+                                                 int n_rows, int size, int ld, int local0, bool vector_ok) {
+  const int lane = threadIdx.x % 32;
+  const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
+  CUTLASS_PRAGMA_UNROLL
+  for (int quarter = 0; quarter < kBlockN / kStageCols; ++quarter) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int jj = 0; jj < kStageCols / 8; ++jj) {
+      uint32_t bits[2];
+      pairs(quarter * (kStageCols / 8) + jj, bits);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        uint16_t* slot = stage + (row_w + 8 * r) * kStageCols + (jj ^ row_w) * 8 + 2 * q;
+        *reinterpret_cast<uint32_t*>(slot) = bits[r];
+      }
+    }
+    __syncwarp();
+    CUTLASS_PRAGMA_UNROLL
+    for (int it = 0; it < 4; ++it) {
+      const int row = 4 * it + lane / 8, k = lane % 8;
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kStageCols + (k ^ (row % 8)) * 8);
+      const int col = local0 + quarter * kStageCols + 8 * k;
+      if (warp_row0 + row < n_rows && col < ld) {
+        uint16_t* dst = out + static_cast<size_t>(warp_row0 + row) * ld + col;
+        if (vector_ok && col + 8 <= size) {
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else {  // a ragged end; padding columns up to ld get 0
+          const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 8; ++e) {
+            if (col + e < ld) dst[e] = col + e < size ? h[e] : uint16_t{0};
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
 template <class Cfg>
 __device__ __forceinline__ void prefetch_tma(const typename Cfg::TmaA& tma_a, const typename Cfg::TmaB& tma_b,
                                              int warp_idx, int lane_predicate) {

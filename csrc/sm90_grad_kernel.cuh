@@ -58,74 +58,40 @@ struct LaneRows {
   int tgt_rel[2];  // target column - (tile's first column + 2 q): element 8 j + e is the target
 };
 
-// The epilogue: each consumer warp writes its 16 rows of G through a 16 x 64 slice of shared
-// memory, a quarter of the tile's columns at a time. Its 16-byte chunks are XOR-swizzled by
-// row (chunk k of row r sits at k ^ (r % 8)), so that both the writes in the accumulator
-// layout (4 bytes a lane) and the row reads (16 bytes a lane) are free of bank conflicts; each
-// global store then writes 128 contiguous bytes of four rows. Stored straight from the
-// accumulator layout, 4 bytes a lane, the kernel took 1.14-1.27 x one GEMM, against
-// 1.05-1.15 x this way (benchmarks/results/bench_sm90_kernels_c4fed7c.md).
-constexpr int kStageCols = 64;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
-
 template <class Cfg>
 struct GradStorage {
   typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
-  alignas(128) __half stage[kConsumerWarps][16 * kStageCols];
+  TileStage stage;
 };
 
+// The epilogue: G of the tile, through store_tile_16bit (sm90_common.cuh).
 template <bool kEntropy, bool kFloor, class Acc>
 __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
-                                                const LaneRows& c, float inv_t, __half* stage, __half* out,
+                                                const LaneRows& c, float inv_t, uint16_t* stage, __half* out,
                                                 int warp_row0, int n_rows, int size, int ld, int local0,
                                                 bool vector_ok) {
-  const int lane = threadIdx.x % 32;
-  const int q = lane % 4, row_w = lane / 4;  // this lane's rows: row_w and row_w + 8
-  CUTLASS_PRAGMA_UNROLL
-  for (int quarter = 0; quarter < kBlockN / kStageCols; ++quarter) {
+  auto pairs = [&](int j, uint32_t (&bits)[2]) __attribute__((always_inline)) {
+    float b[2] = {0.f, 0.f};
+    if (has_bias) {
+      float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
+      b[0] = bb.x;
+      b[1] = bb.y;
+    }
     CUTLASS_PRAGMA_UNROLL
-    for (int jj = 0; jj < kStageCols / 8; ++jj) {
-      const int j = quarter * (kStageCols / 8) + jj;
-      float b[2] = {0.f, 0.f};
-      if (has_bias) {
-        float2 bb = *reinterpret_cast<const float2*>(bias_lane + 8 * j);
-        b[0] = bb.x;
-        b[1] = bb.y;
-      }
+    for (int r = 0; r < 2; ++r) {
+      float gv[2];
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        float gv[2];
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          gv[e] = grad_of_logit<kEntropy, kFloor>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r],
-                                                  c.beta[r], c.gamma[r], kFloor ? c.floor[r] : 0.f,
-                                                  8 * j + e == c.tgt_rel[r]);
-        }
-        __half* slot = stage + (row_w + 8 * r) * kStageCols + (jj ^ row_w) * 8 + 2 * q;
-        *reinterpret_cast<__half2*>(slot) = __floats2half2_rn(gv[0], gv[1]);
+      for (int e = 0; e < 2; ++e) {
+        gv[e] = grad_of_logit<kEntropy, kFloor>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r],
+                                                c.beta[r], c.gamma[r], kFloor ? c.floor[r] : 0.f,
+                                                8 * j + e == c.tgt_rel[r]);
       }
+      const __half2 h = __floats2half2_rn(gv[0], gv[1]);
+      bits[r] = reinterpret_cast<const uint32_t&>(h);
     }
-    __syncwarp();
-    CUTLASS_PRAGMA_UNROLL
-    for (int it = 0; it < 4; ++it) {
-      const int row = 4 * it + lane / 8, k = lane % 8;
-      const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kStageCols + (k ^ (row % 8)) * 8);
-      const int col = local0 + quarter * kStageCols + 8 * k;
-      if (warp_row0 + row < n_rows && col < ld) {
-        __half* dst = out + static_cast<size_t>(warp_row0 + row) * ld + col;
-        if (vector_ok && col + 8 <= size) {
-          *reinterpret_cast<uint4*>(dst) = v;
-        } else {  // the ragged end of the chunk; its padding columns up to ld get 0
-          const __half* h = reinterpret_cast<const __half*>(&v);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 8; ++e) {
-            if (col + e < ld) dst[e] = col + e < size ? h[e] : __float2half(0.f);
-          }
-        }
-      }
-    }
-    __syncwarp();
-  }
+  };
+  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(out), warp_row0, n_rows, size, ld, local0,
+                   vector_ok);
 }
 
 // The chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])  for the
@@ -205,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool has_bias = p.bias != nullptr;
     __half* const out = static_cast<__half*>(p.out);
     const bool vector_ok = (p.ld % 8) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    __half* stage = storage.stage[ct / 32];
+    uint16_t* stage = storage.stage.slice[ct / 32];
 
     for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
       Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);

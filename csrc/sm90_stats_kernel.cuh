@@ -117,43 +117,39 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
   }
 }
 
-// Rounds this thread's accumulators of a tile to T (round to nearest even), in place, and
-// stores them to `logits` [n_rows, vocab] (row stride vocab) at the tile's rows and columns
-// inside the matrix: two adjacent columns per 32-bit store where the row stride allows it.
+// The stats kernel's shared memory when it keeps the logits (ForwardArgs::logits): the stage
+// of store_tile_16bit after the mainloop's storage.
+template <class Cfg>
+struct KeptStorage {
+  typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
+  TileStage stage;
+};
+
+// Rounds this thread's accumulators of a tile to T (round to nearest even) in place and
+// stores the tile to `logits` [n_rows, vocab] at columns col0 + [0, 256).
 template <class T, class Acc>
-__device__ __forceinline__ void keep_rounded_tile(Acc& acc, T* __restrict__ logits, const int (&rows)[2],
-                                                  int n_rows, int vocab, int col0, int q) {
-  using Pair = cute::conditional_t<cute::is_same_v<T, cutlass::half_t>, __half2, __nv_bfloat162>;
-  constexpr int kJ = kBlockN / 8;
-  const bool pairs = vocab % 2 == 0;
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    T* row = logits + static_cast<int64_t>(rows[r]) * vocab;
-    const bool in_rows = rows[r] < n_rows;
+__device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* logits, int warp_row0,
+                                                  int n_rows, int vocab, int col0, bool vector_ok) {
+  auto pairs = [&](int j, uint32_t (&bits)[2]) __attribute__((always_inline)) {
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kJ; ++j) {
+    for (int r = 0; r < 2; ++r) {
       float& lo = acc(4 * j + 2 * r);
       float& hi = acc(4 * j + 2 * r + 1);
-      Pair pair;
       if constexpr (cute::is_same_v<T, cutlass::half_t>) {
-        pair = __floats2half2_rn(lo, hi);
+        const __half2 pair = __floats2half2_rn(lo, hi);
         lo = __low2float(pair);
         hi = __high2float(pair);
+        bits[r] = reinterpret_cast<const uint32_t&>(pair);
       } else {
-        pair = __floats2bfloat162_rn(lo, hi);
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
         lo = __low2float(pair);
         hi = __high2float(pair);
-      }
-      const int col = col0 + 8 * j + 2 * q;
-      if (!in_rows || col >= vocab) continue;
-      if (pairs) {
-        *reinterpret_cast<Pair*>(row + col) = pair;
-      } else {
-        reinterpret_cast<decltype(pair.x)*>(row)[col] = pair.x;
-        if (col + 1 < vocab) reinterpret_cast<decltype(pair.x)*>(row)[col + 1] = pair.y;
+        bits[r] = reinterpret_cast<const uint32_t&>(pair);
       }
     }
-  }
+  };
+  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(logits), warp_row0, n_rows, vocab, vocab, col0,
+                   vector_ok);
 }
 
 // ---- the kernel ------------------------------------------------------------------------
@@ -172,13 +168,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
+  auto& storage = aligned_shared<KeptStorage<Cfg>>(smem_raw);  // the stage only where logits are kept
   const Units& g = p.units;
   auto no_producer_rest = [](int) {};
-  run_tile_kernel<Cfg>(shared_storage<Cfg>(smem_raw), tma_a, tma_b, g, 0, p.bias, no_producer_rest,
+  run_tile_kernel<Cfg>(storage.main, tma_a, tma_b, g, 0, p.bias, no_producer_rest,
                        [&](const ConsumerLane& lane, auto& acc, auto& compute_tile) __attribute__((always_inline)) {
     const auto [ct, cwg, q, row_in_tile] = lane;
     const bool has_bias = p.bias != nullptr;
     const float c1 = p.c1;
+    using T = typename Cfg::Element;
+    T* const logits = static_cast<T*>(p.logits);
+    const bool vector_ok = g.vocab % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+    uint16_t* const stage = storage.stage.slice[ct / 32];
 
     for (int u = blockIdx.x; u < g.num_units; u += gridDim.x) {
       Unit w = decode_unit(u, g.row_blocks, g.splits, g.group_rows, g.vocab_tiles);
@@ -211,8 +212,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 
         // ---- the kept logits, rounded; the statistics then fold the rounded values ----
-        if (p.logits != nullptr) {
-          keep_rounded_tile(acc, static_cast<typename Cfg::Element*>(p.logits), rows, g.n_rows, g.vocab, col0, q);
+        if (logits != nullptr) {
+          keep_rounded_tile(acc, stage, logits, rows[0] - (threadIdx.x % 32) / 4, g.n_rows, g.vocab, col0,
+                            vector_ok);
         }
 
         // ---- fold the tile into the running statistics ----
@@ -256,7 +258,8 @@ std::string launch_typed(const ForwardArgs& args, const Plan& plan, cudaStream_t
   using Cfg = Config<T, kDv>;
   StatsParams p = tile_params<StatsParams>(args, plan);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-  return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, plan.grid, stream, "linear_lse_kernel");
+  const int smem_bytes = args.logits ? sizeof(KeptStorage<Cfg>) + 1024 : Cfg::kSmemBytes;  // + 1 KiB alignment
+  return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, plan.grid, stream, "linear_lse_kernel", smem_bytes);
 }
 
 }  // namespace jaxrl_sm90
