@@ -20,7 +20,8 @@ namespace jaxrl_sm90 {
 // over several CTAs per tile (sm90_head_gemm.cuh), by a count that depends on (n, d, k) only, as
 // does the workspace size; split_k false keeps one CTA per tile whatever n is (a batch-invariant
 // backward: each row's sums then do not depend on n), its tiles half as wide where that fills
-// the GPU better.
+// the GPU better. Tiles half as wide also replace a split of K in two parts (as many CTAs, no
+// reduction of the parts).
 std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
                           int sm_count, cudaStream_t stream, bool split_k = true);
