@@ -26,7 +26,7 @@ from conftest import (assert_close, assert_f32, assert_zero, cotangent, pallas_s
                       random_mask)
 from jaxrl_kernels import dispatch
 from jaxrl_kernels import memory as memory_lib
-from jaxrl_kernels.backend_contract import linear_problem
+from jaxrl_kernels.backend_contract import Problem
 
 def _round(x64, dtype):
     return np.asarray(jnp.asarray(np.asarray(x64, np.float32)).astype(dtype)
@@ -425,29 +425,36 @@ def test_memory_budget_and_explain(rng):
 def test_fast_mode_chooses_who_makes_the_kept_logits(rng, op, monkeypatch):
     """The kept logits are the ``kept_logits`` primitive's, chosen automatically (a backend
     override does not reach it): the reference's here; ffi's where it serves the call (its
-    availability patched in, the call only traced), the others declining."""
+    availability patched in, the call only traced) from ``KEPT_LOGITS_MIN_ROWS`` rows, the
+    others declining."""
     from jaxrl_kernels.backends import ffi
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
-    hidden, _, weight, _, _, _, acts = head(rng, (4, 8), 96, 16, jnp.bfloat16, "vd", False)
-    args = (hidden, weight, jnp.asarray(acts))
-    if op == "linear_grpo_loss":
-        args += (jnp.zeros((4, 8)), jnp.ones(4), jnp.ones((4, 8)))
-    kw = dict(group_size=2) if op == "linear_grpo_loss" else {}
+    def call(rows, dtype=jnp.bfloat16):
+        hidden, _, weight, _, _, _, acts = head(rng, (4, rows), 96, 16, dtype, "vd", False)
+        args = (hidden, weight, jnp.asarray(acts))
+        if op == "linear_grpo_loss":
+            args += (jnp.zeros((4, rows)), jnp.ones(4), jnp.ones((4, rows)))
+        kw = dict(group_size=2) if op == "linear_grpo_loss" else {}
+        return jk.explain(op, *args, memory="fast", **kw)
+
+    many = ffi_linear.KEPT_LOGITS_MIN_ROWS // 4
     with jk.use_backend("chunked"):
-        text = jk.explain(op, *args, memory="fast", **kw)
+        text = call(many)
     assert "\nkept_logits: reference (automatic)" in text, text
     assert "backend 'chunked' does not implement 'kept_logits'" in text
     monkeypatch.setattr(ffi, "BACKEND", dataclasses.replace(ffi.BACKEND,
                                                            unavailable_reason=lambda: None))
-    text = jk.explain(op, *args, memory="fast", **kw)
-    assert "\nkept_logits: ffi (automatic)" in text, text
-    assert dispatch.resolve(op, linear_problem(hidden.reshape(32, 16), weight, None,
-                                               weight_layout="vd", return_entropy=False),
-                            memory=memory_lib.Request("fast", 1, (32, 96), jnp.bfloat16),
+    assert "\nkept_logits: ffi (automatic)" in call(many)
+    problem = Problem(n_rows=4 * many, vocab=96, hidden_dim=16, dtype="bfloat16",
+                      weight_dtype="bfloat16")
+    request = memory_lib.Request("fast", 1, (4 * many, 96), jnp.bfloat16)
+    assert dispatch.resolve(op, problem, memory=request,
                             kept="kept_logits").impl is ffi_linear.kept_logits
-    text = jk.explain(op, hidden.astype(jnp.float32), weight.astype(jnp.float32), *args[2:],
-                      memory="fast", **kw)
+    text = call(many - 1)
+    assert ("\nkept_logits: reference (automatic)" in text
+            and f"ffi declined: {4 * many - 4} rows < {4 * many}" in text), text
+    text = call(many, jnp.float32)
     assert "\nkept_logits: reference (automatic)" in text and "ffi declined: hidden is float32" in text
 
 

@@ -32,6 +32,9 @@ def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
         return ("ffi serves only linear_logprobs (forward and backward), kept_logits, "
                 "distill_divergence and kept_set")
+    if primitive == "kept_logits" and problem.n_rows < linear.KEPT_LOGITS_MIN_ROWS:
+        return (f"{problem.n_rows} rows < {linear.KEPT_LOGITS_MIN_ROWS}: XLA's GEMM is faster "
+                "there (ffi.linear.KEPT_LOGITS_MIN_ROWS)")
     return None
 
 

@@ -243,6 +243,16 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
+KEPT_LOGITS_MIN_ROWS = 512
+"""Automatic choice takes :func:`kept_logits` for calls of at least this many rows (the
+call's, before any split). With 256 rows (D = 2048, V = 131072, one H200) the fast mode took
+1.01× and 1.08× its time with XLA's logits in two runs (``bench_tokens_kept_logits_0bdab78``,
+``bench_tokens_small_n_3db9cf6``), although the kernel's device time was not longer than XLA's
+GEMM and reductions (0.24 against 0.25 ms; the call's span 0.77 against 0.72 ms with its
+kernels as busy: ``profile_tokens_kept_logits_0bdab78.txt``). From 512 rows the same runs gave
+0.92–1.05× (0.95–0.99× from 2048, where 8192 × 4096 gave 1.01–1.02×)."""
+
+
 def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
                 with_entropy):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
