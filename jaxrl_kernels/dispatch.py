@@ -156,8 +156,8 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
     ``memory``: a linear-head op's ``memory=`` request. Its mode is the argument, else that of
     the innermost ``memory_mode`` scope, else ``JAXRL_KERNELS_MEMORY``, else ``"lean"``
     (``memory.requested``, through ``memory.choose``: nowhere else). ``"fast"`` (or a budget
-    the kept buffer fits) is an implementation of its own, XLA's GEMMs with the logits (or the
-    loss's gradient) kept: its ``memory`` note says why, and the choice is the backend that
+    the kept buffer fits) is an implementation of its own, the logits (or the loss's gradient)
+    kept: its ``memory`` note says why, and the choice is the backend that
     automatic choice takes for the primitive ``kept`` (the one that makes the kept buffer:
     ``"kept_logits"`` for the linear-head log-prob ops; never a requested backend), or none
     (``FAST``, ``impl`` None) without ``kept``; otherwise a backend is selected as above, for

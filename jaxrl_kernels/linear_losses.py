@@ -56,8 +56,8 @@ def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, *, we
                    vocab_axis=vocab_axis)
     if choice.fast and truncation is None:
         return fused_loss.fused_linear_loss(
-            choice.impl, loss_fn, hidden, weight, bias, actions.astype(jnp.int32), mask != 0, inputs,
-            with_entropy=with_entropy, **options)
+            choice.impl, loss_fn, hidden, weight, bias, actions.astype(jnp.int32), mask != 0,
+            inputs, with_entropy=with_entropy, **options)
     logp, entropy, *kept = linear_logprobs_rows(
         hidden, weight, bias, actions, mask != 0, choice=choice, return_entropy=with_entropy,
         truncation=truncation, **options)

@@ -167,8 +167,8 @@ def choose(request: Request, backend: str | None,
         mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"
     if mode == "fast" and backend is not None:
         raise ValueError(f"backend: {backend!r} serves memory='lean' only, and 'fast' was chosen "
-                         f"({why}); 'fast' computes the logits with XLA's GEMM and keeps them "
-                         "(pass backend=None, or memory='lean')")
+                         f"({why}); 'fast' keeps the logits, made by a kernel that dispatch "
+                         "chooses on its own (pass backend=None, or memory='lean')")
     if mode == "fast" and loss:
         text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
                 f"{np.dtype(kept_dtype).name} "
