@@ -66,10 +66,11 @@ def losses():
             "ours fast, XLA logits": xla_logits(ours("fast"))}
 
 
-def xla_logits(loss):
-    """``loss`` traced with the ffi backend's ``kept_logits`` withheld: ``memory="fast"``'s
-    logits and their statistics from XLA's GEMM and reductions (the reference backend's), as
-    off Hopper, against the kernel that writes them and folds them at once."""
+def xla_logits(fn):
+    """``fn`` run (and so traced) with the ffi backend's ``kept_logits`` withheld:
+    ``memory="fast"``'s logits and their statistics from XLA's GEMM and reductions (the
+    reference backend's), as off Hopper, against the kernel that writes them and folds them at
+    once."""
     def traced(*args):
         from unittest import mock
 
@@ -77,7 +78,7 @@ def xla_logits(loss):
 
         with mock.patch.dict(ffi.OPS):
             ffi.OPS.pop("kept_logits", None)
-            return loss(*args)
+            return fn(*args)
     return traced
 
 

@@ -261,6 +261,14 @@ struct TileStage {
   alignas(128) uint16_t slice[kConsumerWarps][16 * kStageCols];
 };
 
+// The shared memory of a kernel that stores tiles through store_tile_16bit: the mainloop's
+// storage first (shared_storage<Cfg> finds it at the same address), then the stage.
+template <class Cfg>
+struct StagedStorage {
+  typename Cfg::SharedStorage main;
+  TileStage stage;
+};
+
 // `pairs(j, bits)` gives this lane's two 16-bit values of columns 8 j + 2 q and + 1 as one
 // 32-bit word for each row half r (bits[r]). They are stored to `out` (row stride ld) at rows
 // warp_row0 + [0, 16) below n_rows and columns local0 + [0, 256) below ld, and 0 at the columns

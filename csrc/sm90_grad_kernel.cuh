@@ -58,12 +58,6 @@ struct LaneRows {
   int tgt_rel[2];  // target column - (tile's first column + 2 q): element 8 j + e is the target
 };
 
-template <class Cfg>
-struct GradStorage {
-  typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
-  TileStage stage;
-};
-
 // The epilogue: G of the tile, through store_tile_16bit (sm90_common.cuh).
 template <bool kEntropy, bool kFloor, class Acc>
 __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bias_lane, bool has_bias,
@@ -156,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  auto& storage = aligned_shared<GradStorage<Cfg>>(smem_raw);
+  auto& storage = aligned_shared<StagedStorage<Cfg>>(smem_raw);
   const Units& g = p.units;
   const int start = p.start_ptr ? *p.start_ptr : p.start;
   auto copy_weight = [&](int warp_idx) {
@@ -215,7 +209,7 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   GradParams p = tile_params<GradParams>(args, plan);
   p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
-  constexpr int kSmemBytes = sizeof(GradStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
+  constexpr int kSmemBytes = sizeof(StagedStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
   if (args.floor) {
     return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, true>, p, plan.grid, stream, "linear_grad_kernel (floor)",
                              kSmemBytes);

@@ -117,14 +117,6 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
   }
 }
 
-// The stats kernel's shared memory when it keeps the logits (ForwardArgs::logits): the stage
-// of store_tile_16bit after the mainloop's storage.
-template <class Cfg>
-struct KeptStorage {
-  typename Cfg::SharedStorage main;  // first: shared_storage<Cfg> finds it at the same address
-  TileStage stage;
-};
-
 // Rounds this thread's accumulators of a tile to T (round to nearest even) in place and
 // stores the tile to `logits` [n_rows, vocab] at columns col0 + [0, 256).
 template <class T, class Acc>
@@ -135,17 +127,16 @@ __device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* 
     for (int r = 0; r < 2; ++r) {
       float& lo = acc(4 * j + 2 * r);
       float& hi = acc(4 * j + 2 * r + 1);
-      if constexpr (cute::is_same_v<T, cutlass::half_t>) {
-        const __half2 pair = __floats2half2_rn(lo, hi);
-        lo = __low2float(pair);
-        hi = __high2float(pair);
-        bits[r] = reinterpret_cast<const uint32_t&>(pair);
-      } else {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-        lo = __low2float(pair);
-        hi = __high2float(pair);
-        bits[r] = reinterpret_cast<const uint32_t&>(pair);
-      }
+      const auto pair = [&] {
+        if constexpr (cute::is_same_v<T, cutlass::half_t>) {
+          return __floats2half2_rn(lo, hi);
+        } else {
+          return __floats2bfloat162_rn(lo, hi);
+        }
+      }();
+      lo = __low2float(pair);
+      hi = __high2float(pair);
+      bits[r] = reinterpret_cast<const uint32_t&>(pair);
     }
   };
   store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(logits), warp_row0, n_rows, vocab, vocab, col0,
@@ -168,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const __grid_constant__ typename Cfg::TmaB tma_b) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ char smem_raw[];
-  auto& storage = aligned_shared<KeptStorage<Cfg>>(smem_raw);  // the stage only where logits are kept
+  auto& storage = aligned_shared<StagedStorage<Cfg>>(smem_raw);  // the stage only where logits are kept
   const Units& g = p.units;
   auto no_producer_rest = [](int) {};
   run_tile_kernel<Cfg>(storage.main, tma_a, tma_b, g, 0, p.bias, no_producer_rest,
@@ -258,7 +249,7 @@ std::string launch_typed(const ForwardArgs& args, const Plan& plan, cudaStream_t
   using Cfg = Config<T, kDv>;
   StatsParams p = tile_params<StatsParams>(args, plan);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-  const int smem_bytes = args.logits ? sizeof(KeptStorage<Cfg>) + 1024 : Cfg::kSmemBytes;  // + 1 KiB alignment
+  const int smem_bytes = args.logits ? sizeof(StagedStorage<Cfg>) + 1024 : Cfg::kSmemBytes;  // + 1 KiB alignment
   return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, plan.grid, stream, "linear_lse_kernel", smem_bytes);
 }
 

@@ -167,16 +167,17 @@ def choose(request: Request, backend: str | None,
         mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"
     if mode == "fast" and backend is not None:
         raise ValueError(f"backend: {backend!r} serves memory='lean' only, and 'fast' was chosen "
-                         f"({why}); 'fast' keeps the logits, made by a kernel that dispatch "
-                         "chooses on its own (pass backend=None, or memory='lean')")
+                         f"({why}); 'fast' keeps the logits, and dispatch alone chooses what "
+                         "makes them (pass backend=None, or memory='lean')")
     if mode == "fast" and loss:
         text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
                 f"{np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}); GEMMs of the head: {gemms[0]} per forward+backward")
+                f"{list(kept_shape)} ({size}); GEMMs of the head: {gemms[0]} per "
+                "forward+backward")
     elif mode == "fast":
         text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}) for the backward; GEMMs of the head: {gemms[0]} per "
-                "forward+backward")
+                f"{list(kept_shape)} ({size}) for the backward; GEMMs of the head: "
+                f"{gemms[0]} per forward+backward")
         if wanted is not None:
             text += f"; the backend override {wanted!r} applies to memory='lean' only"
     else:

@@ -11,7 +11,8 @@ entropy and the lse per row; scratch is 3 floats per row per vocabulary split.
 These are the row statistics of ``logprob_core`` (which holds the custom_vjp and the
 sharding). ``memory="fast"``'s ``kept_logits`` is the same kernel with one more result,
 ``jaxrl_kernels_sm90_linear_kept_logits``: it also writes the logits rounded to the head's
-dtype [N, V], staged through shared memory, and folds those rounded values. Backward: the ``linear_logprobs_backward`` primitive of the backend that
+dtype [N, V], staged through shared memory, and folds those rounded values.
+Backward: the ``linear_logprobs_backward`` primitive of the backend that
 ``dispatch`` resolves for it (``Choice.backward``) -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
 hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
 that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +

@@ -111,11 +111,13 @@ def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
     truncation = None if terms.sampler is None else terms.sampler.truncation
     valid = jnp.ones(rows.targets.shape, jnp.bool_)
     if choice.fast and truncation is None:
+        def loss_fn(logp, entropy, inputs):
+            return terms.loss_of_logprobs(*rows.pad(logp, entropy), inputs)
+
         return fused_loss.fused_linear_loss(
-            choice.impl, lambda logp, entropy, inputs: terms.loss_of_logprobs(*rows.pad(logp, entropy),
-                                                                 inputs),
-            rows.hidden, rows.weight, None, rows.targets.astype(jnp.int32), valid,
-            terms.inputs, with_entropy=terms.with_entropy, **options)
+            choice.impl, loss_fn, rows.hidden, rows.weight, None,
+            rows.targets.astype(jnp.int32), valid, terms.inputs, with_entropy=terms.with_entropy,
+            **options)
     logp, entropy, *kept = linear_logprobs_rows(
         rows.hidden, rows.weight, None, rows.targets, valid, choice=choice,
         return_entropy=terms.with_entropy, truncation=truncation, **options)
