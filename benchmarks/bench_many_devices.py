@@ -16,7 +16,8 @@ temp buffer size, the bytes of the weight each device holds, and every collectiv
 compiled program with its bytes (the hidden states, logits or weight must never be gathered).
 ``--profile`` adds where one call's time goes on the first device of each split layout (a
 profiler trace: its span, the compute kernels' busy time, the NCCL kernels' time and how much
-of it no compute kernel overlaps).
+of it no compute kernel overlaps), and when each device's kernels start and end within the
+host call.
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices              # N=8192, D=4096, V=131072 bf16
     PYTHONPATH=$PWD python3 -m benchmarks.bench_many_devices --layouts 1dev --sizes base
@@ -135,7 +136,10 @@ def _overlap(spans, cover):
 
 def time_split(fn, args):
     """Where one call's time goes on the first device (its profiler trace's kernels): 'span S
-    ms: compute C (GEMMs G), nccl X (Y not overlapped)'."""
+    ms: compute C (GEMMs G), nccl X (Y not overlapped)', then the host call's length and,
+    for every device, its first kernel's start and last kernel's end from the host call's
+    start: 'call H ms, devices 0.31–6.12, 0.35–6.15' (a device that starts late holds the
+    others in the collectives and lengthens the call)."""
     kernels, host, meta = common.traced(fn, args, calls=2)
     last = [e for e in host if e["name"] == "call1"][0]
     names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
@@ -153,8 +157,17 @@ def time_split(fn, args):
     size = lambda spans: sum(b - a for a, b in spans) / 1e3
     span = (max(b for _, b, _ in mine) - min(a for a, _, _ in mine)) / 1e3
     exposed = size(nccl) - _overlap(nccl, compute) / 1e3
+    per_device = []
+    for pid in sorted({k["pid"] for k in kernels}, key=lambda pid: names.get(pid, str(pid))):
+        theirs = [k for k in kernels
+                  if k["pid"] == pid and last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
+        if theirs:
+            start = (min(k["ts"] for k in theirs) - last["ts"]) / 1e3
+            end = (max(k["ts"] + k["dur"] for k in theirs) - last["ts"]) / 1e3
+            per_device.append(f"{start:.2f}–{end:.2f}")
     return (f"span {span:.2f} ms: compute {size(compute):.2f} (GEMMs {size(gemm):.2f}), "
-            f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped)")
+            f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped); call {last['dur'] / 1e3:.2f}"
+            f" ms, devices {', '.join(per_device)}")
 
 
 def specs(layout):
