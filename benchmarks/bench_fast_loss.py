@@ -10,7 +10,8 @@ the median of synchronised calls by the host clock.
     PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_loss --small  # any device, seconds
 
 Run it from another checkout's package (``PYTHONPATH=<that tree>:$PWD``) to compare commits
-in one sitting; ``--tag`` names the rows. Results: ``bench_fast_loss.{json,md}``
+in one sitting; ``--tag`` names the rows; ``--one-pass`` adds the fast mode with the logits'
+gradient written in one pass, not a loop over blocks of rows (:func:`one_pass`). Results: ``bench_fast_loss.{json,md}``
 (``--out``, ``--update-results``: benchmarks/README.md).
 """
 
@@ -82,12 +83,28 @@ def xla_logits(fn):
     return traced
 
 
+def one_pass(fn):
+    """``fn`` run (and so traced) with the fused losses' logits' gradient written over the
+    logits in one pass instead of a loop over blocks of rows (``fused_loss.ROW_BLOCK_BYTES``
+    beyond any buffer): does XLA still write it in place (the temp size), and at what speed?"""
+    def traced(*args):
+        from unittest import mock
+
+        from jaxrl_kernels import fused_loss
+
+        with mock.patch.object(fused_loss, "ROW_BLOCK_BYTES", 2**62):
+            return fn(*args)
+    return traced
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     output.output_arguments(parser)
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--tag", default="", help="a name for this tree's rows")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--one-pass", action="store_true",
+                        help="add the fast mode with its logits' gradient in one pass")
     args = parser.parse_args()
 
     import jax
@@ -97,7 +114,10 @@ def main():
     rows = []
     for n, d, v in SIZES["small" if args.small else "full"]:
         h, w, a, old, r, mask = inputs(n, d, v)
-        for impl, loss in losses().items():
+        impls = losses()
+        if args.one_pass:
+            impls["ours fast, gradient in one pass"] = one_pass(impls["ours fast"])
+        for impl, loss in impls.items():
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             value = float(step(h, w, a, old, r, mask)[0])
             row = {"impl": impl, "tag": args.tag, "N": h.shape[0] * h.shape[1], "D": d, "V": v,
