@@ -57,21 +57,26 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     fn = _public_ops()[op]
     with trace_log.collecting() as log:
         jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
-    lines = []
+    header = []
     wanted = dispatch.requested_backend(None)
     if wanted is not None:
         source = "use_backend" if dispatch.scoped_backend() is not None else dispatch.ENV_VAR
-        lines.append(f"{op}: backend override {wanted!r} is in force ({source})")
+        header.append(f"{op}: backend override {wanted!r} is in force ({source})")
+    blocks: list[tuple[str, list[str]]] = []  # (step, its lines), in the order noted
     for step, choice in log:
-        if step == "layout":  # how a step is laid out on the devices (engine.note_layout)
-            lines.append(f"  layout: {choice}")
+        if step == "layout":  # how the op is laid out on the devices (engine.note_layout)
+            mine = [b for b in blocks if b[0] == op] or blocks[-1:]
+            if mine:
+                mine[-1][1].append(f"  layout: {choice}")
+            else:
+                blocks.append((op, [f"  layout: {choice}"]))
             continue
         if not isinstance(choice, Choice):
-            lines.append(choice.explain_line(step))
+            blocks.append((step, [choice.explain_line(step)]))
             continue
         how = "requested" if choice.explicit else "automatic"
         how += ", batch-invariant" if choice.batch_invariant else ""
-        lines.append(f"{step}: {choice.backend} ({how})")
-        for name, why in choice.declined:
-            lines.append(f"  - {name} declined: {why}")
-    return "\n".join(lines)
+        lines = [f"{step}: {choice.backend} ({how})"]
+        lines += [f"  - {name} declined: {why}" for name, why in choice.declined]
+        blocks.append((step, lines))
+    return "\n".join(header + [line for _, lines in blocks for line in lines])

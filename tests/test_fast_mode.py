@@ -443,6 +443,9 @@ def test_fast_mode_chooses_who_makes_the_kept_logits(rng, op, monkeypatch):
         text = call(many)
     assert "\nkept_logits: reference (automatic)" in text, text
     assert "backend 'chunked' does not implement 'kept_logits'" in text
+    lines = text.splitlines()  # the op's layout under the op's line, not under kept_logits'
+    at_op = next(i for i, line in enumerate(lines) if line.startswith(f"{op}: memory fast"))
+    assert lines[at_op + 1].startswith("  layout: "), text
     monkeypatch.setattr(ffi, "BACKEND", dataclasses.replace(ffi.BACKEND,
                                                            unavailable_reason=lambda: None))
     assert "\nkept_logits: ffi (automatic)" in call(many)
