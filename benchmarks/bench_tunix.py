@@ -589,6 +589,9 @@ def driver(args):
 
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    # the searches measure against the whole limit: an allocator that grows region by region
+    # can fail a buffer of several GiB that the limit has room for
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
     reports = []
     losses = [name for algo in args.algos for name in (algo, f"jaxrl_{algo}")]
     for loss in losses:

@@ -29,7 +29,9 @@ Per path, in a fresh process (so device peak memory is this path's alone):
    RESOURCE_EXHAUSTED), and B + 8 compiled to show that it would not fit; step time there.
 
 Workers use ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` (unless set) so that the largest batch is
-measured against nearly the whole GPU.
+measured against nearly the whole GPU, and always preallocate it
+(``XLA_PYTHON_CLIENT_PREALLOCATE=true``): an allocator that grows region by region can fail a
+buffer of several GiB that the limit has room for.
 
     python -m benchmarks.e2e_grpo_step            # GPU, ~4 min (at most 2 x (120 + 60) s)
     python -m benchmarks.e2e_grpo_step --smoke    # tiny model, any device (~1 min on CPU)
@@ -376,7 +378,8 @@ def main():
             if args.mem_limit_mib:
                 extra += ["--mem-limit-mib", str(args.mem_limit_mib)]
             env = {"XLA_PYTHON_CLIENT_MEM_FRACTION":
-                   os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
+                   os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
+                   "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
             code, tail = run_worker(
                 "benchmarks.e2e_grpo_step",
                 ["--worker", path, "--rows-out", str(out), "--deadline", str(time.time() + budget),
