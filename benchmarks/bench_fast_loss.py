@@ -11,8 +11,8 @@ the median of synchronised calls by the host clock.
 
 Run it from another checkout's package (``PYTHONPATH=<that tree>:$PWD``) to compare commits
 in one sitting; ``--tag`` names the rows; ``--one-pass`` adds the fast mode with the logits'
-gradient written in one pass, not a loop over blocks of rows (:func:`one_pass`). Results: ``bench_fast_loss.{json,md}``
-(``--out``, ``--update-results``: benchmarks/README.md).
+gradient written in one pass, not a loop over blocks of rows (:func:`one_pass`). Results:
+``bench_fast_loss.{json,md}`` (``--out``, ``--update-results``: benchmarks/README.md).
 """
 
 from __future__ import annotations
