@@ -67,34 +67,40 @@ def losses():
             "ours fast, XLA logits": xla_logits(ours("fast"))}
 
 
+def _traced_under(fn, patch):
+    """``fn`` run (and so traced) inside the context manager ``patch()``."""
+    def traced(*args):
+        with patch():
+            return fn(*args)
+    return traced
+
+
 def xla_logits(fn):
     """``fn`` run (and so traced) with the ffi backend's ``kept_logits`` withheld:
     ``memory="fast"``'s logits and their statistics from XLA's GEMM and reductions (the
     reference backend's), as off Hopper, against the kernel that writes them and folds them at
     once."""
-    def traced(*args):
-        from unittest import mock
+    from unittest import mock
 
+    def withheld():
         from jaxrl_kernels.backends import ffi
 
-        with mock.patch.dict(ffi.OPS):
-            ffi.OPS.pop("kept_logits", None)
-            return fn(*args)
-    return traced
+        others = {name: op for name, op in ffi.OPS.items() if name != "kept_logits"}
+        return mock.patch.dict(ffi.OPS, others, clear=True)
+    return _traced_under(fn, withheld)
 
 
 def one_pass(fn):
     """``fn`` run (and so traced) with the fused losses' logits' gradient written over the
     logits in one pass instead of a loop over blocks of rows (``fused_loss.ROW_BLOCK_BYTES``
     beyond any buffer): does XLA still write it in place (the temp size), and at what speed?"""
-    def traced(*args):
-        from unittest import mock
+    from unittest import mock
 
+    def in_one_block():
         from jaxrl_kernels import fused_loss
 
-        with mock.patch.object(fused_loss, "ROW_BLOCK_BYTES", 2**62):
-            return fn(*args)
-    return traced
+        return mock.patch.object(fused_loss, "ROW_BLOCK_BYTES", 2**62)
+    return _traced_under(fn, in_one_block)
 
 
 def main():

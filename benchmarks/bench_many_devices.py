@@ -142,12 +142,13 @@ def time_split(fn, args):
     others in the collectives and lengthens the call)."""
     kernels, host, meta = common.traced(fn, args, calls=2)
     last = [e for e in host if e["name"] == "call1"][0]
+    in_call = [k for k in kernels if last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
     names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
              if e.get("name") == "process_name"}
     first = min((pid for pid in {k["pid"] for k in kernels}),
                 key=lambda pid: ("GPU:0" not in names.get(pid, ""), pid))
-    mine = [(k["ts"], k["ts"] + k["dur"], k["name"].lower()) for k in kernels
-            if k["pid"] == first and last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
+    mine = [(k["ts"], k["ts"] + k["dur"], k["name"].lower()) for k in in_call
+            if k["pid"] == first]
     if not mine:
         return "no device kernels traced"
     nccl = _merged([(a, b) for a, b, name in mine if "nccl" in name])
@@ -158,13 +159,11 @@ def time_split(fn, args):
     span = (max(b for _, b, _ in mine) - min(a for a, _, _ in mine)) / 1e3
     exposed = size(nccl) - _overlap(nccl, compute) / 1e3
     per_device = []
-    for pid in sorted({k["pid"] for k in kernels}, key=lambda pid: names.get(pid, str(pid))):
-        theirs = [k for k in kernels
-                  if k["pid"] == pid and last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
-        if theirs:
-            start = (min(k["ts"] for k in theirs) - last["ts"]) / 1e3
-            end = (max(k["ts"] + k["dur"] for k in theirs) - last["ts"]) / 1e3
-            per_device.append(f"{start:.2f}–{end:.2f}")
+    for pid in sorted({k["pid"] for k in in_call}, key=lambda pid: names.get(pid, str(pid))):
+        theirs = [k for k in in_call if k["pid"] == pid]
+        start = (min(k["ts"] for k in theirs) - last["ts"]) / 1e3
+        end = (max(k["ts"] + k["dur"] for k in theirs) - last["ts"]) / 1e3
+        per_device.append(f"{start:.2f}–{end:.2f}")
     return (f"span {span:.2f} ms: compute {size(compute):.2f} (GEMMs {size(gemm):.2f}), "
             f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped); call {last['dur'] / 1e3:.2f}"
             f" ms, devices {', '.join(per_device)}")

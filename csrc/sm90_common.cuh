@@ -269,6 +269,11 @@ struct StagedStorage {
   TileStage stage;
 };
 
+// The dynamic shared memory of a kernel on StagedStorage<Cfg> (as Cfg::kSmemBytes for the
+// mainloop's storage alone): + 1 KiB for the manual alignment.
+template <class Cfg>
+constexpr int kStagedSmemBytes = sizeof(StagedStorage<Cfg>) + 1024;
+
 // `pairs(j, bits)` gives this lane's two 16-bit values of columns 8 j + 2 q and + 1 as one
 // 32-bit word for each row half r (bits[r]). They are stored to `out` (row stride ld) at rows
 // warp_row0 + [0, 16) below n_rows and columns local0 + [0, 256) below ld, and 0 at the columns

@@ -209,12 +209,12 @@ std::string launch_grad_typed(const GradArgs& args, const Plan& plan, cudaStream
   GradParams p = tile_params<GradParams>(args, plan);
   p.ld = args.ld > 0 ? args.ld : args.size;
   p.inv_t = 1.0f / args.temperature;
-  constexpr int kSmemBytes = sizeof(StagedStorage<Cfg>) + 1024;  // + manual 1 KiB alignment
   if (args.floor) {
     return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, true>, p, plan.grid, stream, "linear_grad_kernel (floor)",
-                             kSmemBytes);
+                             kStagedSmemBytes<Cfg>);
   }
-  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, plan.grid, stream, "linear_grad_kernel", kSmemBytes);
+  return launch_tiles<Cfg>(&linear_grad_kernel<Cfg, false>, p, plan.grid, stream, "linear_grad_kernel",
+                           kStagedSmemBytes<Cfg>);
 }
 
 template <class T, bool kDv>

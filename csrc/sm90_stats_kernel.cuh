@@ -249,7 +249,7 @@ std::string launch_typed(const ForwardArgs& args, const Plan& plan, cudaStream_t
   using Cfg = Config<T, kDv>;
   StatsParams p = tile_params<StatsParams>(args, plan);
   p.c1 = static_cast<float>(1.4426950408889634 / static_cast<double>(args.temperature));
-  const int smem_bytes = args.logits ? sizeof(StagedStorage<Cfg>) + 1024 : Cfg::kSmemBytes;  // + 1 KiB alignment
+  const int smem_bytes = args.logits ? kStagedSmemBytes<Cfg> : Cfg::kSmemBytes;
   return launch_tiles<Cfg>(&linear_lse_kernel<Cfg>, p, plan.grid, stream, "linear_lse_kernel", smem_bytes);
 }
 
