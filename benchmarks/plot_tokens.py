@@ -20,6 +20,7 @@ from xml.sax.saxutils import escape
 STYLE = {  # impl: (colour, dash pattern)
     "ours lean": ("#1f77b4", ""),
     "ours fast": ("#2ca02c", ""),
+    "ours fast, XLA logits": ("#98df8a", "4,3"),  # the same op with the forward kernel withheld
     "jnp bf16": ("#d62728", ""),
     "torch bf16": ("#ff7f0e", ""),
     "QuACK chunked": ("#8c564b", ""),  # the peers (bench_tokens --peers): cross-entropy
