@@ -78,9 +78,9 @@ def assert_rows_invariant(alone, batches):
 
 # -- linear_logprobs ----------------------------------------------------------------------------
 
-def _linear_fn(backend, weight, layout, compiler_options=None):
+def _linear_fn(backend, weight, layout):
     """jit(hidden, targets, c, e) -> (logp, entropy, d_hidden of Σ c·logp + e·entropy), flat rows
-    (any leading shape in, [N] / [N, D] out), compiled with ``compiler_options``."""
+    (any leading shape in, [N] / [N, D] out)."""
     def f(hidden, targets, c, e):
         def loss(h):
             lp, ent = jk.linear_logprobs(h, weight, targets, weight_layout=layout,
@@ -89,7 +89,7 @@ def _linear_fn(backend, weight, layout, compiler_options=None):
             return jnp.sum(c * lp + e * ent), (lp, ent)
         (_, (lp, ent)), dh = jax.value_and_grad(loss, has_aux=True)(hidden)
         return lp.reshape(-1), ent.reshape(-1), dh.reshape(-1, hidden.shape[-1])
-    return jax.jit(f, compiler_options=compiler_options)
+    return jax.jit(f)
 
 
 @pytest.mark.parametrize("layout,dtype", LINEAR_CASES)
@@ -97,10 +97,9 @@ def test_linear_logprobs_rows_bitwise_independent_of_the_batch(backend, rng, lay
     check_linear_invariance(backend, rng, layout, dtype, D, V)
 
 
-def check_linear_invariance(backend, rng, layout, dtype, d, v, compiler_options=None):
+def check_linear_invariance(backend, rng, layout, dtype, d, v):
     weight, _ = rand(rng, (v, d) if layout == "vd" else (d, v), dtype, scale=2.0 / np.sqrt(d))
-    check_rows(rng, _linear_fn(backend, weight, layout, compiler_options), dtype, d, v,
-               scale=1.0)
+    check_rows(rng, _linear_fn(backend, weight, layout), dtype, d, v, scale=1.0)
 
 
 def check_rows(rng, f, dtype, width, v, scale):
@@ -304,10 +303,6 @@ def test_tiles_do_not_depend_on_n():
 # -- GPU: every backend there, and the kernels' pinned launches ---------------------------------
 
 GPU_BACKENDS = ["reference", "chunked", "pallas", "ffi"]
-XLA_GEMMS_PINNED = {"xla_gpu_autotune_level": 0}
-"""How docs/api.md has the backends whose GEMMs are XLA's compiled on a GPU: XLA's default
-kernel per GEMM shape, no autotuning by timing (which may pick two kernels for one shape in
-two programs)."""
 
 
 def _gpu_backend(name, dtype=BF16, layout="vd", d=256):
@@ -330,12 +325,11 @@ def test_gpu_linear_logprobs_rows_bitwise_independent_of_the_batch(rng, gpu_back
                                                                    dtype):
     """On a GPU: V = 32000 ("dv": a multiple of 8, as ffi needs) walks several 4096-column
     backward chunks, D = 256 several k-tiles; N up to 515 (several 128-row tiles, 256-row
-    blocks). ffi runs its own kernels; the others compile as docs/api.md asks of them."""
+    blocks)."""
     if gpu_backend == "ffi" and dtype == F32:
         pytest.skip("ffi serves 16-bit heads")
     check_linear_invariance(_gpu_backend(gpu_backend, dtype, layout), rng, layout, dtype, 256,
-                            32000 if layout == "dv" else 32003,
-                            None if gpu_backend == "ffi" else XLA_GEMMS_PINNED)
+                            32000 if layout == "dv" else 32003)
 
 
 @pytest.mark.gpu
