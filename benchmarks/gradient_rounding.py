@@ -60,7 +60,9 @@ def rounded_grads(h, w, targets, g, z_dtype, dz_dtype):
     dz = g[:, None] * (jax.nn.one_hot(targets, w.shape[0], dtype=f32) - jax.nn.softmax(z, -1))
     scale = 1.0
     if jnp.dtype(dz_dtype) == jnp.float16:
-        scale = 2.0 ** jnp.floor(jnp.log2(2.0**14 / jnp.max(jnp.abs(dz))))
+        from jaxrl_kernels import head_grad
+
+        scale = head_grad.pow2_range(jnp.max(jnp.abs(dz)))
     dz = (dz * scale).astype(dz_dtype).astype(f32)
     hp = jax.lax.Precision.HIGHEST
     return (jnp.dot(dz, w.astype(f32), precision=hp) / scale,
