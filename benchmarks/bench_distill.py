@@ -4,7 +4,7 @@ Question: how long does a forward+backward of the per-token divergence take, wit
 extra memory, against (a) the plain jnp code that materialises both heads' logits (bf16
 logits, float32 softmaxes, jax.grad), (b) the GEMMs our schedule needs, alone (the 1.15×
 goal), and (c) Liger's ``fused_linear_jsd`` (torch, its own process) where it imports? Ours in both
-memory modes: ``"lean"`` (the chunked backend) and ``"fast"`` (``jaxrl_kernels.fused_distill``:
+memory modes: ``"lean"`` (the chunked backend) and ``"fast"`` (``jaxrl_kernels.engine.fused_distill``:
 the gradient taken in the forward, ``3 S + T`` GEMMs like the materialised code).
 
 Problem: N tokens, student h [N, D_s] and W [V, D_s], teacher h_t [N, D_t] and W_t [V, D_t],
@@ -153,7 +153,7 @@ def gemms_only(divergence: str):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_kernels import vocab_chunks
+    from jaxrl_kernels.head import vocab_chunks
 
     n_s, n_t = gemm_count(divergence)
     passes = n_t  # forward passes over the teacher: 1 (KL) or 2 (JSD), plus the recompute

@@ -97,7 +97,7 @@ def one_pass(fn):
     from unittest import mock
 
     def in_one_block():
-        from jaxrl_kernels import fused_loss
+        from jaxrl_kernels.engine import fused_loss
 
         return mock.patch.object(fused_loss, "ROW_BLOCK_BYTES", 2**62)
     return _traced_under(fn, in_one_block)

@@ -37,8 +37,10 @@ def measure(size, runs, rounds, small):
     import numpy as np
 
     from benchmarks import common
-    from jaxrl_kernels import dispatch, kept_set, sampler_math
-    from jaxrl_kernels.backend_contract import Problem
+    from jaxrl_kernels import dispatch
+    from jaxrl_kernels.head import kept_set
+    from jaxrl_kernels.formulas import sampler_math
+    from jaxrl_kernels.dispatch.contract import Problem
 
     n, v = size
     u = jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * LOGIT_STD

@@ -75,7 +75,7 @@ def lean_variant(copy: str, columns: int):
     at least ``columns`` wide (and at most V)."""
     import dataclasses
 
-    from jaxrl_kernels import head_grad
+    from jaxrl_kernels.head import head_grad
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     original, config = head_grad.chunk_columns, ffi_linear.DEFAULT_CONFIG

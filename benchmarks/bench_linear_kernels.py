@@ -22,7 +22,7 @@ def sm90_kernel_variants(h, w, t, g, layout):
     "forward" (statistics + combine), "logit gradient" (with its float16 copy of W) and
     "logit gradient, no weight copy"."""
     from benchmarks.variants import ffi_xla_gemms
-    from jaxrl_kernels import head_grad
+    from jaxrl_kernels.head import head_grad
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     v = w.shape[0] if layout == "vd" else w.shape[1]

@@ -66,7 +66,7 @@ def forward_variant(stats_pass: bool, block_mib: int) -> contextlib.ExitStack:
     kept-set kernel's blocks of ``block_mib`` MiB of rows."""
     from unittest import mock
 
-    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 
     patches = contextlib.ExitStack()

@@ -135,7 +135,7 @@ def reference(data, trunc):
     logp, dh = jnp.concatenate(logps), jnp.concatenate(dhs)
     kept = None
     if trunc:
-        from jaxrl_kernels import sampler_math
+        from jaxrl_kernels.formulas import sampler_math
 
         rows = jnp.einsum("btd,vd->btv", h[:1, :64].astype(jnp.float32), w32)
         kept = float(jnp.mean(jnp.sum(sampler_math.kept_mask(

@@ -60,7 +60,7 @@ def rounded_grads(h, w, targets, g, z_dtype, dz_dtype):
     dz = g[:, None] * (jax.nn.one_hot(targets, w.shape[0], dtype=f32) - jax.nn.softmax(z, -1))
     scale = 1.0
     if jnp.dtype(dz_dtype) == jnp.float16:
-        from jaxrl_kernels import head_grad
+        from jaxrl_kernels.head import head_grad
 
         scale = head_grad.pow2_range(jnp.max(jnp.abs(dz)))
     dz = (dz * scale).astype(dz_dtype).astype(f32)

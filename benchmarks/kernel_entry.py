@@ -9,11 +9,11 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxrl_kernels import logprob_core
+from jaxrl_kernels.engine import logprob_core
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 from jaxrl_kernels.backends.pallas import logits as pallas_logits
-from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.dispatch.contract import Parts
 
 
 def ffi_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,

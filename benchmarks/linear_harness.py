@@ -126,7 +126,7 @@ def make_config(base=pallas_linear.DEFAULT_CONFIG, **kw):
 def ffi_variant(layout, backward):
     """``call(h, w, t) -> logp`` with the ffi forward and the given backward part
     (``logprob_core``)."""
-    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     parts = logprob_core.Parts(ffi_linear.linear_stats, backward)

@@ -3,7 +3,7 @@
 //
 // For each row r of u [R, V] (float32: the logits over the temperature) with an anchor
 // m_r >= max u_r, the sampler's kept set {u >= tau_r} under min-p, then top-k, then top-p
-// (jaxrl_kernels/sampler_math.py states the rules), found by one CTA per row in passes over
+// (jaxrl_kernels/formulas/sampler_math.py states the rules), found by one CTA per row in passes over
 // the row (jaxrl_kernels/backends/ffi/kept_set.py states them). Outputs per row: the
 // gradient's floor (the midpoint between tau and the largest value below it; -inf when
 // nothing lies below), s = sum of exp(u - m) and a = sum of exp(u - m)(u - m) over the kept

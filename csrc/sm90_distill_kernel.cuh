@@ -1,6 +1,6 @@
 // SM90 (Hopper) distillation kernels: both heads' logit tiles of the same rows and columns,
 // z_s = hidden_s . W_s^T / T and z_t = hidden_t . W_t^T / T, in registers side by side, and
-// per element what the divergence needs of them (jaxrl_kernels/divergence_math.py has the
+// per element what the divergence needs of them (jaxrl_kernels/formulas/divergence_math.py has the
 // math; the names here are its names). A CTA tile is 128 rows x 128 columns: each consumer
 // warpgroup holds 64 rows of both tiles (two m64n128 float32 accumulators, 64 registers
 // each). The producer warp streams, for every tile, the student's K tiles and then the

@@ -5,20 +5,20 @@ never materialise the [tokens × vocabulary] logits, behind one dispatch
 function (see ``explain``). The API and its numerics: docs/api.md.
 """
 
-from jaxrl_kernels.dispatch import available_backends, use_backend
-from jaxrl_kernels.explain import explain
-from jaxrl_kernels.memory import memory_mode
-from jaxrl_kernels.distill import linear_distill_loss, linear_topk_logprobs
-from jaxrl_kernels.logprobs import linear_logprobs, token_logprobs
-from jaxrl_kernels.topk_distill import linear_topk_distill_loss
-from jaxrl_kernels.linear_losses import (
+from jaxrl_kernels.dispatch.resolve import available_backends, use_backend
+from jaxrl_kernels.ops.explain import explain
+from jaxrl_kernels.dispatch.memory import memory_mode
+from jaxrl_kernels.ops.distill import linear_distill_loss, linear_topk_logprobs
+from jaxrl_kernels.ops.logprobs import linear_logprobs, token_logprobs
+from jaxrl_kernels.ops.topk_distill import linear_topk_distill_loss
+from jaxrl_kernels.ops.linear_losses import (
     linear_grpo_loss,
     linear_policy_gradient_loss,
     linear_ppo_loss,
 )
-from jaxrl_kernels.logits_losses import grpo_loss, ratio_kl
-from jaxrl_kernels.policy_config import PolicyLoss
-from jaxrl_kernels.losses import (
+from jaxrl_kernels.ops.logits_losses import grpo_loss, ratio_kl
+from jaxrl_kernels.config.policy import PolicyLoss
+from jaxrl_kernels.ops.losses import (
     aggregate,
     group_advantages,
     kl_penalty,

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import aggregation_math, head
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.head import geometry
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_RANK = 32
@@ -237,17 +238,17 @@ def linear_head(hidden: Any, weight: Any, bias: Any, weight_layout: Any):
     """Validate an LM head; return (hidden, weight, bias, vocab)."""
     hidden = floating("hidden", hidden)
     weight = floating("weight", weight)
-    option("weight_layout", weight_layout, head.LAYOUTS)
+    option("weight_layout", weight_layout, geometry.LAYOUTS)
     rank("hidden", hidden, range(1, MAX_RANK + 1), "[..., D]")
-    rank("weight", weight, 2, head.SHAPES[weight_layout])
+    rank("weight", weight, 2, geometry.SHAPES[weight_layout])
     dim = hidden.shape[-1]
-    vocab, w_dim = head.vocab_size(weight, weight_layout), head.hidden_dim(weight, weight_layout)
+    vocab, w_dim = geometry.vocab_size(weight, weight_layout), geometry.hidden_dim(weight, weight_layout)
     if w_dim != dim:
         # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
         other = "dv" if weight_layout == "vd" else "vd"
-        hint = (f"; it fits weight_layout={other!r} ({head.SHAPES[other]} with V = {w_dim})"
+        hint = (f"; it fits weight_layout={other!r} ({geometry.SHAPES[other]} with V = {w_dim})"
                 if vocab == dim else "")
-        raise ValueError(f"weight: expected shape {head.SHAPES[weight_layout]} with D = {dim} "
+        raise ValueError(f"weight: expected shape {geometry.SHAPES[weight_layout]} with D = {dim} "
                          f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
                          f"{tuple(weight.shape)}{hint}")
     if vocab == 0:

@@ -178,12 +178,13 @@ def same_code(op: str, backend: str) -> str | None:
     runs the very same function (None if none does): an op that dispatches to no backend
     runs one function whatever the backend asked for."""
     from jaxrl_kernels import dispatch
+    from jaxrl_kernels.dispatch import contract
 
     earlier = CPU_BACKENDS[:CPU_BACKENDS.index(backend)]
-    if op not in dispatch.OP_PRIMITIVE:
+    if op not in contract.OP_PRIMITIVE:
         return earlier[0] if earlier else None
-    impl = dispatch.select(op, dispatch.Problem(), backend).impl
-    return next((b for b in earlier if dispatch.select(op, dispatch.Problem(), b).impl is impl),
+    impl = dispatch.select(op, contract.Problem(), backend).impl
+    return next((b for b in earlier if dispatch.select(op, contract.Problem(), b).impl is impl),
                 None)
 
 

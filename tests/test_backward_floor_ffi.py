@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_kernels import head_ids
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import linear as ffi_linear

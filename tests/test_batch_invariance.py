@@ -22,8 +22,11 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, cotangent, rand
-from jaxrl_kernels import dispatch, head_grad, vocab_chunks
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.dispatch import contract, resolve
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
 ROWS = 7
@@ -205,9 +208,9 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
         pytest.skip("declined: test_pallas_token_logprobs_is_declined")
     plain = dispatch.select(op, Problem(n_rows=4, vocab=8), backend)
     pinned = dispatch.select(op, Problem(n_rows=4, vocab=8, batch_invariant=True), backend)
-    table = dispatch._backend(backend)
-    assert plain.impl is table.ops[dispatch.OP_PRIMITIVE[op]]
-    assert pinned.impl is table.invariant_ops[dispatch.OP_PRIMITIVE[op]]
+    table = resolve._backend(backend)
+    assert plain.impl is table.ops[contract.OP_PRIMITIVE[op]]
+    assert pinned.impl is table.invariant_ops[contract.OP_PRIMITIVE[op]]
     assert pinned.impl is not plain.impl
     args = ((jnp.zeros((4, 8)), jnp.zeros((16, 8))) if op == "linear_logprobs"
             else (jnp.zeros((4, 16)),)) + (jnp.zeros(4, int),)
@@ -218,8 +221,8 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
 
 def test_a_backend_without_an_invariant_implementation_is_declined(monkeypatch):
     import dataclasses
-    chunked = dispatch._backend("chunked")
-    monkeypatch.setitem(dispatch._loaded, "chunked", type("M", (), {
+    chunked = resolve._backend("chunked")
+    monkeypatch.setitem(resolve._loaded, "chunked", type("M", (), {
         "BACKEND": dataclasses.replace(chunked, invariant_ops={})}))
     with pytest.raises(NotImplementedError, match="no batch-invariant 'linear_logprobs'"):
         jk.linear_logprobs(jnp.zeros((4, 8)), jnp.zeros((16, 8)), jnp.zeros(4, int),

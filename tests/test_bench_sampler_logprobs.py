@@ -35,7 +35,7 @@ def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
 
 def test_bench_sampler_forward_small(tmp_path, monkeypatch):
     from benchmarks import bench_sampler_forward as forward
-    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 
     skip, block = logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES

@@ -21,7 +21,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxrl_kernels as jk
 import oracle
 from conftest import assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels import fused_distill, vocab_chunks
+from jaxrl_kernels.engine import fused_distill
+from jaxrl_kernels.head import vocab_chunks
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 

@@ -77,7 +77,8 @@ import pytest
 import jaxrl_kernels as jk
 import oracle
 from conftest import random_mask
-from jaxrl_kernels import fused_distill, fused_loss
+from jaxrl_kernels.engine import fused_distill
+from jaxrl_kernels.engine import fused_loss
 
 FACTOR, FLOOR = 1.25, 1e-4
 """err_fast <= FACTOR · err_plain + FLOOR (the module docstring)."""

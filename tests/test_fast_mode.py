@@ -25,8 +25,8 @@ import oracle
 from conftest import (assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand,
                       random_mask)
 from jaxrl_kernels import dispatch
-from jaxrl_kernels import memory as memory_lib
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels.dispatch import memory as memory_lib
+from jaxrl_kernels.dispatch.contract import Problem
 
 def _round(x64, dtype):
     return np.asarray(jnp.asarray(np.asarray(x64, np.float32)).astype(dtype)

@@ -27,8 +27,11 @@ from conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from benchmarks import kernel_entry
 from benchmarks.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.backend_contract import Problem
-from jaxrl_kernels import fused_loss, head_grad, logprob_core, saved_logits
+from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.engine import fused_loss
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
@@ -751,7 +754,7 @@ def _distill_kernel_model(target, result, vmap_method=None):
     """``jax.ffi.ffi_call`` for the distillation targets, its results computed in jnp from the
     kernels' contract (csrc/sm90_launch.h: DistillArgs): partials per vocabulary split, and the
     gradient chunk G = coef · ∂d/∂z_s; the unwritten buffer as zeros."""
-    from jaxrl_kernels import divergence_math as dm
+    from jaxrl_kernels.formulas import divergence_math as dm
     from jaxrl_kernels.backends.ffi import distill as fd
 
     if target == extension.UNINITIALIZED_TARGET:

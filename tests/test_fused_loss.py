@@ -13,7 +13,7 @@ import pytest
 
 import jaxrl_kernels as jk
 import oracle
-from jaxrl_kernels import fused_loss
+from jaxrl_kernels.engine import fused_loss
 from conftest import as_jnp, assert_close, assert_zero, cotangent, random_mask
 from test_fast_mode import fast_formula
 from test_linear_losses import (GRPO_OPTIONS, PPO_OPTIONS, _grads_check, _head_case,

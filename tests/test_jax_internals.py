@@ -1,4 +1,4 @@
-"""The two private jax pieces the package relies on (``jaxrl_kernels._jax_internals``) still do
+"""The two private jax pieces the package relies on (``jaxrl_kernels.sharding._jax_internals``) still do
 their job, and no other module of the package imports ``jax._src``."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels
-from jaxrl_kernels import _jax_internals, placement
+from jaxrl_kernels.sharding import _jax_internals
+from jaxrl_kernels.sharding import placement
 
 PACKAGE = pathlib.Path(jaxrl_kernels.__file__).parent
 

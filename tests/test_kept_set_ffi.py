@@ -22,8 +22,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import oracle
-from jaxrl_kernels import dispatch, kept_set, sampler_math
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 
@@ -97,7 +99,7 @@ def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
     each block's rows gives the rows' max and target too, so the forward has no statistics
     call, only the kept-set kernel and the backward; with the reference's search, the
     statistics call and its candidates' passes."""
-    from jaxrl_kernels import logprob_core
+    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     k = jax.random.split(jax.random.key(0), 2)

@@ -19,7 +19,7 @@ import jaxrl_kernels as jk
 import conftest
 import oracle
 from conftest import assert_close, assert_zero, dtype_id, rand
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels.dispatch.contract import Problem
 from benchmarks import kernel_entry
 from jaxrl_kernels.backends.chunked import logprobs as chunked
 from jaxrl_kernels.backends.pallas import linear as pallas_linear

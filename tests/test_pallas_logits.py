@@ -14,7 +14,7 @@ import pytest
 import oracle
 from conftest import assert_bitwise, assert_close, assert_zero, cotangent, dtype_id, rand
 from benchmarks import kernel_entry
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.pallas import logits as pl_logits
 
 IGNORE = -100

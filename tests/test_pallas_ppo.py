@@ -13,7 +13,8 @@ import pytest
 
 import oracle
 from conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels import aggregation_math, ppo_math
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 
 # block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds

@@ -279,7 +279,7 @@ def test_option_array_pairs_checked_by_the_op(data):
 
 
 def test_policy_loss_module_holds_only_public_ops():
-    from jaxrl_kernels import losses
+    from jaxrl_kernels.ops import losses
 
     for name in ("ppo_config", "grpo_config", "policy_variants", "_policy_options", "run_ppo",
                  "grpo_advantages", "grpo_from_logprobs"):

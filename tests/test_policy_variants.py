@@ -156,7 +156,8 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
     ``ppo_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
     the oracle (this is what the kernel computes tile by tile; pallas itself runs a subset
     in interpret mode). Dual clip on for ppo so its bound is reached by sequence ratios."""
-    from jaxrl_kernels import aggregation_math, ppo_math
+    from jaxrl_kernels.formulas import aggregation_math
+    from jaxrl_kernels.formulas import ppo_math
 
     arrays, mask = make_batch(rng, 6, 9, adv_rank=adv_rank, empty_rows=(2,), shift=1.2)
     kw = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
@@ -187,7 +188,7 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregation_weights_are_the_aggregate_derivative(rng, mode):
     """The backward's per-sequence coefficients: aggregate(x) = sum_b w_b sum_t m x."""
-    from jaxrl_kernels import aggregation_math
+    from jaxrl_kernels.formulas import aggregation_math
 
     mask = random_mask(rng, 5, 7, empty_rows=(0, 3))
     counts = jnp.asarray(mask.sum(1), jnp.float32)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrl_kernels as jk
 import oracle
-from jaxrl_kernels import kept_set
+from jaxrl_kernels.head import kept_set
 from conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
 from sharding_support import on_two_devices
 
@@ -229,7 +229,8 @@ def test_pivot_search(rng, spread, trunc):
     """The pivot search alone (kept_set.search; with top-k the op takes candidates first):
     the kept set ``u >= floor`` and its mass are the oracle's, on rows from nearly flat to
     hundreds wide (where top-k's search starts again from the lowest value)."""
-    from jaxrl_kernels import kept_set, sampler_math
+    from jaxrl_kernels.head import kept_set
+    from jaxrl_kernels.formulas import sampler_math
 
     u = (spread * rng.standard_normal((6, 500))).astype(np.float32)
     u[0, :50] = u[0, 0]  # a tie at the thresholds

@@ -133,7 +133,7 @@ def test_model_families_match_tunix(models, family, lean):
 
 @pytest.mark.parametrize("case", ["grpo-gspo", "grpo-packed", "ppo-entropy"])
 def test_fast_memory_matches_tunix(models, case):
-    """memory="fast" (the loss's gradient taken in the forward, jaxrl_kernels.fused_loss):
+    """memory="fast" (the loss's gradient taken in the forward, jaxrl_kernels.engine.fused_loss):
     loss, every aux value and every parameter's gradient equal tunix's own loss."""
     model = models["qwen3"]
     if case == "grpo-gspo":

@@ -20,8 +20,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, head_grad, logprob_core, saved_logits, softmax_math
-from jaxrl_kernels.blocks import blocks
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head.blocks import blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +81,7 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
         dz = dz if fresh is None else jnp.where(fresh, dz, 0.0)
         g16 = dz.astype(jnp.float16)
         w16 = (weight.astype(jnp.float32) * sc.sigma_w).astype(jnp.float16)
-        acc = head.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
+        acc = geometry.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
         d_w = head_grad.rounded_weight_grad(g16, sc.h16, w16, weight_layout, sc.d_w_scale)
         d_b = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
         return sc.finish(acc, jnp.float32), d_w.astype(weight.dtype), d_b
@@ -85,8 +89,8 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
                                         is_target, g, g_ent, temperature)
     dz = dz if fresh is None else jnp.where(fresh, dz, 0.0)
     dz_op = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
-                                precision=head.matmul_precision(dtype),
+    d_hidden = geometry.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
+                                precision=geometry.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32)
     d_weight = head_grad.rounded_weight_grad(dz_op, hidden.astype(dtype), weight, weight_layout)
     return d_hidden, d_weight, None if bias is None else jnp.sum(dz, axis=0)
@@ -108,13 +112,13 @@ def _backward(config, weight_layout, temperature):
             start, fresh = spans.start(c), spans.fresh(c)
             cols = start + jnp.arange(spans.size)
             z_c = jax.lax.dynamic_slice_in_dim(z, start, spans.size, axis=1)
-            w_c = head.vocab_slice(weight, start, spans.size, weight_layout)
+            w_c = geometry.vocab_slice(weight, start, spans.size, weight_layout)
             b_c = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, spans.size)
             dh, dw, db = _block_grads(hidden, w_c, b_c, z_c, cols, *rows, fresh=fresh,
                                       **options)
-            old = head.vocab_slice(d_weight, start, spans.size, weight_layout)
-            d_weight = head.vocab_update(
-                d_weight, jnp.where(head.per_column(fresh, weight_layout), dw, old), start,
+            old = geometry.vocab_slice(d_weight, start, spans.size, weight_layout)
+            d_weight = geometry.vocab_update(
+                d_weight, jnp.where(geometry.per_column(fresh, weight_layout), dw, old), start,
                 weight_layout)
             if d_bias is not None:
                 old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, spans.size)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import head_grad
+from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrl_kernels import head
+from jaxrl_kernels.head import geometry
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 
@@ -33,7 +33,7 @@ def max_call(hidden, weight, *, layout, config):
     n_rows, dim = hidden.shape
     tiles, n_splits = kernels.forward_tiles(config, hidden, weight, layout)
     kernel = functools.partial(
-        _max_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim,
+        _max_kernel, n_rows=n_rows, vocab=geometry.vocab_size(weight, layout), dim=dim,
         tiles=tiles, tiles_per_split=config.tiles_per_split, layout=layout,
         compute_dtype=jnp.result_type(hidden, weight))
     return pl.pallas_call(

@@ -56,7 +56,9 @@ import jax.numpy as jnp
 import optax
 
 import jaxrl_kernels as jrk
-from jaxrl_kernels import aggregation_math, dispatch, kl_math
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import kl_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling

@@ -12,8 +12,8 @@ from jaxrl_kernels.demo import algos, checkpoint
 from jaxrl_kernels.demo.algos import option
 from jaxrl_kernels.demo.model import check_dims as model_check_dims
 from jaxrl_kernels.demo.task import VOCAB, AdditionTask
-from jaxrl_kernels.divergence_math import DIVERGENCES
-from jaxrl_kernels.topk_distill import TAILS
+from jaxrl_kernels.formulas.divergence_math import DIVERGENCES
+from jaxrl_kernels.ops.topk_distill import TAILS
 
 
 TASK, TRAINING, RUN = "task and model", "training", "run"

@@ -8,8 +8,9 @@ advantages are the reference's functions (no vocabulary axis).
 
 from __future__ import annotations
 
-from jaxrl_kernels import aggregation_math, ppo_math
-from jaxrl_kernels.backend_contract import (STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend,
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.dispatch.contract import (STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend,
                                             Problem)
 from jaxrl_kernels.backends.chunked import distill, logprobs
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import head, softmax_math, vocab_chunks
-from jaxrl_kernels.logprob_core import Parts
-from jaxrl_kernels.placement import varying_like
-from jaxrl_kernels.vocab_chunks import linear_chunk, student_backward
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.head.vocab_chunks import linear_chunk, student_backward
 
 
 def _scan(body, init, n_rows: int, vocab: int):
@@ -54,7 +56,7 @@ def _both_chunks(student, teacher, temperature):
 def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
                     teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
     """Per row [N]: ``(d, lse_s, lse_t, kl_s)`` (``kl_s`` = KL(p_s ‖ m) for the JSD, else 0)."""
-    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
+    n_rows, vocab = hidden.shape[0], geometry.vocab_size(weight, weight_layout)
     chunks = _both_chunks((hidden, weight, bias, weight_layout),
                           (t_hidden, t_weight, t_bias, teacher_weight_layout), temperature)
 
@@ -100,7 +102,7 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
                  vocab_axes=()):
     """``(values [N, k], ids [N, k] int32, lse [N])``: the k largest logits of each row (global
     ids, equal values in id order) and the row's logsumexp."""
-    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
+    n_rows, vocab = hidden.shape[0], geometry.vocab_size(weight, weight_layout)
     k_local = min(k, vocab)
     z_chunk = linear_chunk(hidden, weight, bias, weight_layout, temperature)
 

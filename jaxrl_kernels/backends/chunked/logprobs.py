@@ -17,8 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, head_ids, softmax_math, vocab_chunks
-from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.dispatch.contract import Parts
 
 CHUNK_BYTES = 4 * 2**20
 """Target size of one float32 tile: [N, chunk], or [TILE_ROWS, chunk] when batch-invariant
@@ -135,7 +138,7 @@ def _head_tile(hidden, weight, bias, weight_layout, temperature, tiles):
 def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
                  with_entropy, batch_invariant=False):
     n_rows, dim = hidden.shape
-    tiles = _tiling(n_rows, head.vocab_size(weight, weight_layout), batch_invariant, dim)
+    tiles = _tiling(n_rows, geometry.vocab_size(weight, weight_layout), batch_invariant, dim)
     z_tile = _head_tile(tiles.pad(hidden), weight, bias, weight_layout, temperature, tiles)
     [(stats, target_z)] = _softmax_stats(lambda *a: (z_tile(*a),), 1, tiles.pad(targets), tiles,
                                          with_entropy)
@@ -154,17 +157,17 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     """
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     n_rows, dim = hidden.shape
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     tiles = _tiling(n_rows, vocab, batch_invariant, dim)
     targets, lse = tiles.pad(targets), tiles.pad(lse, jnp.inf)
     entropy, g_logp, g_ent, floor, ids, g_ids = map(
         tiles.pad, (entropy, g_logp, g_ent, floor, ids, g_ids))
     hidden32 = tiles.pad(hidden.astype(jnp.float32))
     z_tile = _head_tile(tiles.pad(hidden), weight, bias, weight_layout, temperature, tiles)
-    hi = head.matmul_precision(jnp.float32)
+    hi = geometry.matmul_precision(jnp.float32)
 
     def open_chunk(start, size):
-        w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+        w = geometry.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         return w, jnp.zeros(w.shape, jnp.float32), jnp.zeros((size,), jnp.float32)
 
     def tile(carry, acc, r0, fresh_rows, start, cols, fresh_cols, size):
@@ -178,18 +181,18 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         if ids is not None:
             dz = head_ids.add_id_grads(dz, row(ids), row(g_ids) / temperature, start)
         dz = tiles.isolate(jnp.where(fresh_rows[:, None] & fresh_cols[None, :], dz, 0.0))
-        d_h = row(d_hidden) + head.hidden_grad(dz, w, weight_layout, precision=hi)
-        d_w = d_w + head.weight_grad(dz, row(hidden32), weight_layout, precision=hi)
+        d_h = row(d_hidden) + geometry.hidden_grad(dz, w, weight_layout, precision=hi)
+        d_w = d_w + geometry.weight_grad(dz, row(hidden32), weight_layout, precision=hi)
         return ((tiles.write(d_hidden, d_h, r0, fresh_rows), *rest),
                 (w, d_w, d_b + jnp.sum(dz, axis=0)))
 
     def close_chunk(carry, acc, start, fresh_cols, size):
         d_hidden, d_weight, d_bias = carry
         _, d_w, d_b = acc
-        old = head.vocab_slice(d_weight, start, size, weight_layout)
-        d_w = jnp.where(head.per_column(fresh_cols, weight_layout), d_w.astype(d_weight.dtype),
+        old = geometry.vocab_slice(d_weight, start, size, weight_layout)
+        d_w = jnp.where(geometry.per_column(fresh_cols, weight_layout), d_w.astype(d_weight.dtype),
                         old)
-        d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
+        d_weight = geometry.vocab_update(d_weight, d_w, start, weight_layout)
         if d_bias is not None:
             old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
             d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, jnp.where(fresh_cols, d_b, old_b),

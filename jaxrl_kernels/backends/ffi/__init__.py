@@ -10,7 +10,7 @@ is unavailable.
 
 from __future__ import annotations
 
-from jaxrl_kernels.backend_contract import Backend, Problem
+from jaxrl_kernels.dispatch.contract import Backend, Problem
 from jaxrl_kernels.backends.ffi import distill, kept_set, linear
 from jaxrl_kernels.backends.ffi.extension import unavailable_reason
 

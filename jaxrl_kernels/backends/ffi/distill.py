@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import head_grad
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.backends.ffi import extension
-from jaxrl_kernels.logprob_core import Parts
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.sharding.placement import varying_like
 
 STATS_TARGET = "jaxrl_kernels_sm90_distill_stats"  # csrc/ffi_distill.cc
 GRAD_TARGET = "jaxrl_kernels_sm90_distill_grad"

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import kept_set, sharding
-from jaxrl_kernels.blocks import equal_blocks
-from jaxrl_kernels.sampler_math import Truncation
+from jaxrl_kernels import sharding
+from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.head.blocks import equal_blocks
+from jaxrl_kernels.formulas.sampler_math import Truncation
 
 TARGET = "jaxrl_kernels_kept_set"  # csrc/ffi_kept_set.cc
 

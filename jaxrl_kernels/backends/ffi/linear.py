@@ -41,9 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import head, head_grad, head_ids
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.head import head_ids
 from jaxrl_kernels.backends.ffi import extension
-from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.dispatch.contract import Parts
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
@@ -146,7 +148,7 @@ def _check_served(hidden, weight, weight_layout):
         raise NotImplementedError(
             f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
             "or both float16 (dispatch should have declined this call)")
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     if weight_layout == "dv" and vocab % ALIGN != 0:
         raise NotImplementedError(
             f"ffi: this device's \"dv\" weight slice is [{weight.shape[0]}, {vocab}]; its "
@@ -172,7 +174,7 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     results = (row, row, row)
     if keep_logits:
-        vocab = head.vocab_size(weight, weight_layout)
+        vocab = geometry.vocab_size(weight, weight_layout)
         results = (jax.ShapeDtypeStruct((n_rows, vocab), hidden.dtype),) + results
     call = jax.ffi.ffi_call(KEPT_TARGET if keep_logits else TARGET, results,
                             vmap_method="sequential")
@@ -204,7 +206,7 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     config = config or DEFAULT_CONFIG
     n_rows, depth = hidden.shape
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     chunk = backward_chunk(n_rows, vocab, config)
     # weight=None: the kernels take each chunk's max |W| on the way (no pass over W here)
     scaled = head_grad.Scaled.of(hidden, None, lse, entropy, g_logp, g_ent, temperature, g_ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from jaxrl_kernels.backend_contract import GPU_PLATFORMS, Backend, Problem
+from jaxrl_kernels.dispatch.contract import GPU_PLATFORMS, Backend, Problem
 
 _SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),

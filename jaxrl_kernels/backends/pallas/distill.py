@@ -37,11 +37,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import head, vocab_chunks
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.backends.pallas import common
-from jaxrl_kernels.logprob_core import Parts
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.sharding.placement import varying_like
 
 BLOCK_ROWS = 64
 """Tokens per kernel program: one warpgroup's wgmma M."""
@@ -108,7 +109,7 @@ def _pad(x, axis, multiple, value=0.0):
 def _prepare(hidden, weight, bias, layout, temperature):
     """``(hidden [Np, Dp], weight, b/T [Vp] float32)`` padded to whole tiles: zero rows and
     hidden columns, :data:`PAD_LOGIT` on the padded vocabulary (a copy only where unaligned)."""
-    v_axis, vocab = head.vocab_axis(layout), head.vocab_size(weight, layout)
+    v_axis, vocab = geometry.vocab_axis(layout), geometry.vocab_size(weight, layout)
     hidden = _pad(_pad(hidden, 0, BLOCK_ROWS), 1, BLOCK_K)
     weight = _pad(_pad(weight, v_axis, BLOCK_VOCAB), 1 - v_axis, BLOCK_K)
     b = jnp.zeros((vocab,), jnp.float32) if bias is None else bias.astype(jnp.float32)
@@ -324,14 +325,14 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
 def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, kl_s,
                      g, *, weight_layout, teacher_weight_layout, divergence, beta, temperature):
     """(d_hidden, d_weight, d_bias | None) of the student for per-row cotangents ``g``."""
-    (n_rows, dim), vocab = hidden.shape, head.vocab_size(weight, weight_layout)
+    (n_rows, dim), vocab = hidden.shape, geometry.vocab_size(weight, weight_layout)
     layouts = (weight_layout, teacher_weight_layout)
     hs, ws, bs = _prepare(hidden, weight, bias, weight_layout, temperature)
     ht, wt, bt = _prepare(t_hidden, t_weight, t_bias, teacher_weight_layout, temperature)
     rows = tuple(_pad(x.astype(jnp.float32), 0, BLOCK_ROWS) for x in (lse_s, lse_t, d, kl_s, g))
 
     def tile_grad(start, cols, fresh, size):
-        chunk = lambda w, b, layout: (head.vocab_slice(w, start, size, layout),
+        chunk = lambda w, b, layout: (geometry.vocab_slice(w, start, size, layout),
                                       lax.dynamic_slice_in_dim(b, start, size))
         return _student_grad((hs, *chunk(ws, bs, weight_layout)),
                              (ht, *chunk(wt, bt, teacher_weight_layout)), rows,

@@ -30,11 +30,14 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import head, head_grad, head_ids, softmax_math
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 from jaxrl_kernels.backends.pallas.linear_config import (DEFAULT_CONFIG, INVARIANT_CONFIG, Config,
                                                          TileConfig)
-from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.dispatch.contract import Parts
 
 __all__ = ["Config", "DEFAULT_CONFIG", "INVARIANT_CONFIG", "TileConfig", "declines",
            "kernel_parts", "linear_backward", "linear_stats", "OPS", "INVARIANT_OPS"]
@@ -71,7 +74,7 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
                  with_entropy, config=None):
     """The row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``."""
     config = config or DEFAULT_CONFIG
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     scale = 1.0 / temperature
     parts = _isolated(kernels.stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
                                          with_entropy=with_entropy, config=config), config)
@@ -102,7 +105,7 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
     with full-precision float32 GEMMs."""
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
     n_rows = hidden.shape[0]
-    vocab = head.vocab_size(weight, layout)
+    vocab = geometry.vocab_size(weight, layout)
     w_axis = 0 if layout == "vd" else 1
     hidden32 = hidden.astype(jnp.float32)
 

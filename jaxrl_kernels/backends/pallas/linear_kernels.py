@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_kernels import head, softmax_math
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.backends.pallas.linear_config import fit, pow2_block
 
@@ -102,7 +103,7 @@ def tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, l
 def forward_tiles(config, hidden, weight, layout):
     """(tiles of the statistics kernel fitted to the problem, number of vocabulary splits)."""
     n_rows, dim = hidden.shape
-    vocab = head.vocab_size(weight, layout)
+    vocab = geometry.vocab_size(weight, layout)
     tiles = fit(config.forward, n_rows, vocab, dim,
                 jnp.dtype(jnp.result_type(hidden, weight)).itemsize, config.batch_invariant)
     return tiles, pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
@@ -158,7 +159,7 @@ def stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
     tiles, n_splits = forward_tiles(config, hidden, weight, layout)
     n_stats = 3 if with_entropy else 2
     kernel = functools.partial(
-        _stats_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim, tiles=tiles,
+        _stats_kernel, n_rows=n_rows, vocab=geometry.vocab_size(weight, layout), dim=dim, tiles=tiles,
         tiles_per_split=config.tiles_per_split, layout=layout,
         compute_dtype=jnp.result_type(hidden, weight), scale=scale, has_bias=bias is not None,
         n_stats=n_stats)
@@ -281,7 +282,7 @@ def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, 
     with_entropy = g_ent is not None
     n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
     kernel = functools.partial(
-        _grad_kernel, n_rows=n_rows, vocab=head.vocab_size(weight, layout), dim=dim, size=size,
+        _grad_kernel, n_rows=n_rows, vocab=geometry.vocab_size(weight, layout), dim=dim, size=size,
         tiles=tiles, layout=layout, compute_dtype=compute_dtype, temperature=temperature,
         has_bias=bias is not None, with_entropy=with_entropy, has_floor=floor is not None)
     args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]

@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import softmax_math
-from jaxrl_kernels.logprob_core import Parts
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.dispatch.contract import Parts
 from jaxrl_kernels.backends.pallas import common
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")

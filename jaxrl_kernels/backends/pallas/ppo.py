@@ -42,7 +42,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import aggregation_math, ppo_math, sharding
+from jaxrl_kernels import sharding
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels.backends.pallas import common
 
 TILE_ELEMENTS = 2048

@@ -10,8 +10,11 @@ the last resort.
 
 from __future__ import annotations
 
-from jaxrl_kernels import aggregation_math, kept_set, ppo_math, saved_logits
-from jaxrl_kernels.backend_contract import Backend
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.dispatch.contract import Backend
 from jaxrl_kernels.backends.reference import distill, logprobs
 
 OPS = {

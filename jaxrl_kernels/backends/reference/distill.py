@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels.head import float32_logits as linear_logits
-from jaxrl_kernels.logprob_core import Parts, Whole
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head.geometry import float32_logits as linear_logits
+from jaxrl_kernels.dispatch.contract import Parts, Whole
 
 
 def distill_divergence(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,

@@ -13,8 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head, sampler_math, softmax_math, vocab_chunks
-from jaxrl_kernels.logprob_core import Whole
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.dispatch.contract import Whole
 
 
 def _row_softmax(z, vocab_axes, return_entropy):
@@ -162,7 +165,7 @@ def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, tempe
         weight, bias = _exact_f32(weight), _exact_f32(bias)
 
     def flat(hidden, targets, row_valid):
-        z = head.float32_logits(hidden, weight, bias, weight_layout) / temperature
+        z = geometry.float32_logits(hidden, weight, bias, weight_layout) / temperature
         return per_row(z, targets, row_valid, return_entropy, vocab_axes)
     return _flat_rows(_in_row_blocks(flat, row_block), n_row_dims, targets, row_valid, hidden)
 

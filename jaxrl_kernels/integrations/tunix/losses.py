@@ -61,11 +61,11 @@ import jax.numpy as jnp
 from tunix.rl import function_registry
 
 import jaxrl_kernels as jk
-from jaxrl_kernels import fused_loss
+from jaxrl_kernels.engine import fused_loss
 from jaxrl_kernels.integrations.tunix import token_math as tm
 from jaxrl_kernels.integrations.tunix.logprobs import policy_head_rows, tunix_temperature
 from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, loss_sampler
-from jaxrl_kernels.logprobs import head_choice, linear_logprobs_rows
+from jaxrl_kernels.ops.logprobs import head_choice, linear_logprobs_rows
 
 GRPO_LOSS_NAME = "jaxrl_grpo"
 PPO_LOSS_NAME = "jaxrl_ppo"
@@ -95,7 +95,7 @@ class LossTerms:
 def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
     """``terms.loss_of_logprobs`` on the policy's per-token log-probs. With
     ``kwargs["memory"]`` resolving to ``"fast"`` (and no sampler truncation) the loss's
-    gradient is taken in the forward (:mod:`jaxrl_kernels.fused_loss`: 3 GEMMs, one [B, T, V]
+    gradient is taken in the forward (:mod:`jaxrl_kernels.engine.fused_loss`: 3 GEMMs, one [B, T, V]
     buffer); else the log-probs come from ``linear_logprobs`` (lean: nothing [B, T, V] kept;
     fast with a truncation: the logits kept for the backward). With a truncation, ``aux``
     gains ``"outside_kept_set"``: how many completion tokens (mask != 0) lie outside their
@@ -207,7 +207,7 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
     (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    :mod:`jaxrl_kernels.engine.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
     ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.
@@ -278,7 +278,7 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
 
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
     (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
-    :mod:`jaxrl_kernels.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
+    :mod:`jaxrl_kernels.engine.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
     ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.

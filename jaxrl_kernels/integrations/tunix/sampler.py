@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl_kernels import sampler_math
+from jaxrl_kernels.formulas import sampler_math
 
 
 @dataclasses.dataclass(frozen=True)

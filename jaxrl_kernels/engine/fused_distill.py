@@ -37,10 +37,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import divergence_math as dm
-from jaxrl_kernels import engine, head, head_grad, saved_logits
-from jaxrl_kernels.blocks import equal_blocks
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.head.blocks import equal_blocks
+from jaxrl_kernels.sharding.placement import varying_like
 
 BLOCK_BYTES = 2**30
 """A block's float32 logits of both heads come to at most this many bytes; the blocks all have
@@ -49,7 +52,7 @@ one size, the fewest that cover the rows."""
 
 def _scaled_logits(hidden, weight, bias, layout, temperature):
     """``(hidden·Wᵀ + b) / T`` [rows, V] in float32, from the GEMM's float32 accumulator."""
-    z = head.float32_logits(hidden, weight, bias, layout)
+    z = geometry.float32_logits(hidden, weight, bias, layout)
     return z if temperature == 1.0 else z / temperature
 
 
@@ -74,7 +77,7 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
     ``J``. The last block ends at N and so repeats a few rows of its predecessor, which it
     recomputes from the same operands."""
     h, th = hidden, t_hidden
-    n, vocab = h.shape[0], head.vocab_size(weight, weight_layout)
+    n, vocab = h.shape[0], geometry.vocab_size(weight, weight_layout)
     kept = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
     spans = equal_blocks(n, block_bytes // max(1, 2 * vocab * 4))
     divergence, beta, temperature = math["divergence"], math["beta"], math["temperature"]
@@ -129,14 +132,14 @@ def divergence_rows(operands, row_valid, *, opts, vocab_axis):
     t_hidden, t_weight, t_bias), its gradient to the student taken in the forward (the
     teacher's operands get none)."""
     rows = "rr"
-    roles = (rows + "-", head.roles(opts["weight_layout"]), "v", rows + "-",
-             head.roles(opts["teacher_weight_layout"]), "v", rows)
+    roles = (rows + "-", geometry.roles(opts["weight_layout"]), "v", rows + "-",
+             geometry.roles(opts["teacher_weight_layout"]), "v", rows)
 
     def forward(plan, *args):
         return _local_forward(plan, *args[:6], block_bytes=BLOCK_BYTES, **opts)
 
     backward = functools.partial(_local_backward, weight_layout=opts["weight_layout"])
-    (d,) = engine.differentiable(forward, backward, tuple(operands) + (row_valid,), roles,
+    (d,) = vjp.differentiable(forward, backward, tuple(operands) + (row_valid,), roles,
                                  (rows,), (rows, rows + "v"), diff=(0, 1, 2),
                                  unused=(3, 4, 5), vocab_axis=vocab_axis)
     return d

@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jaxrl_kernels import sharding, trace_log
+from jaxrl_kernels import sharding
+from jaxrl_kernels.dispatch import trace_log
 
 
 def rows_of(role: str) -> int:

@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, kl_math, ppo_math, sharding
+from jaxrl_kernels import sharding
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import kl_math
+from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.policy_config import (PG_UNUSED, PolicyLoss, compute_group_advantages,
+from jaxrl_kernels.config.policy import (PG_UNUSED, PolicyLoss, compute_group_advantages,
                                          from_arguments, kernel_config, run_ppo)
 
 _sg = jax.lax.stop_gradient

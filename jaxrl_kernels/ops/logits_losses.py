@@ -2,7 +2,7 @@
 
 Both take the policy's and the reference's log-probs of the sampled tokens in one pass over
 the two logits streams (the ``paired_logprobs`` primitive), then the math of
-:mod:`jaxrl_kernels.losses` (``grpo_loss``'s options in :class:`policy_config.PolicyLoss`).
+:mod:`jaxrl_kernels.ops.losses` (``grpo_loss``'s options in :class:`policy_config.PolicyLoss`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, kl_math, logprob_core
-from jaxrl_kernels.backend_contract import Problem, dtype_name
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.formulas import kl_math
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.dispatch.contract import Problem, dtype_name
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import AxisName, global_vocab
-from jaxrl_kernels.policy_config import (PolicyLoss, from_arguments, grpo_advantages,
+from jaxrl_kernels.ops.logprobs import AxisName, global_vocab
+from jaxrl_kernels.config.policy import (PolicyLoss, from_arguments, grpo_advantages,
                                          grpo_from_logprobs, kernel_config)
 
 _sg = jax.lax.stop_gradient

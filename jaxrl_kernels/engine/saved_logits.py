@@ -30,7 +30,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, head_grad, head_ids, kept_set, logprob_core, softmax_math
+from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.formulas import softmax_math
 
 
 def kept_dtype(hidden_dtype, weight_dtype):
@@ -47,9 +53,9 @@ def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
 def product(hidden, weight, weight_layout):
     """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to :func:`kept_dtype`."""
     dtype = jnp.result_type(hidden, weight)
-    z = head.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
-                    precision=head.matmul_precision(dtype),
-                    preferred_element_type=head.gemm_dtype(dtype))
+    z = geometry.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
+                    precision=geometry.matmul_precision(dtype),
+                    preferred_element_type=geometry.gemm_dtype(dtype))
     return z.astype(kept_dtype(hidden.dtype, weight.dtype))
 
 
@@ -71,8 +77,8 @@ def scaled(z, bias, temperature):
 def target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
     """z̃ at each row's target column, in float32 from the operands (exact, not rounded);
     anything for a target outside this device's columns."""
-    t = jnp.clip(t_local, 0, head.vocab_size(weight, weight_layout) - 1)
-    rows = head.target_rows(weight, t, weight_layout)
+    t = jnp.clip(t_local, 0, geometry.vocab_size(weight, weight_layout) - 1)
+    rows = geometry.target_rows(weight, t, weight_layout)
     z_t = jnp.sum(hidden.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
     if bias is not None:
         z_t = z_t + bias[t].astype(jnp.float32)
@@ -125,7 +131,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
             dz = head_ids.add_id_grads(dz, ids, g_ids / (sc.s * temperature)[:, None], 0)
         g16 = dz.astype(jnp.float16)
         w16 = (weight.astype(jnp.float32) * sc.sigma_w).astype(jnp.float16)
-        acc = head.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
+        acc = geometry.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
         d_weight = head_grad.rounded_weight_grad(g16, sc.h16, weight, weight_layout,
                                                  sc.d_w_scale)
         d_bias = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
@@ -136,8 +142,8 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
     if ids is not None:
         dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, 0)
     dz_op = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
-                                precision=head.matmul_precision(dtype),
+    d_hidden = geometry.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
+                                precision=geometry.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32)
     d_weight = head_grad.rounded_weight_grad(dz_op, hidden.astype(dtype), weight, weight_layout)
     return d_hidden, d_weight, None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)

@@ -2,7 +2,7 @@
 
 ``"lean"`` (the default) keeps nothing ``[N, V]``-sized and recomputes the logits in the
 backward (4 GEMMs per forward+backward); ``"fast"`` keeps the forward's logits for the backward
-(3 GEMMs, :mod:`jaxrl_kernels.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
+(3 GEMMs, :mod:`jaxrl_kernels.engine.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
 logits fit in it, else ``"lean"``. An op states its request (:class:`Request`: the argument and
 what ``"fast"`` would keep); ``dispatch.resolve`` decides with :func:`choose` and records why,
 for ``explain``. An op's ``memory=None`` (its default) takes the mode of the innermost
@@ -123,7 +123,7 @@ class Request:
     """A linear-head op's ``memory=`` argument (``None``: not given, :func:`requested`) and
     what ``"fast"`` would keep from its forward to its backward (``kept_bytes`` of
     ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
-    fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.fused_loss`,
+    fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.engine.fused_loss`,
     ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
     ``"lean"``; ``kept``: what a loss's fast mode keeps."""
 

@@ -8,9 +8,13 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, head, logprob_core, sampler_math, saved_logits, sharding
-from jaxrl_kernels.backend_contract import Problem, dtype_name, linear_problem
-from jaxrl_kernels import memory as memory_lib
+from jaxrl_kernels import dispatch, sharding
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.dispatch.contract import Problem, dtype_name, linear_problem
+from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels import validation as check
 
 
@@ -138,7 +142,7 @@ def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, ret
     """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (rows
     ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why
     (``batch_invariant``: the backend's batch-invariant implementation, always lean)."""
-    vocab = global_vocab(head.vocab_size(weight, weight_layout), vocab_axis)
+    vocab = global_vocab(geometry.vocab_size(weight, weight_layout), vocab_axis)
     n_rows = math.prod(targets.shape)
     request = memory_lib.Request(
         memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
@@ -157,7 +161,7 @@ def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, we
     (logp like targets, entropy [...] | None), and with a ``truncation``
     (``sampler_math.Truncation``) whether each target is in its row's kept set."""
     find_kept = kept_search("linear_logprobs", truncation, math.prod(hidden.shape[:-1]),
-                            head.vocab_size(weight, weight_layout),
+                            geometry.vocab_size(weight, weight_layout),
                             choice.backend if choice.explicit else None)
     options = dict(weight_layout=weight_layout, temperature=float(temperature),
                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,

@@ -22,14 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import (aggregation_math, dispatch, engine, fused_distill, head, saved_logits,
-                           sharding)
-from jaxrl_kernels import memory as memory_lib
-from jaxrl_kernels.backend_contract import distill_problem, linear_problem
+from jaxrl_kernels import dispatch, sharding
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.engine import fused_distill
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.dispatch import memory as memory_lib
+from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.divergence_math import DIVERGENCES
-from jaxrl_kernels.logprob_core import Whole
-from jaxrl_kernels.logprobs import global_vocab
+from jaxrl_kernels.formulas.divergence_math import DIVERGENCES
+from jaxrl_kernels.dispatch.contract import Whole
+from jaxrl_kernels.ops.logprobs import global_vocab
 
 AxisName = str | tuple[str, ...]
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
@@ -41,7 +45,7 @@ def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     """Validate the teacher head against the student's rows ``shape`` [B, T] and ``vocab``."""
     t_hidden = check.floating("teacher_hidden", t_hidden)
     t_weight = check.floating("teacher_weight", t_weight)
-    check.option("teacher_weight_layout", layout, head.LAYOUTS)
+    check.option("teacher_weight_layout", layout, geometry.LAYOUTS)
     check.rank("teacher_hidden", t_hidden, 3, "[B, T, D_t]")
     if tuple(t_hidden.shape[:2]) != tuple(shape):
         raise ValueError(f"teacher_hidden: expected [B, T] = {tuple(shape)} (hidden.shape[:2]), "
@@ -49,7 +53,7 @@ def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     dim = t_hidden.shape[-1]
     want = _LAYOUT_SHAPES[layout].format(d="D_t")
     check.rank("teacher_weight", t_weight, 2, want)
-    t_vocab, w_dim = head.vocab_size(t_weight, layout), head.hidden_dim(t_weight, layout)
+    t_vocab, w_dim = geometry.vocab_size(t_weight, layout), geometry.hidden_dim(t_weight, layout)
     if w_dim != dim:
         raise ValueError(f"teacher_weight: expected shape {want} with D_t = {dim} "
                          f"(teacher_hidden.shape[-1]) for teacher_weight_layout={layout!r}, "
@@ -73,16 +77,16 @@ def _check_temperature(temperature):
 def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis):
     """Per-row d [B, T] (raw on every row) of the validated heads, gradient to the student."""
     rows = "rr"
-    roles = (rows + "-", head.roles(opts["weight_layout"]), "v", rows + "-",
-             head.roles(opts["teacher_weight_layout"]), "v")
+    roles = (rows + "-", geometry.roles(opts["weight_layout"]), "v", rows + "-",
+             geometry.roles(opts["teacher_weight_layout"]), "v")
     if isinstance(parts, Whole):
         def local(plan, h, w, b, th, tw, tb):
-            d = parts.fn(engine.flat_rows(h, 2), w, b, engine.flat_rows(th, 2), tw, tb,
+            d = parts.fn(vjp.flat_rows(h, 2), w, b, vjp.flat_rows(th, 2), tw, tb,
                          vocab_axes=plan.vocab_axes, **opts)
             return (d.reshape(h.shape[:2]),)
 
         (d,) = sharding.run(local, operands, roles, (rows,), vocab_axis=vocab_axis,
-                            differentiable=True, record=engine.note_layout)
+                            differentiable=True, record=vjp.note_layout)
         return d
 
     def forward(plan, h, w, b, th, tw, tb, valid):
@@ -94,7 +98,7 @@ def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis):
         g = jnp.where(valid, g.astype(jnp.float32), 0.0)
         return parts.backward(h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, g, **opts)
 
-    (d,) = engine.differentiable(forward, backward, tuple(operands) + (row_valid,),
+    (d,) = vjp.differentiable(forward, backward, tuple(operands) + (row_valid,),
                                  roles + (rows,), (rows,), (rows,) * 4, diff=(0, 1, 2),
                                  vocab_axis=vocab_axis)
     return d
@@ -138,7 +142,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: the backward recomputes both heads'
         logits, 4 student GEMMs and 2 teacher ones), ``"fast"`` (the divergence's gradient
         taken in the forward into one ``[B, T, V]`` buffer in the student head's dtype: 3
-        student GEMMs and 1 teacher one, ``jaxrl_kernels.fused_distill``) or an int byte
+        student GEMMs and 1 teacher one, ``jaxrl_kernels.engine.fused_distill``) or an int byte
         budget for that buffer (``"fast"`` when it fits); ``None``: the mode of
         ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
 
@@ -212,7 +216,7 @@ def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, tem
     partitioner)."""
     rows = "r" * n_row_dims
     opts = dict(weight_layout=weight_layout, temperature=temperature)
-    local_vocab = lambda w: head.vocab_size(w, weight_layout)
+    local_vocab = lambda w: geometry.vocab_size(w, weight_layout)
 
     def forward(plan, h, w, b):
         values, ids, lse = parts.stats(h, w, b, k=k, **opts,
@@ -225,8 +229,8 @@ def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, tem
         return parts.backward(h, w, b, local_ids, lse, g_v.astype(jnp.float32),
                               g_lse.astype(jnp.float32), **opts)
 
-    return engine.differentiable(
-        forward, backward, (hidden, weight, bias), (rows + "-", head.roles(weight_layout), "v"),
+    return vjp.differentiable(
+        forward, backward, (hidden, weight, bias), (rows + "-", geometry.roles(weight_layout), "v"),
         (rows + "-", rows + "-", rows), (rows + "-", rows), diff=(0, 1, 2),
         vocab_axis=vocab_axis)
 

@@ -32,8 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels import blocks, head, head_ids
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.head import blocks
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.sharding.placement import varying_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +117,11 @@ def invariant_chunk_columns(vocab: int, align: int,
 
 
 def hidden_grad_rows(g, w, weight_layout, gemm_rows: int | None, **dot_options):
-    """``head.hidden_grad(g, w)`` [N, D], in blocks of ``gemm_rows`` rows when given (every GEMM
+    """``geometry.hidden_grad(g, w)`` [N, D], in blocks of ``gemm_rows`` rows when given (every GEMM
     of one shape, ``blocks.map_blocks``), else as one GEMM."""
     if gemm_rows is None:
-        return head.hidden_grad(g, w, weight_layout, **dot_options)
-    return blocks.map_blocks(lambda g: head.hidden_grad(g, w, weight_layout, **dot_options),
+        return geometry.hidden_grad(g, w, weight_layout, **dot_options)
+    return blocks.map_blocks(lambda g: geometry.hidden_grad(g, w, weight_layout, **dot_options),
                              (g,), gemm_rows)
 
 
@@ -229,7 +231,7 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
     the other operands of ``write_g`` (``varying``). ``batch_invariant``: as in
     :func:`backward`."""
     n_rows = hidden.shape[0]
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     h16, sigma_w = scaled.h16, scaled.sigma_w
     gemm_rows = GEMM_ROWS if batch_invariant else None
 
@@ -237,12 +239,12 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
         acc, d_weight, d_bias = carry
         g16, w16 = write_g(start, size)
         if w16 is None:
-            w16 = (head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+            w16 = (geometry.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
                    * sigma_w).astype(jnp.float16)
         acc = acc + hidden_grad_rows(g16, w16, weight_layout, gemm_rows,
                                      preferred_element_type=jnp.float32)
-        d_w = head.weight_grad(g16, h16, weight_layout, preferred_element_type=jnp.float32)
-        d_weight = head.vocab_update(d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype),
+        d_w = geometry.weight_grad(g16, h16, weight_layout, preferred_element_type=jnp.float32)
+        d_weight = geometry.vocab_update(d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype),
                                      start, weight_layout)
         if d_bias is not None:
             d_b = lax.dot_general(scaled.s, g16.astype(jnp.float32), (((0,), (0,)), ((), ())),
@@ -268,22 +270,22 @@ def rounded_weight_grad(dz, hidden, weight, weight_layout, scale=None):
     """``scale · dzᵀ·hidden`` [W's shape] in W's dtype, accumulated in float32 and rounded once
     (``dz`` [N, V] and ``hidden`` [N, D] in the head's dtype; ``scale`` a float32 scalar or
     None). Where the GEMM can round its own float32 accumulator to W's dtype
-    (:func:`head.gemm_dtype`) and there is no scale, that is one GEMM; otherwise the
+    (:func:`geometry.gemm_dtype`) and there is no scale, that is one GEMM; otherwise the
     float32 results come a block of vocabulary columns at a time (``WEIGHT_BLOCK_BYTES``), so
     no ``[V, D]`` float32 buffer is held."""
     dtype = jnp.result_type(dz, hidden)
-    precision = head.matmul_precision(dtype)
-    if scale is None and head.gemm_dtype(dtype) == weight.dtype == dtype:
-        return head.weight_grad(dz, hidden, weight_layout, precision=precision,
+    precision = geometry.matmul_precision(dtype)
+    if scale is None and geometry.gemm_dtype(dtype) == weight.dtype == dtype:
+        return geometry.weight_grad(dz, hidden, weight_layout, precision=precision,
                                 preferred_element_type=dtype)
-    vocab, dim = head.vocab_size(weight, weight_layout), head.hidden_dim(weight, weight_layout)
+    vocab, dim = geometry.vocab_size(weight, weight_layout), geometry.hidden_dim(weight, weight_layout)
 
     def block(d_weight, start, size):
         dz_c = lax.dynamic_slice_in_dim(dz, start, size, axis=1)
-        d_w = head.weight_grad(dz_c, hidden, weight_layout, precision=precision,
+        d_w = geometry.weight_grad(dz_c, hidden, weight_layout, precision=precision,
                                preferred_element_type=jnp.float32)
         d_w = d_w if scale is None else d_w * scale
-        return head.vocab_update(d_weight, d_w.astype(weight.dtype), start, weight_layout)
+        return geometry.vocab_update(d_weight, d_w.astype(weight.dtype), start, weight_layout)
 
     init = varying_like(jnp.zeros(weight.shape, weight.dtype), dz, hidden, weight)
     size = min(vocab, max(128, WEIGHT_BLOCK_BYTES // (4 * max(dim, 1))))
@@ -310,8 +312,8 @@ def row_scaled_grads(dz, hidden, weight, weight_layout, scale):
     devices), ``hidden`` before ``d_weight``'s GEMM (:func:`rows_scaled_weight_grad`)."""
     dtype = jnp.result_type(hidden, weight)
     dz = dz.astype(dtype)
-    d_hidden = head.hidden_grad(dz, weight.astype(dtype), weight_layout,
-                                precision=head.matmul_precision(dtype),
+    d_hidden = geometry.hidden_grad(dz, weight.astype(dtype), weight_layout,
+                                precision=geometry.matmul_precision(dtype),
                                 preferred_element_type=jnp.float32) * scale
     d_weight = rows_scaled_weight_grad(dz, hidden.astype(jnp.float32) * scale, weight,
                                        weight_layout)

@@ -2,7 +2,7 @@
 
 Every public op describes its call as a ``backend_contract.Problem`` and asks :func:`resolve`
 for the implementation of a primitive (the table is in :mod:`backend_contract`); ``resolve``
-chooses (:func:`select`) and notes the choice for ``jaxrl_kernels.explain``.
+chooses (:func:`select`) and notes the choice for ``jaxrl_kernels.ops.explain``.
 
 Each backend is a module under ``jaxrl_kernels.backends``, imported on first use, that
 declares itself as ``BACKEND``, a ``backend_contract.Backend``: its ``ops`` (primitive ->
@@ -26,10 +26,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from jaxrl_kernels import logprob_core, trace_log
-from jaxrl_kernels import memory as memory_lib
-from jaxrl_kernels.backend_contract import (OP_PRIMITIVE, STANDALONE_BACKWARDS, Backend, Choice,
-                                            Problem)
+from jaxrl_kernels.dispatch import trace_log
+from jaxrl_kernels.dispatch import memory as memory_lib
+from jaxrl_kernels.dispatch.contract import (OP_PRIMITIVE, STANDALONE_BACKWARDS, Backend, Choice,
+                                             Parts, Problem)
 
 BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
 """Every backend, best first."""
@@ -137,7 +137,7 @@ def _automatic(op: str, problem: Problem, primitive: str) -> Choice:
 def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
     impl = _backend(name).ops_for(problem)[primitive]
     backward = None
-    if isinstance(impl, logprob_core.Parts) and impl.backward is None:
+    if isinstance(impl, Parts) and impl.backward is None:
         def backward():
             return resolve(op, problem, primitive=STANDALONE_BACKWARDS[primitive],
                            strict=False).impl

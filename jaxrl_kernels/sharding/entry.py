@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_kernels import _jax_internals
-from jaxrl_kernels.placement import (Axes, Placement, axes_of_entry, cast_varying, grad_spec,
+from jaxrl_kernels.sharding import _jax_internals
+from jaxrl_kernels.sharding.placement import (Axes, Placement, axes_of_entry, cast_varying, grad_spec,
                                      padded, placement_from_specs, spec_entry, varying_axes)
 
 try:

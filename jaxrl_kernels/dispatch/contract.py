@@ -82,7 +82,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_kernels import head
+from jaxrl_kernels.head import geometry
 
 # Public op -> the primitive whose backend the op's ``backend=`` argument picks.
 OP_PRIMITIVE: dict[str, str] = {
@@ -149,7 +149,7 @@ def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: 
                    batch_invariant: bool = False) -> Problem:
     """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
     n_rows, dim = hidden.shape
-    return Problem(n_rows=n_rows, vocab=head.vocab_size(weight, weight_layout), hidden_dim=dim,
+    return Problem(n_rows=n_rows, vocab=geometry.vocab_size(weight, weight_layout), hidden_dim=dim,
                    dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
                    weight_layout=weight_layout, has_bias=bias is not None,
                    return_entropy=return_entropy, batch_invariant=batch_invariant)
@@ -228,3 +228,19 @@ class Choice:
 
 def dtype_name(x: Any) -> str:
     return np.dtype(x.dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """The two per-device pieces of a kernel backend's log-prob op (their contract: ``engine.logprob_core``'s module docstring)."""
+
+    stats: Callable[..., Any]
+    backward: Callable[..., Any] | None  # None: ask dispatch for a standalone backward
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A log-prob op jax differentiates itself: ``fn(*local operands, targets, row_valid,
+    vocab_axes=..., **options) -> outputs``."""
+
+    fn: Callable[..., Any]

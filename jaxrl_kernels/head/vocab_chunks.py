@@ -19,9 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import head
-from jaxrl_kernels.blocks import Blocks, blocks
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head.blocks import Blocks, blocks
+from jaxrl_kernels.sharding.placement import varying_like
 
 DISTILL_CHUNK_BYTES = 16 * 2**20
 """Target size of one float32 [N, chunk] tile of the two-head loops (distillation, top-k, and
@@ -146,9 +146,9 @@ def linear_chunk(hidden, weight, bias, weight_layout, temperature):
     """``chunk(start, size)``: the float32 logits [N, size] of the head's columns
     ``[start, start + size)``, divided by ``temperature``."""
     def chunk(start, size):
-        w = head.vocab_slice(weight, start, size, weight_layout)
+        w = geometry.vocab_slice(weight, start, size, weight_layout)
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return head.float32_logits(hidden, w, b, weight_layout) / temperature
+        return geometry.float32_logits(hidden, w, b, weight_layout) / temperature
     return chunk
 
 
@@ -157,16 +157,16 @@ def linear_rows(hidden, weight, bias, weight_layout, temperature):
     ``[start, start + size)``, divided by ``temperature`` (:func:`linear_chunk`'s values)."""
     def rows(start, size):
         h = jax.lax.dynamic_slice_in_dim(hidden, start, size)
-        return head.float32_logits(h, weight, bias, weight_layout) / temperature
+        return geometry.float32_logits(h, weight, bias, weight_layout) / temperature
     return rows
 
 
 def accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size: int, weight_layout: str):
     """Write a vocabulary chunk's ``d_w`` into ``d_weight`` and ``Σ_rows dz`` into ``d_bias``,
     on the chunk's fresh columns only (the last chunk overlaps the one before it)."""
-    old = head.vocab_slice(d_weight, start, size, weight_layout)
-    d_w = jnp.where(head.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
-    d_weight = head.vocab_update(d_weight, d_w, start, weight_layout)
+    old = geometry.vocab_slice(d_weight, start, size, weight_layout)
+    d_w = jnp.where(geometry.per_column(fresh, weight_layout), d_w.astype(d_weight.dtype), old)
+    d_weight = geometry.vocab_update(d_weight, d_w, start, weight_layout)
     if d_bias is not None:
         old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
         d_b = jnp.where(fresh, jnp.sum(dz, axis=0), old_b)
@@ -194,7 +194,7 @@ def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
     GEMM): ``G = σ_c dz`` with σ_c from the chunk's max |dz|, ``h16 = σ_h hidden`` and
     ``W16 = σ_W W`` from their max |x|, so that ``d_hidden += (G·W16_c) / (σ_c σ_W)`` and
     ``d_W_c = (Gᵀ·h16) / (σ_c σ_h)``; float16 keeps 2⁻¹¹ of each entry (bfloat16: 2⁻⁸)."""
-    n_rows, vocab = hidden.shape[0], head.vocab_size(weight, weight_layout)
+    n_rows, vocab = hidden.shape[0], geometry.vocab_size(weight, weight_layout)
     low = jnp.dtype(hidden.dtype).itemsize == 2 and jnp.dtype(weight.dtype).itemsize == 2
     if low:
         sigma_h = _pow2_scale(jnp.max(jnp.abs(hidden.astype(jnp.float32))))
@@ -204,7 +204,7 @@ def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
     else:
         sigma_h = sigma_w = jnp.float32(1.0)
         h_op = hidden.astype(jnp.float32)
-        op_dtype, precision = jnp.float32, head.matmul_precision(jnp.float32)
+        op_dtype, precision = jnp.float32, geometry.matmul_precision(jnp.float32)
 
     dot = dict(precision=precision, preferred_element_type=jnp.float32)
 
@@ -213,10 +213,10 @@ def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
         dz = jnp.where(fresh, tile_grad(start, cols, fresh, size), 0.0)
         sigma = _pow2_scale(jnp.max(jnp.abs(dz))) if low else jnp.float32(1.0)
         g = (dz * sigma).astype(op_dtype)
-        w = head.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+        w = geometry.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
         w = (w * sigma_w).astype(op_dtype)
-        d_hidden = d_hidden + head.hidden_grad(g, w, weight_layout, **dot) / (sigma * sigma_w)
-        d_w = head.weight_grad(g, h_op, weight_layout, **dot) / (sigma * sigma_h)
+        d_hidden = d_hidden + geometry.hidden_grad(g, w, weight_layout, **dot) / (sigma * sigma_w)
+        d_w = geometry.weight_grad(g, h_op, weight_layout, **dot) / (sigma * sigma_h)
         d_weight, d_bias = accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size,
                                             weight_layout)
         return d_hidden, d_weight, d_bias

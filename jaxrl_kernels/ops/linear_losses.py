@@ -1,11 +1,11 @@
 """The losses computed from a linear LM head's hidden states, never holding the logits:
 ``linear_ppo_loss``, ``linear_grpo_loss`` and ``linear_policy_gradient_loss``.
 
-Each is the math of :mod:`jaxrl_kernels.losses` (options in
+Each is the math of :mod:`jaxrl_kernels.ops.losses` (options in
 :class:`policy_config.PolicyLoss`) on the log-probs (and entropies) of the sampled tokens:
 with ``memory="lean"`` from the ``linear_logprobs`` primitive
 (``logprobs.linear_logprobs_rows``, any backend); with ``memory="fast"`` through
-:mod:`jaxrl_kernels.fused_loss`, which takes the loss's gradient in the forward (3 GEMMs).
+:mod:`jaxrl_kernels.engine.fused_loss`, which takes the loss's gradient in the forward (3 GEMMs).
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math, dispatch, fused_loss, ppo_math, sampler_math
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.engine import fused_loss
+from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.formulas import sampler_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import AxisName, global_vocab, head_choice, linear_logprobs_rows
-from jaxrl_kernels.policy_config import (PG_UNUSED, PolicyLoss, from_arguments,
+from jaxrl_kernels.ops.logprobs import AxisName, global_vocab, head_choice, linear_logprobs_rows
+from jaxrl_kernels.config.policy import (PG_UNUSED, PolicyLoss, from_arguments,
                                          grpo_advantages, grpo_from_logprobs, kernel_config,
                                          run_ppo)
 

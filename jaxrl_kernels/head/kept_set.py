@@ -41,9 +41,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import divergence_math, sampler_math, vocab_chunks
-from jaxrl_kernels.placement import varying_like
-from jaxrl_kernels.sampler_math import KEY_NONE, Truncation, float_key, key_value
+from jaxrl_kernels.formulas import divergence_math
+from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.formulas.sampler_math import KEY_NONE, Truncation, float_key, key_value
 
 PIVOTS = 16
 """Pivots per pass (P): each pass cuts a row's interval of keys 16-fold."""

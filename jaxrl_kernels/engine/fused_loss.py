@@ -27,7 +27,7 @@ loss's and theirs) through :func:`saved_logits.recomputed_backward` (one GEMM mo
 loss alone, the kept gradient unused). The loss's other inputs get their gradients from the
 loss function's own VJP.
 
-The op is the engine's two steps (:func:`engine.stage`) with the loss function over every row
+The op is the engine's two steps (:func:`vjp.stage`) with the loss function over every row
 between them, so its ``custom_vjp`` is its own: the loss's leaves and symbolic zeros are
 part of it.
 """
@@ -40,9 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl_kernels import engine, head, head_grad, logprob_core, saved_logits, softmax_math
-from jaxrl_kernels.blocks import blocks
-from jaxrl_kernels.placement import varying_like
+from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_grad
+from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head.blocks import blocks
+from jaxrl_kernels.sharding.placement import varying_like
 
 
 def _is_float(x) -> bool:
@@ -57,7 +62,7 @@ def _local_forward(kept, plan, hidden, weight, bias, targets, row_valid, *, weig
                    temperature, with_entropy):
     """One device's flat rows: (logp, entropy if asked, lse, active, z [N, V_local]), the
     logits and their statistics from ``kept`` (the ``kept_logits`` primitive)."""
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
     stats, t_rel, z = kept(
         plan, hidden, weight, bias, t_local, row_valid, weight_layout=weight_layout,
@@ -73,7 +78,7 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
     float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
-    vocab = head.vocab_size(weight, weight_layout)
+    vocab = geometry.vocab_size(weight, weight_layout)
     g, g_ent = (plan.output_cotangent(c, weight) for c in (g, g_ent))
     per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
     g, g_ent = per_row[3], per_row[4]
@@ -162,7 +167,7 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
     def forward(hidden, weight, bias, targets, row_valid):
         """(logp, entropy | None), (lse, active, z), through the engine's forward step."""
         local = functools.partial(_local_forward, kept, with_entropy=with_entropy, **options)
-        outs = engine.stage(local, (hidden, weight, bias, targets, row_valid),
+        outs = vjp.stage(local, (hidden, weight, bias, targets, row_valid),
                             (h_roles, w_roles, b_roles, rows, rows),
                             (rows,) * (4 if with_entropy else 3) + (rows + "v",),
                             vocab_axis=vocab_axis, note=True)
@@ -170,7 +175,7 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
 
     def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
         local = functools.partial(_local_logit_grad, **options)
-        return engine.stage(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
+        return vjp.stage(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
                             (w_roles, b_roles, rows + "v") + (rows,) * 6,
                             (rows + "v", rows) + ((b_roles,) if has_bias else ()),
                             grads_of=(None, None) + ((1,) if has_bias else ()),

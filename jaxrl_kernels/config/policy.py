@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, kl_math, ppo_math, sharding, surrogate_math
-from jaxrl_kernels.backend_contract import Problem
+from jaxrl_kernels import dispatch, sharding
+from jaxrl_kernels.formulas import kl_math
+from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.formulas import surrogate_math
+from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels import validation as check
 
 _sg = jax.lax.stop_gradient

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import aggregation_math
+from jaxrl_kernels.formulas import aggregation_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.logprobs import global_vocab, head_choice, linear_logprobs_rows
+from jaxrl_kernels.ops.logprobs import global_vocab, head_choice, linear_logprobs_rows
 
 AxisName = str | tuple[str, ...]
 TAILS = ("drop", "bucket")

@@ -35,24 +35,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels import engine, head, head_ids, kept_set, sharding, softmax_math, vocab_chunks
-from jaxrl_kernels.placement import varying_like
-
-
-@dataclasses.dataclass(frozen=True)
-class Parts:
-    """The two per-device pieces of a kernel backend's log-prob op (see the module docstring)."""
-
-    stats: Callable[..., Any]
-    backward: Callable[..., Any] | None  # None: ask dispatch for a standalone backward
-
-
-@dataclasses.dataclass(frozen=True)
-class Whole:
-    """A log-prob op jax differentiates itself: ``fn(*local operands, targets, row_valid,
-    vocab_axes=..., **options) -> outputs``."""
-
-    fn: Callable[..., Any]
+from jaxrl_kernels import sharding
+from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import vocab_chunks
+from jaxrl_kernels.dispatch.contract import Parts, Whole
+from jaxrl_kernels.sharding.placement import varying_like
 
 
 # -- per-device pieces ---------------------------------------------------------------------
@@ -183,7 +174,7 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
                                        lambda y: varying_like(y, x), find_kept)
         return _finished(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out, return_entropy)
 
-    outs = engine.differentiable(
+    outs = vjp.differentiable(
         forward, _logits_backward(parts, 1, return_entropy, temperature, truncated),
         (logits, targets, row_valid), (rows + "v", rows, rows), (rows,) * (n_out + truncated),
         (rows,) * (n_out + 1 + truncated), diff=(0,), vocab_axis=vocab_axis)
@@ -212,7 +203,7 @@ def paired_from_parts(parts, policy_logits, ref_logits, targets, row_valid, *, t
         ref_logp = finish_rows(plan, ref[:2], ref[3], t_local, x.shape[-1], valid)[0]
         return logp, ref_logp, lse, active
 
-    return engine.differentiable(
+    return vjp.differentiable(
         forward, _logits_backward(parts, 2, False, temperature),
         (policy_logits, jax.lax.stop_gradient(ref_logits), targets, row_valid),
         (rows + "v", rows + "v", rows, rows), (rows, rows), (rows, rows), diff=(0,),
@@ -223,7 +214,7 @@ def paired_from_parts(parts, policy_logits, ref_logits, targets, row_valid, *, t
 
 def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
     """The sharding roles of (hidden, weight, bias) with ``k`` row dimensions."""
-    return "r" * k + "-", head.roles(weight_layout), "v"
+    return "r" * k + "-", geometry.roles(weight_layout), "v"
 
 
 def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
@@ -272,7 +263,7 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
                 vocab_chunks.linear_rows(h, w, b, weight_layout, temperature))
 
     def local_forward(plan, h, w, b, t, valid):
-        local_vocab = head.vocab_size(w, weight_layout)
+        local_vocab = geometry.vocab_size(w, weight_layout)
         t_local = t - plan.vocab_offset(local_vocab)
         if truncated and _stats_from_kept_set(plan, find_kept, n_kept):
             return _finished_truncated(
@@ -291,7 +282,7 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
         lse, ent, active, rest = _row_residuals(rest, with_entropy)
         floor, rest = (rest[0], rest[1:]) if truncated else (None, rest)
         kept, (g, *g_ent) = rest[:n_kept], rest[n_kept:]
-        t_local, lse, ent, g, g_ent = backward_rows(plan, head.vocab_size(w, weight_layout), t,
+        t_local, lse, ent, g, g_ent = backward_rows(plan, geometry.vocab_size(w, weight_layout), t,
                                                     lse, ent, active, g,
                                                     g_ent[0] if with_entropy else None)
         extra = dict(floor=floor) if truncated else {}
@@ -299,7 +290,7 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, *,
 
     out_roles = (rows,) * (n_out + truncated)
     res_roles = (rows,) * (n_out + 1 + truncated) + (rows + "v",) * n_kept
-    outs = engine.differentiable(
+    outs = vjp.differentiable(
         local_forward, local_backward, (hidden, weight, bias, targets, row_valid),
         head_roles(targets.ndim, weight_layout) + (rows, rows), out_roles, res_roles,
         diff=(0, 1, 2), vocab_axis=vocab_axis)
@@ -325,7 +316,7 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
     opts = dict(weight_layout=weight_layout, temperature=temperature)
 
     def local_ids(plan, w, i):
-        local_vocab = head.vocab_size(w, weight_layout)
+        local_vocab = geometry.vocab_size(w, weight_layout)
         i = i - plan.vocab_offset(local_vocab)
         return i, (i >= 0) & (i < local_vocab)
 
@@ -361,7 +352,7 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, *, weig
         i, holds = local_ids(plan, w, i)
         return backward(h, w, b, *kept, jnp.where(holds, i, -1), lse, ent, g, g_ent)
 
-    outs = engine.differentiable(
+    outs = vjp.differentiable(
         local_forward, local_backward, (hidden, weight, bias, ids, id_valid),
         head_roles(ids.ndim - 1, weight_layout) + (rows + "-", rows + "-"),
         (rows + "-",) + (rows,) * (n_out - 1),
@@ -423,12 +414,12 @@ def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entr
     def local(plan, h, w, b, *rest):
         kept_l, (t, lse, ent, active, g, g_ent) = rest[:-6], rest[-6:]
         g, g_ent = (plan.output_cotangent(c, w) for c in (g, g_ent))
-        t_local, lse, ent, g, g_ent = backward_rows(plan, head.vocab_size(w, weight_layout), t,
+        t_local, lse, ent, g, g_ent = backward_rows(plan, geometry.vocab_size(w, weight_layout), t,
                                                     lse, ent, active, g, g_ent)
         return local_backward(h, w, b, *kept_l, t_local, lse, ent, g, g_ent)
 
     operands = (hidden, weight, bias) + tuple(kept) + (targets, lse, entropy, active, g, g_ent)
-    grads = engine.stage(local, operands, roles + (rows + "v",) * len(kept) + (rows,) * 6,
+    grads = vjp.stage(local, operands, roles + (rows + "v",) * len(kept) + (rows,) * 6,
                          tuple(roles[i] for i in present), grads_of=present,
                          vocab_axis=vocab_axis)
     dh, dw = grads[0].astype(hidden.dtype), grads[1].astype(weight.dtype)
@@ -459,6 +450,6 @@ def _whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis,
     out_roles = (per_id,) + (rows,) * (n_out - 1) + ((rows,) if truncation is not None else ())
     outs = sharding.run(local, tuple(operands) + (targets, row_valid),
                         tuple(roles) + (per_id, per_id), out_roles,
-                        vocab_axis=vocab_axis, differentiable=True, record=engine.note_layout)
+                        vocab_axis=vocab_axis, differentiable=True, record=vjp.note_layout)
     entropy = outs[1] if n_out == 2 else None
     return (outs[0], entropy, outs[-1]) if truncation is not None else (outs[0], entropy)

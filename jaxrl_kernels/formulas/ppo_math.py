@@ -24,9 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.aggregation_math import aggregate_sequence_sums, masked_row_sums
-from jaxrl_kernels.kl_math import kl_penalty
-from jaxrl_kernels.surrogate_math import (LOG_RATIO_CLIP, cispo_surrogate, clipped_surrogate,
+from jaxrl_kernels.formulas.aggregation_math import aggregate_sequence_sums, masked_row_sums
+from jaxrl_kernels.formulas.kl_math import kl_penalty
+from jaxrl_kernels.formulas.surrogate_math import (LOG_RATIO_CLIP, cispo_surrogate, clipped_surrogate,
                                           importance_ratio, sequence_ratio, tis_weight)
 
 RATIO_LEVELS = ("token", "sequence")

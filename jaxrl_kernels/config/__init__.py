@@ -1,0 +1,1 @@
+"""The public option values (``PolicyLoss``, ...), checked when built."""

@@ -1,0 +1,1 @@
+"""The public ops, re-exported as ``jaxrl_kernels.<name>``."""
