@@ -43,13 +43,15 @@ def documented_signature(name: str) -> dict[str, tuple[str, str | None]]:
         out[arg.arg] = ("positional", None if default is None else ast.unparse(default))
     for arg, default in zip(args.kwonlyargs, args.kw_defaults):
         out[arg.arg] = ("keyword", None if default is None else ast.unparse(default))
+    if args.kwarg is not None:
+        out[args.kwarg.arg] = ("var_keyword", None)
     return out
 
 
 def code_signature(name: str) -> dict[str, tuple[str, str | None]]:
     out = {}
     for p in inspect.signature(getattr(jk, name)).parameters.values():
-        kind = "keyword" if p.kind is p.KEYWORD_ONLY else "positional"
+        kind = {p.KEYWORD_ONLY: "keyword", p.VAR_KEYWORD: "var_keyword"}.get(p.kind, "positional")
         default = None if p.default is p.empty else repr(p.default)
         out[p.name] = (kind, default)
     return out

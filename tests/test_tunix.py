@@ -250,7 +250,7 @@ def test_sampler_matched_logprob_pass(models):
     args = (graphdef, state, example.prompt_ids, example.completion_ids)
     got = np.asarray(jt.compute_per_token_logps(*args, ts.PAD_ID, ts.EOS_ID,
                                                 temperature=SAMPLER.temperature,
-                                                **SAMPLER.options()))
+                                                sampler=SAMPLER.sampler))
     logits = ts.tunix_logits(*args)
     want = np.asarray(ts.processed_logprobs(logits, example.completion_ids, SAMPLER))
     np.testing.assert_allclose(got, want, atol=ts.RTOL * float(np.max(np.abs(want))))

@@ -179,7 +179,7 @@ def tunix_logits(graphdef, state, prompt, completion, stop_gradient=True):
 def processed_logprobs(logits, targets, sampler, **options):
     """jk.token_logprobs of the sampler's truncated distribution ("reference" backend)."""
     return jk.token_logprobs(logits, targets, temperature=sampler.temperature,
-                             backend="reference", **sampler.options(), **options)
+                             backend="reference", sampler=sampler.sampler, **options)
 
 
 def processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):

@@ -1,31 +1,24 @@
-"""The configuration of the policy losses, and the pieces they share.
+"""The options of the policy losses, as values checked when they are built.
 
 :class:`PolicyLoss` holds the options of ``ppo_loss``, ``grpo_loss``, their linear-head forms
-and the policy-gradient losses, and checks them when it is built (with
-:mod:`jaxrl_kernels.validation`). :func:`from_arguments` gives the ``PolicyLoss`` of one call
-(its ``config=`` or one built from its keywords); :func:`kernel_config` checks it against the
-call's optional inputs and gives the kernels' :class:`ppo_math.PPOConfig`. The rest is what
-the ops of :mod:`losses`, :mod:`logits_losses` and :mod:`linear_losses` compute alike: the
-PPO term through ``dispatch`` (:func:`run_ppo`), group advantages, GRPO from log-probs.
+and the policy-gradient losses; :class:`Groups` how GRPO's sequences form groups (and
+``group_advantages``'). Both are frozen dataclasses: built once, checked once, passed as
+``config=`` / ``groups=``. :func:`policy_options` gives one call's ``PolicyLoss`` (its
+``config=``, or one built from the keywords it replaced, deprecated).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels import dispatch, sharding
-from jaxrl_kernels.formulas import kl_math
-from jaxrl_kernels.formulas import ppo_math
-from jaxrl_kernels.formulas import surrogate_math
-from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels import validation as check
-
-_sg = jax.lax.stop_gradient
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.formulas import kl_math, ppo_math, surrogate_math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,155 +93,79 @@ PG_UNUSED = tuple(name for name in FIELDS if name not in ("loss_agg_mode", "max_
 """The attributes the policy-gradient losses have no term for."""
 
 
-def _at_default(value: Any, default: Any) -> bool:
-    """``value`` is the Python value ``default`` (an array or a tracer never is)."""
-    if value is None or default is None:
-        return value is default
-    return isinstance(value, (int, float, str)) and value == default
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """How GRPO's sequences form groups, and how their rewards become advantages.
 
+    Pass it as ``groups=`` to ``grpo_loss``, ``linear_grpo_loss`` and ``group_advantages``
+    (docs/api.md, "group_advantages"). Groups are runs of consecutive sequences. A pytree
+    whose one leaf is ``boundaries`` (so a traced array may be passed through ``jax.jit``);
+    the rest is static.
 
-def _shown(value: Any) -> str:
-    return repr(value) if isinstance(value, (int, float, str, type(None))) else type(value).__name__
+    Attributes:
+      size: every group has ``size`` sequences (a positive int dividing ``B``); or ``None``
+        with ``boundaries``.
+      boundaries: ``[G + 1]`` integers ``[0, b1, ..., B]``, strictly increasing; or ``None``
+        with ``size``. Checked against ``B`` by the op (invalid traced boundaries give NaN
+        advantages, or raise in check mode).
+      normalize_std: divide by ``std_g + eps``; ``False`` gives ``r - mean_g``. Default True.
+      std_ddof: the standard deviation's delta degrees of freedom. Default 0.
+      eps: added to the standard deviation. Default 1e-6.
 
-
-def from_arguments(op: str, config: PolicyLoss | None, arguments: dict[str, Any], *,
-                   renamed: dict[str, str] | None = None, unused: tuple[str, ...] = ()
-                   ) -> PolicyLoss:
-    """The ``PolicyLoss`` of one call of ``op``: ``config``, or one built from its keywords.
-
-    ``arguments`` holds the op's arguments (its ``locals()`` on entry); those named like an
-    attribute, or like a key of ``renamed`` (an op's keyword -> the attribute it sets, e.g.
-    ``{"beta": "kl_coef"}``), are the op's keywords for the config. With ``config``, each of
-    them must be at its default (else ``ValueError``: the value is set twice), and so must
-    the attributes in ``unused``, those ``op`` has no term for.
+    Example:
+      >>> import jax.numpy as jnp, jaxrl_kernels as jk
+      >>> jk.group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]),
+      ...                     groups=jk.Groups(size=2, normalize_std=False))
+      Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
     """
-    renamed = renamed or {}
-    keywords = {name: renamed.get(name, name) for name in (*FIELDS, *renamed)
-                if name in arguments}
-    if config is None:
-        return PolicyLoss(**{attr: arguments[name] for name, attr in keywords.items()})
-    if not isinstance(config, PolicyLoss):
-        raise TypeError(f"config: expected a jaxrl_kernels.PolicyLoss or None, got "
-                        f"{type(config).__name__}")
-    for name, attr in keywords.items():
-        if not _at_default(arguments[name], DEFAULTS[attr]):
-            raise ValueError(
-                f"{name}: expected its default {DEFAULTS[attr]!r} with config= (set it in the "
-                f"PolicyLoss: dataclasses.replace(config, {attr}=...)), got "
-                f"{_shown(arguments[name])}")
+
+    size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    boundaries: Any = None
+    normalize_std: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    std_ddof: int = dataclasses.field(default=0, metadata=dict(static=True))
+    eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        # ``boundaries`` is a pytree leaf (any placeholder during a tree map): the op checks it.
+        size = self.size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer))
+                                 or size <= 0):
+            raise ValueError(f"size: expected a positive int or None, got {size!r}")
+        check.non_negative_int("std_ddof", self.std_ddof)
+        if not isinstance(self.normalize_std, (bool, np.bool_)):
+            raise TypeError(f"normalize_std: expected a bool, got "
+                            f"{type(self.normalize_std).__name__}")
+
+
+POLICY_KEYWORDS = {name: name for name in FIELDS}
+GROUP_KEYWORDS = {"group_size": "size", "group_boundaries": "boundaries",
+                  "normalize_std": "normalize_std", "eps": "eps"}
+
+
+GRPO_KEYWORDS = {**{name: name for name in FIELDS if name not in ("kl_coef", "entropy_coef",
+                                                                    "max_len")},
+                 "beta": "kl_coef"}
+"""The GRPO losses' deprecated keywords for their ``PolicyLoss`` (``beta`` sets ``kl_coef``)."""
+
+
+def policy_options(op: str, config: PolicyLoss | None, deprecated: Mapping[str, Any], *,
+                   keywords: Mapping[str, str] | None = None, unused: tuple[str, ...] = (),
+                   extra: tuple[legacy.Keywords, ...] = (),
+                   given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One call's config values: ``config`` (a ``PolicyLoss``, default ``PolicyLoss()``) and
+    those of ``extra`` (``given`` holds their new parameters' values), each as passed or built
+    from the deprecated keywords of ``op`` (``keywords``: each old keyword -> the attribute it
+    sets; default: every attribute but ``unused``). The attributes in ``unused`` (those ``op``
+    has no term for) must be at their defaults."""
+    fields = keywords or {name: name for name in FIELDS if name not in unused}
+    values = legacy.take(op, deprecated, {"config": config, **(given or {})},
+                         (legacy.Keywords("config", PolicyLoss, fields), *extra))
+    loss = values["config"] or PolicyLoss()
     for attr in unused:
-        if not _at_default(getattr(config, attr), DEFAULTS[attr]):
+        value = getattr(loss, attr)
+        if not (value is None if DEFAULTS[attr] is None else value == DEFAULTS[attr]):
             raise ValueError(f"config: {op} has no term for {attr}; expected its default "
-                             f"{DEFAULTS[attr]!r}, got {_shown(getattr(config, attr))}")
-    return config
-
-
-def _tis_options(rollout_logp_given: bool, tis_cap: Any) -> None:
-    if rollout_logp_given != (tis_cap is not None):
-        raise ValueError("rollout_logp / tis_cap: truncated importance sampling needs both "
-                         f"(got rollout_logp={'set' if rollout_logp_given else None}, "
-                         f"tis_cap={tis_cap!r})")
-
-
-def kernel_config(loss: PolicyLoss, *, has_rollout: bool, has_ref: bool = True,
-                  has_entropy: bool = False, kl_name: str = "kl_coef") -> ppo_math.PPOConfig:
-    """The kernels' ``PPOConfig`` of ``loss`` (its aggregation mode canonical), after checking
-    that the call's optional inputs come with the options that need them: ``rollout_logp``
-    with ``tis_cap``, the reference's log-probs with ``kl_coef != 0`` (the op's keyword
-    ``kl_name``), ``entropy`` with ``entropy_coef != 0``."""
-    _tis_options(has_rollout, loss.tis_cap)
-    if not has_ref and loss.kl_coef != 0:
-        raise ValueError(f"ref_logp: required when {kl_name} != 0 ({kl_name}={loss.kl_coef!r})")
-    if not has_entropy and loss.entropy_coef != 0:
-        raise ValueError(f"entropy: required when entropy_coef != 0 "
-                         f"(entropy_coef={loss.entropy_coef!r})")
-    options = {name: getattr(loss, name) for name in FIELDS}
-    options["loss_agg_mode"] = check.agg_mode(loss.loss_agg_mode)
-    return ppo_math.PPOConfig(**options)
-
-
-def run_ppo(op: str, inputs: ppo_math.PPOInputs, cfg: ppo_math.PPOConfig, *,
-            backend: str | None, strict: bool):
-    """(loss, metrics) of the PPO term, on the backend ``dispatch`` chooses for ``op``."""
-    choice = dispatch.resolve(op, Problem(n_rows=inputs.logp.size), backend,
-                              primitive="ppo_loss", strict=strict)
-    return choice.impl(inputs, cfg)
-
-
-# -- group advantages ------------------------------------------------------------------------
-
-def group_segments(batch: int, group_size: Any, group_boundaries: Any):
-    """(segment_ids [B], number of groups, validity flag for traced boundaries)."""
-    if (group_size is None) == (group_boundaries is None):
-        raise ValueError("group_size / group_boundaries: give exactly one of them")
-    if group_size is not None:
-        if not isinstance(group_size, (int, np.integer)) or group_size <= 0 or batch % group_size:
-            raise ValueError(f"group_size: expected a positive int dividing B = {batch}, "
-                             f"got {group_size!r}")
-        return jnp.arange(batch) // group_size, batch // int(group_size), None
-    bounds = check.integer("group_boundaries", group_boundaries)
-    check.rank("group_boundaries", bounds, 1, "[G + 1]")
-    if bounds.shape[0] < 2:
-        raise ValueError(f"group_boundaries: expected at least 2 entries [0, ..., B], "
-                         f"got shape {tuple(bounds.shape)}")
-    ok = (bounds[0] == 0) & (bounds[-1] == batch) & jnp.all(jnp.diff(bounds) > 0)
-    if check.is_concrete(bounds):
-        if not bool(ok):
-            raise ValueError(f"group_boundaries: expected strictly increasing values starting at "
-                             f"0 and ending at B = {batch}, got {np.asarray(bounds).tolist()}")
-        ok = None
-    else:
-        check.boundaries("group_boundaries", bounds, batch)  # check mode only
-    ids = jnp.searchsorted(bounds[1:], jnp.arange(batch), side="right")
-    return ids, bounds.shape[0] - 1, ok
-
-
-def compute_group_advantages(rewards: Any, *, group_size: Any, group_boundaries: Any,
-                             normalize_std: bool, std_ddof: int, eps: float,
-                             backend: str | None, strict: bool) -> jax.Array:
-    """``group_advantages`` (docs/api.md); ``strict=False`` lets a requested backend that
-    cannot serve it fall back to the automatic choice (a piece of a composite op)."""
-    rewards = check.as_array("rewards", rewards)
-    if not (jnp.issubdtype(rewards.dtype, jnp.floating)
-            or jnp.issubdtype(rewards.dtype, jnp.integer)):
-        raise TypeError(f"rewards: expected a real dtype, got {rewards.dtype}")
-    check.rank("rewards", rewards, 1, "[B]")
-    check.non_negative_int("std_ddof", std_ddof)
-    ids, groups, ok = group_segments(rewards.shape[0], group_size, group_boundaries)
-    (rewards,) = sharding.pin_grad_shardings(rewards)
-    choice = dispatch.resolve("group_advantages", Problem(n_rows=rewards.shape[0]),
-                              backend, strict=strict)
-    # Groups may straddle any split of B: every device computes all of them from the [B] rewards.
-    rewards = sharding.replicated(rewards.astype(jnp.float32))
-    adv = choice.impl(rewards, ids.astype(jnp.int32), groups, normalize_std=bool(normalize_std),
-                      std_ddof=int(std_ddof), eps=eps)
-    return adv if ok is None else jnp.where(ok, adv, jnp.nan)
-
-
-# -- GRPO --------------------------------------------------------------------------------------
-
-def grpo_advantages(rewards: Any, *, advantages: Any, batch: int, group_size: Any,
-                    group_boundaries: Any, normalize_std: bool, eps: float,
-                    backend: str | None) -> jax.Array:
-    """GRPO's ``[B]`` advantages, without gradient: ``advantages`` when given, else the group
-    advantages of ``rewards``."""
-    rewards = check.as_array("rewards", rewards)
-    check.shape("rewards", rewards, (batch,), "[B]")
-    if advantages is not None:
-        advantages = check.floating("advantages", advantages)
-        check.shape("advantages", advantages, (batch,), "[B]")
-        return _sg(advantages.astype(jnp.float32))
-    return _sg(compute_group_advantages(
-        rewards, group_size=group_size, group_boundaries=group_boundaries,
-        normalize_std=normalize_std, std_ddof=0, eps=eps, backend=backend, strict=False))
-
-
-def grpo_from_logprobs(logp: jax.Array, cfg: ppo_math.PPOConfig, *, ref_logp, old_logp,
-                       advantages, mask, rollout_logp):
-    """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
-    the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef."""
-    inputs = ppo_math.PPOInputs(
-        logp=logp, old_logp=old_logp,
-        advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
-        rollout_logp=rollout_logp, ref_logp=ref_logp)
-    return ppo_math.grpo_loss(inputs, cfg)
+                             f"{DEFAULTS[attr]!r}, got {value!r}")
+    values["config"] = loss
+    return values

@@ -43,7 +43,7 @@ from jax.custom_derivatives import SymbolicZero
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import linear_head, logprob_core
 from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head.blocks import blocks
@@ -135,8 +135,8 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     return head_grad.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
 
 
-def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs, *,
-                      weight_layout, temperature, with_entropy, vocab_axis=None):
+def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs,
+                      call: linear_head.HeadCall):
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
 
@@ -145,11 +145,13 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
 
     ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree
     of its other arrays (float leaves get their gradients through ``loss_fn``'s VJP).
-    ``hidden``, ``weight``, ``bias``, ``targets``, ``row_valid`` and ``vocab_axis`` are as in
-    ``logprob_core.linear_from_parts``; ``row_valid`` False rows get no gradient.
+    ``hidden``, ``weight``, ``bias``, ``targets``, ``row_valid`` and ``call`` are as in
+    ``linear_head.linear_from_parts``; ``row_valid`` False rows get no gradient.
     """
+    weight_layout, temperature = call.weight_layout, call.temperature
+    with_entropy, vocab_axis = call.return_entropy, call.vocab_axis
     rows = "r" * targets.ndim
-    h_roles, w_roles, b_roles = logprob_core.head_roles(targets.ndim, weight_layout)
+    h_roles, w_roles, b_roles = linear_head.head_roles(targets.ndim, weight_layout)
     options = dict(weight_layout=weight_layout, temperature=temperature)
     leaves, tree = jax.tree.flatten(inputs)
     floats = [i for i, x in enumerate(leaves) if _is_float(x)]
@@ -209,15 +211,14 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
         if not all(isinstance(o, SymbolicZero) for o in others):
             # the whole per-token cotangent through the recomputed logits: one rounding of
             # the logits' gradient, as for the loss alone
-            grads = logprob_core.head_backward(
+            grads = linear_head.head_backward(
                 functools.partial(saved_logits.recomputed_backward, **options), hidden, weight,
-                bias, (), *common, g, g_ent, weight_layout=weight_layout, vocab_axis=vocab_axis)
+                bias, (), *common, g, g_ent, call)
         elif not isinstance(c, SymbolicZero):
             c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
-            d_hidden, d_weight, _ = logprob_core.head_backward(
+            d_hidden, d_weight, _ = linear_head.head_backward(
                 functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
-                weight, None, (dz,), *common, c_rows, None, weight_layout=weight_layout,
-                vocab_axis=vocab_axis)
+                weight, None, (dz,), *common, c_rows, None, call)
             d_bias = None if bias is None else (c.astype(jnp.float32) * col_sums[0]
                                                 ).astype(bias.dtype)
             grads = (d_hidden, d_weight, d_bias)

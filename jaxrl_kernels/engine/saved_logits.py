@@ -15,7 +15,7 @@ With ``z̃ = (z + b) / T`` in float32 per row::
     d_hidden = dz·W / T,  d_weight = dzᵀ·h / T,  d_bias = Σ_rows dz / T
 
 so only ``lse`` (and ``p`` in the backward) see the rounding of ``z`` to 16 bits, as in the
-plain bf16-logits code users write. The op is :func:`logprob_core.linear_head_op` with the two
+plain bf16-logits code users write. The op is :func:`linear_head.linear_head_op` with the two
 per-device halves below, the logits its one ``[N, V]`` residual: the forward is the
 ``kept_logits`` primitive dispatch chose (:func:`local_stats` here, XLA's GEMM and
 reductions; on Hopper ffi's kernel, which writes the logits as it folds them), the backward
@@ -30,12 +30,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.head import head_ids
 from jaxrl_kernels.head import kept_set
-from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.formulas import softmax_math
 
 
@@ -96,7 +95,7 @@ def row_stats(zs, with_entropy):
 def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
                 with_entropy):
     """One device's rows [N, D] and columns: its row statistics, the target's ``z̃ − m`` and
-    the kept logits ``z`` [N, V_local] (``logprob_core.linear_head_op``'s forward half): the
+    the kept logits ``z`` [N, V_local] (``linear_head.linear_head_op``'s forward half): the
     ``kept_logits`` primitive on XLA's GEMM and reductions (the reference backend's).
 
     The statistics are those of the rounded logits the backward reads (``scaled``), so that
@@ -167,27 +166,23 @@ def kept_logits(bias, z, temperature):
     return kept_set.Logits(columns, rows)
 
 
-def fast_linear_logprobs(kept, hidden, weight, bias, targets, row_valid, *, weight_layout,
-                         temperature, return_entropy, vocab_axis=None, truncation=None,
-                         find_kept=None):
+def fast_linear_logprobs(kept, hidden, weight, bias, targets, row_valid,
+                         call: linear_head.HeadCall, *, find_kept=None):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
     ``kept``: the ``kept_logits`` primitive dispatch chose (:func:`local_stats`, or a kernel
-    with its contract). Same arguments and layouts as ``logprob_core.linear_from_parts`` (rows
-    ``[...]``, global target ids, ``vocab_axis`` inside ``jax.shard_map``); a ``truncation``'s
-    kept set is found over the kept logits (by ``find_kept``, the ``kept_set`` primitive)."""
-    options = dict(weight_layout=weight_layout, temperature=temperature)
+    with its contract). Same arguments and layouts as ``linear_head.linear_from_parts`` (rows
+    ``[...]``, global target ids, ``call.vocab_axis`` inside ``jax.shard_map``); a
+    ``call.truncation``'s kept set is found over the kept logits (by ``find_kept``, the
+    ``kept_set`` primitive)."""
+    options = dict(weight_layout=call.weight_layout, temperature=call.temperature)
 
     def stats(plan, h, w, b, t_local, valid):
-        return kept(plan, h, w, b, t_local, valid, with_entropy=return_entropy, **options)
+        return kept(plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options)
 
     def backward(*args, floor=None):
         return local_backward(*args, floor=floor, **options)
 
-    return logprob_core.linear_head_op(stats, backward, hidden, weight, bias, targets,
-                                       row_valid, weight_layout=weight_layout,
-                                       with_entropy=return_entropy, n_kept=1,
-                                       vocab_axis=vocab_axis, temperature=temperature,
-                                       truncation=truncation, find_kept=find_kept,
-                                       logits_of=lambda h, w, b, z: kept_logits(
-                                           b, z, temperature))
+    return linear_head.linear_head_op(
+        stats, backward, hidden, weight, bias, targets, row_valid, call, n_kept=1,
+        find_kept=find_kept, logits_of=lambda h, w, b, z: kept_logits(b, z, call.temperature))

@@ -16,6 +16,7 @@ names the axis whose slices of the heads' vocabulary each device holds.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,11 @@ from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.formulas.divergence_math import DIVERGENCES
 from jaxrl_kernels.dispatch.contract import Whole
-from jaxrl_kernels.ops.logprobs import global_vocab
-
-AxisName = str | tuple[str, ...]
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.config.distill import DISTILL_KEYWORDS, DistillLoss
+from jaxrl_kernels.engine.linear_head import AxisName
+from jaxrl_kernels.sharding.entry import global_vocab
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
 
 
@@ -106,13 +107,12 @@ def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis):
 
 def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: ArrayLike,
                         teacher_weight: ArrayLike, mask: ArrayLike, *,
-                        divergence: str = "reverse_kl", jsd_beta: float = 0.5,
-                        temperature: float = 1.0, weight_layout: str = "vd",
-                        teacher_weight_layout: str = "vd", bias: ArrayLike | None = None,
-                        teacher_bias: ArrayLike | None = None, loss_agg_mode: str = "token_mean",
-                        max_len: int | None = None, backend: str | None = None,
+                        bias: ArrayLike | None = None, teacher_bias: ArrayLike | None = None,
+                        weight_layout: str = "vd", teacher_weight_layout: str = "vd",
+                        config: DistillLoss | None = None, temperature: float = 1.0,
+                        memory: str | int | None = None, backend: str | None = None,
                         vocab_axis: AxisName | None = None,
-                        memory: str | int | None = None) -> tuple[jax.Array, jax.Array]:
+                        **deprecated: Any) -> tuple[jax.Array, jax.Array]:
     """A per-token divergence between a student and a frozen teacher LM head, over the whole
     vocabulary, without materialising either model's logits.
 
@@ -129,12 +129,12 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       teacher_hidden: the teacher's ``[B, T, D_t]`` (``D_t`` may differ from ``D_s``).
       teacher_weight: the teacher's head, ``[V, D_t]`` or ``[D_t, V]`` (the same ``V``).
       mask: ``[B, T]`` (float, bool or int 0/1), 1 on the tokens that count.
-      divergence: ``"reverse_kl"``, ``"forward_kl"`` or ``"jsd"``.
-      jsd_beta: β in (0, 1), for ``"jsd"`` only (β = 0.5: the symmetric JSD).
-      temperature: ``> 0``, dividing both models' logits (and biases).
-      weight_layout, teacher_weight_layout: ``"vd"`` or ``"dv"`` for each head.
       bias, teacher_bias: ``[V]`` or ``None``.
-      loss_agg_mode, max_len: as in ``aggregate``.
+      weight_layout, teacher_weight_layout: ``"vd"`` or ``"dv"`` for each head.
+      config: a ``jk.DistillLoss``: ``divergence`` (``"reverse_kl"``, ``"forward_kl"`` or
+        ``"jsd"``), ``jsd_beta`` (β in (0, 1), for ``"jsd"`` only), ``loss_agg_mode`` and
+        ``max_len`` (as in ``aggregate``); ``None``: its defaults.
+      temperature: ``> 0``, dividing both models' logits (and biases).
       backend: ``None`` (automatic), ``"reference"``, ``"chunked"`` or ``"pallas"``
         (16-bit heads; docs/api.md).
       vocab_axis: inside ``jax.shard_map``, the mesh axis over which both heads (and biases)
@@ -145,6 +145,8 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
         student GEMMs and 1 teacher one, ``jaxrl_kernels.engine.fused_distill``) or an int byte
         budget for that buffer (``"fast"`` when it fits); ``None``: the mode of
         ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
+      **deprecated: ``divergence``, ``jsd_beta``, ``loss_agg_mode``, ``max_len`` (use
+        ``config=``), until 0.3.
 
     Returns:
       ``(loss, per_token)``: the float32 scalar ``aggregate(d, mask, loss_agg_mode,
@@ -155,11 +157,14 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       >>> import jax.numpy as jnp, jaxrl_kernels as jk
       >>> h, w = jnp.ones((1, 2, 4)), jnp.zeros((8, 4))          # a uniform student
       >>> th, tw = jnp.ones((1, 2, 6)), jnp.zeros((8, 6)).at[0].set(1.0)  # z_t = (6, 0, ...)
-      >>> loss, d = jk.linear_distill_loss(h, w, th, tw, jnp.ones((1, 2)),
-      ...                                  divergence="forward_kl")  # log 8 − H(p_t)
+      >>> loss, d = jk.linear_distill_loss(h, w, th, tw, jnp.ones((1, 2)),  # log 8 − H(p_t)
+      ...                                  config=jk.DistillLoss(divergence="forward_kl"))
       >>> round(float(loss), 3), d.shape
       (1.96, (1, 2))
     """
+    options = legacy.take("linear_distill_loss", deprecated, {"config": config}, (
+        legacy.Keywords("config", DistillLoss, DISTILL_KEYWORDS),))["config"] or DistillLoss()
+    divergence, beta = options.divergence, options.beta
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D_s]")
     shape = hidden.shape[:2]
@@ -168,18 +173,8 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     mask = check.mask("mask", mask)
     check.shape("mask", mask, shape, "[B, T]")
     mask = mask.astype(jnp.float32)
-    check.option("divergence", divergence, DIVERGENCES)
-    beta = 0.5
-    if divergence == "jsd":
-        v = check._number("jsd_beta", jsd_beta)
-        if v is None:
-            raise TypeError("jsd_beta: expected a Python float in (0, 1), got a traced value")
-        if not 0.0 < v < 1.0:
-            raise ValueError(f"jsd_beta: expected a value in (0, 1), got {v}")
-        beta = v
     temperature = _check_temperature(temperature)
-    mode = check.agg_mode(loss_agg_mode)
-    max_len = check.max_len(max_len)
+    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
     vocab = global_vocab(local_vocab, vocab_axis)  # checks the axis
 
     op = "linear_distill_loss"

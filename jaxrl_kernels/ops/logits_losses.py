@@ -2,10 +2,12 @@
 
 Both take the policy's and the reference's log-probs of the sampled tokens in one pass over
 the two logits streams (the ``paired_logprobs`` primitive), then the math of
-:mod:`jaxrl_kernels.ops.losses` (``grpo_loss``'s options in :class:`policy_config.PolicyLoss`).
+:mod:`jaxrl_kernels.ops.losses` (``grpo_loss``'s options in :class:`jaxrl_kernels.config.PolicyLoss`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +18,12 @@ from jaxrl_kernels.formulas import kl_math
 from jaxrl_kernels.engine import logprob_core
 from jaxrl_kernels.dispatch.contract import Problem, dtype_name
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.ops.logprobs import AxisName, global_vocab
-from jaxrl_kernels.config.policy import (PolicyLoss, from_arguments, grpo_advantages,
-                                         grpo_from_logprobs, kernel_config)
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.config.policy import (GROUP_KEYWORDS, GRPO_KEYWORDS, Groups, PolicyLoss,
+                                         policy_options)
+from jaxrl_kernels.engine.linear_head import AxisName
+from jaxrl_kernels.ops.policy_terms import grpo_advantages, grpo_from_logprobs, kernel_config
+from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
 
@@ -100,21 +105,18 @@ def ratio_kl(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike
 
 def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike,
               old_logp: ArrayLike, rewards: ArrayLike, mask: ArrayLike, *,
-              group_size: int | None = None, group_boundaries: ArrayLike | None = None,
-              advantages: ArrayLike | None = None, clip_low: float = 0.2, clip_high: float = 0.2,
-              dual_clip: float | None = None, beta: float = 0.0, kl_estimator: str = "k3",
-              loss_agg_mode: str = "token_mean", normalize_std: bool = True, eps: float = 1e-6,
-              temperature: float = 1.0, ratio_level: str = "token", policy_loss: str = "ppo",
-              tis_level: str = "token", tis_mode: str = "truncate",
-              rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
-              backend: str | None = None, vocab_axis: AxisName | None = None,
-              config: PolicyLoss | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+              groups: Groups | None = None, advantages: ArrayLike | None = None,
+              rollout_logp: ArrayLike | None = None, config: PolicyLoss | None = None,
+              temperature: float = 1.0, backend: str | None = None,
+              vocab_axis: AxisName | None = None,
+              **deprecated: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GRPO from policy and reference logits ``[B, T, V]`` and one reward per sequence.
 
-    ``A = group_advantages(rewards)`` (unless ``advantages`` ``[B]`` is given), broadcast over
-    ``T``; per token ``pg`` as in ``ppo_loss`` (every variant, and rollout correction with
-    ``rollout_logp`` / ``tis_cap``), ``kl = kl_penalty(logp, logp_ref)``;
-    ``loss = aggregate(pg + beta·kl)``. The gradient reaches ``policy_logits`` only.
+    ``A = group_advantages(rewards, groups=groups)`` (unless ``advantages`` ``[B]`` is given),
+    broadcast over ``T``; per token ``pg`` as in ``ppo_loss`` (every variant, and rollout
+    correction with ``rollout_logp`` / ``config.tis_cap``), ``kl = kl_penalty(logp,
+    logp_ref)``; ``loss = aggregate(pg + β·kl)`` with ``β = config.kl_coef``. The gradient
+    reaches ``policy_logits`` only.
 
     Args:
       policy_logits, ref_logits: ``[B, T, V]`` float.
@@ -122,20 +124,16 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
       old_logp: ``[B, T]``, log-probs under the sampling policy (no gradient).
       rewards: ``[B]``.
       mask: ``[B, T]``, 1 on response tokens.
-      group_size, group_boundaries, normalize_std, eps: the groups, as in
-        ``group_advantages``.
+      groups: a ``jk.Groups``: how sequences form groups, as in ``group_advantages``.
       advantages: ``[B]`` to use instead of group advantages.
-      clip_low, clip_high, dual_clip, ratio_level, policy_loss, tis_level, tis_mode,
-        rollout_logp, tis_cap: as in ``ppo_loss``.
-      beta, kl_estimator: the KL term's weight and estimator.
-      loss_agg_mode: as in ``aggregate``.
+      rollout_logp: as in ``ppo_loss``.
+      config: a ``jk.PolicyLoss`` (``kl_coef`` is GRPO's β; its ``entropy_coef`` must be 0).
       temperature: the log-probs are of ``softmax(logits / temperature)``.
       backend: ``None`` (automatic) or a backend name.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the vocabulary.
-      config: a ``PolicyLoss`` instead of clip_low, clip_high, dual_clip, beta (its
-        ``kl_coef``), kl_estimator, loss_agg_mode, ratio_level, policy_loss, tis_level,
-        tis_mode and tis_cap, which then stay at their defaults; its ``entropy_coef`` must
-        be 0, its ``max_len`` applies.
+      **deprecated: the ``PolicyLoss`` options as keywords (``beta`` for ``kl_coef``) and
+        ``group_size``, ``group_boundaries``, ``normalize_std``, ``eps`` (use ``config=``,
+        ``groups=``), until 0.3.
 
     Returns:
       ``(loss, policy_loss, kl)``: float32 scalars, the last two aggregated like the loss.
@@ -145,20 +143,22 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
       >>> logits, actions = jnp.zeros((4, 3, 10)), jnp.zeros((4, 3), int)
       >>> old_logp = jk.token_logprobs(logits, actions)
       >>> loss, pg, kl = jk.grpo_loss(logits, logits, actions, old_logp, jnp.array([1., 0, 1, 1]),
-      ...                             jnp.ones((4, 3)), group_size=2, beta=0.04)
+      ...                             jnp.ones((4, 3)), groups=jk.Groups(size=2),
+      ...                             config=jk.PolicyLoss(kl_coef=0.04))
       >>> round(float(loss), 4), float(kl)
       (0.0, 0.0)
     """
-    options = from_arguments("grpo_loss", config, locals(), renamed={"beta": "kl_coef"},
-                             unused=("entropy_coef",))
+    values = policy_options("grpo_loss", config, deprecated, keywords=GRPO_KEYWORDS,
+                            unused=("entropy_coef",), given={"groups": groups},
+                            extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS),))
+    options, groups = values["config"], values["groups"]
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
         policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
     cfg = kernel_config(options, has_rollout=rollout_logp is not None)
     check.positive("temperature", temperature)
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
     adv = grpo_advantages(rewards, advantages=advantages, batch=policy_logits.shape[0],
-                          group_size=group_size, group_boundaries=group_boundaries,
-                          normalize_std=normalize_std, eps=eps, backend=backend)
+                          groups=groups, backend=backend)
     logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
                                       temperature, backend, vocab_axis)
     return grpo_from_logprobs(logp, cfg, ref_logp=ref_logp, old_logp=old_logp, advantages=adv,

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, sharding
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.engine import logprob_core
-from jaxrl_kernels.formulas import sampler_math
-from jaxrl_kernels.engine import saved_logits
-from jaxrl_kernels.dispatch.contract import Problem, dtype_name, linear_problem
-from jaxrl_kernels.dispatch import memory as memory_lib
+from jaxrl_kernels import dispatch
 from jaxrl_kernels import validation as check
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.config.sampler import KEYWORDS as SAMPLER_KEYWORDS
+from jaxrl_kernels.config.sampler import Sampler, truncation_of
+from jaxrl_kernels.dispatch.contract import Problem, dtype_name
+from jaxrl_kernels.engine import head_entry, logprob_core
+from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
+from jaxrl_kernels.sharding.entry import global_vocab
 
 
-AxisName = str | tuple[str, ...]
 
 
 def _row_valid(targets, ignore_index):
@@ -32,10 +33,10 @@ def _row_valid(targets, ignore_index):
 
 def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float = 1.0,
                    ignore_index: int | None = None, return_entropy: bool = False,
-                   backend: str | None = None, vocab_axis: AxisName | None = None,
-                   top_k: int | None = None, top_p: float | None = None,
-                   min_p: float | None = None, return_kept: bool = False,
-                   batch_invariant: bool = False) -> jax.Array | tuple[jax.Array, ...]:
+                   sampler: Sampler | None = None, return_kept: bool = False,
+                   batch_invariant: bool = False, backend: str | None = None,
+                   vocab_axis: AxisName | None = None,
+                   **deprecated: Any) -> jax.Array | tuple[jax.Array, ...]:
     """Log-probabilities of the target tokens under ``softmax(logits / temperature)``.
 
     ``logp = z[target] - logsumexp(z)`` with ``z = logits / temperature`` in float32, and
@@ -51,16 +52,18 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
         ``explain``).
       vocab_axis: inside ``jax.shard_map``, the mesh axis over which ``logits`` holds
         consecutive slices of the vocabulary (targets stay global ids; results are global).
-      top_k, top_p, min_p: the sampler's truncation (None: off): the log-probs (and entropy)
-        of the distribution it samples from, ``softmax(z)`` on each row's kept set,
-        renormalised (min-p, then top-k, then top-p, as vLLM; ties at a threshold kept; see
-        docs/api.md "Sampler-matched log-probs"). A target outside its row's kept set gets
-        ``z[target] − lse(kept set)`` (finite) and the gradient of that expression.
+      sampler: a ``jk.Sampler`` (the rollout sampler's ``top_k`` / ``top_p`` / ``min_p``;
+        None: no truncation): the log-probs (and entropy) of the distribution it samples from,
+        ``softmax(z)`` on each row's kept set, renormalised (min-p, then top-k, then top-p, as
+        vLLM; ties at a threshold kept; see docs/api.md "Sampler-matched log-probs"). A target
+        outside its row's kept set gets ``z[target] − lse(kept set)`` (finite) and the
+        gradient of that expression.
       return_kept: also return whether each target is in its row's kept set (bool; False
         on ignored rows; all True with no truncation).
       batch_invariant: each row's outputs and gradient bitwise independent of the other rows
         and of N (schedules that do not depend on N, on every backend; not with a
         truncation). See docs/api.md "Batch-invariant log-probs".
+      **deprecated: ``top_k``, ``top_p``, ``min_p`` (use ``sampler=``), until 0.3.
 
     Returns:
       float32 ``logp`` ``[...]``, then ``entropy`` with ``return_entropy=True``, then
@@ -79,7 +82,7 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     targets = check.integer("targets", targets)
     check.shape("targets", targets, logits.shape[:-1], "logits.shape[:-1]")
     check.positive("temperature", temperature)
-    truncation = sampler_math.truncation(top_k, top_p, min_p)
+    truncation = truncation_of(_sampler("token_logprobs", sampler, deprecated))
     local_vocab = logits.shape[-1]
     if local_vocab == 0:
         raise ValueError("logits: expected a non-empty vocabulary axis, got V = 0")
@@ -95,19 +98,16 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     logp, entropy, *kept = logprob_core.token_from_parts(
         choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
         return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation,
-        find_kept=kept_search("token_logprobs", truncation, problem.n_rows, local_vocab,
-                              backend))
+        find_kept=head_entry.kept_search("token_logprobs", truncation, problem.n_rows,
+                                         local_vocab, backend))
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
 
 
-def kept_search(op, truncation, n_rows, vocab, backend):
-    """The ``kept_set`` primitive for a call with a sampler's ``truncation`` (None without
-    one) on ``n_rows`` rows of ``vocab`` columns a device: the requested backend's where it
-    has one, else automatic choice's."""
-    if truncation is None:
-        return None
-    return dispatch.resolve(op, Problem(n_rows=n_rows, vocab=vocab), backend,
-                            primitive="kept_set", strict=False).impl
+def _sampler(op: str, sampler: Sampler | None, deprecated: dict) -> Sampler | None:
+    """The call's ``Sampler``: ``sampler=``, or one from the deprecated ``top_k`` / ``top_p`` /
+    ``min_p`` keywords."""
+    return legacy.take(op, deprecated, {"sampler": sampler},
+                       (legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS),))["sampler"]
 
 
 def _check_invariant(batch_invariant, truncation, k_ids=False):
@@ -129,59 +129,14 @@ def _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept):
     return outs[0] if len(outs) == 1 else outs
 
 
-def global_vocab(local_vocab: int, vocab_axis) -> int:
-    """The vocabulary size across a ``vocab_axis`` split (checks the axis)."""
-    if vocab_axis is None:
-        return local_vocab
-    axes = sharding.check_vocab_axis(vocab_axis)
-    return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
-
-
-def head_choice(op, memory, hidden, weight, bias, targets, *, weight_layout, return_entropy,
-                backend, vocab_axis=None, loss=False, batch_invariant=False):
-    """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (rows
-    ``targets.shape``): the kept-logits path (``choice.fast``) or a backend, and why
-    (``batch_invariant``: the backend's batch-invariant implementation, always lean)."""
-    vocab = global_vocab(geometry.vocab_size(weight, weight_layout), vocab_axis)
-    n_rows = math.prod(targets.shape)
-    request = memory_lib.Request(
-        memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
-        tuple(targets.shape) + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype),
-        loss=loss)
-    flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
-    problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
-                             return_entropy=return_entropy, batch_invariant=batch_invariant)
-    return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
-
-
-def linear_logprobs_rows(hidden, weight, bias, targets, row_valid, *, choice, weight_layout,
-                         temperature, return_entropy, vocab_axis=None, truncation=None):
-    """The linear_logprobs primitive on validated inputs, by ``choice`` (:func:`head_choice`):
-    hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
-    (logp like targets, entropy [...] | None), and with a ``truncation``
-    (``sampler_math.Truncation``) whether each target is in its row's kept set."""
-    find_kept = kept_search("linear_logprobs", truncation, math.prod(hidden.shape[:-1]),
-                            geometry.vocab_size(weight, weight_layout),
-                            choice.backend if choice.explicit else None)
-    options = dict(weight_layout=weight_layout, temperature=float(temperature),
-                   return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
-                   truncation=truncation, find_kept=find_kept)
-    if choice.fast:
-        return saved_logits.fast_linear_logprobs(choice.impl, hidden, weight, bias,
-                                                 targets.astype(jnp.int32), row_valid, **options)
-    return logprob_core.linear_from_parts(choice.impl, hidden, weight, bias,
-                                          targets.astype(jnp.int32), row_valid,
-                                          backward=choice.backward, **options)
-
-
 def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
                     bias: ArrayLike | None = None, *, weight_layout: str = "vd",
                     temperature: float = 1.0, ignore_index: int | None = None,
-                    return_entropy: bool = False, backend: str | None = None,
-                    vocab_axis: AxisName | None = None, memory: str | int | None = None,
-                    top_k: int | None = None, top_p: float | None = None,
-                    min_p: float | None = None, return_kept: bool = False,
-                    batch_invariant: bool = False) -> jax.Array | tuple[jax.Array, ...]:
+                    return_entropy: bool = False, sampler: Sampler | None = None,
+                    return_kept: bool = False, batch_invariant: bool = False,
+                    memory: str | int | None = None, backend: str | None = None,
+                    vocab_axis: AxisName | None = None,
+                    **deprecated: Any) -> jax.Array | tuple[jax.Array, ...]:
     """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
     Same outputs and the same gradients as ``token_logprobs`` on the logits, chained into
@@ -205,11 +160,12 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         ``"fast"`` (the forward's logits kept for the backward as float16 / float32: one GEMM
         fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it);
         ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
-      top_k, top_p, min_p, return_kept: the sampler's truncation, as in ``token_logprobs``
-        (one target per position); each row's kept set is found in passes over the
-        vocabulary, no ``[N, V]`` buffer.
+      sampler, return_kept: the sampler's truncation, as in ``token_logprobs`` (one target
+        per position); each row's kept set is found in passes over the vocabulary, no
+        ``[N, V]`` buffer.
       batch_invariant: as in ``token_logprobs`` (also d_hidden of each row; one target per
         position, ``memory="lean"``).
+      **deprecated: ``top_k``, ``top_p``, ``min_p`` (use ``sampler=``), until 0.3.
 
     Returns:
       float32 ``logp`` shaped like ``targets``, then ``entropy`` with ``return_entropy=True``
@@ -238,19 +194,17 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         check.shape("targets", targets, rows, "hidden.shape[:-1]")
         row_valid, ignored = _row_valid(targets, ignore_index)
     check.positive("temperature", temperature)
-    truncation = sampler_math.truncation(top_k, top_p, min_p)
+    truncation = truncation_of(_sampler("linear_logprobs", sampler, deprecated))
     if truncation is not None and targets.ndim == hidden.ndim:
         raise ValueError("top_k, top_p and min_p take one target per position, not K ids")
     _check_invariant(batch_invariant, truncation, k_ids=targets.ndim == hidden.ndim)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("targets", targets, vocab, ignored)
-    choice = head_choice("linear_logprobs", memory, hidden, weight, bias,
-                         jax.ShapeDtypeStruct(rows, jnp.int32),
-                         weight_layout=weight_layout, return_entropy=return_entropy,
-                         backend=backend, vocab_axis=vocab_axis,
-                         batch_invariant=batch_invariant)
-    logp, entropy, *kept = linear_logprobs_rows(
-        hidden, weight, bias, targets, row_valid, choice=choice, weight_layout=weight_layout,
-        temperature=temperature, return_entropy=return_entropy, vocab_axis=vocab_axis,
-        truncation=truncation)
+    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
+                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
+                    truncation=truncation, batch_invariant=batch_invariant)
+    choice = head_entry.choose("linear_logprobs", memory, hidden, weight, bias, rows, call,
+                               backend)
+    logp, entropy, *kept = head_entry.logprob_rows(hidden, weight, bias, targets, row_valid,
+                                                   call, choice)
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)

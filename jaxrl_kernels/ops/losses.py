@@ -2,13 +2,15 @@
 gradient and PPO.
 
 The math lives in :mod:`kl_math`, :mod:`aggregation_math`, :mod:`surrogate_math` and
-:mod:`ppo_math`; the losses' options in :class:`policy_config.PolicyLoss`. This module
+:mod:`ppo_math`; the losses' options in :class:`jaxrl_kernels.config.PolicyLoss`. This module
 validates arguments (once, here, with :mod:`jaxrl_kernels.validation`), shapes them and routes
 the heavy parts through ``dispatch``. The same losses from logits are in
 :mod:`logits_losses`, from a linear head's hidden states in :mod:`linear_losses`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,10 @@ from jaxrl_kernels.formulas import aggregation_math
 from jaxrl_kernels.formulas import kl_math
 from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.config.policy import (PG_UNUSED, PolicyLoss, compute_group_advantages,
-                                         from_arguments, kernel_config, run_ppo)
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.config.policy import (GROUP_KEYWORDS, PG_UNUSED, Groups, PolicyLoss,
+                                         policy_options)
+from jaxrl_kernels.ops.policy_terms import compute_group_advantages, kernel_config, run_ppo
 
 _sg = jax.lax.stop_gradient
 
@@ -82,47 +86,44 @@ def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
     return aggregation_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
 
 
-def group_advantages(rewards: ArrayLike, *, group_size: int | None = None,
-                     group_boundaries: ArrayLike | None = None, normalize_std: bool = True,
-                     std_ddof: int = 0, eps: float = 1e-6, backend: str | None = None
-                     ) -> jax.Array:
+def group_advantages(rewards: ArrayLike, *, groups: Groups | None = None,
+                     backend: str | None = None, **deprecated: Any) -> jax.Array:
     """Group-relative advantages: ``(r - mean_g) / (std_g + eps)``; a group of one gets 0.
 
     Args:
       rewards: ``[B]``, one per sequence; groups are consecutive sequences.
-      group_size: a positive int dividing ``B`` (give this or ``group_boundaries``).
-      group_boundaries: ``[G + 1]`` integers ``[0, b1, ..., B]``, strictly increasing.
-      normalize_std: divide by ``std_g + eps``; ``False`` gives ``r - mean_g``.
-      std_ddof: the standard deviation's delta degrees of freedom.
-      eps: added to the standard deviation.
+      groups: a ``jk.Groups``: ``size`` (a positive int dividing ``B``) or ``boundaries``
+        (``[G + 1]`` integers ``[0, b1, ..., B]``, strictly increasing), ``normalize_std``
+        (divide by ``std_g + eps``; ``False`` gives ``r - mean_g``), ``std_ddof`` and ``eps``.
       backend: ``None`` (automatic) or a backend name.
+      **deprecated: ``group_size``, ``group_boundaries``, ``normalize_std``, ``std_ddof``,
+        ``eps`` (use ``groups=``), until 0.3.
 
     Returns:
-      float32 ``[B]``. Invalid traced ``group_boundaries`` give NaN (or raise in check mode).
+      float32 ``[B]``. Invalid traced ``boundaries`` give NaN (or raise in check mode).
 
     Example:
       >>> import jax.numpy as jnp, jaxrl_kernels as jk
-      >>> jk.group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]), group_size=2, normalize_std=False)
+      >>> jk.group_advantages(jnp.array([1.0, 0.0, 2.0, 2.0]),
+      ...                     groups=jk.Groups(size=2, normalize_std=False))
       Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
     """
-    return compute_group_advantages(rewards, group_size=group_size,
-                                    group_boundaries=group_boundaries,
-                                    normalize_std=normalize_std, std_ddof=std_ddof, eps=eps,
-                                    backend=backend, strict=True)
+    groups = legacy.take("group_advantages", deprecated, {"groups": groups}, (legacy.Keywords(
+        "groups", Groups, {**GROUP_KEYWORDS, "std_ddof": "std_ddof"}),))["groups"]
+    return compute_group_advantages(rewards, groups, backend=backend, strict=True)
 
 
 def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-                         loss_agg_mode: str = "token_mean", max_len: int | None = None,
-                         config: PolicyLoss | None = None) -> jax.Array:
+                         config: PolicyLoss | None = None, **deprecated: Any) -> jax.Array:
     """``aggregate(-A · logp, mask)``: REINFORCE, reward-weighted and best-of-N fine-tuning.
 
     Args:
       logp: ``[B, T]`` log-probs of the sampled tokens under the policy being trained.
       advantages: ``[B, T]``, or ``[B]`` broadcast over ``T``; no gradient flows to them.
       mask: ``[B, T]``, 1 on the tokens that count (the response), 0 elsewhere.
-      loss_agg_mode, max_len: as in ``aggregate``.
-      config: a ``PolicyLoss`` instead of ``loss_agg_mode`` and ``max_len`` (they then stay
-        at their defaults); its other attributes must be at theirs.
+      config: a ``jk.PolicyLoss``; its ``loss_agg_mode`` and ``max_len`` (as in
+        ``aggregate``) apply, its other attributes must be at their defaults.
+      **deprecated: ``loss_agg_mode``, ``max_len`` (use ``config=``), until 0.3.
 
     Returns:
       A float32 scalar loss.
@@ -133,7 +134,8 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
       >>> round(float(jk.policy_gradient_loss(logp, jnp.array([1.0, 0.0]), jnp.ones((2, 2)))), 4)
       0.5199
     """
-    options = from_arguments("policy_gradient_loss", config, locals(), unused=PG_UNUSED)
+    options = policy_options("policy_gradient_loss", config, deprecated,
+                             unused=PG_UNUSED)["config"]
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
     per_token = -check.token_advantages(advantages, shape) * logp.astype(jnp.float32)
@@ -144,16 +146,13 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
 # -- PPO -----------------------------------------------------------------------------------
 
 def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-             clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-             rollout_logp: ArrayLike | None = None, tis_cap: float | None = None,
-             ref_logp: ArrayLike | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-             entropy: ArrayLike | None = None, entropy_coef: float = 0.0,
-             loss_agg_mode: str = "token_mean", max_len: int | None = None,
-             ratio_level: str = "token", policy_loss: str = "ppo", tis_level: str = "token",
-             tis_mode: str = "truncate", backend: str | None = None,
-             config: PolicyLoss | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+             rollout_logp: ArrayLike | None = None, ref_logp: ArrayLike | None = None,
+             entropy: ArrayLike | None = None, config: PolicyLoss | None = None,
+             backend: str | None = None,
+             **deprecated: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's clipped-surrogate loss on per-token log-probs ``[B, T]``.
 
+    The options are ``config``'s (a ``jk.PolicyLoss``; its defaults without one):
     ``r = exp(clip(logp - old_logp, ±20))``;
     ``pg = max(-A·r, -A·clip(r, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c``,
     where ``A < 0``: ``pg = min(pg, -A·c)``; with ``rollout_logp`` and ``tis_cap``:
@@ -168,17 +167,17 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       old_logp: ``[B, T]``, the same under the policy that sampled them (no gradient).
       advantages: ``[B, T]`` (e.g. from a critic) or ``[B]`` broadcast over ``T``.
       mask: ``[B, T]``, 1 on response tokens, 0 on prompt and padding.
-      clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
-      dual_clip: ``c > 1`` or ``None``.
-      rollout_logp, tis_cap: the sampler's log-probs ``[B, T]`` and the importance-weight
-        cap (give both or neither).
-      ref_logp, kl_coef, kl_estimator: a KL penalty to a reference policy's log-probs.
-      entropy, entropy_coef: an entropy bonus (``entropy`` ``[B, T]``).
-      loss_agg_mode, max_len: as in ``aggregate``.
-      ratio_level, policy_loss, tis_level, tis_mode: the variants, see above.
+      rollout_logp: the sampler's log-probs ``[B, T]`` (with ``config.tis_cap``, and only
+        with it).
+      ref_logp: a reference policy's log-probs ``[B, T]`` for the KL penalty (required when
+        ``config.kl_coef != 0``).
+      entropy: ``[B, T]``, for the entropy bonus (required when
+        ``config.entropy_coef != 0``).
+      config: a ``jk.PolicyLoss``: clip range, dual clip, TIS cap, KL and entropy weights,
+        aggregation and the variants (``None``: its defaults).
       backend: ``None`` (automatic), ``"reference"`` or ``"pallas"``.
-      config: a ``PolicyLoss`` instead of the options above (clip_low ... tis_mode), which
-        then stay at their defaults (another value is a ``ValueError``).
+      **deprecated: the ``PolicyLoss`` attributes as keywords (``clip_high=``, ...; use
+        ``config=``), until 0.3.
 
     Returns:
       ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars
@@ -192,7 +191,7 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       >>> float(loss), float(metrics["ratio_mean"])
       (0.0, 1.0)
     """
-    options = from_arguments("ppo_loss", config, locals())
+    options = policy_options("ppo_loss", config, deprecated)["config"]
     cfg = kernel_config(options, has_rollout=rollout_logp is not None,
                         has_ref=ref_logp is not None, has_entropy=entropy is not None)
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))

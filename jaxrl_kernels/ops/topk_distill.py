@@ -9,17 +9,22 @@ the vocabulary, no ``[N, V]`` logits); the loss is a few ``[N, K]`` operations o
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels.formulas import aggregation_math
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.ops.logprobs import global_vocab, head_choice, linear_logprobs_rows
+from jaxrl_kernels.config import deprecated as legacy
+from jaxrl_kernels.config.distill import TAILS, TOPK_KEYWORDS, TopKDistillLoss
+from jaxrl_kernels.engine import head_entry
+from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.sharding.entry import global_vocab
 
-AxisName = str | tuple[str, ...]
-TAILS = ("drop", "bucket")
+__all__ = ["TAILS", "linear_topk_distill_loss", "topk_divergence"]
 _LOG_TINY = float(np.log(np.finfo(np.float32).tiny))
 
 
@@ -52,10 +57,10 @@ def topk_divergence(student_logp, teacher_logp, valid, tail: str):
 def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: ArrayLike,
                              teacher_logp: ArrayLike, mask: ArrayLike, *,
                              bias: ArrayLike | None = None, weight_layout: str = "vd",
-                             temperature: float = 1.0, tail: str = "drop",
-                             loss_agg_mode: str = "token_mean", max_len: int | None = None,
-                             backend: str | None = None, vocab_axis: AxisName | None = None,
-                             memory: str | int | None = None) -> tuple[jax.Array, jax.Array]:
+                             config: TopKDistillLoss | None = None, temperature: float = 1.0,
+                             memory: str | int | None = None, backend: str | None = None,
+                             vocab_axis: AxisName | None = None,
+                             **deprecated: Any) -> tuple[jax.Array, jax.Array]:
     """The forward KL from a served teacher's top-k to a linear-head student, over the
     teacher's ids, without materialising the student's logits.
 
@@ -79,13 +84,14 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
       mask: ``[B, T]`` (float, bool or int 0/1), 1 on the tokens that count.
       bias: ``[V]`` or ``None``.
       weight_layout: ``"vd"`` or ``"dv"``.
+      config: a ``jk.TopKDistillLoss``: ``tail`` (``"drop"``: the sum over the ids only;
+        ``"bucket"``: the teacher's and the student's mass outside the ids as one more
+        outcome, 0 where the teacher's ids hold all of its mass), ``loss_agg_mode`` and
+        ``max_len`` (as in ``aggregate``); ``None``: its defaults.
       temperature: ``> 0``, dividing the student's logits (the teacher's log-probs are given).
-      tail: ``"drop"`` (the sum over the ids only) or ``"bucket"`` (the teacher's and the
-        student's mass outside the ids as one more outcome; 0 where the teacher's ids hold
-        all of its mass).
-      loss_agg_mode, max_len: as in ``aggregate``.
-      backend, vocab_axis, memory: as in ``linear_logprobs`` (``memory="fast"`` keeps the
+      memory, backend, vocab_axis: as in ``linear_logprobs`` (``memory="fast"`` keeps the
         student's logits for the backward).
+      **deprecated: ``tail``, ``loss_agg_mode``, ``max_len`` (use ``config=``), until 0.3.
 
     Returns:
       ``(loss, per_token)``: the float32 scalar ``aggregate(d, mask, loss_agg_mode,
@@ -100,6 +106,9 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
       >>> [round(x, 3) for x in d[0].tolist()]                 # log 4, log 8
       [1.386, 2.079]
     """
+    options = legacy.take("linear_topk_distill_loss", deprecated, {"config": config}, (
+        legacy.Keywords("config", TopKDistillLoss, TOPK_KEYWORDS),))["config"]
+    options = options or TopKDistillLoss()
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D]")
     shape = tuple(hidden.shape[:2])
@@ -113,23 +122,20 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
     mask = check.mask("mask", mask)
     check.shape("mask", mask, shape, "[B, T]")
     check.positive("temperature", temperature)
-    check.option("tail", tail, TAILS)
-    mode = check.agg_mode(loss_agg_mode)
-    max_len = check.max_len(max_len)
+    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
     vocab = global_vocab(local_vocab, vocab_axis)
     counts = mask != 0
     valid = (teacher_ids >= 0) & counts[..., None]
     check.targets_in_range("teacher_ids", teacher_ids, vocab, ~valid)
 
-    choice = head_choice("linear_topk_distill_loss", memory, hidden, weight, bias,
-                         jax.ShapeDtypeStruct(shape, jnp.int32), weight_layout=weight_layout,
-                         return_entropy=False, backend=backend, vocab_axis=vocab_axis)
-    student_logp, _ = linear_logprobs_rows(
-        hidden, weight, bias, teacher_ids.astype(jnp.int32), valid, choice=choice,
-        weight_layout=weight_layout, temperature=temperature, return_entropy=False,
-        vocab_axis=vocab_axis)
+    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
+                    vocab_axis=vocab_axis)
+    choice = head_entry.choose("linear_topk_distill_loss", memory, hidden, weight, bias, shape,
+                               call, backend)
+    student_logp, _ = head_entry.logprob_rows(hidden, weight, bias, teacher_ids, valid, call,
+                                              choice)
     d = topk_divergence(student_logp, jax.lax.stop_gradient(teacher_logp).astype(jnp.float32),
-                        valid, tail)
+                        valid, options.tail)
     per_token = jnp.where(counts, d, 0.0)
     mask = mask.astype(jnp.float32)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token

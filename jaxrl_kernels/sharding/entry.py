@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,6 +136,14 @@ def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
 
 
 # -- entering the per-shard function ----------------------------------------------------------
+
+def global_vocab(local_vocab: int, vocab_axis) -> int:
+    """The vocabulary size across a ``vocab_axis`` split (checks the axis)."""
+    if vocab_axis is None:
+        return local_vocab
+    axes = check_vocab_axis(vocab_axis)
+    return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
+
 
 def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence[str],
         out_roles: Sequence[str], *, grads_of: Sequence[int | None] | None = None,

@@ -128,7 +128,7 @@ def _reference(handle: KernelLogprobs, worker, backend, sampler) -> None:
         handle.skipped["reference"] = "the cluster has no reference model"
         return
     check_model(model)
-    truncation = {} if sampler is None else sampler.options()
+    truncation = {} if sampler is None else dict(sampler=sampler.sampler)
 
     def get_ref_per_token_logps(prompt_tokens, completion_tokens, pad_id, eos_id,
                                 temperature=1.0):
@@ -156,7 +156,7 @@ def _rollout(handle: KernelLogprobs, rollout, backend, sampler) -> None:
     check_model(rollout.model())
     # tunix: temperature 1 (the default); sampler-matched: the sampler's, and its truncation
     matched = {} if sampler is None else dict(temperature=sampler.temperature,
-                                              **sampler.options())
+                                              sampler=sampler.sampler)
 
     def get_per_token_logps(prompt_tokens, completion_tokens):
         """jaxrl_kernels' version of VanillaRollout.get_per_token_logps (same result: tunix

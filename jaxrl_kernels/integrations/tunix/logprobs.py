@@ -239,8 +239,7 @@ def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
 
 def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
                     segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, memory=None, top_k=None, top_p=None,
-                    min_p=None):
+                    return_entropy=False, backend=None, memory=None, sampler=None):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
@@ -248,9 +247,9 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     entropy of all-zero logits, log V, as tunix pads them.
     ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward;
     ``None``: ``jk.memory_mode``'s, else ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``).
-    ``top_k``, ``top_p``, ``min_p``: the sampler's truncation, as in ``jk.linear_logprobs``
-    (all None, the default: tunix's log-probs of the whole vocabulary); the log-probs and
-    entropy are then those of the truncated, renormalised distribution (sampler matching,
+    ``sampler``: a ``jk.Sampler``, the sampler's truncation, as in ``jk.linear_logprobs``
+    (None, the default: tunix's log-probs of the whole vocabulary); the log-probs and entropy
+    are then those of the truncated, renormalised distribution (sampler matching,
     :mod:`.sampler`).
     """
     rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
@@ -259,17 +258,17 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets, weight_layout=rows.layout,
                              temperature=tunix_temperature(temperature),
                              return_entropy=return_entropy, backend=backend, memory=memory,
-                             top_k=top_k, top_p=top_p, min_p=min_p)
+                             sampler=sampler)
     return rows.pad(*(out if return_entropy else (out, None)))
 
 
 @functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
                                              "return_logits", "temperature", "backend",
-                                             "top_k", "top_p", "min_p"))
+                                             "sampler"))
 def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
                             images=None, stop_gradient=True, return_logits=False,
                             segment_ids=None, segment_positions=None, temperature=1.0,
-                            backend=None, top_k=None, top_p=None, min_p=None):
+                            backend=None, sampler=None):
     """tunix's ``common.compute_per_token_logps`` (same arguments, same result) without logits.
 
     The per-token log-probs of the completion under ``nnx.merge(graphdef, state)``, float32
@@ -280,8 +279,8 @@ def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, p
     :func:`jaxrl_kernels.integrations.tunix.use_kernel_logprobs` is enabled on an RLCluster.
 
     ``return_logits=True`` and ``images`` are refused (NotImplementedError): both need the
-    logits. ``backend``: jaxrl_kernels' backend (None: automatic). ``top_k``, ``top_p``,
-    ``min_p`` (not tunix's; all None by default): the log-probs of the sampler's truncated,
+    logits. ``backend``: jaxrl_kernels' backend (None: automatic). ``sampler`` (not tunix's;
+    None by default): a ``jk.Sampler``, the log-probs of the sampler's truncated,
     renormalised distribution instead (:func:`policy_logprobs`; sampler matching).
     """
     if return_logits:
@@ -296,5 +295,5 @@ def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, p
     logp, _ = policy_logprobs(model, prompt_tokens, completion_tokens, pad_id=pad_id,
                               eos_id=eos_id, segment_ids=segment_ids,
                               segment_positions=segment_positions, temperature=temperature,
-                              backend=backend, top_k=top_k, top_p=top_p, min_p=min_p)
+                              backend=backend, sampler=sampler)
     return jax.lax.stop_gradient(logp) if stop_gradient else logp

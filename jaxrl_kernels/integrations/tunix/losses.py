@@ -61,11 +61,11 @@ import jax.numpy as jnp
 from tunix.rl import function_registry
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.engine import fused_loss
+from jaxrl_kernels.engine import head_entry
+from jaxrl_kernels.engine.linear_head import HeadCall
 from jaxrl_kernels.integrations.tunix import token_math as tm
 from jaxrl_kernels.integrations.tunix.logprobs import policy_head_rows, tunix_temperature
 from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, loss_sampler
-from jaxrl_kernels.ops.logprobs import head_choice, linear_logprobs_rows
 
 GRPO_LOSS_NAME = "jaxrl_grpo"
 PPO_LOSS_NAME = "jaxrl_ppo"
@@ -93,39 +93,30 @@ class LossTerms:
 
 
 def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
-    """``terms.loss_of_logprobs`` on the policy's per-token log-probs. With
-    ``kwargs["memory"]`` resolving to ``"fast"`` (and no sampler truncation) the loss's
-    gradient is taken in the forward (:mod:`jaxrl_kernels.engine.fused_loss`: 3 GEMMs, one [B, T, V]
-    buffer); else the log-probs come from ``linear_logprobs`` (lean: nothing [B, T, V] kept;
-    fast with a truncation: the logits kept for the backward). With a truncation, ``aux``
-    gains ``"outside_kept_set"``: how many completion tokens (mask != 0) lie outside their
-    position's kept set."""
+    """``terms.loss_of_logprobs`` on the policy's per-token log-probs, through the library's
+    one linear-head entry (``head_entry.loss_rows``): with ``kwargs["memory"]`` resolving to
+    ``"fast"`` (and no sampler truncation) the loss's gradient is taken in the forward (3
+    GEMMs, one [B, T, V] buffer); else the log-probs come from the ``linear_logprobs``
+    primitive (lean: nothing [B, T, V] kept; fast with a truncation: the logits kept for the
+    backward). With a truncation, ``aux`` gains ``"outside_kept_set"``: how many completion
+    tokens (mask != 0) lie outside their position's kept set."""
     rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
                             eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
                             segment_positions=getattr(example, "segment_positions", None))
-    choice = head_choice(terms.op, kwargs.get("memory"), rows.hidden, rows.weight, None,
-                         rows.targets, weight_layout=rows.layout,
-                         return_entropy=terms.with_entropy, backend=kwargs.get("backend"),
-                         loss=True)
-    options = dict(weight_layout=rows.layout, temperature=terms.temperature)
-    truncation = None if terms.sampler is None else terms.sampler.truncation
-    valid = jnp.ones(rows.targets.shape, jnp.bool_)
-    if choice.fast and truncation is None:
-        def loss_fn(logp, entropy, inputs):
-            return terms.loss_of_logprobs(*rows.pad(logp, entropy), inputs)
+    call = HeadCall(weight_layout=rows.layout, temperature=terms.temperature,
+                    return_entropy=terms.with_entropy,
+                    truncation=None if terms.sampler is None else terms.sampler.truncation)
 
-        return fused_loss.fused_linear_loss(
-            choice.impl, loss_fn, rows.hidden, rows.weight, None,
-            rows.targets.astype(jnp.int32), valid, terms.inputs, with_entropy=terms.with_entropy,
-            **options)
-    logp, entropy, *kept = linear_logprobs_rows(
-        rows.hidden, rows.weight, None, rows.targets, valid, choice=choice,
-        return_entropy=terms.with_entropy, truncation=truncation, **options)
-    out = terms.loss_of_logprobs(*rows.pad(logp, entropy), terms.inputs)
-    if truncation is None:
-        return out
-    loss, aux = out
-    outside = (terms.inputs["mask"] != 0) & ~rows.pad_kept(kept[0])
+    def loss_fn(logp, entropy, inputs):
+        return terms.loss_of_logprobs(*rows.pad(logp, entropy), inputs)
+
+    valid = jnp.ones(rows.targets.shape, jnp.bool_)
+    (loss, aux), kept = head_entry.loss_rows(
+        terms.op, loss_fn, terms.inputs, rows.hidden, rows.weight, None, rows.targets, valid,
+        call, memory=kwargs.get("memory"), backend=kwargs.get("backend"))
+    if kept is None:
+        return loss, aux
+    outside = (terms.inputs["mask"] != 0) & ~rows.pad_kept(kept)
     return loss, {**aux, "outside_kept_set": _sg(jnp.sum(outside.astype(jnp.float32)))}
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxrl_kernels.formulas import sampler_math
+import jaxrl_kernels as jk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +57,20 @@ class SamplerSettings:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
                 math.isfinite(t) and t > 0):
             raise ValueError(f"temperature: expected a finite float > 0, got {t!r}")
-        truncation = sampler_math.truncation(self.top_k, self.top_p, self.min_p)  # checks
+        truncation = self.sampler.truncation()  # checks the fields
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", None if truncation is None else truncation.top_p)
         object.__setattr__(self, "min_p", None if truncation is None else truncation.min_p)
 
     @property
-    def truncation(self) -> sampler_math.Truncation | None:
-        """The kernels' truncation (None: the whole vocabulary is kept)."""
-        return sampler_math.truncation(self.top_k, self.top_p, self.min_p)
+    def sampler(self) -> jk.Sampler:
+        """The truncation as ``jk.linear_logprobs``' ``sampler=`` takes it."""
+        return jk.Sampler(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
-    def options(self) -> dict:
-        """``top_k``, ``top_p``, ``min_p`` as keywords of ``jk.linear_logprobs``."""
-        return dict(top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+    @property
+    def truncation(self):
+        """The kernels' truncation (None: the whole vocabulary is kept)."""
+        return self.sampler.truncation()
 
     @classmethod
     def from_rollout_config(cls, rollout_config) -> "SamplerSettings":
