@@ -31,7 +31,7 @@ from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.engine import fused_loss
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.engine import logprob_core
-from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
@@ -696,7 +696,7 @@ def test_gpu_forced_splits_agree_with_the_plan(layout):
     ("vd", 50257, jnp.bfloat16, True), ("dv", 32768, jnp.bfloat16, False),
     ("vd", 4099, jnp.float16, False), ("dv", 151936, jnp.float16, True)])
 def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
-    """ffi's ``kept_logits`` against the reference's (``saved_logits.local_stats``: XLA's GEMM
+    """ffi's ``kept_logits`` against the reference's (``rounded_logits.local_stats``: XLA's GEMM
     rounded once, then its reductions over the rounded logits): the same kept logits up to one
     rounding step where the two float32 sums round to neighbours, and the same statistics of
     them; the target logit unrounded. Rows past a 128-row block, an odd V (single stores)."""
@@ -706,7 +706,7 @@ def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
     rv = jnp.ones(t.shape, bool).at[5].set(False)
     kw = dict(weight_layout=layout, temperature=0.8, with_entropy=True)  # plan: unused by both
     got = jax.jit(lambda h, w, b: ffi_linear.kept_logits(None, h, w, b, t, rv, **kw))(h, w, b)
-    want = jax.jit(lambda h, w, b: saved_logits.local_stats(None, h, w, b, t, rv, **kw))(h, w, b)
+    want = jax.jit(lambda h, w, b: rounded_logits.local_stats(None, h, w, b, t, rv, **kw))(h, w, b)
     (stats, t_rel, z), (stats_x, t_rel_x, z_x) = got, want
     assert z.dtype == dtype and z.shape == (n, v)
     z, z_x = np.asarray(z, np.float32), np.asarray(z_x, np.float32)

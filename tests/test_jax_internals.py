@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels
 from jaxrl_kernels.sharding import _jax_internals
-from jaxrl_kernels.sharding import placement
+from jaxrl_kernels.sharding import vma
 
 PACKAGE = pathlib.Path(jaxrl_kernels.__file__).parent
 
@@ -37,9 +37,9 @@ def test_vma_check_off_traces_without_varying_axes():
     seen = {}
 
     def body(x):
-        seen["checked"] = placement.varying_axes(x * jnp.ones((), x.dtype))
+        seen["checked"] = vma.varying_axes(x * jnp.ones((), x.dtype))
         with _jax_internals.vma_check_off():
-            seen["off"] = placement.varying_axes(x * jnp.ones((), x.dtype))
+            seen["off"] = vma.varying_axes(x * jnp.ones((), x.dtype))
         return x
 
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=True))(

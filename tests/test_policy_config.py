@@ -1,13 +1,16 @@
-"""``jk.PolicyLoss`` and the ``config=`` argument (docs/api.md "PolicyLoss").
+"""The options as values (docs/api.md "Options as values"): ``jk.PolicyLoss``, ``jk.Groups``,
+``jk.Sampler``, ``jk.DistillLoss``, ``jk.TopKDistillLoss``, and the deprecated keywords.
 
 ``config=`` gives every policy loss the values and gradients of the same options passed as
-keywords; each bad value raises from ``PolicyLoss(...)`` the very error the op's keyword
-raises; ``config=`` with a non-default keyword it covers, with an attribute the op has no
-term for, or of another type, raises naming it; the checks between options and arrays stay
-in the op.
+the deprecated keywords (with one ``DeprecationWarning`` naming the value to pass); each bad
+value raises from the value's constructor the very error the op's keyword raised; a deprecated
+keyword next to the value it belongs to, an attribute the op has no term for, or a value of
+another type raises naming it; an unknown keyword is Python's ``TypeError``; the checks
+between options and arrays stay in the op.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +55,8 @@ def ppo(d, **kw):
 
 def grpo(d, **kw):
     return jax.value_and_grad(lambda z: jk.grpo_loss(
-        z, d["ref_logits"], d["actions"], d["old_logp"], d["rewards"], d["mask"], group_size=2,
-        rollout_logp=rollout(d, kw), **kw)[0])(d["logits"])
+        z, d["ref_logits"], d["actions"], d["old_logp"], d["rewards"], d["mask"],
+        groups=jk.Groups(size=2), rollout_logp=rollout(d, kw), **kw)[0])(d["logits"])
 
 
 def linear_ppo(d, memory="lean", **kw):
@@ -65,7 +68,7 @@ def linear_ppo(d, memory="lean", **kw):
 def linear_grpo(d, memory="lean", **kw):
     return jax.value_and_grad(lambda h, w: jk.linear_grpo_loss(
         h, w, d["actions"], d["old_logp"], d["rewards"], d["mask"], ref_logp=d["ref_logp"],
-        group_size=2, rollout_logp=rollout(d, kw), memory=memory, **kw)[0],
+        groups=jk.Groups(size=2), rollout_logp=rollout(d, kw), memory=memory, **kw)[0],
         argnums=(0, 1))(d["hidden"], d["weight"])
 
 
@@ -123,36 +126,57 @@ def assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def deprecated_call(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with deprecated keywords: it warns once, naming the value."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args, **kwargs)
+    ours = [w for w in caught if issubclass(w.category, DeprecationWarning)
+            and "jaxrl_kernels 0.3" in str(w.message)]
+    assert ours, "no DeprecationWarning for the old keywords"
+    assert len({str(w.message) for w in ours}) == 1, [str(w.message) for w in ours]
+    return out
+
+
 @pytest.mark.parametrize("case", [0, 1])
 @pytest.mark.parametrize("name", list(OPS))
-def test_config_equals_keywords(data, name, case):
+def test_config_equals_deprecated_keywords(data, name, case):
     fn, cases, fixed = OPS[name]
     if case >= len(cases):
         pytest.skip("one case")
     options = cases[case]
-    by_keyword = fn(data, **fixed, **options)
+    by_keyword = deprecated_call(fn, data, **fixed, **options)
     by_config = fn(data, **fixed, config=as_config(options))
     assert_same(by_keyword, by_config)
-    # Keywords at their defaults next to config= change nothing.
-    defaults = {k: v for k, v in dataclasses.asdict(jk.PolicyLoss()).items() if k in options}
-    assert_same(by_config, fn(data, **fixed, **defaults, config=as_config(options)))
     # The options matter: the default config gives another loss.
     assert float(fn(data, **fixed)[0]) != float(by_config[0])
+
+
+def test_deprecation_message_names_the_values(data):
+    d = data
+    with pytest.warns(DeprecationWarning) as record:
+        jk.linear_grpo_loss(d["hidden"], d["weight"], d["actions"], d["old_logp"], d["rewards"],
+                            d["mask"], group_size=2, clip_high=0.28, top_k=5)
+    message = next(str(w.message) for w in record if "0.3" in str(w.message))
+    assert message == (
+        "linear_grpo_loss: the keywords clip_high=, group_size=, top_k= are deprecated and will "
+        "be removed in jaxrl_kernels 0.3; pass config=jk.PolicyLoss(clip_high=...), "
+        "groups=jk.Groups(size=...), sampler=jk.Sampler(top_k=...)")
 
 
 def test_ppo_metrics_equal(data):
     d, options = data, PPO_CASES[0]
     args = (d["logp"], d["old_logp"], d["adv"], d["mask"])
     arrays = dict(rollout_logp=d["rollout_logp"], ref_logp=d["ref_logp"], entropy=d["entropy"])
-    assert_same(jk.ppo_loss(*args, **arrays, **options),
+    assert_same(deprecated_call(jk.ppo_loss, *args, **arrays, **options),
                 jk.ppo_loss(*args, **arrays, config=jk.PolicyLoss(**options)))
 
 
 def test_grpo_max_len_from_config(data):
-    """The GRPO losses have no max_len keyword; a config's applies."""
+    """The GRPO losses' max_len comes from their config."""
     config = jk.PolicyLoss(loss_agg_mode="seq_mean_token_sum_norm", max_len=2 * T)
     half = grpo(data, config=config)[0]
-    full = grpo(data, loss_agg_mode="seq_mean_token_sum_norm")[0]
+    full = grpo(data, config=jk.PolicyLoss(loss_agg_mode="seq_mean_token_sum_norm"))[0]
     np.testing.assert_allclose(float(half), float(full) / 2, rtol=1e-6)
 
 
@@ -163,8 +187,7 @@ def test_config_under_jit_as_static_argument(data):
     config = jk.PolicyLoss(clip_high=0.28, loss_agg_mode="seq_mean_token_mean")
     assert hash(config) == hash(jk.PolicyLoss(clip_high=0.28,
                                               loss_agg_mode="seq_mean_token_mean"))
-    want = jk.ppo_loss(d["logp"], d["old_logp"], d["adv"], d["mask"], clip_high=0.28,
-                       loss_agg_mode="seq_mean_token_mean")[0]
+    want = jk.ppo_loss(d["logp"], d["old_logp"], d["adv"], d["mask"], config=config)[0]
     np.testing.assert_allclose(float(fn(d["logp"], config)), float(want), rtol=1e-6)
 
 
@@ -189,8 +212,10 @@ CALLS = {"ppo_loss": ppo, "linear_ppo_loss": linear_ppo, "grpo_loss": grpo,
 
 
 def error_of(fn, *args, **kwargs):
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError) as info:
+            fn(*args, **kwargs)
     return str(info.value).split("\n")[0]  # without a note JAX may add under jax.grad
 
 
@@ -219,23 +244,22 @@ def test_messages_as_documented():
 # -- config= next to keywords, unused attributes, the type -------------------------------------
 
 @pytest.mark.parametrize("op", list(CALLS))
-def test_config_and_a_non_default_keyword_is_an_error(data, op):
-    keyword, value = {"grpo_loss": ("beta", 0.1), "linear_grpo_loss": ("beta", 0.1),
-                      "policy_gradient_loss": ("max_len", 8),
-                      "linear_policy_gradient_loss": ("max_len", 8)}.get(op, ("clip_high", 0.28))
-    default = 0.0 if keyword == "beta" else getattr(jk.PolicyLoss(), keyword)
-    message = error_of(CALLS[op], data, config=jk.PolicyLoss(), **{keyword: value})
-    assert message == (f"{keyword}: expected its default {default!r} with config= (set it in the "
-                       f"PolicyLoss: dataclasses.replace(config, "
-                       f"{'kl_coef' if keyword == 'beta' else keyword}=...)), got {value!r}")
+def test_config_and_a_deprecated_keyword_is_an_error(data, op):
+    keyword, attribute = {"grpo_loss": ("beta", "kl_coef"),
+                          "linear_grpo_loss": ("beta", "kl_coef"),
+                          "policy_gradient_loss": ("max_len", "max_len"),
+                          "linear_policy_gradient_loss": ("max_len", "max_len")
+                          }.get(op, ("clip_high", "clip_high"))
+    message = error_of(CALLS[op], data, config=jk.PolicyLoss(), **{keyword: 0.1})
+    assert message == (f"{keyword}: given with config=; set it in the PolicyLoss instead "
+                       f"(dataclasses.replace(config, {attribute}=...))")
 
 
-def test_conflict_names_an_array_by_its_type(data):
-    d = data
-    with pytest.raises(ValueError, match=r"^kl_coef: expected its default 0.0 with config=.*"
-                                         r"got ArrayImpl(\n|$)"):
-        jk.ppo_loss(d["logp"], d["old_logp"], d["adv"], d["mask"], ref_logp=d["ref_logp"],
-                    kl_coef=jnp.float32(0.1), config=jk.PolicyLoss())
+@pytest.mark.parametrize("op", list(CALLS))
+def test_unknown_keyword_is_a_type_error(data, op):
+    with pytest.raises(TypeError, match=rf"^{op.removesuffix('_fast')}\(\) got an unexpected "
+                                        r"keyword argument 'clip_hgh'"):
+        CALLS[op](data, clip_hgh=0.28)
 
 
 @pytest.mark.parametrize("op,attribute,value", [
@@ -271,9 +295,12 @@ def test_option_array_pairs_checked_by_the_op(data):
         jk.ppo_loss(*args, config=jk.PolicyLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match=r"^entropy: required when entropy_coef != 0"):
         jk.ppo_loss(*args, config=jk.PolicyLoss(entropy_coef=0.01))
-    with pytest.raises(ValueError, match=r"^ref_logp: required when beta != 0 \(beta=0.1\)"):
+    with pytest.raises(ValueError, match=r"^ref_logp: required when kl_coef != 0 \(kl_coef=0.1\)"):
         jk.linear_grpo_loss(d["hidden"], d["weight"], d["actions"], d["old_logp"], d["rewards"],
-                            d["mask"], group_size=2, config=jk.PolicyLoss(kl_coef=0.1))
+                            d["mask"], groups=jk.Groups(size=2), config=jk.PolicyLoss(kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"^groups: expected a jk.Groups"):
+        jk.linear_grpo_loss(d["hidden"], d["weight"], d["actions"], d["old_logp"], d["rewards"],
+                            d["mask"])
     jk.linear_ppo_loss(d["hidden"], d["weight"], d["actions"], d["old_logp"], d["adv"], d["mask"],
                        config=jk.PolicyLoss(entropy_coef=0.01))  # computes its entropy
 
@@ -282,5 +309,99 @@ def test_policy_loss_module_holds_only_public_ops():
     from jaxrl_kernels.ops import losses
 
     for name in ("ppo_config", "grpo_config", "policy_variants", "_policy_options", "run_ppo",
-                 "grpo_advantages", "grpo_from_logprobs"):
+                 "grpo_advantages", "grpo_from_logprobs", "compute_group_advantages"):
         assert not hasattr(losses, name) or getattr(losses, name).__module__ != losses.__name__
+
+
+# -- Groups, Sampler, DistillLoss, TopKDistillLoss -----------------------------------------------
+
+def test_groups_equal_the_deprecated_keywords(data):
+    rewards = data["rewards"]
+    got = jk.group_advantages(rewards, groups=jk.Groups(size=2, normalize_std=False))
+    want = deprecated_call(jk.group_advantages, rewards, group_size=2, normalize_std=False)
+    assert_same(got, want)
+    bounds = jnp.array([0, 1, 4])
+    got = jk.group_advantages(rewards, groups=jk.Groups(boundaries=bounds, std_ddof=1, eps=0.1))
+    want = deprecated_call(jk.group_advantages, rewards, group_boundaries=bounds, std_ddof=1,
+                           eps=0.1)
+    assert_same(got, want)
+
+
+def test_groups_is_a_pytree_with_traced_boundaries(data):
+    rewards = data["rewards"]
+    fn = jax.jit(lambda r, groups: jk.group_advantages(r, groups=groups))
+    groups = jk.Groups(boundaries=jnp.array([0, 3, 4]), normalize_std=False)
+    assert jax.tree.leaves(groups) == [groups.boundaries]
+    want = jk.group_advantages(rewards, groups=groups)
+    np.testing.assert_allclose(np.asarray(fn(rewards, groups)), np.asarray(want), rtol=1e-6)
+    bad = jk.Groups(boundaries=jnp.array([0, 3, 3]))
+    assert np.isnan(np.asarray(fn(rewards, bad))).all()  # traced: NaN, as documented
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(size=0), "size: expected a positive int or None, got 0"),
+    (dict(size=2, std_ddof=-1), "std_ddof: expected a non-negative int, got -1"),
+])
+def test_groups_bad_values(bad, message):
+    assert error_of(jk.Groups, **bad) == message
+
+
+def test_groups_errors_from_the_op(data):
+    rewards = data["rewards"]
+    assert error_of(jk.group_advantages, rewards, groups=jk.Groups(size=3)) == (
+        "groups.size: expected a positive int dividing B = 4, got 3")
+    assert error_of(jk.group_advantages, rewards, groups=jk.Groups()).startswith(
+        "groups: give exactly one of size and boundaries")
+    assert error_of(jk.group_advantages, rewards, groups=jk.Groups(
+        boundaries=jnp.array([0, 5]))).startswith("groups.boundaries: expected strictly")
+
+
+def test_sampler_equals_the_deprecated_keywords(data):
+    d = data
+    got = jk.linear_logprobs(d["hidden"], d["weight"], d["actions"],
+                             sampler=jk.Sampler(top_k=3, top_p=0.9))
+    want = deprecated_call(jk.linear_logprobs, d["hidden"], d["weight"], d["actions"], top_k=3,
+                           top_p=0.9)
+    assert_same(got, want)
+    assert float(jnp.max(jnp.abs(got - jk.linear_logprobs(d["hidden"], d["weight"],
+                                                          d["actions"])))) > 0
+    assert hash(jk.Sampler(top_k=3)) == hash(jk.Sampler(top_k=3))
+    assert jk.Sampler(top_p=1.0, min_p=0.0).truncation() is None
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(top_k=0), "top_k: expected None or an int >= 1, got 0"),
+    (dict(top_p=1.5), "top_p: expected None or a float in (0, 1], got 1.5"),
+    (dict(min_p=-0.1), "min_p: expected None or a float in [0, 1], got -0.1"),
+])
+def test_sampler_bad_values(bad, message):
+    assert error_of(jk.Sampler, **bad) == message
+
+
+def test_distill_configs_equal_the_deprecated_keywords(data):
+    d = data
+    teacher = (d["hidden"] * 0.5, d["weight"] + 0.1)
+    config = jk.DistillLoss(divergence="jsd", jsd_beta=0.3, loss_agg_mode="seq_mean_token_sum")
+    got = jk.linear_distill_loss(d["hidden"], d["weight"], *teacher, d["mask"], config=config)
+    want = deprecated_call(jk.linear_distill_loss, d["hidden"], d["weight"], *teacher, d["mask"],
+                           divergence="jsd", jsd_beta=0.3, loss_agg_mode="seq_mean_token_sum")
+    assert_same(got, want)
+    ids = jnp.stack([d["actions"], (d["actions"] + 1) % V], axis=-1)
+    t_logp = jnp.log(jnp.full(ids.shape, 0.3))
+    config = jk.TopKDistillLoss(tail="bucket", loss_agg_mode="seq_mean_token_mean")
+    got = jk.linear_topk_distill_loss(d["hidden"], d["weight"], ids, t_logp, d["mask"],
+                                      config=config)
+    want = deprecated_call(jk.linear_topk_distill_loss, d["hidden"], d["weight"], ids, t_logp,
+                           d["mask"], tail="bucket", loss_agg_mode="seq_mean_token_mean")
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("cls,bad,message", [
+    ("DistillLoss", dict(divergence="kl"), "divergence: unknown option 'kl'"),
+    ("DistillLoss", dict(divergence="jsd", jsd_beta=1.0),
+     "jsd_beta: expected a value in (0, 1), got 1.0"),
+    ("TopKDistillLoss", dict(tail="all"), "tail: unknown option 'all'"),
+    ("TopKDistillLoss", dict(max_len=0), "max_len:"),
+])
+def test_distill_configs_bad_values(cls, bad, message):
+    assert error_of(getattr(jk, cls), **bad).startswith(message)

@@ -20,10 +20,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.engine import logprob_core
-from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head.blocks import blocks
 
@@ -57,13 +57,13 @@ def _max_and_sum_exp(zs):
 def _stats(config, weight_layout, temperature, with_entropy):
     def stats(plan, h, w, b, t_local, valid):
         if config.lse != "one_pass" or with_entropy:
-            out = saved_logits.local_stats(plan, h, w, b, t_local, valid,
+            out = rounded_logits.local_stats(plan, h, w, b, t_local, valid,
                                            weight_layout=weight_layout,
                                            temperature=temperature, with_entropy=with_entropy)
             return out[:2] + (_kept(out[2], h, w, config),)
-        z = saved_logits.product(h, w, weight_layout)
-        m, s = _max_and_sum_exp(saved_logits.scaled(z, b, temperature))
-        t_rel = saved_logits.target_logits(h, w, b, t_local, weight_layout, temperature) - m
+        z = rounded_logits.product(h, w, weight_layout)
+        m, s = _max_and_sum_exp(rounded_logits.scaled(z, b, temperature))
+        t_rel = rounded_logits.target_logits(h, w, b, t_local, weight_layout, temperature) - m
         return (m, s), t_rel, _kept(z, h, w, config)
     return stats
 
@@ -75,7 +75,7 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
     is_target = cols[None, :] == t_local[:, None]
     if config.grad == "float16" and dtype == jnp.bfloat16:
         sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature)
-        dz = softmax_math.logprob_grad_tile(saved_logits.scaled(z, bias, temperature), lse,
+        dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse,
                                             entropy, is_target, sc.rows.g, sc.rows.g_ent,
                                             temperature)
         dz = dz if fresh is None else jnp.where(fresh, dz, 0.0)
@@ -85,7 +85,7 @@ def _block_grads(hidden, weight, bias, z, cols, t_local, lse, entropy, g, g_ent,
         d_w = head_grad.rounded_weight_grad(g16, sc.h16, w16, weight_layout, sc.d_w_scale)
         d_b = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
         return sc.finish(acc, jnp.float32), d_w.astype(weight.dtype), d_b
-    dz = softmax_math.logprob_grad_tile(saved_logits.scaled(z, bias, temperature), lse, entropy,
+    dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse, entropy,
                                         is_target, g, g_ent, temperature)
     dz = dz if fresh is None else jnp.where(fresh, dz, 0.0)
     dz_op = dz.astype(dtype)

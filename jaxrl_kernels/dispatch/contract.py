@@ -46,7 +46,7 @@ kept_logits        ``(plan, hidden[N,D], weight, bias | None, t_local[N],
                    -> (stats, target_rel, z)``: ``memory="fast"``'s forward
                    on one device, the logits ``z`` rounded to the head's
                    dtype and the row statistics of the rounded values (the
-                   target logit unrounded), as ``saved_logits.local_stats``
+                   target logit unrounded), as ``rounded_logits.local_stats``
                    (reference: XLA's GEMM and reductions; ffi: one kernel)
 =================  ===========================================================
 

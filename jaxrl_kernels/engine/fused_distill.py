@@ -41,9 +41,9 @@ from jaxrl_kernels.formulas import divergence_math as dm
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.head.blocks import equal_blocks
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 BLOCK_BYTES = 2**30
 """A block's float32 logits of both heads come to at most this many bytes; the blocks all have
@@ -78,7 +78,7 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
     recomputes from the same operands."""
     h, th = hidden, t_hidden
     n, vocab = h.shape[0], geometry.vocab_size(weight, weight_layout)
-    kept = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
+    kept = rounded_logits.kept_dtype(hidden.dtype, weight.dtype)
     spans = equal_blocks(n, block_bytes // max(1, 2 * vocab * 4))
     divergence, beta, temperature = math["divergence"], math["beta"], math["temperature"]
 

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from jaxrl_kernels.head import rounded_logits
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
@@ -47,7 +49,7 @@ from jaxrl_kernels.engine import linear_head, logprob_core
 from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head.blocks import blocks
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 
 def _is_float(x) -> bool:
@@ -79,7 +81,7 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
     float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
     vocab = geometry.vocab_size(weight, weight_layout)
-    g, g_ent = (plan.output_cotangent(c, weight) for c in (g, g_ent))
+    g, g_ent = (collectives.output_cotangent(plan, c, weight) for c in (g, g_ent))
     per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
     g, g_ent = per_row[3], per_row[4]
     spans = blocks(z.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
@@ -91,7 +93,7 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
         t, l, ent, gg, ge = (None if x is None else
                              jax.lax.dynamic_slice_in_dim(x, start, spans.size) for x in per_row)
         z_c = jax.lax.dynamic_slice_in_dim(flat, start, spans.size)
-        zs = saved_logits.scaled(z_c, bias, temperature)
+        zs = rounded_logits.scaled(z_c, bias, temperature)
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         flat = jax.lax.dynamic_update_slice_in_dim(
@@ -140,7 +142,7 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
 
-    ``kept``: the ``kept_logits`` primitive dispatch chose (``saved_logits.local_stats``, or
+    ``kept``: the ``kept_logits`` primitive dispatch chose (``rounded_logits.local_stats``, or
     a kernel with its contract), which makes the logits and their row statistics.
 
     ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree

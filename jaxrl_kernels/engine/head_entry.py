@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import Choice, Problem, linear_problem
@@ -45,8 +46,8 @@ def choose(op: str, memory: Any, hidden, weight, bias, rows, call: HeadCall,
     vocab = global_vocab(geometry.vocab_size(weight, call.weight_layout), call.vocab_axis)
     n_rows = math.prod(rows)
     request = memory_lib.Request(
-        memory, saved_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
-        rows + (vocab,), saved_logits.kept_dtype(hidden.dtype, weight.dtype), loss=loss)
+        memory, rounded_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
+        rows + (vocab,), rounded_logits.kept_dtype(hidden.dtype, weight.dtype), loss=loss)
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = linear_problem(flat_hidden, weight, bias, weight_layout=call.weight_layout,
                              return_entropy=call.return_entropy,

@@ -15,13 +15,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch.contract import Whole
 from jaxrl_kernels.engine import logprob_core, vjp
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.formulas.sampler_math import Truncation
 from jaxrl_kernels.head import geometry, head_ids, kept_set, vocab_chunks
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 AxisName = str | tuple[str, ...]
 
@@ -244,7 +245,7 @@ def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entr
 
     def local(plan, h, w, b, *rest):
         kept_l, (t, lse, ent, active, g, g_ent) = rest[:-6], rest[-6:]
-        g, g_ent = (plan.output_cotangent(c, w) for c in (g, g_ent))
+        g, g_ent = (collectives.output_cotangent(plan, c, w) for c in (g, g_ent))
         t_local, lse, ent, g, g_ent = logprob_core.backward_rows(plan, geometry.vocab_size(w, weight_layout), t,
                                                     lse, ent, active, g, g_ent)
         return local_backward(h, w, b, *kept_l, t_local, lse, ent, g, g_ent)

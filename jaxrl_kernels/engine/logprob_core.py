@@ -37,7 +37,7 @@ from jaxrl_kernels.dispatch.contract import Whole
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head import kept_set
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 
 # -- per-device pieces ---------------------------------------------------------------------

@@ -17,8 +17,9 @@ With ``z̃ = (z + b) / T`` in float32 per row::
 so only ``lse`` (and ``p`` in the backward) see the rounding of ``z`` to 16 bits, as in the
 plain bf16-logits code users write. The op is :func:`linear_head.linear_head_op` with the two
 per-device halves below, the logits its one ``[N, V]`` residual: the forward is the
-``kept_logits`` primitive dispatch chose (:func:`local_stats` here, XLA's GEMM and
-reductions; on Hopper ffi's kernel, which writes the logits as it folds them), the backward
+``kept_logits`` primitive dispatch chose (XLA's GEMM and
+reductions, ``head.rounded_logits.local_stats``; on Hopper ffi's kernel, which writes the
+logits as it folds them), the backward
 plain jnp (XLA's GEMMs and fusions). A bfloat16 head's logits are kept as bfloat16 (a float16
 copy, a one-pass lse, vocabulary blocks in the backward and a float16 gradient were slower on
 an H100: ``benchmarks/bench_fast_mode.py`` measures them, ``benchmarks/variants/fast_mode.py``
@@ -33,80 +34,9 @@ import jax.numpy as jnp
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.head import kept_set
+from jaxrl_kernels.head import kept_set, rounded_logits
 from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.formulas import softmax_math
-
-
-def kept_dtype(hidden_dtype, weight_dtype):
-    """The dtype the forward keeps the logits in: a 16-bit head's own, float32 otherwise."""
-    dtype = jnp.dtype(jnp.result_type(hidden_dtype, weight_dtype))
-    return dtype if dtype.itemsize == 2 else jnp.dtype(jnp.float32)
-
-
-def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
-    """Bytes of the logits the forward keeps for the backward."""
-    return n_rows * vocab * kept_dtype(hidden_dtype, weight_dtype).itemsize
-
-
-def product(hidden, weight, weight_layout):
-    """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to :func:`kept_dtype`."""
-    dtype = jnp.result_type(hidden, weight)
-    z = geometry.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
-                    precision=geometry.matmul_precision(dtype),
-                    preferred_element_type=geometry.gemm_dtype(dtype))
-    return z.astype(kept_dtype(hidden.dtype, weight.dtype))
-
-
-def scaled(z, bias, temperature):
-    """z̃ = (z + b) / T in float32, from the values the kept logits ``z`` hold.
-
-    ``reduce_precision`` pins them: XLA's GPU compiler drops a float32 → 16-bit → float32
-    round trip where it can (``xla_allow_excess_precision``, as when an N = 1 product becomes
-    a fused reduction), which would take the forward's statistics from unrounded logits and
-    the backward's softmax from the kept, rounded ones."""
-    finfo = jnp.finfo(z.dtype)
-    z = jax.lax.reduce_precision(z.astype(jnp.float32), exponent_bits=finfo.nexp,
-                                 mantissa_bits=finfo.nmant)
-    if bias is not None:
-        z = z + bias.astype(jnp.float32)
-    return z if temperature == 1.0 else z / temperature
-
-
-def target_logits(hidden, weight, bias, t_local, weight_layout, temperature):
-    """z̃ at each row's target column, in float32 from the operands (exact, not rounded);
-    anything for a target outside this device's columns."""
-    t = jnp.clip(t_local, 0, geometry.vocab_size(weight, weight_layout) - 1)
-    rows = geometry.target_rows(weight, t, weight_layout)
-    z_t = jnp.sum(hidden.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
-    if bias is not None:
-        z_t = z_t + bias[t].astype(jnp.float32)
-    return z_t if temperature == 1.0 else z_t / temperature
-
-
-def row_stats(zs, with_entropy):
-    """``(m, Σ exp(z̃ − m)[, Σ exp(z̃ − m)(z̃ − m)])`` per row of ``zs`` [N, V] (two passes)."""
-    m = jnp.max(zs, axis=-1)
-    shifted = zs - m[:, None]
-    e = jnp.exp(shifted)
-    return (m, jnp.sum(e, axis=-1)) + ((jnp.sum(e * shifted, axis=-1),) if with_entropy else ())
-
-
-def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
-                with_entropy):
-    """One device's rows [N, D] and columns: its row statistics, the target's ``z̃ − m`` and
-    the kept logits ``z`` [N, V_local] (``linear_head.linear_head_op``'s forward half): the
-    ``kept_logits`` primitive on XLA's GEMM and reductions (the reference backend's).
-
-    The statistics are those of the rounded logits the backward reads (``scaled``), so that
-    the backward's softmax sums to 1 with the forward's ``lse``: a row whose mass sits on one
-    token gets ``p = 1`` there, not ``exp`` of that token's rounding error."""
-    del plan, row_valid
-    z = product(hidden, weight, weight_layout)
-    stats = row_stats(scaled(z, bias, temperature), with_entropy)
-    target_rel = target_logits(hidden, weight, bias, t_local, weight_layout,
-                                temperature) - stats[0]
-    return stats, target_rel, z
 
 
 def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
@@ -123,7 +53,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
     dtype = jnp.dtype(jnp.result_type(hidden, weight))
     if dtype == jnp.float16:
         sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature, g_ids)
-        dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy,
+        dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse, entropy,
                                             is_target, sc.rows.g, sc.rows.g_ent, temperature,
                                             floor)
         if ids is not None:
@@ -136,7 +66,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
         d_bias = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
         return (sc.finish(acc, hidden.dtype), d_weight.astype(weight.dtype),
                 None if bias is None else d_bias.astype(bias.dtype))
-    dz = softmax_math.logprob_grad_tile(scaled(z, bias, temperature), lse, entropy, is_target,
+    dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse, entropy, is_target,
                                         g, g_ent, temperature, floor)
     if ids is not None:
         dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, 0)
@@ -150,7 +80,7 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
 
 def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature):
     """:func:`local_backward` with the logits recomputed (one GEMM more) instead of kept."""
-    return local_backward(hidden, weight, bias, product(hidden, weight, weight_layout), *rest,
+    return local_backward(hidden, weight, bias, rounded_logits.product(hidden, weight, weight_layout), *rest,
                           weight_layout=weight_layout, temperature=temperature)
 
 
@@ -159,10 +89,10 @@ def kept_logits(bias, z, temperature):
     rows ``[start, start + size)``."""
     def columns(start, size):
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return scaled(jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature)
+        return rounded_logits.scaled(jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature)
 
     def rows(start, size):
-        return scaled(jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature)
+        return rounded_logits.scaled(jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature)
     return kept_set.Logits(columns, rows)
 
 

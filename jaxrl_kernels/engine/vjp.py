@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch import trace_log
 
@@ -133,7 +134,7 @@ def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple]
             n_in = n_ops + len(res)
             ops_l, res_l, cts_l = args[:n_ops], args[n_ops:n_in], args[n_in:]
             vocab_operand = None if vocab_at is None else ops_l[vocab_at]
-            cts_l = tuple(c if "v" in r else plan.output_cotangent(c, vocab_operand)
+            cts_l = tuple(c if "v" in r else collectives.output_cotangent(plan, c, vocab_operand)
                           for c, r in zip(cts_l, out_roles))
             grads = dict(zip(diff, backward(plan, *ops_l, *res_l, *cts_l)))
             return tuple(grads[i] for i in present)

@@ -35,7 +35,7 @@ from jax import lax
 from jaxrl_kernels.head import blocks
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 
 @dataclasses.dataclass(frozen=True)

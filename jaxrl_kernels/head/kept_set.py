@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jaxrl_kernels.formulas import divergence_math
 from jaxrl_kernels.formulas import sampler_math
 from jaxrl_kernels.head import vocab_chunks
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 from jaxrl_kernels.formulas.sampler_math import KEY_NONE, Truncation, float_key, key_value
 
 PIVOTS = 16
@@ -207,7 +207,7 @@ def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, 
     ``logits.columns``); ``m`` [N] any value ``>= max u`` over the whole vocabulary (the max,
     or a backend's lse); rows not ``active`` get no search (their results are unused).
     ``varying``: gives a pass's carry the device variance of the operands
-    (``placement.varying_like``) inside ``shard_map``.
+    (``vma.varying_like``) inside ``shard_map``.
 
     With top-k (k below the vocabulary and at most :data:`MAX_CANDIDATES`): one pass for each
     row's ``k + 1 +`` :data:`CANDIDATE_SLACK` largest values (:func:`_from_candidates`), the

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head.blocks import Blocks, blocks
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 DISTILL_CHUNK_BYTES = 16 * 2**20
 """Target size of one float32 [N, chunk] tile of the two-head loops (distillation, top-k, and
@@ -187,7 +187,7 @@ def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
     """(d_hidden, d_weight, d_bias | None) from ``tile_grad(start, cols, fresh, size)``, the
     float32 logit gradient [N, size] of a chunk of ``chunk_bytes`` (default
     :data:`DISTILL_CHUNK_BYTES`): two GEMMs per chunk. ``operands``: the arrays the result
-    varies with (``placement.varying_like``).
+    varies with (``vma.varying_like``).
 
     float32 heads: float32 GEMMs. 16-bit heads: float16 operands with float32 accumulation,
     every operand scaled by a power of two into float16's range (exact, divided out after the

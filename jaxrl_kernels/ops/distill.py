@@ -28,7 +28,7 @@ from jaxrl_kernels.formulas import aggregation_math
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.engine import fused_distill
 from jaxrl_kernels.head import geometry
-from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
@@ -184,7 +184,7 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     valid = mask != 0
     operands = (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
                 stop(teacher_bias))
-    kept_dtype = saved_logits.kept_dtype(hidden.dtype, weight.dtype)
+    kept_dtype = rounded_logits.kept_dtype(hidden.dtype, weight.dtype)
     request = memory_lib.Request(
         memory, math.prod(shape) * vocab * kept_dtype.itemsize, tuple(shape) + (vocab,),
         kept_dtype, loss=True, gemms=(4, 6), kept="the student's logit gradient")

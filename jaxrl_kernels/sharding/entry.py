@@ -44,9 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding import _jax_internals
-from jaxrl_kernels.sharding.placement import (Axes, Placement, axes_of_entry, cast_varying, grad_spec,
-                                     padded, placement_from_specs, spec_entry, varying_axes)
+from jaxrl_kernels.sharding.placement import (Axes, Placement, axes_of_entry, grad_spec, padded,
+                                              placement_from_specs, spec_entry)
+from jaxrl_kernels.sharding.vma import cast_varying, varying_axes
 
 try:
     from jax.experimental.custom_partitioning import custom_partitioning
@@ -251,7 +253,7 @@ def _finishing(local_fn, roles, grads_of, wants):
         outs = [y for y in local_fn(plan, *operands) if y is not None]
         for i, j in enumerate(grads_of):
             if j is not None:
-                outs[i] = plan.finish_cotangent(outs[i], operands[j], roles[j],
+                outs[i] = collectives.finish_cotangent(plan, outs[i], operands[j], roles[j],
                                                 None if wants is None else wants[j])
         return tuple(outs)
     return fn

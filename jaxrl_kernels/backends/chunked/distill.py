@@ -36,7 +36,7 @@ from jaxrl_kernels.head import geometry
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.dispatch.contract import Parts
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 from jaxrl_kernels.head.vocab_chunks import linear_chunk, student_backward
 
 

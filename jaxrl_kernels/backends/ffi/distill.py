@@ -34,7 +34,7 @@ from jaxrl_kernels.formulas import divergence_math as dm
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.dispatch.contract import Parts
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 STATS_TARGET = "jaxrl_kernels_sm90_distill_stats"  # csrc/ffi_distill.cc
 GRAD_TARGET = "jaxrl_kernels_sm90_distill_grad"

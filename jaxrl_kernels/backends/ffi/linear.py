@@ -259,7 +259,7 @@ kernels as busy: ``profile_tokens_kept_logits_0bdab78.txt``). From 512 rows the 
 def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
                 with_entropy):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
-    ``saved_logits.local_stats``) from one custom call: the kernel writes the logits rounded
+    ``rounded_logits.local_stats``) from one custom call: the kernel writes the logits rounded
     to the head's dtype as it folds them, so no pass reads them back for the statistics."""
     del plan
     z, logp, entropy, lse = _forward_call(hidden, weight, bias, t_local, row_valid,

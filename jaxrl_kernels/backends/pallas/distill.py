@@ -42,7 +42,7 @@ from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.dispatch.contract import Parts
-from jaxrl_kernels.sharding.placement import varying_like
+from jaxrl_kernels.sharding.vma import varying_like
 
 BLOCK_ROWS = 64
 """Tokens per kernel program: one warpgroup's wgmma M."""

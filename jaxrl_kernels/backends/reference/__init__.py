@@ -4,7 +4,7 @@
 heads and a head's top-k; the PPO loss and group advantages are ``ppo_math``'s and
 ``aggregation_math``'s functions, a sampler's kept set ``kept_set.find`` (passes over
 vocabulary chunks: no [N, V] buffer), ``memory="fast"``'s kept logits
-``saved_logits.local_stats`` (XLA's GEMM and reductions). It serves every primitive, always:
+``rounded_logits.local_stats`` (XLA's GEMM and reductions). It serves every primitive, always:
 the last resort.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxrl_kernels.formulas import aggregation_math
 from jaxrl_kernels.head import kept_set
 from jaxrl_kernels.formulas import ppo_math
-from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.dispatch.contract import Backend
 from jaxrl_kernels.backends.reference import distill, logprobs
 
@@ -22,7 +22,7 @@ OPS = {
     "ppo_loss": ppo_math.ppo_loss,
     "group_advantages": aggregation_math.group_advantages,
     "kept_set": kept_set.find,
-    "kept_logits": saved_logits.local_stats,
+    "kept_logits": rounded_logits.local_stats,
     **distill.OPS,  # distill_divergence, topk_logprobs
 }
 
