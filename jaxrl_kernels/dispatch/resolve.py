@@ -1,11 +1,11 @@
 """The one function that chooses a backend (and a linear-head op's ``memory=`` mode).
 
-Every public op describes its call as a ``backend_contract.Problem`` and asks :func:`resolve`
-for the implementation of a primitive (the table is in :mod:`backend_contract`); ``resolve``
+Every public op describes its call as a ``contract.Problem`` and asks :func:`resolve`
+for the implementation of a primitive (the table is in :mod:`contract`); ``resolve``
 chooses (:func:`select`) and notes the choice for ``jaxrl_kernels.ops.explain``.
 
 Each backend is a module under ``jaxrl_kernels.backends``, imported on first use, that
-declares itself as ``BACKEND``, a ``backend_contract.Backend``: its ``ops`` (primitive ->
+declares itself as ``BACKEND``, a ``contract.Backend``: its ``ops`` (primitive ->
 implementation), whether it can run in this process (``unavailable_reason``), which inputs it
 cannot serve (``declines``), when automatic choice passes it over although it could serve the
 call (``automatic``: the rules of docs/api.md, each kept by the backend it concerns). A

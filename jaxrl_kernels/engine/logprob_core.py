@@ -140,7 +140,7 @@ def _logits_backward(parts, n_logits, with_entropy, temperature, truncated=False
 
 def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
                      vocab_axis=None, truncation=None, find_kept=None):
-    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``backend_contract``'s table);
+    """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``contract``'s table);
     with a ``truncation``, ``(logp, entropy | None, inside)`` as :func:`linear_head_op`
     (``find_kept``: the ``kept_set`` primitive)."""
     rows = "r" * targets.ndim

@@ -50,7 +50,7 @@ class PPOInputs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig:
-    """The options the PPO / GRPO sums read (``policy_config.PolicyLoss`` is the public,
+    """The options the PPO / GRPO sums read (``config.PolicyLoss`` is the public,
     checked form; its docstring says what each means)."""
 
     clip_low: float = 0.2

@@ -23,16 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxrl_kernels import dispatch, sharding
+from jaxrl_kernels import dispatch
 from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.engine import vjp
+from jaxrl_kernels.engine import distill_halves
 from jaxrl_kernels.engine import fused_distill
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.dispatch.contract import Whole
 from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.distill import DISTILL_KEYWORDS, DistillLoss
 from jaxrl_kernels.engine.linear_head import AxisName
@@ -74,36 +73,6 @@ def _check_temperature(temperature):
 
 
 # -- linear_distill_loss ------------------------------------------------------------------------
-
-def _divergence_rows(parts, operands, row_valid, *, opts, vocab_axis):
-    """Per-row d [B, T] (raw on every row) of the validated heads, gradient to the student."""
-    rows = "rr"
-    roles = (rows + "-", geometry.roles(opts["weight_layout"]), "v", rows + "-",
-             geometry.roles(opts["teacher_weight_layout"]), "v")
-    if isinstance(parts, Whole):
-        def local(plan, h, w, b, th, tw, tb):
-            d = parts.fn(vjp.flat_rows(h, 2), w, b, vjp.flat_rows(th, 2), tw, tb,
-                         vocab_axes=plan.vocab_axes, **opts)
-            return (d.reshape(h.shape[:2]),)
-
-        (d,) = sharding.run(local, operands, roles, (rows,), vocab_axis=vocab_axis,
-                            differentiable=True, record=vjp.note_layout)
-        return d
-
-    def forward(plan, h, w, b, th, tw, tb, valid):
-        d, lse_s, lse_t, kl_s = parts.stats(h, w, b, th, tw, tb, vocab_axes=plan.vocab_axes,
-                                            **opts)
-        return d, lse_s, lse_t, d, kl_s
-
-    def backward(plan, h, w, b, th, tw, tb, valid, lse_s, lse_t, d, kl_s, g):
-        g = jnp.where(valid, g.astype(jnp.float32), 0.0)
-        return parts.backward(h, w, b, th, tw, tb, lse_s, lse_t, d, kl_s, g, **opts)
-
-    (d,) = vjp.differentiable(forward, backward, tuple(operands) + (row_valid,),
-                                 roles + (rows,), (rows,), (rows,) * 4, diff=(0, 1, 2),
-                                 vocab_axis=vocab_axis)
-    return d
-
 
 def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: ArrayLike,
                         teacher_weight: ArrayLike, mask: ArrayLike, *,
@@ -195,40 +164,12 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
     if choice.fast:
         d = fused_distill.divergence_rows(operands, valid, opts=opts, vocab_axis=vocab_axis)
     else:
-        d = _divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis)
+        d = distill_halves.divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis)
     per_token = jnp.where(valid, d, 0.0)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
 
 
 # -- linear_topk_logprobs -----------------------------------------------------------------------
-
-def _topk_rows(parts, hidden, weight, bias, *, k, n_row_dims, weight_layout, temperature,
-               vocab_axis):
-    """``(values [..., k], ids [..., k], lse [...])`` as an :mod:`engine` op: the values are
-    the logits ``z[ids]``; their cotangent and that of ``lse`` pull back to
-    ``dz = g_lse·p + Σ_j g_j onehot(id_j)`` (``parts``: a ``Parts`` on every backend, so that
-    the top-k runs where the rows and vocabulary slices live, never left to XLA's
-    partitioner)."""
-    rows = "r" * n_row_dims
-    opts = dict(weight_layout=weight_layout, temperature=temperature)
-    local_vocab = lambda w: geometry.vocab_size(w, weight_layout)
-
-    def forward(plan, h, w, b):
-        values, ids, lse = parts.stats(h, w, b, k=k, **opts,
-                                       vocab_offset=plan.vocab_offset(local_vocab(w)),
-                                       vocab_axes=plan.vocab_axes)
-        return values, ids, lse, ids, lse
-
-    def backward(plan, h, w, b, ids, lse, g_v, _g_ids, g_lse):
-        local_ids = ids - plan.vocab_offset(local_vocab(w))
-        return parts.backward(h, w, b, local_ids, lse, g_v.astype(jnp.float32),
-                              g_lse.astype(jnp.float32), **opts)
-
-    return vjp.differentiable(
-        forward, backward, (hidden, weight, bias), (rows + "-", geometry.roles(weight_layout), "v"),
-        (rows + "-", rows + "-", rows), (rows + "-", rows), diff=(0, 1, 2),
-        vocab_axis=vocab_axis)
-
 
 def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
                          bias: ArrayLike | None = None, weight_layout: str = "vd",
@@ -279,7 +220,7 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
     problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
                              return_entropy=False)
     choice = dispatch.resolve("linear_topk_logprobs", problem, backend)
-    values, ids, lse = _topk_rows(choice.impl, hidden, weight, bias, k=int(k),
+    values, ids, lse = distill_halves.topk_rows(choice.impl, hidden, weight, bias, k=int(k),
                                   n_row_dims=n_row_dims, weight_layout=weight_layout,
                                   temperature=temperature, vocab_axis=vocab_axis)
     logp = values - lse[..., None]
