@@ -48,11 +48,10 @@ class DistillConfig:
     """What tunes the distillation kernels."""
 
     chunk_bytes: int = 32 * 2**20
-    """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``). With
-    64 MiB the device's peak at N=4096, D_s=2048, D_t=4096, V=151936 on an H100 was 267.5 MiB
-    above inputs and gradients (``git show 6563ca0:benchmarks/results/bench_distill_ffi_peak_a3399e1.log``), over
-    the lean mode's 256 MiB; a chunk's gradient, weight copy and float32 d_weight scale with
-    it, and with 32 MiB it was 96.1 MiB (bench_distill_ffi_peak_8f30456.log)."""
+    """Bytes of one backward chunk's float16 logit gradient (``head_grad.chunk_columns``); a
+    chunk's gradient, weight copy and float32 d_weight scale with it, and 32 MiB keeps the
+    device's peak under the lean mode's budget (docs/performance.md, "Constants and the
+    measurements behind them")."""
     num_sms: int = 0
     """Multiprocessors the statistics' plan spreads over; 0: the GPU's own count (give it to
     lower for CUDA where no GPU is attached)."""

@@ -42,6 +42,5 @@ def unavailable_reason() -> str | None:
 def uninitialized_like(x):
     """A buffer of x's shape and dtype that nothing writes (the custom call does no work), for
     a loop carry that the loop overwrites in full: d_weight, which would otherwise be
-    zero-filled first (0.32 ms at V·D = 2²⁸ on an H100:
-    ``git show 872a1a8:benchmarks/results/profile_backward_vd_3bd01e1.txt``)."""
+    zero-filled first (a pass over the weight's bytes)."""
     return jax.ffi.ffi_call(UNINITIALIZED_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))()

@@ -4,9 +4,8 @@ Rows of ``u`` are made in blocks of about :data:`ROW_BLOCK_BYTES` of float32 (``
 the kept logits' rows, or one GEMM of the block's hidden states for a lean head), and one CTA
 per row finds its kept set ``{u >= τ}`` (``sampler_math``) in passes over the row. Asked
 without ``m`` (a lean head's forward, ``logprob_core``), each block's rows give their own max
-and target logit, and the forward runs no statistics pass: at 4096×2048×131072 (one H200)
-that took top-k 50 from 1.41× plain ``linear_logprobs`` to 1.18×
-(benchmarks/results/bench_sampler_forward_8c08b3f.md). The kernel's passes:
+and target logit, and the forward runs no statistics pass (what that saves: docs/performance.md,
+"Constants and the measurements behind them"). The kernel's passes:
 
 1. min-p only: the row's max (min-p's threshold ``max u + log(min_p)``);
 2. per stage (top-k: the count of values ``>= x`` reaches k; top-p: their mass reaches
@@ -46,12 +45,9 @@ MAX_VOCAB = 2**23
 """The most columns of a row the kernel takes (its masses, 2⁴⁰ units each, sum in 64 bits)."""
 
 ROW_BLOCK_BYTES = 256 * 2**20
-"""About the float32 bytes of one block of rows of ``u`` (512 rows at V = 131072): a lean top-p
-call at 4096×2048×131072 (H200) took 1.24× plain lean with these against 1.28× with 128 MiB (each
-launch waits for its slowest row; XLA's GEMM of fewer rows is slower;
-benchmarks/results/bench_sampler_forward_6be2f44.md). The forward holds one block at a time;
-what the extra 128 MiB does to the device peak is not measured (bench_sampler_peak_20e3273.txt
-shows a process peak set before the call, not the call's)."""
+"""About the float32 bytes of one block of rows of ``u`` (512 rows at V = 131072): larger blocks
+mean fewer launches, each waiting for its slowest row, and larger GEMMs (docs/performance.md,
+"Constants and the measurements behind them"). The forward holds one block at a time."""
 
 
 def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:

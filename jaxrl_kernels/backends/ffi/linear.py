@@ -54,21 +54,16 @@ BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_back
 # by benchmarks/variants/ffi_xla_gemms.py and tests.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 GRAD_CHUNK_BYTES = 64 * 2**20
-"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100
-(one call, rotated rounds), fwd+bwd at N=4096, D=2048, V=131072 took 15.6 / 14.6 / 14.5 ms
-("vd") with 16 / 32 / 64 MiB and 56 / 80 / 128 MiB of temp memory
-(``git show 87b7286:benchmarks/results/bench_fused_backward_d17292a.md``); at N=8192, D=4096,
-58.3 / 55.9 / 54.8 ms with 32 / 64 / 128 MiB and 176 / 224 / 320 MiB
-(benchmarks/results/bench_fused_backward.md)."""
+"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns): larger chunks
+run faster GEMMs for more temporary memory; 64 MiB is where the gain levelled off
+(docs/performance.md, "Constants and the measurements behind them")."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 INVARIANT_CHUNK_COLUMNS = 8192
 """The backward's chunk when batch-invariant (a function of V alone): twice the other backends'
 (``head_grad.INVARIANT_CHUNK_COLUMNS``). Its d_hidden GEMM does not split K, so each chunk is a
 GEMM with few output tiles at small N, and halving their number halves what a chunk costs
-beyond its arithmetic: at N = 1000, D = 2048, V = 131072 (one H200) the invariant call took
-1.08–1.10× the default with 4096 columns (benchmarks/results/bench_batch_invariant_ffi_065929d.txt)
-and 0.97× with 8192 (bench_batch_invariant_ffi_bb4bbe2.md). Its G holds ``N·8192`` float16
-entries."""
+beyond its arithmetic (docs/performance.md, "Constants and the measurements behind them"). Its
+G holds ``N·8192`` float16 entries."""
 INVARIANT_SPLITS = 132
 """The forward's vocabulary splits when batch-invariant (at most one per 256-column tile): a
 constant, where the planner's choice follows N. 132 (an H100 / H200 SXM's SM count) keeps the
@@ -248,12 +243,8 @@ def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, tem
 
 KEPT_LOGITS_MIN_ROWS = 512
 """Automatic choice takes :func:`kept_logits` for calls of at least this many rows (the
-call's, before any split). With 256 rows (D = 2048, V = 131072, one H200) the fast mode took
-1.01× and 1.08× its time with XLA's logits in two runs (``bench_tokens_kept_logits_0bdab78``,
-``bench_tokens_small_n_3db9cf6``), although the kernel's device time was not longer than XLA's
-GEMM and reductions (0.24 against 0.25 ms; the call's span 0.77 against 0.72 ms with its
-kernels as busy: ``profile_tokens_kept_logits_0bdab78.txt``). From 512 rows the same runs gave
-0.92–1.05× (0.95–0.99× from 2048, where 8192 × 4096 gave 1.01–1.02×)."""
+call's, before any split): below it the call's fixed costs outweigh what the kernel saves over
+XLA's logits (docs/performance.md, "Constants and the measurements behind them")."""
 
 
 def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
