@@ -62,7 +62,7 @@ def make_train_step(model, optimizer):
             jk.linear_logprobs(hidden, weight, actions, weight_layout=layout))
         loss, pg_loss, kl = jk.linear_grpo_loss(
             hidden, weight, actions, old_logp, rewards, mask, weight_layout=layout,
-            group_size=GROUP, clip_low=0.2, clip_high=0.28)
+            groups=jk.Groups(size=GROUP), config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28))
         return loss
 
     @jax.jit

@@ -18,7 +18,7 @@ What the train step needs from the model, and where each piece comes from:
   gradient. With one update per rollout (as here) that is the current policy under
   ``jax.lax.stop_gradient``; with several updates, compute them once right after sampling.
 * rewards: one per sequence, [B]; consecutive groups of ``GROUP`` answers to the same prompt
-  are compared (``group_size``).
+  are compared (``groups=jk.Groups(size=GROUP)``).
 
 The toy task: after a random prompt, answer with even tokens; the reward is the fraction of
 even tokens among the answer's ``RESPONSE`` slots. The mean reward rises over the steps.
@@ -75,7 +75,8 @@ def loss_fn(model, tokens, mask, rewards):
         jk.linear_logprobs(hidden, weight, actions, weight_layout=layout))
     loss, pg_loss, kl = jk.linear_grpo_loss(
         hidden, weight, actions, old_logp, rewards, mask,  # mask [B, T]: 1 on response tokens
-        weight_layout=layout, group_size=GROUP, clip_low=0.2, clip_high=0.28)
+        weight_layout=layout, groups=jk.Groups(size=GROUP),
+        config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28))
     return loss
 
 
@@ -125,7 +126,7 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
             hidden = jax.eval_shape(model, tokens[:, :-1])
             old_logp = jax.ShapeDtypeStruct(mask.shape, jnp.float32)
             print(jk.explain("linear_grpo_loss", hidden, weight, tokens[:, 1:], old_logp, rewards,
-                             mask, weight_layout=layout_, group_size=GROUP))
+                             mask, weight_layout=layout_, groups=jk.Groups(size=GROUP)))
         loss = train_step(model, optimizer, tokens, mask, rewards)
         history.append(float(jnp.mean(rewards)))
         if step % 10 == 0 or step == steps - 1:
