@@ -227,12 +227,12 @@ def test_requested_backend_applies_to_each_piece_it_serves():
     actions, tok = jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 8))
     with jk.use_backend("chunked"):
         grpo = jk.explain("linear_grpo_loss", hidden, weight, actions, tok, jnp.zeros(4), tok,
-                          group_size=2)
+                          groups=jk.Groups(size=2))
         ppo = jk.explain("linear_ppo_loss", hidden, weight, actions, tok, tok, tok)
     with jk.use_backend("ffi"):  # never serves group advantages: chosen automatically
         try:
             jk.explain("linear_grpo_loss", hidden, weight, actions, tok, jnp.zeros(4), tok,
-                       group_size=2)
+                       groups=jk.Groups(size=2))
         except NotImplementedError as err:  # ffi cannot serve the log-probs here
             assert "linear_grpo_loss: backend 'ffi' cannot serve this call" in str(err)
     for line in ("group_advantages: chunked (requested)", "linear_grpo_loss: chunked (requested)"):

@@ -242,7 +242,7 @@ def test_sampler_matched_losses(models, case):
 
 
 def test_sampler_matched_logprob_pass(models):
-    """compute_per_token_logps(top_k=, top_p=): the oracle's processed log-probs, not the
+    """compute_per_token_logps(sampler=jk.Sampler(...)): the oracle's processed log-probs, not the
     untruncated ones."""
     model = models["qwen3_tied"]
     example = ts.make_example(model, VOCAB, ts.ExampleSpec(), seed=13)
