@@ -1,5 +1,5 @@
 // `jaxrl_kernels_kept_set` (jaxrl_kernels/backends/ffi/kept_set.py): each row's kept set under a
-// sampler's truncation (kept_set.h, kept_set_kernel.cu). Operands: u f32 [R, V], m f32 [R],
+// sampler's truncation (kept_set.h, kept_set_kernel.cuh). Operands: u f32 [R, V], m f32 [R],
 // active pred [R]. Results: floor, s, a f32 [R] and passes s32 [R]. Attributes: top_k (0: none),
 // top_p (1: none), has_min_p and log_min_p (float32(log(min_p))).
 #include <cstdint>

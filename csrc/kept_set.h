@@ -1,5 +1,5 @@
-// Host interface of the kept-set kernel (kept_set_kernel.cu), called by its FFI handler
-// (ffi_kept_set.cc).
+// Host interface of the kept-set kernel (kept_set_kernel.cuh; launch_kept_set in kept_set_launch.cu),
+// called by its FFI handler (ffi_kept_set.cc).
 //
 // For each row r of u [R, V] (float32: the logits over the temperature) with an anchor
 // m_r >= max u_r, the sampler's kept set {u >= tau_r} under min-p, then top-k, then top-p
