@@ -4,11 +4,13 @@
 //   jaxrl_kernels_sm90_linear_logprobs           the forward op          (ffi_forward.cc)
 //   jaxrl_kernels_sm90_linear_kept_logits        the same, the logits kept (memory="fast")
 //   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)
-//   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone   (ffi_variants.cc;
-//   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
+//   jaxrl_kernels_uninitialized                  an unwritten buffer     (ffi_uninitialized.cc)
 //   jaxrl_kernels_sm90_distill_stats             distillation: row statistics  (ffi_distill.cc)
 //   jaxrl_kernels_sm90_distill_grad              distillation: the student's logit gradient
 //   jaxrl_kernels_kept_set                       a sampler's kept set per row (ffi_kept_set.cc)
+// and, built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (`measurement_handlers` true), the
+// handlers for measurement only (ffi_variants.cc):
+//   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone
 #include <pybind11/pybind11.h>
 
 #include "sm90_launch.h"
@@ -19,14 +21,22 @@ namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearKeptLogits(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsKeptSet(XLA_FFI_CallFrame* call_frame);
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
+#endif
 
 namespace {
+
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+constexpr bool kMeasurementHandlers = true;
+#else
+constexpr bool kMeasurementHandlers = false;
+#endif
 
 py::dict plan_dict(const jaxrl_sm90::Plan& p) {
   py::dict out;
@@ -44,22 +54,25 @@ py::dict plan_dict(const jaxrl_sm90::Plan& p) {
 PYBIND11_MODULE(_sm90, m) {
   m.doc() =
       "SM90 (Hopper) fused linear log-prob kernels as XLA FFI custom calls: the forward, the backward "
-      "(logit gradient and CUTLASS GEMMs per vocabulary chunk), and for measurement the logit-gradient "
-      "kernel alone and an unwritten buffer.";
+      "(logit gradient and CUTLASS GEMMs per vocabulary chunk), the distillation kernels, the sampler's "
+      "kept set, an unwritten buffer, and where built with them (measurement_handlers) the "
+      "logit-gradient kernel alone for measurement.";
   m.def("registrations", []() {
     py::dict out;
     out["jaxrl_kernels_sm90_linear_logprobs"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
     out["jaxrl_kernels_sm90_linear_kept_logits"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearKeptLogits));
-    out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
-        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
     out["jaxrl_kernels_sm90_linear_logprobs_backward"] =
         py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearBackward));
     out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
     out["jaxrl_kernels_sm90_distill_stats"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillStats));
     out["jaxrl_kernels_sm90_distill_grad"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillGrad));
     out["jaxrl_kernels_kept_set"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsKeptSet));
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+    out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
+        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
+#endif
     return out;
   }, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
@@ -90,6 +103,8 @@ PYBIND11_MODULE(_sm90, m) {
     jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
     return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
   }, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
+  // Whether registrations() holds the measurement-only handlers (JAXRL_KERNELS_MEASUREMENT_HANDLERS).
+  m.attr("measurement_handlers") = kMeasurementHandlers;
   m.attr("TILE_ROWS") = jaxrl_sm90::kBlockM;
   m.attr("TILE_COLS") = jaxrl_sm90::kBlockN;
   m.attr("DISTILL_TILE_COLS") = jaxrl_sm90::kDistillBlockN;
