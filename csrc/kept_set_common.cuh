@@ -104,7 +104,7 @@ struct Bins {
 
 struct Shared {
   // a bin's mass in two 32-bit words: two native atomics (a 64-bit add on shared memory is a
-  // compare-and-swap loop, 8 % slower over a top-p pass)
+  // compare-and-swap loop; docs/performance.md, "Kernel constants")
   unsigned int mass_lo[kBins];
   unsigned int mass_hi[kBins];
   unsigned int count[kBins];

@@ -251,9 +251,8 @@ __device__ __forceinline__ ConsumerLane consumer_lane() {
 // tile's columns at a time. Its 16-byte chunks are XOR-swizzled by row (chunk k of row r sits
 // at k ^ (r % 8)), so that both the writes in the accumulator layout (4 bytes a lane) and the
 // row reads (16 bytes a lane) are free of bank conflicts; each global store then writes 128
-// contiguous bytes of four rows. Stored straight from the accumulator layout, 4 bytes a lane,
-// the grad kernel took 1.14-1.27 x one GEMM, against 1.05-1.15 x this way
-// (benchmarks/results/bench_sm90_kernels_c4fed7c.md).
+// contiguous bytes of four rows, where stores straight from the accumulator layout (4 bytes a
+// lane) write a 32-byte sector in two (docs/performance.md, "Kernel constants").
 constexpr int kStageCols = 64;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 

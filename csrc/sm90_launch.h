@@ -124,9 +124,7 @@ enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
 
 // kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its
 // producer warps, with few loads in flight, then take longer over their share of the copy than
-// the tiles do. With 8192-column chunks (V = 131072, D = 2048, one H200) the grad kernel took
-// 13 x and 4 x its tiles' time at N = 256 and 512 (1 and 2 tiles a CTA); at N = 2048 (4 tiles)
-// the copy in the kernel was 7.3 ms against 8.1 apart (benchmarks/results/bench_lean_chunks_*.md).
+// the tiles do (docs/performance.md, "Kernel constants").
 constexpr long long kCopyHiddenTiles = 4;
 WeightCopy choose_weight_copy(const Plan& grad_plan);
 
