@@ -12,10 +12,9 @@ namespace jaxrl_ffi {
 namespace {
 
 ffi::Error KeptSetImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> m,
-                       ffi::Buffer<ffi::PRED> active, ffi::ResultBuffer<ffi::F32> floor,
-                       ffi::ResultBuffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> a,
-                       ffi::ResultBuffer<ffi::S32> passes, int64_t top_k, float top_p, bool has_min_p,
-                       float log_min_p) {
+                       ffi::Buffer<ffi::PRED> active, ffi::ResultBuffer<ffi::F32> floor, ffi::ResultBuffer<ffi::F32> s,
+                       ffi::ResultBuffer<ffi::F32> a, ffi::ResultBuffer<ffi::S32> passes, int64_t top_k, float top_p,
+                       bool has_min_p, float log_min_p) {
   auto dims = u.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("u must be [R, V], got " + dims_str(dims));
   const int64_t rows = dims[0], vocab = dims[1];

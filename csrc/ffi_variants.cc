@@ -18,9 +18,9 @@ namespace {
 ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
                           ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
-                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale,
-                          ffi::ResultBuffer<ffi::F16> out, ffi::ResultBuffer<ffi::F16> w16, bool weight_dv,
-                          bool has_bias, float temperature, bool has_entropy) {
+                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F16> out,
+                          ffi::ResultBuffer<ffi::F16> w16, bool weight_dv, bool has_bias, float temperature,
+                          bool has_entropy) {
   jaxrl_sm90::GradArgs args;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
                                     has_entropy, temperature, args);

@@ -19,7 +19,7 @@ constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kListCap = 4096;
 constexpr int kListPerThread = kListCap / kThreads;
 constexpr int32_t kKeyNone = INT32_MIN;
-constexpr int32_t kKeyTop = INT32_MAX;  // above every value's key
+constexpr int32_t kKeyTop = INT32_MAX;          // above every value's key
 constexpr float kMassScale = 1099511627776.0f;  // 2^40
 
 using ull = unsigned long long;
@@ -56,11 +56,15 @@ __device__ __forceinline__ ull fixed_mass(float u, float m) {
 
 struct MaxOp {
   template <class T>
-  __device__ T operator()(T x, T y) const { return x > y ? x : y; }
+  __device__ T operator()(T x, T y) const {
+    return x > y ? x : y;
+  }
 };
 struct MinOp {
   template <class T>
-  __device__ T operator()(T x, T y) const { return x < y ? x : y; }
+  __device__ T operator()(T x, T y) const {
+    return x < y ? x : y;
+  }
 };
 
 using ScanUll = cub::BlockScan<ull, kThreads>;

@@ -58,7 +58,8 @@ template <int kLoadBatch>
 __device__ Histogram histogram(Shared& sh, const Row& row, int32_t filter, int32_t lo, int32_t hi, bool with_mass) {
   const bool counted = !with_mass || fixed_mass(key_value(lo), row.m) < kBoundedCountUnit;
   spread(sh, lo, hi, counted);
-  const Bins bins = sh.bins;  // in registers: the atomics below would make the compiler reread it
+  // in registers: the atomics below would make the compiler reread it
+  const Bins bins = sh.bins;
   unsigned int above_count = 0, below_count = 0;  // V < 2^32
   ull above_mass = 0, below_mass = 0;
   for_each<kLoadBatch>(row, [&](float value) {
@@ -95,10 +96,10 @@ __device__ Histogram histogram(Shared& sh, const Row& row, int32_t filter, int32
 // The counts are upper bounds where the histogram took no count atomics (Bins::counted): they
 // only decide whether a gather fits the list.
 struct Crossing {
-  int bin = -1;       // -1: F(>= lo) < target
-  Sums above_bin;     // over the values >= edge(bin + 1)
-  Sums at_or_above;   // over the values >= edge(bin)
-  Sums inside;        // over [lo, hi)
+  int bin = -1;      // -1: F(>= lo) < target
+  Sums above_bin;    // over the values >= edge(bin + 1)
+  Sums at_or_above;  // over the values >= edge(bin)
+  Sums inside;       // over [lo, hi)
 };
 
 __device__ inline Crossing crossing(Shared& sh, const Row& row, const Histogram& h, Kind kind, ull target) {

@@ -60,9 +60,9 @@ HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
 
 }  // namespace
 
-std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
-                          int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, cudaStream_t stream, bool split_k) {
+std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16, int64_t ldw,
+                          float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
+                          cudaStream_t stream, bool split_k) {
   const HiddenPlan plan = hidden_plan(n, d, k, split_k);
   const auto run = [&](auto gemm) {
     return run_head_gemm<decltype(gemm)>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,

@@ -128,11 +128,10 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   set_leading_dim(sc, ldd);
   set_leading_dim(sd, ldd);
 
-  typename Kernel::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const ElementA*>(a), sa, static_cast<const ElementB*>(b), sb},
-      {{}, static_cast<const ElementC*>(c), sc, static_cast<ElementD*>(d), sd}};
+  typename Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {m, n, k, 1},
+                                  {static_cast<const ElementA*>(a), sa, static_cast<const ElementB*>(b), sb},
+                                  {{}, static_cast<const ElementC*>(c), sc, static_cast<ElementD*>(d), sd}};
   args.epilogue.thread.alpha_ptr = alpha;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.thread.beta_ptr = beta;
