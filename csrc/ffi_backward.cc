@@ -25,13 +25,12 @@ namespace {
 ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                               ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
                               ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
-                              ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale,
-                              ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> ids,
-                              ffi::Buffer<ffi::F32> id_coef, ffi::Buffer<ffi::F32> floor,
-                              ffi::ResultBuffer<ffi::F32> acc,
-                              ffi::Result<ffi::AnyBuffer> d_weight, ffi::ResultBuffer<ffi::F32> d_bias,
-                              ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv, bool has_bias, float temperature,
-                              bool has_entropy, int64_t chunk, int64_t weight_copy, bool split_k) {
+                              ffi::Buffer<ffi::F16> h16, ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> scalars,
+                              ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> id_coef, ffi::Buffer<ffi::F32> floor,
+                              ffi::ResultBuffer<ffi::F32> acc, ffi::Result<ffi::AnyBuffer> d_weight,
+                              ffi::ResultBuffer<ffi::F32> d_bias, ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv,
+                              bool has_bias, float temperature, bool has_entropy, int64_t chunk, int64_t weight_copy,
+                              bool split_k) {
   jaxrl_sm90::BackwardArgs args;
   jaxrl_sm90::GradArgs& g = args.grad;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,

@@ -51,8 +51,7 @@ ffi::Error check_head_shapes(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, boo
 // checked by each handler with its other [N] operands.
 template <class Args>
 ffi::Error head_args_of(ffi::AnyBuffer& hidden, ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias,
-                        ffi::Buffer<ffi::S32>& targets, bool weight_dv, bool has_bias, float temperature,
-                        Args& args) {
+                        ffi::Buffer<ffi::S32>& targets, bool weight_dv, bool has_bias, float temperature, Args& args) {
   Head head;
   ffi::Error checked = check_head(hidden, weight, bias, weight_dv, has_bias, temperature, head);
   if (checked.failure()) return checked;

@@ -22,8 +22,8 @@ using jaxrl_sm90::DistillArgs;
 using jaxrl_sm90::DistillMode;
 
 // The two heads' operands checked (check_head_shapes for each) and copied into `args`.
-ffi::Error heads_of(ffi::AnyBuffer& hs, ffi::AnyBuffer& ws, ffi::AnyBuffer& ht, ffi::AnyBuffer& wt,
-                    float temperature, DistillArgs& args) {
+ffi::Error heads_of(ffi::AnyBuffer& hs, ffi::AnyBuffer& ws, ffi::AnyBuffer& ht, ffi::AnyBuffer& wt, float temperature,
+                    DistillArgs& args) {
   Head student, teacher;
   ffi::Error checked = check_head_shapes(hs, ws, false, temperature, student);
   if (checked.failure()) return checked;
@@ -59,8 +59,7 @@ ffi::Error DistillStatsImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   if (checked.failure()) return checked;
   const jaxrl_sm90::Plan plan = jaxrl_sm90::choose_distill_plan(args.n, args.v, sms, splits);
   const int k = jsd_sums ? 2 : jaxrl_sm90::kPairStatsK;
-  if (plan.splits != splits ||
-      static_cast<int64_t>(partials->element_count()) != int64_t{splits} * k * args.n)
+  if (plan.splits != splits || static_cast<int64_t>(partials->element_count()) != int64_t{splits} * k * args.n)
     return ffi::Error::InvalidArgument("partials must be [splits, " + std::to_string(k) +
                                        ", N] for the plan's splits (" + std::to_string(plan.splits) + ")");
   if (args.n == 0) return ffi::Error::Success();
@@ -72,16 +71,15 @@ ffi::Error DistillStatsImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   return launched(jaxrl_sm90::launch_distill(args, mode, plan, stream));
 }
 
-ffi::Error DistillGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hs, ffi::AnyBuffer ws,
-                           ffi::AnyBuffer ht, ffi::AnyBuffer wt, ffi::Buffer<ffi::F32> lse_s,
-                           ffi::Buffer<ffi::F32> lse_t, ffi::Buffer<ffi::F32> row_value, ffi::Buffer<ffi::F32> coef,
-                           ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F16> out, int32_t mode, float beta,
-                           float temperature) {
+ffi::Error DistillGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hs, ffi::AnyBuffer ws, ffi::AnyBuffer ht,
+                           ffi::AnyBuffer wt, ffi::Buffer<ffi::F32> lse_s, ffi::Buffer<ffi::F32> lse_t,
+                           ffi::Buffer<ffi::F32> row_value, ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::S32> start,
+                           ffi::ResultBuffer<ffi::F16> out, int32_t mode, float beta, float temperature) {
   DistillArgs args;
   ffi::Error checked = heads_of(hs, ws, ht, wt, temperature, args);
   if (checked.failure()) return checked;
-  if (!all_rows(args.n, {lse_s.element_count(), lse_t.element_count(), row_value.element_count(),
-                         coef.element_count()}))
+  if (!all_rows(args.n,
+                {lse_s.element_count(), lse_t.element_count(), row_value.element_count(), coef.element_count()}))
     return ffi::Error::InvalidArgument("lse_s, lse_t, row_value and coef must all be [N]");
   if (start.element_count() != 1) return ffi::Error::InvalidArgument("start must hold one element");
   auto od = out->dimensions();

@@ -61,12 +61,11 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t 
   return launched(jaxrl_sm90::launch(args, plan, stream));
 }
 
-ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-                              ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
-                              ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
-                              ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
-                              ffi::ResultBuffer<ffi::F32> lse, bool weight_dv, bool has_bias,
-                              float temperature, int32_t splits) {
+ffi::Error LinearLogprobsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer hidden,
+                              ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets,
+                              ffi::Buffer<ffi::PRED> row_valid, ffi::ResultBuffer<ffi::F32> logp,
+                              ffi::ResultBuffer<ffi::F32> entropy, ffi::ResultBuffer<ffi::F32> lse, bool weight_dv,
+                              bool has_bias, float temperature, int32_t splits) {
   return Forward(stream, scratch, device, hidden, weight, bias, targets, row_valid, nullptr, logp, entropy, lse,
                  weight_dv, has_bias, temperature, splits);
 }
@@ -75,23 +74,27 @@ ffi::Error LinearKeptLogitsImpl(cudaStream_t stream, ffi::ScratchAllocator scrat
                                 ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias,
                                 ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::PRED> row_valid,
                                 ffi::Result<ffi::AnyBuffer> logits, ffi::ResultBuffer<ffi::F32> logp,
-                                ffi::ResultBuffer<ffi::F32> entropy, ffi::ResultBuffer<ffi::F32> lse,
-                                bool weight_dv, bool has_bias, float temperature, int32_t splits) {
+                                ffi::ResultBuffer<ffi::F32> entropy, ffi::ResultBuffer<ffi::F32> lse, bool weight_dv,
+                                bool has_bias, float temperature, int32_t splits) {
   return Forward(stream, scratch, device, hidden, weight, bias, targets, row_valid, &*logits, logp, entropy, lse,
                  weight_dv, has_bias, temperature, splits);
 }
 
 // stream, scratch, device; the head's operands, row_valid.
 auto forward_operands() {
-  return bind_head_operands(
-             ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::ScratchAllocator>().Ctx<ffi::DeviceOrdinal>())
+  return bind_head_operands(ffi::Ffi::Bind()
+                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                .Ctx<ffi::ScratchAllocator>()
+                                .Ctx<ffi::DeviceOrdinal>())
       .Arg<ffi::Buffer<ffi::PRED>>();
 }
 
 // logp, entropy, lse; the head's attributes, splits.
 template <class Binding>
 auto forward_results(Binding&& binding) {
-  auto results = std::move(binding).template Ret<ffi::Buffer<ffi::F32>>().template Ret<ffi::Buffer<ffi::F32>>()
+  auto results = std::move(binding)
+                     .template Ret<ffi::Buffer<ffi::F32>>()
+                     .template Ret<ffi::Buffer<ffi::F32>>()
                      .template Ret<ffi::Buffer<ffi::F32>>();
   return bind_head_attrs(std::move(results)).template Attr<int32_t>("splits");
 }

@@ -1,5 +1,5 @@
 // `jaxrl_kernels_kept_set` (jaxrl_kernels/backends/ffi/kept_set.py): each row's kept set under a
-// sampler's truncation (kept_set.h, kept_set_kernel.cu). Operands: u f32 [R, V], m f32 [R],
+// sampler's truncation (kept_set.h, kept_set_kernel.cuh). Operands: u f32 [R, V], m f32 [R],
 // active pred [R]. Results: floor, s, a f32 [R] and passes s32 [R]. Attributes: top_k (0: none),
 // top_p (1: none), has_min_p and log_min_p (float32(log(min_p))).
 #include <cstdint>
@@ -12,10 +12,9 @@ namespace jaxrl_ffi {
 namespace {
 
 ffi::Error KeptSetImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> m,
-                       ffi::Buffer<ffi::PRED> active, ffi::ResultBuffer<ffi::F32> floor,
-                       ffi::ResultBuffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> a,
-                       ffi::ResultBuffer<ffi::S32> passes, int64_t top_k, float top_p, bool has_min_p,
-                       float log_min_p) {
+                       ffi::Buffer<ffi::PRED> active, ffi::ResultBuffer<ffi::F32> floor, ffi::ResultBuffer<ffi::F32> s,
+                       ffi::ResultBuffer<ffi::F32> a, ffi::ResultBuffer<ffi::S32> passes, int64_t top_k, float top_p,
+                       bool has_min_p, float log_min_p) {
   auto dims = u.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("u must be [R, V], got " + dims_str(dims));
   const int64_t rows = dims[0], vocab = dims[1];

@@ -1,15 +1,13 @@
-// XLA FFI handlers the package registers but does not call: they serve the measurement
-// variant benchmarks/variants/ffi_xla_gemms.py (the backward's chunks as a loop of XLA
-// GEMMs) and the kernel tests (tests/test_ffi.py).
+// XLA FFI handlers for measurement only: the package never calls them. Built only with
+// JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (CMakeLists.txt; module.cc registers them then), for the
+// variant benchmarks/variants/ffi_xla_gemms.py (the backward's chunks as a loop of XLA GEMMs) and
+// the GPU tests of tests/test_ffi.py.
 //
 // `jaxrl_kernels_sm90_linear_logprobs_grad`: the grad kernel alone over one vocabulary chunk
 // [start, start + size) (sm90_grad_kernel.cuh). Operands as the backward's first eight
 // (ffi_backward.cc) plus start (s32 [1]) and w_scale (f32 [1], sigma_W); results G (f16
 // [N, size]) and the chunk's weight copy f16(sigma_W W) (f16 [size, D] or [D, size]; an empty
 // result: no copy). Attributes: weight_dv, has_bias, has_entropy, temperature.
-//
-// `jaxrl_kernels_uninitialized`: a result buffer left as the allocator gave it, for a loop
-// carry the loop overwrites in full (zeros first would cost a pass over it).
 #include <cstdint>
 
 #include "ffi_common.h"
@@ -20,9 +18,9 @@ namespace {
 ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                           ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::F32> lse,
                           ffi::Buffer<ffi::F32> alpha, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> gamma,
-                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale,
-                          ffi::ResultBuffer<ffi::F16> out, ffi::ResultBuffer<ffi::F16> w16, bool weight_dv,
-                          bool has_bias, float temperature, bool has_entropy) {
+                          ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F16> out,
+                          ffi::ResultBuffer<ffi::F16> w16, bool weight_dv, bool has_bias, float temperature,
+                          bool has_entropy) {
   jaxrl_sm90::GradArgs args;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
                                     has_entropy, temperature, args);
@@ -54,8 +52,6 @@ ffi::Error LinearGradImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer hi
   return launched(jaxrl_sm90::launch_grad(args, jaxrl_sm90::choose_grad_plan(args.n, args.size, sms), stream));
 }
 
-ffi::Error UninitializedImpl(ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
-
 // grad_args_of's operands, start, w_scale; G, the weight copy; the backward's attributes.
 auto grad_binding() {
   return bind_grad_attrs(bind_grad_operands()
@@ -69,6 +65,3 @@ auto grad_binding() {
 }  // namespace jaxrl_ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearGrad, jaxrl_ffi::LinearGradImpl, jaxrl_ffi::grad_binding());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsUninitialized, jaxrl_ffi::UninitializedImpl,
-                              ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -1,5 +1,5 @@
-// Host interface of the kept-set kernel (kept_set_kernel.cu), called by its FFI handler
-// (ffi_kept_set.cc).
+// Host interface of the kept-set kernel (kept_set_kernel.cuh; launch_kept_set in kept_set_launch.cu),
+// called by its FFI handler (ffi_kept_set.cc).
 //
 // For each row r of u [R, V] (float32: the logits over the temperature) with an anchor
 // m_r >= max u_r, the sampler's kept set {u >= tau_r} under min-p, then top-k, then top-p
@@ -19,19 +19,19 @@
 namespace jaxrl_kept {
 
 struct KeptSetArgs {
-  const float* u = nullptr;        // [R, V]
-  const float* m = nullptr;        // [R]
-  const bool* active = nullptr;    // [R]
-  float* floor = nullptr;          // [R]
-  float* s = nullptr;              // [R]
-  float* a = nullptr;              // [R]
-  int32_t* passes = nullptr;       // [R]
+  const float* u = nullptr;      // [R, V]
+  const float* m = nullptr;      // [R]
+  const bool* active = nullptr;  // [R]
+  float* floor = nullptr;        // [R]
+  float* s = nullptr;            // [R]
+  float* a = nullptr;            // [R]
+  int32_t* passes = nullptr;     // [R]
   int64_t rows = 0;
   int64_t vocab = 0;
-  int64_t top_k = 0;               // 0: no top-k
-  float top_p = 1.0f;              // 1: no top-p
+  int64_t top_k = 0;   // 0: no top-k
+  float top_p = 1.0f;  // 1: no top-p
   bool has_min_p = false;
-  float log_min_p = 0.0f;          // float32(log(min_p))
+  float log_min_p = 0.0f;  // float32(log(min_p))
 };
 
 // Rows the kernel takes at most in one launch, and the largest V (the fixed-point masses

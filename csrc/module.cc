@@ -4,11 +4,13 @@
 //   jaxrl_kernels_sm90_linear_logprobs           the forward op          (ffi_forward.cc)
 //   jaxrl_kernels_sm90_linear_kept_logits        the same, the logits kept (memory="fast")
 //   jaxrl_kernels_sm90_linear_logprobs_backward  the backward op         (ffi_backward.cc)
-//   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone   (ffi_variants.cc;
-//   jaxrl_kernels_uninitialized                  an unwritten buffer      measurement and tests)
+//   jaxrl_kernels_uninitialized                  an unwritten buffer     (ffi_uninitialized.cc)
 //   jaxrl_kernels_sm90_distill_stats             distillation: row statistics  (ffi_distill.cc)
 //   jaxrl_kernels_sm90_distill_grad              distillation: the student's logit gradient
 //   jaxrl_kernels_kept_set                       a sampler's kept set per row (ffi_kept_set.cc)
+// and, built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (`measurement_handlers` true), the
+// handlers for measurement only (ffi_variants.cc):
+//   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone
 #include <pybind11/pybind11.h>
 
 #include "sm90_launch.h"
@@ -19,14 +21,41 @@ namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearKeptLogits(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsKeptSet(XLA_FFI_CallFrame* call_frame);
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
+#endif
 
 namespace {
+
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+constexpr bool kMeasurementHandlers = true;
+#else
+constexpr bool kMeasurementHandlers = false;
+#endif
+
+py::capsule capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
+  return py::capsule(reinterpret_cast<void*>(handler));
+}
+
+py::dict registrations() {
+  py::dict out;
+  out["jaxrl_kernels_sm90_linear_logprobs"] = capsule(&JaxrlKernelsSm90LinearLogprobs);
+  out["jaxrl_kernels_sm90_linear_kept_logits"] = capsule(&JaxrlKernelsSm90LinearKeptLogits);
+  out["jaxrl_kernels_sm90_linear_logprobs_backward"] = capsule(&JaxrlKernelsSm90LinearBackward);
+  out["jaxrl_kernels_uninitialized"] = capsule(&JaxrlKernelsUninitialized);
+  out["jaxrl_kernels_sm90_distill_stats"] = capsule(&JaxrlKernelsSm90DistillStats);
+  out["jaxrl_kernels_sm90_distill_grad"] = capsule(&JaxrlKernelsSm90DistillGrad);
+  out["jaxrl_kernels_kept_set"] = capsule(&JaxrlKernelsKeptSet);
+#ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
+  out["jaxrl_kernels_sm90_linear_logprobs_grad"] = capsule(&JaxrlKernelsSm90LinearGrad);
+#endif
+  return out;
+}
 
 py::dict plan_dict(const jaxrl_sm90::Plan& p) {
   py::dict out;
@@ -39,57 +68,51 @@ py::dict plan_dict(const jaxrl_sm90::Plan& p) {
   return out;
 }
 
+py::dict plan(int n, int v, int num_sms, int force_splits) {
+  const jaxrl_sm90::Plan p = jaxrl_sm90::choose_plan(n, v, num_sms, force_splits);
+  py::dict out = plan_dict(p);
+  out["partials_bytes"] = jaxrl_sm90::partials_bytes(p, n);
+  return out;
+}
+
+py::dict distill_plan(int n, int v, int num_sms) { return plan_dict(jaxrl_sm90::choose_distill_plan(n, v, num_sms)); }
+
+py::dict grad_plan(int n, int size, int num_sms) { return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms)); }
+
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k) {
+  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
+  return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, dtype, split_k);
+}
+
+py::tuple decode_unit(int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
+  const jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
+  return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_sm90, m) {
   m.doc() =
       "SM90 (Hopper) fused linear log-prob kernels as XLA FFI custom calls: the forward, the backward "
-      "(logit gradient and CUTLASS GEMMs per vocabulary chunk), and for measurement the logit-gradient "
-      "kernel alone and an unwritten buffer.";
-  m.def("registrations", []() {
-    py::dict out;
-    out["jaxrl_kernels_sm90_linear_logprobs"] =
-        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearLogprobs));
-    out["jaxrl_kernels_sm90_linear_kept_logits"] =
-        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearKeptLogits));
-    out["jaxrl_kernels_sm90_linear_logprobs_grad"] =
-        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearGrad));
-    out["jaxrl_kernels_sm90_linear_logprobs_backward"] =
-        py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90LinearBackward));
-    out["jaxrl_kernels_uninitialized"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsUninitialized));
-    out["jaxrl_kernels_sm90_distill_stats"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillStats));
-    out["jaxrl_kernels_sm90_distill_grad"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsSm90DistillGrad));
-    out["jaxrl_kernels_kept_set"] = py::capsule(reinterpret_cast<void*>(&JaxrlKernelsKeptSet));
-    return out;
-  }, "FFI target name -> handler capsule.");
+      "(logit gradient and CUTLASS GEMMs per vocabulary chunk), the distillation kernels, the sampler's "
+      "kept set, an unwritten buffer, and where built with them (measurement_handlers) the "
+      "logit-gradient kernel alone for measurement.";
+  m.def("registrations", &registrations, "FFI target name -> handler capsule.");
   m.def("build_info", &jaxrl_sm90::build_info, "How the extension was built.");
-  m.def("plan", [](int n, int v, int num_sms, int force_splits) {
-    jaxrl_sm90::Plan p = jaxrl_sm90::choose_plan(n, v, num_sms, force_splits);
-    py::dict out = plan_dict(p);
-    out["partials_bytes"] = jaxrl_sm90::partials_bytes(p, n);
-    return out;
-  }, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
-     "The persistent-grid plan the forward handler uses for N rows and V columns (force_splits: "
-     "the call's `splits` attribute, 0 automatic).");
-  m.def("distill_plan", [](int n, int v, int num_sms) {
-    return plan_dict(jaxrl_sm90::choose_distill_plan(n, v, num_sms));
-  }, py::arg("n"), py::arg("v"), py::arg("num_sms"),
-     "The distillation statistics' plan for N rows and V columns (tiles of 128): its `splits` is "
-     "the stats call's attribute and the partials' first dimension.");
-  m.def("grad_plan", [](int n, int size, int num_sms) {
-    return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms));
-  }, py::arg("n"), py::arg("size"), py::arg("num_sms"),
-     "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
-  m.def("backward_workspace_bytes", [](int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k) {
-    return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv,
-                                                bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16, split_k);
-  }, py::arg("n"), py::arg("v"), py::arg("d"), py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"),
-     py::arg("split_k") = true,
-     "Bytes of the backward custom call's workspace result.");
-  m.def("decode_unit", [](int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
-    jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
-    return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
-  }, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
+  m.def("plan", &plan, py::arg("n"), py::arg("v"), py::arg("num_sms"), py::arg("force_splits") = 0,
+        "The persistent-grid plan the forward handler uses for N rows and V columns (force_splits: "
+        "the call's `splits` attribute, 0 automatic).");
+  m.def("distill_plan", &distill_plan, py::arg("n"), py::arg("v"), py::arg("num_sms"),
+        "The distillation statistics' plan for N rows and V columns (tiles of 128): its `splits` is "
+        "the stats call's attribute and the partials' first dimension.");
+  m.def("grad_plan", &grad_plan, py::arg("n"), py::arg("size"), py::arg("num_sms"),
+        "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
+  m.def("backward_workspace_bytes", &backward_workspace_bytes, py::arg("n"), py::arg("v"), py::arg("d"),
+        py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"), py::arg("split_k") = true,
+        "Bytes of the backward custom call's workspace result.");
+  m.def("decode_unit", &decode_unit, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
+  // Whether registrations() holds the measurement-only handlers (JAXRL_KERNELS_MEASUREMENT_HANDLERS).
+  m.attr("measurement_handlers") = kMeasurementHandlers;
   m.attr("TILE_ROWS") = jaxrl_sm90::kBlockM;
   m.attr("TILE_COLS") = jaxrl_sm90::kBlockN;
   m.attr("DISTILL_TILE_COLS") = jaxrl_sm90::kDistillBlockN;

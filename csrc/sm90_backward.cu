@@ -41,7 +41,7 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   w.tail = w.w16 + align_up(2ull * ld * d);
   const bool tail = !weight_dv && last % 8 != 0;
   w.wmax = w.tail + (tail ? align_up(2ull * round8(last) * d) : 0);  // uint32 per chunk
-  w.inv_scale = w.wmax + align_up(4ull * chunks_of(v, chunk));         // float per chunk
+  w.inv_scale = w.wmax + align_up(4ull * chunks_of(v, chunk));       // float per chunk
   w.gemm = w.inv_scale + align_up(4ull * chunks_of(v, chunk));
   size_t gemm = 0;
   for (int width : {widest, last}) {
@@ -55,8 +55,8 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
 
 // d_b[c] = sum_n s[n] G[n, c] over the chunk's columns, every sum in a fixed order: 32
 // columns a block, 8 row slices summed in order at the end.
-__global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const float* __restrict__ s, int n,
-                                 int size, float* __restrict__ out) {
+__global__ void bias_grad_kernel(const __half* __restrict__ g, int64_t ld, const float* __restrict__ s, int n, int size,
+                                 float* __restrict__ out) {
   __shared__ float part[8][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
   float acc = 0.f;
@@ -84,16 +84,22 @@ __global__ void add_id_grads_kernel(__half* __restrict__ g, int64_t ld, const in
 
 // Folds max |W| over the columns [start, start + size) into *out (check with cuda_error).
 void launch_weight_absmax(DType dtype, bool weight_dv, const void* weight, int start, int size, int d, int v,
-                                 uint32_t* out, int sm_count, cudaStream_t stream) {
+                          uint32_t* out, int sm_count, cudaStream_t stream) {
   const dim3 grid(4 * sm_count), block(256);
   if (dtype == DType::kBF16) {
     auto w = static_cast<const cutlass::bfloat16_t*>(weight);
-    if (weight_dv) weight_absmax_kernel<cutlass::bfloat16_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
-    else weight_absmax_kernel<cutlass::bfloat16_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    if (weight_dv) {
+      weight_absmax_kernel<cutlass::bfloat16_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    } else {
+      weight_absmax_kernel<cutlass::bfloat16_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    }
   } else {
     auto w = static_cast<const cutlass::half_t*>(weight);
-    if (weight_dv) weight_absmax_kernel<cutlass::half_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
-    else weight_absmax_kernel<cutlass::half_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    if (weight_dv) {
+      weight_absmax_kernel<cutlass::half_t, true><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    } else {
+      weight_absmax_kernel<cutlass::half_t, false><<<grid, block, 0, stream>>>(w, start, size, d, v, out);
+    }
   }
 }
 
@@ -177,14 +183,14 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G
-      why = gemm_d_weight(base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale,
-                          ws + w.gemm, a.sm_count, stream);
+      why = gemm_d_weight(base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale, ws + w.gemm,
+                          a.sm_count, stream);
     } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
       why = gemm_d_weight(base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d, dw_scale,
                           ws + w.gemm, a.sm_count, stream);
     } else {
-      why = gemm_d_weight(base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm,
-                          a.sm_count, stream);
+      why = gemm_d_weight(base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm, a.sm_count,
+                          stream);
       if (why.empty() && cudaMemcpyAsync(d_weight + 2ull * start * d, ws + w.tail, 2ull * size * d,
                                          cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
         why = cuda_error("copy of the d_weight tail");

@@ -46,8 +46,7 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 // 16-byte asynchronous global->shared copy; bytes beyond `src_bytes` are zero-filled.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
   uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
@@ -64,8 +63,7 @@ struct Config {
   using BK = Int<kBlockK>;
   static constexpr GMMA::Major kMajorB = kDv ? GMMA::Major::MN : GMMA::Major::K;
 
-  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                             make_shape(BM{}, BK{}, Int<kStages>{})));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(BM{}, BK{}, Int<kStages>{})));
   using SmemAtomB = conditional_t<kDv, GMMA::Layout_MN_SW128_Atom<T>, GMMA::Layout_K_SW128_Atom<T>>;
   using SmemLayoutB = decltype(tile_to_shape(SmemAtomB{}, make_shape(BN{}, BK{}, Int<kStages>{})));
 
@@ -124,9 +122,8 @@ __device__ __forceinline__ typename Cfg::SharedStorage& shared_storage(char* raw
 }
 
 template <class Cfg>
-__device__ __forceinline__ typename Cfg::Pipeline make_pipeline(typename Cfg::SharedStorage& smem,
-                                                                 int warp_group, int warp_idx,
-                                                                 int lane_predicate) {
+__device__ __forceinline__ typename Cfg::Pipeline make_pipeline(typename Cfg::SharedStorage& smem, int warp_group,
+                                                                int warp_idx, int lane_predicate) {
   using Pipeline = typename Cfg::Pipeline;
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kTmaBytes;
@@ -251,9 +248,8 @@ __device__ __forceinline__ ConsumerLane consumer_lane() {
 // tile's columns at a time. Its 16-byte chunks are XOR-swizzled by row (chunk k of row r sits
 // at k ^ (r % 8)), so that both the writes in the accumulator layout (4 bytes a lane) and the
 // row reads (16 bytes a lane) are free of bank conflicts; each global store then writes 128
-// contiguous bytes of four rows. Stored straight from the accumulator layout, 4 bytes a lane,
-// the grad kernel took 1.14-1.27 x one GEMM, against 1.05-1.15 x this way
-// (benchmarks/results/bench_sm90_kernels_c4fed7c.md).
+// contiguous bytes of four rows, where stores straight from the accumulator layout (4 bytes a
+// lane) write a 32-byte sector in two (docs/performance.md, "Kernel constants").
 constexpr int kStageCols = 64;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 
@@ -380,8 +376,7 @@ __device__ __forceinline__ void run_tile_kernel(typename Cfg::SharedStorage& sme
 }
 
 inline Units units_of(const Plan& plan, int n, int v, int d) {
-  return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
-          plan.row_blocks * plan.splits};
+  return {n, v, d, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows, plan.row_blocks * plan.splits};
 }
 
 // The kernel parameters `Params`, which extend the launch's `Args` (ForwardArgs or GradArgs),

@@ -54,9 +54,8 @@ __device__ __forceinline__ float exp_e(float x) { return ex2(x * kLog2e); }
 
 // One head's K tiles of one vocabulary tile into the pipeline.
 template <class Cfg, class TA, class TB, class GA, class SA, class GB, class SB>
-__device__ __forceinline__ void produce_head(typename Cfg::Pipeline& pipeline,
-                                             cutlass::PipelineState<kStages>& wstate, const TA& tma_a,
-                                             const TB& tma_b, GA& tAgA, SA& tAsA, GB& tBgB, SB& tBsB,
+__device__ __forceinline__ void produce_head(typename Cfg::Pipeline& pipeline, cutlass::PipelineState<kStages>& wstate,
+                                             const TA& tma_a, const TB& tma_b, GA& tAgA, SA& tAsA, GB& tBgB, SB& tBsB,
                                              int row_block, int col_tile, int k_tiles) {
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipeline.producer_acquire(wstate);
@@ -380,8 +379,7 @@ template <class T>
 std::string launch_distill_typed(const DistillArgs& args, DistillMode mode, const Plan& plan, cudaStream_t stream) {
   DistillParams p;
   static_cast<DistillArgs&>(p) = args;
-  p.units = {args.n, args.v, 0, plan.row_blocks, plan.splits, plan.vocab_tiles, plan.group_rows,
-             plan.row_blocks * plan.splits};
+  p.units = units_of(plan, args.n, args.v, 0);
   p.inv_t = 1.0f / args.temperature;
   p.log_beta = logf(args.beta);
   p.log_1mbeta = log1pf(-args.beta);

@@ -19,10 +19,8 @@ using HiddenVdNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass
 using HiddenDvNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, void, 128>;
 
 // At most this many parts per output tile, each of at least kMinSplitK columns of K: short
-// parts would spend more of their time filling the pipeline and in the reduction. With parts
-// of 2048 rather than 4096 columns, the 8192-column chunks of N = 512, D = 2048 take 4 parts
-// instead of 2, and the GEMM 0.68 ms over V = 131072 instead of 0.99 (one H200,
-// benchmarks/results/bench_lean_chunks_{ff5c7bd,da0ca9e}.md).
+// parts would spend more of their time filling the pipeline and in the reduction, long ones
+// leave small N's GEMMs too few CTAs (docs/performance.md, "Kernel constants").
 constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
@@ -38,12 +36,9 @@ struct HiddenPlan {
 // `split_k`. Unsplit, the tiles are halved in width where that still fits one wave: a
 // batch-invariant backward (split_k false) must not let the sums' order follow n, but the
 // tile's width leaves each sum as it is. Halved tiles also replace a split in two parts, which
-// makes no more CTAs than they do and adds the parts' reduction: at N = 1000, D = 2048,
-// V = 131072 the GEMM took 0.76 ms over the vocabulary with narrow tiles and 0.90 split in two
-// (one H200, the same run: benchmarks/results/bench_batch_invariant_ffi_bb4bbe2.md, the
-// invariant and default d_hidden GEMMs). The tiles are counted as the scheduler does, the M
-// extent rounded up to whole clusters. A function of the shape only, shared by the workspace
-// size and the launch.
+// makes no more CTAs than they do and adds the parts' reduction (measured: docs/performance.md,
+// "Kernel constants"). The tiles are counted as the scheduler does, the M extent rounded up to
+// whole clusters. A function of the shape only, shared by the workspace size and the launch.
 HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
@@ -65,9 +60,9 @@ HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
 
 }  // namespace
 
-std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
-                          int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, cudaStream_t stream, bool split_k) {
+std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16, int64_t ldw,
+                          float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
+                          cudaStream_t stream, bool split_k) {
   const HiddenPlan plan = hidden_plan(n, d, k, split_k);
   const auto run = [&](auto gemm) {
     return run_head_gemm<decltype(gemm)>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,

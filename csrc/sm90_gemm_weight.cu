@@ -9,15 +9,14 @@ template <class Out>
 using Weight = HeadGemm<Out, void, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
 }  // namespace
 
-std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y,
-                          int64_t ldy, void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
+std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y, int64_t ldy,
+                          void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
                           cudaStream_t stream) {
-  cutlass::Status st =
-      out_dtype == DType::kBF16
-          ? run_head_gemm<Weight<cutlass::bfloat16_t>>(m, n, k, x, ldx, y, ldy, nullptr, out, ldo, alpha, nullptr,
-                                                        workspace, sm_count, stream)
-          : run_head_gemm<Weight<cutlass::half_t>>(m, n, k, x, ldx, y, ldy, nullptr, out, ldo, alpha, nullptr,
-                                                    workspace, sm_count, stream);
+  cutlass::Status st = out_dtype == DType::kBF16
+                           ? run_head_gemm<Weight<cutlass::bfloat16_t>>(m, n, k, x, ldx, y, ldy, nullptr, out, ldo,
+                                                                        alpha, nullptr, workspace, sm_count, stream)
+                           : run_head_gemm<Weight<cutlass::half_t>>(m, n, k, x, ldx, y, ldy, nullptr, out, ldo, alpha,
+                                                                    nullptr, workspace, sm_count, stream);
   if (st != cutlass::Status::kSuccess) return std::string("d_weight GEMM: ") + cutlassGetStatusString(st);
   return {};
 }

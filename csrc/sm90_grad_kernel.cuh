@@ -36,8 +36,8 @@ struct GradParams : GradArgs {
 // G of one logit y (bias added) of a row with coefficients (lse, alpha, beta, gamma) and, with
 // kFloor, the row's floor on u = y / T.
 template <bool kEntropy, bool kFloor>
-__device__ __forceinline__ float grad_of_logit(float y, float inv_t, float lse, float alpha, float beta,
-                                               float gamma, float u_floor, bool is_target) {
+__device__ __forceinline__ float grad_of_logit(float y, float inv_t, float lse, float alpha, float beta, float gamma,
+                                               float u_floor, bool is_target) {
   constexpr float kLog2e = 1.4426950408889634f;
   // ln p, kept finite so that p = 0 times the coefficients stays 0 on rows with lse = +inf
   // (and on logits below the floor, whose d is also clamped and then multiplied by p = 0)
@@ -76,16 +76,14 @@ __device__ __forceinline__ void write_grad_tile(const Acc& acc, const float* bia
       float gv[2];
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 2; ++e) {
-        gv[e] = grad_of_logit<kEntropy, kFloor>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r],
-                                                c.beta[r], c.gamma[r], kFloor ? c.floor[r] : 0.f,
-                                                8 * j + e == c.tgt_rel[r]);
+        gv[e] = grad_of_logit<kEntropy, kFloor>(acc(4 * j + 2 * r + e) + b[e], inv_t, c.lse[r], c.alpha[r], c.beta[r],
+                                                c.gamma[r], kFloor ? c.floor[r] : 0.f, 8 * j + e == c.tgt_rel[r]);
       }
       const __half2 h = __floats2half2_rn(gv[0], gv[1]);
       bits[r] = reinterpret_cast<const uint32_t&>(h);
     }
   };
-  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(out), warp_row0, n_rows, size, ld, local0,
-                   vector_ok);
+  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(out), warp_row0, n_rows, size, ld, local0, vector_ok);
 }
 
 // The chunk's float16 weight copy  w16 = f16(sigma_W W[:, start : start + size])  for the
@@ -109,7 +107,7 @@ __device__ __forceinline__ void copy_weight_chunk(const GradArgs& p, int start, 
   const int64_t src_vecs = size * depth / 8;
   VectorWalk it = weight_walk<kDv>(kDv ? size : p.ld, depth, first, stride);
   while (it.more()) {
-    VectorWalk at = it;  // the loads walk ahead; `it` follows with the stores
+    VectorWalk at = it;        // the loads walk ahead; `it` follows with the stores
     uint4 raw[kCopyInFlight];  // compile-time indices only: the array stays in registers
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCopyInFlight; ++j, at.next()) {
@@ -191,11 +189,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int r = 0; r < 2; ++r) c.tgt_rel[r] = tgt[r] - col0 - 2 * q;
         const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
         if (p.gamma) {
-          write_grad_tile<true, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows,
-                                        p.size, p.ld, local0, vector_ok);
+          write_grad_tile<true, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
+                                        p.ld, local0, vector_ok);
         } else {
-          write_grad_tile<false, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows,
-                                         p.size, p.ld, local0, vector_ok);
+          write_grad_tile<false, kFloor>(acc, bias_lane, has_bias, c, p.inv_t, stage, out, warp_row0, g.n_rows, p.size,
+                                         p.ld, local0, vector_ok);
         }
       }
     }

@@ -36,11 +36,10 @@
 namespace jaxrl_sm90 {
 
 // ElementC void: no source operand (D = alpha acc). 128 x 256 tiles on clusters of two CTAs
-// along M that share each B tile through TMA multicast. Against one-CTA clusters, at
-// N=8192, D=4096, V=131072 on an H100 the GEMMs took 2-8 % less device time, and at N=4096,
-// D=2048 the same; a ping-pong schedule with 64 x 256 tiles took 1.3-1.9 x as long
-// (docs/design/linear_backward.md). Scheduler: void, CUTLASS's default persistent scheduler
-// (one CTA per output tile), or cutlass::gemm::StreamKScheduler for split-K. TileN: 128 for
+// along M that share each B tile through TMA multicast, in the cooperative schedule (against
+// one-CTA clusters and ping-pong: docs/performance.md, "Kernel constants"). Scheduler: void,
+// CUTLASS's default persistent scheduler (one CTA per output tile), or
+// cutlass::gemm::StreamKScheduler for split-K. TileN: 128 for
 // d_hidden where 256-wide tiles are too few to fill the GPU and K is not split (each output
 // element is the same sum of the same wgmma steps whatever the tile's width).
 template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void, int TileN = 256>
@@ -129,18 +128,17 @@ cutlass::Status run_head_gemm(int m, int n, int k, const void* a, int64_t lda, c
   set_leading_dim(sc, ldd);
   set_leading_dim(sd, ldd);
 
-  typename Kernel::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const ElementA*>(a), sa, static_cast<const ElementB*>(b), sb},
-      {{}, static_cast<const ElementC*>(c), sc, static_cast<ElementD*>(d), sd}};
+  typename Kernel::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {m, n, k, 1},
+                                  {static_cast<const ElementA*>(a), sa, static_cast<const ElementB*>(b), sb},
+                                  {{}, static_cast<const ElementC*>(c), sc, static_cast<ElementD*>(d), sd}};
   args.epilogue.thread.alpha_ptr = alpha;
   args.epilogue.thread.beta = 0.f;
   args.epilogue.thread.beta_ptr = beta;
   args.hw_info.sm_count = sm_count;
   set_splits<G>(args, splits);
-  // The tile scheduler keeps CUTLASS's defaults (heuristic raster order, no swizzle): every
-  // other order and swizzle measured within 1 % of them (docs/design/linear_backward.md).
+  // The tile scheduler keeps CUTLASS's defaults (heuristic raster order, no swizzle): no other
+  // order or swizzle was faster (docs/performance.md, "Kernel constants").
 
   typename G::Gemm gemm;
   cutlass::Status status = gemm.can_implement(args);

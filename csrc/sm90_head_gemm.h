@@ -22,14 +22,14 @@ namespace jaxrl_sm90 {
 // backward: each row's sums then do not depend on n), its tiles half as wide where that fills
 // the GPU better. Tiles half as wide also replace a split of K in two parts (as many CTAs, no
 // reduction of the parts).
-std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
-                          int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace,
-                          int sm_count, cudaStream_t stream, bool split_k = true);
+std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16, int64_t ldw,
+                          float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
+                          cudaStream_t stream, bool split_k = true);
 size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k, bool split_k = true);
 
 // out[m, n] = alpha (x[:k, :m]^T . y[:k, :n]) in `out_dtype` (row stride ldo).
-std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y,
-                          int64_t ldy, void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
+std::string gemm_d_weight(DType out_dtype, int m, int n, int k, const void* x, int64_t ldx, const void* y, int64_t ldy,
+                          void* out, int64_t ldo, const float* alpha, void* workspace, int sm_count,
                           cudaStream_t stream);
 size_t gemm_d_weight_workspace(DType out_dtype, int m, int n, int k);
 

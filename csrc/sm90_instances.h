@@ -24,15 +24,15 @@ std::string launch_weight_copy_f16_dv(const GradArgs& args, int sm_count, cudaSt
 
 // Defines launch_<suffix>, launch_grad_<suffix> and launch_weight_copy_<suffix> for element
 // type T and layout kDv ("dv" when true); include sm90_stats_kernel.cuh and sm90_grad_kernel.cuh first.
-#define JAXRL_SM90_LAUNCHERS(suffix, T, kDv)                                                        \
-  namespace jaxrl_sm90 {                                                                           \
-  std::string launch_##suffix(const ForwardArgs& args, const Plan& plan, cudaStream_t stream) {    \
-    return launch_typed<T, kDv>(args, plan, stream);                                               \
-  }                                                                                                \
-  std::string launch_grad_##suffix(const GradArgs& args, const Plan& plan, cudaStream_t stream) {  \
-    return launch_grad_typed<T, kDv>(args, plan, stream);                                          \
-  }                                                                                                \
+#define JAXRL_SM90_LAUNCHERS(suffix, T, kDv)                                                         \
+  namespace jaxrl_sm90 {                                                                             \
+  std::string launch_##suffix(const ForwardArgs& args, const Plan& plan, cudaStream_t stream) {      \
+    return launch_typed<T, kDv>(args, plan, stream);                                                 \
+  }                                                                                                  \
+  std::string launch_grad_##suffix(const GradArgs& args, const Plan& plan, cudaStream_t stream) {    \
+    return launch_grad_typed<T, kDv>(args, plan, stream);                                            \
+  }                                                                                                  \
   std::string launch_weight_copy_##suffix(const GradArgs& args, int sm_count, cudaStream_t stream) { \
-    return launch_weight_copy_typed<T, kDv>(args, sm_count, stream);                               \
-  }                                                                                                \
+    return launch_weight_copy_typed<T, kDv>(args, sm_count, stream);                                 \
+  }                                                                                                  \
   }  // namespace jaxrl_sm90

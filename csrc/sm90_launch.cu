@@ -19,8 +19,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // entropy is written for every row (the backward needs it); the caller masks it.
 __global__ void combine_kernel(const float* __restrict__ partials, const int32_t* __restrict__ targets,
                                const uint8_t* __restrict__ row_valid, float* logp, float* __restrict__ entropy,
-                               float* __restrict__ lse, int n_rows, int vocab, int splits, float c1,
-                               float inv_t) {
+                               float* __restrict__ lse, int n_rows, int vocab, int splits, float c1, float inv_t) {
   int n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= n_rows) return;
   const size_t stride = static_cast<size_t>(n_rows);
@@ -112,10 +111,9 @@ std::string launch(const ForwardArgs& args, const Plan& plan, cudaStream_t strea
   if (!why.empty()) return why;
   const int threads = 256;
   const int blocks = (args.n + threads - 1) / threads;
-  combine_kernel<<<blocks, threads, 0, stream>>>(args.partials, args.targets, args.row_valid, args.logp,
-                                                 args.entropy, args.lse, args.n, args.v, plan.splits,
-                                                 static_cast<float>(1.4426950408889634 / args.temperature),
-                                                 1.0f / args.temperature);
+  combine_kernel<<<blocks, threads, 0, stream>>>(
+      args.partials, args.targets, args.row_valid, args.logp, args.entropy, args.lse, args.n, args.v, plan.splits,
+      static_cast<float>(1.4426950408889634 / args.temperature), 1.0f / args.temperature);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("combine_kernel launch: ") + cudaGetErrorString(err);
   return {};

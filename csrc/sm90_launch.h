@@ -27,24 +27,24 @@ enum class DType { kBF16, kF16 };
 
 // How the work is laid out over the persistent grid (see choose_plan).
 struct Plan {
-  int row_blocks = 0;   // P = ceil(N / 128)
-  int vocab_tiles = 0;  // Vt = ceil(V / 256)
-  int splits = 0;       // S: contiguous vocabulary ranges per row block
-  int group_rows = 0;   // row blocks per L2 group (units are ordered group, split, row)
-  int grid = 0;         // persistent CTAs (<= number of SMs)
+  int row_blocks = 0;      // P = ceil(N / 128)
+  int vocab_tiles = 0;     // Vt = ceil(V / 256)
+  int splits = 0;          // S: contiguous vocabulary ranges per row block
+  int group_rows = 0;      // row blocks per L2 group (units are ordered group, split, row)
+  int grid = 0;            // persistent CTAs (<= number of SMs)
   long long makespan = 0;  // most 128x256 tiles any CTA computes
 };
 
 struct ForwardArgs {
-  const void* hidden = nullptr;     // [N, D]
-  const void* weight = nullptr;     // [V, D] or [D, V]
-  const float* bias = nullptr;      // [V] or null
-  const int32_t* targets = nullptr; // [N]
+  const void* hidden = nullptr;        // [N, D]
+  const void* weight = nullptr;        // [V, D] or [D, V]
+  const float* bias = nullptr;         // [V] or null
+  const int32_t* targets = nullptr;    // [N]
   const uint8_t* row_valid = nullptr;  // [N] (bool)
-  float* logp = nullptr;            // [N] out
-  float* entropy = nullptr;         // [N] out
-  float* lse = nullptr;             // [N] out
-  float* partials = nullptr;        // [splits * 3 * N] scratch
+  float* logp = nullptr;               // [N] out
+  float* entropy = nullptr;            // [N] out
+  float* lse = nullptr;                // [N] out
+  float* partials = nullptr;           // [splits * 3 * N] scratch
   // [N, V] in the head's dtype, or null. When set, the kernel also writes the logits
   // hidden . W^T (before bias and temperature) rounded to that dtype, and takes the row
   // statistics from the rounded values (the target logit stays unrounded): the forward of
@@ -82,28 +82,28 @@ std::string launch(const ForwardArgs& args, const Plan& plan, cudaStream_t strea
 struct GradArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
-  const float* bias = nullptr;      // [V] or null
-  const int32_t* targets = nullptr; // [N]; ids outside [0, V) add no one-hot term
-  const float* lse = nullptr;       // [N]
-  const float* alpha = nullptr;     // [N]
-  const float* beta = nullptr;      // [N]
-  const float* gamma = nullptr;     // [N] or null
+  const float* bias = nullptr;       // [V] or null
+  const int32_t* targets = nullptr;  // [N]; ids outside [0, V) add no one-hot term
+  const float* lse = nullptr;        // [N]
+  const float* alpha = nullptr;      // [N]
+  const float* beta = nullptr;       // [N]
+  const float* gamma = nullptr;      // [N] or null
   // The truncated softmax's per-row floor on u = z / T ([N], float32), or null: no floor (a
   // kernel without it). p = 0 where u < floor (lse and the entropy in beta are then the kept
   // set's); the one-hot term of the target is not masked.
   const float* floor = nullptr;
   const int32_t* start_ptr = nullptr;  // [1], device memory, or null: `start`
-  int start = 0;                    // the chunk's first column, a multiple of 256
-  const float* w_scale = nullptr;   // [1], device memory: sigma_W; or null, and then:
-  const uint32_t* wmax = nullptr;   //   max |W| of the chunk (sm90_weight_absmax.cuh) gives sigma_W,
-  float* inv_scale = nullptr;       //   1 / sigma_W is written here,
-  uint32_t* next_wmax = nullptr;    //   and max |W| of the columns [next_start, next_start +
-  int next_start = 0, next_size = 0;  //   next_size) is folded into *next_wmax (if not null)
-  void* out = nullptr;              // [N, ld] float16 (columns [size, ld) written as 0)
-  void* w16 = nullptr;              // [ld, D] ("vd", rows past size 0) or [D, size] ("dv") float16:
-                                    // f16(sigma_W W) of the chunk, or null
+  int start = 0;                       // the chunk's first column, a multiple of 256
+  const float* w_scale = nullptr;      // [1], device memory: sigma_W; or null, and then:
+  const uint32_t* wmax = nullptr;      //   max |W| of the chunk (sm90_weight_absmax.cuh) gives sigma_W,
+  float* inv_scale = nullptr;          //   1 / sigma_W is written here,
+  uint32_t* next_wmax = nullptr;       //   and max |W| of the columns [next_start, next_start +
+  int next_start = 0, next_size = 0;   //   next_size) is folded into *next_wmax (if not null)
+  void* out = nullptr;                 // [N, ld] float16 (columns [size, ld) written as 0)
+  void* w16 = nullptr;                 // [ld, D] ("vd", rows past size 0) or [D, size] ("dv") float16:
+                                       // f16(sigma_W W) of the chunk, or null
   int n = 0, v = 0, d = 0, size = 0;
-  int ld = 0;                       // G's row stride; 0: size
+  int ld = 0;  // G's row stride; 0: size
   DType dtype = DType::kBF16;
   bool weight_dv = false;
   float temperature = 1.0f;
@@ -124,9 +124,7 @@ enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
 
 // kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its
 // producer warps, with few loads in flight, then take longer over their share of the copy than
-// the tiles do. With 8192-column chunks (V = 131072, D = 2048, one H200) the grad kernel took
-// 13 x and 4 x its tiles' time at N = 256 and 512 (1 and 2 tiles a CTA); at N = 2048 (4 tiles)
-// the copy in the kernel was 7.3 ms against 8.1 apart (benchmarks/results/bench_lean_chunks_*.md).
+// the tiles do (docs/performance.md, "Kernel constants").
 constexpr long long kCopyHiddenTiles = 4;
 WeightCopy choose_weight_copy(const Plan& grad_plan);
 
@@ -140,25 +138,25 @@ WeightCopy choose_weight_copy(const Plan& grad_plan);
 // GEMM's alpha is 1 / sigma_c, so acc is d_hidden up to the row scale s, applied by the caller.
 // Scalars live in device memory: scalars = {dw_scale, 1}.
 struct BackwardArgs {
-  GradArgs grad;                    // hidden, weight, bias, targets, lse, alpha, beta, gamma, floor, n,
-                                    // v, d, dtype, weight_dv, temperature (start/out/w16/size: per
-                                    // chunk)
-  const void* h16 = nullptr;        // [N, D] float16
-  const float* row_scale = nullptr; // [N] s (for d_bias), or null without a bias
-  const float* scalars = nullptr;   // [2] device: dw_scale, 1
-  float* acc = nullptr;             // [N, D] out
-  void* d_weight = nullptr;         // W's shape and dtype, out
-  float* d_bias = nullptr;          // [V] out, or null
-  void* workspace = nullptr;        // backward_workspace_bytes(...)
-  int chunk = 0;                    // columns per chunk, a multiple of 256
+  GradArgs grad;                     // hidden, weight, bias, targets, lse, alpha, beta, gamma, floor, n,
+                                     // v, d, dtype, weight_dv, temperature (start/out/w16/size: per
+                                     // chunk)
+  const void* h16 = nullptr;         // [N, D] float16
+  const float* row_scale = nullptr;  // [N] s (for d_bias), or null without a bias
+  const float* scalars = nullptr;    // [2] device: dw_scale, 1
+  float* acc = nullptr;              // [N, D] out
+  void* d_weight = nullptr;          // W's shape and dtype, out
+  float* d_bias = nullptr;           // [V] out, or null
+  void* workspace = nullptr;         // backward_workspace_bytes(...)
+  int chunk = 0;                     // columns per chunk, a multiple of 256
   int sm_count = 0;
   // K ids per row (linear_logprobs at [N, K] ids): G[n, id] += id_coef[n, k] for each
   // ids[n, k] in [0, V) (a repeated id adds twice); the targets then are all -1. id_k = 0: none.
-  const int32_t* ids = nullptr;     // [N, K]
-  const float* id_coef = nullptr;   // [N, K], in units of G (g_k / (s T))
+  const int32_t* ids = nullptr;    // [N, K]
+  const float* id_coef = nullptr;  // [N, K], in units of G (g_k / (s T))
   int id_k = 0;
   WeightCopy weight_copy = WeightCopy::kAuto;
-  bool split_k = true;              // false: d_hidden's GEMM never splits K (gemm_d_hidden)
+  bool split_k = true;  // false: d_hidden's GEMM never splits K (gemm_d_hidden)
 };
 
 // Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight, each

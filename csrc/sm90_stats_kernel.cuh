@@ -25,8 +25,7 @@ namespace jaxrl_sm90 {
 
 // Merge two (m, s, a) triples: m raw logits (before 1/T), s and a in base-2 units
 // relative to m c1. m == -inf marks "nothing seen".
-__device__ __forceinline__ void merge_stats(float& m, float& s, float& a, float m2, float s2, float a2,
-                                            float c1) {
+__device__ __forceinline__ void merge_stats(float& m, float& s, float& a, float m2, float s2, float a2, float c1) {
   float mx = fmaxf(m, m2);
   float d1 = (m - mx) * c1, d2 = (m2 - mx) * c1;
   float w1 = (m == -INFINITY) ? 0.f : ex2(d1);
@@ -41,9 +40,8 @@ __device__ __forceinline__ void merge_stats(float& m, float& s, float& a, float 
 // Fold one 64-row x 256-column accumulator tile into this thread's row statistics.
 // acc(i): row = base + 8 * ((i >> 1) & 1), column = 8 * (i >> 2) + 2 * (lane % 4) + (i & 1).
 template <bool kMasked, class Acc>
-__device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool has_bias, int col_limit,
-                                          float c1, bool first, float (&m)[2], float (&s)[2],
-                                          float (&a)[2]) {
+__device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool has_bias, int col_limit, float c1,
+                                          bool first, float (&m)[2], float (&s)[2], float (&a)[2]) {
   constexpr int kJ = kBlockN / 8;
   if (has_bias) {
     CUTLASS_PRAGMA_UNROLL
@@ -120,8 +118,8 @@ __device__ __forceinline__ void fold_tile(Acc& acc, const float* bias_s, bool ha
 // Rounds this thread's accumulators of a tile to T (round to nearest even) in place and
 // stores the tile to `logits` [n_rows, vocab] at columns col0 + [0, 256).
 template <class T, class Acc>
-__device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* logits, int warp_row0,
-                                                  int n_rows, int vocab, int col0, bool vector_ok) {
+__device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* logits, int warp_row0, int n_rows,
+                                                  int vocab, int col0, bool vector_ok) {
   auto pairs = [&](int j, uint32_t (&bits)[2]) __attribute__((always_inline)) {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -139,8 +137,7 @@ __device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* 
       bits[r] = reinterpret_cast<const uint32_t&>(pair);
     }
   };
-  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(logits), warp_row0, n_rows, vocab, vocab, col0,
-                   vector_ok);
+  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(logits), warp_row0, n_rows, vocab, vocab, col0, vector_ok);
 }
 
 // ---- the kernel ------------------------------------------------------------------------
@@ -204,8 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         // ---- the kept logits, rounded; the statistics then fold the rounded values ----
         if (logits != nullptr) {
-          keep_rounded_tile(acc, stage, logits, rows[0] - (threadIdx.x % 32) / 4, g.n_rows, g.vocab, col0,
-                            vector_ok);
+          keep_rounded_tile(acc, stage, logits, rows[0] - (threadIdx.x % 32) / 4, g.n_rows, g.vocab, col0, vector_ok);
         }
 
         // ---- fold the tile into the running statistics ----

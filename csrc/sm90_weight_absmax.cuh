@@ -14,8 +14,8 @@ namespace jaxrl_sm90 {
 struct VectorWalk {
   int64_t row, col, rows, row_vecs, step_rows, step_cols;
   __device__ __forceinline__ VectorWalk(int64_t rows_, int64_t row_vecs_, int64_t first, int64_t stride)
-      : row(first / row_vecs_), col(first % row_vecs_), rows(rows_), row_vecs(row_vecs_),
-        step_rows(stride / row_vecs_), step_cols(stride % row_vecs_) {}
+      : row(first / row_vecs_), col(first % row_vecs_), rows(rows_), row_vecs(row_vecs_), step_rows(stride / row_vecs_),
+        step_cols(stride % row_vecs_) {}
   __device__ __forceinline__ bool more() const { return row < rows; }
   __device__ __forceinline__ void next() {
     row += step_rows;

@@ -1,4 +1,4 @@
-"""The ffi backend's ``kept_set`` kernel (``csrc/kept_set_kernel.cu``): dispatch, lowering, and
+"""The ffi backend's ``kept_set`` kernel (``csrc/kept_set_kernel.cuh``): dispatch, lowering, and
 on a Hopper GPU each row's kept set and sums against the float64 oracle.
 
 CPU (CI): automatic choice takes the reference's jnp passes for ``kept_set`` off a GPU, and

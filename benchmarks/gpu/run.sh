@@ -52,8 +52,9 @@ if [ -d /tmp/quack/site-packages ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
-# ON, not AUTO: a failed build is an error here, never a silent pure-Python install.
-JAXRL_KERNELS_BUILD_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
+# ON, not AUTO: a failed build is an error here, never a silent pure-Python install. With the
+# measurement-only handlers (csrc/ffi_variants.cc): the GPU tests and variant benchmarks call them.
+JAXRL_KERNELS_BUILD_CUDA=ON JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
 echo "install took $(( $(date +%s) - start )) s"
 python3 -c 'import jax, jaxrl_kernels as jk; print(jax.devices(), {op: jk.available_backends(op) for op in ("linear_logprobs", "token_logprobs", "ppo_loss")})'
 

@@ -1,7 +1,8 @@
-// The kept-set kernel (csrc/kept_set_kernel.cu) alone on float32 rows u [N, V] ~ N(0, sigma^2)
+// The kept-set kernel (csrc/kept_set_kernel.cuh) alone on float32 rows u [N, V] ~ N(0, sigma^2)
 // (sigma = 4: the logits of benchmarks/bench_kept_set.py; a small sigma makes flat rows whose
 // nucleus spans thousands of values), built with JAXRL_KEPT_SET_LOAD_BATCH float4 loads a thread
-// issues before it uses any: does batching the loads bring a pass nearer the copy bandwidth?
+// issues before it uses any (the kernel's template parameter; the package's build takes
+// kDefaultLoadBatch): does batching the loads bring a pass nearer the copy bandwidth?
 // Times by CUDA events (2 warm-up launches, the median of 10), the device's copy of the same
 // bytes alongside; with a row block R > 0, the rows go in launches of R rows (as a lean head's
 // forward makes them). `floor-sum`, `s-sum` (the sums of the rows' floors and kept masses) and
@@ -20,7 +21,11 @@
 
 #include <cuda_runtime.h>
 
-#include "kept_set_kernel.cu"
+#include "kept_set_kernel.cuh"
+
+#ifndef JAXRL_KEPT_SET_LOAD_BATCH
+#define JAXRL_KEPT_SET_LOAD_BATCH jaxrl_kept::kDefaultLoadBatch
+#endif
 
 namespace {
 
@@ -120,7 +125,7 @@ int main(int argc, char** argv) {
         args.a = a + r0;
         args.passes = passes + r0;
         args.rows = std::min(block, n - r0);
-        const std::string err = jaxrl_kept::launch_kept_set(args, 0);
+        const std::string err = jaxrl_kept::launch_kept_set_kernel<JAXRL_KEPT_SET_LOAD_BATCH>(args, 0);
         if (why.empty()) why = err;
       }
     }, 2, 10);

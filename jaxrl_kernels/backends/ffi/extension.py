@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"  # csrc/ffi_variants.cc
+UNINITIALIZED_TARGET = "jaxrl_kernels_uninitialized"  # csrc/ffi_uninitialized.cc
 
 try:
     from jaxrl_kernels import _sm90 as sm90

@@ -1,4 +1,4 @@
-"""The ``kept_set`` primitive on whole rows: a CUDA kernel (``csrc/kept_set_kernel.cu``).
+"""The ``kept_set`` primitive on whole rows: a CUDA kernel (``csrc/kept_set_kernel.cuh``).
 
 Rows of ``u`` are made in blocks of about :data:`ROW_BLOCK_BYTES` of float32 (``[R, V]``:
 the kept logits' rows, or one GEMM of the block's hidden states for a lean head), and one CTA
