@@ -96,9 +96,9 @@ def test_masked_or_ignored_targets_pass():
 
 def test_traced_group_boundaries():
     with jk.checks():
-        traced_raises(jax.jit(lambda b: jk.group_advantages(jnp.ones(4), group_boundaries=b)),
-                      jnp.array([0, 3, 2, 4]),
-                      message="group_boundaries: expected strictly increasing values starting "
+        traced_raises(jax.jit(lambda b: jk.group_advantages(
+            jnp.ones(4), groups=jk.Groups(boundaries=b))), jnp.array([0, 3, 2, 4]),
+                      message="groups.boundaries: expected strictly increasing values starting "
                               "at 0 and ending at B = 4, got 2 at position (2,)")
 
 

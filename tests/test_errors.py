@@ -49,7 +49,7 @@ def call_op(op, **over):
     if op == "aggregate":
         return jk.aggregate(kw.pop("values", a["logp"]), a["mask"], **kw)
     if op == "group_advantages":
-        kw.setdefault("group_size", 1) if "group_boundaries" not in kw else None
+        kw.setdefault("groups", jk.Groups(size=1))
         return jk.group_advantages(a["rewards"], **kw)
     if op == "ppo_loss":
         return jk.ppo_loss(a["logp"], a["old_logp"], a["adv"], a["mask"], **kw)
@@ -59,16 +59,16 @@ def call_op(op, **over):
         return jk.ratio_kl(a["logits"], kw.pop("ref_logits", a["logits"]), a["targets"],
                            a["old_logp"], a["mask"], **kw)
     if op == "grpo_loss":
-        if "advantages" not in kw and "group_boundaries" not in kw:
-            kw.setdefault("group_size", 1)
+        if "advantages" not in kw:
+            kw.setdefault("groups", jk.Groups(size=1))
         return jk.grpo_loss(a["logits"], kw.pop("ref_logits", a["logits"]), a["targets"],
                             a["old_logp"], a["rewards"], a["mask"], **kw)
     if op == "linear_ppo_loss":
         return jk.linear_ppo_loss(a["hidden"], a["weight"], a["targets"], a["old_logp"], a["adv"],
                                   a["mask"], **kw)
     if op == "linear_grpo_loss":
-        if "advantages" not in kw and "group_boundaries" not in kw:
-            kw.setdefault("group_size", 1)
+        if "advantages" not in kw:
+            kw.setdefault("groups", jk.Groups(size=1))
         return jk.linear_grpo_loss(a["hidden"], a["weight"], a["targets"], a["old_logp"],
                                    a["rewards"], a["mask"], **kw)
     raise KeyError(op)
@@ -143,7 +143,7 @@ SHAPE_ERRORS = [
     ("ratio_kl", "actions", dict(targets=jnp.zeros((B, T + 1), jnp.int32))),
     ("ratio_kl", "old_logp", dict(old_logp=tok((B, T + 1)))),
     ("ratio_kl", "mask", dict(mask=jnp.ones((B, T + 1)))),
-    ("grpo_loss", "rewards", dict(rewards=jnp.ones((B + 1,)), group_size=1)),
+    ("grpo_loss", "rewards", dict(rewards=jnp.ones((B + 1,)), groups=jk.Groups(size=1))),
     ("grpo_loss", "advantages", dict(advantages=jnp.ones((B + 1,)))),
     ("grpo_loss", "mask", dict(mask=jnp.ones((B, T + 1)))),
     ("linear_ppo_loss", "hidden", dict(hidden=jnp.ones((B * T, D)))),
@@ -228,30 +228,34 @@ def test_option_range_edges_accepted(name, value):
 
 
 GROUP_ERRORS = [
-    ("group_size", dict(group_size=3)),                                   # does not divide B = 2
-    ("group_size", dict(group_size=0)),
-    (("group_size", "group_boundaries"), dict(group_size=1, group_boundaries=jnp.asarray([0, 2]))),
-    ("group_boundaries", dict(group_size=None, group_boundaries=jnp.asarray([1, 2]))),
-    ("group_boundaries", dict(group_size=None, group_boundaries=jnp.asarray([0, 1]))),
-    ("group_boundaries", dict(group_size=None, group_boundaries=jnp.asarray([0, 1, 1, 2]))),
-    ("group_boundaries", dict(group_size=None, group_boundaries=jnp.asarray([0, 2, 1, 2]))),
-    ("group_boundaries", dict(group_size=None, group_boundaries=jnp.asarray([[0, 2]]))),
+    ("groups.size", dict(size=3)),                                         # does not divide B = 2
+    ("groups: give exactly one", dict(size=1, boundaries=jnp.asarray([0, 2]))),
+    ("groups: give exactly one", dict()),
+    ("groups.boundaries", dict(boundaries=jnp.asarray([1, 2]))),
+    ("groups.boundaries", dict(boundaries=jnp.asarray([0, 1]))),
+    ("groups.boundaries", dict(boundaries=jnp.asarray([0, 1, 1, 2]))),
+    ("groups.boundaries", dict(boundaries=jnp.asarray([0, 2, 1, 2]))),
+    ("groups.boundaries", dict(boundaries=jnp.asarray([[0, 2]]))),
 ]
 
 
-@pytest.mark.parametrize("names,over", GROUP_ERRORS, ids=[str(i) for i in range(len(GROUP_ERRORS))])
+@pytest.mark.parametrize("names,groups", GROUP_ERRORS, ids=[str(i) for i in range(len(GROUP_ERRORS))])
 @pytest.mark.parametrize("op", ["group_advantages", "grpo_loss"])
-def test_group_errors(op, names, over):
-    over = dict(over)
-    if over.get("group_size") is None:
-        over.pop("group_size", None)
-    expect(ValueError, names, op, **over)
+def test_group_errors(op, names, groups):
+    expect(ValueError, names, op, groups=jk.Groups(**groups))
+
+
+def test_group_size_checked_when_built():
+    with pytest.raises(ValueError, match=r"^size: expected a positive int or None, got 0"):
+        jk.Groups(size=0)
 
 
 def test_group_neither_given():
     with pytest.raises(ValueError) as info:
         jk.group_advantages(jnp.ones(4))
-    assert "group_size" in str(info.value) and "group_boundaries" in str(info.value)
+    assert "groups" in str(info.value) and "jk.Groups" in str(info.value)
+    with pytest.raises(ValueError, match=r"^groups: expected a jk.Groups .* or advantages="):
+        call_op("grpo_loss", groups=None)
 
 
 # ----------------------------------------------------------------------------- target range
@@ -327,7 +331,8 @@ def test_traced_out_of_range_actions_poison_losses(backend):
                                                    A["adv"], A["mask"], backend=backend))(t)
     assert np.isnan(float(loss))
     outs = jax.jit(lambda t: jk.grpo_loss(A["logits"], A["logits"], t, A["old_logp"], A["rewards"],
-                                          A["mask"], group_size=1, backend=backend))(t)
+                                          A["mask"], groups=jk.Groups(size=1),
+                                          backend=backend))(t)
     assert np.isnan(float(outs[0]))
 
 
