@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -121,15 +120,12 @@ def main():
             rows.append(row)
             print("compiled:", row, flush=True)
         times = {id(r): [] for r, _, _ in fns}
-        for k in range(args.rounds):
-            order = fns[k % len(fns):] + fns[:k % len(fns)]
-            for row, fn, fargs in order:
-                common.warm_up(fn, *fargs, seconds=0.3 if not args.smoke else 0.0)
-                times[id(row)].append(common.median_ms(fn, *fargs, warmup=1, runs=args.runs))
+        for row, fn, fargs in common.in_rotation(fns, args.rounds):
+            common.warm_up(fn, *fargs, seconds=0.3 if not args.smoke else 0.0)
+            times[id(row)].append(common.median_ms(fn, *fargs, warmup=1, runs=args.runs))
         for row, _, _ in fns:
-            ts = times[id(row)]
-            row["fwdbwd_ms"] = statistics.median(ts)
-            row["spread_ms"] = max(ts) - min(ts)
+            rounds = common.Timing(tuple(times[id(row)]))
+            row["fwdbwd_ms"], row["spread_ms"] = rounds.median, rounds.spread
             print("timed:", row, flush=True)
         return rows
 

@@ -14,7 +14,7 @@ import numpy as np
 
 import jaxrl_kernels as jk
 from benchmarks import common
-from benchmarks.linear_harness import gemm_call, in_rotation, inputs, op_fns, public
+from benchmarks.linear_harness import gemm_call, inputs, op_fns, public
 from benchmarks.side_by_side.jax_worker import xla_materialised
 
 
@@ -90,7 +90,7 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
         for fn, args in variants.values():
             common.warm_up(fn, *args, seconds=0.5)
         spans = {key: [] for key in variants}
-        for key in in_rotation(variants, rounds):
+        for key in common.in_rotation(variants, rounds):
             fn, args = variants[key]
             spans[key] += common.call_spans(fn, args, calls + 1)[0][1:]
         for (impl, layout), (fn, args) in variants.items():

@@ -13,7 +13,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.linear_harness import (ROUNDS, against_gemm, ffi_chunks, ffi_variant,
-                                       gemm_call, in_rotation, inputs, op_fns, public)
+                                       gemm_call, inputs, op_fns, public)
 from benchmarks.side_by_side.jax_worker import xla_materialised
 
 
@@ -92,22 +92,16 @@ def steady_state(variants, *, seconds=3.0, sync_every=8, rounds=2):
     got = {key: [] for key in variants}
     for fn, args in variants.values():
         common.warm_up(fn, *args, seconds=0.3)
-    for key in in_rotation(variants, rounds):
+    for key in common.in_rotation(variants, rounds):
         fn, args = variants[key]
         time.sleep(1.0)
 
         def loop(fn=fn, args=args):
-            calls, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                out = fn(*args)
-                calls += 1
-                if calls % sync_every == 0:
-                    jax.block_until_ready(out)
-            jax.block_until_ready(out)
-            return calls, time.perf_counter() - start
+            return common.time_calls(fn, *args, warmup=0, runs=1, calls=sync_every,
+                                     seconds=seconds)
 
-        (calls, elapsed), state = sampled_gpu_state(loop)
-        got[key].append((1e3 * elapsed / calls, calls, state))
+        timing, state = sampled_gpu_state(loop)
+        got[key].append((timing.mean, timing.calls * len(timing.samples), state))
     rows = []
     for (impl, layout, vocab), runs in got.items():
         med = lambda f: float(np.median([r[2][f] for r in runs if r[2].get(f) is not None]))

@@ -170,9 +170,9 @@ def peer_rows(results, rows):
 
 def torch_worker(sizes, runs):
     """[((N, D, V), median ms)] of the plain torch GRPO loss forward+backward, bf16 logits."""
-    import statistics
-
     import torch
+
+    from benchmarks import torch_clock
 
     out = []
     for n, d, v in sizes:
@@ -192,17 +192,8 @@ def torch_worker(sizes, runs):
             loss.backward()
             h.grad = w.grad = None
 
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        out.append(((n, d, v), statistics.median(times)))
+        times = torch_clock.Clock().time_calls(step, warmup=3, runs=runs, events=True)
+        out.append(((n, d, v), torch_clock.median(times)))
         del h, w
         torch.cuda.empty_cache()
     return out

@@ -47,7 +47,8 @@ def makers(torch_worker):
 
 
 def fwdbwd_ms(fn, summed, h, w, t, g, runs, clock):
-    """Median CUDA-event milliseconds of ``torch.autograd.grad(L, (h, W))`` after warm-up."""
+    """Median CUDA-event milliseconds of ``torch.autograd.grad(L, (h, W))`` after warm-up
+    (``benchmarks.torch_clock``)."""
     import torch
 
     def fwdbwd():
@@ -55,10 +56,7 @@ def fwdbwd_ms(fn, summed, h, w, t, g, runs, clock):
         loss = fn(hg, wg, t) if summed else (g * fn(hg, wg, t)).sum()
         return torch.autograd.grad(loss, (hg, wg))
 
-    for _ in range(WARMUP):
-        fwdbwd()
-    torch.cuda.synchronize()
-    return statistics.median(clock.device_ms(fwdbwd) for _ in range(runs))
+    return statistics.median(clock.time_calls(fwdbwd, warmup=WARMUP, runs=runs, events=True))
 
 
 def worker(sizes, runs):
@@ -66,6 +64,7 @@ def worker(sizes, runs):
     try:
         import torch
 
+        from benchmarks import torch_clock
         from benchmarks.side_by_side import torch_worker
     except Exception as err:  # noqa: BLE001 - no torch (or a broken one): no peer can run
         return [{"impl": impl, "error": "import failed: " + error_text(err)} for impl in PEERS]
@@ -81,7 +80,7 @@ def worker(sizes, runs):
             out.append({"impl": impl, "error": "import failed: " + error_text(err)})
             continue
         ready[impl] = (fn, summed, f"{version}, {torch_version}", note + NOTE)
-    clock = torch_worker.Clock(torch.device("cuda"))
+    clock = torch_clock.Clock(torch.device("cuda"))
     for n, d, v in sizes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
