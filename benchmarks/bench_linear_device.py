@@ -1,7 +1,7 @@
 """Where the linear head's time goes on the device: the wall clock against device time
-(``--timeline``), device time of GEMM / forward / forward+backward (``--device-times``), the
-per-kernel device time of one forward+backward (``--profile-backward``), and the summary of
-an ncu duration log (``--ncu-summary``). Run through ``python -m benchmarks.bench_linear``."""
+(``--timeline``), device time of GEMM / forward / forward+backward (``--device-times``) and
+the per-kernel device time of one forward+backward (``--profile-backward``). Run through
+``python -m benchmarks.bench_linear``."""
 
 from __future__ import annotations
 
@@ -171,23 +171,3 @@ def profile_backward(layouts, n=4096, d=2048, v=131072, fused_loss=False):
         text = "\n".join(lines)
         (out / f"profile_{layout}.txt").write_text(text + "\n")
         print(text, flush=True)
-
-
-
-def ncu_summary(path):
-    """Per-kernel-name totals of an ``ncu --csv --metrics gpu__time_duration.sum`` log."""
-    import csv
-    import collections
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
-    totals = collections.defaultdict(lambda: [0, 0.0])
-    for rec in csv.DictReader(lines):
-        if rec.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0,
-                 "msecond": 1.0}.get(rec.get("Metric Unit", "ns"), 1e-6)
-        name = rec["Kernel Name"][:60]
-        totals[name][0] += 1
-        totals[name][1] += float(rec["Metric Value"].replace(",", "")) * scale
-    for name, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-        print(f"{ms:10.3f} ms {count:6d}x  {name}")

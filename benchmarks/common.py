@@ -157,6 +157,44 @@ def call_spans(fn, args, calls, match=None):
     return out, kernels, host
 
 
+KERNELS = ("fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
+"""The kinds :func:`kernel_kind` sorts the linear head's ffi kernels into."""
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of one of the linear head's device kernels, by its name: ``fwd`` (the forward
+    kernel), ``grad`` (the backward's grad kernel), ``copy_ms`` (the weight copy's own kernel),
+    ``absmax`` (the first chunk's max |W|), ``gemm_dh`` / ``gemm_dh_splitk`` (d_hidden's
+    CUTLASS GEMM, unsplit / split-K), ``gemm_dw`` (d_weight's), else ``other``."""
+    if "linear_grad_kernel" in name:
+        return "grad"
+    if "weight_copy_kernel" in name:
+        return "copy_ms"
+    if "weight_absmax" in name:
+        return "absmax"
+    if "linear_lse_kernel" in name or "linear_stats" in name:
+        return "fwd"
+    if "GemmUniversal" in name:
+        if "StreamK" in name:
+            return "gemm_dh_splitk"
+        return "gemm_dw" if ("bfloat16" in name or "half_tEvE" in name) else "gemm_dh"
+    return "other"
+
+
+def kernel_ms(fn, args, kinds, calls=3, kind_of=kernel_kind):
+    """Mean device ms per call of ``fn(*args)`` by ``kind_of`` (a kernel's name -> its kind),
+    over one profiler trace of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds
+    not among them count as ``"other"``, which ``kinds`` then holds)."""
+    import collections
+
+    _, kernels, _ = call_spans(fn, args, calls=calls)
+    per = collections.Counter()
+    for k in kernels:
+        kind = kind_of(k["name"])
+        per[kind if kind in kinds else "other"] += k["dur"] / 1e3 / calls
+    return {kind: per.get(kind, 0.0) for kind in kinds}
+
+
 def pipelined_ms(fn, args, reps=8, trials=7):
     """Per-call ms of ``reps`` back-to-back calls and one synchronisation (the host enqueues
     the next call while the device runs this one, as a training loop does): median of trials."""

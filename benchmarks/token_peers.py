@@ -3,7 +3,7 @@ own: PyTorch only, never JAX, so that the two allocators never share it.
 
 Per (N, D, V) of the sweep, forward+backward of QuACK's chunked linear cross-entropy and
 Liger's fused linear cross-entropy on bf16 hidden [N, D] ~ N(0, 1), head [V, D] ~
-N(0, 4/D) (the scale of ``bench_fast_loss.inputs``) and random targets. The implementations
+N(0, 4/D) (the scale of ``bench_tokens.inputs``) and random targets. The implementations
 are ``benchmarks.side_by_side.torch_worker``'s, imported, not copied: ``liger()`` gives
 logp = −(per-token loss, reduction "none"), timed as L = Σ g·logp with a random cotangent
 g ~ N(0, 1); ``quack(False)`` (``chunked_linear_cross_entropy``, ``use_scaled_exp=False``)

@@ -35,7 +35,7 @@ namespace {
 constexpr int kThreads = 512;
 // float4 loads a thread issues before it uses any (a pass is bound by the loads in flight):
 // 1, 2, 4 took 2.18, 1.84, 1.70 ms for top-k 50 over [4096, 131072] on one H200
-// (benchmarks/variants/kept_set_load_batch.cu, which sets the macro).
+// (benchmarks/studies/variants/kept_set_load_batch.cu, which sets the macro).
 #ifndef JAXRL_KEPT_SET_LOAD_BATCH
 #define JAXRL_KEPT_SET_LOAD_BATCH 4
 #endif

@@ -51,7 +51,7 @@ TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
 # Registered as well (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only
-# by benchmarks/variants/ffi_xla_gemms.py and tests.
+# by benchmarks/studies/variants/ffi_xla_gemms.py and tests.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns). On an H100

@@ -8,7 +8,7 @@ Times: median over trials of ``reps`` back-to-back calls then one block_until_re
 call (keeps the GPU busy, so host dispatch is hidden for millisecond kernels); the trials
 of the backends alternate, so clock drift affects them alike.
 
-    python3 -m benchmarks.bench_ffi [--quick]
+    python3 -m benchmarks.studies.bench_ffi [--quick]
 
 writes ffi.json / ffi.md to out/bench (``--out``, ``--update-results``: benchmarks/README.md)
 and prints the table.
