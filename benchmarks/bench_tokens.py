@@ -35,7 +35,7 @@ and leaves a row with ``error`` and no times; it never stops the sweep. The tabl
     python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
     python -m benchmarks.bench_tokens --small            # toy sizes, any device
 
-``benchmarks/plot_tokens.py`` draws ms per token against N from the JSON.
+``benchmarks/plot_tokens.py`` draws µs per token against N from the JSON (matplotlib).
 """
 
 from __future__ import annotations
