@@ -13,8 +13,8 @@ rounds (``common.rotated_ms``):
   ratio;
 - ``bitwise``: with ``batch_invariant=True``, the first ``ALONE`` rows' log-probs and rows of
   ``d_hidden`` (``d_logits``) at this N have the bits of the same rows' call at N = ``ALONE``;
-- ffi rows on a GPU: the mean device ms per call by kernel kind (``bench_lean_chunks.
-  kernel_kind``: forward, grad kernel, weight copy, d_hidden's GEMM unsplit and split-K,
+- ffi rows on a GPU: the mean device ms per call by kernel kind (``common.kernel_kind``:
+  forward, grad kernel, weight copy, d_hidden's GEMM unsplit and split-K,
   d_weight's, the rest) of the default call and (``inv_``) the invariant one, from one
   profiler trace of 3 calls each.
 
@@ -28,7 +28,7 @@ Results: ``bench_batch_invariant.{json,md}`` (``--name``) in out/bench (``--out`
 from __future__ import annotations
 
 KINDS = ("fwd", "grad", "copy_ms", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
-"""The kernel kinds of the ffi rows' breakdown (``bench_lean_chunks.KERNELS`` but absmax)."""
+"""The kernel kinds of the ffi rows' breakdown (``common.KERNELS`` but absmax)."""
 COLUMNS = (["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise"]
            + [k for kind in KINDS for k in (kind, "inv_" + kind)] + ["error"])
 SIZES = {"full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
@@ -103,7 +103,6 @@ def measure(size, runs, rounds, small, only=()):
     import jax.numpy as jnp
 
     from benchmarks import common
-    from benchmarks.bench_lean_chunks import kernel_ms
 
     n, d, v = size
     h, w, t, g = inputs(n, d, v)
@@ -133,9 +132,9 @@ def measure(size, runs, rounds, small, only=()):
                 row["bitwise"] = (same_bits(logp[:ALONE], logp1)
                                   and same_bits(grad[:ALONE], grad1))
                 if backend == "ffi" and not small:
-                    row.update(kernel_ms(default, data, KINDS))
+                    row.update(common.kernel_ms(default, data, KINDS))
                     row.update({"inv_" + k: ms
-                                for k, ms in kernel_ms(invariant, data, KINDS).items()})
+                                for k, ms in common.kernel_ms(invariant, data, KINDS).items()})
             except Exception as e:  # noqa: BLE001 - a backend that fails still leaves its row
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(row, flush=True)

@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -375,18 +374,14 @@ def main():
     fwd_times = {id(r): [] for r, _, _ in fns}
     fargs = (h, w, th, tw, mask)
     start = time.time()
-    for k in range(args.rounds):
-        order = fns[k % max(len(fns), 1):] + fns[:k % max(len(fns), 1)]
-        for row, grad, forward in order:
-            common.warm_up(grad, *fargs, seconds=0.0 if args.small else 0.3)
-            times[id(row)].append(common.median_ms(grad, *fargs, warmup=1, runs=args.runs))
-            fwd_times[id(row)].append(common.median_ms(forward, *fargs, warmup=1,
-                                                       runs=args.runs))
+    for row, grad, forward in common.in_rotation(fns, args.rounds):
+        common.warm_up(grad, *fargs, seconds=0.0 if args.small else 0.3)
+        times[id(row)].append(common.median_ms(grad, *fargs, warmup=1, runs=args.runs))
+        fwd_times[id(row)].append(common.median_ms(forward, *fargs, warmup=1, runs=args.runs))
     for row, _, _ in fns:
-        ts = times[id(row)]
-        row["fwdbwd_ms"] = statistics.median(ts)
-        row["spread_ms"] = max(ts) - min(ts)
-        row["fwd_ms"] = statistics.median(fwd_times[id(row)])
+        rounds = common.Timing(tuple(times[id(row)]))
+        row["fwdbwd_ms"], row["spread_ms"] = rounds.median, rounds.spread
+        row["fwd_ms"] = common.Timing(tuple(fwd_times[id(row)])).median
         row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
         print("timed:", row, flush=True)
     print(f"timing took {time.time() - start:.0f} s")

@@ -1,7 +1,7 @@
 """Where the linear head's time goes on the device: the wall clock against device time
-(``--timeline``), device time of GEMM / forward / forward+backward (``--device-times``), the
-per-kernel device time of one forward+backward (``--profile-backward``), and the summary of
-an ncu duration log (``--ncu-summary``). Run through ``python -m benchmarks.bench_linear``."""
+(``--timeline``), device time of GEMM / forward / forward+backward (``--device-times``) and
+the per-kernel device time of one forward+backward (``--profile-backward``). Run through
+``python -m benchmarks.bench_linear``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 import jaxrl_kernels as jk
 from benchmarks import common
-from benchmarks.linear_harness import gemm_call, in_rotation, inputs, op_fns, public
+from benchmarks.linear_harness import gemm_call, inputs, op_fns, public
 from benchmarks.side_by_side.jax_worker import xla_materialised
 
 
@@ -90,7 +90,7 @@ def device_table(sizes=DEVICE_SIZES, rounds=3, calls=8):
         for fn, args in variants.values():
             common.warm_up(fn, *args, seconds=0.5)
         spans = {key: [] for key in variants}
-        for key in in_rotation(variants, rounds):
+        for key in common.in_rotation(variants, rounds):
             fn, args = variants[key]
             spans[key] += common.call_spans(fn, args, calls + 1)[0][1:]
         for (impl, layout), (fn, args) in variants.items():
@@ -171,23 +171,3 @@ def profile_backward(layouts, n=4096, d=2048, v=131072, fused_loss=False):
         text = "\n".join(lines)
         (out / f"profile_{layout}.txt").write_text(text + "\n")
         print(text, flush=True)
-
-
-
-def ncu_summary(path):
-    """Per-kernel-name totals of an ``ncu --csv --metrics gpu__time_duration.sum`` log."""
-    import csv
-    import collections
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
-    totals = collections.defaultdict(lambda: [0, 0.0])
-    for rec in csv.DictReader(lines):
-        if rec.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "nsecond": 1e-6, "ms": 1.0,
-                 "msecond": 1.0}.get(rec.get("Metric Unit", "ns"), 1e-6)
-        name = rec["Kernel Name"][:60]
-        totals[name][0] += 1
-        totals[name][1] += float(rec["Metric Value"].replace(",", "")) * scale
-    for name, (count, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-        print(f"{ms:10.3f} ms {count:6d}x  {name}")

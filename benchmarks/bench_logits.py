@@ -28,7 +28,6 @@ Results: ``bench_logits.{json,md}`` / ``bench_logits_sweep.{json,md}`` in out/be
 from __future__ import annotations
 
 import argparse
-import time
 import traceback
 
 import jax
@@ -56,11 +55,7 @@ COLUMNS = ["op", "V", "dtype", "impl", "fwd_ms", "fwd_floor_ms", "fwd_x_floor", 
 
 def timed(fn, *args, budget_ms=2000.0):
     """Median ms, with a run count that keeps slow variants inside the time budget."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = 1e3 * (time.perf_counter() - start)
-    runs = int(max(5, min(30, budget_ms / max(first, 1e-3))))
-    return common.median_ms(fn, *args, warmup=2, runs=runs)
+    return common.time_calls(fn, *args, warmup=3, runs=30, budget_ms=budget_ms).median
 
 
 def logits_pair(key, n, vocab, dtype):

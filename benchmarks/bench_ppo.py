@@ -22,8 +22,6 @@ Results: ``bench_ppo.{json,md}`` in out/bench (``--out``, ``--update-results``: 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import traceback
 
 import jax
@@ -65,15 +63,7 @@ ROTATE_BYTES = 128 * 2**20  # > 2x the H100's 50 MB L2
 
 def rotating_median_ms(fn, arg_sets, warmup=3, runs=40):
     """Median ms of fn over runs that cycle through independent argument sets."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times = []
-    for i in range(runs):
-        args = arg_sets[i % len(arg_sets)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return common.time_calls(fn, arg_sets=arg_sets, warmup=warmup, runs=runs).median
 
 
 def make_inputs(rng, b, t, extra):

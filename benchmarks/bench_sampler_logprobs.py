@@ -49,7 +49,7 @@ def inputs(n, d, v, seed=0):
     t = n // b
     rng = np.random.default_rng(seed)
     # cast on the host: no float32 copy of the weight on the device, which would set the
-    # process's peak (bench_sampler_forward --peak) above the call's own
+    # process's peak (studies.bench_sampler_forward --peak) above the call's own
     h = jnp.asarray(rng.standard_normal((b, t, d), np.float32).astype(jnp.bfloat16))
     w = jnp.asarray((rng.standard_normal((v, d), np.float32) * np.float32(LOGIT_STD / d ** 0.5)
                      ).astype(jnp.bfloat16))

@@ -7,7 +7,7 @@ of a GRPO loss (group_size 2, bf16 hidden [N, D] and head [V, D]), the median of
 calls by the host clock after a warm-up, and XLA's temp size:
 
 - ``jnp bf16``: ``einsum`` to bf16 logits, float32 ``log_softmax`` and gather
-  (``jk.token_logprobs``, reference backend), the same loss (``benchmarks.bench_fast_loss``);
+  (``jk.token_logprobs``, reference backend), the same loss (:func:`losses`);
 - ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with ``memory="lean"`` / ``"fast"``
   (``ours fast, XLA logits``: its logits and statistics by XLA, as off Hopper);
 - ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
@@ -35,7 +35,7 @@ and leaves a row with ``error`` and no times; it never stops the sweep. The tabl
     python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
     python -m benchmarks.bench_tokens --small            # toy sizes, any device
 
-``benchmarks/plot_tokens.py`` draws ms per token against N from the JSON.
+``benchmarks/plot_tokens.py`` draws µs per token against N from the JSON (matplotlib).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ import subprocess
 import sys
 
 from benchmarks import output
-from benchmarks.bench_fast_loss import inputs, losses
 from benchmarks.token_peers import PEERS  # torch is imported only inside its worker
 
 COLUMNS = ["impl", "N", "D", "V", "fwdbwd_ms", "us_per_token", "x_floor", "x_jnp", "temp_mib"]
@@ -62,6 +61,71 @@ SIZES = {
     "small": [(8, 32, 1000), (64, 32, 1000)],
     "peer_shapes": [(4096, 2048, 131072), (8192, 4096, 131072)],
 }
+
+
+def inputs(n, d, v, seed=0):
+    """bf16 hidden [B, T, D] (B = 2 sequences per 1024 tokens, at least 2), head [V, D],
+    actions, old log-probs, rewards and mask: the inputs of every loss of :func:`losses`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    b = max(2, 2 * (n // 1024))
+    t = n // b
+    keys = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(jnp.bfloat16)
+    a = jax.random.randint(keys[2], (b, t), 0, v)
+    old = jnp.full((b, t), -np.log(v), jnp.float32)
+    r = jnp.arange(b, dtype=jnp.float32)
+    mask = jnp.ones((b, t), jnp.float32)
+    return h, w, a, old, r, mask
+
+
+def losses():
+    """``{impl: loss(hidden, weight, actions, old_logp, rewards, mask)}``."""
+    import jax.numpy as jnp
+
+    import jaxrl_kernels as jk
+
+    kw = dict(group_size=2, clip_low=0.2, clip_high=0.28)
+
+    def plain(h, w, a, old, r, mask):
+        logp = jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), a, backend="reference")
+        adv = jk.group_advantages(r, group_size=kw["group_size"])
+        return jk.ppo_loss(logp, old, adv, mask, clip_low=kw["clip_low"],
+                           clip_high=kw["clip_high"])[0]
+
+    def ours(memory):
+        def loss(h, w, a, old, r, mask):
+            return jk.linear_grpo_loss(h, w, a, old, r, mask, memory=memory, **kw)[0]
+        return loss
+
+    return {"jnp bf16": plain, "ours lean": ours("lean"), "ours fast": ours("fast"),
+            "ours fast, XLA logits": xla_logits(ours("fast"))}
+
+
+def traced_under(fn, patch):
+    """``fn`` run (and so traced) inside the context manager ``patch()``."""
+    def traced(*args):
+        with patch():
+            return fn(*args)
+    return traced
+
+
+def xla_logits(fn):
+    """``fn`` run (and so traced) with the ffi backend's ``kept_logits`` withheld:
+    ``memory="fast"``'s logits and their statistics from XLA's GEMM and reductions (the
+    reference backend's), as off Hopper, against the kernel that writes them and folds them at
+    once."""
+    from unittest import mock
+
+    def withheld():
+        from jaxrl_kernels.backends import ffi
+
+        others = {name: op for name, op in ffi.OPS.items() if name != "kept_logits"}
+        return mock.patch.dict(ffi.OPS, others, clear=True)
+    return traced_under(fn, withheld)
 
 
 def three_gemms(h, w, *_):
@@ -170,9 +234,9 @@ def peer_rows(results, rows):
 
 def torch_worker(sizes, runs):
     """[((N, D, V), median ms)] of the plain torch GRPO loss forward+backward, bf16 logits."""
-    import statistics
-
     import torch
+
+    from benchmarks import torch_clock
 
     out = []
     for n, d, v in sizes:
@@ -192,17 +256,8 @@ def torch_worker(sizes, runs):
             loss.backward()
             h.grad = w.grad = None
 
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        out.append(((n, d, v), statistics.median(times)))
+        times = torch_clock.Clock().time_calls(step, warmup=3, runs=runs, events=True)
+        out.append(((n, d, v), torch_clock.median(times)))
         del h, w
         torch.cuda.empty_cache()
     return out

@@ -293,20 +293,28 @@ class Worker:
         return compiled, need, fixed, time.perf_counter() - start
 
     def time_step(self, compiled, example, steps):
-        times = []
-        for i in range(steps + 1):
-            start = time.perf_counter()
+        """Median ms of a train step after one warm-up step (``benchmarks.common``'s timer;
+        each step takes the state the last one returned)."""
+        from benchmarks import common as timer
+
+        last = []
+
+        def step():
             loss, grad_norm, self.state = compiled(self.state, example)
-            self.jax.block_until_ready((loss, grad_norm, self.state))
-            if i:
-                times.append(time.perf_counter() - start)
+            last[:] = [loss]
+            return loss, grad_norm, self.state
+
+        timing = timer.time_calls(step, warmup=1, runs=steps)
+        loss = last[0]
         if not bool(self.jax.numpy.isfinite(loss)):
             raise FloatingPointError(f"loss is {float(loss)}")
-        return 1e3 * sorted(times)[len(times) // 2]
+        return timing.median
 
     def time_passes(self, example, steps):
         """(median ms of one log-prob pass, XLA's bytes of the pass, compile s): the reference
         model's pass and the policy's, alternately."""
+        from benchmarks import common as timer
+
         models = [self.reference, self.policy()]
         args = lambda m: (m[0], m[1], example.prompt_ids, example.completion_ids)  # noqa: E731
         start = time.perf_counter()
@@ -314,13 +322,9 @@ class Worker:
                                            stop_gradient=True, temperature=1.0,
                                            **self.pass_kwargs).compile()
         seconds = time.perf_counter() - start
-        times = []
-        for i in range(2 * steps + 2):
-            start = time.perf_counter()
-            self.jax.block_until_ready(compiled(*args(models[i % 2])))
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        return 1e3 * sorted(times)[len(times) // 2], self.need_bytes(compiled), seconds
+        timing = timer.time_calls(compiled, arg_sets=[args(m) for m in models], warmup=2,
+                                  runs=2 * steps)
+        return timing.median, self.need_bytes(compiled), seconds
 
 
 def peak_bytes():

@@ -1,8 +1,12 @@
 """Timing, memory and reporting helpers shared by the benchmark scripts.
 
-Timing: compile and warm up first, then time many runs with ``block_until_ready``
-and report the median. Memory comes from the compiled executable
-(``memory_analysis``) and the device allocator.
+Timing: every script times through :func:`time_calls`, the one wall-clock timer: warm-up
+calls first, then many synchronised calls (``block_until_ready``), their median and spread
+(:class:`Timing`). :func:`median_ms`, :func:`pipelined_ms`, :func:`warm_up` and
+:func:`rotated_ms` are that timer with the settings their names say. Device time comes from
+a profiler trace (:func:`traced`, :func:`call_spans`). Memory comes from the compiled
+executable (``memory_analysis``) and the device allocator. The PyTorch workers, which never
+import JAX, time through the equivalent in ``benchmarks.torch_clock``.
 
 Where results go (:func:`results_dir`): a scratch directory, ``out/bench`` under the
 working directory, unless told otherwise: ``--out DIR`` or ``BENCH_RESULTS=DIR``;
@@ -12,6 +16,7 @@ benchmarks/README.md).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -31,24 +36,78 @@ import jax
 from benchmarks.output import RESULTS, SCRATCH, output_arguments, results_dir  # noqa: F401
 
 
-def median_ms(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 25) -> float:
-    """Median wall time of ``fn(*args)`` in ms, synchronised with ``block_until_ready``."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """What :func:`time_calls` measured: the milliseconds per call of each timed sample."""
+
+    samples: tuple[float, ...]
+    calls: int = 1
+    """Calls per sample, back to back before one synchronisation."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """Largest less smallest sample."""
+        return max(self.samples) - min(self.samples)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples)
+
+
+def time_calls(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 25,
+               calls: int = 1, arg_sets: Sequence[Sequence[Any]] | None = None,
+               budget_ms: float | None = None, seconds: float | None = None,
+               sync: Callable[[Any], Any] = jax.block_until_ready) -> Timing:
+    """The benchmarks' one wall-clock timer: ``warmup`` calls of ``fn(*args)``, each
+    synchronised (compilation, caches, clocks), then ``runs`` samples by the host clock, each
+    ``calls`` calls back to back and one ``sync`` of the last result, in ms per call.
+
+    ``calls`` > 1 lets the host enqueue the next call while the device runs this one, as a
+    training loop does. ``arg_sets``: argument tuples taken in turn instead of ``args``
+    (inputs that never sit in L2 between calls). ``budget_ms``: fewer runs for a slow ``fn``
+    (at least 5, at most ``runs``), from the first warm-up call's time. ``seconds``: samples
+    go on until this much time has passed (at least ``runs`` of them)."""
+    sets = list(arg_sets) if arg_sets is not None else [args]
+    count = 0
+
+    def call():
+        nonlocal count
+        out = fn(*sets[count % len(sets)])
+        count += 1
+        return out
+
+    first_ms = None
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+        sync(call())
+        if first_ms is None:
+            first_ms = 1e3 * (time.perf_counter() - start)
+    if budget_ms is not None and first_ms is not None:
+        runs = int(max(5, min(runs, budget_ms / max(first_ms, 1e-3))))
+    end = None if seconds is None else time.perf_counter() + seconds
+    samples = []
+    while len(samples) < runs or (end is not None and time.perf_counter() < end):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        sync(out)
+        samples.append(1e3 * (time.perf_counter() - start) / calls)
+    return Timing(tuple(samples), calls)
+
+
+def median_ms(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 25) -> float:
+    """Median wall time of ``fn(*args)`` in ms, synchronised: :func:`time_calls`."""
+    return time_calls(fn, *args, warmup=warmup, runs=runs).median
 
 
 def warm_up(fn: Callable[..., Any], *args: Any, seconds: float = 1.0) -> None:
     """Run ``fn(*args)`` back to back for ``seconds``: an idle GPU's clocks take a moment to
     rise, and the first variant timed would pay for it."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        jax.block_until_ready(fn(*args))
+    time_calls(fn, *args, warmup=0, runs=0, seconds=seconds)
 
 
 def traced(fn, args, calls=1):
@@ -98,17 +157,48 @@ def call_spans(fn, args, calls, match=None):
     return out, kernels, host
 
 
+KERNELS = ("fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
+"""The kinds :func:`kernel_kind` sorts the linear head's ffi kernels into."""
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of one of the linear head's device kernels, by its name: ``fwd`` (the forward
+    kernel), ``grad`` (the backward's grad kernel), ``copy_ms`` (the weight copy's own kernel),
+    ``absmax`` (the first chunk's max |W|), ``gemm_dh`` / ``gemm_dh_splitk`` (d_hidden's
+    CUTLASS GEMM, unsplit / split-K), ``gemm_dw`` (d_weight's), else ``other``."""
+    if "linear_grad_kernel" in name:
+        return "grad"
+    if "weight_copy_kernel" in name:
+        return "copy_ms"
+    if "weight_absmax" in name:
+        return "absmax"
+    if "linear_lse_kernel" in name or "linear_stats" in name:
+        return "fwd"
+    if "GemmUniversal" in name:
+        if "StreamK" in name:
+            return "gemm_dh_splitk"
+        return "gemm_dw" if ("bfloat16" in name or "half_tEvE" in name) else "gemm_dh"
+    return "other"
+
+
+def kernel_ms(fn, args, kinds, calls=3, kind_of=kernel_kind):
+    """Mean device ms per call of ``fn(*args)`` by ``kind_of`` (a kernel's name -> its kind),
+    over one profiler trace of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds
+    not among them count as ``"other"``, which ``kinds`` then holds)."""
+    import collections
+
+    _, kernels, _ = call_spans(fn, args, calls=calls)
+    per = collections.Counter()
+    for k in kernels:
+        kind = kind_of(k["name"])
+        per[kind if kind in kinds else "other"] += k["dur"] / 1e3 / calls
+    return {kind: per.get(kind, 0.0) for kind in kinds}
+
+
 def pipelined_ms(fn, args, reps=8, trials=7):
     """Per-call ms of ``reps`` back-to-back calls and one synchronisation (the host enqueues
     the next call while the device runs this one, as a training loop does): median of trials."""
-    per_call = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        per_call.append(1e3 * (time.perf_counter() - start) / reps)
-    return statistics.median(per_call)
+    return time_calls(fn, *args, warmup=0, runs=trials, calls=reps).median
 
 
 def temp_mib(jitted: Callable[..., Any], *args: Any) -> float:
@@ -175,21 +265,30 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     return table
 
 
-def rotated_ms(steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]], args: Sequence[Any],
-               *, runs: int, rounds: int, warm_seconds: float) -> None:
-    """Time each ``(row, step)`` on ``args`` into ``row["fwdbwd_ms"]``: the median over
-    ``rounds`` rounds, each in an order rotated by one, of :func:`median_ms` of ``runs`` calls
-    after :func:`warm_up` (so that no step always runs first or after the same one)."""
-    import statistics
+def in_rotation(keys, rounds):
+    """``keys`` in turn, ``rounds`` times, each round starting one further along (so that
+    drift and order hit all alike)."""
+    keys = list(keys)
+    for r in range(rounds if keys else 0):
+        yield from keys[r % len(keys):] + keys[:r % len(keys)]
 
+
+def rotated_ms(steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]], args: Sequence[Any],
+               *, runs: int, rounds: int, warm_seconds: float, warmup: int = 3,
+               key: str = "fwdbwd_ms") -> dict[int, Timing]:
+    """Time each ``(row, step)`` on ``args`` into ``row[key]``: the median over ``rounds``
+    rounds, each in an order rotated by one (:func:`in_rotation`, so that no step always runs
+    first or after the same one), of :func:`time_calls` of ``runs`` calls after
+    :func:`warm_up`. Returns ``{id(row): Timing of its rounds' medians}`` (their spread)."""
     times: dict[int, list[float]] = {id(row): [] for row, _ in steps}
-    for r in range(rounds):
-        shift = r % max(len(steps), 1)
-        for row, step in list(steps[shift:]) + list(steps[:shift]):
-            warm_up(step, *args, seconds=warm_seconds)
-            times[id(row)].append(median_ms(step, *args, runs=runs))
+    for row, step in in_rotation(steps, rounds):
+        warm_up(step, *args, seconds=warm_seconds)
+        times[id(row)].append(time_calls(step, *args, warmup=warmup, runs=runs).median)
+    out = {}
     for row, _ in steps:
-        row["fwdbwd_ms"] = statistics.median(times[id(row)])
+        out[id(row)] = Timing(tuple(times[id(row)]))
+        row[key] = out[id(row)].median
+    return out
 
 
 def sized_main(argv, *, description: str, sizes: dict[str, list], name: str, columns,

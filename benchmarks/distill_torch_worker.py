@@ -2,7 +2,7 @@
 
 Forward+backward: ``loss.backward()`` of its scalar JSD (β = 0.5, temperature 1, mean over the
 N tokens: ``bench_distill``'s L for ``divergence="jsd"``) with respect to the student's h and
-W. Time: the median of synchronised calls by the host clock; extra memory:
+W. Time: the median of synchronised calls by the host clock (``torch_clock``); extra memory:
 ``torch.cuda.max_memory_allocated`` during the call above what was allocated before, less the
 returned gradients. Where torch, a CUDA device or Liger is missing, the row says which.
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 
 def main():
@@ -34,6 +32,8 @@ def main():
 
     try:
         import torch
+
+        from benchmarks import torch_clock
     except ImportError as err:
         return emit(note=f"skipped: torch does not import ({err})")
     if not torch.cuda.is_available():
@@ -68,17 +68,9 @@ def main():
         torch.cuda.synchronize()
         grads = sum(x.grad.numel() * x.grad.element_size() for x in (h, w))
         extra = (torch.cuda.max_memory_allocated() - before - grads) / 2**20
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(args.runs):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(1e3 * (time.perf_counter() - start))
+        times = torch_clock.Clock().time_calls(step, warmup=3, runs=args.runs)
         version = getattr(liger_kernel, "__version__", "?")
-        emit(fwdbwd_ms=statistics.median(times), spread_ms=max(times) - min(times),
+        emit(fwdbwd_ms=torch_clock.median(times), spread_ms=torch_clock.spread(times),
              temp_mib=extra, loss=float(loss),
              note=f"liger-kernel {version}; torch allocator peak above inputs, less the grads")
     except Exception as err:  # one row saying what failed

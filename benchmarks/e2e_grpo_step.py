@@ -48,7 +48,6 @@ import math
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -226,14 +225,15 @@ class Trainer:
         return float(jax.block_until_ready(value))
 
     def time_steps(self, compiled, batch, steps):
-        import jax
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
+        """Median ms of ``steps`` train steps (``benchmarks.common``'s timer; each step takes
+        the parameters the last one returned)."""
+        from benchmarks import common
+
+        def step():
             self.params, self.opt_state, value = compiled(self.params, self.opt_state, batch)
-            jax.block_until_ready(value)
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
+            return value
+
+        return common.time_calls(step, warmup=0, runs=steps).median
 
 
 def out_of_memory(err):

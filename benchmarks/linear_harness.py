@@ -5,7 +5,6 @@ backward) and how they time them (budgeted medians, rotated rounds)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 import traceback
 
 import jax
@@ -30,11 +29,7 @@ def inputs(n, d, v, layout="vd", seed=0):
 
 def timed(fn, *args, budget_ms=2500.0):
     """Median ms with a run count that keeps slow variants inside the time budget."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = 1e3 * (time.perf_counter() - start)
-    runs = int(max(5, min(25, budget_ms / max(first, 1e-3))))
-    return common.median_ms(fn, *args, warmup=2, runs=runs)
+    return common.time_calls(fn, *args, warmup=3, runs=25, budget_ms=budget_ms).median
 
 
 def gemm_call(layout="vd"):
@@ -147,24 +142,16 @@ def ffi_chunks(mib):
                              config=ffi_linear.Config(chunk_bytes=mib * 2**20))
 
 
-def in_rotation(keys, rounds):
-    """``keys`` in turn, ``rounds`` times, each round starting one further along (so that
-    drift and order hit all alike)."""
-    keys = list(keys)
-    for r in range(rounds):
-        yield from keys[r % len(keys):] + keys[:r % len(keys)]
-
-
 ROUNDS = 4
 
 
 def rotated(variants, rounds=ROUNDS):
     """{name: (fn, args)} timed ``in_rotation``: {name: median of its rounds' medians}."""
     times = {name: [] for name in variants}
-    for name in in_rotation(variants, rounds):
+    for name in common.in_rotation(variants, rounds):
         fn, args = variants[name]
         times[name].append(timed(fn, *args))
-    return {name: float(np.median(ts)) for name, ts in times.items()}
+    return {name: common.Timing(tuple(ts)).median for name, ts in times.items()}
 
 
 def against_gemm(sizes, make_variants):

@@ -3,10 +3,11 @@
 # with this project installed, on a GPU machine; benchmarks/README.md says what each answers):
 #   bash benchmarks/steps.sh side_by_side e2e           # results in out/bench/
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
-# Steps: tests demo ffi linear logits ppo ppo_base backward backward_base linear_ffi one_device
-#   many_devices many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times kernels fused timeline clocks
-#   profile memcheck fast_mode fast_accuracy fast_loss tokens lean_chunks batch_invariant batch_invariant_ffi distill topk_distill sampler
-#   kept_set sampler_forward.
+# Steps: the suite's: tests demo linear logits ppo ppo_base linear_ffi one_device many_devices
+#   many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times timeline
+#   profile memcheck fast_accuracy tokens batch_invariant batch_invariant_ffi distill topk_distill
+#   sampler; the studies' (benchmarks/studies/): ffi backward backward_base kernels fused clocks
+#   fast_mode fast_loss lean_chunks kept_set sampler_forward.
 #   Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
 #   PYTHON=python3            the interpreter (default: python3 on the PATH)
@@ -34,10 +35,11 @@ for s in "$@"; do
     # four workers share the GPU (no preallocation): the grid's time is mostly compiling
     fast_accuracy) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs tests/test_fast_accuracy.py tests/test_distill.py -k 'fast or accuracy' 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_fast_accuracy.txt\"; exit \${PIPESTATUS[0]}" ;;
     demo)  step 150 "$PY" -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
-    ffi|linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
+    linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
+    ffi) step 200 "$PY" -m benchmarks.studies.bench_ffi ;;
     ppo_base) step 150 "$PY" -m benchmarks.bench_ppo --sizes base ;;
-    backward) step 420 "$PY" -m benchmarks.bench_linear --backward ;;
-    backward_base) step 300 "$PY" -m benchmarks.bench_linear --backward --sizes backward_base ;;
+    backward) step 420 "$PY" -m benchmarks.studies.linear_kernels --backward ;;
+    backward_base) step 300 "$PY" -m benchmarks.studies.linear_kernels --backward --sizes backward_base ;;
     linear_ffi) step 300 "$PY" -m benchmarks.bench_linear --backends ffi,pallas,reference ;;
     one_device) step 300 bash -c "$PY -m benchmarks.bench_many_devices --layouts 1dev --sizes base &&
       $PY -m benchmarks.bench_many_devices --layouts 1dev" ;;
@@ -56,26 +58,26 @@ for s in "$@"; do
     many_devices_16k) step 560 "$PY" -m benchmarks.bench_many_devices --sizes n16k_d2048,n16k_d4096 \
       --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both ;;
     side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;
-    fast_mode) step 240 "$PY" -m benchmarks.bench_fast_mode ;;
+    fast_mode) step 240 "$PY" -m benchmarks.studies.bench_fast_mode ;;
     distill) step 540 "$PY" -m benchmarks.bench_distill --peak ;;
     topk_distill) step 420 "$PY" -m benchmarks.bench_topk_distill --runs 10 ;;
     sampler) step 540 "$PY" -m benchmarks.bench_sampler_logprobs --runs 10 ;;
-    kept_set) step 240 "$PY" -m benchmarks.bench_kept_set --runs 10 ;;
-    sampler_forward) step 300 "$PY" -m benchmarks.bench_sampler_forward --runs 10 ;;
-    fast_loss) step 240 "$PY" -m benchmarks.bench_fast_loss ;;
+    kept_set) step 240 "$PY" -m benchmarks.studies.bench_kept_set --runs 10 ;;
+    sampler_forward) step 300 "$PY" -m benchmarks.studies.bench_sampler_forward --runs 10 ;;
+    fast_loss) step 240 "$PY" -m benchmarks.studies.bench_fast_loss ;;
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
-    lean_chunks) step 420 "$PY" -m benchmarks.bench_lean_chunks --runs 10 --rounds 2 ;;
+    lean_chunks) step 420 "$PY" -m benchmarks.studies.bench_lean_chunks --runs 10 --rounds 2 ;;
     batch_invariant) step 590 "$PY" -m benchmarks.bench_batch_invariant --runs 10 --rounds 2 ;;
     batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --sizes n1000_n4096 --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
     tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
     device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;
-    kernels) step 360 "$PY" -m benchmarks.bench_linear --kernels ;;
-    fused) step 420 "$PY" -m benchmarks.bench_linear --fused --sizes "${FUSED_SIZES:-backward}" ;;
+    kernels) step 360 "$PY" -m benchmarks.studies.linear_kernels --kernels ;;
+    fused) step 420 "$PY" -m benchmarks.studies.linear_kernels --fused --sizes "${FUSED_SIZES:-backward}" ;;
     timeline) step 300 bash -c "$PY -m benchmarks.bench_linear --timeline &&
       XLA_FLAGS=--xla_gpu_enable_command_buffer= $PY -m benchmarks.bench_linear --timeline" ;;
     clocks) step 540 bash -c "for kind in ${CLOCKS:-ops forward kernels chunks}; do
-      $PY -m benchmarks.bench_linear --clocks \$kind || exit 1; done" ;;
+      $PY -m benchmarks.studies.linear_kernels --clocks \$kind || exit 1; done" ;;
     profile) step 240 "$PY" -m benchmarks.bench_linear --profile-backward vd,dv ;;
     # XLA's GEMM autotuning under the sanitizer is very slow, hence autotune level 0
     memcheck) step 300 bash -c "sanitizer=\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -3,7 +3,7 @@ own: PyTorch only, never JAX, so that the two allocators never share it.
 
 Per (N, D, V) of the sweep, forward+backward of QuACK's chunked linear cross-entropy and
 Liger's fused linear cross-entropy on bf16 hidden [N, D] ~ N(0, 1), head [V, D] ~
-N(0, 4/D) (the scale of ``bench_fast_loss.inputs``) and random targets. The implementations
+N(0, 4/D) (the scale of ``bench_tokens.inputs``) and random targets. The implementations
 are ``benchmarks.side_by_side.torch_worker``'s, imported, not copied: ``liger()`` gives
 logp = −(per-token loss, reduction "none"), timed as L = Σ g·logp with a random cotangent
 g ~ N(0, 1); ``quack(False)`` (``chunked_linear_cross_entropy``, ``use_scaled_exp=False``)
@@ -47,7 +47,8 @@ def makers(torch_worker):
 
 
 def fwdbwd_ms(fn, summed, h, w, t, g, runs, clock):
-    """Median CUDA-event milliseconds of ``torch.autograd.grad(L, (h, W))`` after warm-up."""
+    """Median CUDA-event milliseconds of ``torch.autograd.grad(L, (h, W))`` after warm-up
+    (``benchmarks.torch_clock``)."""
     import torch
 
     def fwdbwd():
@@ -55,10 +56,7 @@ def fwdbwd_ms(fn, summed, h, w, t, g, runs, clock):
         loss = fn(hg, wg, t) if summed else (g * fn(hg, wg, t)).sum()
         return torch.autograd.grad(loss, (hg, wg))
 
-    for _ in range(WARMUP):
-        fwdbwd()
-    torch.cuda.synchronize()
-    return statistics.median(clock.device_ms(fwdbwd) for _ in range(runs))
+    return statistics.median(clock.time_calls(fwdbwd, warmup=WARMUP, runs=runs, events=True))
 
 
 def worker(sizes, runs):
@@ -66,6 +64,7 @@ def worker(sizes, runs):
     try:
         import torch
 
+        from benchmarks import torch_clock
         from benchmarks.side_by_side import torch_worker
     except Exception as err:  # noqa: BLE001 - no torch (or a broken one): no peer can run
         return [{"impl": impl, "error": "import failed: " + error_text(err)} for impl in PEERS]
@@ -81,7 +80,7 @@ def worker(sizes, runs):
             out.append({"impl": impl, "error": "import failed: " + error_text(err)})
             continue
         ready[impl] = (fn, summed, f"{version}, {torch_version}", note + NOTE)
-    clock = torch_worker.Clock(torch.device("cuda"))
+    clock = torch_clock.Clock(torch.device("cuda"))
     for n, d, v in sizes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -34,7 +34,7 @@ namespace jaxrl_kept {
 
 // float4 loads a thread issues before it uses any (for_each): a pass is bound by the loads in
 // flight (docs/performance.md, "Kernel constants"). The kernel's template parameter, so that a
-// build may measure others (benchmarks/variants/kept_set_load_batch.cu).
+// build may measure others (benchmarks/studies/variants/kept_set_load_batch.cu).
 constexpr int kDefaultLoadBatch = 4;
 constexpr int kMaxRefinements = 12;  // more than a 32-bit interval needs (each cuts >= 2048-fold)
 // The first interval of a stage, [m - range, m]: most values lie below it and cost no

@@ -1,5 +1,6 @@
-"""benchmarks/bench_sampler_logprobs.py runs end to end at toy sizes (``--small``) on the CPU,
-in this process, and its rows say what its docstring promises."""
+"""benchmarks/bench_sampler_logprobs.py (and its study, benchmarks/studies/
+bench_sampler_forward.py) runs end to end at toy sizes (``--small``) on the CPU, in this
+process, and its rows say what its docstring promises."""
 
 import json
 import math
@@ -34,7 +35,7 @@ def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
 
 
 def test_bench_sampler_forward_small(tmp_path, monkeypatch):
-    from benchmarks import bench_sampler_forward as forward
+    from benchmarks.studies import bench_sampler_forward as forward
     from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 

@@ -1,6 +1,7 @@
 """benchmarks/bench_tokens.py runs end to end at toy sizes (``--small``) on any device, its
 peers (``--peers``: QuACK, Liger) included, which leave rows with an error where they cannot
-run; benchmarks/plot_tokens.py draws its result, a line per impl with times."""
+run; benchmarks/plot_tokens.py draws its result with matplotlib, a line per impl with times,
+to SVG or PNG by the output's extension."""
 
 import json
 import os
@@ -8,6 +9,13 @@ import pathlib
 import subprocess
 import sys
 import xml.dom.minidom
+
+import pytest
+
+
+def drawn(fig):
+    """The labels of the lines of each panel of a plot_tokens figure."""
+    return [[line.get_label() for line in ax.get_lines()] for ax in fig.axes]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -47,17 +55,23 @@ def test_bench_tokens_small_and_its_plot(tmp_path):
     md = (tmp_path / "bench_tokens.md").read_text()
     assert "QuACK chunked" in md and "Liger" in md
 
-    svg = tmp_path / "tokens.svg"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.plot_tokens",
-                           str(tmp_path / "bench_tokens.json"), str(svg)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = xml.dom.minidom.parse(str(svg))
+    for name in ("tokens.svg", "tokens.png"):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.plot_tokens",
+                               str(tmp_path / "bench_tokens.json"), str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    svg = (tmp_path / "tokens.svg").read_text()
+    xml.dom.minidom.parseString(svg)
+    assert data["meta"]["commit"] in svg  # the footer, kept as text
+    assert (tmp_path / "tokens.png").read_bytes().startswith(b"\x89PNG")
     # one line per impl with times and the lean floor, in the one (D, V) panel of the toy sizes
+    from benchmarks import plot_tokens
+
     timed = {r["impl"] for r in data["rows"] if r.get("us_per_token")}
     assert {"jnp bf16", "ours lean", "ours fast", "3 GEMMs"} <= timed
-    assert len(doc.getElementsByTagName("polyline")) == len(timed) + 1
-    assert data["meta"]["commit"] in svg.read_text()
+    [labels] = drawn(plot_tokens.figure(data))
+    assert sorted(labels) == sorted(timed | {plot_tokens.LEAN_FLOOR})
 
 
 def test_peer_rows_from_injected_records(capsys, monkeypatch):
@@ -89,11 +103,14 @@ def test_peer_rows_from_injected_records(capsys, monkeypatch):
                         "note": "... cross-entropy"}
     assert "fwdbwd_ms" not in peers[2] and peers[2]["error"].startswith("OutOfMemoryError")
 
-    svg = plot_tokens.render({"meta": {"device": "cpu", "date": "d", "jax": "j", "commit": "c"},
+    fig = plot_tokens.figure({"meta": {"device": "cpu", "date": "d", "jax": "j", "commit": "c"},
                               "rows": rows + peers})
-    doc = xml.dom.minidom.parseString(svg)
-    assert len(doc.getElementsByTagName("polyline")) == 4  # jnp, 3 GEMMs, Liger, lean floor
-    assert plot_tokens.STYLE["Liger"][0] in svg and "QuACK chunked" not in svg
+    [labels] = drawn(fig)
+    assert labels == ["jnp bf16", "3 GEMMs", "Liger", plot_tokens.LEAN_FLOOR]
+    [liger] = [line for line in fig.axes[0].get_lines() if line.get_label() == "Liger"]
+    assert liger.get_color() == plot_tokens.STYLE["Liger"][0]
+    ns, floor = fig.axes[0].get_lines()[-1].get_data()
+    assert list(ns) == [8, 64] and list(floor) == pytest.approx([4 / 3 * 125.0, 4 / 3 * 1e3 / 64])
 
     def failed(*args, **kwargs):
         return sp.CompletedProcess(args, 1, "", "Traceback ...\nRuntimeError: boom\n")

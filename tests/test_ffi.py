@@ -25,7 +25,7 @@ import jaxrl_kernels as jk
 import oracle
 from conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from benchmarks import kernel_entry
-from benchmarks.variants import ffi_xla_gemms
+from benchmarks.studies.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.engine import fused_loss
@@ -229,9 +229,10 @@ def test_forward_splits_attribute_from_config():
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
-    """benchmarks/variants/ffi_xla_gemms.py (measurement only): the grad call in a loop of XLA
-    GEMMs; d_weight starts as a buffer nobody writes (the chunk loop covers every column)."""
-    from benchmarks.variants import ffi_xla_gemms
+    """benchmarks/studies/variants/ffi_xla_gemms.py (measurement only): the grad call in a
+    loop of XLA GEMMs; d_weight starts as a buffer nobody writes (the chunk loop covers every
+    column)."""
+    from benchmarks.studies.variants import ffi_xla_gemms
 
     h, w, b, t = _inputs(layout=layout)
     rows = jnp.ones((t.shape[0],), jnp.float32)
@@ -387,7 +388,7 @@ def test_cpu_dispatch_declines_ffi_with_reason():
 
 needs_sm90 = pytest.mark.skipif(ffi.unavailable_reason() is not None,
                                 reason=f"ffi unavailable: {ffi.unavailable_reason()}")
-# The grad call alone (ffi_linear.GRAD_TARGET, benchmarks/variants/ffi_xla_gemms.py) exists only in
+# The grad call alone (ffi_linear.GRAD_TARGET, benchmarks/studies/variants/ffi_xla_gemms.py) exists only in
 # an extension built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON.
 MEASUREMENT_HANDLERS = bool(getattr(extension.sm90, "measurement_handlers", False))
 needs_measurement_handlers = pytest.mark.skipif(
@@ -529,7 +530,7 @@ def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy
     cotangents) and a target outside [0, V): the fused custom call (CUTLASS GEMMs; chunks of
     `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer), with the
     weight copy where the backward puts it, in the grad kernel and apart, and the grad call in
-    head_grad's loop of XLA GEMMs (benchmarks/variants/ffi_xla_gemms.py)."""
+    head_grad's loop of XLA GEMMs (benchmarks/studies/variants/ffi_xla_gemms.py)."""
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + v)
     _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms)
 
@@ -623,7 +624,7 @@ G_CASES = [
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start, size):
     """Every element of the grad call's G = alpha [v = target] - beta p (float16; the call
-    as benchmarks/variants/ffi_xla_gemms.py makes it) against
+    as benchmarks/studies/variants/ffi_xla_gemms.py makes it) against
     float64: each lands where it belongs, whichever store path (16-byte rows, or single
     elements at a ragged edge) wrote it; and its second result, the chunk's weight copy
     float16(σ_W · W), equal bit for bit to the conversion in numpy."""

@@ -447,7 +447,7 @@ def test_gpu_fast_bf16_on_the_kept_logits_kernel(rng, trunc):
     kept-logit arrays differ by at most one rounding step in a few entries, so each row's kept
     set and its log-prob, entropy and gradients agree but for rows where such a step crosses
     a truncation's threshold. 600 rows (above ffi.linear.KEPT_LOGITS_MIN_ROWS), V = 12304."""
-    from benchmarks.bench_fast_loss import xla_logits
+    from benchmarks.bench_tokens import xla_logits
     from jaxrl_kernels.backends import ffi
 
     if ffi.unavailable_reason():

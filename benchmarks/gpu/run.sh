@@ -4,9 +4,10 @@
 # everything into $OUT as log.txt + results.tar.gz (re-packed after every step, so a run cut
 # short still returns what it finished). On your own GPU machine with network you need none of
 # this: see benchmarks/README.md.
-#   STEPS="tests ffi linear logits ppo demo"   what to run, in order: any step of
-#                                              benchmarks/steps.sh, and stage_jax /
-#                                              tests_new_jax (a newer jax, split_jax_wheels.sh)
+#   STEPS="tests linear logits ppo demo"       what to run, in order: any step of
+#                                              benchmarks/steps.sh (the studies' too), and
+#                                              stage_jax / tests_new_jax (a newer jax,
+#                                              split_jax_wheels.sh)
 #   TESTS="tests"                              what the tests step gives pytest -m gpu
 #   JAXRL_KERNELS_COMMIT=<sha>                 the commit to stamp results with (no .git there)
 # Staged beside the checkout: .whl/*.whl (nvidia-cutlass, the extension's headers),
@@ -62,7 +63,7 @@ python3 -c 'import jax, jaxrl_kernels as jk; print(jax.devices(), {op: jk.availa
 pack='cd "$OUT" && tar czf results.tar.gz results'
 export OUT AFTER_STEP=$pack
 status=0
-for s in ${STEPS-tests ffi linear logits ppo demo}; do
+for s in ${STEPS-tests linear logits ppo demo}; do
   case $s in
     # a newer jax than the image's, copied in as parts (split_jax_wheels.sh); installed over
     # the image's jax, so it is the run's last step

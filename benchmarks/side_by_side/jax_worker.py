@@ -107,13 +107,11 @@ def tokamax_impl(tokamax, implementation):
 def timed(fn, args, budget_ms, smoke):
     """(wall ms, device ms): medians of synchronised calls, by the host clock and by the
     kernels' span in a profiler trace (None where the trace has no device kernels)."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = 1e3 * (time.perf_counter() - start)
-    runs = shared.runs_for(first, budget_ms, smoke)
-    wall = common.median_ms(fn, *args, warmup=1 if smoke else 2, runs=runs)
+    wall = common.time_calls(fn, *args, warmup=2 if smoke else 3, runs=2 if smoke else 25,
+                             budget_ms=None if smoke else budget_ms)
+    runs = len(wall.samples)
     spans = common.call_spans(fn, args, runs + 1)[0][1:]  # the first call starts the trace
-    return wall, (float(np.median([s[1] for s in spans])) if spans else None)
+    return wall.median, (float(np.median([s[1] for s in spans])) if spans else None)
 
 
 @jax.jit

@@ -103,13 +103,6 @@ class Budget:
         return self.left() <= 0
 
 
-def runs_for(first_ms: float, budget_ms: float, smoke: bool) -> int:
-    """How many timed runs fit ``budget_ms`` after a first run of ``first_ms`` (5 to 25)."""
-    if smoke:
-        return 2
-    return int(max(5, min(25, budget_ms / max(first_ms, 1e-3))))
-
-
 def write_row(path: str | pathlib.Path, row: dict[str, Any]) -> None:
     """Append one row as a JSON line (so rows survive a worker that dies later)."""
     with open(path, "a") as f:

@@ -2,10 +2,10 @@
 
 Each implementation is a function ``logp(h, w, t) -> [N] float32``. Forward: under
 ``torch.no_grad`` with inputs that need no gradient. Forward+backward: ``torch.autograd.grad``
-of L = Σ g·logp with respect to h and W. Times, medians after warm-up: ``*_ms`` by the host
-clock around a run and ``synchronize`` (as the JAX worker's around ``block_until_ready``),
-``*_device_ms`` by CUDA events around it (the JAX worker's device time is the kernels' span in
-a profiler trace). Extra memory:
+of L = Σ g·logp with respect to h and W. Times, medians after warm-up
+(``benchmarks.torch_clock``): ``*_ms`` by the host clock around a run and ``synchronize`` (as
+the JAX worker's around ``block_until_ready``), ``*_device_ms`` by CUDA events around it (the
+JAX worker's device time is the kernels' span in a profiler trace). Extra memory:
 ``torch.cuda.max_memory_allocated`` during forward+backward above what was allocated before,
 less the returned gradients (so, like XLA's temp size, neither inputs nor outputs count).
 Errors: ‖got − exact‖/‖exact‖ over the whole gradient, in float32 on the device.
@@ -20,13 +20,13 @@ compare with that L's exact gradients (``exact_dh_sum`` / ``exact_dw_sum`` of th
 
 from __future__ import annotations
 
-import statistics
 import time
 import traceback
 
 import numpy as np
 import torch
 
+from benchmarks import torch_clock
 from benchmarks.side_by_side import shared
 
 
@@ -98,42 +98,13 @@ def _dist_version(name):
         return "?"
 
 
-class Clock:
-    """Milliseconds of one call: ``ms`` by the host clock around the call and a
-    synchronisation, ``device_ms`` by CUDA events around it on a GPU (None elsewhere)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def ms(self, fn):
-        self.sync()
-        start = time.perf_counter()
-        fn()
-        self.sync()
-        return 1e3 * (time.perf_counter() - start)
-
-    def device_ms(self, fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    def median(self, fn, budget_ms, smoke):
-        """(wall ms, device ms | None): medians after warm-up."""
-        first = self.ms(fn)
-        for _ in range(1 if smoke else 2):
-            fn()
-        self.sync()
-        runs = shared.runs_for(first, budget_ms, smoke)
-        wall = statistics.median(self.ms(fn) for _ in range(runs))
-        device = statistics.median(self.device_ms(fn) for _ in range(runs)) if self.cuda else None
-        return wall, device
+def timed(clock, fn, budget_ms, smoke):
+    """(wall ms, device ms | None): medians after warm-up (``benchmarks.torch_clock``), the
+    run count kept inside the time budget."""
+    wall = clock.time_calls(fn, warmup=2 if smoke else 3, runs=2 if smoke else 25,
+                            budget_ms=None if smoke else budget_ms)
+    device = clock.time_calls(fn, warmup=0, runs=len(wall), events=True) if clock.cuda else None
+    return torch_clock.median(wall), (torch_clock.median(device) if device else None)
 
 
 def rel_err(got, exact):
@@ -159,8 +130,8 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke, summed=None):
         return torch.autograd.grad(loss_of(hg, wg), (hg, wg))
 
     row = {}
-    row["fwd_ms"], row["fwd_device_ms"] = clock.median(fwd, 2000.0, smoke)
-    row["fwdbwd_ms"], row["fwdbwd_device_ms"] = clock.median(fwdbwd, 2500.0, smoke)
+    row["fwd_ms"], row["fwd_device_ms"] = timed(clock, fwd, 2000.0, smoke)
+    row["fwdbwd_ms"], row["fwdbwd_device_ms"] = timed(clock, fwdbwd, 2500.0, smoke)
     if clock.cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -205,7 +176,7 @@ def main():
     except ImportError:
         pass
     print(f"torch worker: {torch_version} on {name}", flush=True)
-    clock = Clock(device)
+    clock = torch_clock.Clock(device)
 
     makers = {
         "torch_bf16_materialised": lambda: (

@@ -22,8 +22,8 @@ reductions, ``head.rounded_logits.local_stats``; on Hopper ffi's kernel, which w
 logits as it folds them), the backward
 plain jnp (XLA's GEMMs and fusions). A bfloat16 head's logits are kept as bfloat16 (a float16
 copy, a one-pass lse, vocabulary blocks in the backward and a float16 gradient were slower on
-an H100: ``benchmarks/bench_fast_mode.py`` measures them, ``benchmarks/variants/fast_mode.py``
-holds them).
+an H100: ``benchmarks/studies/bench_fast_mode.py`` measures them,
+``benchmarks/studies/variants/fast_mode.py`` holds them).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
     faster: benchmarks/results/bench_linear_backward.md); they write every column of
     d_weight, so ``weight_grad_init`` may leave its buffer unwritten (pallas keeps the zeros;
-    the measurement variant benchmarks/variants/ffi_xla_gemms.py passes an unwritten one).
+    the measurement variant benchmarks/studies/variants/ffi_xla_gemms.py passes an unwritten one).
     ``targets`` and ``g_logp`` [N, K]: K ids per row (``head_ids.split_targets``), their
     one-hot terms added to each chunk's G (``write_grad`` is to write G with no target:
     built on the split's row targets). ``floor`` [N] | None: the truncated softmax's floor

@@ -52,7 +52,7 @@ KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
 # Registered only by an extension built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON
 # (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only by
-# benchmarks/variants/ffi_xla_gemms.py and tests.
+# benchmarks/studies/variants/ffi_xla_gemms.py and tests.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns): larger chunks

@@ -28,7 +28,7 @@ class TileConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """What tunes the op; the defaults meet docs/api.md (measured in
-    benchmarks/bench_linear.py ``--sweep``)."""
+    benchmarks/studies/linear_kernels.py ``--sweep``)."""
 
     forward: TileConfig = TileConfig(128, 256, 64, 8, 4)
     tiles_per_split: int = 4  # vocabulary tiles one forward program walks

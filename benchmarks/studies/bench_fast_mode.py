@@ -1,6 +1,6 @@
 """memory="fast" (logits kept for the backward, 3 GEMMs): its settings side by side, one process.
 
-Question: which fast-mode settings (``benchmarks/variants/fast_mode.py``: kept dtype, one- or
+Question: which fast-mode settings (``benchmarks/studies/variants/fast_mode.py``: kept dtype, one- or
 two-pass lse, vocabulary blocks in the backward, float16 gradient) gives the fastest forward+backward at what memory and accuracy, against the
 same run's lean path (automatic backend) and the plain bf16-logits jnp code.
 
@@ -10,8 +10,8 @@ process). Each variant: ``jax.jit(jax.grad(L, (h, w)))``, XLA's temp size, then 
 synchronised calls by the host clock, in ``--rounds`` rounds whose order rotates. At the second
 size (N=8192, D=4096) no exact gradients are computed (errors left empty).
 
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_mode            # GPU, about 3 min
-    PYTHONPATH=$PWD python3 -m benchmarks.bench_fast_mode --smoke    # any device, seconds
+    PYTHONPATH=$PWD python3 -m benchmarks.studies.bench_fast_mode            # GPU, about 3 min
+    PYTHONPATH=$PWD python3 -m benchmarks.studies.bench_fast_mode --smoke    # any device, seconds
 
 Results: ``bench_fast_mode.{json,md}`` in out/bench (``--out``, ``--update-results``:
 benchmarks/README.md).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
@@ -65,7 +64,7 @@ def main():
     import jaxrl_kernels as jk
     from benchmarks import common
     from benchmarks.side_by_side.jax_worker import jnp_bf16_materialised, rel_err
-    from benchmarks.variants import fast_mode
+    from benchmarks.studies.variants import fast_mode
 
     data = shared.load_inputs(data_path)
     h = jnp.asarray(data["h_bits"].view(jnp.bfloat16))
@@ -121,15 +120,12 @@ def main():
             rows.append(row)
             print("compiled:", row, flush=True)
         times = {id(r): [] for r, _, _ in fns}
-        for k in range(args.rounds):
-            order = fns[k % len(fns):] + fns[:k % len(fns)]
-            for row, fn, fargs in order:
-                common.warm_up(fn, *fargs, seconds=0.3 if not args.smoke else 0.0)
-                times[id(row)].append(common.median_ms(fn, *fargs, warmup=1, runs=args.runs))
+        for row, fn, fargs in common.in_rotation(fns, args.rounds):
+            common.warm_up(fn, *fargs, seconds=0.3 if not args.smoke else 0.0)
+            times[id(row)].append(common.median_ms(fn, *fargs, warmup=1, runs=args.runs))
         for row, _, _ in fns:
-            ts = times[id(row)]
-            row["fwdbwd_ms"] = statistics.median(ts)
-            row["spread_ms"] = max(ts) - min(ts)
+            rounds = common.Timing(tuple(times[id(row)]))
+            row["fwdbwd_ms"], row["spread_ms"] = rounds.median, rounds.spread
             print("timed:", row, flush=True)
         return rows
 

@@ -4,7 +4,7 @@ Runs ``jax.jit(jax.grad(loss, (h, W)))`` of a ``bench_distill`` variant under th
 (``common.traced``) and sums the device kernels of its last call by name, largest first, with
 their share of the call's kernel time.
 
-    PYTHONPATH=$PWD python3 -m benchmarks.profile_distill --variant "ours (chunked)" \
+    PYTHONPATH=$PWD python3 -m benchmarks.studies.profile_distill --variant "ours (chunked)" \
         --divergence reverse_kl [--small] [--top 25]
 """
 

@@ -7,7 +7,7 @@ backward's vocabulary chunks are wider than ``head_grad.chunk_columns`` makes th
 ``min_columns``), and with the float16 weight copy in the grad kernel or apart
 (``ffi.linear.Config.weight_copy``: ``copy``)? Each row is
 ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the inputs of
-``benchmarks.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
+``benchmarks.studies.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
 GEMMs of the same run; the per-kernel columns are the mean device time per call of one
 profiler trace of 3 calls, by kernel:
@@ -19,7 +19,7 @@ profiler trace of 3 calls, by kernel:
   d_weight's; ``other``: the rest (XLA's fusions, memsets);
 - ``chunk``: the backward's chunk width in columns, ``chunks`` their number.
 
-    python -m benchmarks.bench_lean_chunks --runs 10     # GPU (Hopper: the ffi kernels)
+    python -m benchmarks.studies.bench_lean_chunks --runs 10     # GPU (Hopper: the ffi kernels)
 """
 
 from __future__ import annotations
@@ -34,41 +34,6 @@ SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)]
          "small": [(64, 32, 1000)]}
 VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
 """(weight copy, min_columns) of the lean rows."""
-KERNELS = ("fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
-
-
-def kernel_kind(name: str) -> str:
-    if "linear_grad_kernel" in name:
-        return "grad"
-    if "weight_copy_kernel" in name:
-        return "copy_ms"
-    if "weight_absmax" in name:
-        return "absmax"
-    if "linear_lse_kernel" in name or "linear_stats" in name:
-        return "fwd"
-    if "GemmUniversal" in name:
-        if "StreamK" in name:
-            return "gemm_dh_splitk"
-        return "gemm_dw" if ("bfloat16" in name or "half_tEvE" in name) else "gemm_dh"
-    return "other"
-
-
-def kernel_ms(fn, args, kinds, calls=3, kind_of=kernel_kind):
-    """Mean device ms per call of ``fn(*args)`` by ``kind_of`` (a kernel's name -> its kind),
-    over one profiler trace of ``calls`` calls: ``{kind: ms}`` for each of ``kinds`` (the kinds
-    not among them count as ``"other"``, which ``kinds`` then holds)."""
-    import collections
-
-    from benchmarks import common
-
-    _, kernels, _ = common.call_spans(fn, args, calls=calls)
-    per = collections.Counter()
-    for k in kernels:
-        kind = kind_of(k["name"])
-        per[kind if kind in kinds else "other"] += k["dur"] / 1e3 / calls
-    return {kind: per.get(kind, 0.0) for kind in kinds}
-
-
 @contextlib.contextmanager
 def lean_variant(copy: str, columns: int):
     """While tracing: the ffi backward's weight copy ``copy``, and ``head_grad.chunk_columns``
@@ -96,8 +61,7 @@ def measure(size, runs, rounds, small):
     import jax
 
     from benchmarks import common
-    from benchmarks.bench_fast_loss import inputs, losses
-    from benchmarks.bench_tokens import three_gemms
+    from benchmarks.bench_tokens import inputs, losses, three_gemms
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
     n, d, v = size
@@ -126,7 +90,7 @@ def measure(size, runs, rounds, small):
     for row, fn in steps:
         row["x_jnp"] = row["fwdbwd_ms"] / jnp_ms
         if row["impl"] == "ours lean" and not small:
-            row.update(kernel_ms(fn, args, KERNELS))
+            row.update(common.kernel_ms(fn, args, common.KERNELS))
         print(row, flush=True)
         rows.append(row)
     del args, steps

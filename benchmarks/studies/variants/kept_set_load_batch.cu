@@ -1,5 +1,5 @@
 // The kept-set kernel (csrc/kept_set_kernel.cuh) alone on float32 rows u [N, V] ~ N(0, sigma^2)
-// (sigma = 4: the logits of benchmarks/bench_kept_set.py; a small sigma makes flat rows whose
+// (sigma = 4: the logits of benchmarks/studies/bench_kept_set.py; a small sigma makes flat rows whose
 // nucleus spans thousands of values), built with JAXRL_KEPT_SET_LOAD_BATCH float4 loads a thread
 // issues before it uses any (the kernel's template parameter; the package's build takes
 // kDefaultLoadBatch): does batching the loads bring a pass nearer the copy bandwidth?
@@ -10,7 +10,7 @@
 //
 //   for b in 1 2 4; do
 //     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//       -DJAXRL_KEPT_SET_LOAD_BATCH=$b -Icsrc benchmarks/variants/kept_set_load_batch.cu \
+//       -DJAXRL_KEPT_SET_LOAD_BATCH=$b -Icsrc benchmarks/studies/variants/kept_set_load_batch.cu \
 //       -o /tmp/kept_set_b$b && /tmp/kept_set_b$b 4096 131072 [row block] [sigma]
 //   done
 #include <algorithm>

@@ -14,8 +14,8 @@ rotated rounds, the median kept); ``passes_mean`` / ``passes_max`` the kernel's 
 a row; ``gbps_per_pass`` the float32 bytes of ``u`` times the mean passes over ``ms``, and
 ``copy_gbps`` the device's copy bandwidth measured in the same run (``common``).
 
-    python -m benchmarks.bench_kept_set --runs 10      # GPU
-    python -m benchmarks.bench_kept_set --small        # toy sizes, any device (reference)
+    python -m benchmarks.studies.bench_kept_set --runs 10      # GPU
+    python -m benchmarks.studies.bench_kept_set --small        # toy sizes, any device (reference)
 
 Results: ``bench_kept_set.{json,md}`` (``--name``) in out/bench (``--out``).
 """

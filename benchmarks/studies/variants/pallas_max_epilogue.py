@@ -2,7 +2,7 @@
 
 The same grid, tiles and GEMM loop as ``linear_kernels.stats_call`` (``walk_split``), but each
 logit tile only updates the row max: no exp, no sums. Timed beside the real kernel
-(``bench_linear --sweep``, ``--profile``), the difference is what the softmax epilogue costs;
+(``studies.linear_kernels --sweep``, ``--profile``), the difference is what the softmax epilogue costs;
 its outputs are not log-probs.
 """
 

@@ -20,9 +20,9 @@ variant of a truncation); the per-kernel columns (top-k 50 and top-p 0.95 only, 
 ``fwd`` the statistics kernel, ``rows_gemm`` XLA's GEMMs (the rows), ``kept`` the kept-set
 kernel, ``grad`` the backward's grad kernel, ``gemms`` its CUTLASS GEMMs, ``other`` the rest.
 
-    python -m benchmarks.bench_sampler_forward --runs 10      # GPU (Hopper: the ffi kernels)
-    python -m benchmarks.bench_sampler_forward --small        # toy sizes, any device
-    python -m benchmarks.bench_sampler_forward --peak 256 top_p   # one call's device peak
+    python -m benchmarks.studies.bench_sampler_forward --runs 10      # GPU (Hopper: the ffi kernels)
+    python -m benchmarks.studies.bench_sampler_forward --small        # toy sizes, any device
+    python -m benchmarks.studies.bench_sampler_forward --peak 256 top_p   # one call's device peak
 
 ``--peak MIB TRUNCATION`` (``none`` or ``top_p``): one lean call at the full size with blocks of
 ``MIB`` MiB, in a process of its own, printing XLA's temp size and the device's peak above the
@@ -88,7 +88,6 @@ def compiled_step(loss, data, stats_pass: bool, block_mib: int):
 
 def measure(size, runs, rounds, small):
     from benchmarks import common
-    from benchmarks.bench_lean_chunks import kernel_ms
     from benchmarks.bench_sampler_logprobs import calls, inputs
 
     n, d, v = size
@@ -110,7 +109,7 @@ def measure(size, runs, rounds, small):
         row["x_plain"] = row["fwdbwd_ms"] / steps[0][0]["fwdbwd_ms"]
         if (not small and row["truncation"] in ("top-k 50", "top-p 0.95")
                 and not row["variant"].endswith("512 MiB")):
-            row.update(kernel_ms(step, data, KINDS, kind_of=kernel_kind))
+            row.update(common.kernel_ms(step, data, KINDS, kind_of=kernel_kind))
         print(row, flush=True)
     return [row for row, _ in steps]
 

@@ -8,7 +8,7 @@ Times: median over trials of ``reps`` back-to-back calls then one block_until_re
 call (keeps the GPU busy, so host dispatch is hidden for millisecond kernels); the trials
 of the backends alternate, so clock drift affects them alike.
 
-    python3 -m benchmarks.bench_ffi [--quick]
+    python3 -m benchmarks.studies.bench_ffi [--quick]
 
 writes ffi.json / ffi.md to out/bench (``--out``, ``--update-results``: benchmarks/README.md)
 and prints the table.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,21 +37,15 @@ def per_call_ms(fns: dict, *, reps: int = 10, trials: int = 9, warmup: int = 2) 
     ok = {}
     for name, (fn, args) in fns.items():
         try:
-            for _ in range(warmup):
-                jax.block_until_ready(fn(*args))
+            common.time_calls(fn, *args, warmup=warmup, runs=0)
             ok[name] = []
         except Exception as err:  # a backend that cannot run this shape is reported, not fatal
             print(f"  {name} skipped: {type(err).__name__}: {str(err)[:200]}")
     for _ in range(trials):
         for name in ok:
             fn, args = fns[name]
-            start = time.perf_counter()
-            out = None
-            for _ in range(reps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            ok[name].append((time.perf_counter() - start) / reps)
-    return {name: (1e3 * statistics.median(ok[name]) if name in ok else None) for name in fns}
+            ok[name] += common.time_calls(fn, *args, warmup=0, runs=1, calls=reps).samples
+    return {name: (statistics.median(ok[name]) if name in ok else None) for name in fns}
 
 
 def _safe(fn):
