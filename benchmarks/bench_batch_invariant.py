@@ -75,7 +75,6 @@ def step(op, backend, invariant):
 def row_outputs(op, backend, data):
     """(log-probs, per-row gradient) of the invariant call: d_hidden or d_logits."""
     import jax
-    import jax.numpy as jnp
 
     import jaxrl_kernels as jk
 

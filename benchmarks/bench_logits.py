@@ -208,7 +208,7 @@ def run_sweep():
                     try:
                         ms = timed(fn, *args)
                         times.setdefault((key, name), []).append(ms / (passes * pass_ms))
-                    except Exception as err:
+                    except Exception:
                         traceback.print_exc()
                         times.setdefault((key, name), []).append(float("nan"))
         for key, fns in kernels.items():

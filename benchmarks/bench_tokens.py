@@ -258,7 +258,7 @@ def torch_worker(sizes, runs):
 
         times = torch_clock.Clock().time_calls(step, warmup=3, runs=runs, events=True)
         out.append(((n, d, v), torch_clock.median(times)))
-        del h, w
+        h = w = None  # the next size's tensors replace these: free them first
         torch.cuda.empty_cache()
     return out
 

@@ -22,7 +22,6 @@ import glob
 import gzip
 import json
 import os
-import pathlib
 import re
 import statistics
 import subprocess

@@ -9,11 +9,16 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import linear_head, logprob_core
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 from jaxrl_kernels.backends.pallas import logits as pallas_logits
 from jaxrl_kernels.dispatch.contract import Parts
+
+
+def _call(weight_layout, temperature, return_entropy):
+    return linear_head.HeadCall(weight_layout=weight_layout, temperature=float(temperature),
+                                return_entropy=bool(return_entropy))
 
 
 def ffi_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
@@ -23,20 +28,18 @@ def ffi_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layo
     config = config or ffi_linear.DEFAULT_CONFIG
     parts = Parts(functools.partial(ffi_linear.linear_stats, config=config),
                   functools.partial(ffi_linear.linear_backward, config=config))
-    return logprob_core.linear_from_parts(
+    return linear_head.linear_from_parts(
         parts, hidden, weight, bias, targets.astype(jnp.int32), row_valid,
-        weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy))
+        _call(weight_layout, temperature, return_entropy))
 
 
 def pallas_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
                            temperature, return_entropy, config=None):
     """(logp [N], entropy [N] | None) of [N, D] hidden states through the Pallas linear-head
     kernels under ``config`` (a ``pallas.linear.Config``)."""
-    return logprob_core.linear_from_parts(
+    return linear_head.linear_from_parts(
         pallas_linear.kernel_parts(config), hidden, weight, bias, targets.astype(jnp.int32),
-        row_valid, weight_layout=weight_layout, temperature=float(temperature),
-        return_entropy=bool(return_entropy))
+        row_valid, _call(weight_layout, temperature, return_entropy))
 
 
 def pallas_token_logprobs(logits, targets, row_valid, *, temperature=1.0, return_entropy=False,

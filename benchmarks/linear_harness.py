@@ -121,15 +121,16 @@ def make_config(base=pallas_linear.DEFAULT_CONFIG, **kw):
 def ffi_variant(layout, backward):
     """``call(h, w, t) -> logp`` with the ffi forward and the given backward part
     (``logprob_core``)."""
-    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
+    from jaxrl_kernels.dispatch.contract import Parts
+    from jaxrl_kernels.engine import linear_head
 
-    parts = logprob_core.Parts(ffi_linear.linear_stats, backward)
+    parts = Parts(ffi_linear.linear_stats, backward)
 
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return logprob_core.linear_from_parts(parts, h, w, None, t, valid, weight_layout=layout,
-                                            temperature=1.0, return_entropy=False)[0]
+        return linear_head.linear_from_parts(parts, h, w, None, t, valid,
+                                             linear_head.HeadCall(weight_layout=layout))[0]
     return call
 
 

@@ -150,7 +150,6 @@ def targets_in_range(name: str, targets: jax.Array, vocab: int, ignore: jax.Arra
     kernels give NaN there).
     """
     def bad(t, ignored, m):
-        xp = np if isinstance(t, np.ndarray) else jnp
         out = (t < 0) | (t >= vocab)
         if ignored is not None:
             out &= ~ignored.astype(bool)

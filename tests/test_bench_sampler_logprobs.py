@@ -39,10 +39,10 @@ def test_bench_sampler_forward_small(tmp_path, monkeypatch):
     from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 
-    skip, block = logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
+    skip, block = logprob_core.stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     rows = forward.main(["--small", "--runs", "2", "--rounds", "1"])
-    assert (logprob_core._stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES) == (skip, block)
+    assert (logprob_core.stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES) == (skip, block)
     assert len(rows) == 1 + (len(forward.TRUNCATIONS) - 1) * len(forward.VARIANTS)
     assert rows[0]["variant"] == "none" and rows[0]["x_plain"] == 1.0
     for name in forward.TRUNCATIONS:

@@ -27,10 +27,11 @@ from conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from benchmarks import kernel_entry
 from benchmarks.studies.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.dispatch.contract import Parts, Problem
+from jaxrl_kernels.engine.linear_head import HeadCall
 from jaxrl_kernels.engine import fused_loss
 from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
@@ -182,9 +183,9 @@ def test_fast_loss_forward_is_one_custom_call_for_cuda(layout):
     loss_fn = lambda logp, entropy, inputs: jnp.sum(logp * inputs) + jnp.sum(entropy)
 
     def loss(h, w):
+        call = HeadCall(weight_layout=layout, temperature=0.7, return_entropy=True)
         return fused_loss.fused_linear_loss(ffi_linear.kept_logits, loss_fn, h, w, None, t, rv,
-                                            jnp.linspace(-1, 1, t.shape[0]), weight_layout=layout,
-                                            temperature=0.7, with_entropy=True)
+                                            jnp.linspace(-1, 1, t.shape[0]), call)
 
     fwd = jax.jit(loss).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
     assert fwd.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
@@ -676,11 +677,10 @@ def test_gpu_weight_copy_apart_or_in_kernel_bitwise_the_same(layout):
     def grads(copy):
         backward = functools.partial(ffi_linear.linear_backward, config=ffi_linear.Config(
             chunk_bytes=2 * 200 * 1024, weight_copy=copy))
-        parts = logprob_core.Parts(ffi_linear.linear_stats, backward)
+        parts = Parts(ffi_linear.linear_stats, backward)
         rv = jnp.ones(t.shape, bool)
-        f = lambda h, w: jnp.sum(g * logprob_core.linear_from_parts(
-            parts, h, w, None, t, rv, weight_layout=layout, temperature=1.0,
-            return_entropy=False)[0])
+        f = lambda h, w: jnp.sum(g * linear_head.linear_from_parts(
+            parts, h, w, None, t, rv, HeadCall(weight_layout=layout))[0])
         return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
 
     assert_bitwise(grads("apart"), grads("in_kernel"))

@@ -99,8 +99,8 @@ def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
     each block's rows gives the rows' max and target too, so the forward has no statistics
     call, only the kept-set kernel and the backward; with the reference's search, the
     statistics call and its candidates' passes."""
-    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
+    from jaxrl_kernels.engine import linear_head
 
     k = jax.random.split(jax.random.key(0), 2)
     h = jax.random.normal(k[0], (40, 64), jnp.float32).astype(jnp.bfloat16)
@@ -108,10 +108,10 @@ def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
     t, valid = jnp.zeros((40,), jnp.int32), jnp.ones((40,), bool)
 
     def loss(h, w):
-        logp, _, _ = logprob_core.linear_from_parts(
-            ffi_linear.PARTS, h, w, None, t, valid, weight_layout="vd", temperature=1.0,
-            return_entropy=False, backward=lambda: ffi_linear.linear_backward,
-            truncation=sampler_math.truncation(top_k=50, top_p=0.9),
+        call = linear_head.HeadCall(truncation=sampler_math.truncation(top_k=50, top_p=0.9))
+        logp, _, _ = linear_head.linear_from_parts(
+            ffi_linear.PARTS, h, w, None, t, valid, call,
+            backward=lambda: ffi_linear.linear_backward,
             find_kept=ffi_kept_set.find_rows if whole_rows else kept_set.find)
         return jnp.sum(logp)
 

@@ -4,7 +4,7 @@ pass, by the size of the kept-set kernel's blocks of rows, and by kernel.
 Question: a lean ``linear_logprobs`` with ``top_k`` / ``top_p`` makes each block of float32
 rows by a GEMM for the kept-set kernel (``backends.ffi.kept_set``); when those rows also give
 each row's max and target logit, the forward needs no statistics pass over the vocabulary
-(``logprob_core._stats_from_kept_set``). What does that save, what do wider blocks of rows
+(``logprob_core.stats_from_kept_set``). What does that save, what do wider blocks of rows
 (``ffi.kept_set.ROW_BLOCK_BYTES``) add, and how are the kernels' times split? Inputs and the
 step as ``bench_sampler_logprobs`` (``jax.jit(jax.value_and_grad(Σ g·logp, (hidden,
 weight)))``, bf16, lean, backend automatic: on a Hopper GPU the ffi kernels). Rows:
@@ -71,7 +71,7 @@ def forward_variant(stats_pass: bool, block_mib: int) -> contextlib.ExitStack:
 
     patches = contextlib.ExitStack()
     if stats_pass:
-        patches.enter_context(mock.patch.object(logprob_core, "_stats_from_kept_set",
+        patches.enter_context(mock.patch.object(logprob_core, "stats_from_kept_set",
                                                 lambda *args: False))
     patches.enter_context(mock.patch.object(ffi_kept_set, "ROW_BLOCK_BYTES", block_mib * 2**20))
     return patches

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.head import geometry
 from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import logprob_core
+from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head.blocks import blocks
 
@@ -136,8 +136,9 @@ def _backward(config, weight_layout, temperature):
 def fast_linear_logprobs(hidden, weight, bias, targets, row_valid, *, weight_layout,
                          temperature, return_entropy, vocab_axis=None, config=Config()):
     """``saved_logits.fast_linear_logprobs`` with ``config``'s settings."""
-    return logprob_core.linear_head_op(
+    call = linear_head.HeadCall(weight_layout=weight_layout, temperature=temperature,
+                                return_entropy=return_entropy, vocab_axis=vocab_axis)
+    return linear_head.linear_head_op(
         _stats(config, weight_layout, temperature, return_entropy),
         _backward(config, weight_layout, temperature), hidden, weight, bias, targets, row_valid,
-        weight_layout=weight_layout, with_entropy=return_entropy, n_kept=1,
-        vocab_axis=vocab_axis)
+        call, n_kept=1)
