@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -384,6 +385,55 @@ def test_logged_dual_clip_agrees_with_help():
             assert Config(algo=algo).dual_clip is None, algo
             with pytest.raises(ValueError, match="dual_clip"):
                 Config(algo=algo, dual_clip=2.0)
+
+
+def _valid(build) -> tuple[str, ...]:
+    """The options the library lists when ``build`` gets an unknown one."""
+    with pytest.raises(ValueError, match="unknown option") as err:
+        build("?")
+    return tuple(str(err.value).split("valid: ")[1].split(", "))
+
+
+def test_choices_are_the_librarys_options():
+    """The flags' choices of the library's options (the demo names them itself, from
+    docs/api.md) are exactly those the config values take (loss_agg_mode: but the alias)."""
+    import jaxrl_kernels as jk
+    from jaxrl_kernels.demo import config
+    assert _valid(lambda v: jk.PolicyLoss(kl_estimator=v)) == algos.KL_ESTIMATORS
+    modes = _valid(lambda v: jk.PolicyLoss(loss_agg_mode=v))
+    assert modes[:len(algos.LOSS_AGG_MODES)] == algos.LOSS_AGG_MODES
+    assert modes[len(algos.LOSS_AGG_MODES):] == ("sequence_mean",)
+    assert _valid(lambda v: jk.DistillLoss(divergence=v)) == config.DIVERGENCES
+    assert _valid(lambda v: jk.TopKDistillLoss(tail=v)) == config.TOPK_TAILS
+
+
+def _traced_warnings(fn, *args) -> list[str]:
+    """jaxrl_kernels' DeprecationWarnings while ``fn`` is traced (abstractly, nothing runs)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(fn, *args)
+    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+            and "jaxrl_kernels" in str(w.message)]
+
+
+def _abstract_state(demo):
+    return jax.eval_shape(lambda: demo.init_state(demo.init_fn(
+        jax.random.key(0), jnp.zeros((1, demo.task.seq_len - 1), jnp.int32))))
+
+
+@pytest.mark.parametrize("algo,options", [
+    ("grpo", dict(kl_coef=0.02, entropy_coef=0.01, rollout_correction="sequence-mask")),
+    ("ppo", dict(kl_coef=0.02, entropy_coef=0.01)), ("gspo", {}), ("cispo", {}),
+    ("reinforce", dict(kl_coef=0.02, entropy_coef=0.01)), ("best_of_n", {}),
+    ("reward_weighted", {})])
+def test_rl_step_passes_options_as_config_values(algo, options):
+    """Each algorithm's step (a fresh one, so traced anew) calls the ops with jk.PolicyLoss and
+    jk.Groups: no deprecated keyword, and no option an op has no term for (grpo and reinforce
+    ignore --entropy-coef, reinforce --kl-coef)."""
+    cfg = Config(algo=algo, **options, **TINY)
+    demo = Demo(cfg)
+    step = algos.make_rl_step(demo.lm, demo.task, demo.rl_optimizer, cfg.rl_config())
+    assert _traced_warnings(step, _abstract_state(demo), *demo.rl_inputs(0)) == []
 
 
 # ---------------------------------------------------------------------- on-policy distillation
