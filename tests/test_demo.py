@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -386,6 +387,74 @@ def test_logged_dual_clip_agrees_with_help():
                 Config(algo=algo, dual_clip=2.0)
 
 
+def _valid(build) -> tuple[str, ...]:
+    """The options the library lists when ``build`` gets an unknown one."""
+    with pytest.raises(ValueError, match="unknown option") as err:
+        build("?")
+    return tuple(str(err.value).split("valid: ")[1].split(", "))
+
+
+def test_choices_are_the_librarys_options():
+    """The flags' choices of the library's options (the demo names them itself, from
+    docs/api.md) are exactly those the config values take (loss_agg_mode: but the alias)."""
+    import jaxrl_kernels as jk
+    from jaxrl_kernels.demo import config
+    assert _valid(lambda v: jk.PolicyLoss(kl_estimator=v)) == algos.KL_ESTIMATORS
+    modes = _valid(lambda v: jk.PolicyLoss(loss_agg_mode=v))
+    assert modes[:len(algos.LOSS_AGG_MODES)] == algos.LOSS_AGG_MODES
+    assert modes[len(algos.LOSS_AGG_MODES):] == ("sequence_mean",)
+    assert _valid(lambda v: jk.DistillLoss(divergence=v)) == config.DIVERGENCES
+    assert _valid(lambda v: jk.TopKDistillLoss(tail=v)) == config.TOPK_TAILS
+
+
+def _traced_warnings(fn, *args) -> list[str]:
+    """jaxrl_kernels' DeprecationWarnings while ``fn`` is traced (abstractly, nothing runs)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(fn, *args)
+    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+            and "jaxrl_kernels" in str(w.message)]
+
+
+def _abstract_state(demo):
+    return jax.eval_shape(lambda: demo.init_state(demo.init_fn(
+        jax.random.key(0), jnp.zeros((1, demo.task.seq_len - 1), jnp.int32))))
+
+
+@pytest.mark.parametrize("algo,options", [
+    ("grpo", dict(kl_coef=0.02, entropy_coef=0.01, rollout_correction="sequence-mask")),
+    ("ppo", dict(kl_coef=0.02, entropy_coef=0.01)), ("gspo", {}), ("cispo", {}),
+    ("reinforce", dict(kl_coef=0.02, entropy_coef=0.01)), ("best_of_n", {}),
+    ("reward_weighted", {})])
+def test_rl_step_passes_options_as_config_values(algo, options):
+    """Each algorithm's step (a fresh one, so traced anew) calls the ops with jk.PolicyLoss and
+    jk.Groups: no deprecated keyword, and no option an op has no term for (grpo and reinforce
+    ignore --entropy-coef, reinforce --kl-coef)."""
+    cfg = Config(algo=algo, **options, **TINY)
+    demo = Demo(cfg)
+    step = algos.make_rl_step(demo.lm, demo.task, demo.rl_optimizer, cfg.rl_config())
+    assert _traced_warnings(step, _abstract_state(demo), *demo.rl_inputs(0)) == []
+
+
+@pytest.mark.parametrize("topk", [0, 4])
+def test_distill_step_passes_options_as_config_values(topk):
+    """The distillation step (whole vocabulary, or a served teacher's top 4) with
+    jk.DistillLoss / jk.TopKDistillLoss, for our loss and the materialised one."""
+    from jaxrl_kernels.demo import distill_step
+    cfg = Config(algo="distill", teacher_topk=topk, **TINY)
+    demo = Demo(cfg.teacher_config())
+    params = _abstract_state(demo)["params"]
+    state = {"params": params, "opt_state": jax.eval_shape(demo.rl_optimizer.init, params),
+             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    for loss in distill_step.LOSSES:
+        step = distill_step.make_distill_step(
+            demo.lm, demo.lm, demo.task, demo.rl_optimizer, group_size=cfg.group_size,
+            temperature=cfg.temperature, config=cfg.distill_loss(), backend="chunked",
+            teacher_topk=topk, topk_config=cfg.topk_distill_loss(), loss=loss)
+        prompts, sums, key = demo.rl_inputs(0)
+        assert _traced_warnings(step, state, params, prompts, sums, key) == [], loss
+
+
 # ---------------------------------------------------------------------- on-policy distillation
 
 # The TINY teacher (programs shared with the tests above) and a smaller student.
@@ -500,15 +569,15 @@ def test_bad_distill_flag_from_a_shell():
 def test_materialised_loss_is_linear_distill_loss(divergence):
     """The timed jnp step computes the same divergence, and gradient, as ours (mixed layouts)."""
     import jaxrl_kernels as jk
-    from jaxrl_kernels.demo import distill
+    from jaxrl_kernels.demo import distill_step
     k = jax.random.split(jax.random.key(1), 5)
     h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
     w, tw = jax.random.normal(k[2], (14, 8)), jax.random.normal(k[3], (12, 14))
     mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
-    opts = dict(divergence=divergence, temperature=0.8, weight_layout="vd",
-                teacher_weight_layout="dv")
+    opts = dict(config=jk.DistillLoss(divergence=divergence), temperature=0.8,
+                weight_layout="vd", teacher_weight_layout="dv")
     ours = lambda h, w: jk.linear_distill_loss(h, w, th, tw, mask, backend="chunked", **opts)
-    jnp_ = lambda h, w: distill.materialised_distill_loss(h, w, th, tw, mask, **opts)
+    jnp_ = lambda h, w: distill_step.materialised_distill_loss(h, w, th, tw, mask, **opts)
     for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
                     jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -558,23 +627,24 @@ def test_materialised_topk_loss_is_linear_topk_distill_loss(tail):
     """The timed jnp step's top-k loss and gradient are ours (padding ids, layout 'dv'), and
     the served teacher's reply is lax.top_k of the materialised log-softmax."""
     import jaxrl_kernels as jk
-    from jaxrl_kernels.demo import distill
+    from jaxrl_kernels.demo import distill_step
     k = jax.random.split(jax.random.key(2), 5)
     h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
     w, tw = jax.random.normal(k[2], (8, 14)), jax.random.normal(k[3], (12, 14))
     mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
-    served = {loss: distill.served_teacher(th, tw, 4, weight_layout="dv", temperature=0.8,
-                                           backend="chunked", loss=loss)
-              for loss in distill.LOSSES}
+    served = {loss: distill_step.served_teacher(th, tw, 4, weight_layout="dv", temperature=0.8,
+                                                backend="chunked", loss=loss)
+              for loss in distill_step.LOSSES}
     np.testing.assert_array_equal(served["jaxrl"][1], served["materialised"][1])
     np.testing.assert_allclose(served["jaxrl"][0], served["materialised"][0], rtol=1e-5,
                                atol=1e-6)
     logp, ids = served["jaxrl"]
     ids = ids.at[0, :, 3].set(-1)  # padding
-    opts = dict(tail=tail, temperature=0.8, weight_layout="dv")
+    opts = dict(config=jk.TopKDistillLoss(tail=tail), temperature=0.8, weight_layout="dv")
     ours = lambda h, w: jk.linear_topk_distill_loss(h, w, ids, logp, mask, backend="chunked",
                                                     **opts)
-    jnp_ = lambda h, w: distill.materialised_topk_distill_loss(h, w, ids, logp, mask, **opts)
+    jnp_ = lambda h, w: distill_step.materialised_topk_distill_loss(h, w, ids, logp, mask,
+                                                                    **opts)
     for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
                     jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

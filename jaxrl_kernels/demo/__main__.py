@@ -18,11 +18,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import jaxrl_kernels as jrk
-from jaxrl_kernels import dispatch
+import jaxrl_kernels as jk
+from jaxrl_kernels.dispatch import BACKENDS
 from jaxrl_kernels.demo import checkpoint, train
 
 PROG = "python -m jaxrl_kernels.demo"
+BACKEND_ENV = "JAXRL_KERNELS_BACKEND"  # the backend override of every op (docs/api.md)
 RL_GROUP = "RL algorithm and loss"  # the title of RLConfig's fields, which name no group
 
 
@@ -69,10 +70,10 @@ def parse_args(argv=None):
     parser = _parser()
     given = vars(parser.parse_args(argv))
     progress = given.pop("progress", True)
-    env = os.environ.get(dispatch.ENV_VAR)
-    if env and env not in dispatch.BACKENDS:
-        parser.error(f"environment variable {dispatch.ENV_VAR}={env!r} is not a backend; "
-                     f"valid: {', '.join(dispatch.BACKENDS)}")
+    env = os.environ.get(BACKEND_ENV)
+    if env and env not in BACKENDS:
+        parser.error(f"environment variable {BACKEND_ENV}={env!r} is not a backend; "
+                     f"valid: {', '.join(BACKENDS)}")
     try:
         if "resume" in given:
             cfg = train.resume_config(given.pop("resume"), **given)
@@ -87,9 +88,9 @@ def parse_args(argv=None):
         for op in _distill_ops(cfg):
             ops[op] = f" for --algo distill ({op})"
     for op, what in ops.items():
-        if cfg.backend is not None and cfg.backend not in jrk.available_backends(op):
+        if cfg.backend is not None and cfg.backend not in jk.available_backends(op):
             parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
-                         f"{', '.join(jrk.available_backends(op))}")
+                         f"{', '.join(jk.available_backends(op))}")
     if cfg.algo == "distill" and cfg.backend is not None:
         for op in _distill_ops(cfg):
             why = _distill_refusal(cfg.backend, op)
@@ -114,12 +115,12 @@ def _distill_refusal(backend: str, op: str = "linear_distill_loss") -> str | Non
     h, w, mask = f32(1, 2, 8), f32(16, 8), f32(1, 2)
     ids = jax.ShapeDtypeStruct((1, 2, 4), jnp.int32)
     calls = {
-        "linear_distill_loss": (lambda *a: jrk.linear_distill_loss(*a, backend=backend),
+        "linear_distill_loss": (lambda *a: jk.linear_distill_loss(*a, backend=backend),
                                 (h, w, h, w, mask)),
-        "linear_topk_logprobs": (lambda *a: jrk.linear_topk_logprobs(*a, 4, backend=backend),
+        "linear_topk_logprobs": (lambda *a: jk.linear_topk_logprobs(*a, 4, backend=backend),
                                  (h, w)),
         "linear_topk_distill_loss": (
-            lambda *a: jrk.linear_topk_distill_loss(*a, backend=backend),
+            lambda *a: jk.linear_topk_distill_loss(*a, backend=backend),
             (h, w, ids, f32(1, 2, 4), mask)),
     }
     fn, args = calls[op]
@@ -141,7 +142,7 @@ def _with_flag(message: str) -> str:
 def main(argv=None) -> int:
     cfg, progress = parse_args(argv)
     try:
-        with jrk.use_backend(cfg.backend):
+        with jk.use_backend(cfg.backend):
             train.run(cfg, progress=progress)
     except NotImplementedError as err:  # an explicit backend that cannot serve these inputs
         print(f"{PROG}: error: {str(err).splitlines()[0]}", file=sys.stderr)

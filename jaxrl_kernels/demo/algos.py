@@ -3,16 +3,18 @@
 Every step is one jitted function ``(state, prompts, sums, key) -> (state,
 metrics)``; an RL step samples ``group_size`` answers per prompt with
 :func:`sampling.generate`, scores them with the task's reward and updates the
-policy with ``optax``. Log-probabilities always come from the model's hidden
+policy with ``optax``. Every loss takes its options as one ``jk.PolicyLoss``
+(:meth:`RLConfig.loss_config`). Log-probabilities always come from the model's hidden
 states and LM-head weight through the ``jaxrl_kernels`` ops, so no [B, T, V]
 logits tensor is built for the loss.
 
 With rewards ``r`` of a batch of ``B = prompts * group_size`` answers:
 
 * ``grpo``: ``linear_grpo_loss`` with group advantages
-  ``(r - mean_g) / (std_g + eps)``, one update per rollout (ratio 1, so
-  ``old_logp`` is the current policy's, recomputed), optional KL
-  ``beta * k3(pi, pi_ref)`` to the frozen warm-start policy.
+  ``(r - mean_g) / (std_g + eps)`` (``groups=jk.Groups(size=group_size)``), one
+  update per rollout (ratio 1, so ``old_logp`` is the current policy's,
+  recomputed), optional KL ``kl_coef * k3(pi, pi_ref)`` to the frozen
+  warm-start policy.
 * ``ppo``: ``linear_ppo_loss`` with the same group advantages (no critic),
   ``old_logp`` from the policy that sampled, ``ppo_epochs`` passes of
   ``ppo_minibatches`` minibatches, dual clip, and truncated importance
@@ -34,8 +36,8 @@ With rewards ``r`` of a batch of ``B = prompts * group_size`` answers:
 ``rollout_correction`` weighs the policy-gradient term of ``grpo``, ``ppo``,
 ``gspo`` and ``cispo`` by the trainer's and the sampler's log-probs of the
 sampled tokens, ``w = exp(old_logp - rollout_logp)`` per token or per answer,
-truncated at ``tis_cap`` or zero above it (the ops' ``tis_level`` and
-``tis_mode``). Here the sampler and the trainer hold the same parameters, so
+truncated at ``tis_cap`` or zero above it (``jk.PolicyLoss``'s ``tis_level``
+and ``tis_mode``). Here the sampler and the trainer hold the same parameters, so
 the two differ only by rounding and ``w`` stays close to 1 (metric
 ``tis_weight_mean``); with a separate inference engine they differ more.
 
@@ -48,6 +50,7 @@ which is the same thing since ``(h @ W^T) / t = h @ (W / t)^T``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +58,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxrl_kernels as jrk
-from jaxrl_kernels import dispatch
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.formulas import kl_math
-from jaxrl_kernels import validation as check
+import jaxrl_kernels as jk
+from jaxrl_kernels.dispatch import BACKENDS
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling
 from jaxrl_kernels.demo.task import AdditionTask
@@ -72,6 +72,11 @@ DISTILL = "distill"  # not an RL algorithm: a grpo teacher, then on-policy disti
 CHOICES = ALGOS + (DISTILL,)  # what --algo takes
 ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
                        "sequence-mask")
+# The library's options (docs/api.md, "kl_penalty", "aggregate") as the flags' choices; checked by
+# building a jk.PolicyLoss; tests/test_demo.py checks that the library takes exactly these.
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                  "seq_mean_token_sum_norm")
 
 # The defaults of the fields declared with ``default=None`` below: the first value that applies.
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -122,7 +127,7 @@ class RLConfig:
                                      "tempered policy")
     kl_coef: float = option(0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo, "
                                  "gspo, cispo)")
-    kl_estimator: str = option("k3", "KL estimator", choices=kl_math.KL_ESTIMATORS)
+    kl_estimator: str = option("k3", "KL estimator", choices=KL_ESTIMATORS)
     clip_low: float | None = per_algo("clip_low", "ratio clip below 1 (grpo, ppo, gspo, "
                                                    "cispo)", float)
     clip_high: float | None = per_algo("clip_high", "ratio clip above 1 (grpo, ppo, gspo, "
@@ -139,12 +144,12 @@ class RLConfig:
     ppo_minibatches: int = option(2, "minibatches per pass (ppo, gspo, cispo)")
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo, gspo, cispo)")
     loss_agg_mode: str | None = per_algo("loss_agg_mode", "loss aggregation", str,
-                                         choices=aggregation_math.AGGREGATION_MODES)
+                                         choices=LOSS_AGG_MODES)
     backend: str | None = option(None, "jaxrl_kernels backend for every op; automatic choice "
-                                       "when not given", choices=dispatch.BACKENDS)
+                                       "when not given", choices=BACKENDS)
 
     def __post_init__(self):
-        check.option("algo", self.algo, CHOICES)
+        one_of("algo", self.algo, CHOICES)
         defaults = {**ALGO_DEFAULTS["*"], **ALGO_DEFAULTS.get(self.algo, {})}
         for name, value in defaults.items():
             if getattr(self, name) is None:
@@ -154,14 +159,14 @@ class RLConfig:
                  "distill's teacher is trained with grpo, which compares answers within a group"
                  if self.algo == DISTILL else
                  f"{self.algo} compares answers within a group" if grouped else "")
-        check.positive("temperature", self.temperature)
-        check.option("kl_estimator", self.kl_estimator, kl_math.KL_ESTIMATORS)
-        check.clip_options(self.clip_low, self.clip_high, self.dual_clip)
-        check.positive("tis_cap", self.tis_cap)
+        positive("temperature", self.temperature)
+        # The loss options' ranges as the library checks them (each message names the field).
+        jk.PolicyLoss(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                      tis_cap=self.tis_cap, kl_estimator=self.kl_estimator,
+                      loss_agg_mode=self.loss_agg_mode)
         at_least("ppo_epochs", self.ppo_epochs, 1)
         at_least("ppo_minibatches", self.ppo_minibatches, 1)
-        check.option("loss_agg_mode", self.loss_agg_mode, aggregation_math.AGGREGATION_MODES)
-        check.option("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        one_of("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if self.rollout_correction != "none" and self.algo not in ("grpo", DISTILL) + PPO_STYLE:
             raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "
                              f"policy_gradient_loss, has no importance weight), got "
@@ -170,7 +175,36 @@ class RLConfig:
             raise ValueError(f"dual_clip: {self.algo} has no dual clip (only "
                              f"{', '.join(DUAL_CLIP_ALGOS)}), got {self.dual_clip}")
         if self.backend is not None:
-            check.option("backend", self.backend, dispatch.BACKENDS)
+            one_of("backend", self.backend, BACKENDS)
+
+    def loss_config(self) -> jk.PolicyLoss:
+        """The ``config=`` of ``algo``'s loss: a ``jk.PolicyLoss`` of the options it has a term
+        for (``policy_gradient_loss``: the aggregation only)."""
+        if self.algo not in ("grpo", DISTILL) + PPO_STYLE:
+            return jk.PolicyLoss(loss_agg_mode=self.loss_agg_mode)
+        options = dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                       kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
+                       loss_agg_mode=self.loss_agg_mode)
+        if self.rollout_correction != "none":
+            level, mode = self.rollout_correction.split("-")
+            options.update(tis_cap=self.tis_cap, tis_level=level, tis_mode=mode)
+        if self.algo in PPO_STYLE:
+            options.update(entropy_coef=self.entropy_coef,
+                           ratio_level="sequence" if self.algo == "gspo" else "token",
+                           policy_loss="cispo" if self.algo == "cispo" else "ppo")
+        return jk.PolicyLoss(**options)
+
+
+def one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    """``value`` must be one of ``valid``."""
+    if value not in valid:
+        raise ValueError(f"{name}: unknown option {value!r}; valid: {', '.join(valid)}")
+
+
+def positive(name: str, value: Any) -> None:
+    """``value`` must be a real number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name}: expected a value > 0, got {value!r}")
 
 
 def at_least(name: str, value: Any, low: int, why: str = "") -> None:
@@ -198,8 +232,8 @@ def answer_hidden(lm: model_lib.CausalLM, params, prompts: jax.Array, answers: j
 def answer_logprobs(lm, params, prompts, answers, *, temperature=1.0, backend=None):
     weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
     hidden = answer_hidden(lm, params, prompts, answers)
-    return jrk.linear_logprobs(hidden, weight, answers, weight_layout=layout,
-                               temperature=temperature, backend=backend)
+    return jk.linear_logprobs(hidden, weight, answers, weight_layout=layout,
+                              temperature=temperature, backend=backend)
 
 
 def _apply(optimizer, params, opt_state, grads):
@@ -214,7 +248,7 @@ def make_sft_step(lm, optimizer, *, backend=None) -> Callable:
 
     def loss_fn(params, prompts, answers, mask):
         logp = answer_logprobs(lm, params, prompts, answers, backend=backend)
-        return -jrk.aggregate(logp, mask)
+        return -jk.aggregate(logp, mask)
 
     @jax.jit
     def step(params, opt_state, prompts, answers, mask):
@@ -236,7 +270,7 @@ def _ref_logp(lm, state, batch, cfg):
 
 
 def _group_advantages(batch, cfg):
-    return jrk.group_advantages(batch["rewards"], group_size=cfg.group_size)
+    return jk.group_advantages(batch["rewards"], groups=jk.Groups(size=cfg.group_size))
 
 
 def _grpo_loss(lm, cfg, params, batch, ref_logp):
@@ -244,24 +278,18 @@ def _grpo_loss(lm, cfg, params, batch, ref_logp):
     weight = weight / cfg.temperature
     hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
     sg = jax.lax.stop_gradient
-    old_logp = sg(jrk.linear_logprobs(sg(hidden), sg(weight), batch["actions"],
-                                      weight_layout=layout, backend=cfg.backend))
-    loss, policy_loss, kl = jrk.linear_grpo_loss(
+    old_logp = sg(jk.linear_logprobs(sg(hidden), sg(weight), batch["actions"],
+                                     weight_layout=layout, backend=cfg.backend))
+    loss, policy_loss, kl = jk.linear_grpo_loss(
         hidden, weight, batch["actions"], old_logp, batch["rewards"], batch["mask"],
-        weight_layout=layout, ref_logp=ref_logp, group_size=cfg.group_size,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, beta=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend,
-        **_rollout_correction(cfg, batch))
+        weight_layout=layout, ref_logp=ref_logp, rollout_logp=_rollout_logp(cfg, batch),
+        groups=jk.Groups(size=cfg.group_size), config=cfg.loss_config(), backend=cfg.backend)
     return loss, {"policy_loss": policy_loss, "kl": kl}
 
 
-def _rollout_correction(cfg, batch) -> dict[str, Any]:
-    """The ops' importance-weight arguments for ``cfg.rollout_correction``."""
-    if cfg.rollout_correction == "none":
-        return {}
-    level, mode = cfg.rollout_correction.split("-")
-    return {"rollout_logp": batch["rollout_logp"], "tis_cap": cfg.tis_cap, "tis_level": level,
-            "tis_mode": mode}
+def _rollout_logp(cfg, batch) -> jax.Array | None:
+    """The sampler's log-probs, which the loss weighs by with a rollout correction."""
+    return None if cfg.rollout_correction == "none" else batch["rollout_logp"]
 
 
 def _pg_advantages(batch, cfg):
@@ -282,7 +310,7 @@ def _pg_loss(lm, cfg, params, batch):
     adv, mask = _pg_advantages(batch, cfg)
     logp = answer_logprobs(lm, params, batch["prompts"], batch["actions"],
                            temperature=cfg.temperature, backend=cfg.backend)
-    loss = jrk.policy_gradient_loss(logp, adv, mask, loss_agg_mode=cfg.loss_agg_mode)
+    loss = jk.policy_gradient_loss(logp, adv, mask, config=cfg.loss_config())
     if cfg.algo == "best_of_n":
         return loss, {"selected": jnp.mean(adv)}  # fraction of answers fine-tuned on
     return loss, {}
@@ -291,14 +319,10 @@ def _pg_loss(lm, cfg, params, batch):
 def _ppo_loss(lm, cfg, params, batch):
     weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
     hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
-    return jrk.linear_ppo_loss(
+    return jk.linear_ppo_loss(
         hidden, weight, batch["actions"], batch["old_logp"], batch["advantages"], batch["mask"],
-        weight_layout=layout, temperature=cfg.temperature, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ref_logp=batch.get("ref_logp"),
-        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-        loss_agg_mode=cfg.loss_agg_mode, backend=cfg.backend,
-        ratio_level="sequence" if cfg.algo == "gspo" else "token",
-        policy_loss="cispo" if cfg.algo == "cispo" else "ppo", **_rollout_correction(cfg, batch))
+        weight_layout=layout, temperature=cfg.temperature, ref_logp=batch.get("ref_logp"),
+        rollout_logp=_rollout_logp(cfg, batch), config=cfg.loss_config(), backend=cfg.backend)
 
 
 def _ppo_update(lm, cfg, optimizer, state, batch, key):
@@ -371,22 +395,3 @@ def make_rl_step(lm, task: AdditionTask, optimizer, cfg: RLConfig) -> Callable:
 
     return jax.jit(rl_step)
 
-
-def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callable:
-    """Jitted held-out evaluation: greedy accuracy and reward, and a sampled reward."""
-
-    @jax.jit
-    def evaluate(params, prompts, sums, key):
-        n = prompts.shape[0]
-        greedy = jnp.arange(2 * n) < n  # one decode: greedy rows, then sampled rows
-        tokens, _, _ = sampling.generate(lm, params, jnp.concatenate([prompts, prompts]), key,
-                                         max_new=task.max_new, temperature=temperature,
-                                         greedy=greedy)
-        g = task.score(tokens[:n], sums)
-        s = task.score(tokens[n:], sums)
-        return {"accuracy": jnp.mean(g["correct"]), "reward": jnp.mean(g["reward"]),
-                "well_formed": jnp.mean(g["well_formed"]),
-                "sampled_accuracy": jnp.mean(s["correct"]),
-                "sampled_reward": jnp.mean(s["reward"])}
-
-    return evaluate

@@ -7,13 +7,11 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxrl_kernels import validation as check
+import jaxrl_kernels as jk
 from jaxrl_kernels.demo import algos, checkpoint
-from jaxrl_kernels.demo.algos import option
+from jaxrl_kernels.demo.algos import option, positive
 from jaxrl_kernels.demo.model import check_dims as model_check_dims
 from jaxrl_kernels.demo.task import VOCAB, AdditionTask
-from jaxrl_kernels.formulas.divergence_math import DIVERGENCES
-from jaxrl_kernels.ops.topk_distill import TAILS
 
 
 TASK, TRAINING, RUN = "task and model", "training", "run"
@@ -22,6 +20,11 @@ RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
 """The fields a resumed run may change; every other one comes from the checkpoint."""
 SERVED_DIVERGENCE = "forward_kl"
 """The divergence of a served teacher's loss, ``linear_topk_distill_loss``: the only one."""
+# The library's options that the flags offer (docs/api.md, "linear_distill_loss" and
+# "linear_topk_distill_loss"); the values are checked by building jk.DistillLoss and
+# jk.TopKDistillLoss, and tests/test_demo.py checks that the library takes exactly these.
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+TOPK_TAILS = ("drop", "bucket")
 
 
 def flag(name: str) -> str:
@@ -119,7 +122,7 @@ class Config(algos.RLConfig):
         "(linear_distill_loss)", int, metavar="K")
     topk_tail: str | None = distill_option(
         "topk_tail", "with --teacher-topk: the forward KL over the K ids only (drop), or with "
-        "the mass outside them as one more outcome (bucket)", str, choices=TAILS)
+        "the mass outside them as one more outcome (bucket)", str, choices=TOPK_TAILS)
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,8 +132,8 @@ class Config(algos.RLConfig):
         for name, low in (("warmup_steps", 0), ("warmup_batch", 1), ("steps", 1),
                           ("batch_size", 1), ("lr_warmup", 0), ("seed", 0), ("eval_every", 1)):
             algos.at_least(name, getattr(self, name), low)
-        check.positive("warmup_lr", self.warmup_lr)
-        check.positive("lr", self.lr)
+        positive("warmup_lr", self.warmup_lr)
+        positive("lr", self.lr)
         rollouts = self.batch_size * self.group_size
         if self.algo in algos.PPO_STYLE and rollouts % self.ppo_minibatches:
             raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch "
@@ -156,8 +159,8 @@ class Config(algos.RLConfig):
         for name, low in (("student_warmup_steps", 0), ("distill_steps", 1),
                           ("timing_runs", 1), ("teacher_topk", 0)):
             algos.at_least(name, getattr(self, name), low)
-        check.positive("distill_lr", self.distill_lr)
-        check.option("divergence", self.divergence, DIVERGENCES)
+        positive("distill_lr", self.distill_lr)
+        self.distill_loss()  # raises on an unknown divergence
         self._served_teacher_fields()
         if self.resume is not None:
             raise ValueError("resume: a distill run cannot be resumed (its checkpoint holds the "
@@ -174,12 +177,26 @@ class Config(algos.RLConfig):
         if self.teacher_topk > VOCAB:
             raise ValueError(f"teacher_topk: expected at most the vocabulary's {VOCAB} tokens, "
                              f"got {self.teacher_topk}")
-        check.option("topk_tail", self.topk_tail, TAILS)
+        try:
+            self.topk_distill_loss()
+        except ValueError as err:  # "tail: ..." (loss_agg_mode is checked already)
+            raise ValueError(f"topk_{err}") from None
         if self.divergence != SERVED_DIVERGENCE:
             raise ValueError(f"divergence: a served teacher's loss (linear_topk_distill_loss) is "
                              f"the forward KL over its top-K ids; expected "
                              f"{SERVED_DIVERGENCE!r} with --teacher-topk, got "
                              f"{self.divergence!r}")
+
+    def distill_loss(self) -> jk.DistillLoss:
+        """The options of the whole-vocabulary loss, ``linear_distill_loss``'s ``config=``."""
+        return jk.DistillLoss(divergence=self.divergence, loss_agg_mode=self.loss_agg_mode)
+
+    def topk_distill_loss(self) -> jk.TopKDistillLoss | None:
+        """The options of a served teacher's loss, ``linear_topk_distill_loss``'s ``config=``;
+        None for the whole-vocabulary teacher (``teacher_topk`` 0)."""
+        if not self.teacher_topk:
+            return None
+        return jk.TopKDistillLoss(tail=self.topk_tail, loss_agg_mode=self.loss_agg_mode)
 
     def teacher_config(self) -> Config:
         """The run that trains the teacher: this one with ``--algo grpo``, no distillation."""

@@ -1,27 +1,23 @@
-"""On-policy distillation of a smaller student from a grpo teacher (``--algo distill``).
+"""On-policy distillation of a smaller student from a grpo teacher (``--algo distill``): the run.
 
 1. The teacher: the demo's default run (warm start, then ``grpo``) with the task, model and
    training fields of the configuration.
 2. The student: a smaller model (``student_d_model``, ``student_layers``, ``student_heads``)
    with its own short supervised warm start on the same data (``student_warmup_steps``; 0
    starts from its random initialisation).
-3. ``distill_steps`` steps, each one jitted function: the student samples ``group_size``
-   answers to each of ``batch_size`` training prompts with :func:`sampling.generate`, the
-   frozen teacher runs forward on those answers (``stop_gradient``), and the student takes an
-   adamw step on ``linear_distill_loss(student_hidden, student_head, teacher_hidden,
-   teacher_head, mask, divergence=...)``: the teacher scores every token over the whole
-   vocabulary, and neither model's ``[B, T, V]`` logits are built.
-4. The same train step with :func:`materialised_distill_loss` (both heads' logits, their
-   log-softmaxes, the same divergence, in plain jnp) is timed against it on one batch.
+3. ``distill_steps`` steps of :func:`distill_step.make_distill_step`: the student samples
+   answers, the frozen teacher scores them, and the student minimises
+   ``linear_distill_loss`` (``config=cfg.distill_loss()``, over the whole vocabulary) or,
+   with ``teacher_topk`` K > 0, a served teacher's ``linear_topk_distill_loss``
+   (``config=cfg.topk_distill_loss()``, over its top-K ids). The divergence reported is the
+   whole-vocabulary one to the teacher in both modes, so the two compare.
+4. The same train step with the materialised jnp losses (``loss="materialised"``: both heads'
+   logits, their log-softmaxes, ``lax.top_k`` for the served teacher) is timed against it on
+   one batch (:func:`time_steps`); then the table (:func:`format_table`), the log, the plot
+   (:func:`plot`) and a checkpoint.
 
-With ``teacher_topk`` K > 0 the teacher is served, as when it runs in an inference server:
-per answer token it returns only its K most likely ids and their log-probs
-(:func:`served_teacher`: ``linear_topk_logprobs`` on its hidden states and head, without
-gradient), and the student minimises the forward KL over those ids,
-``linear_topk_distill_loss(student_hidden, student_head, ids, logp, mask, tail=...)``. The
-divergence reported is still the whole-vocabulary one to the teacher, measured on the same
-tokens, so the two modes compare; the timed jnp step materialises both heads' logits, takes
-the teacher's top-K with ``lax.top_k`` and the loss with :func:`materialised_topk_distill_loss`.
+What one step computes, the losses and the served teacher are
+:mod:`jaxrl_kernels.demo.distill_step`'s.
 
 The loss runs on the ``chunked`` backend (the fused one) unless ``backend`` names another:
 the automatic choice would pick ``reference``, the jnp oracle, for a vocabulary this small.
@@ -41,166 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxrl_kernels as jrk
-from jaxrl_kernels.demo import algos, loop, sampling
-from jaxrl_kernels.demo import model as model_lib
+from jaxrl_kernels.demo import algos, loop
 from jaxrl_kernels.demo.config import Config
+from jaxrl_kernels.demo.distill_step import LOSSES, make_distill_step
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.task import AdditionTask
 
-LOSSES = ("jaxrl", "materialised")
 COMPARED = ("divergence", "topk_loss")  # the metrics the timed steps' two losses both compute
 PHASE = 3  # the task's prompt stream for distillation (warm start 1, RL 0)
-_LOG_TINY = float(np.log(np.finfo(np.float32).tiny))
 
 
-def materialised_log_probs(hidden, weight, layout, temperature):
-    """``log_softmax(hidden·Wᵀ / temperature)``: the ``[B, T, V]`` logits in the inputs' dtype,
-    the log-softmax in float32."""
-    z = jnp.einsum("btd,vd->btv" if layout == "vd" else "btd,dv->btv", hidden, weight)
-    return jax.nn.log_softmax(z.astype(jnp.float32) / temperature, axis=-1)
-
-
-def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, *,
-                              divergence="reverse_kl", jsd_beta=0.5, temperature=1.0,
-                              weight_layout="vd", teacher_weight_layout="vd",
-                              loss_agg_mode="token_mean"):
-    """``linear_distill_loss`` in plain jnp: both heads' ``[B, T, V]`` logits (in the inputs'
-    dtype, bf16 or float32), float32 log-softmaxes, the divergence per token."""
-    ls = materialised_log_probs(hidden, weight, weight_layout, temperature)
-    lt = materialised_log_probs(teacher_hidden, teacher_weight, teacher_weight_layout,
-                                temperature)
-    ps, pt = jnp.exp(ls), jnp.exp(lt)
-    if divergence == "reverse_kl":
-        d = jnp.sum(ps * (ls - lt), axis=-1)
-    elif divergence == "forward_kl":
-        d = jnp.sum(pt * (lt - ls), axis=-1)
-    else:
-        lm = jnp.logaddexp(jnp.log(jsd_beta) + lt, jnp.log1p(-jsd_beta) + ls)
-        d = jnp.sum(jsd_beta * pt * (lt - lm) + (1 - jsd_beta) * ps * (ls - lm), axis=-1)
-    d = jnp.where(mask != 0, d, 0.0)
-    return jrk.aggregate(d, mask, loss_agg_mode), d
-
-
-def materialised_topk_distill_loss(hidden, weight, teacher_ids, teacher_logp, mask, *,
-                                   tail="drop", temperature=1.0, weight_layout="vd",
-                                   loss_agg_mode="token_mean"):
-    """``linear_topk_distill_loss`` in plain jnp: the student's ``[B, T, V]`` log-softmax
-    gathered at the teacher's ids, per token ``Σ_k p_t,k (log p_t,k − log p_s,k)`` over the
-    valid ids (``>= 0``), plus with ``tail="bucket"`` ``r_t (log r_t − log r_s)`` with
-    ``r = 1 − Σ_k p,k`` (0 where ``r_t <= 0``; ``log r_s`` at least log of float32's smallest
-    normal)."""
-    valid = (teacher_ids >= 0) & (mask != 0)[..., None]
-    ls = jnp.take_along_axis(materialised_log_probs(hidden, weight, weight_layout, temperature),
-                             jnp.maximum(teacher_ids, 0), axis=-1)
-    pt = jnp.where(valid, jnp.exp(teacher_logp.astype(jnp.float32)), 0.0)
-    lt = jnp.where(pt > 0, teacher_logp.astype(jnp.float32), 0.0)
-    d = jnp.sum(pt * (lt - ls), axis=-1)
-    if tail == "bucket":
-        r_t = 1.0 - jnp.sum(pt, axis=-1)
-        r_s = 1.0 - jnp.sum(jnp.where(valid, jnp.exp(ls), 0.0), axis=-1)
-        normal = r_s > np.exp(_LOG_TINY)
-        log_r_s = jnp.where(normal, jnp.log(jnp.where(normal, r_s, 1.0)), _LOG_TINY)
-        some = r_t > 0
-        d = d + jnp.where(some, r_t * (jnp.log(jnp.where(some, r_t, 1.0)) - log_r_s), 0.0)
-    d = jnp.where(mask != 0, d, 0.0)
-    return jrk.aggregate(d, mask, loss_agg_mode), d
-
-
-def served_teacher(hidden, weight, k: int, *, weight_layout: str, temperature: float,
-                   backend: str | None, loss: str = "jaxrl") -> tuple[jax.Array, jax.Array]:
-    """A served teacher's reply: per position its ``k`` most likely ids and their log-probs
-    ``log softmax(hidden·Wᵀ / temperature)`` at those ids, ``([B, T, k] float32, [B, T, k]
-    int32)``, without gradient; through ``linear_topk_logprobs`` (``loss="jaxrl"``, no logits
-    built) or ``lax.top_k`` of the materialised log-softmax."""
-    if loss == "jaxrl":
-        logp, ids, _ = jrk.linear_topk_logprobs(hidden, weight, k, weight_layout=weight_layout,
-                                                temperature=temperature, backend=backend)
-    else:
-        logp, ids = jax.lax.top_k(materialised_log_probs(hidden, weight, weight_layout,
-                                                         temperature), k)
-    return jax.lax.stop_gradient(logp), ids.astype(jnp.int32)
-
-
-def _losses(loss: str, backend: str | None, *, divergence: str, tail: str | None,
-            temperature: float, loss_agg_mode: str) -> tuple[Callable, Callable]:
-    """``(whole_vocabulary, top_k)``: ``linear_distill_loss`` and ``linear_topk_distill_loss``
-    (``loss="jaxrl"``) or their materialised jnp versions, with the run's options."""
-    common = dict(temperature=temperature, loss_agg_mode=loss_agg_mode)
-    if loss == "jaxrl":
-        whole = functools.partial(jrk.linear_distill_loss, backend=backend)
-        topk = functools.partial(jrk.linear_topk_distill_loss, backend=backend)
-    else:
-        whole, topk = materialised_distill_loss, materialised_topk_distill_loss
-    return (functools.partial(whole, divergence=divergence, **common),
-            functools.partial(topk, tail=tail, **common))
-
-
-def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
-                      task: AdditionTask, optimizer, *, group_size: int, temperature: float,
-                      divergence: str, loss_agg_mode: str, backend: str | None,
-                      teacher_topk: int = 0, topk_tail: str | None = None,
-                      loss: str = "jaxrl") -> Callable:
-    """The jitted step ``(state, teacher_params, prompts[n, P], sums[n], key) -> (state,
-    metrics)``; ``state`` is the student's ``{"params", "opt_state", "step"}``.
-
-    With ``teacher_topk`` K = 0 the student minimises ``divergence`` to the teacher over the
-    whole vocabulary. With K > 0 the teacher is served (:func:`served_teacher`) and the
-    student minimises the forward KL over its top-K ids, ``topk_loss`` in the metrics (with
-    ``teacher_topk_mass``, the teacher's probability in those ids, mean per answer token).
-    ``divergence`` in the metrics is the whole-vocabulary one in both modes, on the step's
-    tokens before the update."""
-    whole, topk = _losses(loss, backend, divergence=divergence, tail=topk_tail,
-                          temperature=temperature, loss_agg_mode=loss_agg_mode)
-
-    def step(state, teacher_params, prompts, sums, key):
-        prompts = jnp.repeat(prompts, group_size, axis=0)
-        sums = jnp.repeat(sums, group_size, axis=0)
-        actions, _, mask = sampling.generate(student, state["params"], prompts, key,
-                                             max_new=task.max_new, temperature=temperature)
-        sg = jax.lax.stop_gradient
-        teacher_hidden = sg(algos.answer_hidden(teacher, teacher_params, prompts, actions))
-        teacher_weight, teacher_layout = model_lib.head_weight(teacher_params,
-                                                               teacher.tie_embeddings)
-        teacher_weight = sg(teacher_weight)
-
-        def whole_vocabulary(hidden, weight, layout):
-            return whole(hidden, weight, teacher_hidden, teacher_weight, mask,
-                         weight_layout=layout, teacher_weight_layout=teacher_layout)
-
-        if teacher_topk:
-            logp_t, ids_t = served_teacher(teacher_hidden, teacher_weight, teacher_topk,
-                                           weight_layout=teacher_layout,
-                                           temperature=temperature, backend=backend, loss=loss)
-            trained = lambda hidden, weight, layout: topk(hidden, weight, ids_t, logp_t, mask,
-                                                          weight_layout=layout)
-        else:
-            trained = whole_vocabulary
-
-        def objective(params):
-            weight, layout = model_lib.head_weight(params, student.tie_embeddings)
-            hidden = algos.answer_hidden(student, params, prompts, actions)
-            value, per_token = trained(hidden, weight, layout)
-            return value, (per_token, hidden)
-
-        (value, (per_token, hidden)), grads = jax.value_and_grad(objective, has_aux=True)(
-            state["params"])
-        if teacher_topk:
-            weight, layout = model_lib.head_weight(state["params"], student.tie_embeddings)
-            whole_value, whole_per_token = whole_vocabulary(sg(hidden), weight, layout)
-            metrics = {"divergence": whole_value, "divergence_max": jnp.max(whole_per_token),
-                       "topk_loss": value, "topk_loss_max": jnp.max(per_token),
-                       "teacher_topk_mass": jrk.aggregate(jnp.sum(jnp.exp(logp_t), axis=-1),
-                                                          mask, "token_mean")}
-        else:
-            metrics = {"divergence": value, "divergence_max": jnp.max(per_token)}
-        params, opt_state = algos._apply(optimizer, state["params"], state["opt_state"], grads)
-        scores = task.score(actions, sums)
-        metrics.update(reward=jnp.mean(scores["reward"]), accuracy=jnp.mean(scores["correct"]),
-                       tokens=jnp.sum(mask))
-        return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1), metrics
-
-    return jax.jit(step)
 
 
 @functools.lru_cache(maxsize=16)
@@ -300,9 +146,8 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     student_key = (task.seq_len - 1, scfg.d_model, scfg.layers, scfg.heads, scfg.tie_embeddings)
     teacher_key = (task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
     options = (("group_size", cfg.group_size), ("temperature", cfg.temperature),
-               ("divergence", cfg.divergence), ("loss_agg_mode", cfg.loss_agg_mode),
-               ("backend", distill_backend(cfg)), ("teacher_topk", cfg.teacher_topk),
-               ("topk_tail", cfg.topk_tail))
+               ("config", cfg.distill_loss()), ("backend", distill_backend(cfg)),
+               ("teacher_topk", cfg.teacher_topk), ("topk_config", cfg.topk_distill_loss()))
     programs = {loss: _distill_program(student_key, teacher_key, task, cfg.distill_lr,
                                        cfg.lr_warmup, options, loss) for loss in LOSSES}
     optimizer, step_fn = programs["jaxrl"]

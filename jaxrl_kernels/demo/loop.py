@@ -29,13 +29,14 @@ import platform
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.demo import algos, checkpoint
+from jaxrl_kernels.demo import algos, checkpoint, sampling
 from jaxrl_kernels.demo.model import CausalLM
 from jaxrl_kernels.demo.progress import Progress
 from jaxrl_kernels.demo.config import Config, _check_resumable
@@ -66,9 +67,29 @@ def _rl_program(model_key: tuple, task: AdditionTask, lr: float, warmup_updates:
     return optimizer, algos.make_rl_step(_model(*model_key), task, optimizer, rl_cfg)
 
 
+def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callable:
+    """Jitted held-out evaluation: greedy accuracy and reward, and a sampled reward."""
+
+    @jax.jit
+    def evaluate(params, prompts, sums, key):
+        n = prompts.shape[0]
+        greedy = jnp.arange(2 * n) < n  # one decode: greedy rows, then sampled rows
+        tokens, _, _ = sampling.generate(lm, params, jnp.concatenate([prompts, prompts]), key,
+                                         max_new=task.max_new, temperature=temperature,
+                                         greedy=greedy)
+        g = task.score(tokens[:n], sums)
+        s = task.score(tokens[n:], sums)
+        return {"accuracy": jnp.mean(g["correct"]), "reward": jnp.mean(g["reward"]),
+                "well_formed": jnp.mean(g["well_formed"]),
+                "sampled_accuracy": jnp.mean(s["correct"]),
+                "sampled_reward": jnp.mean(s["reward"])}
+
+    return evaluate
+
+
 @functools.lru_cache(maxsize=32)
 def _eval_program(model_key: tuple, task: AdditionTask, temperature: float):
-    return algos.make_evaluate(_model(*model_key), task, temperature=temperature)
+    return make_evaluate(_model(*model_key), task, temperature=temperature)
 
 
 class Demo:
