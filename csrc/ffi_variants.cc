@@ -1,6 +1,6 @@
 // XLA FFI handlers the package registers but does not call: they serve the measurement
 // variant benchmarks/variants/ffi_xla_gemms.py (the backward's chunks as a loop of XLA
-// GEMMs) and the kernel tests (tests/test_ffi.py).
+// GEMMs) and the kernel tests (tests/backends/test_ffi.py).
 //
 // `jaxrl_kernels_sm90_linear_logprobs_grad`: the grad kernel alone over one vocabulary chunk
 // [start, start + size) (sm90_grad_kernel.cuh). Operands as the backward's first eight

@@ -102,7 +102,7 @@ def test_grpo_loss_every_output_exact(rng, options, layout, which):
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum_norm"])
 def test_policy_gradient_loss_bf16_gradient_in_the_forward(rng, mode, layout):
     """bfloat16 head, c·loss: the float64 oracle, within the fast mode's own rule (its float64
-    formula with the two roundings, tests/test_fast_mode.fast_formula, plus 1e-3)."""
+    formula with the two roundings, tests/engine/test_fast_mode.fast_formula, plus 1e-3)."""
     b, t, vocab, d = 3, 4, 29, 8
     x = make_head(rng, b, t, vocab, d, jnp.bfloat16, layout, with_bias=True)
     (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), _, primals = _head_case(x)

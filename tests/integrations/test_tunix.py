@@ -5,7 +5,8 @@ embeddings, Gemma3), the same TrainExample through both losses gives the same lo
 value of every aux key and the same gradient of every parameter (1e-5 of scale), over the
 options tunix's losses read, on one device and on a (fsdp=2, tp=4) mesh; the compiled programs
 of our loss and of our log-prob pass hold no [B, T, V] buffer; unsupported models and options
-raise one clear error. tests/test_tunix_learners.py runs them inside tunix's own learners.
+raise one clear error. tests/integrations/test_tunix_learners.py runs them inside tunix's own
+learners.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def test_sampler_matched_losses(models, case):
     """The sampler-matched variant (``sampler_matched_loss``, what tunix's learners call):
     loss, every aux value and every gradient equal the oracle's (tunix's logits,
     jk.token_logprobs with the sampler's top_k / top_p at its temperature, the same loss
-    formula; tests/tunix_support.py), ``outside_kept_set`` counting the completion tokens
+    formula; tests/support/tunix_support.py), ``outside_kept_set`` counting the completion tokens
     outside their kept set; and they differ from the untruncated loss's (the option off:
     tunix's, which the tests above check)."""
     model = models["qwen3"]
@@ -434,11 +435,12 @@ def test_refuses_logits():
 
 # -- many devices ----------------------------------------------------------------------------
 
-@pytest.mark.slow  # ~60 s of CPU; tests/test_tunix_learners.py runs the learners on fsdp=2 in CI
+# ~60 s of CPU; tests/integrations/test_tunix_learners.py runs the learners on fsdp=2 in CI
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py forces "
                     "8 host devices)")
 def test_sharded_fsdp2_tp4_matches_tunix():
-    """tests/tunix_sharded.py: a (fsdp=2, tp=4) mesh, the models' own shardings (vocabulary
+    """tests/support/tunix_sharded.py: a (fsdp=2, tp=4) mesh, the models' own shardings (vocabulary
     over "tp"), against tunix's losses on the same sharded inputs."""
     from tests.support import tunix_sharded
 

@@ -8,9 +8,9 @@ jaxrl_kernels too). Actor, reference (and PPO's critic) live on an fsdp=2 mesh o
 the vanilla rollout samples with a fixed seed; two global steps of 2 prompts, mini-batch 2 in
 micro-batches of 1 (gradient accumulation; one PPO test: one global step of 4 prompts in
 micro-batches of 2), num_iterations 2, beta 0.04 (a reference pass),
-AdamW (tests/tunix_support.py ``run_learner``); PPO with a critic, an entropy bonus, the KL in
-the reward and dual clip. Every metric tunix logs and every final parameter must agree (1e-5 of
-scale), jaxrl_kernels must have served the reference and rollout log-probs, every actor
+AdamW (tests/support/tunix_support.py ``run_learner``); PPO with a critic, an entropy bonus, the
+KL in the reward and dual clip. Every metric tunix logs and every final parameter must agree (1e-5
+of scale), jaxrl_kernels must have served the reference and rollout log-probs, every actor
 parameter must end with exactly the sharding (mesh and PartitionSpec) that tunix's own loss
 gives it, and the train step and the sampler, which jit-cache on those shardings, must compile
 as many times as in tunix's run. tunix splits a micro-batch's rows over "fsdp" only when their
@@ -99,7 +99,7 @@ def test_sampler_matched_learner(algo):  # grpo ~35 s of CPU, ppo ~65 s
     temperature 0.9, ``use_kernel_logprobs(..., sampler_matched=True, algo_config=config)``
     (both passes and the loss's variant) against the oracle (tunix's logits, then
     jk.token_logprobs with the same top_k / top_p, for both passes and inside the loss;
-    tests/tunix_support.py): every logged metric and final parameter, the shardings and the
+    tests/support/tunix_support.py): every logged metric and final parameter, the shardings and the
     compile counts agree. One global step of 2 prompts in micro-batches of 1 (GRPO: 2
     generations each)."""
     sizes = dict(global_steps=1, per_step=2, micro_batch=1, top_k=8, top_p=0.9,

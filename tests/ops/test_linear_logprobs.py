@@ -71,8 +71,8 @@ def check_linear(backend, rng, hidden, h64, weight, w64, bias, b64, targets, *, 
 
 
 DTYPE_LAYOUTS = [(jnp.float32, "vd"), (jnp.float32, "dv"), (jnp.bfloat16, "vd")]
-# pallas (interpret mode is slow; tests/test_pallas_linear.py tests its kernels) runs each case
-# once, the dtype-layouts in turn (each twice); the rest is pallas_slow.
+# pallas (interpret mode is slow; tests/backends/test_pallas_linear.py tests its kernels) runs each
+# case once, the dtype-layouts in turn (each twice); the rest is pallas_slow.
 PALLAS_VALUES = {c + DTYPE_LAYOUTS[i % len(DTYPE_LAYOUTS)] for i, c in enumerate(CASES)}
 
 

@@ -30,11 +30,11 @@ The grid (``FULL``) is built with ``itertools.product``; normal runs take the de
 ``SAMPLE`` of it (every op × option once, every backend × entry × layout value, and the
 configurations users reported crashing); ``JAXRL_TEST_GRID=full`` runs the rest (marker ``grid_full``;
 ``JAXRL_TEST_GRID_SHARD=i/n`` keeps every n-th case of it, for n processes:
-tests/run_full_grid.sh).
+tests/support/run_full_grid.sh).
 Backends: conftest's ``CPU_BACKENDS`` (pallas in interpret mode with JAXRL_TEST_PALLAS=1), less
 those that decline an op (``DECLINED``: pallas has no top-k, and its distillation kernels take
 16-bit heads, which the grid's float32 cases are not, and run off a GPU emulated in a host
-callback that crashes under Auto axes; tests/test_distill.py runs them).
+callback that crashes under Auto axes; tests/ops/test_distill.py runs them).
 
 The distillation ops (``DISTILL_OPS``): ``linear_distill_loss`` takes a teacher head too
 (``teacher_hidden`` [B, T, D_t] sharded like ``hidden``, D_t over the tensor-parallel axis in
@@ -299,7 +299,7 @@ REST = [c for c in FULL if c not in SAMPLE]
 
 def _grid_shard(cases: list[Case]) -> list[Case]:
     """``JAXRL_TEST_GRID_SHARD=i/n``: every n-th case of the full run from the i-th, so that n
-    processes share it (tests/run_full_grid.sh)."""
+    processes share it (tests/support/run_full_grid.sh)."""
     value = os.environ.get("JAXRL_TEST_GRID_SHARD")
     if not value:
         return cases

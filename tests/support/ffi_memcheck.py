@@ -10,7 +10,7 @@ Hopper GPU:
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_enable_command_buffer=" \
         compute-sanitizer --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 \
-        python3 tests/ffi_memcheck.py
+        python3 tests/support/ffi_memcheck.py
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The whole many-device grid (tests/test_sharding_grid.py, marker grid_full) on the CPU, split
-# over processes: shard i of n runs every n-th case (JAXRL_TEST_GRID_SHARD=i/n), shards
+# The whole many-device grid (tests/sharding/test_sharding_grid.py, marker grid_full) on the CPU,
+# split over processes: shard i of n runs every n-th case (JAXRL_TEST_GRID_SHARD=i/n), shards
 # FIRST..LAST-1 at once. Each shard's pytest -v log goes to $GRID_LOGS/shard-<i>.log as it runs,
 # so a run cut short still shows every case it finished; the summary counts them.
-#   bash tests/run_full_grid.sh [FIRST LAST N]      default 0 N N, N = the number of cores
+#   bash tests/support/run_full_grid.sh [FIRST LAST N]      default 0 N N, N = the number of cores
 # With GRID_IDS=<file of pytest node ids>, shard i runs lines i, i+n, ... of that file instead
 # (to finish a run that was cut short).
 # Needs no GPU (JAX_PLATFORMS=cpu); pallas runs in interpret mode.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 cores=$(nproc)
 n=${3:-$cores}
 first=${1:-0}
@@ -27,7 +27,7 @@ for ((i = first; i < last; i++)); do
     "$python" -m pytest -m grid_full -v -p no:cacheprovider "${ids[@]}" > "$logs/shard-$i.log" 2>&1 &
   else
     JAXRL_TEST_GRID_SHARD="$i/$n" "$python" -m pytest -m grid_full -v -p no:cacheprovider \
-      tests/test_sharding_grid.py > "$logs/shard-$i.log" 2>&1 &
+      tests/sharding/test_sharding_grid.py > "$logs/shard-$i.log" 2>&1 &
   fi
 done
 wait

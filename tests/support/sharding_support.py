@@ -1,6 +1,6 @@
-"""What the sharding tests (tests/test_sharding.py, tests/test_sharding_grid.py) read off a
-compiled step: the sizes of its collectives and the full PartitionSpec of an array; and the
-two-device run of a head's loss that several op tests share (:func:`on_two_devices`)."""
+"""What the sharding tests (tests/sharding/test_sharding.py, tests/sharding/test_sharding_grid.py)
+read off a compiled step: the sizes of its collectives and the full PartitionSpec of an array; and
+the two-device run of a head's loss that several op tests share (:func:`on_two_devices`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tiny random tunix models, train examples and comparisons for the tunix integration tests.
 
-Shared by tests/test_tunix.py and the 8-device script tests/tunix_sharded.py.
+Shared by tests/integrations/test_tunix.py and the 8-device script tests/support/tunix_sharded.py.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def loss_and_grads(loss_name: str, model, example, algo_config, **loss_kwargs):
 # "reference" backend (the logits in memory, checked against NumPy by the op tests) takes the
 # log-probs (and entropy) of softmax(z / T) truncated by the settings' top-k / top-p. The loss
 # on them is the registered loss's own formula (LossTerms.loss_of_logprobs, which
-# tests/test_tunix.py holds to tunix's loss): what the oracle checks is the route of the
-# log-probs (hidden states, head, targets, temperature, truncation, gradients), not the formula.
+# tests/integrations/test_tunix.py holds to tunix's loss): what the oracle checks is the route of
+# the log-probs (hidden states, head, targets, temperature, truncation, gradients), not the formula.
 
 def tunix_logits(graphdef, state, prompt, completion, stop_gradient=True):
     """tunix's own float32 [B, C, V] logits of the completion positions (unpacked)."""
