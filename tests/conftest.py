@@ -119,8 +119,25 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:
+    if "backend" in metafunc.fixturenames and not _parametrizes(metafunc, "backend"):
         metafunc.parametrize("backend", CPU_BACKENDS)
+
+
+def _parametrizes(metafunc, name):
+    """Whether the test parametrizes ``name`` itself (as with :func:`slow_backends`)."""
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+        if name in names:
+            return True
+    return False
+
+
+def slow_backends(*kept):
+    """CPU_BACKENDS as the values of ``backend`` for ``@pytest.mark.parametrize``, each backend
+    not in ``kept`` marked ``slow``: a test too costly to run on every backend in CI runs on
+    ``kept`` there, on all of them with JAXRL_TEST_SLOW=1."""
+    return [pytest.param(b, marks=() if b in kept else pytest.mark.slow) for b in CPU_BACKENDS]
 
 
 # Modules whose tests take longest (tens of seconds each on CPU: processes started, models

@@ -6,9 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~50 s of CPU
 def test_bench_distill_small(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = ""  # one host device

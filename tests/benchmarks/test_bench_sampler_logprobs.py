@@ -4,9 +4,12 @@ in this process, and its rows say what its docstring promises."""
 import json
 import math
 
+import pytest
+
 from benchmarks import bench_sampler_logprobs as bench
 
 
+@pytest.mark.slow  # ~25 s of CPU; test_bench_sampler_forward_small runs in CI
 def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     rows = bench.main(["--small", "--runs", "2", "--rounds", "1"])

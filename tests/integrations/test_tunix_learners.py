@@ -19,8 +19,10 @@ sharding under tunix's loss; PPO's micro-batches of 1 row leave the three RMSNor
 sharded over "fsdp" (ours once kept them replicated), and the tests assert both, so that
 the comparison is not vacuous.
 
-Sequence packing (tunix's ``max_seq_token_per_tpu``) is one more GRPO test, marked ``slow`` and
-run only with JAXRL_TEST_SLOW=1 (CI's time budget). On this CPU Qwen3
+CI (CPU time) runs the GRPO learner against tunix's own; the PPO learners and the
+sampler-matched runs are marked ``slow`` (JAXRL_TEST_SLOW=1), tests/integrations/test_tunix.py
+holding "jaxrl_ppo" to tunix's "ppo" in CI. Sequence packing (tunix's ``max_seq_token_per_tpu``)
+is one more GRPO test, marked ``slow`` too. On this CPU Qwen3
 (no flash attention) tunix 0.1.7 packs without any attention mask (``process_ids`` gives
 ``attention_mask=None`` for packed rows), so packed training there is not causal; both losses
 see the same model, so they must still agree.
@@ -71,6 +73,7 @@ def test_grpo_learner_matches_tunix():
     assert set(got.compiles.values()) == {1}, got.compiles
 
 
+@pytest.mark.slow  # ~50-80 s of CPU
 def test_ppo_learner_matches_tunix():
     """PPOLearner hands the registered function itself to its trainer (no wrapping lambda).
 
@@ -84,6 +87,7 @@ def test_ppo_learner_matches_tunix():
     assert set(got.compiles.values()) == {2}, got.compiles
 
 
+@pytest.mark.slow  # ~40 s of CPU
 def test_ppo_learner_split_micro_batch_matches_tunix():
     """Mini-batch 4 prompts in micro-batches of 2, split over "fsdp": tunix's own loss keeps
     every parameter's sharding here, and ours must too (one global step)."""
@@ -93,6 +97,7 @@ def test_ppo_learner_split_micro_batch_matches_tunix():
     assert set(got.compiles.values()) == {1}, got.compiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_sampler_matched_learner(algo):  # grpo ~35 s of CPU, ppo ~65 s
     """Sampler matching in tunix's own loop: a rollout with top_k 8 (of 64) and top_p 0.9 at

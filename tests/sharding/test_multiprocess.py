@@ -4,8 +4,9 @@ weight or logits in place, under jax.jit (Auto and Explicit mesh axes, option co
 FSDP head, distillation lean and fast, sampler-matched log-probs with the vocabulary split across
 the processes) and inside a user's jax.shard_map with ``vocab_axis`` (see multiprocess_worker.py).
 One pair of processes per backend runs every case under both mesh types (starting and joining
-them is a good part of the cost). On a host of 4 or 8 GPUs the ``gpu`` test runs the same cases
-with each process on half of the GPUs."""
+them is a good part of the cost); CI runs the reference pair, the chunked and pallas pairs are
+marked ``slow``. On a host of 4 or 8 GPUs the ``gpu`` test runs the same cases with each process
+on half of the GPUs."""
 
 import os
 import socket
@@ -13,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import slow_backends
 
 WORKER = os.path.join(os.path.dirname(__file__), os.pardir, "support", "multiprocess_worker.py")
 
@@ -26,6 +29,7 @@ def _free_port() -> int:
 RUNS = ["Auto:linear,distill", "Explicit:linear,options,distill,vocab_axis,sampler"]
 
 
+@pytest.mark.parametrize("backend", slow_backends("reference"))  # ~30 s, chunked ~70, pallas ~130
 def test_two_processes(backend):
     _run_pair(backend, [{}, {}])
 
