@@ -33,7 +33,7 @@ for s in "$@"; do
   case $s in
     tests) step "${TESTS_LIMIT:-300}" bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
     # four workers share the GPU (no preallocation): the grid's time is mostly compiling
-    fast_accuracy) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs tests/test_fast_accuracy.py tests/test_distill.py -k 'fast or accuracy' 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_fast_accuracy.txt\"; exit \${PIPESTATUS[0]}" ;;
+    fast_accuracy) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs tests/engine/test_fast_accuracy.py tests/ops/test_distill.py -k 'fast or accuracy' 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_fast_accuracy.txt\"; exit \${PIPESTATUS[0]}" ;;
     demo)  step 150 "$PY" -m jaxrl_kernels.demo --out "$BENCH_RESULTS/demo" ;;
     linear|logits|ppo) step 200 "$PY" -m "benchmarks.bench_$s" ;;
     ffi) step 200 "$PY" -m benchmarks.studies.bench_ffi ;;
@@ -54,7 +54,7 @@ for s in "$@"; do
       --layouts 1dev,rows,vocab,both --ops linear_grpo_loss --profile ${GRID_AXES:-} ;;
     # the tests over 2 and 4 GPUs and two processes of half the GPUs each
     tests_many_gpus) step 420 bash -c "XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -n 4 -m gpu -q -rs \
-      tests/test_sharding.py tests/test_multiprocess.py 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_many_gpus.txt\"; exit \${PIPESTATUS[0]}" ;;
+      tests/sharding/test_sharding.py tests/sharding/test_multiprocess.py 2>&1 | tee \"$BENCH_RESULTS/gpu_tests_many_gpus.txt\"; exit \${PIPESTATUS[0]}" ;;
     many_devices_16k) step 560 "$PY" -m benchmarks.bench_many_devices --sizes n16k_d2048,n16k_d4096 \
       --backends jnp_bf16,auto,fast --layouts 1dev,rows,vocab,both ;;
     side_by_side) step 545 "$PY" -m benchmarks.linear_side_by_side ;;
@@ -82,7 +82,7 @@ for s in "$@"; do
     # XLA's GEMM autotuning under the sanitizer is very slow, hence autotune level 0
     memcheck) step 300 bash -c "sanitizer=\$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS='--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0' \"\$sanitizer\" \
-        --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 $PY tests/ffi_memcheck.py \
+        --tool memcheck --kernel-name kns=jaxrl_sm90 --error-exitcode 1 $PY tests/support/ffi_memcheck.py \
         2>&1 | tee \"$BENCH_RESULTS/ffi_memcheck.txt\"; exit \${PIPESTATUS[0]}" ;;
     *) echo "== unknown step: $s"; status=1 ;;
   esac

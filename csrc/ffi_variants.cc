@@ -1,7 +1,7 @@
 // XLA FFI handlers for measurement only: the package never calls them. Built only with
 // JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (CMakeLists.txt; module.cc registers them then), for the
 // variant benchmarks/studies/variants/ffi_xla_gemms.py (the backward's chunks as a loop of XLA GEMMs) and
-// the GPU tests of tests/test_ffi.py.
+// the GPU tests of tests/backends/test_ffi.py.
 //
 // `jaxrl_kernels_sm90_linear_logprobs_grad`: the grad kernel alone over one vocabulary chunk
 // [start, start + size) (sm90_grad_kernel.cuh). Operands as the backward's first eight

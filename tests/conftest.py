@@ -74,7 +74,7 @@ def default_xla_optimizations(request):
     """XLA's default optimizations for the modules of DEFAULT_XLA_MODULES. jax's in-memory
     caches are cleared on the way in and out (a cached executable was compiled under the
     other setting; the persistent cache's keys include it)."""
-    if not FAST_COMPILE or request.module.__name__ not in DEFAULT_XLA_MODULES:
+    if not FAST_COMPILE or _basename(request.module) not in DEFAULT_XLA_MODULES:
         yield
         return
     jax.clear_caches()
@@ -119,8 +119,25 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
-    if "backend" in metafunc.fixturenames:
+    if "backend" in metafunc.fixturenames and not _parametrizes(metafunc, "backend"):
         metafunc.parametrize("backend", CPU_BACKENDS)
+
+
+def _parametrizes(metafunc, name):
+    """Whether the test parametrizes ``name`` itself (as with :func:`slow_backends`)."""
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else names
+        if name in names:
+            return True
+    return False
+
+
+def slow_backends(*kept):
+    """CPU_BACKENDS as the values of ``backend`` for ``@pytest.mark.parametrize``, each backend
+    not in ``kept`` marked ``slow``: a test too costly to run on every backend in CI runs on
+    ``kept`` there, on all of them with JAXRL_TEST_SLOW=1."""
+    return [pytest.param(b, marks=() if b in kept else pytest.mark.slow) for b in CPU_BACKENDS]
 
 
 # Modules whose tests take longest (tens of seconds each on CPU: processes started, models
@@ -133,7 +150,7 @@ SLOW_MODULES_FIRST = ("test_multiprocess", "test_tunix_learners", "test_bench_di
 
 def pytest_collection_modifyitems(config, items):
     order = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
-    module = lambda item: getattr(getattr(item, "module", None), "__name__", "")
+    module = lambda item: _basename(getattr(item, "module", None))
     items.sort(key=lambda item: order.get(module(item), len(order)))  # stable: rest in order
     on_gpu = jax.default_backend() == "gpu"
     skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
@@ -160,6 +177,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(
                 reason=f"runs the same function as backend {same!r}; set JAXRL_TEST_SLOW=1 "
                        "to run it anyway"))
+
+
+def _basename(module) -> str:
+    """A test module's own name (``test_x`` of ``tests.<layer>.test_x``)."""
+    return getattr(module, "__name__", "").rpartition(".")[2]
 
 
 def _same_code_as(item) -> str | None:

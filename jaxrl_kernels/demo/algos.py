@@ -73,7 +73,7 @@ CHOICES = ALGOS + (DISTILL,)  # what --algo takes
 ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
                        "sequence-mask")
 # The library's options (docs/api.md, "kl_penalty", "aggregate") as the flags' choices; checked by
-# building a jk.PolicyLoss; tests/test_demo.py checks that the library takes exactly these.
+# building a jk.PolicyLoss; tests/demo/test_demo.py checks that the library takes exactly these.
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                   "seq_mean_token_sum_norm")

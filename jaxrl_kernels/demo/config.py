@@ -22,7 +22,7 @@ SERVED_DIVERGENCE = "forward_kl"
 """The divergence of a served teacher's loss, ``linear_topk_distill_loss``: the only one."""
 # The library's options that the flags offer (docs/api.md, "linear_distill_loss" and
 # "linear_topk_distill_loss"); the values are checked by building jk.DistillLoss and
-# jk.TopKDistillLoss, and tests/test_demo.py checks that the library takes exactly these.
+# jk.TopKDistillLoss, and tests/demo/test_demo.py checks that the library takes exactly these.
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 TOPK_TAILS = ("drop", "bucket")
 

@@ -1,5 +1,5 @@
 """The two pieces of jax's internals the package needs, in one place (jax has no public API for
-either); ``tests/test_jax_internals.py`` checks that both still do their job.
+either); ``tests/sharding/test_jax_internals.py`` checks that both still do their job.
 
 ``vma_check_off()``
     A context in which values traced inside ``shard_map`` carry no varying-manual-axes (vma)

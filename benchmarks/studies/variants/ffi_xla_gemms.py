@@ -6,7 +6,7 @@ grad custom call (``jaxrl_kernels_sm90_linear_logprobs_grad``, csrc/ffi_variants
 in float16 and the chunk's float16 weight copy) and XLA's two GEMMs; d_weight starts as a
 buffer nobody writes (``jaxrl_kernels_uninitialized``), since the loop writes every column. It
 is the A/B partner of ``studies.linear_kernels --fused`` and, through :func:`write_grad`, runs the grad
-kernel alone (``--kernels``, ``--clocks kernels``, tests/test_ffi.py). The grad call exists only
+kernel alone (``--kernels``, ``--clocks kernels``, tests/backends/test_ffi.py). The grad call exists only
 in an extension built with ``JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON`` (docs/building.md;
 ``_sm90.measurement_handlers``); without it XLA finds no handler for the call.
 """

@@ -7,7 +7,8 @@ runs with ``output_hidden_states=True``; its final hidden states h [B, L, D] (af
 norm) and its LM head W go to :func:`jaxrl_kernels.linear_logprobs`, which returns
 log softmax(h·W / T)[target] and the entropy of softmax(h·W / T) in one pass, forward and
 backward, without the [B, L, V] logits. The logits the model's forward still computes are never
-read, so XLA removes them from the compiled program (``tests/test_tunix.py`` checks this).
+read, so XLA removes them from the compiled program (``tests/integrations/test_tunix.py`` checks
+this).
 
 A model qualifies when its ``__call__`` takes ``output_hidden_states`` (tunix sows the final
 hidden states as ``nnx.Intermediate`` "all_hidden_states") and its logits are a plain product
@@ -156,8 +157,8 @@ def head_layout(hidden):
     build the logits, and without this constraint XLA took the D split of the weights for the
     hidden states in both cases (every device then ran the whole micro-batch), so parameters
     ended laid out otherwise than under tunix's loss. With D whole at the head, which gathers a
-    split D anyway, the layouts are tunix's (tests/test_tunix_learners.py compares every
-    parameter's final sharding). Does nothing outside a mesh, under Explicit axes and inside
+    split D anyway, the layouts are tunix's (tests/integrations/test_tunix_learners.py compares
+    every parameter's final sharding). Does nothing outside a mesh, under Explicit axes and inside
     ``shard_map``, where shardings are part of the types.
     """
     mesh = _context_mesh()

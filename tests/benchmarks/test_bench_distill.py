@@ -1,0 +1,36 @@
+"""benchmarks/bench_distill.py runs end to end at toy sizes (``--small``) on any device."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow  # ~50 s of CPU
+def test_bench_distill_small(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = ""  # one host device
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_distill", "--small",
+                           "--rounds", "1", "--runs", "1", "--divergences", "reverse_kl,jsd",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_distill.json").read_text())["rows"]
+    by = {(r["variant"], r["divergence"]): r for r in rows}
+    for d in ("reverse_kl", "jsd"):
+        for variant in ("ours (chunked)", "jnp materialised", "GEMMs alone, chunked"):
+            row = by[(variant, d)]
+            assert not row.get("error") and row["fwdbwd_ms"] > 0 and row["temp_mib"] >= 0, row
+        lean, fast = (by[(f"GEMMs each alone, {s}", d)] for s in ("lean schedule", "3 S + T"))
+        assert lean["fwdbwd_ms"] > fast["fwdbwd_ms"] > fast["fwd_ms"] > 0, (lean, fast)
+        ours, plain = by[("ours (chunked)", d)]["loss"], by[("jnp materialised", d)]["loss"]
+        assert abs(ours - plain) <= 1e-2 * max(abs(plain), 1.0), (d, ours, plain)
+    liger = by[("liger fused_linear_jsd", "jsd")]
+    assert liger.get("fwdbwd_ms") or liger.get("note", "").startswith("skipped") or liger.get(
+        "error"), liger
+    assert (tmp_path / "bench_distill.md").exists()

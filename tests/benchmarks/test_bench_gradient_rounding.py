@@ -1,0 +1,32 @@
+"""benchmarks/gradient_rounding.py runs at toy sizes (``--small``) on any device, and its rows
+show what the performance notes take from them: the logits' gradient rounded to bf16 sets the
+fast mode's error, the logits' own rounding barely moves it, and a scaled float16 gradient
+brings it to the floor that rounding the result to bf16 leaves."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_gradient_rounding_small(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gradient_rounding", "--small",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "gradient_rounding.json").read_text())["rows"]
+    err = {(r["z_dtype"], r["dz_dtype"], r["result"]): (r["err_d_hidden"], r["err_d_weight"])
+           for r in rows}
+    assert len(err) == 8
+    for k in (0, 1):
+        assert err[("float32", "float32", "float32")][k] < 1e-5
+        floor = err[("float32", "float32", "bfloat16")][k]
+        assert 1e-3 < floor < 3e-3  # bf16's half unit in the last place, 2**-9, times ~0.6
+        fast = err[("bfloat16", "bfloat16", "bfloat16")][k]
+        assert fast > 1.25 * floor
+        assert abs(err[("float32", "bfloat16", "bfloat16")][k] - fast) < 0.1 * fast
+        assert abs(err[("float16", "float16", "bfloat16")][k] - floor) < 0.1 * floor
