@@ -23,7 +23,7 @@ import jaxrl_kernels as jk
 from tests.support import oracle
 from tests.conftest import assert_close, cotangent, rand
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.dispatch import contract, resolve
+from jaxrl_kernels.dispatch import contract, resolver
 from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.dispatch.contract import Problem
@@ -208,7 +208,7 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
         pytest.skip("declined: test_pallas_token_logprobs_is_declined")
     plain = dispatch.select(op, Problem(n_rows=4, vocab=8), backend)
     pinned = dispatch.select(op, Problem(n_rows=4, vocab=8, batch_invariant=True), backend)
-    table = resolve._backend(backend)
+    table = resolver._backend(backend)
     assert plain.impl is table.ops[contract.OP_PRIMITIVE[op]]
     assert pinned.impl is table.invariant_ops[contract.OP_PRIMITIVE[op]]
     assert pinned.impl is not plain.impl
@@ -221,8 +221,8 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
 
 def test_a_backend_without_an_invariant_implementation_is_declined(monkeypatch):
     import dataclasses
-    chunked = resolve._backend("chunked")
-    monkeypatch.setitem(resolve._loaded, "chunked", type("M", (), {
+    chunked = resolver._backend("chunked")
+    monkeypatch.setitem(resolver._loaded, "chunked", type("M", (), {
         "BACKEND": dataclasses.replace(chunked, invariant_ops={})}))
     with pytest.raises(NotImplementedError, match="no batch-invariant 'linear_logprobs'"):
         jk.linear_logprobs(jnp.zeros((4, 8)), jnp.zeros((16, 8)), jnp.zeros(4, int),

@@ -2,7 +2,7 @@
 
 Every module of ``jaxrl_kernels`` has a layer (:data:`LAYERS`, lowest first). A module may
 import its own layer or a lower one, never a higher one (function-level imports included:
-``dispatch.resolve`` imports the backends on first use, so the backends sit below it); the
+``dispatch.resolver`` imports the backends on first use, so the backends sit below it); the
 import graph has no cycle; no backend imports another; no module is over 400 lines; the demo
 and the integrations use the public names, except where :data:`INTERNAL_USES` says why.
 """
