@@ -29,12 +29,17 @@ from __future__ import annotations
 
 KINDS = ("fwd", "grad", "copy_ms", "gemm_dh", "gemm_dh_splitk", "gemm_dw", "other")
 """The kernel kinds of the ffi rows' breakdown (``common.KERNELS`` but absmax)."""
-COLUMNS = (["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise"]
-           + [k for kind in KINDS for k in (kind, "inv_" + kind)] + ["error"])
-SIZES = {"full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
-         "n4096": [(4096, 2048, 131072)],
-         "n1000_n4096": [(n, 2048, 131072) for n in (1000, 4096)],
-         "small": [(8, 32, 1000), (100, 32, 1000)]}
+COLUMNS = (
+    ["op", "backend", "N", "D", "V", "fwdbwd_ms", "invariant_ms", "x_default", "bitwise"]
+    + [k for kind in KINDS for k in (kind, "inv_" + kind)]
+    + ["error"]
+)
+SIZES = {
+    "full": [(n, 2048, 131072) for n in (1000, 4096, 16384)],
+    "n4096": [(4096, 2048, 131072)],
+    "n1000_n4096": [(n, 2048, 131072) for n in (1000, 4096)],
+    "small": [(8, 32, 1000), (100, 32, 1000)],
+}
 LINEAR_BACKENDS = ("ffi", "pallas", "chunked")
 TOKEN_BACKENDS = ("pallas", "reference")
 SMALL_BACKENDS = {"linear_logprobs": ("chunked", "reference"), "token_logprobs": ("reference",)}
@@ -47,8 +52,9 @@ def inputs(n, d, v, seed=0):
 
     rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.standard_normal((n, d), np.float32)).astype(jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((v, d), np.float32) * np.float32(2.0 / d ** 0.5)
-                    ).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, d), np.float32) * np.float32(2.0 / d**0.5)).astype(
+        jnp.bfloat16
+    )
     targets = jnp.asarray(rng.integers(0, v, (n,)).astype(np.int32))
     g = jnp.asarray(rng.uniform(0.5, 1.5, (n,)).astype(np.float32))
     return h, w, targets, g
@@ -62,13 +68,17 @@ def step(op, backend, invariant):
     import jaxrl_kernels as jk
 
     if op == "linear_logprobs":
+
         def loss(h, w, t, g):
-            return jnp.sum(g * jk.linear_logprobs(h, w, t, backend=backend,
-                                                  batch_invariant=invariant))
+            return jnp.sum(
+                g * jk.linear_logprobs(h, w, t, backend=backend, batch_invariant=invariant)
+            )
+
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
     def loss_logits(x, t, g):
         return jnp.sum(g * jk.token_logprobs(x, t, backend=backend, batch_invariant=invariant))
+
     return jax.jit(jax.value_and_grad(loss_logits))
 
 
@@ -108,8 +118,11 @@ def measure(size, runs, rounds, small, only=()):
     logits = None
     rows = []
     for op in ("linear_logprobs", "token_logprobs"):
-        backends = SMALL_BACKENDS[op] if small else (
-            LINEAR_BACKENDS if op == "linear_logprobs" else TOKEN_BACKENDS)
+        backends = (
+            SMALL_BACKENDS[op]
+            if small
+            else (LINEAR_BACKENDS if op == "linear_logprobs" else TOKEN_BACKENDS)
+        )
         if op == "token_logprobs":
             logits = jnp.einsum("nd,vd->nv", h, w)
         data = (h, w, t, g) if op == "linear_logprobs" else (logits, t, g)
@@ -120,20 +133,24 @@ def measure(size, runs, rounds, small, only=()):
             try:
                 default, invariant = step(op, backend, False), step(op, backend, True)
                 timing = [({"which": "default"}, default), ({"which": "invariant"}, invariant)]
-                common.rotated_ms(timing, data, runs=runs, rounds=rounds,
-                                  warm_seconds=0.0 if small else 0.3)
+                common.rotated_ms(
+                    timing, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3
+                )
                 row["fwdbwd_ms"] = timing[0][0]["fwdbwd_ms"]
                 row["invariant_ms"] = timing[1][0]["fwdbwd_ms"]
                 row["x_default"] = row["invariant_ms"] / row["fwdbwd_ms"]
                 logp, grad = row_outputs(op, backend, data)
                 alone = tuple(x[:ALONE] if x.ndim and x.shape[0] == n else x for x in data)
                 logp1, grad1 = row_outputs(op, backend, alone)
-                row["bitwise"] = (same_bits(logp[:ALONE], logp1)
-                                  and same_bits(grad[:ALONE], grad1))
+                row["bitwise"] = same_bits(logp[:ALONE], logp1) and same_bits(grad[:ALONE], grad1)
                 if backend == "ffi" and not small:
                     row.update(common.kernel_ms(default, data, KINDS))
-                    row.update({"inv_" + k: ms
-                                for k, ms in common.kernel_ms(invariant, data, KINDS).items()})
+                    row.update(
+                        {
+                            "inv_" + k: ms
+                            for k, ms in common.kernel_ms(invariant, data, KINDS).items()
+                        }
+                    )
             except Exception as e:  # noqa: BLE001 - a backend that fails still leaves its row
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(row, flush=True)
@@ -153,9 +170,15 @@ def main(argv=None):
     parser.add_argument("--backends", default="", help="comma-separated; default: all")
     known, rest = parser.parse_known_args(argv)
     only = tuple(b for b in known.backends.split(",") if b)
-    return common.sized_main(rest, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_batch_invariant", columns=COLUMNS,
-                             measure=functools.partial(measure, only=only), rounds=3)
+    return common.sized_main(
+        rest,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_batch_invariant",
+        columns=COLUMNS,
+        measure=functools.partial(measure, only=only),
+        rounds=3,
+    )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,28 @@ import time
 
 from benchmarks import output
 
-COLUMNS = ["variant", "divergence", "N", "D_s", "D_t", "V", "fwdbwd_ms", "spread_ms", "fwd_ms",
-           "temp_mib", "peak_extra_mib", "gemm_tflop", "tflops", "loss", "note", "error"]
-SIZES = {"full": dict(N=4096, D_s=2048, D_t=4096, V=151936),
-         "small": dict(N=64, D_s=32, D_t=64, V=1000)}
+COLUMNS = [
+    "variant",
+    "divergence",
+    "N",
+    "D_s",
+    "D_t",
+    "V",
+    "fwdbwd_ms",
+    "spread_ms",
+    "fwd_ms",
+    "temp_mib",
+    "peak_extra_mib",
+    "gemm_tflop",
+    "tflops",
+    "loss",
+    "note",
+    "error",
+]
+SIZES = {
+    "full": dict(N=4096, D_s=2048, D_t=4096, V=151936),
+    "small": dict(N=64, D_s=32, D_t=64, V=1000),
+}
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 LOGIT_STD = 2.0  # std of every logit: W ~ N(0, (LOGIT_STD² / D)) against h ~ N(0, 1)
 
@@ -77,13 +95,15 @@ def inputs(size: dict, seed: int = 0):
                 x = jax.random.normal(jax.random.fold_in(key, i), (block, cols), jnp.float32)
                 start = jnp.minimum(i * block, rows - block)
                 return jax.lax.dynamic_update_slice_in_dim(
-                    out, (x * std).astype(jnp.bfloat16), start, axis=0)
+                    out, (x * std).astype(jnp.bfloat16), start, axis=0
+                )
+
             return jax.lax.fori_loop(0, -(-rows // block), body, out)
 
         return fill(jnp.zeros((rows, cols), jnp.bfloat16)).reshape(shape)
 
-    h, w = draw(keys[0], (1, n, ds)), draw(keys[1], (v, ds), LOGIT_STD / ds ** 0.5)
-    th, tw = draw(keys[2], (1, n, dt)), draw(keys[3], (v, dt), LOGIT_STD / dt ** 0.5)
+    h, w = draw(keys[0], (1, n, ds)), draw(keys[1], (v, ds), LOGIT_STD / ds**0.5)
+    th, tw = draw(keys[2], (1, n, dt)), draw(keys[3], (v, dt), LOGIT_STD / dt**0.5)
     return h, w, th, tw, jnp.ones((1, n), jnp.float32)
 
 
@@ -93,7 +113,7 @@ def materialised(divergence: str, beta: float = 0.5):
     import jax.numpy as jnp
 
     def loss(h, w, th, tw, mask):
-        zs = (h @ w.T).astype(jnp.float32)             # bf16 GEMM output, upcast
+        zs = (h @ w.T).astype(jnp.float32)  # bf16 GEMM output, upcast
         zt = jax.lax.stop_gradient((th @ tw.T).astype(jnp.float32))
         ls, lt = jax.nn.log_softmax(zs, -1), jax.nn.log_softmax(zt, -1)
         ps, pt = jnp.exp(ls), jnp.exp(lt)
@@ -105,6 +125,7 @@ def materialised(divergence: str, beta: float = 0.5):
             lm = jnp.logaddexp(jnp.log(beta) + lt, jnp.log1p(-beta) + ls)
             d = jnp.sum(beta * pt * (lt - lm) + (1 - beta) * ps * (ls - lm), -1)
         return jnp.sum(d * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
     return loss
 
 
@@ -115,6 +136,7 @@ def ours(divergence: str, memory: str = "lean", backend: str = "chunked"):
 
     def loss(h, w, th, tw, mask):
         return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, **route)[0]
+
     return loss
 
 
@@ -124,20 +146,46 @@ def cases_for(divergence: str, size: dict) -> list[tuple]:
     n_s, n_t = gemm_count(d)
     flop = 2 * size["N"] * size["V"] * (n_s * size["D_s"] + n_t * size["D_t"])
     flop_3s_t = 2 * size["N"] * size["V"] * (3 * size["D_s"] + size["D_t"])
-    return [("ours (fast)", d, ours(d, "fast"),
-             "memory='fast': the gradient taken in the forward, 3 S + T GEMMs", flop_3s_t),
-            ("ours (chunked)", d, ours(d), "", flop),
-            ("ours (ffi)", d, ours(d, backend="ffi"),
-             "SM90 kernels: both heads' 128x128 tiles in registers, the row statistics and "
-             "the float16 logit gradient in-kernel; XLA's backward GEMMs", flop),
-            ("ours (pallas)", d, ours(d, backend="pallas"),
-             "Mosaic GPU kernels: both heads' tiles and dz in-kernel, XLA's backward "
-             "GEMMs; the chunked schedule", flop),
-            ("jnp materialised", d, materialised(d),
-             "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; "
-             "3 S + T GEMMs", flop_3s_t),
-            ("GEMMs alone, chunked", d, gemms_only(d),
-             f"the schedule's {n_s} S + {n_t} T GEMMs, same chunks", flop)]
+    return [
+        (
+            "ours (fast)",
+            d,
+            ours(d, "fast"),
+            "memory='fast': the gradient taken in the forward, 3 S + T GEMMs",
+            flop_3s_t,
+        ),
+        ("ours (chunked)", d, ours(d), "", flop),
+        (
+            "ours (ffi)",
+            d,
+            ours(d, backend="ffi"),
+            "SM90 kernels: both heads' 128x128 tiles in registers, the row statistics and "
+            "the float16 logit gradient in-kernel; XLA's backward GEMMs",
+            flop,
+        ),
+        (
+            "ours (pallas)",
+            d,
+            ours(d, backend="pallas"),
+            "Mosaic GPU kernels: both heads' tiles and dz in-kernel, XLA's backward "
+            "GEMMs; the chunked schedule",
+            flop,
+        ),
+        (
+            "jnp materialised",
+            d,
+            materialised(d),
+            "bf16 logits [N, V] of both heads, float32 log-softmaxes, jax.grad; 3 S + T GEMMs",
+            flop_3s_t,
+        ),
+        (
+            "GEMMs alone, chunked",
+            d,
+            gemms_only(d),
+            f"the schedule's {n_s} S + {n_t} T GEMMs, same chunks",
+            flop,
+        ),
+    ]
 
 
 def variant_loss(variant: str, divergence: str, size: dict | None = None):
@@ -211,8 +259,9 @@ def gemms_only(divergence: str):
             dw_c = dot(dz, h16, ((0,), (0,)), jnp.bfloat16)
             return dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_c, start, 0)
 
-        dh, dw = jax.lax.fori_loop(0, count, body, (jnp.zeros(h2.shape, jnp.float32),
-                                                    jnp.zeros_like(w)))
+        dh, dw = jax.lax.fori_loop(
+            0, count, body, (jnp.zeros(h2.shape, jnp.float32), jnp.zeros_like(w))
+        )
         return (g * dh).astype(h.dtype)[None], (g * dw).astype(w.dtype), None, None, None
 
     loss.defvjp(fwd, bwd)
@@ -239,9 +288,12 @@ def each_gemm_ms(size: dict, runs: int) -> dict[str, float]:
     logits = jax.jit(lambda a, b: dot(a, b, ((1,), (1,)), jnp.bfloat16))
     g16 = logits(h, w).astype(jnp.float16)
     w16, h16 = w.astype(jnp.float16), h.astype(jnp.float16)
-    gemms = {"S_fwd": (logits, (h, w)), "T_fwd": (logits, (th, tw)),
-             "S_dh": (jax.jit(lambda g, b: dot(g, b, ((1,), (0,)), jnp.float32)), (g16, w16)),
-             "S_dw": (jax.jit(lambda g, b: dot(g, b, ((0,), (0,)), jnp.bfloat16)), (g16, h16))}
+    gemms = {
+        "S_fwd": (logits, (h, w)),
+        "T_fwd": (logits, (th, tw)),
+        "S_dh": (jax.jit(lambda g, b: dot(g, b, ((1,), (0,)), jnp.float32)), (g16, w16)),
+        "S_dw": (jax.jit(lambda g, b: dot(g, b, ((0,), (0,)), jnp.bfloat16)), (g16, h16)),
+    }
     out = {}
     for name, (fn, args) in gemms.items():
         common.warm_up(fn, *args, seconds=0.3)
@@ -261,15 +313,28 @@ def gemm_rows(size: dict, divergences: list[str], ms: dict[str, float]) -> list[
         lean = (n_s - 2) * ms["S_fwd"] + n_t * ms["T_fwd"] + ms["S_dh"] + ms["S_dw"]
         fast = ms["S_fwd"] + ms["T_fwd"] + ms["S_dh"] + ms["S_dw"]
         for name, total, fwd, count in (
-                ("GEMMs each alone, lean schedule", lean, passes * (ms["S_fwd"] + ms["T_fwd"]),
-                 (n_s, n_t)),
-                ("GEMMs each alone, 3 S + T", fast, ms["S_fwd"] + ms["T_fwd"], (3, 1))):
+            (
+                "GEMMs each alone, lean schedule",
+                lean,
+                passes * (ms["S_fwd"] + ms["T_fwd"]),
+                (n_s, n_t),
+            ),
+            ("GEMMs each alone, 3 S + T", fast, ms["S_fwd"] + ms["T_fwd"], (3, 1)),
+        ):
             flop = 2 * size["N"] * size["V"] * (count[0] * size["D_s"] + count[1] * size["D_t"])
-            rows.append({"variant": name, "divergence": d, **size, "fwdbwd_ms": total,
-                         "fwd_ms": fwd, "gemm_tflop": flop / 1e12,
-                         "tflops": flop / 1e12 / (total * 1e-3),
-                         "note": f"sum of full-size cuBLAS GEMMs timed alone: {count[0]} S + "
-                                 f"{count[1]} T"})
+            rows.append(
+                {
+                    "variant": name,
+                    "divergence": d,
+                    **size,
+                    "fwdbwd_ms": total,
+                    "fwd_ms": fwd,
+                    "gemm_tflop": flop / 1e12,
+                    "tflops": flop / 1e12 / (total * 1e-3),
+                    "note": f"sum of full-size cuBLAS GEMMs timed alone: {count[0]} S + "
+                    f"{count[1]} T",
+                }
+            )
     return rows
 
 
@@ -298,11 +363,21 @@ def peak_in_subprocess(variant: str, divergence: str, small: bool) -> float | No
 
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
-    cmd = [sys.executable, "-m", "benchmarks.bench_distill", "--peak-of", variant,
-           "--divergences", divergence] + (["--small"] if small else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_distill",
+        "--peak-of",
+        variant,
+        "--divergences",
+        divergence,
+    ] + (["--small"] if small else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    print(f"peak of {variant} {divergence}:",
-          " ".join(ln for ln in done.stdout.splitlines() if ln.startswith("peak_")), flush=True)
+    print(
+        f"peak of {variant} {divergence}:",
+        " ".join(ln for ln in done.stdout.splitlines() if ln.startswith("peak_")),
+        flush=True,
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("peak_extra_mib ")]
     return float(lines[-1].split()[1]) if lines and lines[-1].split()[1] != "None" else None
 
@@ -313,13 +388,22 @@ def torch_rows(size: dict, timeout: int, runs: int) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "rows.jsonl"
-        code, tail = run_worker("benchmarks.distill_torch_worker",
-                                ["--out", str(out), "--size", json.dumps(size), "--runs",
-                                 str(runs)], sys.executable, timeout)
+        code, tail = run_worker(
+            "benchmarks.distill_torch_worker",
+            ["--out", str(out), "--size", json.dumps(size), "--runs", str(runs)],
+            sys.executable,
+            timeout,
+        )
         rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if code != 0 and not rows:
-        rows = [{"variant": "liger fused_linear_jsd", "divergence": "jsd", **size,
-                 "error": failure(code, tail, timeout)}]
+        rows = [
+            {
+                "variant": "liger fused_linear_jsd",
+                "divergence": "jsd",
+                **size,
+                "error": failure(code, tail, timeout),
+            }
+        ]
     return rows
 
 
@@ -331,10 +415,16 @@ def main():
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--divergences", default=",".join(DIVERGENCES))
     parser.add_argument("--no-torch", action="store_true", help="skip the Liger row")
-    parser.add_argument("--variants", default="",
-                        help="comma-separated prefixes of the variants to run (default: all)")
-    parser.add_argument("--peak", action="store_true",
-                        help="also each row's device peak memory (one process per row)")
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated prefixes of the variants to run (default: all)",
+    )
+    parser.add_argument(
+        "--peak",
+        action="store_true",
+        help="also each row's device peak memory (one process per row)",
+    )
     parser.add_argument("--peak-of", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -355,13 +445,14 @@ def main():
 
     rows, fns = [], []
     for name, d, loss, note, flops in cases:
-        row = {"variant": name, "divergence": d, **size, "note": note,
-               "gemm_tflop": flops / 1e12}
+        row = {"variant": name, "divergence": d, **size, "note": note, "gemm_tflop": flops / 1e12}
         try:
             grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
             forward = jax.jit(loss)
-            row["temp_mib"] = grad.lower(h, w, th, tw, mask).compile().memory_analysis(
-            ).temp_size_in_bytes / 2**20
+            row["temp_mib"] = (
+                grad.lower(h, w, th, tw, mask).compile().memory_analysis().temp_size_in_bytes
+                / 2**20
+            )
             row["loss"] = float(forward(h, w, th, tw, mask))
             jax.block_until_ready(grad(h, w, th, tw, mask))
             fns.append((row, grad, forward))
@@ -391,13 +482,16 @@ def main():
     if args.peak:
         for row in rows:
             if not row.get("error") and not row["variant"].startswith("GEMMs"):
-                row["peak_extra_mib"] = peak_in_subprocess(row["variant"], row["divergence"],
-                                                            args.small)
+                row["peak_extra_mib"] = peak_in_subprocess(
+                    row["variant"], row["divergence"], args.small
+                )
     if "jsd" in divergences and not args.no_torch:
         for row in torch_rows(size, timeout=300, runs=args.runs):
             n_s, n_t = gemm_count("jsd")
-            row.setdefault("gemm_tflop", 2 * size["N"] * size["V"] * (
-                n_s * size["D_s"] + n_t * size["D_t"]) / 1e12)
+            row.setdefault(
+                "gemm_tflop",
+                2 * size["N"] * size["V"] * (n_s * size["D_s"] + n_t * size["D_t"]) / 1e12,
+            )
             if row.get("fwdbwd_ms"):
                 row["tflops"] = row["gemm_tflop"] / (row["fwdbwd_ms"] * 1e-3)
             rows.append(row)

@@ -31,12 +31,22 @@ from benchmarks.linear_harness import gemm_row, measure_variants, public, sized
 
 SIZES = {
     "tiny": [(64, 96, 1000)],
-    "all": [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072),
-            (8192, 4096, 151936)],
+    "all": [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072), (8192, 4096, 151936)],
 }
 
-COLUMNS = ["N", "D", "V", "impl", "fwd_ms", "fwd_x_gemm", "fwdbwd_ms", "fwdbwd_x_gemm",
-           "fwd_temp_mib", "fwdbwd_temp_mib", "gemm_ms"]
+COLUMNS = [
+    "N",
+    "D",
+    "V",
+    "impl",
+    "fwd_ms",
+    "fwd_x_gemm",
+    "fwdbwd_ms",
+    "fwdbwd_x_gemm",
+    "fwd_temp_mib",
+    "fwdbwd_temp_mib",
+    "gemm_ms",
+]
 
 
 def table(sizes, backends):
@@ -60,14 +70,43 @@ def _tables(args):
     """The mode the flags ask for, as (results name, rows thunk, columns), or None."""
     if args.timeline:
         tag = "_nocmdbuf" if "enable_command_buffer=" in os.environ.get("XLA_FLAGS", "") else ""
-        return ("bench_timeline" + tag, device.timeline,
-                ["N", "D", "V", "impl", "blocking_ms", "pipelined_ms", "reps", "trace_lead_ms",
-                 "trace_span_ms", "trace_busy_ms", "trace_tail_ms", "traced_calls", "xla_flags"])
+        return (
+            "bench_timeline" + tag,
+            device.timeline,
+            [
+                "N",
+                "D",
+                "V",
+                "impl",
+                "blocking_ms",
+                "pipelined_ms",
+                "reps",
+                "trace_lead_ms",
+                "trace_span_ms",
+                "trace_busy_ms",
+                "trace_tail_ms",
+                "traced_calls",
+                "xla_flags",
+            ],
+        )
     if args.device_times:
-        return ("bench_device_times", lambda: device.device_table(
-                    _sizes(args, device.DEVICE_SIZES)),
-                ["N", "D", "V", "layout", "impl", "device_ms", "x_gemm", "busy_ms",
-                 "blocking_ms", "pipelined_ms", "calls"])
+        return (
+            "bench_device_times",
+            lambda: device.device_table(_sizes(args, device.DEVICE_SIZES)),
+            [
+                "N",
+                "D",
+                "V",
+                "layout",
+                "impl",
+                "device_ms",
+                "x_gemm",
+                "busy_ms",
+                "blocking_ms",
+                "pipelined_ms",
+                "calls",
+            ],
+        )
     return None
 
 
@@ -76,18 +115,29 @@ def main():
     output.output_arguments(parser)
     parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
     parser.add_argument("--backends", default="pallas,chunked,reference")
-    parser.add_argument("--profile-backward", metavar="LAYOUTS",
-                        help="per-kernel device time of one automatic fwd+bwd per layout "
-                             "(e.g. vd,dv), from a jax profiler trace")
-    parser.add_argument("--profile-fused-loss", metavar="LAYOUTS",
-                        help="the same for linear_grpo_loss(memory='fast'), whose gradient is "
-                             "taken in the forward")
-    parser.add_argument("--timeline", action="store_true",
-                        help="fwd+bwd: synchronised wall clock against back-to-back calls and "
-                             "the device span of a profiler trace")
-    parser.add_argument("--device-times", action="store_true",
-                        help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
-                             "layouts, at V = 32768, 131072, 151936")
+    parser.add_argument(
+        "--profile-backward",
+        metavar="LAYOUTS",
+        help="per-kernel device time of one automatic fwd+bwd per layout "
+        "(e.g. vd,dv), from a jax profiler trace",
+    )
+    parser.add_argument(
+        "--profile-fused-loss",
+        metavar="LAYOUTS",
+        help="the same for linear_grpo_loss(memory='fast'), whose gradient is taken in the forward",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="fwd+bwd: synchronised wall clock against back-to-back calls and "
+        "the device span of a profiler trace",
+    )
+    parser.add_argument(
+        "--device-times",
+        action="store_true",
+        help="device time (profiler trace) of GEMM, forward and fwd+bwd, both "
+        "layouts, at V = 32768, 131072, 151936",
+    )
     args = parser.parse_args()
     if args.profile_backward:
         device.profile_backward(args.profile_backward.split(","))
@@ -96,8 +146,10 @@ def main():
     else:
         print(common.metadata(), flush=True)
         name, rows, columns = _tables(args) or (
-            "bench_linear", lambda: table(SIZES[args.sizes], args.backends.split(",")),
-            COLUMNS + ["error"])
+            "bench_linear",
+            lambda: table(SIZES[args.sizes], args.backends.split(",")),
+            COLUMNS + ["error"],
+        )
         print(common.write_results(name, rows(), columns))
 
 

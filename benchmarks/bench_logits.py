@@ -40,17 +40,35 @@ from jaxrl_kernels.backends.pallas import logits as pallas_logits
 
 BACKENDS = ("pallas", "reference", "chunked")
 SIZES = {
-    "tiny": dict(bt=[(4, 8)], n=[16], vocab=[1000], dtypes=["bfloat16"],
-                 variants=[(1000, "bfloat16")]),
-    "all": dict(bt=[(16, 512)], n=[8192], vocab=[32768, 131072], dtypes=["float16", "bfloat16"],
-                variants=[(131072, "bfloat16")]),
+    "tiny": dict(
+        bt=[(4, 8)], n=[16], vocab=[1000], dtypes=["bfloat16"], variants=[(1000, "bfloat16")]
+    ),
+    "all": dict(
+        bt=[(16, 512)],
+        n=[8192],
+        vocab=[32768, 131072],
+        dtypes=["float16", "bfloat16"],
+        variants=[(131072, "bfloat16")],
+    ),
 }
 GRPO_VARIANTS = {  # op label: grpo_loss options beyond group_size=4, beta=0.04
     "grpo_loss[sequence ratio]": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
     "grpo_loss[cispo]": dict(policy_loss="cispo", clip_high=0.28),
 }
-COLUMNS = ["op", "V", "dtype", "impl", "fwd_ms", "fwd_floor_ms", "fwd_x_floor", "fwdbwd_ms",
-           "fwdbwd_floor_ms", "fwdbwd_x_floor", "fwd_temp_mib", "fwdbwd_temp_mib"]
+COLUMNS = [
+    "op",
+    "V",
+    "dtype",
+    "impl",
+    "fwd_ms",
+    "fwd_floor_ms",
+    "fwd_x_floor",
+    "fwdbwd_ms",
+    "fwdbwd_floor_ms",
+    "fwdbwd_x_floor",
+    "fwd_temp_mib",
+    "fwdbwd_temp_mib",
+]
 
 
 def timed(fn, *args, budget_ms=2000.0):
@@ -71,6 +89,7 @@ def cases(size):
     out = []
     for vocab in cfg["vocab"]:
         for n in cfg["n"]:
+
             def tok_args(key, n=n, vocab=vocab):
                 rng = np.random.default_rng(1)
                 pol, _ = logits_pair(key, n, vocab, jnp.bfloat16)
@@ -79,6 +98,7 @@ def cases(size):
                 return pol, t, g
 
             for ent in (False, True):
+
                 def fwd(b, ent=ent):
                     return lambda x, t, g: jk.token_logprobs(x, t, return_entropy=ent, backend=b)
 
@@ -86,12 +106,14 @@ def cases(size):
                     def f(x, t, g):
                         out = jk.token_logprobs(x, t, return_entropy=ent, backend=b)
                         return jnp.sum(g * (out[0] + 0.1 * out[1])) if ent else jnp.sum(g * out)
+
                     return f
 
                 name = "token_logprobs" + ("+entropy" if ent else "")
                 out.append((name, vocab, "bfloat16", 1, tok_args, fwd, loss))
         for bsz, steps in cfg["bt"]:
             for dtype in cfg["dtypes"]:
+
                 def pair_args(key, bsz=bsz, steps=steps, vocab=vocab, dtype=dtype):
                     rng = np.random.default_rng(2)
                     pol, ref = logits_pair(key, bsz * steps, vocab, jnp.dtype(dtype))
@@ -110,30 +132,39 @@ def cases(size):
                     def f(p, r, a, o, rw, m, c):
                         ratio, kl = jk.ratio_kl(p, r, a, o, m, backend=b)
                         return jnp.sum(c[0] * ratio + c[1] * kl)
+
                     return f
 
                 def grpo_fwd(b, options=None):
                     return lambda p, r, a, o, rw, m, c: jk.grpo_loss(
-                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b,
-                        **(options or {}))
+                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b, **(options or {})
+                    )
 
                 def grpo_loss(b, options=None):
                     return lambda p, r, a, o, rw, m, c: jk.grpo_loss(
-                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b,
-                        **(options or {}))[0]
+                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b, **(options or {})
+                    )[0]
 
                 out.append(("ratio_kl", vocab, dtype, 2, pair_args, rk_fwd, rk_loss))
                 out.append(("grpo_loss", vocab, dtype, 2, pair_args, grpo_fwd, grpo_loss))
                 if (vocab, dtype) in cfg["variants"]:
                     for label, options in GRPO_VARIANTS.items():
-                        out.append((label, vocab, dtype, 2, pair_args,
-                                    lambda b, o=options: grpo_fwd(b, o),
-                                    lambda b, o=options: grpo_loss(b, o)))
+                        out.append(
+                            (
+                                label,
+                                vocab,
+                                dtype,
+                                2,
+                                pair_args,
+                                lambda b, o=options: grpo_fwd(b, o),
+                                lambda b, o=options: grpo_loss(b, o),
+                            )
+                        )
     return out
 
 
 def run_table(size):
-    nbytes = 2**24 if size == "tiny" else 2**31       # the smoke test needs no 2 GiB copies
+    nbytes = 2**24 if size == "tiny" else 2**31  # the smoke test needs no 2 GiB copies
     gbps = max(common.copy_bandwidth_gbps(nbytes) for _ in range(3))  # best of 3: least noise
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     rows = []
@@ -145,8 +176,14 @@ def run_table(size):
         floor_fwd = passes * pass_bytes / (gbps * 1e9) * 1e3
         floor_bwd = (passes + 2) * pass_bytes / (gbps * 1e9) * 1e3
         for backend in BACKENDS:
-            row = dict(op=op, V=vocab, dtype=dtype, impl=backend, fwd_floor_ms=floor_fwd,
-                       fwdbwd_floor_ms=floor_bwd)
+            row = dict(
+                op=op,
+                V=vocab,
+                dtype=dtype,
+                impl=backend,
+                fwd_floor_ms=floor_fwd,
+                fwdbwd_floor_ms=floor_bwd,
+            )
             try:
                 fwd = jax.jit(fwd_of(backend))
                 row["fwd_ms"] = timed(fwd, *args)
@@ -160,18 +197,33 @@ def run_table(size):
                 traceback.print_exc()
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
             rows.append(row)
-            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-                  flush=True)
+            print(
+                {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+                flush=True,
+            )
         del args
-    rows.append(dict(op=f"(floors use the measured copy bandwidth: {gbps:.0f} GB/s; pallas "
-                        f"forward pipelining depth {pallas_logits.FWD_STAGES})", impl="xla",
-                     copy_gbps=gbps, fwd_stages=pallas_logits.FWD_STAGES))
+    rows.append(
+        dict(
+            op=f"(floors use the measured copy bandwidth: {gbps:.0f} GB/s; pallas "
+            f"forward pipelining depth {pallas_logits.FWD_STAGES})",
+            impl="xla",
+            copy_gbps=gbps,
+            fwd_stages=pallas_logits.FWD_STAGES,
+        )
+    )
     print(common.write_results("bench_logits", rows, COLUMNS))
 
 
 SWEEP_PLANS = [  # (block_v, num_warps, num_stages)
-    (4096, 8, 2), (4096, 8, 3), (4096, 8, 4), (4096, 4, 3), (2048, 4, 3), (2048, 4, 4),
-    (8192, 8, 3), (2048, 2, 3), (1024, 2, 3),
+    (4096, 8, 2),
+    (4096, 8, 3),
+    (4096, 8, 4),
+    (4096, 4, 3),
+    (2048, 4, 3),
+    (2048, 4, 4),
+    (8192, 8, 3),
+    (2048, 2, 3),
+    (1024, 2, 3),
 ]
 
 
@@ -188,18 +240,47 @@ def run_sweep():
         valid = jnp.ones((n,), bool)
         g = jnp.asarray(np.random.default_rng(1).standard_normal(n), jnp.float32)
         pass_ms = n * vocab * 2 / (gbps * 1e9) * 1e3
-        _, lse, _ = pallas_logits._forward([pol], t, valid, temperature=1.0, entropy=False,
-                                           plan=pallas_logits.make_launch(n, vocab, 2))
+        _, lse, _ = pallas_logits._forward(
+            [pol],
+            t,
+            valid,
+            temperature=1.0,
+            entropy=False,
+            plan=pallas_logits.make_launch(n, vocab, 2),
+        )
         kernels = {}
         for block_v, warps, stages in SWEEP_PLANS:
             plan = pallas_logits.LogitsLaunch(block_v, 1, warps, stages)
-            fns = {"paired_fwd": (jax.jit(lambda a, b, plan=plan: kernel_entry.pallas_paired_logprobs(
-                a, b, t, valid, plan=plan)), (pol, ref), 2)}
+            fns = {
+                "paired_fwd": (
+                    jax.jit(
+                        lambda a, b, plan=plan: kernel_entry.pallas_paired_logprobs(
+                            a, b, t, valid, plan=plan
+                        )
+                    ),
+                    (pol, ref),
+                    2,
+                )
+            }
             if vocab == 131072:
-                fns["entropy_fwd"] = (jax.jit(lambda a, plan=plan: kernel_entry.pallas_token_logprobs(
-                    a, t, valid, return_entropy=True, plan=plan)), (pol,), 1)
-                fns["bwd"] = (jax.jit(lambda a, plan=plan: pallas_logits._backward(
-                    a, t, valid, lse, g, None, None, temperature=1.0, plan=plan)), (pol,), 2)
+                fns["entropy_fwd"] = (
+                    jax.jit(
+                        lambda a, plan=plan: kernel_entry.pallas_token_logprobs(
+                            a, t, valid, return_entropy=True, plan=plan
+                        )
+                    ),
+                    (pol,),
+                    1,
+                )
+                fns["bwd"] = (
+                    jax.jit(
+                        lambda a, plan=plan: pallas_logits._backward(
+                            a, t, valid, lse, g, None, None, temperature=1.0, plan=plan
+                        )
+                    ),
+                    (pol,),
+                    2,
+                )
             kernels[(block_v, warps, stages)] = fns
         times = {}
         for rep in range(2):
@@ -221,8 +302,17 @@ def run_sweep():
         rows.append(dict(V=vocab, block_v="default", **_dispatch_overhead(pol, ref, t, valid)))
         print(rows[-1], flush=True)
         del pol, ref
-    cols = ["V", "block_v", "num_warps", "num_stages", "paired_fwd_x_floor", "entropy_fwd_x_floor",
-            "bwd_x_floor", "single_ms", "in_loop_ms"]
+    cols = [
+        "V",
+        "block_v",
+        "num_warps",
+        "num_stages",
+        "paired_fwd_x_floor",
+        "entropy_fwd_x_floor",
+        "bwd_x_floor",
+        "single_ms",
+        "in_loop_ms",
+    ]
     print(f"fp16 N={n}; floors at {gbps:.0f} GB/s (best of 3 copies); two timing passes")
     print(common.write_results("bench_logits_sweep", rows, cols))
 
@@ -237,6 +327,7 @@ def _dispatch_overhead(pol, ref, t, valid, k=10):
         def body(i, acc):
             lp, rl = kernel_entry.pallas_paired_logprobs(a, b, (t + i) % vocab, valid)
             return acc + lp + rl
+
         return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 
     return dict(single_ms=timed(one, pol, ref, t), in_loop_ms=timed(loop, pol, ref, t) / k)
@@ -261,8 +352,11 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
 
             def loop(a, b, t, plan=plan):
                 def body(i, acc):
-                    lp, rl = kernel_entry.pallas_paired_logprobs(a, b, (t + i) % vocab, valid, plan=plan)
+                    lp, rl = kernel_entry.pallas_paired_logprobs(
+                        a, b, (t + i) % vocab, valid, plan=plan
+                    )
                     return acc + lp + rl
+
                 return jax.lax.fori_loop(0, k, body, jnp.zeros(t.shape, jnp.float32))
 
             fns[stages] = (jax.jit(one), jax.jit(loop))
@@ -273,15 +367,23 @@ def run_ab(n=8192, vocab=131072, passes=3, k=10):
                 times[stages][1].append(timed(loop, pol, ref, t) / k)
         for stages, (single, looped) in times.items():
             total[stages] = total.get(stages, 0.0) + sum(looped)
-            rows.append(dict(dtype=jnp.dtype(dtype).name, fwd_stages=stages,
-                             single_ms=" / ".join(f"{x:.3f}" for x in single),
-                             in_loop_ms=" / ".join(f"{x:.3f}" for x in looped)))
+            rows.append(
+                dict(
+                    dtype=jnp.dtype(dtype).name,
+                    fwd_stages=stages,
+                    single_ms=" / ".join(f"{x:.3f}" for x in single),
+                    in_loop_ms=" / ".join(f"{x:.3f}" for x in looped),
+                )
+            )
             print(rows[-1], flush=True)
         del pol, ref
     best = min(total, key=total.get)
     rows.append(dict(dtype="chosen", fwd_stages=best))
-    print(common.write_results("bench_logits_ab", rows,
-                               ["dtype", "fwd_stages", "single_ms", "in_loop_ms"]))
+    print(
+        common.write_results(
+            "bench_logits_ab", rows, ["dtype", "fwd_stages", "single_ms", "in_loop_ms"]
+        )
+    )
     return best
 
 
@@ -290,8 +392,11 @@ def main():
     output.output_arguments(parser)
     parser.add_argument("--sizes", choices=sorted(SIZES), default="all")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--ab", action="store_true",
-                        help="first A/B the forward pipelining depth and table with the faster")
+    parser.add_argument(
+        "--ab",
+        action="store_true",
+        help="first A/B the forward pipelining depth and table with the faster",
+    )
     args = parser.parse_args()
     if args.sweep:
         run_sweep()

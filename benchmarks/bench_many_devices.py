@@ -41,13 +41,26 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
 from benchmarks import common, output
 
-COLUMNS = ["op", "backend", "N", "D", "layout", "devices", "ms", "speedup", "temp_mib",
-           "weight_mib_per_dev", "collectives", "profile"]
+COLUMNS = [
+    "op",
+    "backend",
+    "N",
+    "D",
+    "layout",
+    "devices",
+    "ms",
+    "speedup",
+    "temp_mib",
+    "weight_mib_per_dev",
+    "collectives",
+    "profile",
+]
 OPS = ["linear_logprobs", "linear_grpo_loss"]
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4}
 
@@ -84,23 +97,26 @@ def inputs(b, t, d, v, seed=0):
     rng = np.random.default_rng(seed)
     return dict(
         hidden=jnp.asarray(rng.standard_normal((b, t, d), np.float32), jnp.bfloat16),
-        weight=jnp.asarray(rng.standard_normal((v, d), np.float32) * 1.5 / np.sqrt(d),
-                           jnp.bfloat16),
+        weight=jnp.asarray(
+            rng.standard_normal((v, d), np.float32) * 1.5 / np.sqrt(d), jnp.bfloat16
+        ),
         actions=jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32),
         old_logp=jnp.asarray(-np.log(v) + 0.3 * rng.standard_normal((b, t)), jnp.float32),
         rewards=jnp.asarray(rng.standard_normal(b), jnp.float32),
-        mask=jnp.asarray(rng.random((b, t)) < 0.9, jnp.float32))
+        mask=jnp.asarray(rng.random((b, t)) < 0.9, jnp.float32),
+    )
 
 
 def loss_fn(op, impl):
     """``loss(hidden, weight, inputs)`` of ``op`` by ``impl`` (the module docstring)."""
     if impl == "jnp_bf16":
+
         def logp_of(h, w, x):
-            return jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), x["actions"],
-                                     backend="reference")
+            return jk.token_logprobs(
+                jnp.einsum("btd,vd->btv", h, w), x["actions"], backend="reference"
+            )
     else:
-        kw = {"memory": "fast"} if impl == "fast" else {
-            "backend": None if impl == "auto" else impl}
+        kw = {"memory": "fast"} if impl == "fast" else {"backend": None if impl == "auto" else impl}
 
         def logp_of(h, w, x):
             return jk.linear_logprobs(h, w, x["actions"], **kw)
@@ -112,8 +128,9 @@ def loss_fn(op, impl):
         if impl == "jnp_bf16":
             adv = jk.group_advantages(x["rewards"], group_size=4)
             return jk.ppo_loss(logp_of(h, w, x), x["old_logp"], adv, x["mask"])[0]
-        return jk.linear_grpo_loss(h, w, x["actions"], x["old_logp"], x["rewards"], x["mask"],
-                                   group_size=4, **kw)[0]
+        return jk.linear_grpo_loss(
+            h, w, x["actions"], x["old_logp"], x["rewards"], x["mask"], group_size=4, **kw
+        )[0]
 
     return {"linear_logprobs": logprobs, "linear_grpo_loss": grpo}[op]
 
@@ -143,18 +160,28 @@ def time_split(fn, args):
     kernels, host, meta = common.traced(fn, args, calls=2)
     last = [e for e in host if e["name"] == "call1"][0]
     in_call = [k for k in kernels if last["ts"] <= k["ts"] < last["ts"] + last["dur"]]
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
-             if e.get("name") == "process_name"}
-    first = min((pid for pid in {k["pid"] for k in kernels}),
-                key=lambda pid: ("GPU:0" not in names.get(pid, ""), pid))
-    mine = [(k["ts"], k["ts"] + k["dur"], k["name"].lower()) for k in in_call
-            if k["pid"] == first]
+    names = {
+        e["pid"]: str(e.get("args", {}).get("name", ""))
+        for e in meta
+        if e.get("name") == "process_name"
+    }
+    first = min(
+        (pid for pid in {k["pid"] for k in kernels}),
+        key=lambda pid: ("GPU:0" not in names.get(pid, ""), pid),
+    )
+    mine = [(k["ts"], k["ts"] + k["dur"], k["name"].lower()) for k in in_call if k["pid"] == first]
     if not mine:
         return "no device kernels traced"
     nccl = _merged([(a, b) for a, b, name in mine if "nccl" in name])
     compute = _merged([(a, b) for a, b, name in mine if "nccl" not in name])
-    gemm = _merged([(a, b) for a, b, name in mine if "nccl" not in name and any(
-        g in name for g in ("gemm", "nvjet", "xmma", "cutlass", "sm90", "wgmma"))])
+    gemm = _merged(
+        [
+            (a, b)
+            for a, b, name in mine
+            if "nccl" not in name
+            and any(g in name for g in ("gemm", "nvjet", "xmma", "cutlass", "sm90", "wgmma"))
+        ]
+    )
     size = lambda spans: sum(b - a for a, b in spans) / 1e3
     span = (max(b for _, b, _ in mine) - min(a for a, _, _ in mine)) / 1e3
     exposed = size(nccl) - _overlap(nccl, compute) / 1e3
@@ -164,9 +191,11 @@ def time_split(fn, args):
         start = (min(k["ts"] for k in theirs) - last["ts"]) / 1e3
         end = (max(k["ts"] + k["dur"] for k in theirs) - last["ts"]) / 1e3
         per_device.append(f"{start:.2f}–{end:.2f}")
-    return (f"span {span:.2f} ms: compute {size(compute):.2f} (GEMMs {size(gemm):.2f}), "
-            f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped); call {last['dur'] / 1e3:.2f}"
-            f" ms, devices {', '.join(per_device)}")
+    return (
+        f"span {span:.2f} ms: compute {size(compute):.2f} (GEMMs {size(gemm):.2f}), "
+        f"nccl {size(nccl):.2f} ({exposed:.2f} not overlapped); call {last['dur'] / 1e3:.2f}"
+        f" ms, devices {', '.join(per_device)}"
+    )
 
 
 def specs(layout):
@@ -180,11 +209,11 @@ def meshes(axis_type):
     """``{layout kind: mesh}``: 1-D over every local device, and 2-D (rows × vocabulary)
     where the device count is even and at least 4."""
     devices = jax.local_devices()
-    out = {"1d": jax.make_mesh((len(devices),), ("x",), axis_types=(axis_type,),
-                               devices=devices)}
+    out = {"1d": jax.make_mesh((len(devices),), ("x",), axis_types=(axis_type,), devices=devices)}
     if len(devices) >= 4 and len(devices) % 2 == 0:
-        out["2d"] = jax.make_mesh((len(devices) // 2, 2), ("x", "y"),
-                                  axis_types=(axis_type,) * 2, devices=devices)
+        out["2d"] = jax.make_mesh(
+            (len(devices) // 2, 2), ("x", "y"), axis_types=(axis_type,) * 2, devices=devices
+        )
     return out
 
 
@@ -197,8 +226,14 @@ def run(sizes, ops, backends, layouts, axis_type, profile=False):
     for op in ops:
         for backend in backends:
             for layout in layouts:
-                row = dict(op=op, backend=backend, N=b * t, D=d, layout=layout,
-                           devices=1 if layout == "1dev" else len(devices))
+                row = dict(
+                    op=op,
+                    backend=backend,
+                    N=b * t,
+                    D=d,
+                    layout=layout,
+                    devices=1 if layout == "1dev" else len(devices),
+                )
                 mesh = mesh_of.get("2d" if layout == "both" else "1d")
                 if mesh is None:
                     row["error"] = "layout 'both' needs an even number of devices, at least 4"
@@ -207,11 +242,12 @@ def run(sizes, ops, backends, layouts, axis_type, profile=False):
                 if layout == "1dev":
                     placed = jax.device_put(data, devices[0])
                 else:
-                    placed = {k: jax.device_put(v, NamedSharding(mesh, specs(layout)[k]))
-                              for k, v in data.items()}
+                    placed = {
+                        k: jax.device_put(v, NamedSharding(mesh, specs(layout)[k]))
+                        for k, v in data.items()
+                    }
                 loss = loss_fn(op, backend)
-                step = jax.jit(jax.value_and_grad(
-                    lambda h, w, x: loss(h, w, x), argnums=(0, 1)))
+                step = jax.jit(jax.value_and_grad(lambda h, w, x: loss(h, w, x), argnums=(0, 1)))
                 args = (placed["hidden"], placed["weight"], placed)
                 try:
                     with jax.set_mesh(mesh) if layout != "1dev" else contextlib.nullcontext():
@@ -232,8 +268,10 @@ def run(sizes, ops, backends, layouts, axis_type, profile=False):
                     base[(op, backend)] = row["ms"]
                 if "ms" in row and (op, backend) in base:
                     row["speedup"] = base[(op, backend)] / row["ms"]
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-                      flush=True)
+                print(
+                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+                    flush=True,
+                )
                 rows.append(row)
     return rows
 
@@ -243,26 +281,42 @@ def main():
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (any device)")
     parser.add_argument("--explicit", action="store_true", help="Explicit mesh axes")
-    parser.add_argument("--backends", default="reference,auto",
-                        help="comma-separated: jnp_bf16, auto (lean), fast, or a backend name")
+    parser.add_argument(
+        "--backends",
+        default="reference,auto",
+        help="comma-separated: jnp_bf16, auto (lean), fast, or a backend name",
+    )
     parser.add_argument("--layouts", default="1dev,rows,vocab", help="of 1dev, rows, vocab, both")
-    parser.add_argument("--sizes", default="large",
-                        help=f"comma-separated, of {', '.join(sorted(SIZES))}")
+    parser.add_argument(
+        "--sizes", default="large", help=f"comma-separated, of {', '.join(sorted(SIZES))}"
+    )
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
-    parser.add_argument("--profile", action="store_true",
-                        help="where each split layout's time goes (GPU: a profiler trace)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="where each split layout's time goes (GPU: a profiler trace)",
+    )
     args = parser.parse_args()
     sizes = ["smoke"] if args.smoke else args.sizes.split(",")
     layouts = args.layouts.split(",")
     rows = []
     for size in sizes:
-        rows += run(SIZES[size], args.ops.split(","), args.backends.split(","), layouts,
-                    AxisType.Explicit if args.explicit else AxisType.Auto, args.profile)
-    name = ("bench_many_devices" + ("_smoke" if args.smoke else "")
-            + ("" if args.sizes == "large" else "_" + args.sizes.replace(",", "_"))
-            + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts))
-            + ("_explicit" if args.explicit else "")
-            + (f"_{len(jax.local_devices())}dev" if len(jax.local_devices()) > 2 else ""))
+        rows += run(
+            SIZES[size],
+            args.ops.split(","),
+            args.backends.split(","),
+            layouts,
+            AxisType.Explicit if args.explicit else AxisType.Auto,
+            args.profile,
+        )
+    name = (
+        "bench_many_devices"
+        + ("_smoke" if args.smoke else "")
+        + ("" if args.sizes == "large" else "_" + args.sizes.replace(",", "_"))
+        + ("" if layouts == ["1dev", "rows", "vocab"] else "_" + "_".join(layouts))
+        + ("_explicit" if args.explicit else "")
+        + (f"_{len(jax.local_devices())}dev" if len(jax.local_devices()) > 2 else "")
+    )
     print(common.write_results(name, rows, COLUMNS + ["error"]))
 
 

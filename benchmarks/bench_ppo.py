@@ -34,30 +34,59 @@ from benchmarks import common, output
 BACKENDS = ("pallas", "reference", "chunked")
 SIZES = {"tiny": [(8, 16)], "base": [(128, 512)], "all": [(128, 512), (1024, 8192)]}
 LARGE_BACKENDS = ("pallas", "reference")  # chunked's ppo_loss is the reference's function
-_EVERYTHING = dict(tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
-                   loss_agg_mode="seq_mean_token_mean")
+_EVERYTHING = dict(
+    tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean"
+)
 _ALL_INPUTS = ("rollout_logp", "ref_logp", "entropy")
 # name: (optional inputs, ppo_loss options, the config it is compared with or None)
 CONFIGS = {
     "dual_clip+tis": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0), None),
     "everything": (_ALL_INPUTS, dict(_EVERYTHING, dual_clip=3.0), None),
     "ppo (token)": ((), {}, None),
-    "gspo (sequence ratio)": ((), dict(ratio_level="sequence", clip_low=3e-4,
-                                       clip_high=4e-4), "ppo (token)"),
+    "gspo (sequence ratio)": (
+        (),
+        dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+        "ppo (token)",
+    ),
     "cispo": ((), dict(policy_loss="cispo", clip_low=0.2, clip_high=0.28), "ppo (token)"),
     "gspo+cispo": ((), dict(ratio_level="sequence", policy_loss="cispo"), "ppo (token)"),
-    "tis sequence mask": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0,
-                                                  tis_level="sequence", tis_mode="mask"),
-                          "dual_clip+tis"),
-    "everything, gspo": (_ALL_INPUTS, dict(_EVERYTHING, dual_clip=3.0, ratio_level="sequence",
-                                           tis_level="sequence", tis_mode="mask"),
-                         "everything"),
-    "everything, cispo": (_ALL_INPUTS, dict(_EVERYTHING, policy_loss="cispo",
-                                            tis_level="sequence"), "everything"),
+    "tis sequence mask": (
+        ("rollout_logp",),
+        dict(dual_clip=3.0, tis_cap=2.0, tis_level="sequence", tis_mode="mask"),
+        "dual_clip+tis",
+    ),
+    "everything, gspo": (
+        _ALL_INPUTS,
+        dict(
+            _EVERYTHING,
+            dual_clip=3.0,
+            ratio_level="sequence",
+            tis_level="sequence",
+            tis_mode="mask",
+        ),
+        "everything",
+    ),
+    "everything, cispo": (
+        _ALL_INPUTS,
+        dict(_EVERYTHING, policy_loss="cispo", tis_level="sequence"),
+        "everything",
+    ),
 }
-COLUMNS = ["op", "config", "B", "T", "impl", "fwd_ms", "fwdbwd_ms", "x_base_fwd",
-           "x_base_fwdbwd", "floor_fwd_ms", "floor_fwdbwd_ms", "fwd_temp_mib",
-           "fwdbwd_temp_mib"]
+COLUMNS = [
+    "op",
+    "config",
+    "B",
+    "T",
+    "impl",
+    "fwd_ms",
+    "fwdbwd_ms",
+    "x_base_fwd",
+    "x_base_fwdbwd",
+    "floor_fwd_ms",
+    "floor_fwdbwd_ms",
+    "fwd_temp_mib",
+    "fwdbwd_temp_mib",
+]
 ROTATE_BYTES = 128 * 2**20  # > 2x the H100's 50 MB L2
 
 
@@ -69,11 +98,15 @@ def rotating_median_ms(fn, arg_sets, warmup=3, runs=40):
 def make_inputs(rng, b, t, extra):
     lp = -np.abs(rng.standard_normal((b, t))) * 2
     old = lp + 0.3 * rng.standard_normal((b, t))
-    arrays = dict(logp=lp, old_logp=old, advantages=rng.standard_normal((b, t)),
-                  mask=(rng.random((b, t)) < 0.9).astype(np.float32),
-                  rollout_logp=old + 0.3 * rng.standard_normal((b, t)),
-                  ref_logp=lp + 0.3 * rng.standard_normal((b, t)),
-                  entropy=np.abs(rng.standard_normal((b, t))))
+    arrays = dict(
+        logp=lp,
+        old_logp=old,
+        advantages=rng.standard_normal((b, t)),
+        mask=(rng.random((b, t)) < 0.9).astype(np.float32),
+        rollout_logp=old + 0.3 * rng.standard_normal((b, t)),
+        ref_logp=lp + 0.3 * rng.standard_normal((b, t)),
+        entropy=np.abs(rng.standard_normal((b, t))),
+    )
     keep = ("logp", "old_logp", "advantages", "mask") + extra
     return tuple(jnp.asarray(arrays[k], jnp.float32) for k in keep)
 
@@ -138,16 +171,22 @@ def run(size):
     for backend in BACKENDS:
         row = dict(op="group_advantages", config=f"{n_groups} groups of 8", B=b, T=1, impl=backend)
         try:
-            fn = jax.jit(lambda r, backend=backend: jk.group_advantages(r, group_size=8,
-                                                                         backend=backend))
+            fn = jax.jit(
+                lambda r, backend=backend: jk.group_advantages(r, group_size=8, backend=backend)
+            )
             row["fwd_ms"] = rotating_median_ms(fn, [(r,) for r in rewards], runs=runs)
         except Exception as err:
             traceback.print_exc()
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         rows.append(row)
         print(row, flush=True)
-    rows.append(dict(op=f"(floors use the measured copy bandwidth: {gbps:.0f} GB/s)",
-                     impl="xla", copy_gbps=gbps))
+    rows.append(
+        dict(
+            op=f"(floors use the measured copy bandwidth: {gbps:.0f} GB/s)",
+            impl="xla",
+            copy_gbps=gbps,
+        )
+    )
     print(common.write_results("bench_ppo", rows, COLUMNS))
 
 

@@ -31,13 +31,35 @@ Results: ``bench_sampler_logprobs.{json,md}`` (``--name``) in out/bench (``--out
 
 from __future__ import annotations
 
-COLUMNS = ["impl", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "nv_mib",
-           "no_nv_buffer", "kept", "err_logp", "err_dh", "err_dW", "error"]
-SIZES = {"full": [(4096, 2048, 131072), (8192, 4096, 151936)], "n4096": [(4096, 2048, 131072)],
-         "n8192": [(8192, 4096, 151936)],
-         "small": [(64, 32, 1000)]}
-TRUNCATIONS = {"none": {}, "top-k 50": dict(top_k=50), "top-p 0.95": dict(top_p=0.95),
-               "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95)}
+COLUMNS = [
+    "impl",
+    "truncation",
+    "N",
+    "D",
+    "V",
+    "fwdbwd_ms",
+    "x_plain",
+    "temp_mib",
+    "nv_mib",
+    "no_nv_buffer",
+    "kept",
+    "err_logp",
+    "err_dh",
+    "err_dW",
+    "error",
+]
+SIZES = {
+    "full": [(4096, 2048, 131072), (8192, 4096, 151936)],
+    "n4096": [(4096, 2048, 131072)],
+    "n8192": [(8192, 4096, 151936)],
+    "small": [(64, 32, 1000)],
+}
+TRUNCATIONS = {
+    "none": {},
+    "top-k 50": dict(top_k=50),
+    "top-p 0.95": dict(top_p=0.95),
+    "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95),
+}
 LOGIT_STD = 4.0
 
 
@@ -51,8 +73,11 @@ def inputs(n, d, v, seed=0):
     # cast on the host: no float32 copy of the weight on the device, which would set the
     # process's peak (studies.bench_sampler_forward --peak) above the call's own
     h = jnp.asarray(rng.standard_normal((b, t, d), np.float32).astype(jnp.bfloat16))
-    w = jnp.asarray((rng.standard_normal((v, d), np.float32) * np.float32(LOGIT_STD / d ** 0.5)
-                     ).astype(jnp.bfloat16))
+    w = jnp.asarray(
+        (rng.standard_normal((v, d), np.float32) * np.float32(LOGIT_STD / d**0.5)).astype(
+            jnp.bfloat16
+        )
+    )
     targets = jnp.asarray(rng.integers(0, v, (b, t)).astype(np.int32))
     g = jnp.asarray(rng.uniform(0.5, 1.5, (b, t)).astype(np.float32))
     return h, w, targets, g
@@ -88,8 +113,10 @@ def calls():
 
     def ours(memory, trunc, backend=None):
         def loss(h, w, targets, g):
-            return jnp.sum(g * jk.linear_logprobs(h, w, targets, memory=memory,
-                                                  backend=backend, **trunc))
+            return jnp.sum(
+                g * jk.linear_logprobs(h, w, targets, memory=memory, backend=backend, **trunc)
+            )
+
         return loss
 
     out = {}
@@ -128,7 +155,7 @@ def reference(data, trunc):
 
     logps, dhs, dw = [], [], None
     for i in range(h.shape[0]):
-        logp_i, dh_i, dw_i = run(h[i:i + 1].astype(jnp.float32), targets[i:i + 1], g[i:i + 1])
+        logp_i, dh_i, dw_i = run(h[i : i + 1].astype(jnp.float32), targets[i : i + 1], g[i : i + 1])
         logps.append(logp_i)
         dhs.append(dh_i)
         dw = dw_i if dw is None else dw + dw_i
@@ -138,8 +165,16 @@ def reference(data, trunc):
         from jaxrl_kernels.formulas import sampler_math
 
         rows = jnp.einsum("btd,vd->btv", h[:1, :64].astype(jnp.float32), w32)
-        kept = float(jnp.mean(jnp.sum(sampler_math.kept_mask(
-            rows.reshape(-1, rows.shape[-1]), sampler_math.truncation(**trunc)), axis=-1)))
+        kept = float(
+            jnp.mean(
+                jnp.sum(
+                    sampler_math.kept_mask(
+                        rows.reshape(-1, rows.shape[-1]), sampler_math.truncation(**trunc)
+                    ),
+                    axis=-1,
+                )
+            )
+        )
     return logp, dh, dw, kept
 
 
@@ -155,15 +190,25 @@ def measure(size, runs, rounds, small):
     refs = {name: reference(data, trunc) for name, trunc in TRUNCATIONS.items()}
     rows, steps = [], []
     for (impl, name), loss in calls().items():
-        row = {"impl": impl, "truncation": name, "N": n, "D": d, "V": v, "nv_mib": nv_mib,
-               "kept": refs[name][3]}
+        row = {
+            "impl": impl,
+            "truncation": name,
+            "N": n,
+            "D": d,
+            "V": v,
+            "nv_mib": nv_mib,
+            "kept": refs[name][3],
+        }
         try:
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*data).compile()
             row["temp_mib"] = step.memory_analysis().temp_size_in_bytes / 2**20
             row["no_nv_buffer"] = row["temp_mib"] < nv_mib
             _, (dh, dw) = step(*data)
-            logp = jk.linear_logprobs(data[0], data[1], data[2], memory="lean",
-                                      **TRUNCATIONS[name]) if impl == "lean" else None
+            logp = (
+                jk.linear_logprobs(data[0], data[1], data[2], memory="lean", **TRUNCATIONS[name])
+                if impl == "lean"
+                else None
+            )
             want_logp, want_dh, want_dw, _ = refs[name]
             row.update(err_dh=rel_err(dh, want_dh), err_dW=rel_err(dw, want_dw))
             if logp is not None:
@@ -174,7 +219,14 @@ def measure(size, runs, rounds, small):
             print(f"{impl} {name} N={n} D={d} V={v}: {row['error']}", flush=True)
         rows.append(row)
     common.rotated_ms(steps, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
-    base = next((row["fwdbwd_ms"] for row, _ in steps if row["impl"] == "lean" and row["truncation"] == "none"), float("nan"))
+    base = next(
+        (
+            row["fwdbwd_ms"]
+            for row, _ in steps
+            if row["impl"] == "lean" and row["truncation"] == "none"
+        ),
+        float("nan"),
+    )
     for row, _ in steps:
         row["x_plain"] = row["fwdbwd_ms"] / base
     for row in rows:
@@ -188,8 +240,15 @@ def measure(size, runs, rounds, small):
 def main(argv=None):
     from benchmarks import common
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_sampler_logprobs", columns=COLUMNS, measure=measure, rounds=2)
+    return common.sized_main(
+        argv,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_sampler_logprobs",
+        columns=COLUMNS,
+        measure=measure,
+        rounds=2,
+    )
 
 
 if __name__ == "__main__":

@@ -93,23 +93,31 @@ def losses():
     def plain(h, w, a, old, r, mask):
         logp = jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), a, backend="reference")
         adv = jk.group_advantages(r, group_size=kw["group_size"])
-        return jk.ppo_loss(logp, old, adv, mask, clip_low=kw["clip_low"],
-                           clip_high=kw["clip_high"])[0]
+        return jk.ppo_loss(
+            logp, old, adv, mask, clip_low=kw["clip_low"], clip_high=kw["clip_high"]
+        )[0]
 
     def ours(memory):
         def loss(h, w, a, old, r, mask):
             return jk.linear_grpo_loss(h, w, a, old, r, mask, memory=memory, **kw)[0]
+
         return loss
 
-    return {"jnp bf16": plain, "ours lean": ours("lean"), "ours fast": ours("fast"),
-            "ours fast, XLA logits": xla_logits(ours("fast"))}
+    return {
+        "jnp bf16": plain,
+        "ours lean": ours("lean"),
+        "ours fast": ours("fast"),
+        "ours fast, XLA logits": xla_logits(ours("fast")),
+    }
 
 
 def traced_under(fn, patch):
     """``fn`` run (and so traced) inside the context manager ``patch()``."""
+
     def traced(*args):
         with patch():
             return fn(*args)
+
     return traced
 
 
@@ -125,6 +133,7 @@ def xla_logits(fn):
 
         others = {name: op for name, op in ffi.OPS.items() if name != "kept_logits"}
         return mock.patch.dict(ffi.OPS, others, clear=True)
+
     return traced_under(fn, withheld)
 
 
@@ -141,8 +150,9 @@ def steps():
     """``{impl: jitted step(h, w, a, old, r, mask)}``."""
     import jax
 
-    out = {impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-           for impl, loss in losses().items()}
+    out = {
+        impl: jax.jit(jax.value_and_grad(loss, argnums=(0, 1))) for impl, loss in losses().items()
+    }
     out["3 GEMMs"] = jax.jit(three_gemms)
     return out
 
@@ -161,8 +171,10 @@ def profile(n, d, v, top=12):
         for k in kernels:
             per_call[k["name"][:90]] += k["dur"] / 1e3 / 3
         lead, span, busy, tail, _ = spans[-1]
-        print(f"== {impl} N={n} D={d} V={v}: span {span:.3f} ms, kernels busy {busy:.3f}, "
-              f"host lead {lead:.3f}, tail {tail:.3f}; {len(kernels) // 3} kernels per call")
+        print(
+            f"== {impl} N={n} D={d} V={v}: span {span:.3f} ms, kernels busy {busy:.3f}, "
+            f"host lead {lead:.3f}, tail {tail:.3f}; {len(kernels) // 3} kernels per call"
+        )
         for name, ms in per_call.most_common(top):
             print(f"   {ms:8.3f} ms  {name}")
         jax.clear_caches()
@@ -170,10 +182,13 @@ def profile(n, d, v, top=12):
 
 def torch_rows(sizes, runs):
     """The plain torch code's rows, from a separate process (its allocator apart from XLA's)."""
-    code = ("import json,sys; from benchmarks.bench_tokens import torch_worker; "
-            "print(json.dumps(torch_worker(json.loads(sys.argv[1]), int(sys.argv[2]))))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(sizes), str(runs)],
-                          capture_output=True, text=True)
+    code = (
+        "import json,sys; from benchmarks.bench_tokens import torch_worker; "
+        "print(json.dumps(torch_worker(json.loads(sys.argv[1]), int(sys.argv[2]))))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(sizes), str(runs)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         print("torch worker failed:", proc.stderr[-2000:])
         return {}
@@ -185,8 +200,14 @@ PEER_TIMEOUT = 1800  # seconds for the whole peers' process
 
 def jnp_row_ms(rows, n, d, v):
     """The jnp bf16 row's milliseconds at (N, D, V) (NaN if it has none)."""
-    return next((r["fwdbwd_ms"] for r in rows if r["impl"] == "jnp bf16" and
-                 (r["N"], r["D"], r["V"]) == (n, d, v)), float("nan"))
+    return next(
+        (
+            r["fwdbwd_ms"]
+            for r in rows
+            if r["impl"] == "jnp bf16" and (r["N"], r["D"], r["V"]) == (n, d, v)
+        ),
+        float("nan"),
+    )
 
 
 def peer_results(sizes, runs):
@@ -194,8 +215,13 @@ def peer_results(sizes, runs):
     one record per peer that says why."""
     cmd = [sys.executable, "-m", "benchmarks.token_peers", json.dumps(sizes), str(runs)]
     try:
-        proc = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parents[1],
-                              capture_output=True, text=True, timeout=PEER_TIMEOUT)
+        proc = subprocess.run(
+            cmd,
+            cwd=pathlib.Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=PEER_TIMEOUT,
+        )
     except subprocess.TimeoutExpired:
         reason = f"the peers' worker ran past {PEER_TIMEOUT} s"
     else:
@@ -206,8 +232,11 @@ def peer_results(sizes, runs):
                 pass
         print("peers' worker failed:", proc.stderr[-2000:])
         last = next((x for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
-        reason = (f"the peers' worker exited with code {proc.returncode}: {last[:250]}"
-                  if proc.returncode else "the peers' worker printed no records")
+        reason = (
+            f"the peers' worker exited with code {proc.returncode}: {last[:250]}"
+            if proc.returncode
+            else "the peers' worker printed no records"
+        )
     return [{"impl": impl, "error": reason} for impl in PEERS]
 
 
@@ -225,8 +254,11 @@ def peer_rows(results, rows):
             row["error"] = rec["error"]
         else:
             n, ms = rec["N"], rec["fwdbwd_ms"]
-            row.update(fwdbwd_ms=ms, us_per_token=1e3 * ms / n,
-                       x_jnp=ms / jnp_row_ms(rows, n, rec["D"], rec["V"]))
+            row.update(
+                fwdbwd_ms=ms,
+                us_per_token=1e3 * ms / n,
+                x_jnp=ms / jnp_row_ms(rows, n, rec["D"], rec["V"]),
+            )
         row.update((k, rec[k]) for k in ("version", "note") if k in rec)
         out.append(row)
     return out
@@ -241,10 +273,14 @@ def torch_worker(sizes, runs):
     out = []
     for n, d, v in sizes:
         gen = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen,
-                        requires_grad=True)
-        w = (torch.randn(v, d, device="cuda", generator=gen) * (2.0 / d**0.5)).to(
-            torch.bfloat16).requires_grad_()
+        h = torch.randn(
+            n, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True
+        )
+        w = (
+            (torch.randn(v, d, device="cuda", generator=gen) * (2.0 / d**0.5))
+            .to(torch.bfloat16)
+            .requires_grad_()
+        )
         a = torch.randint(0, v, (n,), device="cuda", generator=gen)
         old = torch.full((n,), -float(torch.log(torch.tensor(float(v)))), device="cuda")
         adv = torch.randn(n, device="cuda", generator=gen)
@@ -270,10 +306,17 @@ def main():
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
-    parser.add_argument("--peers", action="store_true",
-                        help="add QuACK's chunked and Liger's fused linear cross-entropy rows")
-    parser.add_argument("--profile", type=int, metavar="N",
-                        help="profile the impls at N tokens (D, V: --profile-shape)")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="add QuACK's chunked and Liger's fused linear cross-entropy rows",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="profile the impls at N tokens (D, V: --profile-shape)",
+    )
     parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
     parser.add_argument("--name", default="bench_tokens", help="the results' file name")
     args = parser.parse_args()
@@ -297,8 +340,10 @@ def main():
         for impl, step in steps().items():
             try:
                 common.warm_up(step, *data, seconds=0.3)
-                timed[impl] = (common.median_ms(step, *data, runs=args.runs),
-                               common.temp_mib(step, *data))
+                timed[impl] = (
+                    common.median_ms(step, *data, runs=args.runs),
+                    common.temp_mib(step, *data),
+                )
             except Exception as e:  # noqa: BLE001 - an impl out of memory still leaves its row
                 print(f"{impl} N={n} D={d} V={v}: {type(e).__name__}: {str(e)[:200]}")
         jax.clear_caches()
@@ -306,15 +351,33 @@ def main():
         jnp_ms = timed.get("jnp bf16", (float("nan"),))[0]
         for impl, (ms, temp) in timed.items():
             own_floor = floor * (4 / 3 if impl == "ours lean" else 1)
-            row = {"impl": impl, "N": n, "D": d, "V": v, "fwdbwd_ms": ms,
-                   "us_per_token": 1e3 * ms / n, "floor_ms": own_floor,
-                   "x_floor": ms / own_floor, "x_jnp": ms / jnp_ms, "temp_mib": temp}
+            row = {
+                "impl": impl,
+                "N": n,
+                "D": d,
+                "V": v,
+                "fwdbwd_ms": ms,
+                "us_per_token": 1e3 * ms / n,
+                "floor_ms": own_floor,
+                "x_floor": ms / own_floor,
+                "x_jnp": ms / jnp_ms,
+                "temp_mib": temp,
+            }
             print(row, flush=True)
             rows.append(row)
     if args.torch:
         for (n, d, v), ms in torch_rows(sizes, args.runs).items():
-            rows.append({"impl": "torch bf16", "N": n, "D": d, "V": v, "fwdbwd_ms": ms,
-                         "us_per_token": 1e3 * ms / n, "x_jnp": ms / jnp_row_ms(rows, n, d, v)})
+            rows.append(
+                {
+                    "impl": "torch bf16",
+                    "N": n,
+                    "D": d,
+                    "V": v,
+                    "fwdbwd_ms": ms,
+                    "us_per_token": 1e3 * ms / n,
+                    "x_jnp": ms / jnp_row_ms(rows, n, d, v),
+                }
+            )
     rows += peer_rows(peers, rows)
     extra = [c for c in ("version", "error") if any(c in r for r in rows)]
     print(common.write_results(args.name, rows, COLUMNS + extra))

@@ -41,8 +41,25 @@ Sizes ``full``: the goal's shape (4096×2048×151936, K = 64) and 4096×2048×13
 
 from __future__ import annotations
 
-COLUMNS = ["impl", "tail", "N", "D", "V", "K", "fwdbwd_ms", "x_1id", "temp_mib", "nv_mib",
-           "no_nv_buffer", "teacher_mass", "loss", "err_loss", "err_dh", "err_dW", "error"]
+COLUMNS = [
+    "impl",
+    "tail",
+    "N",
+    "D",
+    "V",
+    "K",
+    "fwdbwd_ms",
+    "x_1id",
+    "temp_mib",
+    "nv_mib",
+    "no_nv_buffer",
+    "teacher_mass",
+    "loss",
+    "err_loss",
+    "err_dh",
+    "err_dW",
+    "error",
+]
 SIZES = {  # (N, D, V, K)
     "full": [(4096, 2048, 151936, 64)] + [(4096, 2048, 131072, k) for k in (1, 8, 64)],
     "small": [(64, 32, 1000, 8)],
@@ -63,13 +80,21 @@ def inputs(n, d, v, k, seed=0):
     t = n // b
     rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.standard_normal((b, t, d), np.float32)).astype(jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((v, d), np.float32) * np.float32(2.0 / d ** 0.5)
-                    ).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, d), np.float32) * np.float32(2.0 / d**0.5)).astype(
+        jnp.bfloat16
+    )
     ids, logp = teacher(rng, b * t, v, k)
     g1 = rng.uniform(0.5, 1.5, (b, t)).astype(np.float32)
     gk = rng.uniform(0.5, 1.5, (b, t, k)).astype(np.float32)
-    return (h, w, jnp.asarray(ids.reshape(b, t, k)), jnp.asarray(logp.reshape(b, t, k)),
-            jnp.ones((b, t), jnp.float32), jnp.asarray(g1), jnp.asarray(gk))
+    return (
+        h,
+        w,
+        jnp.asarray(ids.reshape(b, t, k)),
+        jnp.asarray(logp.reshape(b, t, k)),
+        jnp.ones((b, t), jnp.float32),
+        jnp.asarray(g1),
+        jnp.asarray(gk),
+    )
 
 
 def teacher(rng, rows, v, k):
@@ -108,8 +133,8 @@ def losses():
 
     def topk(tail, memory):
         def loss(h, w, ids, t_logp, mask, g1, gk):
-            return jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, tail=tail,
-                                               memory=memory)[0]
+            return jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, tail=tail, memory=memory)[0]
+
         return loss
 
     def plain(h, w, ids, t_logp, mask, g1, gk):
@@ -119,12 +144,14 @@ def losses():
         d = jnp.sum(jnp.exp(t_logp) * (t_logp - student), axis=-1)
         return jnp.sum(d * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-    return {BASE: ("", "1 id", one_id),
-            "logprobs K ids": ("", "K ids", k_ids),
-            "topk lean": ("drop", "drop", topk("drop", "lean")),
-            "topk lean bucket": ("bucket", "bucket", topk("bucket", "lean")),
-            "topk fast": ("drop", "drop", topk("drop", "fast")),
-            "jnp bf16": ("drop", "drop", plain)}
+    return {
+        BASE: ("", "1 id", one_id),
+        "logprobs K ids": ("", "K ids", k_ids),
+        "topk lean": ("drop", "drop", topk("drop", "lean")),
+        "topk lean bucket": ("bucket", "bucket", topk("bucket", "lean")),
+        "topk fast": ("drop", "drop", topk("drop", "fast")),
+        "jnp bf16": ("drop", "drop", plain),
+    }
 
 
 def reference(data):
@@ -151,17 +178,26 @@ def reference(data):
                 log_r_t = jnp.log(jnp.where(r_t > 0, r_t, 1.0))
                 d = d + jnp.where(r_t > 0, r_t * (log_r_t - jnp.log(r_s)), 0.0)
             return jnp.sum(d * m) / jnp.maximum(jnp.sum(m), 1.0)
+
         return loss
 
-    kinds = {"1 id": lambda hh, ww, tl, m, at, g1, gk: jnp.sum(
-                 logp_at(hh, ww, at[..., :1])[..., 0] * g1),
-             "K ids": lambda hh, ww, tl, m, at, g1, gk: jnp.sum(logp_at(hh, ww, at) * gk),
-             "drop": kl("drop"), "bucket": kl("bucket")}
+    kinds = {
+        "1 id": lambda hh, ww, tl, m, at, g1, gk: jnp.sum(
+            logp_at(hh, ww, at[..., :1])[..., 0] * g1
+        ),
+        "K ids": lambda hh, ww, tl, m, at, g1, gk: jnp.sum(logp_at(hh, ww, at) * gk),
+        "drop": kl("drop"),
+        "bucket": kl("bucket"),
+    }
 
     @jax.jit
     def all_kinds(*args):
-        return {kind: (lambda value, grads: (value, *grads))(
-            *jax.value_and_grad(loss, argnums=(0, 1))(*args)) for kind, loss in kinds.items()}
+        return {
+            kind: (lambda value, grads: (value, *grads))(
+                *jax.value_and_grad(loss, argnums=(0, 1))(*args)
+            )
+            for kind, loss in kinds.items()
+        }
 
     with jax.enable_x64(wide):
         dtype = jnp.float64 if wide else jnp.float32
@@ -192,16 +228,28 @@ def measure(size, runs, rounds, small):
     nv_mib = n * v * 2 / 2**20
     rows, steps = [], []
     for impl, (tail, kind, loss) in losses().items():
-        row = {"impl": impl, "tail": tail, "N": n, "D": d, "V": v, "K": k, "nv_mib": nv_mib,
-               "teacher_mass": teacher_mass}
+        row = {
+            "impl": impl,
+            "tail": tail,
+            "N": n,
+            "D": d,
+            "V": v,
+            "K": k,
+            "nv_mib": nv_mib,
+            "teacher_mass": teacher_mass,
+        }
         try:
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*data).compile()
             row["temp_mib"] = step.memory_analysis().temp_size_in_bytes / 2**20
             row["no_nv_buffer"] = row["temp_mib"] < nv_mib
             value, (dh, dw) = step(*data)
             want, want_dh, want_dw = ref[kind]
-            row.update(loss=float(value), err_loss=rel_err(value, want),
-                       err_dh=rel_err(dh, want_dh), err_dW=rel_err(dw, want_dw))
+            row.update(
+                loss=float(value),
+                err_loss=rel_err(value, want),
+                err_dh=rel_err(dh, want_dh),
+                err_dW=rel_err(dw, want_dw),
+            )
             steps.append((row, step))
         except Exception as e:  # noqa: BLE001 - an impl out of memory still leaves its row
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -222,8 +270,15 @@ def measure(size, runs, rounds, small):
 def main(argv=None):
     from benchmarks import common
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_topk_distill", columns=COLUMNS, measure=measure, rounds=3)
+    return common.sized_main(
+        argv,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_topk_distill",
+        columns=COLUMNS,
+        measure=measure,
+        rounds=3,
+    )
 
 
 if __name__ == "__main__":

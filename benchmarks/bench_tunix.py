@@ -75,6 +75,7 @@ GIB = 2.0**-30
 
 # -- the model -------------------------------------------------------------------------------
 
+
 def scanned_qwen3_class():
     """tunix's Qwen3 with its decoder layers stacked and run by ``nnx.scan``."""
     import jax.numpy as jnp
@@ -91,9 +92,13 @@ def scanned_qwen3_class():
                 raise ValueError("ScannedQwen3: tied embedding only (Qwen3-0.6B's)")
             self.config = config
             self.embedder = qwen3.Embedder(
-                vocab_size=config.vocab_size, embed_dim=config.embed_dim, rngs=rngs,
-                shd_config=config.shd_config, dtype=config.dtype,
-                param_dtype=config.param_dtype)
+                vocab_size=config.vocab_size,
+                embed_dim=config.embed_dim,
+                rngs=rngs,
+                shd_config=config.shd_config,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+            )
 
             @nnx.split_rngs(splits=config.num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -102,12 +107,23 @@ def scanned_qwen3_class():
 
             self.layers = layers(rngs)
             self.final_norm = qwen3.RMSNorm(
-                config.embed_dim, rngs=rngs, norm_eps=config.norm_eps,
-                shd_config=config.shd_config, dtype=config.dtype,
-                param_dtype=config.param_dtype)
+                config.embed_dim,
+                rngs=rngs,
+                norm_eps=config.norm_eps,
+                shd_config=config.shd_config,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+            )
 
-        def __call__(self, input_tokens, positions, cache, attention_mask,
-                     output_hidden_states=False, segment_ids=None):
+        def __call__(
+            self,
+            input_tokens,
+            positions,
+            cache,
+            attention_mask,
+            output_hidden_states=False,
+            segment_ids=None,
+        ):
             if cache is not None:
                 raise ValueError("ScannedQwen3 has no KV cache (training only)")
             x = self.embedder.encode(input_tokens)
@@ -130,9 +146,18 @@ def qwen3_config(args):
     from tunix.models.qwen3 import model as qwen3
 
     if args.smoke:
-        config = qwen3.ModelConfig(num_layers=2, vocab_size=32771, embed_dim=64, hidden_dim=128,
-                                   num_heads=4, head_dim=16, num_kv_heads=2, rope_theta=10_000,
-                                   norm_eps=1e-6, use_tied_embedding=True)
+        config = qwen3.ModelConfig(
+            num_layers=2,
+            vocab_size=32771,
+            embed_dim=64,
+            hidden_dim=128,
+            num_heads=4,
+            head_dim=16,
+            num_kv_heads=2,
+            rope_theta=10_000,
+            norm_eps=1e-6,
+            use_tied_embedding=True,
+        )
     else:
         config = qwen3.ModelConfig.qwen3_0p6b()
     config.remat_config = qwen3.RematConfig.DECODER
@@ -142,15 +167,27 @@ def qwen3_config(args):
 
 # -- one loss, in its own process ---------------------------------------------------------------
 
+
 def out_of_memory(err: BaseException) -> bool:
     text = f"{type(err).__name__}: {err}"
-    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory",
-                                   "OOM"))
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM"))
 
 
 SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s16|u16|s8|u8|pred)\[([0-9,]*)\]")
-DTYPE_BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-               "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+DTYPE_BYTES = {
+    "f64": 8,
+    "s64": 8,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+}
 
 
 def classify(shape, *, seq, completion, vocab, dim, layers) -> str:
@@ -171,8 +208,10 @@ def largest_buffers(hlo_text, top=3, **dims):
         shape = tuple(int(d) for d in text.split(",") if d)
         sizes[(dtype, shape)] = math.prod(shape) * DTYPE_BYTES[dtype]
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])[:top]
-    return [(n * GIB, f"{dtype}[{','.join(map(str, shape))}]", classify(shape, **dims))
-            for (dtype, shape), n in ranked]
+    return [
+        (n * GIB, f"{dtype}[{','.join(map(str, shape))}]", classify(shape, **dims))
+        for (dtype, shape), n in ranked
+    ]
 
 
 class Worker:
@@ -219,17 +258,25 @@ class Worker:
 
         def new_model():
             return dummy_model_creator.create_dummy_model(
-                model_class, self.config, dtype=self.config.param_dtype, scale=0.02)
+                model_class, self.config, dtype=self.config.param_dtype, scale=0.02
+            )
 
         def build():
             trainer = rl_trainer.Trainer(
-                new_model(), optax.adamw(1e-6),
+                new_model(),
+                optax.adamw(1e-6),
                 peft_trainer.TrainingConfig(eval_every_n_steps=10**9),
-                custom_checkpoint_metadata_fn=dict)
-            trainer.with_loss_fn(lambda model, train_example, algo_config: loss_fn(
-                model, train_example, algo_config, PAD_ID, EOS_ID, **extra), has_aux=True)
+                custom_checkpoint_metadata_fn=dict,
+            )
+            trainer.with_loss_fn(
+                lambda model, train_example, algo_config: loss_fn(
+                    model, train_example, algo_config, PAD_ID, EOS_ID, **extra
+                ),
+                has_aux=True,
+            )
             trainer.with_gen_model_input_fn(
-                lambda x: {"train_example": x, "algo_config": self.algo_config})
+                lambda x: {"train_example": x, "algo_config": self.algo_config}
+            )
             return trainer
 
         self.build = build
@@ -270,7 +317,9 @@ class Worker:
             prompt_mask=jnp.ones((batch, p), jnp.int32),
             completion_ids=jnp.asarray(rng.integers(2, vocab, (batch, c)), jnp.int32),
             completion_mask=jnp.ones((batch, c), jnp.int32),
-            ref_per_token_logps=logp(), old_per_token_logps=logp())
+            ref_per_token_logps=logp(),
+            old_per_token_logps=logp(),
+        )
         if self.algo == "grpo":
             fields["advantages"] = jnp.asarray(rng.standard_normal(batch), jnp.float32)
         else:
@@ -280,8 +329,12 @@ class Worker:
     @staticmethod
     def need_bytes(compiled):
         m = compiled.memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes)
+        return (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
 
     def compile_step(self, example):
         """(compiled, XLA's bytes, of which not temporaries (the state: parameters, optimizer),
@@ -318,12 +371,18 @@ class Worker:
         models = [self.reference, self.policy()]
         args = lambda m: (m[0], m[1], example.prompt_ids, example.completion_ids)  # noqa: E731
         start = time.perf_counter()
-        compiled = self.logprob_pass.lower(*args(models[0]), pad_id=PAD_ID, eos_id=EOS_ID,
-                                           stop_gradient=True, temperature=1.0,
-                                           **self.pass_kwargs).compile()
+        compiled = self.logprob_pass.lower(
+            *args(models[0]),
+            pad_id=PAD_ID,
+            eos_id=EOS_ID,
+            stop_gradient=True,
+            temperature=1.0,
+            **self.pass_kwargs,
+        ).compile()
         seconds = time.perf_counter() - start
-        timing = timer.time_calls(compiled, arg_sets=[args(m) for m in models], warmup=2,
-                                  runs=2 * steps)
+        timing = timer.time_calls(
+            compiled, arg_sets=[args(m) for m in models], warmup=2, runs=2 * steps
+        )
         return timing.median, self.need_bytes(compiled), seconds
 
 
@@ -343,9 +402,8 @@ def fit_candidate(points, degree, limit, lo, hi, step, cap):
 
     guess = None
     if len(points) >= 2:
-        xs, ys = zip(*sorted(points.items())[-(degree + 1):])
-        coeffs = np.polyfit(np.asarray(xs, float), np.asarray(ys, float),
-                            min(degree, len(xs) - 1))
+        xs, ys = zip(*sorted(points.items())[-(degree + 1) :])
+        coeffs = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), min(degree, len(xs) - 1))
         coeffs[-1] -= 0.99 * limit
         # the first crossing above lo (a concave fit crosses back down further out)
         roots = [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-9 and r.real > lo]
@@ -368,9 +426,14 @@ def worker(args):
     prompt = args.prompt
 
     def buffers(compiled, completion):
-        return largest_buffers(compiled.as_text(), seq=prompt + completion,
-                               completion=completion, vocab=config.vocab_size,
-                               dim=config.embed_dim, layers=config.num_layers)
+        return largest_buffers(
+            compiled.as_text(),
+            seq=prompt + completion,
+            completion=completion,
+            vocab=config.vocab_size,
+            dim=config.embed_dim,
+            layers=config.num_layers,
+        )
 
     def add_passes(row, steps):
         """Time both log-prob passes at the row's size (the step is train + 2 passes)."""
@@ -379,8 +442,12 @@ def worker(args):
         report["compile_s"].append(round(seconds, 1))
         step_ms = row["train_ms"] + 2 * pass_ms
         tokens = row["micro_batch"] * (prompt + row["completion"])
-        row.update(pass_ms=pass_ms, pass_xla_gib=pass_need * GIB, step_ms=step_ms,
-                   tokens_per_s=tokens / (step_ms * 1e-3))
+        row.update(
+            pass_ms=pass_ms,
+            pass_xla_gib=pass_need * GIB,
+            step_ms=step_ms,
+            tokens_per_s=tokens / (step_ms * 1e-3),
+        )
         peak, _ = peak_bytes()
         row["peak_gib"] = None if peak is None else peak * GIB
 
@@ -407,13 +474,26 @@ def worker(args):
             w.reset()  # the failed run may have consumed the donated state
             return None, need, why, top
         peak, _ = peak_bytes()
-        row = {"loss": args.worker, "what": what, "micro_batch": batch, "prompt": prompt,
-               "completion": completion, "train_ms": train_ms, "pass_ms": None,
-               "step_ms": None, "tokens_per_s": None, "xla_gib": need * GIB,
-               "pass_xla_gib": None, "peak_gib": None if peak is None else peak * GIB,
-               "buffers": top}
-        print(f"{args.worker}: B={batch} C={completion}: train step {train_ms:.0f} ms, XLA "
-              f"{need * GIB:.2f} GiB", flush=True)
+        row = {
+            "loss": args.worker,
+            "what": what,
+            "micro_batch": batch,
+            "prompt": prompt,
+            "completion": completion,
+            "train_ms": train_ms,
+            "pass_ms": None,
+            "step_ms": None,
+            "tokens_per_s": None,
+            "xla_gib": need * GIB,
+            "pass_xla_gib": None,
+            "peak_gib": None if peak is None else peak * GIB,
+            "buffers": top,
+        }
+        print(
+            f"{args.worker}: B={batch} C={completion}: train step {train_ms:.0f} ms, XLA "
+            f"{need * GIB:.2f} GiB",
+            flush=True,
+        )
         return row, need, None, top
 
     def search(what, size_of, make, lo, points, degree, step, cap, deadline):
@@ -440,17 +520,20 @@ def worker(args):
                 if not out_of_memory(err):
                     raise
                 best["pass_failed"] = "a log-prob pass ran out of memory at this size"
-        return {"largest": size_of(best) if best else None, "row": best,
-                "exact": hi is not None and hi - lo <= step,
-                "next": None if hi is None else {"size": hi, "why": hi_why,
-                                                 "buffers": hi_top},
-                "stopped": stopped}
+        return {
+            "largest": size_of(best) if best else None,
+            "row": best,
+            "exact": hi is not None and hi - lo <= step,
+            "next": None if hi is None else {"size": hi, "why": hi_why, "buffers": hi_top},
+            "stopped": stopped,
+        }
 
     tb, completion = args.time_batch, args.completion
     timed, need, why, _ = attempt(tb, completion, "same micro-batch", args.steps)
     if timed is None:
-        raise SystemExit(f"{args.worker}: micro-batch {tb} at completion {completion} does not "
-                         f"fit: {why}")
+        raise SystemExit(
+            f"{args.worker}: micro-batch {tb} at completion {completion} does not fit: {why}"
+        )
     add_passes(timed, args.steps)
     report["rows"].append(timed)
     # The first fits: XLA's bytes are the state's (size 0) plus a part that grows with the
@@ -460,16 +543,32 @@ def worker(args):
     one = fixed + (need - fixed) / tb
 
     if "batch" in args.searches:
-        result = search("largest micro-batch", lambda r: r["micro_batch"],
-                        lambda b: (b, completion), tb, {0: fixed, tb: need}, 1, 1,
-                        args.max_batch, started + 0.55 * args.budget_s)
+        result = search(
+            "largest micro-batch",
+            lambda r: r["micro_batch"],
+            lambda b: (b, completion),
+            tb,
+            {0: fixed, tb: need},
+            1,
+            1,
+            args.max_batch,
+            started + 0.55 * args.budget_s,
+        )
         report["batch_search"] = result
         if result["row"] is not None:
             report["rows"].append(result["row"])
     if "length" in args.searches:
-        result = search("longest completion", lambda r: r["completion"],
-                        lambda c: (1, c), completion, {0: fixed, completion: one}, 2,
-                        args.length_step, args.max_completion, started + args.budget_s)
+        result = search(
+            "longest completion",
+            lambda r: r["completion"],
+            lambda c: (1, c),
+            completion,
+            {0: fixed, completion: one},
+            2,
+            args.length_step,
+            args.max_completion,
+            started + args.budget_s,
+        )
         report["length_search"] = result
         if result["row"] is not None:
             report["rows"].append(result["row"])
@@ -478,6 +577,7 @@ def worker(args):
 
 
 # -- the driver ------------------------------------------------------------------------------
+
 
 def versions():
     from importlib import metadata
@@ -501,9 +601,13 @@ def backend_line(args):
     config = qwen3_config(args)
     n = args.time_batch * args.completion
     s = jax.ShapeDtypeStruct
-    text = jk.explain("linear_logprobs", s((n, config.embed_dim), jnp.bfloat16),
-                      s((config.vocab_size, config.embed_dim), jnp.bfloat16),
-                      s((n,), jnp.int32), return_entropy=True)
+    text = jk.explain(
+        "linear_logprobs",
+        s((n, config.embed_dim), jnp.bfloat16),
+        s((config.vocab_size, config.embed_dim), jnp.bfloat16),
+        s((n,), jnp.int32),
+        return_entropy=True,
+    )
     return text.splitlines()[0]
 
 
@@ -525,62 +629,83 @@ def _limit_text(search, meta):
 def markdown(meta, reports):
     by_loss = {r["loss"]: r for r in reports}
     v = meta["versions"]
-    lines = [f"bench_tunix: {meta['device']}, {meta['date']}, jax {meta['jax']}, "
-             f"tunix {v['google-tunix']}, flax {v['flax']}, commit {meta['commit']}",
-             "",
-             f"Qwen3 {meta['model']} ({meta['model_impl']}), bf16, each decoder layer "
-             f"rematerialised; one {meta['algo_names']} micro-step = reference log-probs + "
-             f"old-policy log-probs (one forward pass each) + the actor train step (forward, "
-             f"loss, backward, AdamW); prompt {meta['prompt']} tokens. tunix: its own "
-             f"loss and `compute_per_token_logps`; jaxrl: the registered loss and "
-             f"`integrations.tunix.compute_per_token_logps` ({meta['jaxrl_backend']}).",
-             "",
-             "| loss | | micro-batch | completion | train step (ms) | log-prob pass (ms) "
-             "| step (ms) | tokens/s | XLA buffers, train (GiB) | peak so far (GiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"bench_tunix: {meta['device']}, {meta['date']}, jax {meta['jax']}, "
+        f"tunix {v['google-tunix']}, flax {v['flax']}, commit {meta['commit']}",
+        "",
+        f"Qwen3 {meta['model']} ({meta['model_impl']}), bf16, each decoder layer "
+        f"rematerialised; one {meta['algo_names']} micro-step = reference log-probs + "
+        f"old-policy log-probs (one forward pass each) + the actor train step (forward, "
+        f"loss, backward, AdamW); prompt {meta['prompt']} tokens. tunix: its own "
+        f"loss and `compute_per_token_logps`; jaxrl: the registered loss and "
+        f"`integrations.tunix.compute_per_token_logps` ({meta['jaxrl_backend']}).",
+        "",
+        "| loss | | micro-batch | completion | train step (ms) | log-prob pass (ms) "
+        "| step (ms) | tokens/s | XLA buffers, train (GiB) | peak so far (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for report in reports:
         for row in report["rows"]:
             lines.append(
                 f"| `{row['loss']}` | {row['what']} | {row['micro_batch']} | "
                 f"{row['completion']} | {row['train_ms']:.0f} | {_num(row['pass_ms'], '.0f')} | "
                 f"{_num(row['step_ms'], '.0f')} | {_num(row['tokens_per_s'], ',.0f')} | "
-                f"{row['xla_gib']:.2f} | {_num(row['peak_gib'], '.2f')} |")
+                f"{row['xla_gib']:.2f} | {_num(row['peak_gib'], '.2f')} |"
+            )
     if any(r.get("batch_search") or r.get("length_search") for r in reports):
-        lines += ["", "| loss | search | result | next size | limited by |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| loss | search | result | next size | limited by |",
+            "|---|---|---|---|---|",
+        ]
     for report in reports:
-        for key, label, unit in (("batch_search", "largest micro-batch",
-                                  f"at completion {meta['completion']}"),
-                                 ("length_search", "longest completion", "at micro-batch 1")):
+        for key, label, unit in (
+            ("batch_search", "largest micro-batch", f"at completion {meta['completion']}"),
+            ("length_search", "longest completion", "at micro-batch 1"),
+        ):
             search = report.get(key)
             if not search:
                 continue
             kind = "exact" if search["exact"] else f"lower bound: {search['stopped']}"
             nxt = search["next"]
             nxt_text = "none tried" if nxt is None else f"{nxt['size']}: {nxt['why']}"
-            extra = " (a log-prob pass failed there)" if (search["row"] or {}).get(
-                "pass_failed") else ""
+            extra = (
+                " (a log-prob pass failed there)"
+                if (search["row"] or {}).get("pass_failed")
+                else ""
+            )
             if search["largest"] is None:
-                start = (f"{meta['time_batch']} (the timed run)" if key == "batch_search"
-                         else f"none run beyond {meta['completion']}")
+                start = (
+                    f"{meta['time_batch']} (the timed run)"
+                    if key == "batch_search"
+                    else f"none run beyond {meta['completion']}"
+                )
                 result = f"{start}{'' if search['exact'] else f' ({kind})'}"
             else:
                 result = f"{search['largest']} ({kind}){extra}"
-            lines.append(f"| `{report['loss']}` | {label} {unit} | {result} | {nxt_text} | "
-                         f"{_limit_text(search, meta)} |")
+            lines.append(
+                f"| `{report['loss']}` | {label} {unit} | {result} | {nxt_text} | "
+                f"{_limit_text(search, meta)} |"
+            )
     lines.append("")
     for report in reports:
-        lines.append(f"- `{report['loss']}`: limit {report['bytes_limit_gib']:.1f} GiB; "
-                     f"compiles {report['compile_s']} s; {report['seconds']} s in all.")
+        lines.append(
+            f"- `{report['loss']}`: limit {report['bytes_limit_gib']:.1f} GiB; "
+            f"compiles {report['compile_s']} s; {report['seconds']} s in all."
+        )
     for algo in meta["algos"]:
         ours, theirs = by_loss.get(f"jaxrl_{algo}"), by_loss.get(algo)
         if not (ours and theirs):
             continue
         o, t = ours["rows"][0], theirs["rows"][0]
-        parts = [f"step-time speed-up at micro-batch {meta['time_batch']}: "
-                 f"{t['step_ms'] / o['step_ms']:.2f}x"]
-        for key, label in (("batch_search", "largest micro-batch"),
-                           ("length_search", "longest completion")):
+        parts = [
+            f"step-time speed-up at micro-batch {meta['time_batch']}: "
+            f"{t['step_ms'] / o['step_ms']:.2f}x"
+        ]
+        for key, label in (
+            ("batch_search", "largest micro-batch"),
+            ("length_search", "longest completion"),
+        ):
             a, b = ours.get(key), theirs.get(key)
             if a and b and a["largest"] and b["largest"]:
                 parts.append(f"{label} {a['largest'] / b['largest']:.2f}x")
@@ -602,28 +727,36 @@ def driver(args):
         cmd = [sys.executable, "-m", "benchmarks.bench_tunix", "--worker", loss] + args.passthrough
         print("==", " ".join(cmd), flush=True)
         try:
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                 timeout=args.budget_s + 240)
+            run = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.budget_s + 240
+            )
         except subprocess.TimeoutExpired as err:
             out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
             print(f"{loss}: worker timed out\n{out[-3000:]}", flush=True)
             continue
-        sys.stdout.write("".join(line + "\n" for line in run.stdout.splitlines()
-                                 if not line.startswith(RESULT)))
-        found = [line[len(RESULT):] for line in run.stdout.splitlines()
-                 if line.startswith(RESULT)]
+        sys.stdout.write(
+            "".join(line + "\n" for line in run.stdout.splitlines() if not line.startswith(RESULT))
+        )
+        found = [line[len(RESULT) :] for line in run.stdout.splitlines() if line.startswith(RESULT)]
         if run.returncode or not found:
             print(f"{loss}: worker failed ({run.returncode})\n{run.stderr[-4000:]}", flush=True)
             continue
         reports.append(json.loads(found[-1]))
     meta = common.metadata() | {
-        "versions": versions(), "model": "tiny (smoke)" if args.smoke else "0.6B dimensions",
-        "model_impl": "nnx.scan over tunix's DecoderLayer" if args.model == "scan"
-        else "tunix's Qwen3", "algos": list(args.algos),
+        "versions": versions(),
+        "model": "tiny (smoke)" if args.smoke else "0.6B dimensions",
+        "model_impl": "nnx.scan over tunix's DecoderLayer"
+        if args.model == "scan"
+        else "tunix's Qwen3",
+        "algos": list(args.algos),
         "algo_names": "/".join(a.upper() for a in args.algos),
-        "prompt": args.prompt, "completion": args.completion, "time_batch": args.time_batch,
-        "max_batch": args.max_batch, "budget_s": args.budget_s,
-        "jaxrl_backend": args.backend or backend_line(args)}
+        "prompt": args.prompt,
+        "completion": args.completion,
+        "time_batch": args.time_batch,
+        "max_batch": args.max_batch,
+        "budget_s": args.budget_s,
+        "jaxrl_backend": args.backend or backend_line(args),
+    }
     table = markdown(meta, reports)
     name = "bench_tunix_smoke" if args.smoke else "bench_tunix"
     path = common.results_dir()
@@ -638,29 +771,46 @@ def parse(argv=None):
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, for CPU")
     parser.add_argument("--algos", nargs="+", default=["grpo"], choices=ALGOS)
-    parser.add_argument("--model", default="scan", choices=("scan", "tunix"),
-                        help="scan: nnx.scan over tunix's decoder layers (fast compiles); "
-                             "tunix: tunix's Qwen3 class itself")
+    parser.add_argument(
+        "--model",
+        default="scan",
+        choices=("scan", "tunix"),
+        help="scan: nnx.scan over tunix's decoder layers (fast compiles); "
+        "tunix: tunix's Qwen3 class itself",
+    )
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--completion", type=int)
     parser.add_argument("--time-batch", type=int)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--searches", nargs="*", default=["batch", "length"],
-                        choices=("batch", "length"))
+    parser.add_argument(
+        "--searches", nargs="*", default=["batch", "length"], choices=("batch", "length")
+    )
     parser.add_argument("--max-batch", type=int, default=512)
     parser.add_argument("--max-completion", type=int, default=131072)
     parser.add_argument("--length-step", type=int)
-    parser.add_argument("--budget-s", type=float,
-                        help="seconds per loss (from its start) after which no new size is "
-                             "tried: 0.55 of it for the micro-batch search, the rest for the "
-                             "completion length (default 100; smoke 90)")
-    parser.add_argument("--backend",
-                        help="jaxrl_kernels backend for the jaxrl loss and log-probs "
-                             "(default: automatic)")
-    parser.add_argument("--memory", default="lean", choices=("lean", "fast"),
-                        help="linear_logprobs' memory mode in the jaxrl loss's train step")
-    parser.add_argument("--memory-limit-mib", type=float, default=64.0,
-                        help="the memory limit where the device reports none (CPU)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds per loss (from its start) after which no new size is "
+        "tried: 0.55 of it for the micro-batch search, the rest for the "
+        "completion length (default 100; smoke 90)",
+    )
+    parser.add_argument(
+        "--backend",
+        help="jaxrl_kernels backend for the jaxrl loss and log-probs (default: automatic)",
+    )
+    parser.add_argument(
+        "--memory",
+        default="lean",
+        choices=("lean", "fast"),
+        help="linear_logprobs' memory mode in the jaxrl loss's train step",
+    )
+    parser.add_argument(
+        "--memory-limit-mib",
+        type=float,
+        default=64.0,
+        help="the memory limit where the device reports none (CPU)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke and not args.backend:

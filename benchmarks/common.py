@@ -57,10 +57,17 @@ class Timing:
         return statistics.fmean(self.samples)
 
 
-def time_calls(fn: Callable[..., Any], *args: Any, warmup: int = 3, runs: int = 25,
-               calls: int = 1, arg_sets: Sequence[Sequence[Any]] | None = None,
-               budget_ms: float | None = None, seconds: float | None = None,
-               sync: Callable[[Any], Any] = jax.block_until_ready) -> Timing:
+def time_calls(
+    fn: Callable[..., Any],
+    *args: Any,
+    warmup: int = 3,
+    runs: int = 25,
+    calls: int = 1,
+    arg_sets: Sequence[Sequence[Any]] | None = None,
+    budget_ms: float | None = None,
+    seconds: float | None = None,
+    sync: Callable[[Any], Any] = jax.block_until_ready,
+) -> Timing:
     """The benchmarks' one wall-clock timer: ``warmup`` calls of ``fn(*args)``, each
     synchronised (compilation, caches, clocks), then ``runs`` samples by the host clock, each
     ``calls`` calls back to back and one ``sync`` of the last result, in ms per call.
@@ -123,17 +130,24 @@ def traced(fn, args, calls=1):
             trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     meta = [e for e in events if e.get("ph") == "M"]
-    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and
-                "GPU" in str(e.get("args", {}).get("name", ""))}
+    gpu_pids = {
+        e["pid"]
+        for e in meta
+        if e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
+    }
     # kernels are on the "Stream" threads; the "XLA Ops" threads repeat them as HLO ops
-    streams = {(e["pid"], e.get("tid")) for e in meta if e.get("pid") in gpu_pids and
-               e.get("name") == "thread_name" and
-               "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    streams = {
+        (e["pid"], e.get("tid"))
+        for e in meta
+        if e.get("pid") in gpu_pids
+        and e.get("name") == "thread_name"
+        and "stream" in str(e.get("args", {}).get("name", "")).lower()
+    }
     timed_events = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    kernels = sorted((e for e in timed_events if (e.get("pid"), e.get("tid")) in streams),
-                     key=lambda e: e["ts"])
-    host = sorted((e for e in timed_events if e.get("pid") not in gpu_pids),
-                  key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in timed_events if (e.get("pid"), e.get("tid")) in streams), key=lambda e: e["ts"]
+    )
+    host = sorted((e for e in timed_events if e.get("pid") not in gpu_pids), key=lambda e: e["ts"])
     return kernels, host, meta
 
 
@@ -149,10 +163,18 @@ def call_spans(fn, args, calls, match=None):
         mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
         if mine:
             first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
-            matched = None if match is None else sum(
-                k["dur"] for k in mine if match in k["name"]) / 1e3
-            out.append(((first - m["ts"]) / 1e3, (last - first) / 1e3,
-                        sum(k["dur"] for k in mine) / 1e3, (end - last) / 1e3, matched))
+            matched = (
+                None if match is None else sum(k["dur"] for k in mine if match in k["name"]) / 1e3
+            )
+            out.append(
+                (
+                    (first - m["ts"]) / 1e3,
+                    (last - first) / 1e3,
+                    sum(k["dur"] for k in mine) / 1e3,
+                    (end - last) / 1e3,
+                    matched,
+                )
+            )
     return out, kernels, host
 
 
@@ -225,10 +247,12 @@ def metadata() -> dict[str, Any]:
     try:
         if commit:
             raise OSError("commit given")
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = commit or "unknown"
@@ -236,7 +260,7 @@ def metadata() -> dict[str, Any]:
     return {
         "device": getattr(dev, "device_kind", str(dev)),
         "platform": dev.platform,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "jax": jax.__version__,
         "commit": commit,
     }
@@ -247,8 +271,12 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     meta = metadata()
     path = results_dir()
     (path / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=1))
-    lines = [f"{name}: {meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
-             "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [
+        f"{name}: {meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
     for row in rows:
         cells = []
         for col in columns:
@@ -269,12 +297,19 @@ def in_rotation(keys, rounds):
     drift and order hit all alike)."""
     keys = list(keys)
     for r in range(rounds if keys else 0):
-        yield from keys[r % len(keys):] + keys[:r % len(keys)]
+        yield from keys[r % len(keys) :] + keys[: r % len(keys)]
 
 
-def rotated_ms(steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]], args: Sequence[Any],
-               *, runs: int, rounds: int, warm_seconds: float, warmup: int = 3,
-               key: str = "fwdbwd_ms") -> dict[int, Timing]:
+def rotated_ms(
+    steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]],
+    args: Sequence[Any],
+    *,
+    runs: int,
+    rounds: int,
+    warm_seconds: float,
+    warmup: int = 3,
+    key: str = "fwdbwd_ms",
+) -> dict[int, Timing]:
     """Time each ``(row, step)`` on ``args`` into ``row[key]``: the median over ``rounds``
     rounds, each in an order rotated by one (:func:`in_rotation`, so that no step always runs
     first or after the same one), of :func:`time_calls` of ``runs`` calls after
@@ -290,8 +325,16 @@ def rotated_ms(steps: Sequence[tuple[dict[str, Any], Callable[..., Any]]], args:
     return out
 
 
-def sized_main(argv, *, description: str, sizes: dict[str, list], name: str, columns,
-               measure: Callable[..., list], rounds: int) -> list[dict[str, Any]]:
+def sized_main(
+    argv,
+    *,
+    description: str,
+    sizes: dict[str, list],
+    name: str,
+    columns,
+    measure: Callable[..., list],
+    rounds: int,
+) -> list[dict[str, Any]]:
     """A benchmark's command line: ``--sizes`` (a key of ``sizes``; ``--small`` for
     "small"), ``--runs``, ``--rounds``, ``--name`` and the output options; ``measure(size,
     runs, rounds, small)`` gives each size's rows, written as ``name``."""
@@ -304,8 +347,12 @@ def sized_main(argv, *, description: str, sizes: dict[str, list], name: str, col
     parser.add_argument("--sizes", default="full", choices=sorted(sizes))
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=rounds,
-                        help="timing rounds, each in a rotated order (the median is kept)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=rounds,
+        help="timing rounds, each in a rotated order (the median is kept)",
+    )
     parser.add_argument("--name", default=name, help="the results' file name")
     args = parser.parse_args(argv)
     small = args.small or args.sizes == "small"

@@ -48,10 +48,10 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     h = torch.randn(n, ds, device=dev, generator=gen).to(bf16).requires_grad_()
-    w = (torch.randn(v, ds, device=dev, generator=gen) * (2.0 / ds ** 0.5)).to(bf16)
+    w = (torch.randn(v, ds, device=dev, generator=gen) * (2.0 / ds**0.5)).to(bf16)
     w.requires_grad_()
     th = torch.randn(n, dt, device=dev, generator=gen).to(bf16)
-    tw = (torch.randn(v, dt, device=dev, generator=gen) * (2.0 / dt ** 0.5)).to(bf16)
+    tw = (torch.randn(v, dt, device=dev, generator=gen) * (2.0 / dt**0.5)).to(bf16)
 
     def step():
         h.grad = w.grad = None
@@ -70,9 +70,13 @@ def main():
         extra = (torch.cuda.max_memory_allocated() - before - grads) / 2**20
         times = torch_clock.Clock().time_calls(step, warmup=3, runs=args.runs)
         version = getattr(liger_kernel, "__version__", "?")
-        emit(fwdbwd_ms=torch_clock.median(times), spread_ms=torch_clock.spread(times),
-             temp_mib=extra, loss=float(loss),
-             note=f"liger-kernel {version}; torch allocator peak above inputs, less the grads")
+        emit(
+            fwdbwd_ms=torch_clock.median(times),
+            spread_ms=torch_clock.spread(times),
+            temp_mib=extra,
+            loss=float(loss),
+            note=f"liger-kernel {version}; torch allocator peak above inputs, less the grads",
+        )
     except Exception as err:  # one row saying what failed
         emit(error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
 

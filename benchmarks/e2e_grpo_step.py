@@ -57,9 +57,24 @@ from benchmarks import output
 from benchmarks.workers import failure, run_worker
 
 PATHS = ("jaxrl_kernels", "jaxrl_kernels_fast", "materialised", "materialised_bf16")
-COLUMNS = ["path", "params_M", "B", "T", "step_ms", "tokens_per_s", "peak_mib", "temp_mib",
-           "largest_B", "largest_step_ms", "largest_tokens_per_s", "largest_need_mib",
-           "limit_mib", "loss", "note", "error"]
+COLUMNS = [
+    "path",
+    "params_M",
+    "B",
+    "T",
+    "step_ms",
+    "tokens_per_s",
+    "peak_mib",
+    "temp_mib",
+    "largest_B",
+    "largest_step_ms",
+    "largest_tokens_per_s",
+    "largest_need_mib",
+    "limit_mib",
+    "loss",
+    "note",
+    "error",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +86,27 @@ class Config:
     seq: int = 1024
     prompt: int = 128
     group: int = 8
-    batch: int = 16          # the micro-batch both paths are timed at
-    max_batch: int = 512     # the search's cap
+    batch: int = 16  # the micro-batch both paths are timed at
+    max_batch: int = 512  # the search's cap
     timed_steps: int = 10
 
 
-SMOKE = Config(vocab=1000, d_model=64, layers=2, heads=4, seq=64, prompt=8, group=4, batch=8,
-               max_batch=64, timed_steps=2)
+SMOKE = Config(
+    vocab=1000,
+    d_model=64,
+    layers=2,
+    heads=4,
+    seq=64,
+    prompt=8,
+    group=4,
+    batch=8,
+    max_batch=64,
+    timed_steps=2,
+)
 
 
 # -- the model ---------------------------------------------------------------------------
+
 
 def build(cfg: Config):
     """(model, optimizer) of ``cfg``; flax is imported here, in the worker only."""
@@ -100,8 +126,9 @@ def build(cfg: Config):
             head_dim = self.d_model // self.heads
             h = nn.LayerNorm(dtype=dtype)(x)
             qkv = nn.DenseGeneral((3, self.heads, head_dim), dtype=dtype, name="qkv")(h)
-            att = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
-                                               is_causal=True)
+            att = jax.nn.dot_product_attention(
+                qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True
+            )
             x = x + nn.DenseGeneral(self.d_model, axis=(-2, -1), dtype=dtype, name="out")(att)
             h = nn.LayerNorm(dtype=dtype)(x)
             h = nn.Dense(4 * self.d_model, dtype=dtype)(h)
@@ -115,8 +142,12 @@ def build(cfg: Config):
             embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab, cfg.d_model))
             pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
             x = (embed[tokens] + pos[: tokens.shape[1]]).astype(dtype)
-            blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0},
-                             split_rngs={"params": True}, length=cfg.layers)
+            blocks = nn.scan(
+                nn.remat(Block),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.layers,
+            )
             x, _ = blocks(cfg.d_model, cfg.heads, name="blocks")(x, None)
             return nn.LayerNorm(dtype=dtype, name="final_norm")(x)
 
@@ -124,6 +155,7 @@ def build(cfg: Config):
 
 
 # -- the losses --------------------------------------------------------------------------
+
 
 def grpo_from_logp(logp, old_logp, rewards, mask, group, clip=0.2, eps=1e-6):
     """our GRPO in jnp: adv = (r − mean_g)/(std_g + eps); pg = max(−A·r, −A·clip(r));
@@ -148,15 +180,25 @@ def loss_fn(path, model, cfg):
         head = params["params"]["embed"].astype(jnp.bfloat16)
         if path.startswith("jaxrl_kernels"):
             memory = "fast" if path == "jaxrl_kernels_fast" else "lean"
-            return jk.linear_grpo_loss(hidden, head, batch["actions"], batch["old_logp"],
-                                       batch["rewards"], batch["mask"], group_size=cfg.group,
-                                       memory=memory)[0]
+            return jk.linear_grpo_loss(
+                hidden,
+                head,
+                batch["actions"],
+                batch["old_logp"],
+                batch["rewards"],
+                batch["mask"],
+                group_size=cfg.group,
+                memory=memory,
+            )[0]
         logits_dtype = jnp.bfloat16 if path == "materialised_bf16" else jnp.float32
         logits = jnp.einsum("btd,vd->btv", hidden, head, preferred_element_type=logits_dtype)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
-                                   batch["actions"][..., None], axis=-1)[..., 0]
-        return grpo_from_logp(logp, batch["old_logp"], batch["rewards"], batch["mask"],
-                              cfg.group)
+        logp = jnp.take_along_axis(
+            jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+            batch["actions"][..., None],
+            axis=-1,
+        )[..., 0]
+        return grpo_from_logp(logp, batch["old_logp"], batch["rewards"], batch["mask"], cfg.group)
+
     return loss
 
 
@@ -174,12 +216,19 @@ def make_batch(cfg: Config, size: int):
         mask = ((t >= cfg.prompt) & (t < cfg.prompt + length)).astype(jnp.float32)
         old = -math.log(cfg.vocab) + 0.05 * jax.random.normal(k_old, (size, cfg.seq))
         rewards = jax.random.bernoulli(k_rew, 0.5, (size,)).astype(jnp.float32)
-        return {"inputs": tokens[:, :-1], "actions": tokens[:, 1:], "mask": mask,
-                "old_logp": old, "rewards": rewards}
+        return {
+            "inputs": tokens[:, :-1],
+            "actions": tokens[:, 1:],
+            "mask": mask,
+            "old_logp": old,
+            "rewards": rewards,
+        }
+
     return draw(jax.random.key(1))
 
 
 # -- the worker --------------------------------------------------------------------------
+
 
 class Trainer:
     """Parameters, optimizer state and compiled steps of one loss path."""
@@ -199,8 +248,7 @@ class Trainer:
             return optax.apply_updates(params, updates), opt_state, value
 
         self.step = jax.jit(step, donate_argnums=(0, 1))
-        self.init_fn = jax.jit(lambda key: self.model.init(
-            key, jnp.zeros((1, cfg.seq), jnp.int32)))
+        self.init_fn = jax.jit(lambda key: self.model.init(key, jnp.zeros((1, cfg.seq), jnp.int32)))
         self.reset()
         self.n_params = sum(x.size for x in jax.tree.leaves(self.params))
 
@@ -208,6 +256,7 @@ class Trainer:
         """Fresh parameters (seed 0) and optimizer state; also after a failed step, whose
         donated buffers may be gone."""
         import jax
+
         self.params = self.init_fn(jax.random.key(0))
         self.opt_state = jax.jit(self.tx.init)(self.params)
 
@@ -215,12 +264,17 @@ class Trainer:
         """(compiled step, XLA's memory need in bytes, its temp bytes)."""
         compiled = self.step.lower(self.params, self.opt_state, batch).compile()
         ma = compiled.memory_analysis()
-        need = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
-                - ma.alias_size_in_bytes)
+        need = (
+            ma.temp_size_in_bytes
+            + ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            - ma.alias_size_in_bytes
+        )
         return compiled, need, ma.temp_size_in_bytes
 
     def run(self, compiled, batch):
         import jax
+
         self.params, self.opt_state, value = compiled(self.params, self.opt_state, batch)
         return float(jax.block_until_ready(value))
 
@@ -256,8 +310,10 @@ def largest_batch(trainer, cfg, limit, need0, deadline, log):
     slope = (need2 - need0) / b0
     guess = floor_g(b0 + (limit - need0) / slope) if slope > 0 else cfg.max_batch
     guess = min(guess, cfg.max_batch)
-    log(f"memory need {need0 / 2**20:.0f} MiB at B={b0}, {need2 / 2**20:.0f} MiB at "
-        f"B={2 * b0}; limit {limit / 2**20:.0f} MiB → predicted largest B={guess}")
+    log(
+        f"memory need {need0 / 2**20:.0f} MiB at B={b0}, {need2 / 2**20:.0f} MiB at "
+        f"B={2 * b0}; limit {limit / 2**20:.0f} MiB → predicted largest B={guess}"
+    )
     note = f"linear fit predicted {guess}"
     tried = []
     while guess >= g and time.time() < deadline:
@@ -288,15 +344,20 @@ def largest_batch(trainer, cfg, limit, need0, deadline, log):
         else:
             try:
                 _, need_next, _ = trainer.compile(make_batch(cfg, guess + g))
-                note += (f"; B={guess + g} needs {need_next / 2**20:.0f} MiB"
-                         + (" > limit" if need_next > limit else " <= limit (not run)"))
+                note += f"; B={guess + g} needs {need_next / 2**20:.0f} MiB" + (
+                    " > limit" if need_next > limit else " <= limit (not run)"
+                )
             except Exception as err:  # noqa: BLE001
                 if not out_of_memory(err):
                     raise
                 note += f"; B={guess + g}: RESOURCE_EXHAUSTED at compile"
         return guess, ms, need, note
-    return None, None, None, note + "; " + ", ".join(tried) + (
-        "; time budget spent" if time.time() >= deadline else "")
+    return (
+        None,
+        None,
+        None,
+        note + "; " + ", ".join(tried) + ("; time budget spent" if time.time() >= deadline else ""),
+    )
 
 
 def worker(path, cfg, out, deadline, mem_limit_mib):
@@ -314,8 +375,10 @@ def worker(path, cfg, out, deadline, mem_limit_mib):
     start = time.perf_counter()
     trainer = Trainer(path, cfg)
     row = {"path": path, "params_M": trainer.n_params / 1e6, "B": cfg.batch, "T": cfg.seq}
-    log(f"{trainer.n_params / 1e6:.1f}M parameters on {jax.devices()[0]} "
-        f"({time.perf_counter() - start:.1f} s)")
+    log(
+        f"{trainer.n_params / 1e6:.1f}M parameters on {jax.devices()[0]} "
+        f"({time.perf_counter() - start:.1f} s)"
+    )
     batch = make_batch(cfg, cfg.batch)
     compiled, need0, temp = trainer.compile(batch)
     log(f"compiled B={cfg.batch} ({time.perf_counter() - start:.1f} s)")
@@ -331,34 +394,46 @@ def worker(path, cfg, out, deadline, mem_limit_mib):
     if mem_limit_mib:
         limit = mem_limit_mib * 2**20
     row["limit_mib"] = None if limit is None else limit / 2**20
-    log(f"B={cfg.batch}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
+    log(
+        f"B={cfg.batch}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
         f"peak {row['peak_mib']} MiB, loss {row['loss']:.6f} "
-        f"({time.perf_counter() - start:.1f} s)")
+        f"({time.perf_counter() - start:.1f} s)"
+    )
     emit(row)
     del batch, compiled
     if limit is None:
         row["note"] = "largest B not searched: the device reports no memory limit"
     else:
         b, ms, need, note = largest_batch(trainer, cfg, limit, need0, deadline, log)
-        row.update(largest_B=b, largest_step_ms=ms, note=note,
-                   largest_need_mib=None if need is None else need / 2**20,
-                   largest_tokens_per_s=None if ms is None else b * cfg.seq / (ms * 1e-3))
+        row.update(
+            largest_B=b,
+            largest_step_ms=ms,
+            note=note,
+            largest_need_mib=None if need is None else need / 2**20,
+            largest_tokens_per_s=None if ms is None else b * cfg.seq / (ms * 1e-3),
+        )
         log(f"largest B={b} ({note}) ({time.perf_counter() - start:.1f} s)")
     emit(row)
 
 
 # -- the driver --------------------------------------------------------------------------
 
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny model, any device")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--budget", type=float, default=0,
-                        help="seconds per path (default 120; smoke 300)")
-    parser.add_argument("--mem-limit-mib", type=float, default=0,
-                        help="search the largest batch against this limit instead of the "
-                             "device's (lets the search run on CPU)")
+    parser.add_argument(
+        "--budget", type=float, default=0, help="seconds per path (default 120; smoke 300)"
+    )
+    parser.add_argument(
+        "--mem-limit-mib",
+        type=float,
+        default=0,
+        help="search the largest batch against this limit instead of the "
+        "device's (lets the search run on CPU)",
+    )
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -377,13 +452,27 @@ def main():
             extra = ["--smoke"] if args.smoke else []
             if args.mem_limit_mib:
                 extra += ["--mem-limit-mib", str(args.mem_limit_mib)]
-            env = {"XLA_PYTHON_CLIENT_MEM_FRACTION":
-                   os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
-                   "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+            env = {
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get(
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"
+                ),
+                "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+            }
             code, tail = run_worker(
                 "benchmarks.e2e_grpo_step",
-                ["--worker", path, "--rows-out", str(out), "--deadline", str(time.time() + budget),
-                 *extra], sys.executable, budget + 60, env)
+                [
+                    "--worker",
+                    path,
+                    "--rows-out",
+                    str(out),
+                    "--deadline",
+                    str(time.time() + budget),
+                    *extra,
+                ],
+                sys.executable,
+                budget + 60,
+                env,
+            )
             lines = out.read_text().splitlines() if out.exists() else []
             row = json.loads(lines[-1]) if lines else {"path": path}
             if code != 0:
@@ -392,17 +481,22 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     losses = [r.get("loss") for r in rows if r.get("loss") is not None]
-    config = (f"d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, V={cfg.vocab}, "
-              f"T={cfg.seq}, tied embedding (head layout vd), f32 params + AdamW, bf16 compute, "
-              f"remat per block, GRPO groups of {cfg.group}")
+    config = (
+        f"d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, V={cfg.vocab}, "
+        f"T={cfg.seq}, tied embedding (head layout vd), f32 params + AdamW, bf16 compute, "
+        f"remat per block, GRPO groups of {cfg.group}"
+    )
     print("model:", config)
     if len(losses) >= 2:
-        print("first-step losses:", ", ".join(f"{r['path']} {r['loss']:.6g}" for r in rows
-                                               if r.get("loss") is not None))
+        print(
+            "first-step losses:",
+            ", ".join(f"{r['path']} {r['loss']:.6g}" for r in rows if r.get("loss") is not None),
+        )
     for row in rows:
         row["config"] = config
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # after every worker
     from benchmarks import common
+
     print(common.write_results("e2e_grpo_step", rows, COLUMNS))
 
 

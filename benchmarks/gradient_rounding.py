@@ -46,7 +46,8 @@ def exact_grads(h, w, targets, g):
     h, w = h.astype(jnp.float64), w.astype(jnp.float64)
     z = h @ w.T
     dz = g.astype(jnp.float64)[:, None] * (
-        jax.nn.one_hot(targets, w.shape[0], dtype=jnp.float64) - jax.nn.softmax(z, axis=-1))
+        jax.nn.one_hot(targets, w.shape[0], dtype=jnp.float64) - jax.nn.softmax(z, axis=-1)
+    )
     return dz @ w, dz.T @ h
 
 
@@ -65,8 +66,10 @@ def rounded_grads(h, w, targets, g, z_dtype, dz_dtype):
         scale = head_grad.pow2_range(jnp.max(jnp.abs(dz)))
     dz = (dz * scale).astype(dz_dtype).astype(f32)
     hp = jax.lax.Precision.HIGHEST
-    return (jnp.dot(dz, w.astype(f32), precision=hp) / scale,
-            jnp.dot(dz.T, h.astype(f32), precision=hp) / scale)
+    return (
+        jnp.dot(dz, w.astype(f32), precision=hp) / scale,
+        jnp.dot(dz.T, h.astype(f32), precision=hp) / scale,
+    )
 
 
 def rows(n, d, v, seed=0):
@@ -89,9 +92,18 @@ def rows(n, d, v, seed=0):
         grads = rounded_grads(h, w, targets, g, z_dtype, dz_dtype)
         for result in ("float32", "bfloat16"):
             got = [x.astype(result) for x in grads]
-            out.append(dict(z_dtype=z_dtype, dz_dtype=dz_dtype, result=result,
-                            err_d_hidden=err(got[0], exact[0]),
-                            err_d_weight=err(got[1], exact[1]), N=n, D=d, V=v))
+            out.append(
+                dict(
+                    z_dtype=z_dtype,
+                    dz_dtype=dz_dtype,
+                    result=result,
+                    err_d_hidden=err(got[0], exact[0]),
+                    err_d_weight=err(got[1], exact[1]),
+                    N=n,
+                    D=d,
+                    V=v,
+                )
+            )
     return out
 
 

@@ -93,20 +93,31 @@ def measure_variants(variants, base, h, w, t, g, gemm, want_bwd=True):
 
 def public(backend, **kw):
     """``call(h, w, t) -> logp`` through the public op, with ``backend`` (None: automatic)."""
+
     def call(h, w, t):
         out = jk.linear_logprobs(h, w, t, backend=backend, **kw)
         return out[0] if isinstance(out, tuple) else out
+
     return call
 
 
 def primitive(config, *, return_entropy=False, layout="vd"):
     """``call(h, w, t) -> logp`` through the Pallas primitive under ``config``."""
+
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return kernel_entry.pallas_linear_logprobs(h, w, None, t, valid, weight_layout=layout,
-                                                   temperature=1.0,
-                                                   return_entropy=return_entropy,
-                                                   config=config)[0]
+        return kernel_entry.pallas_linear_logprobs(
+            h,
+            w,
+            None,
+            t,
+            valid,
+            weight_layout=layout,
+            temperature=1.0,
+            return_entropy=return_entropy,
+            config=config,
+        )[0]
+
     return call
 
 
@@ -129,18 +140,22 @@ def ffi_variant(layout, backward):
 
     def call(h, w, t):
         valid = jnp.ones(t.shape, jnp.bool_)
-        return linear_head.linear_from_parts(parts, h, w, None, t, valid,
-                                             linear_head.HeadCall(weight_layout=layout))[0]
+        return linear_head.linear_from_parts(
+            parts, h, w, None, t, valid, linear_head.HeadCall(weight_layout=layout)
+        )[0]
+
     return call
 
 
 def ffi_chunks(mib):
     """``ffi.linear.linear_backward`` with backward chunks of ``mib`` MiB."""
     import functools
+
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
-    return functools.partial(ffi_linear.linear_backward,
-                             config=ffi_linear.Config(chunk_bytes=mib * 2**20))
+    return functools.partial(
+        ffi_linear.linear_backward, config=ffi_linear.Config(chunk_bytes=mib * 2**20)
+    )
 
 
 ROUNDS = 4

@@ -52,15 +52,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     output.output_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two timed runs")
-    parser.add_argument("--size", choices=("full", "large"), default="full",
-                        help="full: N=4096, D=2048, V=131072; large: N=8192, D=4096")
+    parser.add_argument(
+        "--size",
+        choices=("full", "large"),
+        default="full",
+        help="full: N=4096, D=2048, V=131072; large: N=8192, D=4096",
+    )
     parser.add_argument("--impls", help="only these impl names, comma-separated (default: all)")
     parser.add_argument("--frameworks", default="jax,torch")
-    parser.add_argument("--torch-python", default=sys.executable,
-                        help="the interpreter of the PyTorch worker (default: this one)")
+    parser.add_argument(
+        "--torch-python",
+        default=sys.executable,
+        help="the interpreter of the PyTorch worker (default: this one)",
+    )
     parser.add_argument("--keep", help="keep the inputs/exact .npz at this path")
-    parser.add_argument("--budget", action="append", default=[], metavar="JOB=SECONDS",
-                        help="override a job's time budget (exact, jax, torch)")
+    parser.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="JOB=SECONDS",
+        help="override a job's time budget (exact, jax, torch)",
+    )
     args = parser.parse_args()
     which = 1 if args.smoke else 0
     budgets = {job: pair[which] for job, pair in BUDGETS.items()}
@@ -76,9 +88,12 @@ def main():
     try:
         limit = budgets["exact"]
         chunk = ["--chunk", "384"] if args.smoke else []
-        code, tail = run_worker("benchmarks.side_by_side.exact",
-                                ["--out", str(data), "--size", size, *chunk], sys.executable,
-                                limit)
+        code, tail = run_worker(
+            "benchmarks.side_by_side.exact",
+            ["--out", str(data), "--size", size, *chunk],
+            sys.executable,
+            limit,
+        )
         exact_error = None if code == 0 else "exact gradients: " + failure(code, tail, limit)
         for framework in args.frameworks.split(","):
             jsonl = tmp / f"{framework}.jsonl"
@@ -86,23 +101,41 @@ def main():
             if reason is None:
                 budget = budgets[framework]
                 python = args.torch_python if framework == "torch" else sys.executable
-                worker_args = ["--data", str(data), "--out", str(jsonl),
-                               "--deadline", str(time.time() + budget)]
+                worker_args = [
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(jsonl),
+                    "--deadline",
+                    str(time.time() + budget),
+                ]
                 worker_args += ["--impls", args.impls] if args.impls else []
-                code, tail = run_worker(f"benchmarks.side_by_side.{framework}_worker",
-                                        worker_args + (["--smoke"] if args.smoke else []),
-                                        python, budget + GRACE)
+                code, tail = run_worker(
+                    f"benchmarks.side_by_side.{framework}_worker",
+                    worker_args + (["--smoke"] if args.smoke else []),
+                    python,
+                    budget + GRACE,
+                )
                 reason = None if code == 0 else failure(code, tail, budget + GRACE)
             got = {(r["impl"], r["layout"]): r for r in shared.read_rows(jsonl)}
             for impl, layout in impls[framework]:
-                rows.append(got.get((impl, layout)) or {
-                    "impl": impl, "layout": layout, "N": n, "D": d, "V": v,
-                    "error": reason or "the worker wrote no row for it"})
+                rows.append(
+                    got.get((impl, layout))
+                    or {
+                        "impl": impl,
+                        "layout": layout,
+                        "N": n,
+                        "D": d,
+                        "V": v,
+                        "error": reason or "the worker wrote no row for it",
+                    }
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # Only now does this process touch a device (metadata), after every worker has exited.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from benchmarks import common
+
     name = "linear_side_by_side" + ("_large" if size == "large" else "")
     print(common.write_results(name, rows, shared.COLUMNS))
 

@@ -36,10 +36,18 @@ class _UpdateResults(argparse.Action):
 def output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out DIR`` and ``--update-results``: where :func:`write_results` writes."""
     group = parser.add_argument_group("results")
-    group.add_argument("--out", metavar="DIR", action=_OutDir,
-                       help=f"write the result files here [BENCH_RESULTS, else {SCRATCH}]")
-    group.add_argument("--update-results", action=_UpdateResults, default=False,
-                       help="write them to benchmarks/results/, the committed results")
+    group.add_argument(
+        "--out",
+        metavar="DIR",
+        action=_OutDir,
+        help=f"write the result files here [BENCH_RESULTS, else {SCRATCH}]",
+    )
+    group.add_argument(
+        "--update-results",
+        action=_UpdateResults,
+        default=False,
+        help="write them to benchmarks/results/, the committed results",
+    )
 
 
 def results_dir() -> pathlib.Path:

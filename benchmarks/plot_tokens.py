@@ -59,8 +59,14 @@ def figure(data):
         lines = series([r for r in rows if (r["D"], r["V"]) == (d, v)])
         for impl, pts in lines.items():
             colour, style = STYLE.get(impl, OTHER)
-            ax.plot([n for n, _ in pts], [us for _, us in pts], color=colour, linestyle=style,
-                    linewidth=2, label=impl)
+            ax.plot(
+                [n for n, _ in pts],
+                [us for _, us in pts],
+                color=colour,
+                linestyle=style,
+                linewidth=2,
+                label=impl,
+            )
         ns = sorted({n for pts in lines.values() for n, _ in pts})
         top = max(us for pts in lines.values() for _, us in pts)
         if FLOOR in lines:  # keep the floor readable
@@ -79,11 +85,21 @@ def figure(data):
     for ax in axes:
         for line in ax.get_lines():
             handles.setdefault(line.get_label(), line)
-    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-               ncol=min(len(handles), 3), fontsize=9, frameon=False)
+    fig.legend(
+        list(handles.values()),
+        list(handles),
+        loc="outside lower center",
+        ncol=min(len(handles), 3),
+        fontsize=9,
+        frameon=False,
+    )
     meta = data["meta"]
-    fig.suptitle(f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
-                 fontsize=8, x=0.99, ha="right")
+    fig.suptitle(
+        f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
+        fontsize=8,
+        x=0.99,
+        ha="right",
+    )
     return fig
 
 
@@ -93,8 +109,9 @@ def save(data, target):
 
     target = pathlib.Path(target)
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "plot_tokens"}):
-        figure(data).savefig(target, metadata={"Date": None} if target.suffix == ".svg" else None,
-                             dpi=150)
+        figure(data).savefig(
+            target, metadata={"Date": None} if target.suffix == ".svg" else None, dpi=150
+        )
 
 
 def main():

@@ -30,8 +30,10 @@ import sys
 PEERS = ("QuACK chunked", "Liger")
 """Impl names of the rows, in table order."""
 WARMUP = 3
-NOTE = ("; cross-entropy (the log-probs): the GRPO loss on top of them adds one elementwise "
-        "pass over [N], negligible")
+NOTE = (
+    "; cross-entropy (the log-probs): the GRPO loss on top of them adds one elementwise "
+    "pass over [N], negligible"
+)
 
 
 def error_text(err: BaseException, limit: int = 300) -> str:
@@ -42,8 +44,10 @@ def error_text(err: BaseException, limit: int = 300) -> str:
 def makers(torch_worker):
     """``{impl: (maker, summed)}``: ``maker() -> (fn, version, note)`` from the side-by-side
     worker; ``summed``: fn returns the summed loss L, else the per-token logp [N]."""
-    return {"QuACK chunked": (lambda: torch_worker.quack(False), True),
-            "Liger": (torch_worker.liger, False)}
+    return {
+        "QuACK chunked": (lambda: torch_worker.quack(False), True),
+        "Liger": (torch_worker.liger, False),
+    }
 
 
 def fwdbwd_ms(fn, summed, h, w, t, g, runs, clock):
@@ -69,8 +73,10 @@ def worker(sizes, runs):
     except Exception as err:  # noqa: BLE001 - no torch (or a broken one): no peer can run
         return [{"impl": impl, "error": "import failed: " + error_text(err)} for impl in PEERS]
     if not torch.cuda.is_available():
-        return [{"impl": impl, "error": "skipped: its kernels need a CUDA GPU (torch sees none)"}
-                for impl in PEERS]
+        return [
+            {"impl": impl, "error": "skipped: its kernels need a CUDA GPU (torch sees none)"}
+            for impl in PEERS
+        ]
     out, ready = [], {}
     torch_version = f"torch {torch.__version__}"
     for impl, (make, summed) in makers(torch_worker).items():

@@ -44,8 +44,15 @@ class Clock:
         end.synchronize()
         return start.elapsed_time(end)
 
-    def time_calls(self, fn, *, warmup: int = 3, runs: int = 20, budget_ms: float | None = None,
-                   events: bool = False) -> list[float]:
+    def time_calls(
+        self,
+        fn,
+        *,
+        warmup: int = 3,
+        runs: int = 20,
+        budget_ms: float | None = None,
+        events: bool = False,
+    ) -> list[float]:
         """The ms of each of ``runs`` calls after ``warmup`` calls, by the host clock
         (:meth:`ms`) or by CUDA events (``events``, :meth:`device_ms`). ``budget_ms``: fewer
         runs for a slow ``fn`` (at least 5, at most ``runs``), from the first warm-up call's

@@ -23,12 +23,19 @@ def run_worker(module, worker_args, python, timeout, env_extra=None):
     the last lines of its output)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(env_extra or {})
-    proc = subprocess.Popen([python, "-m", module, *worker_args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [python, "-m", module, *worker_args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     tail = collections.deque(maxlen=15)
 
     def echo():

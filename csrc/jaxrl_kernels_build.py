@@ -39,8 +39,12 @@ def _compute_capabilities() -> list[str] | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -60,11 +64,15 @@ def decide() -> tuple[bool, str]:
         raise ValueError(f"{ENV_VAR}: expected AUTO, ON or OFF, got {raw!r}")
     caps = _compute_capabilities()
     if caps is None:
-        return False, ("no NVIDIA GPU is visible (no working nvidia-smi), and the extension runs "
-                       f"only on Hopper GPUs; {ENV_VAR}=ON builds it anyway")
+        return False, (
+            "no NVIDIA GPU is visible (no working nvidia-smi), and the extension runs "
+            f"only on Hopper GPUs; {ENV_VAR}=ON builds it anyway"
+        )
     if not any(c.startswith("9.") for c in caps):
-        return False, (f"no Hopper GPU is visible (compute capability {', '.join(caps) or '?'}; "
-                       f"the extension needs 9.x); {ENV_VAR}=ON builds it anyway")
+        return False, (
+            f"no Hopper GPU is visible (compute capability {', '.join(caps) or '?'}; "
+            f"the extension needs 9.x); {ENV_VAR}=ON builds it anyway"
+        )
     return True, f"a GPU of compute capability {', '.join(caps)} is visible"
 
 
@@ -73,11 +81,15 @@ def _settings(config_settings):
     build, why = decide()
     settings = dict(config_settings or {})
     if build:
-        print(f"jaxrl_kernels: building the CUDA extension ({why}); this takes minutes",
-              file=sys.stderr)
+        print(
+            f"jaxrl_kernels: building the CUDA extension ({why}); this takes minutes",
+            file=sys.stderr,
+        )
     else:
-        print(f"jaxrl_kernels: not building the CUDA extension: {why}. Pure-Python install.",
-              file=sys.stderr)
+        print(
+            f"jaxrl_kernels: not building the CUDA extension: {why}. Pure-Python install.",
+            file=sys.stderr,
+        )
         settings.setdefault("wheel.cmake", "false")
     return build, settings
 
@@ -89,8 +101,9 @@ def get_requires_for_build_wheel(config_settings=None):
 
 def get_requires_for_build_editable(config_settings=None):
     build, settings = _settings(config_settings)
-    return (_skbuild.get_requires_for_build_editable(settings)
-            + (CUDA_BUILD_REQUIRES if build else []))
+    return _skbuild.get_requires_for_build_editable(settings) + (
+        CUDA_BUILD_REQUIRES if build else []
+    )
 
 
 def get_requires_for_build_sdist(config_settings=None):
@@ -102,8 +115,9 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    return _skbuild.build_editable(wheel_directory, _settings(config_settings)[1],
-                                   metadata_directory)
+    return _skbuild.build_editable(
+        wheel_directory, _settings(config_settings)[1], metadata_directory
+    )
 
 
 def build_sdist(sdist_directory, config_settings=None):
@@ -111,10 +125,12 @@ def build_sdist(sdist_directory, config_settings=None):
 
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
-    return _skbuild.prepare_metadata_for_build_wheel(metadata_directory,
-                                                     _settings(config_settings)[1])
+    return _skbuild.prepare_metadata_for_build_wheel(
+        metadata_directory, _settings(config_settings)[1]
+    )
 
 
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
-    return _skbuild.prepare_metadata_for_build_editable(metadata_directory,
-                                                        _settings(config_settings)[1])
+    return _skbuild.prepare_metadata_for_build_editable(
+        metadata_directory, _settings(config_settings)[1]
+    )

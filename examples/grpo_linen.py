@@ -35,7 +35,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> hidden states [B, T, D]."""
-        x = nn.Embed(VOCAB, DIM, name="embed")(tokens)                  # table [V, D]
+        x = nn.Embed(VOCAB, DIM, name="embed")(tokens)  # table [V, D]
         x = x + 0.1 * jnp.sin(jnp.arange(tokens.shape[1])[:, None] + jnp.arange(DIM))
         h = nn.LayerNorm()(x)
         x = x + nn.MultiHeadDotProductAttention(2)(h, h, mask=nn.make_causal_mask(tokens))
@@ -49,20 +49,29 @@ def lm_head(params) -> tuple[jax.Array, str]:
     """The LM-head weight in ``params`` and its layout for jaxrl_kernels' linear ops."""
     p = params["params"]
     if "head" in p:
-        return p["head"]["kernel"], "dv"       # nn.Dense kernel [D, V]
-    return p["embed"]["embedding"], "vd"       # tied embedding table [V, D]
+        return p["head"]["kernel"], "dv"  # nn.Dense kernel [D, V]
+    return p["embed"]["embedding"], "vd"  # tied embedding table [V, D]
 
 
 def make_train_step(model, optimizer):
     def loss_fn(params, tokens, mask, rewards):
-        hidden = model.apply(params, tokens[:, :-1])   # [B, T, D]; position t predicts t + 1
-        actions = tokens[:, 1:]                        # [B, T]: the one-token shift
+        hidden = model.apply(params, tokens[:, :-1])  # [B, T, D]; position t predicts t + 1
+        actions = tokens[:, 1:]  # [B, T]: the one-token shift
         weight, layout = lm_head(params)
-        old_logp = jax.lax.stop_gradient(               # one update per rollout
-            jk.linear_logprobs(hidden, weight, actions, weight_layout=layout))
+        old_logp = jax.lax.stop_gradient(  # one update per rollout
+            jk.linear_logprobs(hidden, weight, actions, weight_layout=layout)
+        )
         loss, pg_loss, kl = jk.linear_grpo_loss(
-            hidden, weight, actions, old_logp, rewards, mask, weight_layout=layout,
-            groups=jk.Groups(size=GROUP), config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28))
+            hidden,
+            weight,
+            actions,
+            old_logp,
+            rewards,
+            mask,
+            weight_layout=layout,
+            groups=jk.Groups(size=GROUP),
+            config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28),
+        )
         return loss
 
     @jax.jit
@@ -79,8 +88,9 @@ def make_rollout(model):
     def rollout(params, prompts, key):
         """GROUP answers per prompt: (tokens [B, P + R], mask [B, P + R - 1], rewards [B])."""
         prompts = jnp.repeat(prompts, GROUP, axis=0)
-        tokens = jnp.concatenate([prompts, jnp.zeros((prompts.shape[0], RESPONSE), prompts.dtype)],
-                                 1)
+        tokens = jnp.concatenate(
+            [prompts, jnp.zeros((prompts.shape[0], RESPONSE), prompts.dtype)], 1
+        )
         weight, layout = lm_head(params)
 
         def sample_next(i, tokens):
@@ -116,7 +126,9 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
         params, opt_state, loss = train_step(params, opt_state, tokens, mask, rewards)
         history.append(float(jnp.mean(rewards)))
         if step % 10 == 0 or step == steps - 1:
-            print(f"[{layout}] step {step:3d}  loss {float(loss):+.4f}  mean reward {history[-1]:.3f}")
+            print(
+                f"[{layout}] step {step:3d}  loss {float(loss):+.4f}  mean reward {history[-1]:.3f}"
+            )
     first, last = history[:5], history[-5:]
     return sum(first) / len(first), sum(last) / len(last)
 
@@ -124,8 +136,12 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--layout", choices=("vd", "dv", "both"), default="both",
-                        help="vd: tied embedding head [V, D]; dv: nn.Dense head [D, V]")
+    parser.add_argument(
+        "--layout",
+        choices=("vd", "dv", "both"),
+        default="both",
+        help="vd: tied embedding head [V, D]; dv: nn.Dense head [D, V]",
+    )
     args = parser.parse_args(argv)
     for layout in ("vd", "dv") if args.layout == "both" else (args.layout,):
         first, last = train(layout, args.steps)

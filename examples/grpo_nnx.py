@@ -44,16 +44,21 @@ class Decoder(nnx.Module):
     """Token embedding, one pre-norm causal attention + MLP block, a final norm."""
 
     def __init__(self, tied: bool, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)                   # table [V, D]
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)  # table [V, D]
         self.norm1, self.norm2 = nnx.LayerNorm(DIM, rngs=rngs), nnx.LayerNorm(DIM, rngs=rngs)
         self.attn = nnx.MultiHeadAttention(2, DIM, decode=False, rngs=rngs)
-        self.up, self.down = nnx.Linear(DIM, 4 * DIM, rngs=rngs), nnx.Linear(4 * DIM, DIM, rngs=rngs)
+        self.up, self.down = (
+            nnx.Linear(DIM, 4 * DIM, rngs=rngs),
+            nnx.Linear(4 * DIM, DIM, rngs=rngs),
+        )
         self.norm = nnx.LayerNorm(DIM, rngs=rngs)
         self.head = None if tied else nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)  # [D, V]
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> hidden states [B, T, D]."""
-        x = self.embed(tokens) + 0.1 * jnp.sin(jnp.arange(tokens.shape[1])[:, None] + jnp.arange(DIM))
+        x = self.embed(tokens) + 0.1 * jnp.sin(
+            jnp.arange(tokens.shape[1])[:, None] + jnp.arange(DIM)
+        )
         x = x + self.attn(self.norm1(x), mask=nnx.make_causal_mask(tokens))
         x = x + self.down(nnx.gelu(self.up(self.norm2(x))))
         return self.norm(x)
@@ -61,22 +66,30 @@ class Decoder(nnx.Module):
 
 # [train-step]
 def lm_head(model):
-    if model.head is None:                        # tied: the embedding table, [V, D]
+    if model.head is None:  # tied: the embedding table, [V, D]
         return model.embed.embedding[...], "vd"
-    return model.head.kernel[...], "dv"           # the nnx.Linear(D, V) kernel, [D, V]
+    return model.head.kernel[...], "dv"  # the nnx.Linear(D, V) kernel, [D, V]
 
 
 def loss_fn(model, tokens, mask, rewards):
-    hidden = model(tokens[:, :-1])        # [B, T, D]; position t predicts token t + 1
-    actions = tokens[:, 1:]               # [B, T]: the one-token shift
+    hidden = model(tokens[:, :-1])  # [B, T, D]; position t predicts token t + 1
+    actions = tokens[:, 1:]  # [B, T]: the one-token shift
     weight, layout = lm_head(model)
     # One update per rollout: the sampling policy is the current one, without gradient.
     old_logp = jax.lax.stop_gradient(
-        jk.linear_logprobs(hidden, weight, actions, weight_layout=layout))
+        jk.linear_logprobs(hidden, weight, actions, weight_layout=layout)
+    )
     loss, pg_loss, kl = jk.linear_grpo_loss(
-        hidden, weight, actions, old_logp, rewards, mask,  # mask [B, T]: 1 on response tokens
-        weight_layout=layout, groups=jk.Groups(size=GROUP),
-        config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28))
+        hidden,
+        weight,
+        actions,
+        old_logp,
+        rewards,
+        mask,  # mask [B, T]: 1 on response tokens
+        weight_layout=layout,
+        groups=jk.Groups(size=GROUP),
+        config=jk.PolicyLoss(clip_low=0.2, clip_high=0.28),
+    )
     return loss
 
 
@@ -85,6 +98,8 @@ def train_step(model, optimizer, tokens, mask, rewards):
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, mask, rewards)
     optimizer.update(model, grads)
     return loss
+
+
 # [/train-step]
 
 
@@ -98,12 +113,14 @@ def rollout(model, prompts, key):
     def sample_next(i, tokens):  # the sampler builds logits for one position at a time
         hidden = model(tokens)[:, PROMPT + i - 1]  # causal: later slots do not matter
         logits = hidden @ (weight.T if layout == "vd" else weight)
-        return tokens.at[:, PROMPT + i].set(jax.random.categorical(jax.random.fold_in(key, i), logits))
+        return tokens.at[:, PROMPT + i].set(
+            jax.random.categorical(jax.random.fold_in(key, i), logits)
+        )
 
     tokens = jax.lax.fori_loop(0, RESPONSE, sample_next, tokens)
     answer = tokens[:, PROMPT:]
     after_eos = (jnp.cumsum(answer == EOS, axis=1) - (answer == EOS)) > 0
-    answer_mask = (~after_eos).astype(jnp.float32)      # up to and including the first EOS
+    answer_mask = (~after_eos).astype(jnp.float32)  # up to and including the first EOS
     rewards = jnp.sum(answer_mask * (answer % 2 == 0), axis=1) / RESPONSE
     # Aligned with actions = tokens[:, 1:]: action t is token t + 1, so the answer's first
     # token is action PROMPT - 1.
@@ -125,12 +142,25 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
             weight, layout_ = lm_head(model)
             hidden = jax.eval_shape(model, tokens[:, :-1])
             old_logp = jax.ShapeDtypeStruct(mask.shape, jnp.float32)
-            print(jk.explain("linear_grpo_loss", hidden, weight, tokens[:, 1:], old_logp, rewards,
-                             mask, weight_layout=layout_, groups=jk.Groups(size=GROUP)))
+            print(
+                jk.explain(
+                    "linear_grpo_loss",
+                    hidden,
+                    weight,
+                    tokens[:, 1:],
+                    old_logp,
+                    rewards,
+                    mask,
+                    weight_layout=layout_,
+                    groups=jk.Groups(size=GROUP),
+                )
+            )
         loss = train_step(model, optimizer, tokens, mask, rewards)
         history.append(float(jnp.mean(rewards)))
         if step % 10 == 0 or step == steps - 1:
-            print(f"[{layout}] step {step:3d}  loss {float(loss):+.4f}  mean reward {history[-1]:.3f}")
+            print(
+                f"[{layout}] step {step:3d}  loss {float(loss):+.4f}  mean reward {history[-1]:.3f}"
+            )
     first, last = history[:5], history[-5:]
     return sum(first) / len(first), sum(last) / len(last)
 
@@ -138,8 +168,12 @@ def train(layout: str, steps: int, seed: int = 0) -> tuple[float, float]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--layout", choices=("vd", "dv", "both"), default="both",
-                        help="vd: tied embedding head [V, D]; dv: nnx.Linear head [D, V]")
+    parser.add_argument(
+        "--layout",
+        choices=("vd", "dv", "both"),
+        default="both",
+        help="vd: tied embedding head [V, D]; dv: nnx.Linear head [D, V]",
+    )
     args = parser.parse_args(argv)
     for layout in ("vd", "dv") if args.layout == "both" else (args.layout,):
         first, last = train(layout, args.steps)

@@ -39,8 +39,17 @@ VOCAB, GROUP, PROMPTS, PROMPT_LEN, COMPLETION_LEN = 101, 4, 2, 5, 8
 
 def toy_model(seed: int = 0) -> qwen3.Qwen3:
     config = qwen3.ModelConfig(
-        num_layers=1, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-        num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=False)
+        num_layers=1,
+        vocab_size=VOCAB,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=2,
+        head_dim=16,
+        num_kv_heads=1,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+        use_tied_embedding=False,
+    )
     return qwen3.Qwen3(config, rngs=nnx.Rngs(seed))
 
 
@@ -63,26 +72,39 @@ def toy_rollout(config: grpo_learner.GRPOConfig, seed: int = 0) -> grpo_learner.
         completion_ids=jnp.asarray(completions, jnp.int32),
         completion_mask=jnp.asarray(mask, jnp.int32),
         advantages=jnp.asarray(advantages, jnp.float32),
-        ref_per_token_logps=None, old_per_token_logps=None)
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+    )
 
 
 def actor_trainer(model, config: grpo_learner.GRPOConfig, steps: int) -> rl_trainer.Trainer:
     """tunix's actor Trainer wired the way GRPOLearner wires it."""
     policy_loss_fn = function_registry.get_policy_loss_fn(config.policy_loss_fn)
-    trainer = rl_trainer.Trainer(model, optax.adamw(1e-2),
-                                 peft_trainer.TrainingConfig(eval_every_n_steps=1000,
-                                                             max_steps=steps),
-                                 custom_checkpoint_metadata_fn=dict)
-    trainer.with_loss_fn(lambda model, train_example, algo_config: policy_loss_fn(
-        model, train_example, algo_config=algo_config, pad_id=PAD, eos_id=EOS), has_aux=True)
+    trainer = rl_trainer.Trainer(
+        model,
+        optax.adamw(1e-2),
+        peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=steps),
+        custom_checkpoint_metadata_fn=dict,
+    )
+    trainer.with_loss_fn(
+        lambda model, train_example, algo_config: policy_loss_fn(
+            model, train_example, algo_config=algo_config, pad_id=PAD, eos_id=EOS
+        ),
+        has_aux=True,
+    )
     trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": config})
     return trainer
 
 
 def run(policy_loss_fn: str, steps: int) -> tuple[list[tuple[float, float]], nnx.State]:
-    config = grpo_learner.GRPOConfig(num_generations=GROUP, beta=0.0, epsilon=0.2,
-                                     loss_algo="grpo", loss_agg_mode="token-mean",
-                                     policy_loss_fn=policy_loss_fn)
+    config = grpo_learner.GRPOConfig(
+        num_generations=GROUP,
+        beta=0.0,
+        epsilon=0.2,
+        loss_algo="grpo",
+        loss_agg_mode="token-mean",
+        policy_loss_fn=policy_loss_fn,
+    )
     config.temperature = 1.0  # GRPOLearner copies the rollout temperature here
     model = toy_model()
     train_step, _ = actor_trainer(model, config, steps).jit_train_and_eval_step()
@@ -100,10 +122,14 @@ def main(argv=None):
     theirs, their_params = run("grpo", args.steps)
     ours, our_params = run("jaxrl_grpo", args.steps)
     for step, ((a, a_norm), (b, b_norm)) in enumerate(zip(theirs, ours)):
-        print(f"step {step}: loss {a:+.6f} / {b:+.6f}, gradient norm {a_norm:.6f} / {b_norm:.6f}"
-              "  (tunix 'grpo' / 'jaxrl_grpo')")
-    gap = max(float(jnp.max(jnp.abs(x - y)))
-              for x, y in zip(jax.tree.leaves(their_params), jax.tree.leaves(our_params)))
+        print(
+            f"step {step}: loss {a:+.6f} / {b:+.6f}, gradient norm {a_norm:.6f} / {b_norm:.6f}"
+            "  (tunix 'grpo' / 'jaxrl_grpo')"
+        )
+    gap = max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(their_params), jax.tree.leaves(our_params))
+    )
     print(f"largest parameter difference after {args.steps} steps: {gap:.2e}")
 
 

@@ -51,9 +51,11 @@ def floating(name: str, x: Any, dtypes: Sequence[Any] = FLOAT_DTYPES) -> jax.Arr
         names = ", ".join(np.dtype(d).name for d in dtypes)
         raise TypeError(f"{name}: expected a floating dtype ({names}), got {x.dtype}")
     if checks_enabled():
-        values_check(x, lambda v: ~jnp.isfinite(v) if isinstance(v, jax.Array) else
-                     ~np.isfinite(v),
-                     f"{name}: expected finite values, got {{value}} at position {{position}}")
+        values_check(
+            x,
+            lambda v: ~jnp.isfinite(v) if isinstance(v, jax.Array) else ~np.isfinite(v),
+            f"{name}: expected finite values, got {{value}} at position {{position}}",
+        )
     return x
 
 
@@ -71,12 +73,18 @@ def mask(name: str, x: Any) -> jax.Array:
     a traced value outside {0, 1} simply weights its token by that value.
     """
     x = as_array(name, x)
-    if not (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.floating)
-            or jnp.issubdtype(x.dtype, jnp.integer)):
+    if not (
+        x.dtype == jnp.bool_
+        or jnp.issubdtype(x.dtype, jnp.floating)
+        or jnp.issubdtype(x.dtype, jnp.integer)
+    ):
         raise TypeError(f"{name}: expected a bool or float {{0,1}} mask, got {x.dtype}")
     if x.dtype != jnp.bool_:
-        values_check(x, lambda m: (m != 0) & (m != 1),
-                     f"{name}: expected values 0 or 1, got {{value}} at position {{position}}")
+        values_check(
+            x,
+            lambda m: (m != 0) & (m != 1),
+            f"{name}: expected values 0 or 1, got {{value}} at position {{position}}",
+        )
     return x
 
 
@@ -94,8 +102,7 @@ def rank(name: str, x: jax.Array, ranks: int | Sequence[int], what: str = "") ->
 
 def shape(name: str, x: jax.Array, expected: Sequence[int], what: str) -> None:
     if tuple(x.shape) != tuple(expected):
-        raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), "
-                         f"got {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected shape {tuple(expected)} ({what}), got {tuple(x.shape)}")
 
 
 def option(name: str, value: Any, valid: Sequence[str]) -> str:
@@ -141,14 +148,21 @@ def non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
 
 
-def targets_in_range(name: str, targets: jax.Array, vocab: int, ignore: jax.Array | None = None,
-                     *, mask: jax.Array | None = None) -> None:
+def targets_in_range(
+    name: str,
+    targets: jax.Array,
+    vocab: int,
+    ignore: jax.Array | None = None,
+    *,
+    mask: jax.Array | None = None,
+) -> None:
     """Targets outside [0, vocab) raise, naming the first bad position.
 
     ``ignore`` marks positions whose target is never used (ignore_index); so do the zeros of
     ``mask``. Concrete targets are always checked; traced ones only in check mode (else the
     kernels give NaN there).
     """
+
     def bad(t, ignored, m):
         out = (t < 0) | (t >= vocab)
         if ignored is not None:
@@ -157,22 +171,31 @@ def targets_in_range(name: str, targets: jax.Array, vocab: int, ignore: jax.Arra
             out &= m != 0
         return out
 
-    values_check(targets, bad,
-                 f"{name}: value {{value}} at position {{position}} is outside the vocabulary "
-                 f"[0, {vocab})", ignore, mask)
+    values_check(
+        targets,
+        bad,
+        f"{name}: value {{value}} at position {{position}} is outside the vocabulary [0, {vocab})",
+        ignore,
+        mask,
+    )
 
 
 def boundaries(name: str, bounds: jax.Array, total: int) -> None:
     """``bounds`` must be ``[0, ..., total]``, strictly increasing; names the first entry that
     breaks it. Concrete boundaries are checked by the caller; traced ones here, in check mode."""
+
     def bad(b):
         xp = np if isinstance(b, np.ndarray) else jnp
         i = xp.arange(b.shape[0])
         prev = xp.concatenate([b[:1] - 1, b[:-1]])
         return (b <= prev) | ((i == 0) & (b != 0)) | ((i == b.shape[0] - 1) & (b != total))
 
-    values_check(bounds, bad, f"{name}: expected strictly increasing values starting at 0 and "
-                              f"ending at B = {total}, got {{value}} at position {{position}}")
+    values_check(
+        bounds,
+        bad,
+        f"{name}: expected strictly increasing values starting at 0 and "
+        f"ending at B = {total}, got {{value}} at position {{position}}",
+    )
 
 
 def clip_options(clip_low: Any, clip_high: Any, dual_clip: Any) -> None:
@@ -183,6 +206,7 @@ def clip_options(clip_low: Any, clip_high: Any, dual_clip: Any) -> None:
 
 
 # -- the per-token inputs and options of the losses ------------------------------------------
+
 
 def per_token(name: str, x: Any, expected: Sequence[int] | None = None) -> jax.Array:
     """A float [B, T] per-token input (of shape ``expected`` when given)."""
@@ -213,8 +237,10 @@ def token_advantages(x: Any, expected: Sequence[int]) -> jax.Array:
     if x.shape == expected[:1]:
         x = jnp.broadcast_to(x[:, None], expected)
     elif x.shape != expected:
-        raise ValueError(f"advantages: expected shape {expected} or {expected[:1]} ([B, T] or "
-                         f"[B]), got {tuple(x.shape)}")
+        raise ValueError(
+            f"advantages: expected shape {expected} or {expected[:1]} ([B, T] or "
+            f"[B]), got {tuple(x.shape)}"
+        )
     return jax.lax.stop_gradient(x.astype(jnp.float32))
 
 
@@ -241,15 +267,23 @@ def linear_head(hidden: Any, weight: Any, bias: Any, weight_layout: Any):
     rank("hidden", hidden, range(1, MAX_RANK + 1), "[..., D]")
     rank("weight", weight, 2, geometry.SHAPES[weight_layout])
     dim = hidden.shape[-1]
-    vocab, w_dim = geometry.vocab_size(weight, weight_layout), geometry.hidden_dim(weight, weight_layout)
+    vocab, w_dim = (
+        geometry.vocab_size(weight, weight_layout),
+        geometry.hidden_dim(weight, weight_layout),
+    )
     if w_dim != dim:
         # Read in the other layout, this weight's D is our ``vocab`` and its V is ``w_dim``.
         other = "dv" if weight_layout == "vd" else "vd"
-        hint = (f"; it fits weight_layout={other!r} ({geometry.SHAPES[other]} with V = {w_dim})"
-                if vocab == dim else "")
-        raise ValueError(f"weight: expected shape {geometry.SHAPES[weight_layout]} with D = {dim} "
-                         f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
-                         f"{tuple(weight.shape)}{hint}")
+        hint = (
+            f"; it fits weight_layout={other!r} ({geometry.SHAPES[other]} with V = {w_dim})"
+            if vocab == dim
+            else ""
+        )
+        raise ValueError(
+            f"weight: expected shape {geometry.SHAPES[weight_layout]} with D = {dim} "
+            f"(hidden.shape[-1]) for weight_layout={weight_layout!r}, got "
+            f"{tuple(weight.shape)}{hint}"
+        )
     if vocab == 0:
         raise ValueError("weight: expected a non-empty vocabulary axis, got V = 0")
     if bias is not None:
@@ -261,8 +295,9 @@ def linear_head(hidden: Any, weight: Any, bias: Any, weight_layout: Any):
 # -- check mode: the data checks on traced arrays ----------------------------------------------
 
 CHECKS_ENV = "JAXRL_KERNELS_CHECKS"
-_checks: contextvars.ContextVar[bool | None] = contextvars.ContextVar("jaxrl_kernels_checks",
-                                                                       default=None)
+_checks: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "jaxrl_kernels_checks", default=None
+)
 
 
 def checks_enabled() -> bool:
@@ -316,8 +351,9 @@ def values_check(x: jax.Array, bad_fn, message: str, *extra: Any) -> None:
     """
     if is_concrete(x) and all(e is None or is_concrete(e) for e in extra):
         values = np.asarray(x)
-        bad = np.asarray(bad_fn(values, *(None if e is None else np.asarray(e)
-                                          for e in extra)), dtype=bool)
+        bad = np.asarray(
+            bad_fn(values, *(None if e is None else np.asarray(e) for e in extra)), dtype=bool
+        )
         if bad.any():
             pos = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(message.format(value=repr(values[pos].item()), position=pos))

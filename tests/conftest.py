@@ -34,8 +34,9 @@ import zlib
 # Eight host devices for the many-device tests (test_sharding.py); single-device tests still run
 # on device 0. Must be set before jax starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,11 @@ jax.config.update("jax_traceback_in_locations_limit", 5)
 # tests start (test_multiprocess.py, test_demo.py). Not on GPUs; JAXRL_TEST_XLA_OPT=1 keeps
 # XLA's defaults everywhere. The modules of DEFAULT_XLA_MODULES run with XLA's defaults (see
 # default_xla_optimizations).
-FAST_COMPILE = (os.environ.get("JAXRL_TEST_XLA_OPT") != "1" and jax.default_backend() == "cpu"
-                and os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "1") == "1")
+FAST_COMPILE = (
+    os.environ.get("JAXRL_TEST_XLA_OPT") != "1"
+    and jax.default_backend() == "cpu"
+    and os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "1") == "1"
+)
 if FAST_COMPILE:
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     jax.config.update("jax_disable_most_optimizations", True)
@@ -107,15 +111,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped where there is none)")
     config.addinivalue_line("markers", "slow: larger CPU cases; skipped unless JAXRL_TEST_SLOW=1")
     config.addinivalue_line(
-        "markers", "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
-                   "unless JAXRL_TEST_PALLAS_SLOW=1")
+        "markers",
+        "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
+        "unless JAXRL_TEST_PALLAS_SLOW=1",
+    )
     config.addinivalue_line(
-        "markers", "grid_full: the whole many-device grid (test_sharding_grid.py); skipped "
-                   "unless JAXRL_TEST_GRID=full")
+        "markers",
+        "grid_full: the whole many-device grid (test_sharding_grid.py); skipped "
+        "unless JAXRL_TEST_GRID=full",
+    )
     config.addinivalue_line(
-        "markers", "op(*names): the public ops a test exercises (none: its 'op' parameter); a "
-                   "backend that runs the same function as an earlier one is skipped unless "
-                   "JAXRL_TEST_SLOW=1")
+        "markers",
+        "op(*names): the public ops a test exercises (none: its 'op' parameter); a "
+        "backend that runs the same function as an earlier one is skipped unless "
+        "JAXRL_TEST_SLOW=1",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -143,9 +153,15 @@ def slow_backends(*kept):
 # Modules whose tests take longest (tens of seconds each on CPU: processes started, models
 # trained), run first: under ``pytest -n 2 --dist worksteal`` a long test that starts last
 # leaves the other worker idle at the end.
-SLOW_MODULES_FIRST = ("test_multiprocess", "test_tunix_learners", "test_bench_distill",
-                      "test_demo", "test_examples", "test_bench_sampler_logprobs",
-                      "test_bench_many_devices")
+SLOW_MODULES_FIRST = (
+    "test_multiprocess",
+    "test_tunix_learners",
+    "test_bench_distill",
+    "test_demo",
+    "test_examples",
+    "test_bench_sampler_logprobs",
+    "test_bench_many_devices",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -155,7 +171,8 @@ def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() == "gpu"
     skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
     skip_slow_pallas = pytest.mark.skip(
-        reason="pallas_slow case; set JAXRL_TEST_PALLAS_SLOW=1 to run it in interpret mode")
+        reason="pallas_slow case; set JAXRL_TEST_PALLAS_SLOW=1 to run it in interpret mode"
+    )
     run_slow_pallas = os.environ.get("JAXRL_TEST_PALLAS_SLOW") == "1"
     skip_grid = pytest.mark.skip(reason="the full sharding grid; set JAXRL_TEST_GRID=full")
     run_grid = os.environ.get("JAXRL_TEST_GRID") == "full"
@@ -169,14 +186,21 @@ def pytest_collection_modifyitems(config, items):
         if "grid_full" in item.keywords and not run_grid:
             item.add_marker(skip_grid)
         callspec = getattr(item, "callspec", None)
-        if (callspec is not None and callspec.params.get("backend") == "pallas"
-                and "pallas_slow" in item.keywords and not run_slow_pallas):
+        if (
+            callspec is not None
+            and callspec.params.get("backend") == "pallas"
+            and "pallas_slow" in item.keywords
+            and not run_slow_pallas
+        ):
             item.add_marker(skip_slow_pallas)
         same = _same_code_as(item)
         if same is not None and not run_slow:
-            item.add_marker(pytest.mark.skip(
-                reason=f"runs the same function as backend {same!r}; set JAXRL_TEST_SLOW=1 "
-                       "to run it anyway"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"runs the same function as backend {same!r}; set JAXRL_TEST_SLOW=1 "
+                    "to run it anyway"
+                )
+            )
 
 
 def _basename(module) -> str:
@@ -202,12 +226,13 @@ def same_code(op: str, backend: str) -> str | None:
     from jaxrl_kernels import dispatch
     from jaxrl_kernels.dispatch import contract
 
-    earlier = CPU_BACKENDS[:CPU_BACKENDS.index(backend)]
+    earlier = CPU_BACKENDS[: CPU_BACKENDS.index(backend)]
     if op not in contract.OP_PRIMITIVE:
         return earlier[0] if earlier else None
     impl = dispatch.select(op, contract.Problem(), backend).impl
-    return next((b for b in earlier if dispatch.select(op, contract.Problem(), b).impl is impl),
-                None)
+    return next(
+        (b for b in earlier if dispatch.select(op, contract.Problem(), b).impl is impl), None
+    )
 
 
 def pallas_slow(*values):
@@ -219,11 +244,18 @@ def pallas_sample(pallas, *axes):
     """Every combination of the values of ``axes`` as a ``pytest.param`` (a tuple value gives
     several parameters); those not in the set ``pallas`` carry ``pallas_slow``: interpret mode
     runs the covering sample ``pallas``."""
-    cases = [sum((v if isinstance(v, tuple) else (v,) for v in combo), ())
-             for combo in itertools.product(*axes)]
-    return [pytest.param(*case, id="-".join(_param_id(v) for v in case),
-                         marks=() if case in pallas else pytest.mark.pallas_slow)
-            for case in cases]
+    cases = [
+        sum((v if isinstance(v, tuple) else (v,) for v in combo), ())
+        for combo in itertools.product(*axes)
+    ]
+    return [
+        pytest.param(
+            *case,
+            id="-".join(_param_id(v) for v in case),
+            marks=() if case in pallas else pytest.mark.pallas_slow,
+        )
+        for case in cases
+    ]
 
 
 def _param_id(value):
@@ -291,12 +323,14 @@ def ppo_token_inputs(rng, lp64, old64, dtype, *, adv_rank=2, empty_rows=(1,)):
     b, t = lp64.shape
     adv_shape = (b, t) if adv_rank == 2 else (b,)
     arrays = dict(
-        logp=as_jnp(lp64, dtype), old_logp=as_jnp(old64, dtype),
+        logp=as_jnp(lp64, dtype),
+        old_logp=as_jnp(old64, dtype),
         advantages=as_jnp(rng.standard_normal(adv_shape), dtype),
         rollout_logp=as_jnp(old64 + 0.4 * rng.standard_normal((b, t)), dtype),
         # |ref - logp| >= 0.15 stays > 0 after bf16 rounding (no tie at the kink of "abs")
-        ref_logp=as_jnp(lp64 + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))),
-                        dtype),
+        ref_logp=as_jnp(
+            lp64 + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))), dtype
+        ),
         entropy=as_jnp(np.abs(rng.standard_normal((b, t))) * 3, dtype),
     )
     return arrays, random_mask(rng, b, t, empty_rows=empty_rows)
@@ -328,10 +362,12 @@ def assert_close(got, want, *, in_dtype=jnp.float32, want32=None, scale=None, na
     assert g.shape == w.shape, f"{name}: shape {g.shape} != expected {w.shape}"
     nan_g, nan_w = np.isnan(g), np.isnan(w)
     assert np.array_equal(nan_g, nan_w), (
-        f"{name}: NaN at {np.argwhere(nan_g != nan_w)[:5].tolist()} differs from the oracle")
+        f"{name}: NaN at {np.argwhere(nan_g != nan_w)[:5].tolist()} differs from the oracle"
+    )
     inf_w = np.isinf(w)
     assert np.array_equal(g[inf_w], w[inf_w]) and not np.isinf(g[~inf_w]).any(), (
-        f"{name}: infinities differ")
+        f"{name}: infinities differ"
+    )
     fin = ~nan_w & ~inf_w
     g, w = g[fin], w[fin]
     if w.size == 0:
@@ -358,7 +394,8 @@ def assert_close(got, want, *, in_dtype=jnp.float32, want32=None, scale=None, na
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{err.size} elements off (in={jnp.dtype(in_dtype).name}, "
             f"out={out_dtype}); worst: got {g[i]!r} want {w[i]!r} err {err[i]:.3e} > bound "
-            f"{bound[i]:.3e} ({rule}, S={s:.3e})")
+            f"{bound[i]:.3e} ({rule}, S={s:.3e})"
+        )
 
 
 def _assert_grad_norm(got, want, want32, dtype, name):
@@ -370,7 +407,8 @@ def _assert_grad_norm(got, want, want32, dtype, name):
     assert err <= bound, (
         f"{name}: ‖got − want‖/‖want‖ = {err:.3e} > {bound:.3e} (the float32 formula rounded "
         f"to {np.dtype(dtype).name}, + {LOW_PRECISION_SLACK}); max |got − want| "
-        f"{float(np.max(np.abs(got - want))):.3e}")
+        f"{float(np.max(np.abs(got - want))):.3e}"
+    )
 
 
 def assert_bitwise(a, b, what="rerun"):

@@ -57,13 +57,13 @@ def exact_grads(h, w, t, g, chunk):
     m = jnp.full((n,), -jnp.inf, F64)
     s = jnp.zeros((n,), F64)
     for c0 in starts:
-        m, s = _combine(m, s, *_chunk_stats(h, w[c0:c0 + chunk]))
+        m, s = _combine(m, s, *_chunk_stats(h, w[c0 : c0 + chunk]))
     lse = m + jnp.log(s)
     dh = jnp.zeros(h.shape, F64)
     dw_parts = []
     target_logit = jnp.zeros((n,), F64)
     for c0 in starts:
-        w_c = w[c0:c0 + chunk]
+        w_c = w[c0 : c0 + chunk]
         dh_c, dw_c = _chunk_grads(h, w_c, lse, g, t - c0)
         dh = dh + dh_c
         dw_parts.append(dw_c.astype(jnp.float32))
@@ -78,8 +78,12 @@ def main():
     parser.add_argument("--out", required=True, help="the .npz to write")
     parser.add_argument("--size", default="full", choices=sorted(shared.SIZES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunk", type=int, default=0,
-                        help="vocabulary rows per chunk (default: a 256 MiB float64 [N, C] block)")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="vocabulary rows per chunk (default: a 256 MiB float64 [N, C] block)",
+    )
     args = parser.parse_args()
     jax.config.update("jax_enable_x64", True)  # this process only
     n, d, v = shared.SIZES[args.size]
@@ -88,8 +92,9 @@ def main():
     raw = shared.draw_inputs(n, d, v, args.seed)
     bits = {"h": shared.bf16_bits(raw["h"]), "w": shared.bf16_bits(raw["w"])}
     del raw["h"], raw["w"]
-    print(f"exact: drew inputs N={n} D={d} V={v} in {time.perf_counter() - start:.1f} s",
-          flush=True)
+    print(
+        f"exact: drew inputs N={n} D={d} V={v} in {time.perf_counter() - start:.1f} s", flush=True
+    )
     h = jnp.asarray(shared.bf16_to_f32(bits["h"])).astype(F64)
     w = jnp.asarray(shared.bf16_to_f32(bits["w"])).astype(F64)
     t = jnp.asarray(raw["t"])
@@ -102,13 +107,27 @@ def main():
     dh_sum, dw_sum, _ = exact_grads(h, w, t, -jnp.ones_like(g), chunk)
     dh_sum = np.asarray(dh_sum.astype(jnp.float32))
     dw_sum = np.asarray(dw_sum)
-    print(f"exact: float64 gradients on {jax.devices()[0]} in chunks of {chunk} "
-          f"({time.perf_counter() - start:.1f} s); L = {loss:.6g}", flush=True)
-    np.savez(args.out, h_bits=bits["h"], w_bits=bits["w"], t=raw["t"], g=raw["g"],
-             exact_dh=dh, exact_dw=dw, exact_loss=np.float64(loss),
-             exact_dh_sum=dh_sum, exact_dw_sum=dw_sum,
-             size=np.array([n, d, v], np.int64), seed=np.int64(args.seed),
-             chunk=np.int64(chunk), device=np.str_(str(jax.devices()[0])))
+    print(
+        f"exact: float64 gradients on {jax.devices()[0]} in chunks of {chunk} "
+        f"({time.perf_counter() - start:.1f} s); L = {loss:.6g}",
+        flush=True,
+    )
+    np.savez(
+        args.out,
+        h_bits=bits["h"],
+        w_bits=bits["w"],
+        t=raw["t"],
+        g=raw["g"],
+        exact_dh=dh,
+        exact_dw=dw,
+        exact_loss=np.float64(loss),
+        exact_dh_sum=dh_sum,
+        exact_dw_sum=dw_sum,
+        size=np.array([n, d, v], np.int64),
+        seed=np.int64(args.seed),
+        chunk=np.int64(chunk),
+        device=np.str_(str(jax.devices()[0])),
+    )
     print(f"exact: wrote {args.out} ({time.perf_counter() - start:.1f} s)", flush=True)
 
 

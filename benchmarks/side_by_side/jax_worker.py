@@ -36,12 +36,14 @@ from benchmarks.side_by_side import shared
 def ours(backend, layout):
     def logp(h, w, t):
         return jk.linear_logprobs(h, w, t, weight_layout=layout, backend=backend)
+
     return logp
 
 
 def ours_fast(layout):
     def logp(h, w, t):
         return jk.linear_logprobs(h, w, t, weight_layout=layout, memory="fast")
+
     return logp
 
 
@@ -50,19 +52,25 @@ def ours_loss(op, layout, memory, h, w, t, g):
     n = h.shape[0]
     mask = jnp.ones((n, 1), jnp.float32)
     targets = t[:, None]
-    old = jax.jit(lambda h, w: jk.linear_logprobs(h, w, t, weight_layout=layout,
-                                                  memory=memory))(h, w)[:, None]
+    old = jax.jit(lambda h, w: jk.linear_logprobs(h, w, t, weight_layout=layout, memory=memory))(
+        h, w
+    )[:, None]
     common = dict(weight_layout=layout, memory=memory)
     if op == "linear_grpo_loss":
+
         def loss(h, w):
-            return jk.linear_grpo_loss(h[:, None], w, targets, old, jnp.zeros(n), mask,
-                                       advantages=g, **common)[0]
+            return jk.linear_grpo_loss(
+                h[:, None], w, targets, old, jnp.zeros(n), mask, advantages=g, **common
+            )[0]
     elif op == "linear_ppo_loss":
+
         def loss(h, w):
             return jk.linear_ppo_loss(h[:, None], w, targets, old, g, mask, **common)[0]
     else:
+
         def loss(h, w):
             return jk.linear_policy_gradient_loss(h[:, None], w, targets, g, mask, **common)
+
     return loss
 
 
@@ -76,8 +84,9 @@ def jnp_bf16_materialised(h, w, t):
     """bf16 logits [N, V] (the product's own dtype), log_softmax in float32, gather: the code
     most JAX users write."""
     z = jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=h.dtype)
-    return jnp.take_along_axis(jax.nn.log_softmax(z.astype(jnp.float32), axis=-1), t[:, None],
-                               axis=1)[:, 0]
+    return jnp.take_along_axis(
+        jax.nn.log_softmax(z.astype(jnp.float32), axis=-1), t[:, None], axis=1
+    )[:, 0]
 
 
 def import_tokamax():
@@ -92,23 +101,32 @@ def import_tokamax():
         sys.modules["xprof.cli.tools"].get_kernel_stats_tool = sys.modules[names[-1]]
         note = "xprof absent: an empty module stood in for tokamax's import of it; "
     import tokamax
+
     return tokamax, note
 
 
 def tokamax_impl(tokamax, implementation):
     """logp = −(tokamax's per-token cross-entropy, reduction="none"); weights [D, V]."""
+
     def logp(h, w_dv, t):
         loss = tokamax.linear_softmax_cross_entropy_loss(
-            h, t, w_dv, reduction="none", implementation=implementation)
+            h, t, w_dv, reduction="none", implementation=implementation
+        )
         return -loss.astype(jnp.float32)
+
     return logp
 
 
 def timed(fn, args, budget_ms, smoke):
     """(wall ms, device ms): medians of synchronised calls, by the host clock and by the
     kernels' span in a profiler trace (None where the trace has no device kernels)."""
-    wall = common.time_calls(fn, *args, warmup=2 if smoke else 3, runs=2 if smoke else 25,
-                             budget_ms=None if smoke else budget_ms)
+    wall = common.time_calls(
+        fn,
+        *args,
+        warmup=2 if smoke else 3,
+        runs=2 if smoke else 25,
+        budget_ms=None if smoke else budget_ms,
+    )
     runs = len(wall.samples)
     spans = common.call_spans(fn, args, runs + 1)[0][1:]  # the first call starts the trace
     return wall.median, (float(np.median([s[1] for s in spans])) if spans else None)
@@ -122,8 +140,11 @@ def rel_err(got, exact):
 
 def same_bits(a, b):
     width = {2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
-    return bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, width),
-                                jax.lax.bitcast_convert_type(b, width)))
+    return bool(
+        jnp.array_equal(
+            jax.lax.bitcast_convert_type(a, width), jax.lax.bitcast_convert_type(b, width)
+        )
+    )
 
 
 def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke, loss=None):
@@ -131,6 +152,7 @@ def measure(logp, h, w, t, g, exact_dh, exact_dw, layout, smoke, loss=None):
     compare −N times its gradient with the exact one."""
     scale = 1.0
     if loss is None:
+
         def loss(h, w):
             return jnp.sum(g * logp(h, w, t))
 
@@ -183,52 +205,89 @@ def main():
             note = "automatic: " + choice.splitlines()[0].split(": ", 1)[-1]
         else:
             note = f"backend={backend!r}"
-        impls[(name, layout)] = (lambda b=backend, lay=layout: (ours(b, lay), None), jax_version,
-                                 note, "linear_logprobs", "lean")
+        impls[(name, layout)] = (
+            lambda b=backend, lay=layout: (ours(b, lay), None),
+            jax_version,
+            note,
+            "linear_logprobs",
+            "lean",
+        )
     for layout in ("vd", "dv"):
         impls[("jaxrl_kernels memory=fast", layout)] = (
-            lambda lay=layout: (ours_fast(lay), None), jax_version,
-            "memory='fast': logits kept as bf16 for the backward (3 GEMMs)", "linear_logprobs",
-            "fast")
+            lambda lay=layout: (ours_fast(lay), None),
+            jax_version,
+            "memory='fast': logits kept as bf16 for the backward (3 GEMMs)",
+            "linear_logprobs",
+            "fast",
+        )
     losses = [("linear_grpo_loss", lay, mem) for mem in ("lean", "fast") for lay in ("vd", "dv")]
-    losses += [(op, lay, "fast") for op in ("linear_ppo_loss", "linear_policy_gradient_loss")
-               for lay in ("vd", "dv")]
+    losses += [
+        (op, lay, "fast")
+        for op in ("linear_ppo_loss", "linear_policy_gradient_loss")
+        for lay in ("vd", "dv")
+    ]
     for op, layout, mem in losses:
         name = f"jaxrl_kernels {op}" + (" memory=fast" if mem == "fast" else "")
         impls[(name, layout)] = (
-            lambda op=op, lay=layout, mem=mem: (None, ours_loss(
-                op, lay, mem, h, w if lay == "vd" else w_dv, t, g)),
-            jax_version, "value_and_grad of the loss; B = N sequences of one token, ratio 1"
+            lambda op=op, lay=layout, mem=mem: (
+                None,
+                ours_loss(op, lay, mem, h, w if lay == "vd" else w_dv, t, g),
+            ),
+            jax_version,
+            "value_and_grad of the loss; B = N sequences of one token, ratio 1"
             + ("; the loss's gradient taken in the forward (3 GEMMs)" if mem == "fast" else ""),
-            op, mem)
+            op,
+            mem,
+        )
     impls[("jnp_f32_materialised", "vd")] = (
-        lambda: (xla_materialised, None), jax_version,
-        "float32 logits, log_softmax, gather; jit", "linear_logprobs", "")
+        lambda: (xla_materialised, None),
+        jax_version,
+        "float32 logits, log_softmax, gather; jit",
+        "linear_logprobs",
+        "",
+    )
     impls[("jnp_bf16_materialised", "vd")] = (
-        lambda: (jnp_bf16_materialised, None), jax_version,
+        lambda: (jnp_bf16_materialised, None),
+        jax_version,
         "bf16 logits (dot with preferred_element_type=bf16), float32 log_softmax, gather; jit",
-        "linear_logprobs", "")
+        "linear_logprobs",
+        "",
+    )
     try:
         tokamax, tnote = import_tokamax()
         tver = f"tokamax {tokamax.__version__}, {jax_version}"
         tnote += "logp = -(per-token loss, reduction='none'): L = sum(-g * loss) exactly"
         impls[("tokamax (default)", "dv")] = (
-            lambda: (tokamax_impl(tokamax, None), None), tver,
+            lambda: (tokamax_impl(tokamax, None), None),
+            tver,
             "implementation=None (mosaic_tpu declines off TPU, so 'xla': logits "
-            "materialised); " + tnote, "cross_entropy", "")
+            "materialised); " + tnote,
+            "cross_entropy",
+            "",
+        )
         impls[("tokamax chunked_xla", "dv")] = (
-            lambda: (tokamax_impl(tokamax, "chunked_xla"), None), tver,
-            "implementation='chunked_xla'; " + tnote, "cross_entropy", "")
+            lambda: (tokamax_impl(tokamax, "chunked_xla"), None),
+            tver,
+            "implementation='chunked_xla'; " + tnote,
+            "cross_entropy",
+            "",
+        )
     except Exception as err:  # a missing wheel or an incompatible version: say so in its rows
         traceback.print_exc()
         for key in (("tokamax (default)", "dv"), ("tokamax chunked_xla", "dv")):
-            impls[key] = (None, "", f"import failed: {shared.error_text(err)}",
-                          "cross_entropy", "")
+            impls[key] = (None, "", f"import failed: {shared.error_text(err)}", "cross_entropy", "")
 
     for name, layout in shared.selected(args.impls)["jax"]:
         make, version, note, op, mode = impls[(name, layout)]
-        row = {"impl": name, "op": op, "mode": mode, "layout": layout, **base,
-               "version": version, "note": note}
+        row = {
+            "impl": name,
+            "op": op,
+            "mode": mode,
+            "layout": layout,
+            **base,
+            "version": version,
+            "note": note,
+        }
         if make is None:
             row["error"], row["note"] = note, ""
         elif budget.spent():
@@ -237,8 +296,20 @@ def main():
             start = time.perf_counter()
             try:
                 logp, loss = make()
-                row.update(measure(logp, h, w if layout == "vd" else w_dv, t, g, exact_dh,
-                                   exact_dw, layout, args.smoke, loss=loss))
+                row.update(
+                    measure(
+                        logp,
+                        h,
+                        w if layout == "vd" else w_dv,
+                        t,
+                        g,
+                        exact_dh,
+                        exact_dw,
+                        layout,
+                        args.smoke,
+                        loss=loss,
+                    )
+                )
             except Exception as err:  # report, keep measuring the others
                 traceback.print_exc()
                 row["error"] = shared.error_text(err)

@@ -24,30 +24,59 @@ SIZES = {"full": (4096, 2048, 131072), "large": (8192, 4096, 131072), "smoke": (
 WEIGHT_STD = 1.5  # times 1/sqrt(D)
 
 # The table's columns: the comparison's own, then what the row was run with and why it has no numbers.
-COLUMNS = ["impl", "op", "mode", "layout", "N", "D", "V", "fwd_ms", "fwdbwd_ms", "fwdbwd_extra_mb", "err_dh",
-           "err_dW", "bitwise_repeat", "fwd_device_ms", "fwdbwd_device_ms", "version", "note",
-           "error"]
+COLUMNS = [
+    "impl",
+    "op",
+    "mode",
+    "layout",
+    "N",
+    "D",
+    "V",
+    "fwd_ms",
+    "fwdbwd_ms",
+    "fwdbwd_extra_mb",
+    "err_dh",
+    "err_dW",
+    "bitwise_repeat",
+    "fwd_device_ms",
+    "fwdbwd_device_ms",
+    "version",
+    "note",
+    "error",
+]
 
 # (impl, layout) of each framework, in table order: the driver fills in a row with the reason
 # for every one a worker did not report (crash, time limit).
 IMPLS = {
-    "jax": [("jaxrl_kernels", "vd"), ("jaxrl_kernels", "dv"),
-            ("jaxrl_kernels memory=fast", "vd"), ("jaxrl_kernels memory=fast", "dv"),
-            ("jaxrl_kernels linear_grpo_loss", "vd"), ("jaxrl_kernels linear_grpo_loss", "dv"),
-            ("jaxrl_kernels linear_grpo_loss memory=fast", "vd"),
-            ("jaxrl_kernels linear_grpo_loss memory=fast", "dv"),
-            ("jaxrl_kernels linear_ppo_loss memory=fast", "vd"),
-            ("jaxrl_kernels linear_ppo_loss memory=fast", "dv"),
-            ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "vd"),
-            ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "dv"),
-            ("jaxrl_kernels[pallas]", "vd"), ("jaxrl_kernels[chunked]", "vd"),
-            ("jnp_bf16_materialised", "vd"), ("jnp_f32_materialised", "vd"),
-            ("tokamax (default)", "dv"), ("tokamax chunked_xla", "dv")],
-    "torch": [("torch_bf16_materialised", "vd"), ("torch_bf16_logits_f32_softmax", "vd"),
-              ("quack_chunked", "vd"), ("quack_scaled_exp", "vd"),
-              ("liger-kernel fused linear CE", "vd"),
-              ("cut-cross-entropy filter_eps='high'", "vd"),
-              ("cut-cross-entropy filter_eps=None", "vd")],
+    "jax": [
+        ("jaxrl_kernels", "vd"),
+        ("jaxrl_kernels", "dv"),
+        ("jaxrl_kernels memory=fast", "vd"),
+        ("jaxrl_kernels memory=fast", "dv"),
+        ("jaxrl_kernels linear_grpo_loss", "vd"),
+        ("jaxrl_kernels linear_grpo_loss", "dv"),
+        ("jaxrl_kernels linear_grpo_loss memory=fast", "vd"),
+        ("jaxrl_kernels linear_grpo_loss memory=fast", "dv"),
+        ("jaxrl_kernels linear_ppo_loss memory=fast", "vd"),
+        ("jaxrl_kernels linear_ppo_loss memory=fast", "dv"),
+        ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "vd"),
+        ("jaxrl_kernels linear_policy_gradient_loss memory=fast", "dv"),
+        ("jaxrl_kernels[pallas]", "vd"),
+        ("jaxrl_kernels[chunked]", "vd"),
+        ("jnp_bf16_materialised", "vd"),
+        ("jnp_f32_materialised", "vd"),
+        ("tokamax (default)", "dv"),
+        ("tokamax chunked_xla", "dv"),
+    ],
+    "torch": [
+        ("torch_bf16_materialised", "vd"),
+        ("torch_bf16_logits_f32_softmax", "vd"),
+        ("quack_chunked", "vd"),
+        ("quack_scaled_exp", "vd"),
+        ("liger-kernel fused linear CE", "vd"),
+        ("cut-cross-entropy filter_eps='high'", "vd"),
+        ("cut-cross-entropy filter_eps=None", "vd"),
+    ],
 }
 
 

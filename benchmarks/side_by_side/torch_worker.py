@@ -51,9 +51,14 @@ def liger():
         return -liger_fused_linear_cross_entropy(h, w, t, reduction="none").float()
 
     version = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
-    return logp, f"liger-kernel {version}", (
-        "-(per-token loss, reduction='none'; gradients recomputed in its backward): "
-        "L = sum(-g * loss) exactly")
+    return (
+        logp,
+        f"liger-kernel {version}",
+        (
+            "-(per-token loss, reduction='none'; gradients recomputed in its backward): "
+            "L = sum(-g * loss) exactly"
+        ),
+    )
 
 
 def cce(filter_eps):
@@ -63,10 +68,16 @@ def cce(filter_eps):
     def logp(h, w, t):
         return -linear_cross_entropy(h, w, t, reduction="none", filter_eps=filter_eps).float()
 
-    note = ("gradient filtering on (its default): entries below eps(bf16)/32 skipped; "
-            if filter_eps else "gradient filtering off; ")
-    return logp, f"cut-cross-entropy {cut_cross_entropy.__version__}", (
-        note + "-(per-token loss, reduction='none'): L = sum(-g * loss) exactly")
+    note = (
+        "gradient filtering on (its default): entries below eps(bf16)/32 skipped; "
+        if filter_eps
+        else "gradient filtering off; "
+    )
+    return (
+        logp,
+        f"cut-cross-entropy {cut_cross_entropy.__version__}",
+        (note + "-(per-token loss, reduction='none'): L = sum(-g * loss) exactly"),
+    )
 
 
 def quack(scaled_exp):
@@ -83,15 +94,24 @@ def quack(scaled_exp):
 
     version = getattr(quack, "__version__", None) or _dist_version("quack-kernels")
     dsl = _dist_version("nvidia-cutlass-dsl")
-    note = ("scaled-exp pipeline (bf16 exp-scaled logits)" if scaled_exp else
-            "chunked_linear_cross_entropy(use_scaled_exp=False): logits chunk, glue, two GEMMs")
-    return loss, f"quack-kernels {version}, nvidia-cutlass-dsl {dsl}", (
-        note + "; reduction='sum' (its API has no per-token loss): L = sum(-logp), gradients "
-        "against the exact ones of that L")
+    note = (
+        "scaled-exp pipeline (bf16 exp-scaled logits)"
+        if scaled_exp
+        else "chunked_linear_cross_entropy(use_scaled_exp=False): logits chunk, glue, two GEMMs"
+    )
+    return (
+        loss,
+        f"quack-kernels {version}, nvidia-cutlass-dsl {dsl}",
+        (
+            note + "; reduction='sum' (its API has no per-token loss): L = sum(-logp), gradients "
+            "against the exact ones of that L"
+        ),
+    )
 
 
 def _dist_version(name):
     from importlib import metadata
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -101,8 +121,12 @@ def _dist_version(name):
 def timed(clock, fn, budget_ms, smoke):
     """(wall ms, device ms | None): medians after warm-up (``benchmarks.torch_clock``), the
     run count kept inside the time budget."""
-    wall = clock.time_calls(fn, warmup=2 if smoke else 3, runs=2 if smoke else 25,
-                            budget_ms=None if smoke else budget_ms)
+    wall = clock.time_calls(
+        fn,
+        warmup=2 if smoke else 3,
+        runs=2 if smoke else 25,
+        budget_ms=None if smoke else budget_ms,
+    )
     device = clock.time_calls(fn, warmup=0, runs=len(wall), events=True) if clock.cuda else None
     return torch_clock.median(wall), (torch_clock.median(device) if device else None)
 
@@ -118,6 +142,7 @@ def same_bits(a, b):
 def measure(logp, h, w, t, g, exact_dh, exact_dw, clock, smoke, summed=None):
     """One row's numbers for ``logp(h, w, t) -> [N]`` (L = Σ g·logp), or for ``summed(h, w, t)
     -> L`` (a peer that returns only the summed loss; the exact gradients must be L's)."""
+
     def loss_of(h, w):
         return summed(h, w, t) if summed is not None else (g * logp(h, w, t)).sum()
 
@@ -158,8 +183,11 @@ def main():
     base = {"N": n, "D": d, "V": v}
 
     def bf16(bits):
-        return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(
-            torch.bfloat16).to(device)
+        return (
+            torch.from_numpy(np.ascontiguousarray(bits).view(np.int16))
+            .view(torch.bfloat16)
+            .to(device)
+        )
 
     h, w = bf16(data["h_bits"]), bf16(data["w_bits"])
     t = torch.from_numpy(data["t"].astype(np.int64)).to(device)
@@ -172,6 +200,7 @@ def main():
     torch_version = f"torch {torch.__version__}"
     try:
         import triton
+
         torch_version += f", triton {triton.__version__}"
     except ImportError:
         pass
@@ -180,11 +209,16 @@ def main():
 
     makers = {
         "torch_bf16_materialised": lambda: (
-            torch_bf16_materialised, "", "bf16 logits, F.cross_entropy(reduction='none') on "
-            "them (no upcast), logp = -loss; eager"),
+            torch_bf16_materialised,
+            "",
+            "bf16 logits, F.cross_entropy(reduction='none') on "
+            "them (no upcast), logp = -loss; eager",
+        ),
         "torch_bf16_logits_f32_softmax": lambda: (
-            torch_bf16_logits_f32_softmax, "", "bf16 logits, log_softmax in float32, gather; "
-            "eager"),
+            torch_bf16_logits_f32_softmax,
+            "",
+            "bf16 logits, log_softmax in float32, gather; eager",
+        ),
         "liger-kernel fused linear CE": liger,
         "cut-cross-entropy filter_eps='high'": lambda: cce("high"),
         "cut-cross-entropy filter_eps=None": lambda: cce(None),
@@ -193,8 +227,15 @@ def main():
     }
     summed_impls = ("quack_chunked", "quack_scaled_exp")
     for impl, layout in shared.selected(args.impls)["torch"]:
-        row = {"impl": impl, "op": "cross_entropy", "mode": "", "layout": layout, **base,
-               "version": torch_version, "note": ""}
+        row = {
+            "impl": impl,
+            "op": "cross_entropy",
+            "mode": "",
+            "layout": layout,
+            **base,
+            "version": torch_version,
+            "note": "",
+        }
         start = time.perf_counter()
         logp = None
         try:
@@ -215,14 +256,16 @@ def main():
                 if impl in summed_impls:
                     if exact_sum["exact_dh_sum"] is None:
                         raise RuntimeError("the inputs file has no exact gradients of the sum")
-                    dh_sum, dw_sum = (torch.from_numpy(exact_sum[k]).to(device)
-                                      for k in ("exact_dh_sum", "exact_dw_sum"))
-                    row.update(measure(None, h, w, t, g, dh_sum, dw_sum, clock, args.smoke,
-                                       summed=logp))
+                    dh_sum, dw_sum = (
+                        torch.from_numpy(exact_sum[k]).to(device)
+                        for k in ("exact_dh_sum", "exact_dw_sum")
+                    )
+                    row.update(
+                        measure(None, h, w, t, g, dh_sum, dw_sum, clock, args.smoke, summed=logp)
+                    )
                     del dh_sum, dw_sum
                 else:
-                    row.update(measure(logp, h, w, t, g, exact_dh, exact_dw, clock,
-                                       args.smoke))
+                    row.update(measure(logp, h, w, t, g, exact_dh, exact_dw, clock, args.smoke))
             except Exception as err:  # report, keep measuring the others
                 traceback.print_exc()
                 row["error"] = shared.error_text(err)

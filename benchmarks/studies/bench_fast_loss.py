@@ -37,6 +37,7 @@ def one_pass(fn):
         from jaxrl_kernels.engine import fused_loss
 
         return mock.patch.object(fused_loss, "ROW_BLOCK_BYTES", 2**62)
+
     return traced_under(fn, in_one_block)
 
 
@@ -46,8 +47,11 @@ def main():
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--tag", default="", help="a name for this tree's rows")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--one-pass", action="store_true",
-                        help="add the fast mode with its logits' gradient in one pass")
+    parser.add_argument(
+        "--one-pass",
+        action="store_true",
+        help="add the fast mode with its logits' gradient in one pass",
+    )
     args = parser.parse_args()
 
     import jax
@@ -63,13 +67,23 @@ def main():
         for impl, loss in impls.items():
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             value = float(step(h, w, a, old, r, mask)[0])
-            row = {"impl": impl, "tag": args.tag, "N": h.shape[0] * h.shape[1], "D": d, "V": v,
-                   "fwdbwd_ms": common.median_ms(step, h, w, a, old, r, mask, runs=args.runs),
-                   "temp_mib": common.temp_mib(step, h, w, a, old, r, mask), "loss": value}
+            row = {
+                "impl": impl,
+                "tag": args.tag,
+                "N": h.shape[0] * h.shape[1],
+                "D": d,
+                "V": v,
+                "fwdbwd_ms": common.median_ms(step, h, w, a, old, r, mask, runs=args.runs),
+                "temp_mib": common.temp_mib(step, h, w, a, old, r, mask),
+                "loss": value,
+            }
             print(row, flush=True)
             rows.append(row)
-    print(common.write_results("bench_fast_loss" + (f"_{args.tag}" if args.tag else ""), rows,
-                               COLUMNS))
+    print(
+        common.write_results(
+            "bench_fast_loss" + (f"_{args.tag}" if args.tag else ""), rows, COLUMNS
+        )
+    )
 
 
 if __name__ == "__main__":

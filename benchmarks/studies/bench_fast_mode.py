@@ -1,8 +1,9 @@
 """memory="fast" (logits kept for the backward, 3 GEMMs): its settings side by side, one process.
 
-Question: which fast-mode settings (``benchmarks/studies/variants/fast_mode.py``: kept dtype, one- or
-two-pass lse, vocabulary blocks in the backward, float16 gradient) gives the fastest forward+backward at what memory and accuracy, against the
-same run's lean path (automatic backend) and the plain bf16-logits jnp code.
+Question: which fast-mode settings (``benchmarks/studies/variants/fast_mode.py``: kept dtype,
+one- or two-pass lse, vocabulary blocks in the backward, float16 gradient) gives the fastest
+forward+backward at what memory and accuracy, against the same run's lean path (automatic
+backend) and the plain bf16-logits jnp code.
 
 The problem is the side-by-side one (``side_by_side.shared``): bf16 h [N, D], W [V, D],
 L = Σ g·logp; errors against its float64 gradients (``side_by_side.exact``, run first in its own
@@ -27,8 +28,20 @@ import time
 
 from benchmarks import output
 
-COLUMNS = ["variant", "layout", "N", "D", "V", "fwdbwd_ms", "spread_ms", "temp_mib", "err_dh",
-           "err_dW", "note", "error"]
+COLUMNS = [
+    "variant",
+    "layout",
+    "N",
+    "D",
+    "V",
+    "fwdbwd_ms",
+    "spread_ms",
+    "temp_mib",
+    "err_dh",
+    "err_dW",
+    "note",
+    "error",
+]
 
 VARIANTS = {  # name -> (variants.fast_mode.Config kwargs, layouts)
     "fast default": ({}, ("vd", "dv")),
@@ -52,9 +65,12 @@ def main():
     size = "smoke" if args.smoke else "full"
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_fast_"))
     data_path = tmp / "inputs.npz"
-    code, tail = run_worker("benchmarks.side_by_side.exact",
-                            ["--out", str(data_path), "--size", size]
-                            + (["--chunk", "384"] if args.smoke else []), sys.executable, 300)
+    code, tail = run_worker(
+        "benchmarks.side_by_side.exact",
+        ["--out", str(data_path), "--size", size] + (["--chunk", "384"] if args.smoke else []),
+        sys.executable,
+        300,
+    )
     if code != 0:
         raise SystemExit("exact gradients: " + failure(code, tail, 300))
 
@@ -78,8 +94,17 @@ def main():
     def fast(config):
         def logp(h, w, t, layout):
             return fast_mode.fast_linear_logprobs(
-                h, w, None, t, jnp.ones(t.shape, bool), weight_layout=layout, temperature=1.0,
-                return_entropy=False, config=config)[0]
+                h,
+                w,
+                None,
+                t,
+                jnp.ones(t.shape, bool),
+                weight_layout=layout,
+                temperature=1.0,
+                return_entropy=False,
+                config=config,
+            )[0]
+
         return logp
 
     def lean(h, w, t, layout):
@@ -89,8 +114,11 @@ def main():
         assert layout == "vd"
         return jnp_bf16_materialised(h, w, t)
 
-    cases = [("lean (automatic backend)", lean, "vd", ""), ("lean (automatic backend)", lean, "dv", ""),
-             ("jnp bf16 logits", plain, "vd", "bf16 logits, float32 log_softmax")]
+    cases = [
+        ("lean (automatic backend)", lean, "vd", ""),
+        ("lean (automatic backend)", lean, "dv", ""),
+        ("jnp bf16 logits", plain, "vd", "bf16 logits, float32 log_softmax"),
+    ]
     for name, (kw, layouts) in VARIANTS.items():
         config = fast_mode.Config(**kw)
         cases += [(name, fast(config), lay, str(config)) for lay in layouts]
@@ -98,6 +126,7 @@ def main():
     def build(logp, layout, h, w, t, g):
         def loss(h, w):
             return jnp.sum(g * logp(h, w, t, layout))
+
         return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
     def measure(cases, h, w, t, g, exact, sizes):
@@ -108,7 +137,9 @@ def main():
             row = {"variant": name, "layout": layout, **sizes, "note": note}
             try:
                 fn = build(logp, layout, h, weight, t, g)
-                row["temp_mib"] = fn.lower(h, weight).compile().memory_analysis().temp_size_in_bytes / 2**20
+                row["temp_mib"] = (
+                    fn.lower(h, weight).compile().memory_analysis().temp_size_in_bytes / 2**20
+                )
                 dh, dw = fn(h, weight)
                 if exact is not None:
                     row["err_dh"] = float(rel_err(dh, exact[0]))
@@ -137,12 +168,17 @@ def main():
         nb, db = 8192, 4096
         kh, kw, kt, kg = jax.random.split(key, 4)
         hb = jax.random.normal(kh, (nb, db), jnp.bfloat16)
-        wb = (jax.random.normal(kw, (v, db), jnp.float32) * (shared.WEIGHT_STD / db ** 0.5)
-              ).astype(jnp.bfloat16)
+        wb = (jax.random.normal(kw, (v, db), jnp.float32) * (shared.WEIGHT_STD / db**0.5)).astype(
+            jnp.bfloat16
+        )
         tb = jax.random.randint(kt, (nb,), 0, v)
         gb = jax.random.normal(kg, (nb,), jnp.float32)
-        big = [c for c in cases if c[0] in ("lean (automatic backend)", "jnp bf16 logits",
-                                             "fast default", "fast kept bfloat16")]
+        big = [
+            c
+            for c in cases
+            if c[0]
+            in ("lean (automatic backend)", "jnp bf16 logits", "fast default", "fast kept bfloat16")
+        ]
         rows += measure(big, hb, wb, tb, gb, None, {"N": nb, "D": db, "V": v})
     print(f"total {time.time() - start:.0f} s")
     print(common.write_results("bench_fast_mode", rows, COLUMNS))

@@ -67,8 +67,9 @@ def bench_shape(n, d, v, *, with_pallas, with_ref, fwdbwd, reps):
     gemm = jax.jit(lambda h, w: jax.lax.dot_general(h, w, (((1,), (1,)), ((), ()))))
 
     def fwd(backend):
-        return jax.jit(lambda h, w, t: jk.linear_logprobs(h, w, t, return_entropy=True,
-                                                          backend=backend))
+        return jax.jit(
+            lambda h, w, t: jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend)
+        )
 
     fns = {"gemm": (gemm, (h, w)), "ffi": (fwd("ffi"), (h, w, t))}
     if with_ref:
@@ -107,17 +108,34 @@ def main() -> None:
     if why:
         raise SystemExit(f"bench_ffi: ffi unavailable: {why}")
     with_pallas = "pallas" in jk.available_backends("linear_logprobs")
-    print(f"bench_ffi: {jax.devices()[0].device_kind}, pallas {'on' if with_pallas else 'off'}, "
-          f"{extension.sm90.build_info()}")
+    print(
+        f"bench_ffi: {jax.devices()[0].device_kind}, pallas {'on' if with_pallas else 'off'}, "
+        f"{extension.sm90.build_info()}"
+    )
     rows = []
     for n, d, v in SHAPES[:1] if args.quick else SHAPES:
-        row = bench_shape(n, d, v, with_pallas=with_pallas, with_ref=True,
-                          fwdbwd=not args.quick, reps=args.reps)
+        row = bench_shape(
+            n, d, v, with_pallas=with_pallas, with_ref=True, fwdbwd=not args.quick, reps=args.reps
+        )
         print(row, flush=True)
         rows.append(row)
-    cols = ["N", "D", "V", "gemm_ms", "ffi_ms", "ffi_over_gemm", "ffi_tflops", "gemm_tflops",
-            "jnp_ms", "pallas_ms", "ffi_fwdbwd_ms", "ffi_fwdbwd_tflops", "ffi_splits",
-            "ffi_scratch_mib", "jnp_temp_mib"]
+    cols = [
+        "N",
+        "D",
+        "V",
+        "gemm_ms",
+        "ffi_ms",
+        "ffi_over_gemm",
+        "ffi_tflops",
+        "gemm_tflops",
+        "jnp_ms",
+        "pallas_ms",
+        "ffi_fwdbwd_ms",
+        "ffi_fwdbwd_tflops",
+        "ffi_splits",
+        "ffi_scratch_mib",
+        "jnp_temp_mib",
+    ]
     print(common.write_results("ffi", rows, cols))
 
 

@@ -22,12 +22,24 @@ Results: ``bench_kept_set.{json,md}`` (``--name``) in out/bench (``--out``).
 
 from __future__ import annotations
 
-COLUMNS = ["impl", "truncation", "N", "V", "ms", "passes_mean", "passes_max", "gbps_per_pass",
-           "copy_gbps"]
-SIZES = {"full": [(4096, 131072), (8192, 151936)], "n4096": [(4096, 131072)],
-         "small": [(64, 1000)]}
-TRUNCATIONS = {"top-k 50": dict(top_k=50), "top-p 0.95": dict(top_p=0.95),
-               "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95), "min-p 0.05": dict(min_p=0.05)}
+COLUMNS = [
+    "impl",
+    "truncation",
+    "N",
+    "V",
+    "ms",
+    "passes_mean",
+    "passes_max",
+    "gbps_per_pass",
+    "copy_gbps",
+]
+SIZES = {"full": [(4096, 131072), (8192, 151936)], "n4096": [(4096, 131072)], "small": [(64, 1000)]}
+TRUNCATIONS = {
+    "top-k 50": dict(top_k=50),
+    "top-p 0.95": dict(top_p=0.95),
+    "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95),
+    "min-p 0.05": dict(min_p=0.05),
+}
 LOGIT_STD = 4.0
 
 
@@ -38,9 +50,9 @@ def measure(size, runs, rounds, small):
 
     from benchmarks import common
     from jaxrl_kernels import dispatch
-    from jaxrl_kernels.head import kept_set
-    from jaxrl_kernels.formulas import sampler_math
     from jaxrl_kernels.dispatch.contract import Problem
+    from jaxrl_kernels.formulas import sampler_math
+    from jaxrl_kernels.head import kept_set
 
     n, v = size
     u = jax.random.normal(jax.random.key(0), (n, v), jnp.float32) * LOGIT_STD
@@ -48,8 +60,9 @@ def measure(size, runs, rounds, small):
     active = jnp.ones((n,), bool)
     impls = {"reference": kept_set.find}
     if not small:
-        choice = dispatch.select("linear_logprobs", Problem(n_rows=n, vocab=v),
-                                 primitive="kept_set")
+        choice = dispatch.select(
+            "linear_logprobs", Problem(n_rows=n, vocab=v), primitive="kept_set"
+        )
         if choice.backend == "ffi":
             impls = {"ffi": choice.impl, **impls}
     copy = common.copy_bandwidth_gbps() if not small else None
@@ -57,15 +70,26 @@ def measure(size, runs, rounds, small):
     for impl, find in impls.items():
         for name, trunc in TRUNCATIONS.items():
             t = sampler_math.truncation(**trunc)
-            fn = jax.jit(lambda u, m, a, find=find, t=t: find(kept_set.Logits.of_array(u), n, v, m, a, t).passes)
+            fn = jax.jit(
+                lambda u, m, a, find=find, t=t: (
+                    find(kept_set.Logits.of_array(u), n, v, m, a, t).passes
+                )
+            )
             passes = np.asarray(fn(u, m, active))
-            row = dict(impl=impl, truncation=name, N=n, V=v,
-                       passes_mean=float(passes.mean()), passes_max=int(passes.max()),
-                       copy_gbps=copy)
+            row = dict(
+                impl=impl,
+                truncation=name,
+                N=n,
+                V=v,
+                passes_mean=float(passes.mean()),
+                passes_max=int(passes.max()),
+                copy_gbps=copy,
+            )
             rows.append(row)
             steps.append((row, fn))
-    common.rotated_ms(steps, (u, m, active), runs=runs, rounds=rounds,
-                      warm_seconds=0.0 if small else 1.0)
+    common.rotated_ms(
+        steps, (u, m, active), runs=runs, rounds=rounds, warm_seconds=0.0 if small else 1.0
+    )
     for row in rows:
         row["ms"] = row.pop("fwdbwd_ms")
         if row["impl"] == "ffi":
@@ -76,8 +100,15 @@ def measure(size, runs, rounds, small):
 def main(argv=None):
     from benchmarks import common
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_kept_set", columns=COLUMNS, measure=measure, rounds=2)
+    return common.sized_main(
+        argv,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_kept_set",
+        columns=COLUMNS,
+        measure=measure,
+        rounds=2,
+    )
 
 
 if __name__ == "__main__":

@@ -26,22 +26,43 @@ from __future__ import annotations
 
 import contextlib
 
-COLUMNS = ["impl", "copy", "min_columns", "N", "D", "V", "chunk", "chunks", "fwdbwd_ms", "x_jnp",
-           "temp_mib", "fwd", "grad", "copy_ms", "absmax", "gemm_dh", "gemm_dh_splitk", "gemm_dw",
-           "other"]
-SIZES = {"full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)]
-         + [(512, 4096, 131072)],
-         "small": [(64, 32, 1000)]}
+COLUMNS = [
+    "impl",
+    "copy",
+    "min_columns",
+    "N",
+    "D",
+    "V",
+    "chunk",
+    "chunks",
+    "fwdbwd_ms",
+    "x_jnp",
+    "temp_mib",
+    "fwd",
+    "grad",
+    "copy_ms",
+    "absmax",
+    "gemm_dh",
+    "gemm_dh_splitk",
+    "gemm_dw",
+    "other",
+]
+SIZES = {
+    "full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
+    "small": [(64, 32, 1000)],
+}
 VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
 """(weight copy, min_columns) of the lean rows."""
+
+
 @contextlib.contextmanager
 def lean_variant(copy: str, columns: int):
     """While tracing: the ffi backward's weight copy ``copy``, and ``head_grad.chunk_columns``
     at least ``columns`` wide (and at most V)."""
     import dataclasses
 
-    from jaxrl_kernels.head import head_grad
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
+    from jaxrl_kernels.head import head_grad
 
     original, config = head_grad.chunk_columns, ffi_linear.DEFAULT_CONFIG
 
@@ -69,20 +90,38 @@ def measure(size, runs, rounds, small):
     loss = losses()
     steps = []
     for impl in ("jnp bf16", "3 GEMMs"):
-        fn = jax.jit(three_gemms) if impl == "3 GEMMs" else jax.jit(
-            jax.value_and_grad(loss[impl], argnums=(0, 1)))
-        steps.append(({"impl": impl, "copy": "", "min_columns": "", "N": n, "D": d, "V": v},
-                      fn.lower(*args).compile()))
+        fn = (
+            jax.jit(three_gemms)
+            if impl == "3 GEMMs"
+            else jax.jit(jax.value_and_grad(loss[impl], argnums=(0, 1)))
+        )
+        steps.append(
+            (
+                {"impl": impl, "copy": "", "min_columns": "", "N": n, "D": d, "V": v},
+                fn.lower(*args).compile(),
+            )
+        )
     for copy, columns in VARIANTS:
         if columns and n > 1024:
             continue
         with lean_variant(copy, columns):
             chunk = ffi_linear.backward_chunk(n, v)
-            compiled = jax.jit(jax.value_and_grad(loss["ours lean"], argnums=(0, 1))).lower(
-                *args).compile()
-        row = {"impl": "ours lean", "copy": copy, "min_columns": columns, "N": n, "D": d, "V": v,
-               "chunk": chunk, "chunks": -(-v // chunk),
-               "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20}
+            compiled = (
+                jax.jit(jax.value_and_grad(loss["ours lean"], argnums=(0, 1)))
+                .lower(*args)
+                .compile()
+            )
+        row = {
+            "impl": "ours lean",
+            "copy": copy,
+            "min_columns": columns,
+            "N": n,
+            "D": d,
+            "V": v,
+            "chunk": chunk,
+            "chunks": -(-v // chunk),
+            "temp_mib": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+        }
         steps.append((row, compiled))
     common.rotated_ms(steps, args, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
     jnp_ms = steps[0][0]["fwdbwd_ms"]
@@ -102,8 +141,15 @@ def measure(size, runs, rounds, small):
 def main(argv=None):
     from benchmarks import common
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_lean_chunks", columns=COLUMNS, measure=measure, rounds=3)
+    return common.sized_main(
+        argv,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_lean_chunks",
+        columns=COLUMNS,
+        measure=measure,
+        rounds=3,
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,23 @@ import contextlib
 
 from benchmarks.bench_sampler_logprobs import TRUNCATIONS
 
-COLUMNS = ["variant", "truncation", "N", "D", "V", "fwdbwd_ms", "x_plain", "temp_mib", "loss",
-           "fwd", "rows_gemm", "kept", "grad", "gemms", "other"]
+COLUMNS = [
+    "variant",
+    "truncation",
+    "N",
+    "D",
+    "V",
+    "fwdbwd_ms",
+    "x_plain",
+    "temp_mib",
+    "loss",
+    "fwd",
+    "rows_gemm",
+    "kept",
+    "grad",
+    "gemms",
+    "other",
+]
 SIZES = {"full": [(4096, 2048, 131072)], "small": [(64, 32, 1000)]}
 VARIANTS = (("stats pass", 128), ("rows only", 128), ("rows only", 256), ("rows only", 512))
 """(forward, ROW_BLOCK_BYTES in MiB)."""
@@ -66,13 +81,14 @@ def forward_variant(stats_pass: bool, block_mib: int) -> contextlib.ExitStack:
     kept-set kernel's blocks of ``block_mib`` MiB of rows."""
     from unittest import mock
 
-    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+    from jaxrl_kernels.engine import logprob_core
 
     patches = contextlib.ExitStack()
     if stats_pass:
-        patches.enter_context(mock.patch.object(logprob_core, "stats_from_kept_set",
-                                                lambda *args: False))
+        patches.enter_context(
+            mock.patch.object(logprob_core, "stats_from_kept_set", lambda *args: False)
+        )
     patches.enter_context(mock.patch.object(ffi_kept_set, "ROW_BLOCK_BYTES", block_mib * 2**20))
     return patches
 
@@ -99,16 +115,24 @@ def measure(size, runs, rounds, small):
                 continue
             loss = calls()[("lean", name)]  # a new function: traced under this variant
             step = compiled_step(loss, data, forward == "stats pass", mib)
-            row = {"variant": f"{forward}, {mib} MiB" if trunc else "none", "truncation": name,
-                   "N": n, "D": d, "V": v,
-                   "temp_mib": step.memory_analysis().temp_size_in_bytes / 2**20,
-                   "loss": float(step(*data)[0])}
+            row = {
+                "variant": f"{forward}, {mib} MiB" if trunc else "none",
+                "truncation": name,
+                "N": n,
+                "D": d,
+                "V": v,
+                "temp_mib": step.memory_analysis().temp_size_in_bytes / 2**20,
+                "loss": float(step(*data)[0]),
+            }
             steps.append((row, step))
     common.rotated_ms(steps, data, runs=runs, rounds=rounds, warm_seconds=0.0 if small else 0.3)
     for row, step in steps:
         row["x_plain"] = row["fwdbwd_ms"] / steps[0][0]["fwdbwd_ms"]
-        if (not small and row["truncation"] in ("top-k 50", "top-p 0.95")
-                and not row["variant"].endswith("512 MiB")):
+        if (
+            not small
+            and row["truncation"] in ("top-k 50", "top-p 0.95")
+            and not row["variant"].endswith("512 MiB")
+        ):
             row.update(common.kernel_ms(step, data, KINDS, kind_of=kernel_kind))
         print(row, flush=True)
     return [row for row, _ in steps]
@@ -128,12 +152,18 @@ def print_peak(block_mib: int, truncation: str) -> None:
     earlier_mib = common.peak_mib()  # the inputs' making, the compile's autotuning
     jax.block_until_ready(step(*data))
     peak_mib = common.peak_mib()
-    call = (f"device peak above the inputs {peak_mib - inputs_mib:.1f} MiB" if peak_mib > earlier_mib
-            else f"the call stayed under the process's earlier peak ({earlier_mib - inputs_mib:.1f} "
-                 f"MiB above the inputs): its own not measured")
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {SIZES['full'][0]}, {truncation}, "
-          f"blocks of {block_mib} MiB: temp {step.memory_analysis().temp_size_in_bytes / 2**20:.1f} "
-          f"MiB, {call}", flush=True)
+    call = (
+        f"device peak above the inputs {peak_mib - inputs_mib:.1f} MiB"
+        if peak_mib > earlier_mib
+        else f"the call stayed under the process's earlier peak ({earlier_mib - inputs_mib:.1f} "
+        f"MiB above the inputs): its own not measured"
+    )
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {SIZES['full'][0]}, {truncation}, "
+        f"blocks of {block_mib} MiB: temp {step.memory_analysis().temp_size_in_bytes / 2**20:.1f} "
+        f"MiB, {call}",
+        flush=True,
+    )
 
 
 def main(argv=None):
@@ -145,9 +175,15 @@ def main(argv=None):
     if argv[:1] == ["--peak"]:
         return print_peak(int(argv[1]), argv[2])
 
-    return common.sized_main(argv, description=__doc__.split("\n")[0], sizes=SIZES,
-                             name="bench_sampler_forward", columns=COLUMNS, measure=measure,
-                             rounds=2)
+    return common.sized_main(
+        argv,
+        description=__doc__.split("\n")[0],
+        sizes=SIZES,
+        name="bench_sampler_forward",
+        columns=COLUMNS,
+        measure=measure,
+        rounds=2,
+    )
 
 
 if __name__ == "__main__":

@@ -43,11 +43,15 @@ def main():
         print("no device kernels in the trace (a GPU's CUPTI events are what it reads)")
         return
     lead, span, _, tail, _ = spans[-1]
-    print(f"{args.variant} {args.divergence} {size}: {len(mine)} kernels; host call start to "
-          f"first kernel {lead:.2f} ms, first kernel start to last kernel end {span:.2f} ms, "
-          f"to the host's return {tail:.2f} ms; kernels busy {busy / 1e3:.2f} ms")
+    print(
+        f"{args.variant} {args.divergence} {size}: {len(mine)} kernels; host call start to "
+        f"first kernel {lead:.2f} ms, first kernel start to last kernel end {span:.2f} ms, "
+        f"to the host's return {tail:.2f} ms; kernels busy {busy / 1e3:.2f} ms"
+    )
     for name, us in total.most_common(args.top):
-        print(f"{us / 1e3:9.3f} ms {100 * us / max(busy, 1):5.1f} % {count[name]:6d}x  {name[:110]}")
+        print(
+            f"{us / 1e3:9.3f} ms {100 * us / max(busy, 1):5.1f} % {count[name]:6d}x  {name[:110]}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,13 +35,15 @@ class Keywords:
 def typed(param: str, value: Any, cls: type) -> Any:
     """``value`` if it is a ``cls`` or None, else ``TypeError``."""
     if value is not None and not isinstance(value, cls):
-        raise TypeError(f"{param}: expected a jaxrl_kernels.{cls.__name__} or None, got "
-                        f"{type(value).__name__}")
+        raise TypeError(
+            f"{param}: expected a jaxrl_kernels.{cls.__name__} or None, got {type(value).__name__}"
+        )
     return value
 
 
-def take(op: str, deprecated: Mapping[str, Any], given: Mapping[str, Any],
-         groups: Sequence[Keywords]) -> dict[str, Any]:
+def take(
+    op: str, deprecated: Mapping[str, Any], given: Mapping[str, Any], groups: Sequence[Keywords]
+) -> dict[str, Any]:
     """The value of each ``Keywords.param``: the one ``given``, or one built from the old
     keywords in ``deprecated`` (then a ``DeprecationWarning``; with both, ``ValueError``).
 
@@ -57,18 +59,26 @@ def take(op: str, deprecated: Mapping[str, Any], given: Mapping[str, Any],
         old = {name: v for name, v in deprecated.items() if known[name] is group}
         if old and value is not None:
             name = next(iter(old))
-            raise ValueError(f"{name}: given with {group.param}=; set it in the "
-                             f"{group.cls.__name__} instead (dataclasses.replace("
-                             f"{group.param}, {group.fields[name]}=...))")
+            raise ValueError(
+                f"{name}: given with {group.param}=; set it in the "
+                f"{group.cls.__name__} instead (dataclasses.replace("
+                f"{group.param}, {group.fields[name]}=...))"
+            )
         if old:
             value = group.cls(**{group.fields[name]: v for name, v in old.items()})
             shown = ", ".join(f"{group.fields[name]}=..." for name in old)
-            used.append((", ".join(f"{name}=" for name in old),
-                         f"{group.param}=jk.{group.cls.__name__}({shown})"))
+            used.append(
+                (
+                    ", ".join(f"{name}=" for name in old),
+                    f"{group.param}=jk.{group.cls.__name__}({shown})",
+                )
+            )
         values[group.param] = value
     if used:
         warnings.warn(
             f"{op}: the keywords {', '.join(k for k, _ in used)} are deprecated and will be "
             f"removed in jaxrl_kernels {REMOVED_IN}; pass {', '.join(v for _, v in used)}",
-            DeprecationWarning, stacklevel=3)
+            DeprecationWarning,
+            stacklevel=3,
+        )
     return values

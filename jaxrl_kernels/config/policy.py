@@ -83,8 +83,10 @@ class PolicyLoss(ppo_math.PPOConfig):
         check.option("tis_level", self.tis_level, ppo_math.TIS_LEVELS)
         check.option("tis_mode", self.tis_mode, surrogate_math.TIS_MODES)
         if self.policy_loss == "cispo" and self.dual_clip is not None:
-            raise ValueError(f"dual_clip: expected None with policy_loss='cispo' (CISPO has no "
-                             f"dual clip), got {self.dual_clip!r}")
+            raise ValueError(
+                f"dual_clip: expected None with policy_loss='cispo' (CISPO has no "
+                f"dual clip), got {self.dual_clip!r}"
+            )
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLoss))
@@ -129,43 +131,62 @@ class Groups:
     def __post_init__(self) -> None:
         # ``boundaries`` is a pytree leaf (any placeholder during a tree map): the op checks it.
         size = self.size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer))
-                                 or size <= 0):
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0
+        ):
             raise ValueError(f"size: expected a positive int or None, got {size!r}")
         check.non_negative_int("std_ddof", self.std_ddof)
         if not isinstance(self.normalize_std, (bool, np.bool_)):
-            raise TypeError(f"normalize_std: expected a bool, got "
-                            f"{type(self.normalize_std).__name__}")
+            raise TypeError(
+                f"normalize_std: expected a bool, got {type(self.normalize_std).__name__}"
+            )
 
 
 POLICY_KEYWORDS = {name: name for name in FIELDS}
-GROUP_KEYWORDS = {"group_size": "size", "group_boundaries": "boundaries",
-                  "normalize_std": "normalize_std", "eps": "eps"}
+GROUP_KEYWORDS = {
+    "group_size": "size",
+    "group_boundaries": "boundaries",
+    "normalize_std": "normalize_std",
+    "eps": "eps",
+}
 
 
-GRPO_KEYWORDS = {**{name: name for name in FIELDS if name not in ("kl_coef", "entropy_coef",
-                                                                    "max_len")},
-                 "beta": "kl_coef"}
+GRPO_KEYWORDS = {
+    **{name: name for name in FIELDS if name not in ("kl_coef", "entropy_coef", "max_len")},
+    "beta": "kl_coef",
+}
 """The GRPO losses' deprecated keywords for their ``PolicyLoss`` (``beta`` sets ``kl_coef``)."""
 
 
-def policy_options(op: str, config: PolicyLoss | None, deprecated: Mapping[str, Any], *,
-                   keywords: Mapping[str, str] | None = None, unused: tuple[str, ...] = (),
-                   extra: tuple[legacy.Keywords, ...] = (),
-                   given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def policy_options(
+    op: str,
+    config: PolicyLoss | None,
+    deprecated: Mapping[str, Any],
+    *,
+    keywords: Mapping[str, str] | None = None,
+    unused: tuple[str, ...] = (),
+    extra: tuple[legacy.Keywords, ...] = (),
+    given: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """One call's config values: ``config`` (a ``PolicyLoss``, default ``PolicyLoss()``) and
     those of ``extra`` (``given`` holds their new parameters' values), each as passed or built
     from the deprecated keywords of ``op`` (``keywords``: each old keyword -> the attribute it
     sets; default: every attribute but ``unused``). The attributes in ``unused`` (those ``op``
     has no term for) must be at their defaults."""
     fields = keywords or {name: name for name in FIELDS if name not in unused}
-    values = legacy.take(op, deprecated, {"config": config, **(given or {})},
-                         (legacy.Keywords("config", PolicyLoss, fields), *extra))
+    values = legacy.take(
+        op,
+        deprecated,
+        {"config": config, **(given or {})},
+        (legacy.Keywords("config", PolicyLoss, fields), *extra),
+    )
     loss = values["config"] or PolicyLoss()
     for attr in unused:
         value = getattr(loss, attr)
         if not (value is None if DEFAULTS[attr] is None else value == DEFAULTS[attr]):
-            raise ValueError(f"config: {op} has no term for {attr}; expected its default "
-                             f"{DEFAULTS[attr]!r}, got {value!r}")
+            raise ValueError(
+                f"config: {op} has no term for {attr}; expected its default "
+                f"{DEFAULTS[attr]!r}, got {value!r}"
+            )
     values["config"] = loss
     return values

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.dispatch import BACKENDS
 from jaxrl_kernels.demo import checkpoint, train
+from jaxrl_kernels.dispatch import BACKENDS
 
 PROG = "python -m jaxrl_kernels.demo"
 BACKEND_ENV = "JAXRL_KERNELS_BACKEND"  # the backend override of every op (docs/api.md)
@@ -35,11 +35,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     parser = _Parser(
-        prog=PROG, argument_default=argparse.SUPPRESS,
+        prog=PROG,
+        argument_default=argparse.SUPPRESS,
         description="Warm-start a small Flax transformer on addition, then fine-tune it with "
-                    "RL through jaxrl_kernels' fused ops; prints held-out accuracy before and "
-                    "after. --algo distill then distils a smaller student from that model. "
-                    "Defaults are in brackets.")
+        "RL through jaxrl_kernels' fused ops; prints held-out accuracy before and "
+        "after. --algo distill then distils a smaller student from that model. "
+        "Defaults are in brackets.",
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for field in dataclasses.fields(train.Config):
         title = field.metadata.get("group", RL_GROUP)
@@ -48,20 +50,27 @@ def _parser() -> _Parser:
         group = groups[title]
         helptext, default = field.metadata["help"], field.default
         if field.name == "tie_embeddings":
-            group.add_argument("--untied-head", dest="tie_embeddings", action="store_false",
-                               help="a separate [D, V] LM head (layout 'dv') instead of the tied "
-                                    "[V, D] token embedding (layout 'vd')")
+            group.add_argument(
+                "--untied-head",
+                dest="tie_embeddings",
+                action="store_false",
+                help="a separate [D, V] LM head (layout 'dv') instead of the tied "
+                "[V, D] token embedding (layout 'vd')",
+            )
             continue
         kind = field.metadata.get("type") or {int: int, float: float}.get(type(default), str)
-        kwargs = {"help": helptext if default is None else f"{helptext} [{default}]",
-                  "metavar": field.metadata.get("metavar") or {int: "N", float: "X"}.get(kind)}
+        kwargs = {
+            "help": helptext if default is None else f"{helptext} [{default}]",
+            "metavar": field.metadata.get("metavar") or {int: "N", float: "X"}.get(kind),
+        }
         if "choices" in field.metadata:
             kwargs["choices"] = field.metadata["choices"]
             kwargs["metavar"] = "{" + ",".join(field.metadata["choices"]) + "}"
         group.add_argument(train.flag(field.name), type=kind, **kwargs)
     run_group = groups["run"]
-    run_group.add_argument("--no-progress", dest="progress", action="store_false",
-                           help="no progress bar")
+    run_group.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
     return parser
 
 
@@ -72,8 +81,10 @@ def parse_args(argv=None):
     progress = given.pop("progress", True)
     env = os.environ.get(BACKEND_ENV)
     if env and env not in BACKENDS:
-        parser.error(f"environment variable {BACKEND_ENV}={env!r} is not a backend; "
-                     f"valid: {', '.join(BACKENDS)}")
+        parser.error(
+            f"environment variable {BACKEND_ENV}={env!r} is not a backend; "
+            f"valid: {', '.join(BACKENDS)}"
+        )
     try:
         if "resume" in given:
             cfg = train.resume_config(given.pop("resume"), **given)
@@ -89,14 +100,18 @@ def parse_args(argv=None):
             ops[op] = f" for --algo distill ({op})"
     for op, what in ops.items():
         if cfg.backend is not None and cfg.backend not in jk.available_backends(op):
-            parser.error(f"--backend {cfg.backend}: cannot run here{what}; available: "
-                         f"{', '.join(jk.available_backends(op))}")
+            parser.error(
+                f"--backend {cfg.backend}: cannot run here{what}; available: "
+                f"{', '.join(jk.available_backends(op))}"
+            )
     if cfg.algo == "distill" and cfg.backend is not None:
         for op in _distill_ops(cfg):
             why = _distill_refusal(cfg.backend, op)
             if why:
-                parser.error(f"--backend {cfg.backend}: cannot run --algo distill's float32 "
-                             f"heads ({op}): {why}")
+                parser.error(
+                    f"--backend {cfg.backend}: cannot run --algo distill's float32 "
+                    f"heads ({op}): {why}"
+                )
     return cfg, progress
 
 
@@ -115,13 +130,18 @@ def _distill_refusal(backend: str, op: str = "linear_distill_loss") -> str | Non
     h, w, mask = f32(1, 2, 8), f32(16, 8), f32(1, 2)
     ids = jax.ShapeDtypeStruct((1, 2, 4), jnp.int32)
     calls = {
-        "linear_distill_loss": (lambda *a: jk.linear_distill_loss(*a, backend=backend),
-                                (h, w, h, w, mask)),
-        "linear_topk_logprobs": (lambda *a: jk.linear_topk_logprobs(*a, 4, backend=backend),
-                                 (h, w)),
+        "linear_distill_loss": (
+            lambda *a: jk.linear_distill_loss(*a, backend=backend),
+            (h, w, h, w, mask),
+        ),
+        "linear_topk_logprobs": (
+            lambda *a: jk.linear_topk_logprobs(*a, 4, backend=backend),
+            (h, w),
+        ),
         "linear_topk_distill_loss": (
             lambda *a: jk.linear_topk_distill_loss(*a, backend=backend),
-            (h, w, ids, f32(1, 2, 4), mask)),
+            (h, w, ids, f32(1, 2, 4), mask),
+        ),
     }
     fn, args = calls[op]
     try:
@@ -135,7 +155,7 @@ def _with_flag(message: str) -> str:
     """``"d_model: expected ..."`` -> ``"--d-model: expected ..."`` (the name the user typed)."""
     match = re.match(r"(\w+): ", message)
     if match and match.group(1) in {f.name for f in dataclasses.fields(train.Config)}:
-        return train.flag(match.group(1)) + message[match.end() - 2:]
+        return train.flag(match.group(1)) + message[match.end() - 2 :]
     return message
 
 

@@ -59,10 +59,10 @@ import jax.numpy as jnp
 import optax
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.dispatch import BACKENDS
 from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo import sampling
 from jaxrl_kernels.demo.task import AdditionTask
+from jaxrl_kernels.dispatch import BACKENDS
 
 ALGOS = ("grpo", "ppo", "gspo", "cispo", "reinforce", "best_of_n", "reward_weighted")
 GROUP_ALGOS = ("grpo", "ppo", "gspo", "cispo", "best_of_n")  # compare answers within a group
@@ -70,13 +70,16 @@ PPO_STYLE = ("ppo", "gspo", "cispo")  # several updates per rollout through line
 DUAL_CLIP_ALGOS = ("ppo", "gspo")  # the algorithms whose loss takes --dual-clip
 DISTILL = "distill"  # not an RL algorithm: a grpo teacher, then on-policy distillation (distill.py)
 CHOICES = ALGOS + (DISTILL,)  # what --algo takes
-ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate",
-                       "sequence-mask")
+ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
 # The library's options (docs/api.md, "kl_penalty", "aggregate") as the flags' choices; checked by
 # building a jk.PolicyLoss; tests/demo/test_demo.py checks that the library takes exactly these.
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                  "seq_mean_token_sum_norm")
+LOSS_AGG_MODES = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
 
 # The defaults of the fields declared with ``default=None`` below: the first value that applies.
 ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -85,15 +88,29 @@ ALGO_DEFAULTS: dict[str, dict[str, Any]] = {
     # No lower bound on the weight, as in the CISPO paper; one pass over each rollout, since
     # every token keeps a gradient (two passes at lr 5e-4 collapse on the default task).
     "cispo": {"clip_low": 0.99, "ppo_epochs": 1},
-    "*": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": None, "loss_agg_mode": "token_mean",
-          "rollout_correction": "none", "ppo_epochs": 2},
+    "*": {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dual_clip": None,
+        "loss_agg_mode": "token_mean",
+        "rollout_correction": "none",
+        "ppo_epochs": 2,
+    },
 }
 
 # The defaults of the distillation fields (``--algo distill`` only; None for the others).
 DISTILL_DEFAULTS: dict[str, Any] = {
-    "student_d_model": 32, "student_layers": 2, "student_heads": 4, "student_warmup_steps": 350,
-    "distill_steps": 600, "distill_lr": 2e-3, "divergence": "reverse_kl", "timing_runs": 20,
-    "teacher_topk": 0, "topk_tail": "drop"}
+    "student_d_model": 32,
+    "student_layers": 2,
+    "student_heads": 4,
+    "student_warmup_steps": 350,
+    "distill_steps": 600,
+    "distill_lr": 2e-3,
+    "divergence": "reverse_kl",
+    "timing_runs": 20,
+    "teacher_topk": 0,
+    "topk_tail": "drop",
+}
 
 State = dict[str, Any]  # {"params", "opt_state", "ref_params", "step"}
 
@@ -107,8 +124,11 @@ def per_algo(name: str, help: str, kind: type, **meta: Any) -> Any:
     """A field whose default depends on ``algo`` (:data:`ALGO_DEFAULTS`); None asks for it."""
     common = ALGO_DEFAULTS["*"][name]
     shown = lambda v: "off" if v is None else v
-    special = "".join(f"; {algo}: {shown(d[name])}" for algo, d in ALGO_DEFAULTS.items()
-                      if algo != "*" and name in d)
+    special = "".join(
+        f"; {algo}: {shown(d[name])}"
+        for algo, d in ALGO_DEFAULTS.items()
+        if algo != "*" and name in d
+    )
     return option(None, f"{help} [{shown(common)}{special}]", type=kind, **meta)
 
 
@@ -119,34 +139,51 @@ class RLConfig:
     Invalid values raise ``ValueError`` naming the field when the config is built.
     """
 
-    algo: str = option("grpo", "RL algorithm; distill: train a teacher with grpo, then distil a "
-                               "smaller student from it on the student's own samples",
-                       choices=CHOICES)
+    algo: str = option(
+        "grpo",
+        "RL algorithm; distill: train a teacher with grpo, then distil a "
+        "smaller student from it on the student's own samples",
+        choices=CHOICES,
+    )
     group_size: int = option(8, "answers sampled per prompt")
-    temperature: float = option(1.0, "sampling temperature; the losses score the same "
-                                     "tempered policy")
-    kl_coef: float = option(0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo, "
-                                 "gspo, cispo)")
+    temperature: float = option(
+        1.0, "sampling temperature; the losses score the same tempered policy"
+    )
+    kl_coef: float = option(
+        0.0, "KL coefficient to the frozen warm-start policy (grpo, ppo, gspo, cispo)"
+    )
     kl_estimator: str = option("k3", "KL estimator", choices=KL_ESTIMATORS)
-    clip_low: float | None = per_algo("clip_low", "ratio clip below 1 (grpo, ppo, gspo, "
-                                                   "cispo)", float)
-    clip_high: float | None = per_algo("clip_high", "ratio clip above 1 (grpo, ppo, gspo, "
-                                                     "cispo)", float)
+    clip_low: float | None = per_algo(
+        "clip_low", "ratio clip below 1 (grpo, ppo, gspo, cispo)", float
+    )
+    clip_high: float | None = per_algo(
+        "clip_high", "ratio clip above 1 (grpo, ppo, gspo, cispo)", float
+    )
     dual_clip: float | None = per_algo(
-        "dual_clip", f"dual clip constant, > 1 ({', '.join(DUAL_CLIP_ALGOS)})", float)
+        "dual_clip", f"dual clip constant, > 1 ({', '.join(DUAL_CLIP_ALGOS)})", float
+    )
     rollout_correction: str | None = per_algo(
-        "rollout_correction", "weigh the policy gradient by exp(trainer - sampler log-probs) "
+        "rollout_correction",
+        "weigh the policy gradient by exp(trainer - sampler log-probs) "
         "per token or per answer, truncated at --tis-cap or masked above it (grpo, ppo, gspo, "
-        "cispo)", str, choices=ROLLOUT_CORRECTIONS)
+        "cispo)",
+        str,
+        choices=ROLLOUT_CORRECTIONS,
+    )
     tis_cap: float = option(2.0, "the cap of --rollout-correction")
-    ppo_epochs: int | None = per_algo("ppo_epochs", "passes over each rollout batch (ppo, gspo, "
-                                                     "cispo)", int)
+    ppo_epochs: int | None = per_algo(
+        "ppo_epochs", "passes over each rollout batch (ppo, gspo, cispo)", int
+    )
     ppo_minibatches: int = option(2, "minibatches per pass (ppo, gspo, cispo)")
     entropy_coef: float = option(0.0, "entropy bonus coefficient (ppo, gspo, cispo)")
-    loss_agg_mode: str | None = per_algo("loss_agg_mode", "loss aggregation", str,
-                                         choices=LOSS_AGG_MODES)
-    backend: str | None = option(None, "jaxrl_kernels backend for every op; automatic choice "
-                                       "when not given", choices=BACKENDS)
+    loss_agg_mode: str | None = per_algo(
+        "loss_agg_mode", "loss aggregation", str, choices=LOSS_AGG_MODES
+    )
+    backend: str | None = option(
+        None,
+        "jaxrl_kernels backend for every op; automatic choice when not given",
+        choices=BACKENDS,
+    )
 
     def __post_init__(self):
         one_of("algo", self.algo, CHOICES)
@@ -155,25 +192,40 @@ class RLConfig:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: only while being built
         grouped = self.algo in GROUP_ALGOS + (DISTILL,)
-        at_least("group_size", self.group_size, 2 if grouped else 1,
-                 "distill's teacher is trained with grpo, which compares answers within a group"
-                 if self.algo == DISTILL else
-                 f"{self.algo} compares answers within a group" if grouped else "")
+        at_least(
+            "group_size",
+            self.group_size,
+            2 if grouped else 1,
+            "distill's teacher is trained with grpo, which compares answers within a group"
+            if self.algo == DISTILL
+            else f"{self.algo} compares answers within a group"
+            if grouped
+            else "",
+        )
         positive("temperature", self.temperature)
         # The loss options' ranges as the library checks them (each message names the field).
-        jk.PolicyLoss(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                      tis_cap=self.tis_cap, kl_estimator=self.kl_estimator,
-                      loss_agg_mode=self.loss_agg_mode)
+        jk.PolicyLoss(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            tis_cap=self.tis_cap,
+            kl_estimator=self.kl_estimator,
+            loss_agg_mode=self.loss_agg_mode,
+        )
         at_least("ppo_epochs", self.ppo_epochs, 1)
         at_least("ppo_minibatches", self.ppo_minibatches, 1)
         one_of("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if self.rollout_correction != "none" and self.algo not in ("grpo", DISTILL) + PPO_STYLE:
-            raise ValueError(f"rollout_correction: expected 'none' for {self.algo} (its loss, "
-                             f"policy_gradient_loss, has no importance weight), got "
-                             f"{self.rollout_correction!r}")
+            raise ValueError(
+                f"rollout_correction: expected 'none' for {self.algo} (its loss, "
+                f"policy_gradient_loss, has no importance weight), got "
+                f"{self.rollout_correction!r}"
+            )
         if self.dual_clip is not None and self.algo not in DUAL_CLIP_ALGOS:
-            raise ValueError(f"dual_clip: {self.algo} has no dual clip (only "
-                             f"{', '.join(DUAL_CLIP_ALGOS)}), got {self.dual_clip}")
+            raise ValueError(
+                f"dual_clip: {self.algo} has no dual clip (only "
+                f"{', '.join(DUAL_CLIP_ALGOS)}), got {self.dual_clip}"
+            )
         if self.backend is not None:
             one_of("backend", self.backend, BACKENDS)
 
@@ -182,16 +234,23 @@ class RLConfig:
         for (``policy_gradient_loss``: the aggregation only)."""
         if self.algo not in ("grpo", DISTILL) + PPO_STYLE:
             return jk.PolicyLoss(loss_agg_mode=self.loss_agg_mode)
-        options = dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                       kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
-                       loss_agg_mode=self.loss_agg_mode)
+        options = dict(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            loss_agg_mode=self.loss_agg_mode,
+        )
         if self.rollout_correction != "none":
             level, mode = self.rollout_correction.split("-")
             options.update(tis_cap=self.tis_cap, tis_level=level, tis_mode=mode)
         if self.algo in PPO_STYLE:
-            options.update(entropy_coef=self.entropy_coef,
-                           ratio_level="sequence" if self.algo == "gspo" else "token",
-                           policy_loss="cispo" if self.algo == "cispo" else "ppo")
+            options.update(
+                entropy_coef=self.entropy_coef,
+                ratio_level="sequence" if self.algo == "gspo" else "token",
+                policy_loss="cispo" if self.algo == "cispo" else "ppo",
+            )
         return jk.PolicyLoss(**options)
 
 
@@ -214,26 +273,31 @@ def at_least(name: str, value: Any, low: int, why: str = "") -> None:
         raise ValueError(f"{name}: expected an int >= {low}{because}, got {value!r}")
 
 
-def make_optimizer(lr: float, *, warmup: int = 0, clip_norm: float = 1.0,
-                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+def make_optimizer(
+    lr: float, *, warmup: int = 0, clip_norm: float = 1.0, weight_decay: float = 0.0
+) -> optax.GradientTransformation:
     """adamw with global-norm clipping; the rate ramps up linearly over ``warmup`` updates."""
     schedule = optax.linear_schedule(0.0, lr, warmup) if warmup > 0 else lr
-    return optax.chain(optax.clip_by_global_norm(clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=weight_decay),
+    )
 
 
-def answer_hidden(lm: model_lib.CausalLM, params, prompts: jax.Array, answers: jax.Array
-                  ) -> jax.Array:
+def answer_hidden(
+    lm: model_lib.CausalLM, params, prompts: jax.Array, answers: jax.Array
+) -> jax.Array:
     """Hidden states [B, M, D] at the positions that predict ``answers[B, M]``."""
     tokens = jnp.concatenate([prompts, answers], axis=1)[:, :-1]
-    return lm.apply(params, tokens)[:, prompts.shape[1] - 1:]
+    return lm.apply(params, tokens)[:, prompts.shape[1] - 1 :]
 
 
 def answer_logprobs(lm, params, prompts, answers, *, temperature=1.0, backend=None):
     weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
     hidden = answer_hidden(lm, params, prompts, answers)
-    return jk.linear_logprobs(hidden, weight, answers, weight_layout=layout,
-                              temperature=temperature, backend=backend)
+    return jk.linear_logprobs(
+        hidden, weight, answers, weight_layout=layout, temperature=temperature, backend=backend
+    )
 
 
 def _apply(optimizer, params, opt_state, grads):
@@ -242,6 +306,7 @@ def _apply(optimizer, params, opt_state, grads):
 
 
 # -- supervised warm start ------------------------------------------------------------------
+
 
 def make_sft_step(lm, optimizer, *, backend=None) -> Callable:
     """Jitted teacher-forced NLL step on correct answers ``[B, M]`` (PAD after EOS)."""
@@ -261,12 +326,20 @@ def make_sft_step(lm, optimizer, *, backend=None) -> Callable:
 
 # -- RL -------------------------------------------------------------------------------------
 
+
 def _ref_logp(lm, state, batch, cfg):
     if cfg.kl_coef == 0.0:
         return None
-    return jax.lax.stop_gradient(answer_logprobs(
-        lm, state["ref_params"], batch["prompts"], batch["actions"],
-        temperature=cfg.temperature, backend=cfg.backend))
+    return jax.lax.stop_gradient(
+        answer_logprobs(
+            lm,
+            state["ref_params"],
+            batch["prompts"],
+            batch["actions"],
+            temperature=cfg.temperature,
+            backend=cfg.backend,
+        )
+    )
 
 
 def _group_advantages(batch, cfg):
@@ -278,12 +351,25 @@ def _grpo_loss(lm, cfg, params, batch, ref_logp):
     weight = weight / cfg.temperature
     hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
     sg = jax.lax.stop_gradient
-    old_logp = sg(jk.linear_logprobs(sg(hidden), sg(weight), batch["actions"],
-                                     weight_layout=layout, backend=cfg.backend))
+    old_logp = sg(
+        jk.linear_logprobs(
+            sg(hidden), sg(weight), batch["actions"], weight_layout=layout, backend=cfg.backend
+        )
+    )
     loss, policy_loss, kl = jk.linear_grpo_loss(
-        hidden, weight, batch["actions"], old_logp, batch["rewards"], batch["mask"],
-        weight_layout=layout, ref_logp=ref_logp, rollout_logp=_rollout_logp(cfg, batch),
-        groups=jk.Groups(size=cfg.group_size), config=cfg.loss_config(), backend=cfg.backend)
+        hidden,
+        weight,
+        batch["actions"],
+        old_logp,
+        batch["rewards"],
+        batch["mask"],
+        weight_layout=layout,
+        ref_logp=ref_logp,
+        rollout_logp=_rollout_logp(cfg, batch),
+        groups=jk.Groups(size=cfg.group_size),
+        config=cfg.loss_config(),
+        backend=cfg.backend,
+    )
     return loss, {"policy_loss": policy_loss, "kl": kl}
 
 
@@ -308,8 +394,14 @@ def _pg_advantages(batch, cfg):
 
 def _pg_loss(lm, cfg, params, batch):
     adv, mask = _pg_advantages(batch, cfg)
-    logp = answer_logprobs(lm, params, batch["prompts"], batch["actions"],
-                           temperature=cfg.temperature, backend=cfg.backend)
+    logp = answer_logprobs(
+        lm,
+        params,
+        batch["prompts"],
+        batch["actions"],
+        temperature=cfg.temperature,
+        backend=cfg.backend,
+    )
     loss = jk.policy_gradient_loss(logp, adv, mask, config=cfg.loss_config())
     if cfg.algo == "best_of_n":
         return loss, {"selected": jnp.mean(adv)}  # fraction of answers fine-tuned on
@@ -320,34 +412,65 @@ def _ppo_loss(lm, cfg, params, batch):
     weight, layout = model_lib.head_weight(params, lm.tie_embeddings)
     hidden = answer_hidden(lm, params, batch["prompts"], batch["actions"])
     return jk.linear_ppo_loss(
-        hidden, weight, batch["actions"], batch["old_logp"], batch["advantages"], batch["mask"],
-        weight_layout=layout, temperature=cfg.temperature, ref_logp=batch.get("ref_logp"),
-        rollout_logp=_rollout_logp(cfg, batch), config=cfg.loss_config(), backend=cfg.backend)
+        hidden,
+        weight,
+        batch["actions"],
+        batch["old_logp"],
+        batch["advantages"],
+        batch["mask"],
+        weight_layout=layout,
+        temperature=cfg.temperature,
+        ref_logp=batch.get("ref_logp"),
+        rollout_logp=_rollout_logp(cfg, batch),
+        config=cfg.loss_config(),
+        backend=cfg.backend,
+    )
 
 
 def _ppo_update(lm, cfg, optimizer, state, batch, key):
     """``ppo_epochs`` passes over shuffled minibatches of one rollout batch."""
     params, opt_state = state["params"], state["opt_state"]
     batch = dict(batch)
-    batch["old_logp"] = jax.lax.stop_gradient(answer_logprobs(
-        lm, params, batch["prompts"], batch["actions"], temperature=cfg.temperature,
-        backend=cfg.backend))
+    batch["old_logp"] = jax.lax.stop_gradient(
+        answer_logprobs(
+            lm,
+            params,
+            batch["prompts"],
+            batch["actions"],
+            temperature=cfg.temperature,
+            backend=cfg.backend,
+        )
+    )
     batch["advantages"] = _group_advantages(batch, cfg)
     ref_logp = _ref_logp(lm, state, batch, cfg)
     if ref_logp is not None:
         batch["ref_logp"] = ref_logp
     n = batch["rewards"].shape[0]
     if n % cfg.ppo_minibatches:
-        raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch {n}, "
-                         f"got {cfg.ppo_minibatches}")
-    data = {k: batch[k] for k in ("prompts", "actions", "mask", "old_logp", "rollout_logp",
-                                  "advantages", "ref_logp") if k in batch}
+        raise ValueError(
+            f"ppo_minibatches: expected a divisor of the rollout batch {n}, "
+            f"got {cfg.ppo_minibatches}"
+        )
+    data = {
+        k: batch[k]
+        for k in (
+            "prompts",
+            "actions",
+            "mask",
+            "old_logp",
+            "rollout_logp",
+            "advantages",
+            "ref_logp",
+        )
+        if k in batch
+    }
 
     def minibatch(carry, idx):
         params, opt_state = carry
         sub = jax.tree.map(lambda x: x[idx], data)
         (loss, metrics), grads = jax.value_and_grad(
-            lambda p: _ppo_loss(lm, cfg, p, sub), has_aux=True)(params)
+            lambda p: _ppo_loss(lm, cfg, p, sub), has_aux=True
+        )(params)
         params, opt_state = _apply(optimizer, params, opt_state, grads)
         return (params, opt_state), (loss, metrics)
 
@@ -356,7 +479,8 @@ def _ppo_update(lm, cfg, optimizer, state, batch, key):
         return jax.lax.scan(minibatch, carry, order)
 
     (params, opt_state), (loss, metrics) = jax.lax.scan(
-        epoch, (params, opt_state), jax.random.split(key, cfg.ppo_epochs))
+        epoch, (params, opt_state), jax.random.split(key, cfg.ppo_epochs)
+    )
     metrics = jax.tree.map(jnp.mean, metrics)
     return params, opt_state, jnp.mean(loss), metrics
 
@@ -369,15 +493,26 @@ def make_rl_step(lm, task: AdditionTask, optimizer, cfg: RLConfig) -> Callable:
         sums = jnp.repeat(sums, cfg.group_size, axis=0)
         sample_key, update_key = jax.random.split(key)
         actions, rollout_logp, mask = sampling.generate(
-            lm, state["params"], prompts, sample_key, max_new=task.max_new,
-            temperature=cfg.temperature)
+            lm,
+            state["params"],
+            prompts,
+            sample_key,
+            max_new=task.max_new,
+            temperature=cfg.temperature,
+        )
         scores = task.score(actions, sums)
-        batch = {"prompts": prompts, "actions": actions, "mask": mask,
-                 "rollout_logp": rollout_logp, "rewards": scores["reward"],
-                 "correct": scores["correct"]}
+        batch = {
+            "prompts": prompts,
+            "actions": actions,
+            "mask": mask,
+            "rollout_logp": rollout_logp,
+            "rewards": scores["reward"],
+            "correct": scores["correct"],
+        }
         if cfg.algo in PPO_STYLE:
-            params, opt_state, loss, extra = _ppo_update(lm, cfg, optimizer, state, batch,
-                                                         update_key)
+            params, opt_state, loss, extra = _ppo_update(
+                lm, cfg, optimizer, state, batch, update_key
+            )
         else:
             if cfg.algo == "grpo":
                 ref_logp = _ref_logp(lm, state, batch, cfg)
@@ -386,12 +521,15 @@ def make_rl_step(lm, task: AdditionTask, optimizer, cfg: RLConfig) -> Callable:
                 loss_fn = lambda p: _pg_loss(lm, cfg, p, batch)
             (loss, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
             params, opt_state = _apply(optimizer, state["params"], state["opt_state"], grads)
-        metrics = {"reward": jnp.mean(scores["reward"]),
-                   "accuracy": jnp.mean(scores["correct"]),
-                   "well_formed": jnp.mean(scores["well_formed"]),
-                   "tokens": jnp.sum(mask), "loss": loss, **extra}
+        metrics = {
+            "reward": jnp.mean(scores["reward"]),
+            "accuracy": jnp.mean(scores["correct"]),
+            "well_formed": jnp.mean(scores["well_formed"]),
+            "tokens": jnp.sum(mask),
+            "loss": loss,
+            **extra,
+        }
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
         return new_state, metrics
 
     return jax.jit(rl_step)
-

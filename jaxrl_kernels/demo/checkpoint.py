@@ -49,8 +49,10 @@ def resolve(path: str) -> str:
     if os.path.isdir(path):
         file = os.path.join(path, FILENAME)
         if not os.path.isfile(file):
-            raise CheckpointError(f"{path} is a directory without a {FILENAME} (pass a run's "
-                                  f"--out directory or its {FILENAME})")
+            raise CheckpointError(
+                f"{path} is a directory without a {FILENAME} (pass a run's "
+                f"--out directory or its {FILENAME})"
+            )
         return file
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
@@ -59,12 +61,14 @@ def resolve(path: str) -> str:
 
 def save(path: str, state, *, config: dict[str, Any], history: dict[str, Any]) -> None:
     """Write the run to ``path`` atomically (a crash never leaves half a file)."""
-    data = serialization.msgpack_serialize({
-        "format": FORMAT,
-        "config": json.dumps(config),
-        "history": json.dumps(history),
-        "state": serialization.to_state_dict(jax.device_get(state)),
-    })
+    data = serialization.msgpack_serialize(
+        {
+            "format": FORMAT,
+            "config": json.dumps(config),
+            "history": json.dumps(history),
+            "state": serialization.to_state_dict(jax.device_get(state)),
+        }
+    )
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
@@ -85,12 +89,18 @@ def load(path: str) -> Saved:
         raise CheckpointError(f"{file} is not a checkpoint of this demo (not msgpack)") from err
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else None
-        raise CheckpointError(f"{file} is not a checkpoint of this demo (format {found!r}, "
-                              f"expected {FORMAT!r}; checkpoints of older versions hold no "
-                              "configuration and cannot be resumed)")
+        raise CheckpointError(
+            f"{file} is not a checkpoint of this demo (format {found!r}, "
+            f"expected {FORMAT!r}; checkpoints of older versions hold no "
+            "configuration and cannot be resumed)"
+        )
     try:
-        return Saved(path=file, config=json.loads(raw["config"]),
-                     history=json.loads(raw["history"]), state=raw["state"])
+        return Saved(
+            path=file,
+            config=json.loads(raw["config"]),
+            history=json.loads(raw["history"]),
+            state=raw["state"],
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{file} is damaged: {type(err).__name__}: {err}") from err
 
@@ -100,10 +110,10 @@ def restore(saved: Saved, template):
     try:
         restored = serialization.from_state_dict(jax.device_get(template), saved.state)
     except (KeyError, ValueError) as err:
-        raise CheckpointError(f"{saved.path}: its state does not fit this model "
-                              f"({type(err).__name__}: {err})") from err
+        raise CheckpointError(
+            f"{saved.path}: its state does not fit this model ({type(err).__name__}: {err})"
+        ) from err
     shapes = jax.tree.map(lambda t, x: jnp.shape(t) == jnp.shape(x), template, restored)
     if not all(jax.tree.leaves(shapes)):
         raise CheckpointError(f"{saved.path}: its arrays have other shapes than this model's")
-    return jax.tree.map(lambda t, x: jnp.asarray(x, dtype=jnp.asarray(t).dtype), template,
-                        restored)
+    return jax.tree.map(lambda t, x: jnp.asarray(x, dtype=jnp.asarray(t).dtype), template, restored)

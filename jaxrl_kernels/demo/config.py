@@ -13,7 +13,6 @@ from jaxrl_kernels.demo.algos import option, positive
 from jaxrl_kernels.demo.model import check_dims as model_check_dims
 from jaxrl_kernels.demo.task import VOCAB, AdditionTask
 
-
 TASK, TRAINING, RUN = "task and model", "training", "run"
 DISTILLATION = "distillation (--algo distill)"
 RESUMABLE = ("steps", "eval_every", "out", "backend", "resume")
@@ -41,8 +40,9 @@ def flag_text(name: str, value: Any) -> str:
 
 def distill_option(name: str, help: str, kind: type, **meta: Any) -> Any:
     """A field of ``--algo distill`` only: None for the other algorithms, which reject a value."""
-    return option(None, f"{help} [{algos.DISTILL_DEFAULTS[name]}]", type=kind,
-                  group=DISTILLATION, **meta)
+    return option(
+        None, f"{help} [{algos.DISTILL_DEFAULTS[name]}]", type=kind, group=DISTILLATION, **meta
+    )
 
 
 def distill_default(name: str, served: bool) -> Any:
@@ -69,75 +69,116 @@ class Config(algos.RLConfig):
     d_model: int = option(64, "model width", group=TASK)
     layers: int = option(2, "transformer layers", group=TASK)
     heads: int = option(4, "attention heads", group=TASK)
-    tie_embeddings: bool = option(True, "LM head tied to the [V, D] token embedding (layout "
-                                        "'vd'); else a separate [D, V] head (layout 'dv')",
-                                  group=TASK)
-    warmup_steps: int = option(350, "supervised warm-start steps, kept short on purpose",
-                               group=TRAINING)
+    tie_embeddings: bool = option(
+        True,
+        "LM head tied to the [V, D] token embedding (layout "
+        "'vd'); else a separate [D, V] head (layout 'dv')",
+        group=TASK,
+    )
+    warmup_steps: int = option(
+        350, "supervised warm-start steps, kept short on purpose", group=TRAINING
+    )
     warmup_batch: int = option(64, "warm-start batch size", group=TRAINING)
     warmup_lr: float = option(1e-3, "warm-start learning rate", group=TRAINING)
-    steps: int = option(800, "RL steps in total, counting those a resumed checkpoint has done",
-                        group=TRAINING)
+    steps: int = option(
+        800, "RL steps in total, counting those a resumed checkpoint has done", group=TRAINING
+    )
     batch_size: int = option(16, "prompts per RL step", group=TRAINING)
-    lr: float = option(5e-4, "RL learning rate (adamw, global-norm clipping 1.0)",
-                       group=TRAINING)
-    lr_warmup: int = option(20, "RL steps over which the learning rate ramps up from 0",
-                            group=TRAINING)
+    lr: float = option(5e-4, "RL learning rate (adamw, global-norm clipping 1.0)", group=TRAINING)
+    lr_warmup: int = option(
+        20, "RL steps over which the learning rate ramps up from 0", group=TRAINING
+    )
     seed: int = option(0, "random seed", group=TRAINING)
     eval_every: int = option(50, "held-out evaluation every this many RL steps", group=RUN)
-    out: str | None = option(None, "write log.json, curves.png and checkpoint.msgpack to this "
-                                   "directory; with --resume, the checkpoint's directory when "
-                                   "not given", group=RUN, metavar="DIR")
-    resume: str | None = option(None, "continue a run: its --out directory or its "
-                                      "checkpoint.msgpack; the configuration comes from the "
-                                      "checkpoint, and only " + ", ".join(
-                                          flag_text(n, "") for n in RESUMABLE[:-1])
-                                      + " may differ (not for --algo distill)", group=RUN,
-                                      metavar="PATH")
-    student_d_model: int | None = distill_option("student_d_model", "the student's width",
-                                                 int)
-    student_layers: int | None = distill_option("student_layers", "the student's transformer "
-                                                "layers", int)
-    student_heads: int | None = distill_option("student_heads", "the student's attention "
-                                               "heads", int)
+    out: str | None = option(
+        None,
+        "write log.json, curves.png and checkpoint.msgpack to this "
+        "directory; with --resume, the checkpoint's directory when "
+        "not given",
+        group=RUN,
+        metavar="DIR",
+    )
+    resume: str | None = option(
+        None,
+        "continue a run: its --out directory or its "
+        "checkpoint.msgpack; the configuration comes from the "
+        "checkpoint, and only "
+        + ", ".join(flag_text(n, "") for n in RESUMABLE[:-1])
+        + " may differ (not for --algo distill)",
+        group=RUN,
+        metavar="PATH",
+    )
+    student_d_model: int | None = distill_option("student_d_model", "the student's width", int)
+    student_layers: int | None = distill_option(
+        "student_layers", "the student's transformer layers", int
+    )
+    student_heads: int | None = distill_option(
+        "student_heads", "the student's attention heads", int
+    )
     student_warmup_steps: int | None = distill_option(
-        "student_warmup_steps", "the student's supervised warm-start steps (0: distil from "
-        "scratch)", int)
-    distill_steps: int | None = distill_option("distill_steps", "on-policy distillation steps",
-                                               int)
-    distill_lr: float | None = distill_option("distill_lr", "distillation learning rate "
-                                              "(adamw, global-norm clipping 1.0)", float)
+        "student_warmup_steps",
+        "the student's supervised warm-start steps (0: distil from scratch)",
+        int,
+    )
+    distill_steps: int | None = distill_option("distill_steps", "on-policy distillation steps", int)
+    distill_lr: float | None = distill_option(
+        "distill_lr", "distillation learning rate (adamw, global-norm clipping 1.0)", float
+    )
     divergence: str | None = distill_option(
-        "divergence", "the per-token divergence from the teacher that the student minimises "
+        "divergence",
+        "the per-token divergence from the teacher that the student minimises "
         "(linear_distill_loss; a served teacher, --teacher-topk K, takes only forward_kl and "
-        "defaults to it)", str, choices=DIVERGENCES)
+        "defaults to it)",
+        str,
+        choices=DIVERGENCES,
+    )
     timing_runs: int | None = distill_option(
-        "timing_runs", "timed runs of the distillation step with our loss (linear_distill_loss, "
+        "timing_runs",
+        "timed runs of the distillation step with our loss (linear_distill_loss, "
         "or linear_topk_distill_loss) and with the materialised jnp loss, after a warm-up (the "
-        "median is reported)", int)
+        "median is reported)",
+        int,
+    )
     teacher_topk: int | None = distill_option(
-        "teacher_topk", "a served teacher: per answer token it returns only its K most likely "
+        "teacher_topk",
+        "a served teacher: per answer token it returns only its K most likely "
         "ids and their log-probs (linear_topk_logprobs), and the student minimises the forward "
         "KL over them (linear_topk_distill_loss); 0: the whole-vocabulary teacher "
-        "(linear_distill_loss)", int, metavar="K")
+        "(linear_distill_loss)",
+        int,
+        metavar="K",
+    )
     topk_tail: str | None = distill_option(
-        "topk_tail", "with --teacher-topk: the forward KL over the K ids only (drop), or with "
-        "the mass outside them as one more outcome (bucket)", str, choices=TOPK_TAILS)
+        "topk_tail",
+        "with --teacher-topk: the forward KL over the K ids only (drop), or with "
+        "the mass outside them as one more outcome (bucket)",
+        str,
+        choices=TOPK_TAILS,
+    )
 
     def __post_init__(self):
         super().__post_init__()
         self._distill_fields()
         AdditionTask(digits=self.digits, held_out=self.held_out)  # raises on a bad task
         model_check_dims(self.d_model, self.layers, self.heads)
-        for name, low in (("warmup_steps", 0), ("warmup_batch", 1), ("steps", 1),
-                          ("batch_size", 1), ("lr_warmup", 0), ("seed", 0), ("eval_every", 1)):
+        for name, low in (
+            ("warmup_steps", 0),
+            ("warmup_batch", 1),
+            ("steps", 1),
+            ("batch_size", 1),
+            ("lr_warmup", 0),
+            ("seed", 0),
+            ("eval_every", 1),
+        ):
             algos.at_least(name, getattr(self, name), low)
         positive("warmup_lr", self.warmup_lr)
         positive("lr", self.lr)
         rollouts = self.batch_size * self.group_size
         if self.algo in algos.PPO_STYLE and rollouts % self.ppo_minibatches:
-            raise ValueError(f"ppo_minibatches: expected a divisor of the rollout batch "
-                             f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}")
+            raise ValueError(
+                f"ppo_minibatches: expected a divisor of the rollout batch "
+                f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}"
+            )
 
     def _distill_fields(self) -> None:
         """Fill the distillation fields for ``--algo distill``; reject them for the others."""
@@ -146,8 +187,10 @@ class Config(algos.RLConfig):
             value = getattr(self, name)
             if self.algo != algos.DISTILL:
                 if value is not None:
-                    raise ValueError(f"{name}: only --algo distill uses it, got {value!r} with "
-                                     f"--algo {self.algo}")
+                    raise ValueError(
+                        f"{name}: only --algo distill uses it, got {value!r} with "
+                        f"--algo {self.algo}"
+                    )
             elif value is None:  # frozen: set only while being built
                 object.__setattr__(self, name, distill_default(name, served))
         if self.algo != algos.DISTILL:
@@ -156,36 +199,48 @@ class Config(algos.RLConfig):
             model_check_dims(self.student_d_model, self.student_layers, self.student_heads)
         except ValueError as err:
             raise ValueError(f"student_{err}") from None
-        for name, low in (("student_warmup_steps", 0), ("distill_steps", 1),
-                          ("timing_runs", 1), ("teacher_topk", 0)):
+        for name, low in (
+            ("student_warmup_steps", 0),
+            ("distill_steps", 1),
+            ("timing_runs", 1),
+            ("teacher_topk", 0),
+        ):
             algos.at_least(name, getattr(self, name), low)
         positive("distill_lr", self.distill_lr)
         self.distill_loss()  # raises on an unknown divergence
         self._served_teacher_fields()
         if self.resume is not None:
-            raise ValueError("resume: a distill run cannot be resumed (its checkpoint holds the "
-                             "teacher and the distilled student for inspection); run it again")
+            raise ValueError(
+                "resume: a distill run cannot be resumed (its checkpoint holds the "
+                "teacher and the distilled student for inspection); run it again"
+            )
 
     def _served_teacher_fields(self) -> None:
         """A served teacher (``teacher_topk`` K > 0): K at most the vocabulary, a tail, the
         forward KL; the whole-vocabulary teacher (K = 0): no tail."""
         if not self.teacher_topk:
             if self.topk_tail is not None:
-                raise ValueError(f"topk_tail: only a served teacher (--teacher-topk K > 0) uses "
-                                 f"it, got {self.topk_tail!r} with teacher_topk=0")
+                raise ValueError(
+                    f"topk_tail: only a served teacher (--teacher-topk K > 0) uses "
+                    f"it, got {self.topk_tail!r} with teacher_topk=0"
+                )
             return
         if self.teacher_topk > VOCAB:
-            raise ValueError(f"teacher_topk: expected at most the vocabulary's {VOCAB} tokens, "
-                             f"got {self.teacher_topk}")
+            raise ValueError(
+                f"teacher_topk: expected at most the vocabulary's {VOCAB} tokens, "
+                f"got {self.teacher_topk}"
+            )
         try:
             self.topk_distill_loss()
         except ValueError as err:  # "tail: ..." (loss_agg_mode is checked already)
             raise ValueError(f"topk_{err}") from None
         if self.divergence != SERVED_DIVERGENCE:
-            raise ValueError(f"divergence: a served teacher's loss (linear_topk_distill_loss) is "
-                             f"the forward KL over its top-K ids; expected "
-                             f"{SERVED_DIVERGENCE!r} with --teacher-topk, got "
-                             f"{self.divergence!r}")
+            raise ValueError(
+                f"divergence: a served teacher's loss (linear_topk_distill_loss) is "
+                f"the forward KL over its top-K ids; expected "
+                f"{SERVED_DIVERGENCE!r} with --teacher-topk, got "
+                f"{self.divergence!r}"
+            )
 
     def distill_loss(self) -> jk.DistillLoss:
         """The options of the whole-vocabulary loss, ``linear_distill_loss``'s ``config=``."""
@@ -200,13 +255,15 @@ class Config(algos.RLConfig):
 
     def teacher_config(self) -> Config:
         """The run that trains the teacher: this one with ``--algo grpo``, no distillation."""
-        return dataclasses.replace(self, algo="grpo",
-                                   **{name: None for name in algos.DISTILL_DEFAULTS})
+        return dataclasses.replace(
+            self, algo="grpo", **{name: None for name in algos.DISTILL_DEFAULTS}
+        )
 
     def rl_config(self) -> algos.RLConfig:
         """The RL step's part: what the jitted RL program depends on."""
-        return algos.RLConfig(**{f.name: getattr(self, f.name)
-                                 for f in dataclasses.fields(algos.RLConfig)})
+        return algos.RLConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(algos.RLConfig)}
+        )
 
 
 def resume_config(path: str, **changes: Any) -> Config:
@@ -218,11 +275,16 @@ def resume_config(path: str, **changes: Any) -> Config:
     """
     saved = checkpoint.load(path)
     base = _saved_config(saved)
-    conflicts = [f"{flag_text(k, v)} (the checkpoint has {k}={getattr(base, k)})"
-                 for k, v in changes.items() if k not in RESUMABLE and v != getattr(base, k)]
+    conflicts = [
+        f"{flag_text(k, v)} (the checkpoint has {k}={getattr(base, k)})"
+        for k, v in changes.items()
+        if k not in RESUMABLE and v != getattr(base, k)
+    ]
     if conflicts:
-        raise ValueError(f"resume: a resumed run keeps the checkpoint's configuration; drop "
-                         f"{'; '.join(conflicts)}")
+        raise ValueError(
+            f"resume: a resumed run keeps the checkpoint's configuration; drop "
+            f"{'; '.join(conflicts)}"
+        )
     kept = {k: v for k, v in changes.items() if k in RESUMABLE}
     kept.setdefault("out", os.path.dirname(saved.path) or ".")
     cfg = dataclasses.replace(base, **kept, resume=saved.path)
@@ -238,7 +300,8 @@ def _saved_config(saved: checkpoint.Saved) -> Config:
         raise checkpoint.CheckpointError(
             f"{saved.path}: written by another version of the demo (its configuration has "
             f"fields {sorted(set(saved_config) ^ known)} that this version "
-            "does not share)")
+            "does not share)"
+        )
     config = saved_config
     if config["algo"] not in algos.DUAL_CLIP_ALGOS:
         config["dual_clip"] = None  # earlier versions logged an unused 3.0 here
@@ -248,14 +311,21 @@ def _saved_config(saved: checkpoint.Saved) -> Config:
 def _check_resumable(cfg: Config, saved: checkpoint.Saved) -> None:
     """``cfg`` may continue ``saved``: same fixed fields, and steps left to take."""
     base = _saved_config(saved)
-    differ = [f.name for f in dataclasses.fields(Config)
-              if f.name not in RESUMABLE and getattr(cfg, f.name) != getattr(base, f.name)]
+    differ = [
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.name not in RESUMABLE and getattr(cfg, f.name) != getattr(base, f.name)
+    ]
     if differ:
-        raise ValueError(f"resume: {', '.join(differ)} differ from the checkpoint's "
-                         "configuration; build the config with resume_config()")
+        raise ValueError(
+            f"resume: {', '.join(differ)} differ from the checkpoint's "
+            "configuration; build the config with resume_config()"
+        )
     if cfg.steps <= saved.step:
-        raise ValueError(f"steps: the checkpoint has done {saved.step} RL steps and steps is the "
-                         f"total, so expected more than {saved.step}, got {cfg.steps}")
+        raise ValueError(
+            f"steps: the checkpoint has done {saved.step} RL steps and steps is the "
+            f"total, so expected more than {saved.step}, got {cfg.steps}"
+        )
 
 
 # The jitted programs are cached by what they depend on, so building a second Demo

@@ -47,14 +47,25 @@ COMPARED = ("divergence", "topk_loss")  # the metrics the timed steps' two losse
 PHASE = 3  # the task's prompt stream for distillation (warm start 1, RL 0)
 
 
-
-
 @functools.lru_cache(maxsize=16)
-def _distill_program(student_key: tuple, teacher_key: tuple, task: AdditionTask, lr: float,
-                     warmup: int, options: tuple, loss: str):
+def _distill_program(
+    student_key: tuple,
+    teacher_key: tuple,
+    task: AdditionTask,
+    lr: float,
+    warmup: int,
+    options: tuple,
+    loss: str,
+):
     optimizer = algos.make_optimizer(lr, warmup=warmup)
-    return optimizer, make_distill_step(loop._model(*student_key), loop._model(*teacher_key),
-                                        task, optimizer, loss=loss, **dict(options))
+    return optimizer, make_distill_step(
+        loop._model(*student_key),
+        loop._model(*teacher_key),
+        task,
+        optimizer,
+        loss=loss,
+        **dict(options),
+    )
 
 
 def distill_backend(cfg: Config) -> str:
@@ -75,15 +86,21 @@ def objective_text(cfg: Config) -> str:
     teacher's top-4 ids, tail drop``."""
     if not cfg.teacher_topk:
         return cfg.divergence
-    return (f"{cfg.divergence} over the served teacher's top-{cfg.teacher_topk} ids, "
-            f"tail {cfg.topk_tail}")
+    return (
+        f"{cfg.divergence} over the served teacher's top-{cfg.teacher_topk} ids, "
+        f"tail {cfg.topk_tail}"
+    )
 
 
 def student_config(cfg: Config) -> Config:
     """The student as a run of its own: the teacher's configuration with the student's sizes."""
-    return dataclasses.replace(cfg.teacher_config(), d_model=cfg.student_d_model,
-                               layers=cfg.student_layers, heads=cfg.student_heads,
-                               warmup_steps=cfg.student_warmup_steps)
+    return dataclasses.replace(
+        cfg.teacher_config(),
+        d_model=cfg.student_d_model,
+        layers=cfg.student_layers,
+        heads=cfg.student_heads,
+        warmup_steps=cfg.student_warmup_steps,
+    )
 
 
 def _size(cfg: Config, params) -> str:
@@ -100,8 +117,10 @@ def time_steps(steps: dict[str, Callable], args: tuple, runs: int) -> dict[str, 
     for name, fn in steps.items():
         t0 = time.perf_counter()
         _, metrics = jax.block_until_ready(fn(*args))
-        out[name] = {"first_call_s": time.perf_counter() - t0,
-                     **{k: float(metrics[k]) for k in COMPARED if k in metrics}}
+        out[name] = {
+            "first_call_s": time.perf_counter() - t0,
+            **{k: float(metrics[k]) for k in COMPARED if k in metrics},
+        }
         jax.block_until_ready(fn(*args))
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(runs):
@@ -114,15 +133,17 @@ def time_steps(steps: dict[str, Callable], args: tuple, runs: int) -> dict[str, 
     return out
 
 
-def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
-        ) -> dict[str, Any]:
+def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
     """Train the teacher, warm-start and distil the student, time both losses; returns the log
     (also written under ``cfg.out``)."""
     stream = stream if stream is not None else sys.stdout
     t_start = time.perf_counter()
     teacher_cfg = dataclasses.replace(cfg.teacher_config(), out=None)
-    print(f"teacher: {teacher_cfg.algo}, then on-policy distillation ({objective_text(cfg)}) "
-          "of a smaller student", file=stream)
+    print(
+        f"teacher: {teacher_cfg.algo}, then on-policy distillation ({objective_text(cfg)}) "
+        "of a smaller student",
+        file=stream,
+    )
     log = loop.run(teacher_cfg, progress=progress, stream=stream)
     teacher_params = log.pop("state")["params"]
     teacher_summary = log.pop("summary")
@@ -145,11 +166,20 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     task, scfg = student.task, student.cfg
     student_key = (task.seq_len - 1, scfg.d_model, scfg.layers, scfg.heads, scfg.tie_embeddings)
     teacher_key = (task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
-    options = (("group_size", cfg.group_size), ("temperature", cfg.temperature),
-               ("config", cfg.distill_loss()), ("backend", distill_backend(cfg)),
-               ("teacher_topk", cfg.teacher_topk), ("topk_config", cfg.topk_distill_loss()))
-    programs = {loss: _distill_program(student_key, teacher_key, task, cfg.distill_lr,
-                                       cfg.lr_warmup, options, loss) for loss in LOSSES}
+    options = (
+        ("group_size", cfg.group_size),
+        ("temperature", cfg.temperature),
+        ("config", cfg.distill_loss()),
+        ("backend", distill_backend(cfg)),
+        ("teacher_topk", cfg.teacher_topk),
+        ("topk_config", cfg.topk_distill_loss()),
+    )
+    programs = {
+        loss: _distill_program(
+            student_key, teacher_key, task, cfg.distill_lr, cfg.lr_warmup, options, loss
+        )
+        for loss in LOSSES
+    }
     optimizer, step_fn = programs["jaxrl"]
     key = jax.random.fold_in(jax.random.key(cfg.seed), PHASE)
 
@@ -160,8 +190,11 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
     before = student.evaluate(params)
     log["student_evals"] = [{"step": 0, **loop._round(before)}]
     log["distill"] = []
-    state = {"params": params, "opt_state": optimizer.init(params),
-             "step": jnp.zeros((), jnp.int32)}
+    state = {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "step": jnp.zeros((), jnp.int32),
+    }
     label = f"distill top-{cfg.teacher_topk}" if cfg.teacher_topk else "distill"
     bar = Progress(cfg.distill_steps, f"{label} {cfg.divergence}", enabled=progress)
     t0 = time.perf_counter()
@@ -176,15 +209,22 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.distill_steps:
             last = student.evaluate(state["params"])
             log["student_evals"].append({"step": step + 1, **loop._round(last)})
-        bar.update(step + 1, divergence=metrics["divergence"], acc=metrics["accuracy"],
-                   held_out=last["accuracy"])
+        bar.update(
+            step + 1,
+            divergence=metrics["divergence"],
+            acc=metrics["accuracy"],
+            held_out=last["accuracy"],
+        )
     bar.close()
     distill_seconds = time.perf_counter() - t0
     after = student.evaluate(state["params"])
 
     # Both train steps on the first distillation batch, from the distilled student's state.
-    timing = time_steps({loss: fn for loss, (_, fn) in programs.items()},
-                        (state, teacher_params, *inputs(0)), cfg.timing_runs)
+    timing = time_steps(
+        {loss: fn for loss, (_, fn) in programs.items()},
+        (state, teacher_params, *inputs(0)),
+        cfg.timing_runs,
+    )
 
     divergences = [r["divergence"] for r in log["distill"]]
     peak, peak_kind = loop.peak_memory()
@@ -216,8 +256,11 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None
         "distill_step_timing": {loss: loop._round(t) for loss, t in timing.items()},
         "distill_step_timing_runs": cfg.timing_runs,
         "distill_first_step_seconds": first_step_seconds,
-        **{f"distill_step_{k}_difference": abs(timing["jaxrl"][k] - timing["materialised"][k])
-           for k in COMPARED if k in timing["jaxrl"]},
+        **{
+            f"distill_step_{k}_difference": abs(timing["jaxrl"][k] - timing["materialised"][k])
+            for k in COMPARED
+            if k in timing["jaxrl"]
+        },
         **(served_summary(log["distill"]) if cfg.teacher_topk else {}),
         "teacher_seconds": teacher_seconds,
         "student_warm_start_seconds": warm_seconds,
@@ -239,9 +282,11 @@ def served_summary(steps: list[dict[str, float]]) -> dict[str, float]:
     """A served teacher's distillation: the top-K loss the student minimised (first and last 10
     steps) and the teacher's mean probability in its K ids."""
     loss = [r["topk_loss"] for r in steps]
-    return {"topk_loss_first10": float(np.mean(loss[:10])),
-            "topk_loss_last10": float(np.mean(loss[-10:])),
-            "teacher_topk_mass": float(np.mean([r["teacher_topk_mass"] for r in steps]))}
+    return {
+        "topk_loss_first10": float(np.mean(loss[:10])),
+        "topk_loss_last10": float(np.mean(loss[-10:])),
+        "teacher_topk_mass": float(np.mean([r["teacher_topk_mass"] for r in steps])),
+    }
 
 
 def format_table(s: dict[str, Any], cfg: Config) -> str:
@@ -251,36 +296,60 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
     w = 16
     gain = s["student_held_out_accuracy_after"] - s["student_held_out_accuracy_before"]
     rows = [
-        ("held-out accuracy (greedy)", pct(s["teacher_held_out_accuracy"]),
-         pct(s["student_held_out_accuracy_before"]), pct(s["student_held_out_accuracy_after"]),
-         f"{100 * gain:+.1f} pts"),
-        ("held-out reward (greedy)", f"{s['teacher_held_out_reward']:.3f}",
-         f"{s['student_held_out_reward_before']:.3f}", f"{s['student_held_out_reward_after']:.3f}",
-         f"{s['student_held_out_reward_after'] - s['student_held_out_reward_before']:+.3f}"),
-        (f"held-out reward (T={cfg.temperature:g})", f"{s['teacher_sampled_reward']:.3f}",
-         f"{s['student_sampled_reward_before']:.3f}", f"{s['student_sampled_reward_after']:.3f}",
-         f"{s['student_sampled_reward_after'] - s['student_sampled_reward_before']:+.3f}"),
-        (f"{cfg.divergence} to the teacher (first / last 10 steps)", "",
-         f"{s['divergence_first10']:.4f}", f"{s['divergence_last10']:.4f}", ""),
+        (
+            "held-out accuracy (greedy)",
+            pct(s["teacher_held_out_accuracy"]),
+            pct(s["student_held_out_accuracy_before"]),
+            pct(s["student_held_out_accuracy_after"]),
+            f"{100 * gain:+.1f} pts",
+        ),
+        (
+            "held-out reward (greedy)",
+            f"{s['teacher_held_out_reward']:.3f}",
+            f"{s['student_held_out_reward_before']:.3f}",
+            f"{s['student_held_out_reward_after']:.3f}",
+            f"{s['student_held_out_reward_after'] - s['student_held_out_reward_before']:+.3f}",
+        ),
+        (
+            f"held-out reward (T={cfg.temperature:g})",
+            f"{s['teacher_sampled_reward']:.3f}",
+            f"{s['student_sampled_reward_before']:.3f}",
+            f"{s['student_sampled_reward_after']:.3f}",
+            f"{s['student_sampled_reward_after'] - s['student_sampled_reward_before']:+.3f}",
+        ),
+        (
+            f"{cfg.divergence} to the teacher (first / last 10 steps)",
+            "",
+            f"{s['divergence_first10']:.4f}",
+            f"{s['divergence_last10']:.4f}",
+            "",
+        ),
     ]
     if cfg.teacher_topk:
-        rows.append((f"top-{cfg.teacher_topk} {cfg.divergence}, {cfg.topk_tail} "
-                     "(first / last 10 steps)", "", f"{s['topk_loss_first10']:.4f}",
-                     f"{s['topk_loss_last10']:.4f}", ""))
+        rows.append(
+            (
+                f"top-{cfg.teacher_topk} {cfg.divergence}, {cfg.topk_tail} (first / last 10 steps)",
+                "",
+                f"{s['topk_loss_first10']:.4f}",
+                f"{s['topk_loss_last10']:.4f}",
+                "",
+            )
+        )
     t = s["distill_step_timing"]
     ratio = s["distill_step_ms_materialised"] / s["distill_step_ms_jaxrl"]
     lines = [
         f"jaxrl_kernels demo: distill ({objective_text(cfg)}) on {cfg.digits}-digit addition | "
         f"teacher {s['teacher']} (grpo) -> student {s['student']} | device {s['device']} | "
         f"distillation loss backend {s['distill_loss_backend']}",
-        f"{'':52s}{'teacher':>{w}s}{'student before':>{w}s}{'student after':>{w}s}"
-        f"{'change':>{w}s}",
+        f"{'':52s}{'teacher':>{w}s}{'student before':>{w}s}{'student after':>{w}s}{'change':>{w}s}",
     ]
     lines += [f"{a:52s}{b:>{w}s}{c:>{w}s}{d:>{w}s}{e:>{w}s}" for a, b, c, d, e in rows]
     if cfg.teacher_topk:
-        lines.append(f"{'served teacher (linear_topk_logprobs)':52s}top-{cfg.teacher_topk} ids "
-                     f"and log-probs per token, {100 * s['teacher_topk_mass']:.1f} % of its "
-                     "probability (mean)")
+        lines.append(
+            f"{'served teacher (linear_topk_logprobs)':52s}top-{cfg.teacher_topk} ids "
+            f"and log-probs per token, {100 * s['teacher_topk_mass']:.1f} % of its "
+            "probability (mean)"
+        )
     runs = f"median of {cfg.timing_runs} runs after a warm-up"
     lines += [
         f"{'distillation step, ' + s['distill_loss_op']:52s}{t['jaxrl']['median_ms']:.2f} ms "
@@ -301,35 +370,52 @@ def plot(log: dict[str, Any], path: str) -> None:
     distillation step (with a served teacher, also the top-K loss minimised), held-out
     accuracy of the teacher and the student."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ((ax0, ax1), (ax2, ax3)) = plt.subplots(2, 2, figsize=(11, 7))
     for name, warm in (("teacher", log["warm_start"]), ("student", log["student_warm_start"])):
         ax0.plot([w["step"] for w in warm], [w["nll"] for w in warm], "o-", ms=2, label=name)
-    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token",
-            title="supervised warm starts")
+    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token", title="supervised warm starts")
     ax0.legend(fontsize=8)
     rl = log["rl"]
     ax1.plot([r["step"] for r in rl], [r["reward"] for r in rl], lw=0.8)
     ax1.set(xlabel="grpo step", ylabel="mean sampled reward", title="the teacher's grpo")
     dist, cfg = log["distill"], log["config"]
-    ax2.plot([r["step"] for r in dist], [r["divergence"] for r in dist], lw=0.8,
-             label="whole vocabulary")
+    ax2.plot(
+        [r["step"] for r in dist], [r["divergence"] for r in dist], lw=0.8, label="whole vocabulary"
+    )
     if cfg["teacher_topk"]:
-        ax2.plot([r["step"] for r in dist], [r["topk_loss"] for r in dist], lw=0.8,
-                 label=f"served top-{cfg['teacher_topk']}, tail {cfg['topk_tail']} (minimised)")
+        ax2.plot(
+            [r["step"] for r in dist],
+            [r["topk_loss"] for r in dist],
+            lw=0.8,
+            label=f"served top-{cfg['teacher_topk']}, tail {cfg['topk_tail']} (minimised)",
+        )
         ax2.legend(fontsize=8)
-    ax2.set(xlabel="distillation step", ylabel="mean per token",
-            title=f"student's {cfg['divergence']} to the teacher (on-policy)")
+    ax2.set(
+        xlabel="distillation step",
+        ylabel="mean per token",
+        title=f"student's {cfg['divergence']} to the teacher (on-policy)",
+    )
     ev = log["student_evals"]
-    ax3.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3,
-             label="student")
-    ax3.axhline(100 * log["teacher_summary"]["held_out_accuracy_after"], color="gray", ls="--",
-                label="teacher")
-    ax3.set(xlabel="distillation step (0 = after the student's warm start)",
-            ylabel="accuracy (%)", title="held-out accuracy (greedy)")
+    ax3.plot(
+        [e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3, label="student"
+    )
+    ax3.axhline(
+        100 * log["teacher_summary"]["held_out_accuracy_after"],
+        color="gray",
+        ls="--",
+        label="teacher",
+    )
+    ax3.set(
+        xlabel="distillation step (0 = after the student's warm start)",
+        ylabel="accuracy (%)",
+        title="held-out accuracy (greedy)",
+    )
     ax3.legend(fontsize=8)
     served = f", served top-{cfg['teacher_topk']}" if cfg["teacher_topk"] else ""
-    loop.save_figure(fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}{served}), "
-                                 f"seed {cfg['seed']}")
+    loop.save_figure(
+        fig, path, f"jaxrl_kernels demo: distill ({cfg['divergence']}{served}), seed {cfg['seed']}"
+    )

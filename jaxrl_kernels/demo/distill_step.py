@@ -44,16 +44,24 @@ def materialised_log_probs(hidden, weight, layout, temperature):
     return jax.nn.log_softmax(z.astype(jnp.float32) / temperature, axis=-1)
 
 
-def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, *,
-                              weight_layout="vd", teacher_weight_layout="vd",
-                              config: jk.DistillLoss | None = None, temperature=1.0):
+def materialised_distill_loss(
+    hidden,
+    weight,
+    teacher_hidden,
+    teacher_weight,
+    mask,
+    *,
+    weight_layout="vd",
+    teacher_weight_layout="vd",
+    config: jk.DistillLoss | None = None,
+    temperature=1.0,
+):
     """``linear_distill_loss`` in plain jnp, with the same arguments: both heads' ``[B, T, V]``
     logits (in the inputs' dtype, bf16 or float32), float32 log-softmaxes, the divergence of
     ``config`` (default ``jk.DistillLoss()``) per token."""
     config = config or jk.DistillLoss()
     ls = materialised_log_probs(hidden, weight, weight_layout, temperature)
-    lt = materialised_log_probs(teacher_hidden, teacher_weight, teacher_weight_layout,
-                                temperature)
+    lt = materialised_log_probs(teacher_hidden, teacher_weight, teacher_weight_layout, temperature)
     ps, pt = jnp.exp(ls), jnp.exp(lt)
     if config.divergence == "reverse_kl":
         d = jnp.sum(ps * (ls - lt), axis=-1)
@@ -67,9 +75,17 @@ def materialised_distill_loss(hidden, weight, teacher_hidden, teacher_weight, ma
     return jk.aggregate(d, mask, config.loss_agg_mode, max_len=config.max_len), d
 
 
-def materialised_topk_distill_loss(hidden, weight, teacher_ids, teacher_logp, mask, *,
-                                   weight_layout="vd", config: jk.TopKDistillLoss | None = None,
-                                   temperature=1.0):
+def materialised_topk_distill_loss(
+    hidden,
+    weight,
+    teacher_ids,
+    teacher_logp,
+    mask,
+    *,
+    weight_layout="vd",
+    config: jk.TopKDistillLoss | None = None,
+    temperature=1.0,
+):
     """``linear_topk_distill_loss`` in plain jnp, with the same arguments: the student's
     ``[B, T, V]`` log-softmax gathered at the teacher's ids, per token
     ``Σ_k p_t,k (log p_t,k − log p_s,k)`` over the valid ids (``>= 0``), plus with
@@ -77,8 +93,11 @@ def materialised_topk_distill_loss(hidden, weight, teacher_ids, teacher_logp, ma
     ``r_t <= 0``; ``log r_s`` at least log of float32's smallest normal)."""
     config = config or jk.TopKDistillLoss()
     valid = (teacher_ids >= 0) & (mask != 0)[..., None]
-    ls = jnp.take_along_axis(materialised_log_probs(hidden, weight, weight_layout, temperature),
-                             jnp.maximum(teacher_ids, 0), axis=-1)
+    ls = jnp.take_along_axis(
+        materialised_log_probs(hidden, weight, weight_layout, temperature),
+        jnp.maximum(teacher_ids, 0),
+        axis=-1,
+    )
     pt = jnp.where(valid, jnp.exp(teacher_logp.astype(jnp.float32)), 0.0)
     lt = jnp.where(pt > 0, teacher_logp.astype(jnp.float32), 0.0)
     d = jnp.sum(pt * (lt - ls), axis=-1)
@@ -93,24 +112,39 @@ def materialised_topk_distill_loss(hidden, weight, teacher_ids, teacher_logp, ma
     return jk.aggregate(d, mask, config.loss_agg_mode, max_len=config.max_len), d
 
 
-def served_teacher(hidden, weight, k: int, *, weight_layout: str, temperature: float,
-                   backend: str | None, loss: str = "jaxrl") -> tuple[jax.Array, jax.Array]:
+def served_teacher(
+    hidden,
+    weight,
+    k: int,
+    *,
+    weight_layout: str,
+    temperature: float,
+    backend: str | None,
+    loss: str = "jaxrl",
+) -> tuple[jax.Array, jax.Array]:
     """A served teacher's reply: per position its ``k`` most likely ids and their log-probs
     ``log softmax(hidden·Wᵀ / temperature)`` at those ids, ``([B, T, k] float32, [B, T, k]
     int32)``, without gradient; through ``linear_topk_logprobs`` (``loss="jaxrl"``, no logits
     built) or ``lax.top_k`` of the materialised log-softmax."""
     if loss == "jaxrl":
-        logp, ids, _ = jk.linear_topk_logprobs(hidden, weight, k, weight_layout=weight_layout,
-                                               temperature=temperature, backend=backend)
+        logp, ids, _ = jk.linear_topk_logprobs(
+            hidden, weight, k, weight_layout=weight_layout, temperature=temperature, backend=backend
+        )
     else:
-        logp, ids = jax.lax.top_k(materialised_log_probs(hidden, weight, weight_layout,
-                                                         temperature), k)
+        logp, ids = jax.lax.top_k(
+            materialised_log_probs(hidden, weight, weight_layout, temperature), k
+        )
     return jax.lax.stop_gradient(logp), ids.astype(jnp.int32)
 
 
-def _losses(loss: str, backend: str | None, *, config: jk.DistillLoss,
-            topk_config: jk.TopKDistillLoss | None, temperature: float
-            ) -> tuple[Callable, Callable]:
+def _losses(
+    loss: str,
+    backend: str | None,
+    *,
+    config: jk.DistillLoss,
+    topk_config: jk.TopKDistillLoss | None,
+    temperature: float,
+) -> tuple[Callable, Callable]:
     """``(whole_vocabulary, top_k)``: ``linear_distill_loss`` and ``linear_topk_distill_loss``
     (``loss="jaxrl"``) or their materialised jnp versions, with the run's options."""
     if loss == "jaxrl":
@@ -118,15 +152,26 @@ def _losses(loss: str, backend: str | None, *, config: jk.DistillLoss,
         topk = functools.partial(jk.linear_topk_distill_loss, backend=backend)
     else:
         whole, topk = materialised_distill_loss, materialised_topk_distill_loss
-    return (functools.partial(whole, config=config, temperature=temperature),
-            functools.partial(topk, config=topk_config, temperature=temperature))
+    return (
+        functools.partial(whole, config=config, temperature=temperature),
+        functools.partial(topk, config=topk_config, temperature=temperature),
+    )
 
 
-def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
-                      task: AdditionTask, optimizer, *, group_size: int, temperature: float,
-                      config: jk.DistillLoss, backend: str | None, teacher_topk: int = 0,
-                      topk_config: jk.TopKDistillLoss | None = None,
-                      loss: str = "jaxrl") -> Callable:
+def make_distill_step(
+    student: model_lib.CausalLM,
+    teacher: model_lib.CausalLM,
+    task: AdditionTask,
+    optimizer,
+    *,
+    group_size: int,
+    temperature: float,
+    config: jk.DistillLoss,
+    backend: str | None,
+    teacher_topk: int = 0,
+    topk_config: jk.TopKDistillLoss | None = None,
+    loss: str = "jaxrl",
+) -> Callable:
     """The jitted step ``(state, teacher_params, prompts[n, P], sums[n], key) -> (state,
     metrics)``; ``state`` is the student's ``{"params", "opt_state", "step"}``.
 
@@ -136,30 +181,47 @@ def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
     in the metrics (with ``teacher_topk_mass``, the teacher's probability in those ids, mean
     per answer token). ``divergence`` in the metrics is the whole-vocabulary one (``config``)
     in both modes, on the step's tokens before the update."""
-    whole, topk = _losses(loss, backend, config=config, topk_config=topk_config,
-                          temperature=temperature)
+    whole, topk = _losses(
+        loss, backend, config=config, topk_config=topk_config, temperature=temperature
+    )
 
     def step(state, teacher_params, prompts, sums, key):
         prompts = jnp.repeat(prompts, group_size, axis=0)
         sums = jnp.repeat(sums, group_size, axis=0)
-        actions, _, mask = sampling.generate(student, state["params"], prompts, key,
-                                             max_new=task.max_new, temperature=temperature)
+        actions, _, mask = sampling.generate(
+            student, state["params"], prompts, key, max_new=task.max_new, temperature=temperature
+        )
         sg = jax.lax.stop_gradient
         teacher_hidden = sg(algos.answer_hidden(teacher, teacher_params, prompts, actions))
-        teacher_weight, teacher_layout = model_lib.head_weight(teacher_params,
-                                                               teacher.tie_embeddings)
+        teacher_weight, teacher_layout = model_lib.head_weight(
+            teacher_params, teacher.tie_embeddings
+        )
         teacher_weight = sg(teacher_weight)
 
         def whole_vocabulary(hidden, weight, layout):
-            return whole(hidden, weight, teacher_hidden, teacher_weight, mask,
-                         weight_layout=layout, teacher_weight_layout=teacher_layout)
+            return whole(
+                hidden,
+                weight,
+                teacher_hidden,
+                teacher_weight,
+                mask,
+                weight_layout=layout,
+                teacher_weight_layout=teacher_layout,
+            )
 
         if teacher_topk:
-            logp_t, ids_t = served_teacher(teacher_hidden, teacher_weight, teacher_topk,
-                                           weight_layout=teacher_layout,
-                                           temperature=temperature, backend=backend, loss=loss)
-            trained = lambda hidden, weight, layout: topk(hidden, weight, ids_t, logp_t, mask,
-                                                          weight_layout=layout)
+            logp_t, ids_t = served_teacher(
+                teacher_hidden,
+                teacher_weight,
+                teacher_topk,
+                weight_layout=teacher_layout,
+                temperature=temperature,
+                backend=backend,
+                loss=loss,
+            )
+            trained = lambda hidden, weight, layout: topk(
+                hidden, weight, ids_t, logp_t, mask, weight_layout=layout
+            )
         else:
             trained = whole_vocabulary
 
@@ -170,20 +232,29 @@ def make_distill_step(student: model_lib.CausalLM, teacher: model_lib.CausalLM,
             return value, (per_token, hidden)
 
         (value, (per_token, hidden)), grads = jax.value_and_grad(objective, has_aux=True)(
-            state["params"])
+            state["params"]
+        )
         if teacher_topk:
             weight, layout = model_lib.head_weight(state["params"], student.tie_embeddings)
             whole_value, whole_per_token = whole_vocabulary(sg(hidden), weight, layout)
-            metrics = {"divergence": whole_value, "divergence_max": jnp.max(whole_per_token),
-                       "topk_loss": value, "topk_loss_max": jnp.max(per_token),
-                       "teacher_topk_mass": jk.aggregate(jnp.sum(jnp.exp(logp_t), axis=-1),
-                                                         mask, "token_mean")}
+            metrics = {
+                "divergence": whole_value,
+                "divergence_max": jnp.max(whole_per_token),
+                "topk_loss": value,
+                "topk_loss_max": jnp.max(per_token),
+                "teacher_topk_mass": jk.aggregate(
+                    jnp.sum(jnp.exp(logp_t), axis=-1), mask, "token_mean"
+                ),
+            }
         else:
             metrics = {"divergence": value, "divergence_max": jnp.max(per_token)}
         params, opt_state = algos._apply(optimizer, state["params"], state["opt_state"], grads)
         scores = task.score(actions, sums)
-        metrics.update(reward=jnp.mean(scores["reward"]), accuracy=jnp.mean(scores["correct"]),
-                       tokens=jnp.sum(mask))
+        metrics.update(
+            reward=jnp.mean(scores["reward"]),
+            accuracy=jnp.mean(scores["correct"]),
+            tokens=jnp.sum(mask),
+        )
         return dict(state, params=params, opt_state=opt_state, step=state["step"] + 1), metrics
 
     return jax.jit(step)

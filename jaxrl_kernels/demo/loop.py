@@ -37,16 +37,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels.demo import algos, checkpoint, sampling
+from jaxrl_kernels.demo.config import Config, _check_resumable
 from jaxrl_kernels.demo.model import CausalLM
 from jaxrl_kernels.demo.progress import Progress
-from jaxrl_kernels.demo.config import Config, _check_resumable
 from jaxrl_kernels.demo.task import EOS, VOCAB, AdditionTask
 
 
 @functools.lru_cache(maxsize=32)
 def _model(max_len: int, d_model: int, layers: int, heads: int, tie: bool) -> CausalLM:
-    return CausalLM(vocab=VOCAB, max_len=max_len, d_model=d_model, layers=layers, heads=heads,
-                    tie_embeddings=tie)
+    return CausalLM(
+        vocab=VOCAB,
+        max_len=max_len,
+        d_model=d_model,
+        layers=layers,
+        heads=heads,
+        tie_embeddings=tie,
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -61,8 +67,9 @@ def _sft_program(model_key: tuple, lr: float, backend: str | None):
 
 
 @functools.lru_cache(maxsize=32)
-def _rl_program(model_key: tuple, task: AdditionTask, lr: float, warmup_updates: int,
-                rl_cfg: algos.RLConfig):
+def _rl_program(
+    model_key: tuple, task: AdditionTask, lr: float, warmup_updates: int, rl_cfg: algos.RLConfig
+):
     optimizer = algos.make_optimizer(lr, warmup=warmup_updates)
     return optimizer, algos.make_rl_step(_model(*model_key), task, optimizer, rl_cfg)
 
@@ -74,15 +81,24 @@ def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callab
     def evaluate(params, prompts, sums, key):
         n = prompts.shape[0]
         greedy = jnp.arange(2 * n) < n  # one decode: greedy rows, then sampled rows
-        tokens, _, _ = sampling.generate(lm, params, jnp.concatenate([prompts, prompts]), key,
-                                         max_new=task.max_new, temperature=temperature,
-                                         greedy=greedy)
+        tokens, _, _ = sampling.generate(
+            lm,
+            params,
+            jnp.concatenate([prompts, prompts]),
+            key,
+            max_new=task.max_new,
+            temperature=temperature,
+            greedy=greedy,
+        )
         g = task.score(tokens[:n], sums)
         s = task.score(tokens[n:], sums)
-        return {"accuracy": jnp.mean(g["correct"]), "reward": jnp.mean(g["reward"]),
-                "well_formed": jnp.mean(g["well_formed"]),
-                "sampled_accuracy": jnp.mean(s["correct"]),
-                "sampled_reward": jnp.mean(s["reward"])}
+        return {
+            "accuracy": jnp.mean(g["correct"]),
+            "reward": jnp.mean(g["reward"]),
+            "well_formed": jnp.mean(g["well_formed"]),
+            "sampled_accuracy": jnp.mean(s["correct"]),
+            "sampled_reward": jnp.mean(s["reward"]),
+        }
 
     return evaluate
 
@@ -98,15 +114,16 @@ class Demo:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.task = AdditionTask(digits=cfg.digits, held_out=cfg.held_out)
-        model_key = (self.task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads,
-                     cfg.tie_embeddings)
+        model_key = (self.task.seq_len - 1, cfg.d_model, cfg.layers, cfg.heads, cfg.tie_embeddings)
         self.lm = _model(*model_key)
         self.init_fn = _init_program(model_key)
         self.sft_optimizer, self.sft_step = _sft_program(model_key, cfg.warmup_lr, cfg.backend)
-        updates_per_step = (cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo in algos.PPO_STYLE
-                            else 1)
+        updates_per_step = (
+            cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo in algos.PPO_STYLE else 1
+        )
         self.rl_optimizer, self.rl_step = _rl_program(
-            model_key, self.task, cfg.lr, cfg.lr_warmup * updates_per_step, cfg.rl_config())
+            model_key, self.task, cfg.lr, cfg.lr_warmup * updates_per_step, cfg.rl_config()
+        )
         self.evaluate_fn = _eval_program(model_key, self.task, cfg.temperature)
         self.held_prompts, self.held_sums = self.task.held_out_set()
         self.eval_key = jax.random.fold_in(jax.random.key(cfg.seed), 2**31 - 1)
@@ -116,8 +133,12 @@ class Demo:
         return self.init_fn(jax.random.key(self.cfg.seed), dummy)
 
     def init_state(self, params) -> algos.State:
-        return {"params": params, "opt_state": self.rl_optimizer.init(params),
-                "ref_params": params, "step": jnp.zeros((), jnp.int32)}
+        return {
+            "params": params,
+            "opt_state": self.rl_optimizer.init(params),
+            "ref_params": params,
+            "step": jnp.zeros((), jnp.int32),
+        }
 
     def evaluate(self, params, prompts=None, sums=None) -> dict[str, float]:
         """Metrics on the held-out set (or on the given prompts), with a fixed sampling key."""
@@ -127,8 +148,7 @@ class Demo:
         return {k: float(v) for k, v in out.items()}
 
     def sft_batch(self, step: int):
-        prompts, sums = self.task.train_batch(self.cfg.seed, step, self.cfg.warmup_batch,
-                                              phase=1)
+        prompts, sums = self.task.train_batch(self.cfg.seed, step, self.cfg.warmup_batch, phase=1)
         answers = self.task.answer_tokens(sums)
         ends = np.argmax(answers == EOS, axis=1)
         mask = (np.arange(answers.shape[1])[None, :] <= ends[:, None]).astype(np.float32)
@@ -205,8 +225,12 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             last = demo.evaluate(state["params"])
             log["evals"].append({"step": step + 1, **_round(last)})
-        bar.update(step + 1 - first, reward=metrics["reward"], acc=metrics["accuracy"],
-                   held_out=last["accuracy"])
+        bar.update(
+            step + 1 - first,
+            reward=metrics["reward"],
+            acc=metrics["accuracy"],
+            held_out=last["accuracy"],
+        )
     bar.close()
     after = demo.evaluate(state["params"])
 
@@ -252,8 +276,9 @@ def write_outputs(out: str | None, log: dict[str, Any], state: Any, plot_fn, str
     with open(os.path.join(out, "log.json"), "w") as f:
         json.dump(log, f, indent=1)
     plot_fn(log, os.path.join(out, "curves.png"))
-    checkpoint.save(os.path.join(out, checkpoint.FILENAME), state, config=log["config"],
-                    history=log)
+    checkpoint.save(
+        os.path.join(out, checkpoint.FILENAME), state, config=log["config"], history=log
+    )
     print(f"wrote {out}/log.json, {out}/curves.png, {out}/{checkpoint.FILENAME}", file=stream)
 
 
@@ -280,17 +305,30 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
         return f"{100 * x:6.1f} %"
 
     rows = [
-        ("held-out accuracy (greedy)", pct(s["held_out_accuracy_before"]),
-         pct(s["held_out_accuracy_after"]),
-         f"{100 * (s['held_out_accuracy_after'] - s['held_out_accuracy_before']):+.1f} pts"),
-        ("held-out reward (greedy)", f"{s['held_out_reward_before']:8.3f}",
-         f"{s['held_out_reward_after']:8.3f}",
-         f"{s['held_out_reward_after'] - s['held_out_reward_before']:+.3f}"),
-        (f"held-out reward (T={cfg.temperature:g})", f"{s['sampled_reward_before']:8.3f}",
-         f"{s['sampled_reward_after']:8.3f}",
-         f"{s['sampled_reward_after'] - s['sampled_reward_before']:+.3f}"),
-        ("train reward (first / last 10 steps)", f"{s['train_reward_first']:8.3f}",
-         f"{s['train_reward_last10']:8.3f}", ""),
+        (
+            "held-out accuracy (greedy)",
+            pct(s["held_out_accuracy_before"]),
+            pct(s["held_out_accuracy_after"]),
+            f"{100 * (s['held_out_accuracy_after'] - s['held_out_accuracy_before']):+.1f} pts",
+        ),
+        (
+            "held-out reward (greedy)",
+            f"{s['held_out_reward_before']:8.3f}",
+            f"{s['held_out_reward_after']:8.3f}",
+            f"{s['held_out_reward_after'] - s['held_out_reward_before']:+.3f}",
+        ),
+        (
+            f"held-out reward (T={cfg.temperature:g})",
+            f"{s['sampled_reward_before']:8.3f}",
+            f"{s['sampled_reward_after']:8.3f}",
+            f"{s['sampled_reward_after'] - s['sampled_reward_before']:+.3f}",
+        ),
+        (
+            "train reward (first / last 10 steps)",
+            f"{s['train_reward_first']:8.3f}",
+            f"{s['train_reward_last10']:8.3f}",
+            "",
+        ),
     ]
     lines = [
         f"jaxrl_kernels demo: {cfg.algo} on {cfg.digits}-digit addition | model d={cfg.d_model} "
@@ -299,11 +337,15 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
     ]
     lines += [f"{a:38s}{b:>12s}{c:>12s}{d:>12s}" for a, b, c, d in rows]
     if s["tokens_per_second"] is None:
-        throughput = (f"one step this run, {s['rl_first_step_seconds']:.1f} s including "
-                      "compilation (no steady-state rate)")
+        throughput = (
+            f"one step this run, {s['rl_first_step_seconds']:.1f} s including "
+            "compilation (no steady-state rate)"
+        )
     else:
-        throughput = (f"{s['tokens_per_second']:,.0f} sampled tokens/s ({s['rl_step_ms']:.1f} "
-                      f"ms/step; first step incl. compile {s['rl_first_step_seconds']:.1f} s)")
+        throughput = (
+            f"{s['tokens_per_second']:,.0f} sampled tokens/s ({s['rl_step_ms']:.1f} "
+            f"ms/step; first step incl. compile {s['rl_first_step_seconds']:.1f} s)"
+        )
     if s["resumed_from_step"] is None:
         phases = f"warm start {s['warm_start_seconds']:.1f} s"
     else:
@@ -320,14 +362,14 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
 def plot(log: dict[str, Any], path: str) -> None:
     """Three panels: the warm start's NLL, the RL reward, held-out accuracy; resumes marked."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
     warm = log["warm_start"]
     ax0.plot([w["step"] for w in warm], [w["nll"] for w in warm], "o-", ms=2)
-    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token",
-            title="supervised warm start")
+    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token", title="supervised warm start")
     steps = [r["step"] for r in log["rl"]]
     rewards = [r["reward"] for r in log["rl"]]
     ax1.plot(steps, rewards, lw=0.8, alpha=0.5, label="train (sampled)")
@@ -335,12 +377,20 @@ def plot(log: dict[str, Any], path: str) -> None:
         smooth = np.convolve(rewards, np.ones(10) / 10, mode="valid")
         ax1.plot(steps[9:], smooth, lw=1.6, label="train, 10-step mean")
     ev = log["evals"]
-    ax1.plot([e["step"] for e in ev], [e["sampled_reward"] for e in ev], "o-", ms=3,
-             label="held-out (sampled)")
+    ax1.plot(
+        [e["step"] for e in ev],
+        [e["sampled_reward"] for e in ev],
+        "o-",
+        ms=3,
+        label="held-out (sampled)",
+    )
     ax1.set(xlabel="RL step", ylabel="mean reward", title="reward")
     ax2.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3)
-    ax2.set(xlabel="RL step (0 = after the warm start)", ylabel="accuracy (%)",
-            title="held-out accuracy (greedy)")
+    ax2.set(
+        xlabel="RL step (0 = after the warm start)",
+        ylabel="accuracy (%)",
+        title="held-out accuracy (greedy)",
+    )
     for ax in (ax1, ax2):
         for i, step in enumerate(log.get("resumed_at", [])):
             ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if i == 0 else None)

@@ -22,8 +22,10 @@ def check_dims(d_model: int, layers: int, heads: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     if d_model % heads:
-        raise ValueError(f"d_model: expected a multiple of heads={heads} (each head gets "
-                         f"d_model / heads features), got {d_model}")
+        raise ValueError(
+            f"d_model: expected a multiple of heads={heads} (each head gets "
+            f"d_model / heads features), got {d_model}"
+        )
 
 
 class Block(nn.Module):
@@ -34,8 +36,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.d_model,
-                                            deterministic=True)(h, h, mask=mask)
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.heads, qkv_features=self.d_model, deterministic=True
+        )(h, h, mask=mask)
         x = x + h
         h = nn.LayerNorm()(x)
         h = nn.Dense(self.mlp_ratio * self.d_model)(h)
@@ -62,8 +65,9 @@ class CausalLM(nn.Module):
         for i in range(self.layers):
             x = Block(self.d_model, self.heads, name=f"block{i}")(x, mask)
         if not self.tie_embeddings:
-            self.param("lm_head", nn.initializers.normal(self.d_model ** -0.5),
-                       (self.d_model, self.vocab))
+            self.param(
+                "lm_head", nn.initializers.normal(self.d_model**-0.5), (self.d_model, self.vocab)
+            )
         return nn.LayerNorm(name="final_norm")(x)
 
 

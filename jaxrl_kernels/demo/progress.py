@@ -12,8 +12,15 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, total: int, label: str, *, stream: TextIO | None = None,
-                 enabled: bool = True, width: int = 24):
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        width: int = 24,
+    ):
         self.total = max(int(total), 1)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -36,8 +43,11 @@ class Progress:
         filled = int(self.width * done / self.total)
         bar = "#" * filled + "." * (self.width - filled)
         parts = [f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()]
-        line = (f"{self.label} [{bar}] {done}/{self.total} " + " ".join(parts)
-                + f" | {rate:.1f} it/s, {elapsed:.0f}s elapsed, eta {eta:.0f}s")
+        line = (
+            f"{self.label} [{bar}] {done}/{self.total} "
+            + " ".join(parts)
+            + f" | {rate:.1f} it/s, {elapsed:.0f}s elapsed, eta {eta:.0f}s"
+        )
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:

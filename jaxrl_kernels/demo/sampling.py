@@ -23,9 +23,16 @@ from jaxrl_kernels.demo import model as model_lib
 from jaxrl_kernels.demo.task import EOS, PAD
 
 
-def generate(lm: model_lib.CausalLM, params, prompts: jax.Array, key: jax.Array, *,
-             max_new: int, temperature: float = 1.0, greedy: bool | jax.Array = False
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def generate(
+    lm: model_lib.CausalLM,
+    params,
+    prompts: jax.Array,
+    key: jax.Array,
+    *,
+    max_new: int,
+    temperature: float = 1.0,
+    greedy: bool | jax.Array = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample answers; returns ``(tokens[B, max_new], logp[B, max_new], mask[B, max_new])``.
 
     ``greedy`` is a bool or a bool [B] choosing argmax decoding per row (greedy rows
@@ -40,7 +47,7 @@ def generate(lm: model_lib.CausalLM, params, prompts: jax.Array, key: jax.Array,
 
     def step(carry, i):
         buf, done = carry
-        hidden = lm.apply(params, buf[:, :total - 1])
+        hidden = lm.apply(params, buf[:, : total - 1])
         h = jax.lax.dynamic_index_in_dim(hidden, plen - 1 + i, axis=1, keepdims=False)
         z = model_lib.logits(h, weight, layout) / temp
         drawn = jax.random.categorical(jax.random.fold_in(key, i), z, axis=-1)

@@ -57,23 +57,27 @@ class AdditionTask:
 
     def __post_init__(self):
         if isinstance(self.digits, bool) or self.digits not in range(1, MAX_DIGITS + 1):
-            raise ValueError(f"digits: expected 1..{MAX_DIGITS} (the task enumerates all "
-                             f"(10^digits)^2 operand pairs), got {self.digits!r}")
-        n = 10 ** self.digits
+            raise ValueError(
+                f"digits: expected 1..{MAX_DIGITS} (the task enumerates all "
+                f"(10^digits)^2 operand pairs), got {self.digits!r}"
+            )
+        n = 10**self.digits
         if not 0 < self.held_out < n * n // 2:
-            raise ValueError(f"held_out: expected 1..{n * n // 2 - 1} for digits={self.digits} "
-                             f"(less than half of the {n * n} operand pairs), got "
-                             f"{self.held_out}")
+            raise ValueError(
+                f"held_out: expected 1..{n * n // 2 - 1} for digits={self.digits} "
+                f"(less than half of the {n * n} operand pairs), got "
+                f"{self.held_out}"
+            )
 
     def _pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """All operand pairs as flat indices, split into (train pool, held-out)."""
-        n = 10 ** self.digits
+        n = 10**self.digits
         order = np.random.default_rng(_SPLIT_SEED).permutation(n * n)
-        return np.sort(order[self.held_out:]), np.sort(order[:self.held_out])
+        return np.sort(order[self.held_out :]), np.sort(order[: self.held_out])
 
     def encode(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Prompts [B, P] int32 and sums [B] int32 for flat pair indices."""
-        n = 10 ** self.digits
+        n = 10**self.digits
         a, b = index // n, index % n
         powers = 10 ** np.arange(self.digits - 1, -1, -1)
         da = (a[:, None] // powers) % 10
@@ -85,15 +89,16 @@ class AdditionTask:
     def answer_tokens(self, sums: np.ndarray) -> np.ndarray:
         """The correct answers [B, max_new]: digits of the sum, EOS, then PAD."""
         sums = np.asarray(sums, np.int64)
-        length = 1 + sum((sums >= 10 ** k).astype(np.int64) for k in range(1, self.digits + 1))
+        length = 1 + sum((sums >= 10**k).astype(np.int64) for k in range(1, self.digits + 1))
         pos = np.arange(self.max_new)[None, :]
         place = np.maximum(length[:, None] - 1 - pos, 0)
-        digits = (sums[:, None] // 10 ** place) % 10
+        digits = (sums[:, None] // 10**place) % 10
         out = np.where(pos < length[:, None], digits, np.where(pos == length[:, None], EOS, PAD))
         return out.astype(np.int32)
 
-    def train_batch(self, seed: int, step: int, size: int, *, phase: int = 0
-                    ) -> tuple[np.ndarray, np.ndarray]:
+    def train_batch(
+        self, seed: int, step: int, size: int, *, phase: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``size`` training prompts; a pure function of (seed, phase, step)."""
         pool, _ = self._pairs()
         rng = np.random.default_rng([seed, phase, step])
@@ -114,10 +119,12 @@ class AdditionTask:
         digits_ok = jnp.all(jnp.where(before, tokens < 10, True), axis=1)
         well_formed = has_eos & (length >= 1) & (length <= self.digits + 1) & digits_ok
         place = jnp.where(before, length[:, None] - 1 - pos, 0)
-        value = jnp.sum(jnp.where(before, jnp.clip(tokens, 0, 9) * 10 ** place, 0), axis=1)
+        value = jnp.sum(jnp.where(before, jnp.clip(tokens, 0, 9) * 10**place, 0), axis=1)
         correct = well_formed & (value == sums)
         bonus = self.brevity * (width - (length + 1)) / width
         reward = jnp.where(correct, 1.0 + bonus, jnp.where(well_formed, self.format_credit, 0.0))
-        return {"reward": reward.astype(jnp.float32),
-                "correct": correct.astype(jnp.float32),
-                "well_formed": well_formed.astype(jnp.float32)}
+        return {
+            "reward": reward.astype(jnp.float32),
+            "correct": correct.astype(jnp.float32),
+            "well_formed": well_formed.astype(jnp.float32),
+        }

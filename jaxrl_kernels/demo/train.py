@@ -17,8 +17,14 @@ from typing import Any, TextIO
 
 from jaxrl_kernels.demo import algos, distill, loop
 from jaxrl_kernels.demo.config import Config, _check_resumable, flag, resume_config  # noqa: F401
-from jaxrl_kernels.demo.loop import (Demo, format_table, peak_memory, plot,  # noqa: F401
-                                     save_figure, write_outputs)
+from jaxrl_kernels.demo.loop import (  # noqa: F401
+    Demo,
+    format_table,
+    peak_memory,
+    plot,
+    save_figure,
+    write_outputs,
+)
 
 
 def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:

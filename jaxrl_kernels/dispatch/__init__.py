@@ -8,9 +8,28 @@ chosen, for ``jk.explain``. The backends are imported by ``resolve`` on first us
 below this package's front module and above ``contract``.
 """
 
-from jaxrl_kernels.dispatch.resolver import (BACKENDS, ENV_VAR, FAST, available_backends, record,
-                                            requested_backend, resolve, scoped_backend, select,
-                                            use_backend)
+from jaxrl_kernels.dispatch.resolver import (
+    BACKENDS,
+    ENV_VAR,
+    FAST,
+    available_backends,
+    record,
+    requested_backend,
+    resolve,
+    scoped_backend,
+    select,
+    use_backend,
+)
 
-__all__ = ["BACKENDS", "ENV_VAR", "FAST", "available_backends", "record", "requested_backend",
-           "resolve", "scoped_backend", "select", "use_backend"]
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "FAST",
+    "available_backends",
+    "record",
+    "requested_backend",
+    "resolve",
+    "scoped_backend",
+    "select",
+    "use_backend",
+]

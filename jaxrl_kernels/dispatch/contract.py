@@ -101,8 +101,9 @@ OP_PRIMITIVE: dict[str, str] = {
 }
 
 # Primitives whose reference implementation holds a float32 [N, V] buffer.
-VOCAB_PRIMITIVES = frozenset({"token_logprobs", "paired_logprobs", "linear_logprobs",
-                              "distill_divergence", "topk_logprobs"})
+VOCAB_PRIMITIVES = frozenset(
+    {"token_logprobs", "paired_logprobs", "linear_logprobs", "distill_divergence", "topk_logprobs"}
+)
 
 # Forward primitive -> its backward on its own, for a backend whose forward has none (its
 # ``Parts.backward`` is None). The reference backend has none (it differentiates itself).
@@ -145,28 +146,47 @@ class Problem:
         return self.platform in GPU_PLATFORMS
 
 
-def linear_problem(hidden, weight, bias, *, weight_layout: str, return_entropy: bool,
-                   batch_invariant: bool = False) -> Problem:
+def linear_problem(
+    hidden, weight, bias, *, weight_layout: str, return_entropy: bool, batch_invariant: bool = False
+) -> Problem:
     """The Problem of a linear_logprobs call (forward or backward) on flat [N, D] hidden states."""
     n_rows, dim = hidden.shape
-    return Problem(n_rows=n_rows, vocab=geometry.vocab_size(weight, weight_layout), hidden_dim=dim,
-                   dtype=dtype_name(hidden), weight_dtype=dtype_name(weight),
-                   weight_layout=weight_layout, has_bias=bias is not None,
-                   return_entropy=return_entropy, batch_invariant=batch_invariant)
+    return Problem(
+        n_rows=n_rows,
+        vocab=geometry.vocab_size(weight, weight_layout),
+        hidden_dim=dim,
+        dtype=dtype_name(hidden),
+        weight_dtype=dtype_name(weight),
+        weight_layout=weight_layout,
+        has_bias=bias is not None,
+        return_entropy=return_entropy,
+        batch_invariant=batch_invariant,
+    )
 
 
-def distill_problem(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout: str,
-                    teacher_weight_layout: str) -> Problem:
+def distill_problem(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout: str,
+    teacher_weight_layout: str,
+) -> Problem:
     """The Problem of a distill_divergence call: the student's head as :func:`linear_problem`
     on flat rows [N, D_s] (``hidden`` [..., D_s]), and the teacher's."""
-    flat = jax.ShapeDtypeStruct((int(np.prod(hidden.shape[:-1])), hidden.shape[-1]),
-                                hidden.dtype)
-    student = linear_problem(flat, weight, bias, weight_layout=weight_layout,
-                             return_entropy=False)
+    flat = jax.ShapeDtypeStruct((int(np.prod(hidden.shape[:-1])), hidden.shape[-1]), hidden.dtype)
+    student = linear_problem(flat, weight, bias, weight_layout=weight_layout, return_entropy=False)
     return dataclasses.replace(
-        student, teacher_dtype=dtype_name(t_hidden), teacher_weight_dtype=dtype_name(t_weight),
-        teacher_hidden_dim=t_hidden.shape[-1], teacher_weight_layout=teacher_weight_layout,
-        teacher_has_bias=t_bias is not None)
+        student,
+        teacher_dtype=dtype_name(t_hidden),
+        teacher_weight_dtype=dtype_name(t_weight),
+        teacher_hidden_dim=t_hidden.shape[-1],
+        teacher_weight_layout=teacher_weight_layout,
+        teacher_has_bias=t_bias is not None,
+    )
 
 
 def _serves_all(primitive: str, problem: Problem) -> str | None:
@@ -232,7 +252,8 @@ def dtype_name(x: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Parts:
-    """The two per-device pieces of a kernel backend's log-prob op (their contract: ``engine.logprob_core``'s module docstring)."""
+    """The two per-device pieces of a kernel backend's log-prob op (their contract:
+    ``engine.logprob_core``'s module docstring)."""
 
     stats: Callable[..., Any]
     backward: Callable[..., Any] | None  # None: ask dispatch for a standalone backward

@@ -29,7 +29,8 @@ DEFAULT = "lean"
 ENV_VAR = "JAXRL_KERNELS_MEMORY"
 
 _scoped: contextvars.ContextVar[str | int | None] = contextvars.ContextVar(
-    "jaxrl_kernels_memory", default=None)
+    "jaxrl_kernels_memory", default=None
+)
 
 
 def _is_budget(memory: Any) -> bool:
@@ -40,8 +41,9 @@ def check(memory: Any, what: str = "memory") -> str | int:
     """``memory`` if it is a mode of :data:`MODES` or a byte budget (an int >= 0), else a
     ``ValueError`` whose message starts with ``what``."""
     if not (_is_budget(memory) or (isinstance(memory, str) and memory in MODES)):
-        raise ValueError(f"{what}: expected 'lean', 'fast' or a byte budget (an int >= 0), "
-                         f"got {memory!r}")
+        raise ValueError(
+            f"{what}: expected 'lean', 'fast' or a byte budget (an int >= 0), got {memory!r}"
+        )
     if _is_budget(memory) and memory < 0:
         raise ValueError(f"{what}: a byte budget must be >= 0, got {memory}")
     return int(memory) if _is_budget(memory) else memory
@@ -136,8 +138,13 @@ class Request:
     kept: str = "the head's logits, then their gradient in their place"
 
 
-def choose(request: Request, backend: str | None,
-           wanted: str | None = None, *, batch_invariant: bool = False) -> MemoryNote:
+def choose(
+    request: Request,
+    backend: str | None,
+    wanted: str | None = None,
+    *,
+    batch_invariant: bool = False,
+) -> MemoryNote:
     """``"lean"`` or ``"fast"`` (``.mode``) for ``request``, with the reason (``.text``): its
     ``memory`` as :func:`requested` resolves it. ``backend``: the op's ``backend=`` argument
     (with ``"fast"`` from the op's own ``memory=``, an error: the fast mode has no backend;
@@ -152,35 +159,47 @@ def choose(request: Request, backend: str | None,
     size = _size(kept_bytes)
     if isinstance(memory, int):
         mode = "fast" if kept_bytes <= memory else "lean"
-        why = (f"{asked}: a budget of {_size(memory)} "
-               f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps")
+        why = (
+            f"{asked}: a budget of {_size(memory)} "
+            f"{'>=' if mode == 'fast' else '<'} the {size} of logits 'fast' keeps"
+        )
     else:
         mode, why = memory, asked
     if mode == "fast" and batch_invariant:
         if memory == "fast" and request.memory is not None:
-            raise ValueError("memory: 'fast' is not batch-invariant (XLA's GEMM and reductions "
-                             "over all N rows at once); batch_invariant=True takes "
-                             "memory='lean' (or None)")
+            raise ValueError(
+                "memory: 'fast' is not batch-invariant (XLA's GEMM and reductions "
+                "over all N rows at once); batch_invariant=True takes "
+                "memory='lean' (or None)"
+            )
         mode, why = "lean", f"{why}, but batch_invariant=True, which 'fast' does not serve"
     if mode == "fast" and backend is not None and request.memory is None:
         # a scope or the variable is a default: a call's own backend= is more specific
         mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"
     if mode == "fast" and backend is not None:
-        raise ValueError(f"backend: {backend!r} serves memory='lean' only, and 'fast' was chosen "
-                         f"({why}); 'fast' keeps the logits, and dispatch alone chooses what "
-                         "makes them (pass backend=None, or memory='lean')")
+        raise ValueError(
+            f"backend: {backend!r} serves memory='lean' only, and 'fast' was chosen "
+            f"({why}); 'fast' keeps the logits, and dispatch alone chooses what "
+            "makes them (pass backend=None, or memory='lean')"
+        )
     if mode == "fast" and loss:
-        text = (f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
-                f"{np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}); GEMMs of the head: {gemms[0]} per "
-                "forward+backward")
+        text = (
+            f"memory fast ({why}): the loss's gradient taken in the forward: {kept}, as "
+            f"{np.dtype(kept_dtype).name} "
+            f"{list(kept_shape)} ({size}); GEMMs of the head: {gemms[0]} per "
+            "forward+backward"
+        )
     elif mode == "fast":
-        text = (f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
-                f"{list(kept_shape)} ({size}) for the backward; GEMMs of the head: "
-                f"{gemms[0]} per forward+backward")
+        text = (
+            f"memory fast ({why}): the head's logits kept as {np.dtype(kept_dtype).name} "
+            f"{list(kept_shape)} ({size}) for the backward; GEMMs of the head: "
+            f"{gemms[0]} per forward+backward"
+        )
         if wanted is not None:
             text += f"; the backend override {wanted!r} applies to memory='lean' only"
     else:
-        text = (f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
-                f"({gemms[1]} GEMMs per forward+backward)")
+        text = (
+            f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
+            f"({gemms[1]} GEMMs per forward+backward)"
+        )
     return MemoryNote(mode, text)

@@ -26,10 +26,16 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from jaxrl_kernels.dispatch import trace_log
 from jaxrl_kernels.dispatch import memory as memory_lib
-from jaxrl_kernels.dispatch.contract import (OP_PRIMITIVE, STANDALONE_BACKWARDS, Backend, Choice,
-                                             Parts, Problem)
+from jaxrl_kernels.dispatch import trace_log
+from jaxrl_kernels.dispatch.contract import (
+    OP_PRIMITIVE,
+    STANDALONE_BACKWARDS,
+    Backend,
+    Choice,
+    Parts,
+    Problem,
+)
 
 BACKENDS: tuple[str, ...] = ("ffi", "pallas", "chunked", "reference")
 """Every backend, best first."""
@@ -44,7 +50,8 @@ serves ``kept_logits`` (``saved_logits``, ``fused_loss``)."""
 ENV_VAR = "JAXRL_KERNELS_BACKEND"
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "jaxrl_kernels_backend", default=None)
+    "jaxrl_kernels_backend", default=None
+)
 
 
 def _validate_name(name: str, what: str) -> str:
@@ -100,8 +107,14 @@ def requested_backend(backend: str | None) -> str | None:
     return None
 
 
-def select(op: str, problem: Problem, backend: str | None = None, *,
-           primitive: str | None = None, strict: bool = True) -> Choice:
+def select(
+    op: str,
+    problem: Problem,
+    backend: str | None = None,
+    *,
+    primitive: str | None = None,
+    strict: bool = True,
+) -> Choice:
     """The single selection function (:func:`resolve` also records its outcome).
 
     ``op`` is the public op name; ``primitive`` defaults to the op's main
@@ -126,8 +139,9 @@ def _automatic(op: str, problem: Problem, primitive: str) -> Choice:
     choice takes."""
     declined = []
     for name in BACKENDS:
-        why = (_backend_refusal(name, primitive, problem)
-               or _backend(name).automatic(primitive, problem))
+        why = _backend_refusal(name, primitive, problem) or _backend(name).automatic(
+            primitive, problem
+        )
         if why is None:
             return _choice(op, problem, primitive, name, False, tuple(declined))
         declined.append((name, why))
@@ -138,16 +152,25 @@ def _choice(op, problem, primitive, name, explicit, declined) -> Choice:
     impl = _backend(name).ops_for(problem)[primitive]
     backward = None
     if isinstance(impl, Parts) and impl.backward is None:
+
         def backward():
-            return resolve(op, problem, primitive=STANDALONE_BACKWARDS[primitive],
-                           strict=False).impl
-    return Choice(name, impl, explicit, declined, backward,
-                  batch_invariant=problem.batch_invariant)
+            return resolve(
+                op, problem, primitive=STANDALONE_BACKWARDS[primitive], strict=False
+            ).impl
+
+    return Choice(name, impl, explicit, declined, backward, batch_invariant=problem.batch_invariant)
 
 
-def resolve(op: str, problem: Problem, backend: str | None = None, *,
-            primitive: str | None = None, strict: bool = True,
-            memory: memory_lib.Request | None = None, kept: str | None = None) -> Choice:
+def resolve(
+    op: str,
+    problem: Problem,
+    backend: str | None = None,
+    *,
+    primitive: str | None = None,
+    strict: bool = True,
+    memory: memory_lib.Request | None = None,
+    kept: str | None = None,
+) -> Choice:
     """:func:`select`, recorded for :func:`explain` under ``primitive`` (given) or ``op``.
 
     Every call site uses this. A forward without a backward of its own (``Choice.backward``
@@ -166,8 +189,7 @@ def resolve(op: str, problem: Problem, backend: str | None = None, *,
     """
     if memory is not None:
         wanted = None if backend is not None else requested_backend(None)
-        note = memory_lib.choose(memory, backend, wanted,
-                                 batch_invariant=problem.batch_invariant)
+        note = memory_lib.choose(memory, backend, wanted, batch_invariant=problem.batch_invariant)
         if note.mode == "fast":
             record(op, note)
             if kept is None:
@@ -222,8 +244,11 @@ def available_backends(op: str) -> tuple[str, ...]:
     runnable = []
     for name in BACKENDS:
         backend = _backend(name)
-        if (isinstance(backend, Exception) or backend.unavailable_reason()
-                or primitive not in backend.ops):
+        if (
+            isinstance(backend, Exception)
+            or backend.unavailable_reason()
+            or primitive not in backend.ops
+        ):
             continue
         runnable.append(backend)
     return tuple(b.name for b in sorted(runnable, key=rank))  # stable: BACKENDS order in a group
@@ -262,6 +287,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 
 # -- explain: the choices an op makes while it is traced abstractly ---------------------------
+
 
 def record(step: str, note: Any) -> Any:
     """Note ``note`` (a :class:`Choice`, or anything with ``explain_line(step)``, such as

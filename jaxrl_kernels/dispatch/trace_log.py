@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 _log: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
-    "jaxrl_kernels_trace_log", default=None)
+    "jaxrl_kernels_trace_log", default=None
+)
 
 
 def note(step: str, what: Any) -> Any:

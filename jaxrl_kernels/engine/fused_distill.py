@@ -37,11 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.formulas import divergence_math as dm
 from jaxrl_kernels.engine import vjp
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.head import rounded_logits
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import geometry, head_grad, rounded_logits
 from jaxrl_kernels.head.blocks import equal_blocks
 from jaxrl_kernels.sharding.vma import varying_like
 
@@ -62,14 +60,31 @@ def _rows_stats(plan, a, t, *, divergence, beta, temperature):
     stats = dm.pair_stats_update(dm.pair_stats_init(a.shape[:1]), a, t, True)
     stats = dm.pair_stats_combine(stats, plan.vocab_axes)
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
-    d, kl_s = dm.choose_divergence(divergence, beta, reverse, forward,
-                                   lambda: dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta),
-                                   plan.vocab_axes)
+    d, kl_s = dm.choose_divergence(
+        divergence,
+        beta,
+        reverse,
+        forward,
+        lambda: dm.jsd_tile_sums(a, t, lse_s, lse_t, True, beta),
+        plan.vocab_axes,
+    )
     return d, lse_s, lse_t, kl_s
 
 
-def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
-                   teacher_weight_layout, block_bytes, **math):
+def _local_forward(
+    plan,
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    block_bytes,
+    **math,
+):
     """This device's flat rows and vocabulary slice: ``d`` [N], then the residuals ``1/σ`` [N]
     and ``σ·J`` [N, V_local].
 
@@ -89,13 +104,20 @@ def _local_forward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, *, we
         a = _scaled_logits(rows(h), weight, bias, weight_layout, temperature)
         t = _scaled_logits(rows(th), t_weight, t_bias, teacher_weight_layout, temperature)
         d, lse_s, lse_t, kl_s = _rows_stats(plan, a, t, **math)
-        j = dm.student_grad_tile(divergence, a, t, lse_s, lse_t, d, kl_s, jnp.ones_like(d),
-                                 beta, temperature)
-        sigma = (_row_scale(j, plan.vocab_axes) if kept == jnp.float16
-                 else jnp.ones(j.shape[:1], jnp.float32))
+        j = dm.student_grad_tile(
+            divergence, a, t, lse_s, lse_t, d, kl_s, jnp.ones_like(d), beta, temperature
+        )
+        sigma = (
+            _row_scale(j, plan.vocab_axes)
+            if kept == jnp.float16
+            else jnp.ones(j.shape[:1], jnp.float32)
+        )
         update = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, 0)
-        return (update(d_all, d), update(inv_all, 1.0 / sigma),
-                update(grad, (j * sigma[:, None]).astype(kept)))
+        return (
+            update(d_all, d),
+            update(inv_all, 1.0 / sigma),
+            update(grad, (j * sigma[:, None]).astype(kept)),
+        )
 
     # d and σ have crossed the vocabulary slices (psum, pmax): they vary with the rows only
     per_row = varying_like(jnp.zeros((n,), jnp.float32), hidden, t_hidden)
@@ -114,8 +136,21 @@ def _row_scale(j, vocab_axes):
     return head_grad.pow2_range(amax)
 
 
-def _local_backward(plan, hidden, weight, bias, t_hidden, t_weight, t_bias, row_valid,
-                    inv_sigma, grad, g, *, weight_layout):
+def _local_backward(
+    plan,
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    row_valid,
+    inv_sigma,
+    grad,
+    g,
+    *,
+    weight_layout,
+):
     """``(g ⊙ J·W, Jᵀ·(g ⊙ h), Σ g ⊙ J)`` on one device's flat rows (see the module
     docstring), from the kept ``σ·J`` and ``1/σ``: ``g/σ`` scales its rows, exactly.
     ``d_hidden`` is float32 (rounded after the sum over vocabulary slices)."""
@@ -132,14 +167,29 @@ def divergence_rows(operands, row_valid, *, opts, vocab_axis):
     t_hidden, t_weight, t_bias), its gradient to the student taken in the forward (the
     teacher's operands get none)."""
     rows = "rr"
-    roles = (rows + "-", geometry.roles(opts["weight_layout"]), "v", rows + "-",
-             geometry.roles(opts["teacher_weight_layout"]), "v", rows)
+    roles = (
+        rows + "-",
+        geometry.roles(opts["weight_layout"]),
+        "v",
+        rows + "-",
+        geometry.roles(opts["teacher_weight_layout"]),
+        "v",
+        rows,
+    )
 
     def forward(plan, *args):
         return _local_forward(plan, *args[:6], block_bytes=BLOCK_BYTES, **opts)
 
     backward = functools.partial(_local_backward, weight_layout=opts["weight_layout"])
-    (d,) = vjp.differentiable(forward, backward, tuple(operands) + (row_valid,), roles,
-                                 (rows,), (rows, rows + "v"), diff=(0, 1, 2),
-                                 unused=(3, 4, 5), vocab_axis=vocab_axis)
+    (d,) = vjp.differentiable(
+        forward,
+        backward,
+        tuple(operands) + (row_valid,),
+        roles,
+        (rows,),
+        (rows, rows + "v"),
+        diff=(0, 1, 2),
+        unused=(3, 4, 5),
+        vocab_axis=vocab_axis,
+    )
     return d

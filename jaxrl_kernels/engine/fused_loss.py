@@ -40,15 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl_kernels.head import rounded_logits
-from jaxrl_kernels.sharding import collectives
-from jaxrl_kernels.engine import vjp
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import linear_head, logprob_core
-from jaxrl_kernels.engine import saved_logits
+from jaxrl_kernels.engine import linear_head, logprob_core, saved_logits, vjp
 from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry, head_grad, rounded_logits
 from jaxrl_kernels.head.blocks import blocks
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding.vma import varying_like
 
 
@@ -60,22 +56,41 @@ ROW_BLOCK_BYTES = 64 * 2**20
 """The logits' gradient is written over them in blocks of rows of about this size."""
 
 
-def _local_forward(kept, plan, hidden, weight, bias, targets, row_valid, *, weight_layout,
-                   temperature, with_entropy):
+def _local_forward(
+    kept,
+    plan,
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+):
     """One device's flat rows: (logp, entropy if asked, lse, active, z [N, V_local]), the
     logits and their statistics from ``kept`` (the ``kept_logits`` primitive)."""
     vocab = geometry.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
     stats, t_rel, z = kept(
-        plan, hidden, weight, bias, t_local, row_valid, weight_layout=weight_layout,
-        temperature=temperature, with_entropy=with_entropy)
-    logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab,
-                                                      row_valid)
+        plan,
+        hidden,
+        weight,
+        bias,
+        t_local,
+        row_valid,
+        weight_layout=weight_layout,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
+    logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab, row_valid)
     return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
 
 
-def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *,
-                      weight_layout, temperature):
+def _local_logit_grad(
+    plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *, weight_layout, temperature
+):
     """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
     block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
@@ -90,14 +105,17 @@ def _local_logit_grad(plan, weight, bias, z, targets, lse, entropy, active, g, g
     def block(c, carry):
         flat, col_sums = carry if bias is not None else (carry, None)
         start, fresh = spans.start(c), spans.fresh(c)[:, None]
-        t, l, ent, gg, ge = (None if x is None else
-                             jax.lax.dynamic_slice_in_dim(x, start, spans.size) for x in per_row)
+        t, l, ent, gg, ge = (
+            None if x is None else jax.lax.dynamic_slice_in_dim(x, start, spans.size)
+            for x in per_row
+        )
         z_c = jax.lax.dynamic_slice_in_dim(flat, start, spans.size)
         zs = rounded_logits.scaled(z_c, bias, temperature)
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         flat = jax.lax.dynamic_update_slice_in_dim(
-            flat, jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c), start, 0)
+            flat, jnp.where(fresh, (dz * scale).astype(flat.dtype), z_c), start, 0
+        )
         if col_sums is None:
             return flat
         return flat, col_sums + jnp.sum(jnp.where(fresh, dz, 0.0), axis=0)
@@ -137,8 +155,9 @@ def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
     return head_grad.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
 
 
-def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs,
-                      call: linear_head.HeadCall):
+def fused_linear_loss(
+    kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs, call: linear_head.HeadCall
+):
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
 
@@ -161,29 +180,38 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
 
     def small_vjp(logp, entropy, leaves):
         """``loss_fn``'s outputs and VJP in (logp, entropy, the float leaves of inputs)."""
+
         def f(logp, entropy, float_leaves):
             full = list(leaves)
             for i, x in zip(floats, float_leaves):
                 full[i] = x
             return loss_fn(logp, entropy, jax.tree.unflatten(tree, full))
+
         return jax.vjp(f, logp, entropy, [leaves[i] for i in floats])
 
     def forward(hidden, weight, bias, targets, row_valid):
         """(logp, entropy | None), (lse, active, z), through the engine's forward step."""
         local = functools.partial(_local_forward, kept, with_entropy=with_entropy, **options)
-        outs = vjp.stage(local, (hidden, weight, bias, targets, row_valid),
-                            (h_roles, w_roles, b_roles, rows, rows),
-                            (rows,) * (4 if with_entropy else 3) + (rows + "v",),
-                            vocab_axis=vocab_axis, note=True)
+        outs = vjp.stage(
+            local,
+            (hidden, weight, bias, targets, row_valid),
+            (h_roles, w_roles, b_roles, rows, rows),
+            (rows,) * (4 if with_entropy else 3) + (rows + "v",),
+            vocab_axis=vocab_axis,
+            note=True,
+        )
         return (outs[0], outs[1] if with_entropy else None), outs[-3:]
 
     def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
         local = functools.partial(_local_logit_grad, **options)
-        return vjp.stage(local, (weight, bias, z, targets, lse, entropy, active, g, g_ent),
-                            (w_roles, b_roles, rows + "v") + (rows,) * 6,
-                            (rows + "v", rows) + ((b_roles,) if has_bias else ()),
-                            grads_of=(None, None) + ((1,) if has_bias else ()),
-                            vocab_axis=vocab_axis)
+        return vjp.stage(
+            local,
+            (weight, bias, z, targets, lse, entropy, active, g, g_ent),
+            (w_roles, b_roles, rows + "v") + (rows,) * 6,
+            (rows + "v", rows) + ((b_roles,) if has_bias else ()),
+            grads_of=(None, None) + ((1,) if has_bias else ()),
+            vocab_axis=vocab_axis,
+        )
 
     @jax.custom_vjp
     def op(hidden, weight, bias, targets, row_valid, leaves):
@@ -192,18 +220,44 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
 
     def fwd(hidden, weight, bias, targets, row_valid, leaves):
         hidden, weight, bias, targets, row_valid, leaves = jax.tree.map(
-            lambda p: p.value, (hidden, weight, bias, targets, row_valid, leaves))
+            lambda p: p.value, (hidden, weight, bias, targets, row_valid, leaves)
+        )
         (logp, entropy), (lse, active, z) = forward(hidden, weight, bias, targets, row_valid)
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
-        dz, inv_scale, *col_sums = logit_grad(weight, bias, z, targets, lse, entropy, active, g,
-                                              g_ent)
-        return outs, (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz,
-                      inv_scale, col_sums)
+        dz, inv_scale, *col_sums = logit_grad(
+            weight, bias, z, targets, lse, entropy, active, g, g_ent
+        )
+        return outs, (
+            hidden,
+            weight,
+            bias,
+            targets,
+            leaves,
+            logp,
+            entropy,
+            lse,
+            active,
+            dz,
+            inv_scale,
+            col_sums,
+        )
 
     def bwd(res, cts):
-        (hidden, weight, bias, targets, leaves, logp, entropy, lse, active, dz, inv_scale,
-         col_sums) = res
+        (
+            hidden,
+            weight,
+            bias,
+            targets,
+            leaves,
+            logp,
+            entropy,
+            lse,
+            active,
+            dz,
+            inv_scale,
+            col_sums,
+        ) = res
         ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
         c, others = ct_leaves[0], ct_leaves[1:]
         outs, pullback = small_vjp(logp, entropy, leaves)
@@ -214,19 +268,39 @@ def fused_linear_loss(kept, loss_fn, hidden, weight, bias, targets, row_valid, i
             # the whole per-token cotangent through the recomputed logits: one rounding of
             # the logits' gradient, as for the loss alone
             grads = linear_head.head_backward(
-                functools.partial(saved_logits.recomputed_backward, **options), hidden, weight,
-                bias, (), *common, g, g_ent, call)
+                functools.partial(saved_logits.recomputed_backward, **options),
+                hidden,
+                weight,
+                bias,
+                (),
+                *common,
+                g,
+                g_ent,
+                call,
+            )
         elif not isinstance(c, SymbolicZero):
             c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
             d_hidden, d_weight, _ = linear_head.head_backward(
-                functools.partial(_local_head_grads, weight_layout=weight_layout), hidden,
-                weight, None, (dz,), *common, c_rows, None, call)
-            d_bias = None if bias is None else (c.astype(jnp.float32) * col_sums[0]
-                                                ).astype(bias.dtype)
+                functools.partial(_local_head_grads, weight_layout=weight_layout),
+                hidden,
+                weight,
+                None,
+                (dz,),
+                *common,
+                c_rows,
+                None,
+                call,
+            )
+            d_bias = (
+                None if bias is None else (c.astype(jnp.float32) * col_sums[0]).astype(bias.dtype)
+            )
             grads = (d_hidden, d_weight, d_bias)
         if grads is None:
-            grads = (jnp.zeros_like(hidden), jnp.zeros_like(weight),
-                     None if bias is None else jnp.zeros_like(bias))
+            grads = (
+                jnp.zeros_like(hidden),
+                jnp.zeros_like(weight),
+                None if bias is None else jnp.zeros_like(bias),
+            )
         d_leaves = [None] * len(leaves)
         for i, d in zip(floats, d_floats):
             d_leaves[i] = d
@@ -245,5 +319,9 @@ def _seed(outs):
 
 def _instantiate(cts, outs):
     """``cts`` with every symbolic zero made an array of its output's shape and dtype."""
-    return jax.tree.map(lambda c, o: jnp.zeros_like(o) if isinstance(c, SymbolicZero) else c,
-                        cts, outs, is_leaf=lambda c: isinstance(c, SymbolicZero))
+    return jax.tree.map(
+        lambda c, o: jnp.zeros_like(o) if isinstance(c, SymbolicZero) else c,
+        cts,
+        outs,
+        is_leaf=lambda c: isinstance(c, SymbolicZero),
+    )

@@ -14,13 +14,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import Choice, Problem, linear_problem
 from jaxrl_kernels.engine import fused_loss, saved_logits
 from jaxrl_kernels.engine.linear_head import HeadCall, linear_from_parts
-from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import geometry, rounded_logits
 from jaxrl_kernels.sharding.entry import global_vocab
 
 __all__ = ["HeadCall", "choose", "kept_search", "logprob_rows", "loss_rows"]
@@ -32,12 +31,23 @@ def kept_search(op: str, truncation, n_rows: int, vocab: int, backend: str | Non
     has one, else automatic choice's."""
     if truncation is None:
         return None
-    return dispatch.resolve(op, Problem(n_rows=n_rows, vocab=vocab), backend,
-                            primitive="kept_set", strict=False).impl
+    return dispatch.resolve(
+        op, Problem(n_rows=n_rows, vocab=vocab), backend, primitive="kept_set", strict=False
+    ).impl
 
 
-def choose(op: str, memory: Any, hidden, weight, bias, rows, call: HeadCall,
-           backend: str | None, *, loss: bool = False) -> Choice:
+def choose(
+    op: str,
+    memory: Any,
+    hidden,
+    weight,
+    bias,
+    rows,
+    call: HeadCall,
+    backend: str | None,
+    *,
+    loss: bool = False,
+) -> Choice:
     """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (``rows``:
     the rows' shape, or an array of it): the kept-logits path (``choice.fast``) or a backend,
     and why (``call.batch_invariant``: the backend's batch-invariant implementation, always
@@ -46,12 +56,21 @@ def choose(op: str, memory: Any, hidden, weight, bias, rows, call: HeadCall,
     vocab = global_vocab(geometry.vocab_size(weight, call.weight_layout), call.vocab_axis)
     n_rows = math.prod(rows)
     request = memory_lib.Request(
-        memory, rounded_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
-        rows + (vocab,), rounded_logits.kept_dtype(hidden.dtype, weight.dtype), loss=loss)
+        memory,
+        rounded_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
+        rows + (vocab,),
+        rounded_logits.kept_dtype(hidden.dtype, weight.dtype),
+        loss=loss,
+    )
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
-    problem = linear_problem(flat_hidden, weight, bias, weight_layout=call.weight_layout,
-                             return_entropy=call.return_entropy,
-                             batch_invariant=call.batch_invariant)
+    problem = linear_problem(
+        flat_hidden,
+        weight,
+        bias,
+        weight_layout=call.weight_layout,
+        return_entropy=call.return_entropy,
+        batch_invariant=call.batch_invariant,
+    )
     return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
 
 
@@ -60,19 +79,45 @@ def logprob_rows(hidden, weight, bias, targets, row_valid, call: HeadCall, choic
     hidden [..., D] with rows [...] (targets, row_valid: [...] or K ids [..., K]). Returns
     (logp like targets, entropy [...] | None), and with ``call.truncation`` whether each target
     is in its row's kept set."""
-    find_kept = kept_search("linear_logprobs", call.truncation, math.prod(hidden.shape[:-1]),
-                            geometry.vocab_size(weight, call.weight_layout),
-                            choice.backend if choice.explicit else None)
+    find_kept = kept_search(
+        "linear_logprobs",
+        call.truncation,
+        math.prod(hidden.shape[:-1]),
+        geometry.vocab_size(weight, call.weight_layout),
+        choice.backend if choice.explicit else None,
+    )
     targets = targets.astype(jnp.int32)
     if choice.fast:
-        return saved_logits.fast_linear_logprobs(choice.impl, hidden, weight, bias, targets,
-                                                 row_valid, call, find_kept=find_kept)
-    return linear_from_parts(choice.impl, hidden, weight, bias, targets, row_valid, call,
-                             backward=choice.backward, find_kept=find_kept)
+        return saved_logits.fast_linear_logprobs(
+            choice.impl, hidden, weight, bias, targets, row_valid, call, find_kept=find_kept
+        )
+    return linear_from_parts(
+        choice.impl,
+        hidden,
+        weight,
+        bias,
+        targets,
+        row_valid,
+        call,
+        backward=choice.backward,
+        find_kept=find_kept,
+    )
 
 
-def loss_rows(op: str, loss_fn, inputs, hidden, weight, bias, targets, row_valid,
-              call: HeadCall, *, memory: Any, backend: str | None):
+def loss_rows(
+    op: str,
+    loss_fn,
+    inputs,
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    call: HeadCall,
+    *,
+    memory: Any,
+    backend: str | None,
+):
     """``(loss_fn(logp, entropy | None, inputs), kept | None)`` on the head's log-probs of
     ``targets``: lean, the log-probs from :func:`logprob_rows`; fast, the loss's gradient
     taken in the forward (``fused_loss``: 3 GEMMs). With ``call.truncation`` the log-probs
@@ -80,8 +125,17 @@ def loss_rows(op: str, loss_fn, inputs, hidden, weight, bias, targets, row_valid
     says whether each target is in its row's kept set."""
     choice = choose(op, memory, hidden, weight, bias, targets, call, backend, loss=True)
     if choice.fast and call.truncation is None:
-        out = fused_loss.fused_linear_loss(choice.impl, loss_fn, hidden, weight, bias,
-                                           targets.astype(jnp.int32), row_valid, inputs, call)
+        out = fused_loss.fused_linear_loss(
+            choice.impl,
+            loss_fn,
+            hidden,
+            weight,
+            bias,
+            targets.astype(jnp.int32),
+            row_valid,
+            inputs,
+            call,
+        )
         return out, None
     logp, entropy, *kept = logprob_rows(hidden, weight, bias, targets, row_valid, call, choice)
     return loss_fn(logp, entropy, inputs), (kept[0] if kept else None)

@@ -15,13 +15,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch.contract import Whole
 from jaxrl_kernels.engine import logprob_core, vjp
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.formulas.sampler_math import Truncation
 from jaxrl_kernels.head import geometry, head_ids, kept_set, vocab_chunks
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding.vma import varying_like
 
 AxisName = str | tuple[str, ...]
@@ -53,8 +53,20 @@ def head_roles(k: int, weight_layout: str) -> tuple[str, str, str]:
     return "r" * k + "-", geometry.roles(weight_layout), "v"
 
 
-def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, call: HeadCall,
-                   *, n_kept=0, logits_of=None, find_kept=None):
+def linear_head_op(
+    stats,
+    backward,
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    call: HeadCall,
+    *,
+    n_kept=0,
+    logits_of=None,
+    find_kept=None,
+):
     """``(logp, entropy | None)`` of a linear head as an :mod:`engine` op, from its halves on
     one device's flat rows:
 
@@ -80,69 +92,130 @@ def linear_head_op(stats, backward, hidden, weight, bias, targets, row_valid, ca
     if targets.ndim == hidden.ndim:
         if truncation is not None:
             raise ValueError("top_k, top_p and min_p take one target per position, not K ids")
-        return _linear_ids_op(stats, backward, hidden, weight, bias, targets, row_valid, call,
-                              n_kept=n_kept)
+        return _linear_ids_op(
+            stats, backward, hidden, weight, bias, targets, row_valid, call, n_kept=n_kept
+        )
     if targets.ndim == 0:  # one row
-        return logprob_core.first_row(linear_head_op(stats, backward, hidden[None], weight, bias,
-                                         targets[None], row_valid[None], call, n_kept=n_kept,
-                                         logits_of=logits_of, find_kept=find_kept))
+        return logprob_core.first_row(
+            linear_head_op(
+                stats,
+                backward,
+                hidden[None],
+                weight,
+                bias,
+                targets[None],
+                row_valid[None],
+                call,
+                n_kept=n_kept,
+                logits_of=logits_of,
+                find_kept=find_kept,
+            )
+        )
     rows = "r" * targets.ndim
     n_out = 2 if with_entropy else 1
     truncated = truncation is not None
     if logits_of is None:
+
         def logits_of(h, w, b, *kept):
             return kept_set.Logits(
                 vocab_chunks.linear_chunk(h, w, b, weight_layout, temperature),
-                vocab_chunks.linear_rows(h, w, b, weight_layout, temperature))
+                vocab_chunks.linear_rows(h, w, b, weight_layout, temperature),
+            )
 
     def local_forward(plan, h, w, b, t, valid):
         local_vocab = geometry.vocab_size(w, weight_layout)
         t_local = t - plan.vocab_offset(local_vocab)
         if truncated and logprob_core.stats_from_kept_set(plan, find_kept, n_kept):
             return logprob_core.finished_truncated(
-                plan, None, None, t_local, local_vocab, valid, n_out, with_entropy,
-                truncation, logits_of(h, w, b), lambda x: varying_like(x, h, w, b), find_kept)
+                plan,
+                None,
+                None,
+                t_local,
+                local_vocab,
+                valid,
+                n_out,
+                with_entropy,
+                truncation,
+                logits_of(h, w, b),
+                lambda x: varying_like(x, h, w, b),
+                find_kept,
+            )
         stats_, t_rel, *kept = stats(plan, h, w, b, t_local, valid)
         if truncated:
             return logprob_core.finished_truncated(
-                plan, stats_, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
-                truncation, logits_of(h, w, b, *kept),
-                lambda x: varying_like(x, h, w, b), find_kept) + tuple(kept)
-        return logprob_core.finished(plan, stats_, t_rel, t_local, local_vocab, valid, n_out,
-                         with_entropy) + tuple(kept)
+                plan,
+                stats_,
+                t_rel,
+                t_local,
+                local_vocab,
+                valid,
+                n_out,
+                with_entropy,
+                truncation,
+                logits_of(h, w, b, *kept),
+                lambda x: varying_like(x, h, w, b),
+                find_kept,
+            ) + tuple(kept)
+        return logprob_core.finished(
+            plan, stats_, t_rel, t_local, local_vocab, valid, n_out, with_entropy
+        ) + tuple(kept)
 
     def local_backward(plan, h, w, b, t, _valid, *rest):
         lse, ent, active, rest = logprob_core.row_residuals(rest, with_entropy)
         floor, rest = (rest[0], rest[1:]) if truncated else (None, rest)
         kept, (g, *g_ent) = rest[:n_kept], rest[n_kept:]
-        t_local, lse, ent, g, g_ent = logprob_core.backward_rows(plan, geometry.vocab_size(w, weight_layout), t,
-                                                    lse, ent, active, g,
-                                                    g_ent[0] if with_entropy else None)
+        t_local, lse, ent, g, g_ent = logprob_core.backward_rows(
+            plan,
+            geometry.vocab_size(w, weight_layout),
+            t,
+            lse,
+            ent,
+            active,
+            g,
+            g_ent[0] if with_entropy else None,
+        )
         extra = dict(floor=floor) if truncated else {}
         return backward(h, w, b, *kept, t_local, lse, ent, g, g_ent, **extra)
 
     out_roles = (rows,) * (n_out + truncated)
     res_roles = (rows,) * (n_out + 1 + truncated) + (rows + "v",) * n_kept
     outs = vjp.differentiable(
-        local_forward, local_backward, (hidden, weight, bias, targets, row_valid),
-        head_roles(targets.ndim, weight_layout) + (rows, rows), out_roles, res_roles,
-        diff=(0, 1, 2), vocab_axis=call.vocab_axis)
+        local_forward,
+        local_backward,
+        (hidden, weight, bias, targets, row_valid),
+        head_roles(targets.ndim, weight_layout) + (rows, rows),
+        out_roles,
+        res_roles,
+        diff=(0, 1, 2),
+        vocab_axis=call.vocab_axis,
+    )
     entropy = outs[1] if with_entropy else None
     return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
 
 
-def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: HeadCall, *,
-                   n_kept):
+def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: HeadCall, *, n_kept):
     """:func:`linear_head_op` with K ids per row: ``(logp [..., K], entropy [...] | None)``.
 
     One statistics pass per row (``stats`` with no target), the K logits at the ids from
     ``head_ids.id_logits``; the backward is the halves' ``backward`` with the ids [N, K] as
-    targets and their cotangents [N, K] (``head_ids.split_targets``). A row counts (entropy, gradient) when one of its ids is valid; an invalid id
-    gives 0 and no gradient, an id outside ``[0, V)`` NaN."""
+    targets and their cotangents [N, K] (``head_ids.split_targets``). A row counts (entropy,
+    gradient) when one of its ids is valid; an invalid id gives 0 and no gradient, an id
+    outside ``[0, V)`` NaN."""
     weight_layout, with_entropy = call.weight_layout, call.return_entropy
     if ids.ndim == 1:  # one row
-        return logprob_core.first_row(_linear_ids_op(stats, backward, hidden[None], weight, bias, ids[None],
-                                         id_valid[None], call, n_kept=n_kept))
+        return logprob_core.first_row(
+            _linear_ids_op(
+                stats,
+                backward,
+                hidden[None],
+                weight,
+                bias,
+                ids[None],
+                id_valid[None],
+                call,
+                n_kept=n_kept,
+            )
+        )
     rows = "r" * (ids.ndim - 1)
     n_out = 2 if with_entropy else 1
     opts = dict(weight_layout=weight_layout, temperature=call.temperature)
@@ -158,8 +231,11 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: H
         no_target = jnp.full(row_valid.shape, -1, jnp.int32)
         stats_, _, *kept = stats(plan, h, w, b, no_target, row_valid)
         stats_, _, _ = softmax_math.combine_vocab_shards(
-            stats_, jnp.zeros(row_valid.shape, jnp.float32), jnp.zeros(row_valid.shape, bool),
-            plan.vocab_axes)
+            stats_,
+            jnp.zeros(row_valid.shape, jnp.float32),
+            jnp.zeros(row_valid.shape, bool),
+            plan.vocab_axes,
+        )
         z = head_ids.id_logits(h, w, b, i, holds, **opts)
         holders = holds.astype(jnp.int32)
         if plan.vocab_axes:
@@ -167,8 +243,9 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: H
         log_s = jnp.log(stats_[1])
         lse = stats_[0] + log_s
         in_range = holders == 1
-        logp = jnp.where(valid, jnp.where(in_range, (z - stats_[0][:, None]) - log_s[:, None],
-                                          jnp.nan), 0.0)
+        logp = jnp.where(
+            valid, jnp.where(in_range, (z - stats_[0][:, None]) - log_s[:, None], jnp.nan), 0.0
+        )
         outs = (logp,)
         if with_entropy:
             outs += (jnp.where(row_valid, log_s - stats_[2] / stats_[1], 0.0),)
@@ -176,7 +253,7 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: H
 
     def local_backward(plan, h, w, b, i, _valid, *rest):
         lse, ent, row_valid, rest = logprob_core.row_residuals(rest, with_entropy)
-        active, kept, (g, *g_ent) = rest[0], rest[1:1 + n_kept], rest[1 + n_kept:]
+        active, kept, (g, *g_ent) = rest[0], rest[1 : 1 + n_kept], rest[1 + n_kept :]
         g = jnp.where(active, g.astype(jnp.float32), 0.0)
         lse = jnp.where(row_valid, lse, jnp.inf)
         g_ent = jnp.where(row_valid, g_ent[0].astype(jnp.float32), 0.0) if with_entropy else None
@@ -185,16 +262,30 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: H
         return backward(h, w, b, *kept, jnp.where(holds, i, -1), lse, ent, g, g_ent)
 
     outs = vjp.differentiable(
-        local_forward, local_backward, (hidden, weight, bias, ids, id_valid),
+        local_forward,
+        local_backward,
+        (hidden, weight, bias, ids, id_valid),
         head_roles(ids.ndim - 1, weight_layout) + (rows + "-", rows + "-"),
         (rows + "-",) + (rows,) * (n_out - 1),
-        (rows,) * n_out + (rows, rows + "-") + (rows + "v",) * n_kept, diff=(0, 1, 2),
-        vocab_axis=call.vocab_axis)
+        (rows,) * n_out + (rows, rows + "-") + (rows + "v",) * n_kept,
+        diff=(0, 1, 2),
+        vocab_axis=call.vocab_axis,
+    )
     return outs[0], (outs[1] if with_entropy else None)
 
 
-def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, call: HeadCall, *,
-                      backward=None, find_kept=None):
+def linear_from_parts(
+    parts,
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    call: HeadCall,
+    *,
+    backward=None,
+    find_kept=None,
+):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias`` without materialising the logits
     (``truncation``: ``(logp, entropy | None, inside)``, see :func:`linear_head_op`).
 
@@ -206,31 +297,62 @@ def linear_from_parts(parts, hidden, weight, bias, targets, row_valid, call: Hea
     return_entropy, truncation = call.return_entropy, call.truncation
     if isinstance(parts, Whole):
         n_rows = hidden.ndim - 1
-        return logprob_core.whole(parts, (hidden, weight, bias), head_roles(n_rows, weight_layout),
-                      targets, row_valid, 2 if return_entropy else 1, call.vocab_axis,
-                      n_row_dims=n_rows, truncation=truncation, weight_layout=weight_layout,
-                      temperature=temperature, return_entropy=return_entropy)
+        return logprob_core.whole(
+            parts,
+            (hidden, weight, bias),
+            head_roles(n_rows, weight_layout),
+            targets,
+            row_valid,
+            2 if return_entropy else 1,
+            call.vocab_axis,
+            n_row_dims=n_rows,
+            truncation=truncation,
+            weight_layout=weight_layout,
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
     options = dict(weight_layout=weight_layout, temperature=temperature)
 
     def stats(plan, h, w, b, t_local, valid):
         m, s, a, t_rel = sharding.kernel_region(
-            lambda h, w, b, t, v: parts.stats(h, w, b, t, v, with_entropy=return_entropy,
-                                              **options), h, w, b, t_local, valid)
+            lambda h, w, b, t, v: parts.stats(
+                h, w, b, t, v, with_entropy=return_entropy, **options
+            ),
+            h,
+            w,
+            b,
+            t_local,
+            valid,
+        )
         return (m, s) + ((a,) if return_entropy else ()), t_rel
 
     def local_backward(*args, floor=None):
         backward_fn = parts.backward or backward()
         if floor is None:
             return sharding.kernel_region(lambda *a: backward_fn(*a, **options), *args)
-        return sharding.kernel_region(lambda f, *a: backward_fn(*a, floor=f, **options),
-                                      floor, *args)
+        return sharding.kernel_region(
+            lambda f, *a: backward_fn(*a, floor=f, **options), floor, *args
+        )
 
-    return linear_head_op(stats, local_backward, hidden, weight, bias, targets, row_valid, call,
-                          find_kept=find_kept)
+    return linear_head_op(
+        stats, local_backward, hidden, weight, bias, targets, row_valid, call, find_kept=find_kept
+    )
 
 
-def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entropy, active, g,
-                  g_ent, call: HeadCall):
+def head_backward(
+    local_backward,
+    hidden,
+    weight,
+    bias,
+    kept,
+    targets,
+    lse,
+    entropy,
+    active,
+    g,
+    g_ent,
+    call: HeadCall,
+):
     """(d_hidden, d_weight, d_bias | None) of a linear head from per-token cotangents, each
     shaped, sharded and typed like its operand: the backward half of an op whose custom_vjp
     is not the engine's own (the fused losses).
@@ -246,15 +368,19 @@ def head_backward(local_backward, hidden, weight, bias, kept, targets, lse, entr
     def local(plan, h, w, b, *rest):
         kept_l, (t, lse, ent, active, g, g_ent) = rest[:-6], rest[-6:]
         g, g_ent = (collectives.output_cotangent(plan, c, w) for c in (g, g_ent))
-        t_local, lse, ent, g, g_ent = logprob_core.backward_rows(plan, geometry.vocab_size(w, weight_layout), t,
-                                                    lse, ent, active, g, g_ent)
+        t_local, lse, ent, g, g_ent = logprob_core.backward_rows(
+            plan, geometry.vocab_size(w, weight_layout), t, lse, ent, active, g, g_ent
+        )
         return local_backward(h, w, b, *kept_l, t_local, lse, ent, g, g_ent)
 
     operands = (hidden, weight, bias) + tuple(kept) + (targets, lse, entropy, active, g, g_ent)
-    grads = vjp.stage(local, operands, roles + (rows + "v",) * len(kept) + (rows,) * 6,
-                         tuple(roles[i] for i in present), grads_of=present,
-                         vocab_axis=call.vocab_axis)
+    grads = vjp.stage(
+        local,
+        operands,
+        roles + (rows + "v",) * len(kept) + (rows,) * 6,
+        tuple(roles[i] for i in present),
+        grads_of=present,
+        vocab_axis=call.vocab_axis,
+    )
     dh, dw = grads[0].astype(hidden.dtype), grads[1].astype(weight.dtype)
     return dh, dw, (grads[2].astype(bias.dtype) if bias is not None else None)
-
-

@@ -28,7 +28,6 @@ of the local operands and the vocabulary axes, run through ``sharding.run`` as p
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -39,14 +38,15 @@ from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.head import kept_set
 from jaxrl_kernels.sharding.vma import varying_like
 
-
 # -- per-device pieces ---------------------------------------------------------------------
+
 
 def finish_rows(plan, stats, target_rel, targets_local, local_vocab, row_valid):
     """Global outputs from this device's statistics: (logp, entropy | None, lse, active)."""
     holds = (targets_local >= 0) & (targets_local < local_vocab)
-    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, target_rel, holds,
-                                                                   plan.vocab_axes)
+    stats, target_rel, holders = softmax_math.combine_vocab_shards(
+        stats, target_rel, holds, plan.vocab_axes
+    )
     return softmax_math.finalize_row_stats(stats, target_rel, holders, row_valid)
 
 
@@ -67,8 +67,20 @@ def finished(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entrop
     return (logp, ent)[:n_out] + (lse,) + ((ent,) if with_entropy else ()) + (active,)
 
 
-def finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entropy,
-                        truncation, logits, varying, find_kept):
+def finished_truncated(
+    plan,
+    stats,
+    t_rel,
+    t_local,
+    local_vocab,
+    valid,
+    n_out,
+    with_entropy,
+    truncation,
+    logits,
+    varying,
+    find_kept,
+):
     """:func:`finished` under a sampler's truncation (``truncation``: a
     ``sampler_math.Truncation``): the outputs over each row's kept set (``find_kept``, the
     ``kept_set`` primitive dispatch chose, on ``logits``: a ``kept_set.Logits``), then whether
@@ -80,21 +92,38 @@ def finished_truncated(plan, stats, t_rel, t_local, local_vocab, valid, n_out, w
     holds = (t_local >= 0) & (t_local < local_vocab)
     found = None
     if stats is None:  # whole rows, no vocabulary split: the search's own max and target
-        found = find_kept(logits, t_local.shape[0], local_vocab, None, valid, truncation,
-                          varying=varying, targets=t_local)
+        found = find_kept(
+            logits,
+            t_local.shape[0],
+            local_vocab,
+            None,
+            valid,
+            truncation,
+            varying=varying,
+            targets=t_local,
+        )
         stats, t_rel = (found.m,), found.target_rel
-    stats, target_rel, holders = softmax_math.combine_vocab_shards(stats, t_rel, holds,
-                                                                   plan.vocab_axes)
+    stats, target_rel, holders = softmax_math.combine_vocab_shards(
+        stats, t_rel, holds, plan.vocab_axes
+    )
     m = stats[0]
     if found is None:
-        found = find_kept(logits, t_local.shape[0], local_vocab, m, valid, truncation,
-                          vocab_axes=plan.vocab_axes, varying=varying)
-    logp, ent, lse, active = softmax_math.finalize_row_stats((m, found.s, found.a), target_rel,
-                                                             holders, valid)
+        found = find_kept(
+            logits,
+            t_local.shape[0],
+            local_vocab,
+            m,
+            valid,
+            truncation,
+            vocab_axes=plan.vocab_axes,
+            varying=varying,
+        )
+    logp, ent, lse, active = softmax_math.finalize_row_stats(
+        (m, found.s, found.a), target_rel, holders, valid
+    )
     inside = active & (target_rel + m >= found.floor)
     floor = jnp.where(active, found.floor, -jnp.inf)
-    return ((logp, ent)[:n_out] + (inside, lse) + ((ent,) if with_entropy else ())
-            + (active, floor))
+    return (logp, ent)[:n_out] + (inside, lse) + ((ent,) if with_entropy else ()) + (active, floor)
 
 
 def stats_from_kept_set(plan, find_kept, n_kept: int) -> bool:
@@ -118,28 +147,59 @@ def row_residuals(rest, with_entropy):
 
 # -- logits [..., V] --------------------------------------------------------------------------
 
+
 def _logits_backward(parts, n_logits, with_entropy, temperature, truncated=False):
     """The backward half of the logits ops: the gradient to the first logits operand (with
     the kept set's floor among the residuals when ``truncated``)."""
+
     def backward(plan, logits, *args):
-        t, rest = args[n_logits - 1], args[n_logits + 1:]
+        t, rest = args[n_logits - 1], args[n_logits + 1 :]
         lse, ent, active, cts = row_residuals(rest, with_entropy)
         floor, cts = (cts[0], cts[1:]) if truncated else (None, cts)
         g, g_ent = cts[0], (cts[1] if with_entropy else None)
-        t_local, lse, ent, g, g_ent = backward_rows(plan, logits.shape[-1], t, lse, ent, active,
-                                                    g, g_ent)
+        t_local, lse, ent, g, g_ent = backward_rows(
+            plan, logits.shape[-1], t, lse, ent, active, g, g_ent
+        )
         if floor is None:
-            return (sharding.kernel_region(
-                lambda *a: parts.backward(*a, temperature=temperature),
-                logits, t_local, lse, ent, g, g_ent),)
-        return (sharding.kernel_region(
-            lambda f, *a: parts.backward(*a, temperature=temperature, floor=f),
-            floor, logits, t_local, lse, ent, g, g_ent),)
+            return (
+                sharding.kernel_region(
+                    lambda *a: parts.backward(*a, temperature=temperature),
+                    logits,
+                    t_local,
+                    lse,
+                    ent,
+                    g,
+                    g_ent,
+                ),
+            )
+        return (
+            sharding.kernel_region(
+                lambda f, *a: parts.backward(*a, temperature=temperature, floor=f),
+                floor,
+                logits,
+                t_local,
+                lse,
+                ent,
+                g,
+                g_ent,
+            ),
+        )
+
     return backward
 
 
-def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_entropy,
-                     vocab_axis=None, truncation=None, find_kept=None):
+def token_from_parts(
+    parts,
+    logits,
+    targets,
+    row_valid,
+    *,
+    temperature,
+    return_entropy,
+    vocab_axis=None,
+    truncation=None,
+    find_kept=None,
+):
     """``(logp, entropy | None)`` of ``logits`` [..., V] (see ``contract``'s table);
     with a ``truncation``, ``(logp, entropy | None, inside)`` as :func:`linear_head_op`
     (``find_kept``: the ``kept_set`` primitive)."""
@@ -147,69 +207,147 @@ def token_from_parts(parts, logits, targets, row_valid, *, temperature, return_e
     n_out = 2 if return_entropy else 1
     truncated = truncation is not None
     if isinstance(parts, Whole):
-        return whole(parts, (logits,), (rows + "v",), targets, row_valid, n_out, vocab_axis,
-                      truncation=truncation, temperature=temperature,
-                      return_entropy=return_entropy)
+        return whole(
+            parts,
+            (logits,),
+            (rows + "v",),
+            targets,
+            row_valid,
+            n_out,
+            vocab_axis,
+            truncation=truncation,
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
     if targets.ndim == 0:  # one row
-        return first_row(token_from_parts(parts, logits[None], targets[None], row_valid[None],
-                                           temperature=temperature,
-                                           return_entropy=return_entropy, vocab_axis=vocab_axis,
-                                           truncation=truncation, find_kept=find_kept))
+        return first_row(
+            token_from_parts(
+                parts,
+                logits[None],
+                targets[None],
+                row_valid[None],
+                temperature=temperature,
+                return_entropy=return_entropy,
+                vocab_axis=vocab_axis,
+                truncation=truncation,
+                find_kept=find_kept,
+            )
+        )
 
     def forward(plan, x, t, valid):
         t_local = t - plan.vocab_offset(x.shape[-1])
         m, s, a, t_rel = sharding.kernel_region(
-            lambda x, t, v: parts.stats(x, t, v, temperature=temperature,
-                                        with_entropy=return_entropy), x, t_local, valid)
+            lambda x, t, v: parts.stats(
+                x, t, v, temperature=temperature, with_entropy=return_entropy
+            ),
+            x,
+            t_local,
+            valid,
+        )
         stats = (m, s) + ((a,) if return_entropy else ())
         if truncated:
-            return finished_truncated(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out,
-                                       return_entropy, truncation, kept_set.Logits.of_array(x, temperature),
-                                       lambda y: varying_like(y, x), find_kept)
+            return finished_truncated(
+                plan,
+                stats,
+                t_rel,
+                t_local,
+                x.shape[-1],
+                valid,
+                n_out,
+                return_entropy,
+                truncation,
+                kept_set.Logits.of_array(x, temperature),
+                lambda y: varying_like(y, x),
+                find_kept,
+            )
         return finished(plan, stats, t_rel, t_local, x.shape[-1], valid, n_out, return_entropy)
 
     outs = vjp.differentiable(
-        forward, _logits_backward(parts, 1, return_entropy, temperature, truncated),
-        (logits, targets, row_valid), (rows + "v", rows, rows), (rows,) * (n_out + truncated),
-        (rows,) * (n_out + 1 + truncated), diff=(0,), vocab_axis=vocab_axis)
+        forward,
+        _logits_backward(parts, 1, return_entropy, temperature, truncated),
+        (logits, targets, row_valid),
+        (rows + "v", rows, rows),
+        (rows,) * (n_out + truncated),
+        (rows,) * (n_out + 1 + truncated),
+        diff=(0,),
+        vocab_axis=vocab_axis,
+    )
     entropy = outs[1] if return_entropy else None
     return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
 
 
-def paired_from_parts(parts, policy_logits, ref_logits, targets, row_valid, *, temperature,
-                      vocab_axis=None):
+def paired_from_parts(
+    parts, policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axis=None
+):
     """``(logp, ref_logp)`` of two logits streams sharing targets; gradient to the policy only."""
     rows = "r" * targets.ndim
     if isinstance(parts, Whole):
-        return whole(parts, (policy_logits, ref_logits), (rows + "v", rows + "v"), targets,
-                      row_valid, 2, vocab_axis, temperature=temperature)
+        return whole(
+            parts,
+            (policy_logits, ref_logits),
+            (rows + "v", rows + "v"),
+            targets,
+            row_valid,
+            2,
+            vocab_axis,
+            temperature=temperature,
+        )
     if targets.ndim == 0:  # one row
-        return first_row(paired_from_parts(parts, policy_logits[None], ref_logits[None],
-                                            targets[None], row_valid[None],
-                                            temperature=temperature, vocab_axis=vocab_axis))
+        return first_row(
+            paired_from_parts(
+                parts,
+                policy_logits[None],
+                ref_logits[None],
+                targets[None],
+                row_valid[None],
+                temperature=temperature,
+                vocab_axis=vocab_axis,
+            )
+        )
 
     def forward(plan, x, y, t, valid):
         t_local = t - plan.vocab_offset(x.shape[-1])
         pol, ref = sharding.kernel_region(
             lambda x, y, t, v: parts.stats(x, y, t, v, temperature=temperature),
-            x, y, t_local, valid)
+            x,
+            y,
+            t_local,
+            valid,
+        )
         logp, _, lse, active = finish_rows(plan, pol[:2], pol[3], t_local, x.shape[-1], valid)
         ref_logp = finish_rows(plan, ref[:2], ref[3], t_local, x.shape[-1], valid)[0]
         return logp, ref_logp, lse, active
 
     return vjp.differentiable(
-        forward, _logits_backward(parts, 2, False, temperature),
+        forward,
+        _logits_backward(parts, 2, False, temperature),
         (policy_logits, jax.lax.stop_gradient(ref_logits), targets, row_valid),
-        (rows + "v", rows + "v", rows, rows), (rows, rows), (rows, rows), diff=(0,),
-        vocab_axis=vocab_axis)
+        (rows + "v", rows + "v", rows, rows),
+        (rows, rows),
+        (rows, rows),
+        diff=(0,),
+        vocab_axis=vocab_axis,
+    )
 
 
 # -- a linear head: hidden [..., D], weight [V, D] ("vd") or [D, V] ("dv") ---------------------
 
 # -- ops jax differentiates itself (the reference backend) -------------------------------------
 
-def whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis, *,
-           n_row_dims=None, truncation=None, **options):
+
+def whole(
+    parts: Whole,
+    operands,
+    roles,
+    targets,
+    row_valid,
+    n_out,
+    vocab_axis,
+    *,
+    n_row_dims=None,
+    truncation=None,
+    **options,
+):
     """Run a ``Whole`` op through ``sharding.run`` as plain jnp; returns its first two outputs
     (the second None when it has one), and with a ``truncation`` (passed on to the op, which
     returns ``(logp, entropy | None, inside)`` then) the third. ``targets`` may have one
@@ -223,13 +361,20 @@ def whole(parts: Whole, operands, roles, targets, row_valid, n_out, vocab_axis, 
 
     def local(plan, *args):
         *ops, targets, row_valid = args
-        out = parts.fn(*ops, targets, row_valid, vocab_axes=plan.vocab_axes,
-                       n_row_dims=n_row_dims, **options)
+        out = parts.fn(
+            *ops, targets, row_valid, vocab_axes=plan.vocab_axes, n_row_dims=n_row_dims, **options
+        )
         return tuple(out)[:n_out] + ((out[2],) if truncation is not None else ())
 
     out_roles = (per_id,) + (rows,) * (n_out - 1) + ((rows,) if truncation is not None else ())
-    outs = sharding.run(local, tuple(operands) + (targets, row_valid),
-                        tuple(roles) + (per_id, per_id), out_roles,
-                        vocab_axis=vocab_axis, differentiable=True, record=vjp.note_layout)
+    outs = sharding.run(
+        local,
+        tuple(operands) + (targets, row_valid),
+        tuple(roles) + (per_id, per_id),
+        out_roles,
+        vocab_axis=vocab_axis,
+        differentiable=True,
+        record=vjp.note_layout,
+    )
     entropy = outs[1] if n_out == 2 else None
     return (outs[0], entropy, outs[-1]) if truncation is not None else (outs[0], entropy)

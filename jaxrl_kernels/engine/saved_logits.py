@@ -31,16 +31,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.head import kept_set, rounded_logits
 from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry, head_grad, head_ids, kept_set, rounded_logits
 
 
-def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, weight_layout,
-                   temperature, floor=None):
+def local_backward(
+    hidden,
+    weight,
+    bias,
+    z,
+    t_local,
+    lse,
+    entropy,
+    g,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    floor=None,
+):
     """(d_hidden, d_weight, d_bias | None) on one device from the kept logits; rows without a
     gradient arrive with g = g_ent = 0 and lse = +inf (``logprob_core.backward_rows``).
 
@@ -53,51 +63,86 @@ def local_backward(hidden, weight, bias, z, t_local, lse, entropy, g, g_ent, *, 
     dtype = jnp.dtype(jnp.result_type(hidden, weight))
     if dtype == jnp.float16:
         sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature, g_ids)
-        dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse, entropy,
-                                            is_target, sc.rows.g, sc.rows.g_ent, temperature,
-                                            floor)
+        dz = softmax_math.logprob_grad_tile(
+            rounded_logits.scaled(z, bias, temperature),
+            lse,
+            entropy,
+            is_target,
+            sc.rows.g,
+            sc.rows.g_ent,
+            temperature,
+            floor,
+        )
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / (sc.s * temperature)[:, None], 0)
         g16 = dz.astype(jnp.float16)
         w16 = (weight.astype(jnp.float32) * sc.sigma_w).astype(jnp.float16)
         acc = geometry.hidden_grad(g16, w16, weight_layout, preferred_element_type=jnp.float32)
-        d_weight = head_grad.rounded_weight_grad(g16, sc.h16, weight, weight_layout,
-                                                 sc.d_w_scale)
+        d_weight = head_grad.rounded_weight_grad(g16, sc.h16, weight, weight_layout, sc.d_w_scale)
         d_bias = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
-        return (sc.finish(acc, hidden.dtype), d_weight.astype(weight.dtype),
-                None if bias is None else d_bias.astype(bias.dtype))
-    dz = softmax_math.logprob_grad_tile(rounded_logits.scaled(z, bias, temperature), lse, entropy, is_target,
-                                        g, g_ent, temperature, floor)
+        return (
+            sc.finish(acc, hidden.dtype),
+            d_weight.astype(weight.dtype),
+            None if bias is None else d_bias.astype(bias.dtype),
+        )
+    dz = softmax_math.logprob_grad_tile(
+        rounded_logits.scaled(z, bias, temperature),
+        lse,
+        entropy,
+        is_target,
+        g,
+        g_ent,
+        temperature,
+        floor,
+    )
     if ids is not None:
         dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, 0)
     dz_op = dz.astype(dtype)
-    d_hidden = geometry.hidden_grad(dz_op, weight.astype(dtype), weight_layout,
-                                precision=geometry.matmul_precision(dtype),
-                                preferred_element_type=jnp.float32)
+    d_hidden = geometry.hidden_grad(
+        dz_op,
+        weight.astype(dtype),
+        weight_layout,
+        precision=geometry.matmul_precision(dtype),
+        preferred_element_type=jnp.float32,
+    )
     d_weight = head_grad.rounded_weight_grad(dz_op, hidden.astype(dtype), weight, weight_layout)
     return d_hidden, d_weight, None if bias is None else jnp.sum(dz, axis=0).astype(bias.dtype)
 
 
 def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature):
     """:func:`local_backward` with the logits recomputed (one GEMM more) instead of kept."""
-    return local_backward(hidden, weight, bias, rounded_logits.product(hidden, weight, weight_layout), *rest,
-                          weight_layout=weight_layout, temperature=temperature)
+    return local_backward(
+        hidden,
+        weight,
+        bias,
+        rounded_logits.product(hidden, weight, weight_layout),
+        *rest,
+        weight_layout=weight_layout,
+        temperature=temperature,
+    )
 
 
 def kept_logits(bias, z, temperature):
     """z̃ of the kept logits as a ``kept_set.Logits``: columns ``[start, start + size)`` or
     rows ``[start, start + size)``."""
+
     def columns(start, size):
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return rounded_logits.scaled(jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature)
+        return rounded_logits.scaled(
+            jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature
+        )
 
     def rows(start, size):
-        return rounded_logits.scaled(jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature)
+        return rounded_logits.scaled(
+            jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature
+        )
+
     return kept_set.Logits(columns, rows)
 
 
-def fast_linear_logprobs(kept, hidden, weight, bias, targets, row_valid,
-                         call: linear_head.HeadCall, *, find_kept=None):
+def fast_linear_logprobs(
+    kept, hidden, weight, bias, targets, row_valid, call: linear_head.HeadCall, *, find_kept=None
+):
     """``(logp, entropy | None)`` of ``hidden @ Wᵀ + bias``, the logits kept for the backward.
 
     ``kept``: the ``kept_logits`` primitive dispatch chose (:func:`local_stats`, or a kernel
@@ -114,5 +159,15 @@ def fast_linear_logprobs(kept, hidden, weight, bias, targets, row_valid,
         return local_backward(*args, floor=floor, **options)
 
     return linear_head.linear_head_op(
-        stats, backward, hidden, weight, bias, targets, row_valid, call, n_kept=1,
-        find_kept=find_kept, logits_of=lambda h, w, b, z: kept_logits(b, z, call.temperature))
+        stats,
+        backward,
+        hidden,
+        weight,
+        bias,
+        targets,
+        row_valid,
+        call,
+        n_kept=1,
+        find_kept=find_kept,
+        logits_of=lambda h, w, b, z: kept_logits(b, z, call.temperature),
+    )

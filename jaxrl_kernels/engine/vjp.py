@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch import trace_log
+from jaxrl_kernels.sharding import collectives
 
 
 def rows_of(role: str) -> int:
@@ -61,9 +61,16 @@ def _unflatten(x, role, lead):
     return x.reshape(tuple(lead) + x.shape[1:])
 
 
-def stage(local: Callable[..., tuple], operands: Sequence, roles: Sequence[str],
-          out_roles: Sequence[str], *, grads_of: Sequence[int | None] | None = None,
-          vocab_axis=None, note: bool = False) -> tuple:
+def stage(
+    local: Callable[..., tuple],
+    operands: Sequence,
+    roles: Sequence[str],
+    out_roles: Sequence[str],
+    *,
+    grads_of: Sequence[int | None] | None = None,
+    vocab_axis=None,
+    note: bool = False,
+) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
 
     Operands and outputs with leading ``r`` dimensions are flattened / restored around
@@ -72,19 +79,29 @@ def stage(local: Callable[..., tuple], operands: Sequence, roles: Sequence[str],
     cotangent); ``out_roles`` lists the present ones. ``note``: note how the step is
     laid out on the devices for ``explain`` (a forward's first step)."""
     grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
-    lead_of = next(i for i, (x, r) in enumerate(zip(operands, roles))
-                   if x is not None and rows_of(r))
+    lead_of = next(
+        i for i, (x, r) in enumerate(zip(operands, roles)) if x is not None and rows_of(r)
+    )
 
     def flat_local(plan, *ops):
-        lead = ops[lead_of].shape[:rows_of(roles[lead_of])]
-        outs = [y for y in local(plan, *(_flatten(x, r) for x, r in zip(ops, roles)))
-                if y is not None]
-        return tuple(y.reshape(ops[j].shape) if j is not None else _unflatten(y, r, lead)
-                     for y, r, j in zip(outs, out_roles, grads_of))
+        lead = ops[lead_of].shape[: rows_of(roles[lead_of])]
+        outs = [
+            y for y in local(plan, *(_flatten(x, r) for x, r in zip(ops, roles))) if y is not None
+        ]
+        return tuple(
+            y.reshape(ops[j].shape) if j is not None else _unflatten(y, r, lead)
+            for y, r, j in zip(outs, out_roles, grads_of)
+        )
 
-    return sharding.run(flat_local, tuple(operands), tuple(roles), tuple(out_roles),
-                        grads_of=grads_of, vocab_axis=vocab_axis,
-                        record=note_layout if note else None)
+    return sharding.run(
+        flat_local,
+        tuple(operands),
+        tuple(roles),
+        tuple(out_roles),
+        grads_of=grads_of,
+        vocab_axis=vocab_axis,
+        record=note_layout if note else None,
+    )
 
 
 def note_layout(plan) -> None:
@@ -93,10 +110,18 @@ def note_layout(plan) -> None:
     trace_log.note("layout", plan.describe())
 
 
-def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple],
-                   operands: Sequence, roles: Sequence[str], out_roles: Sequence[str],
-                   res_roles: Sequence[str], *, diff: Sequence[int],
-                   unused: Sequence[int] = (), vocab_axis=None) -> tuple:
+def differentiable(
+    forward: Callable[..., tuple],
+    backward: Callable[..., tuple],
+    operands: Sequence,
+    roles: Sequence[str],
+    out_roles: Sequence[str],
+    res_roles: Sequence[str],
+    *,
+    diff: Sequence[int],
+    unused: Sequence[int] = (),
+    vocab_axis=None,
+) -> tuple:
     """The outputs of the op ``forward`` / ``backward`` on ``operands`` (see the module
     docstring), differentiable in the operands at positions ``diff``.
 
@@ -112,8 +137,7 @@ def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple]
     vocab_at = next((i for i, r in enumerate(roles) if "v" in r), None)
 
     def run_forward(ops):
-        outs = stage(forward, ops, roles, out_roles + res_roles, vocab_axis=vocab_axis,
-                     note=True)
+        outs = stage(forward, ops, roles, out_roles + res_roles, vocab_axis=vocab_axis, note=True)
         return outs[:n_out], outs[n_out:]
 
     @jax.custom_vjp
@@ -134,16 +158,25 @@ def differentiable(forward: Callable[..., tuple], backward: Callable[..., tuple]
             n_in = n_ops + len(res)
             ops_l, res_l, cts_l = args[:n_ops], args[n_ops:n_in], args[n_in:]
             vocab_operand = None if vocab_at is None else ops_l[vocab_at]
-            cts_l = tuple(c if "v" in r else collectives.output_cotangent(plan, c, vocab_operand)
-                          for c, r in zip(cts_l, out_roles))
+            cts_l = tuple(
+                c if "v" in r else collectives.output_cotangent(plan, c, vocab_operand)
+                for c, r in zip(cts_l, out_roles)
+            )
             grads = dict(zip(diff, backward(plan, *ops_l, *res_l, *cts_l)))
             return tuple(grads[i] for i in present)
 
-        grads = stage(local, ops + res + cts, roles + res_roles + out_roles,
-                      tuple(roles[i] for i in present), grads_of=present, vocab_axis=vocab_axis)
+        grads = stage(
+            local,
+            ops + res + cts,
+            roles + res_roles + out_roles,
+            tuple(roles[i] for i in present),
+            grads_of=present,
+            vocab_axis=vocab_axis,
+        )
         by_position = dict(zip(present, grads))
-        return tuple(by_position[i].astype(ops[i].dtype) if i in by_position else None
-                     for i in range(n_ops))
+        return tuple(
+            by_position[i].astype(ops[i].dtype) if i in by_position else None for i in range(n_ops)
+        )
 
     op.defvjp(fwd, bwd)
     return op(*operands)

@@ -71,8 +71,9 @@ def aggregate(values, mask, mode: str = "token_mean", max_len=None):
     return aggregate_sequence_sums(sums["x"], sums["count"], mode, values.shape[-1], max_len)
 
 
-def group_advantages(rewards, segment_ids, num_groups: int, *, normalize_std=True,
-                     std_ddof=0, eps=1e-6):
+def group_advantages(
+    rewards, segment_ids, num_groups: int, *, normalize_std=True, std_ddof=0, eps=1e-6
+):
     """adv = r - mean_g (÷ (std_g + eps)); a group of one gets 0."""
     rewards = rewards.astype(jnp.float32)
     ones = jnp.ones_like(rewards)

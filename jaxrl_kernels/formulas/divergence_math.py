@@ -33,6 +33,7 @@ DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
 # -- one pass for both heads: (m_s, s_s, A_s, m_t, s_t, A_t) ------------------------------------
 
+
 def pair_stats_init(shape):
     m = jnp.full(shape, -jnp.inf, jnp.float32)
     zero = jnp.zeros(shape, jnp.float32)
@@ -64,8 +65,11 @@ def pair_stats_update(stats, zs, zt, fresh):
     for m, s, a, z, sign in ((m_s, s_s, a_s, zs, 1.0), (m_t, s_t, a_t, zt, -1.0)):
         m_new, m_safe, scale = _rescale(m, jnp.max(z, axis=-1))
         e = jnp.exp(z - _per_row(m_safe, z))
-        out += [m_new, s * scale + jnp.sum(e, axis=-1),
-                a * scale + sign * jnp.sum(e * diff, axis=-1)]
+        out += [
+            m_new,
+            s * scale + jnp.sum(e, axis=-1),
+            a * scale + sign * jnp.sum(e * diff, axis=-1),
+        ]
     return tuple(out)
 
 
@@ -83,8 +87,9 @@ def pair_stats_combine(stats, axes):
     """The statistics of the whole vocabulary from each shard's over the mesh ``axes``."""
     if not axes:
         return stats
-    return _pair_stats_merged(stats, lambda x: jax.lax.pmax(x, axes),
-                              lambda x: jax.lax.psum(x, axes))
+    return _pair_stats_merged(
+        stats, lambda x: jax.lax.pmax(x, axes), lambda x: jax.lax.psum(x, axes)
+    )
 
 
 def pair_stats_merge_splits(stats):
@@ -118,6 +123,7 @@ def choose_divergence(divergence, beta, reverse, forward, jsd_sums, axes=()):
 
 # -- the JSD's second pass ------------------------------------------------------------------
 
+
 def _logaddexp(x, y):
     """``log(eˣ + eʸ)`` in the ops Mosaic GPU kernels lower (``jnp.logaddexp`` is a custom_jvp
     and ``log1p`` has no lowering there): ``max + log(1 + e^−|x−y|)``, within a float32 rounding of it."""
@@ -146,6 +152,7 @@ def jsd_tile_sums(zs, zt, lse_s, lse_t, fresh, beta):
 
 
 # -- the student's logit gradient on a tile ------------------------------------------------
+
 
 def student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta, temperature):
     """``g · ∂d/∂a / T`` on a tile [N, C] (d loss / d (hidden·Wᵀ + b)): ``d`` is the row's raw
@@ -179,6 +186,7 @@ def student_grad_bound(divergence, d, aux, beta):
 
 # -- plain jnp on whole rows (the reference backend) -------------------------------------------
 
+
 def divergence_of_logits(zs, zt, divergence, beta, vocab_axes=()):
     """Per-row ``d`` of float32 logits [N, V_local] (the vocabulary possibly split over
     ``vocab_axes``), in plain jnp that jax differentiates."""
@@ -203,6 +211,7 @@ def divergence_of_logits(zs, zt, divergence, beta, vocab_axes=()):
 
 
 # -- top-k ------------------------------------------------------------------------------------
+
 
 def topk_merge(values, ids, k):
     """The top ``k`` of candidates [N, M] (values float32, ids int32) ordered so that, among

@@ -26,8 +26,14 @@ import jax.numpy as jnp
 
 from jaxrl_kernels.formulas.aggregation_math import aggregate_sequence_sums, masked_row_sums
 from jaxrl_kernels.formulas.kl_math import kl_penalty
-from jaxrl_kernels.formulas.surrogate_math import (LOG_RATIO_CLIP, cispo_surrogate, clipped_surrogate,
-                                          importance_ratio, sequence_ratio, tis_weight)
+from jaxrl_kernels.formulas.surrogate_math import (
+    LOG_RATIO_CLIP,
+    cispo_surrogate,
+    clipped_surrogate,
+    importance_ratio,
+    sequence_ratio,
+    tis_weight,
+)
 
 RATIO_LEVELS = ("token", "sequence")
 TIS_LEVELS = ("token", "sequence")
@@ -72,8 +78,10 @@ class SequenceTerms(NamedTuple):
     """Per-sequence values ([B], or [rows] of a tile) that every token of the sequence uses;
     None where the options do not need them. Neither carries a gradient."""
 
-    log_ratio: jax.Array | None = None        # ℓ_b (ratio_level="sequence")
-    tis_log_weight: jax.Array | None = None   # masked Σ (old - rollout), clipped (tis_level="sequence")
+    log_ratio: jax.Array | None = None  # ℓ_b (ratio_level="sequence")
+    tis_log_weight: jax.Array | None = (
+        None  # masked Σ (old - rollout), clipped (tis_level="sequence")
+    )
 
 
 def tis_enabled(x: PPOInputs, cfg: PPOConfig) -> bool:
@@ -104,8 +112,9 @@ def sequence_terms(sums: dict, cfg: PPOConfig) -> SequenceTerms:
         mean = sums["log_ratio"] / jnp.maximum(sums["count"], 1.0)
         log_ratio = _sg(jnp.clip(mean, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
     if "tis_log_weight" in sums:
-        tis_log_weight = _sg(jnp.clip(sums["tis_log_weight"], -TIS_LOG_WEIGHT_CLIP,
-                                      TIS_LOG_WEIGHT_CLIP))
+        tis_log_weight = _sg(
+            jnp.clip(sums["tis_log_weight"], -TIS_LOG_WEIGHT_CLIP, TIS_LOG_WEIGHT_CLIP)
+        )
     return SequenceTerms(log_ratio, tis_log_weight)
 
 
@@ -147,8 +156,11 @@ def policy_surrogate(x: PPOInputs, cfg: PPOConfig, seq: SequenceTerms = Sequence
         "approx_kl": kl_penalty(x.logp, x.old_logp, "k3"),
     }
     if tis_enabled(x, cfg):
-        log_weight = (x.old_logp - x.rollout_logp if cfg.tis_level == "token"
-                      else _per_row(seq.tis_log_weight, x.logp))
+        log_weight = (
+            x.old_logp - x.rollout_logp
+            if cfg.tis_level == "token"
+            else _per_row(seq.tis_log_weight, x.logp)
+        )
         weight = tis_weight(log_weight, cfg.tis_cap, cfg.tis_mode)
         pg = pg * weight
         parts.update(_tis_parts(weight, cfg))
@@ -206,21 +218,31 @@ def forward_summands(x: PPOInputs, cfg: PPOConfig) -> dict:
     a = x.advantages
     if cfg.ratio_level == "token":
         pg, clipped, dual = _surrogate(out["ratio"], x, cfg)
-        out.update(pg=pg * weight, clipped=clipped.astype(jnp.float32),
-                   dual_clipped=dual.astype(jnp.float32))
+        out.update(
+            pg=pg * weight,
+            clipped=clipped.astype(jnp.float32),
+            dual_clipped=dual.astype(jnp.float32),
+        )
     elif cfg.policy_loss == "cispo":
         out["a_logp"] = weight * a * x.logp
     else:
-        out.update(a_pos=weight * jnp.maximum(a, 0.0), a_neg=weight * jnp.maximum(-a, 0.0),
-                   n_pos=(a > 0).astype(jnp.float32), n_neg=(a < 0).astype(jnp.float32))
+        out.update(
+            a_pos=weight * jnp.maximum(a, 0.0),
+            a_neg=weight * jnp.maximum(-a, 0.0),
+            n_pos=(a > 0).astype(jnp.float32),
+            n_neg=(a < 0).astype(jnp.float32),
+        )
     return out
 
 
 def sums_to_token_terms(sums: dict, cfg: PPOConfig) -> dict:
     """The per-sequence sums of ``token_summands`` from those of ``forward_summands``."""
     seq = sequence_terms(sums, cfg)
-    out = {k: sums[k] for k in ("count", "ratio", "approx_kl", "kl", "entropy", "tis_weight",
-                                "tis_masked") if k in sums}
+    out = {
+        k: sums[k]
+        for k in ("count", "ratio", "approx_kl", "kl", "entropy", "tis_weight", "tis_masked")
+        if k in sums
+    }
     if cfg.ratio_level == "token":
         pg, clipped, dual = sums["pg"], sums["clipped"], sums["dual_clipped"]
     elif cfg.policy_loss == "cispo":
@@ -229,10 +251,10 @@ def sums_to_token_terms(sums: dict, cfg: PPOConfig) -> dict:
         clipped, dual = sums["count"] * outside, jnp.zeros_like(pg)
     else:
         ratio = jnp.exp(seq.log_ratio)
-        pos, clip_pos, _ = clipped_surrogate(ratio, 1.0, cfg.clip_low, cfg.clip_high,
-                                             cfg.dual_clip)
-        neg, clip_neg, dual_neg = clipped_surrogate(ratio, -1.0, cfg.clip_low, cfg.clip_high,
-                                                    cfg.dual_clip)
+        pos, clip_pos, _ = clipped_surrogate(ratio, 1.0, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        neg, clip_neg, dual_neg = clipped_surrogate(
+            ratio, -1.0, cfg.clip_low, cfg.clip_high, cfg.dual_clip
+        )
         pg = sums["a_pos"] * pos + sums["a_neg"] * neg
         clipped = sums["n_pos"] * clip_pos + sums["n_neg"] * clip_neg
         dual = sums["n_neg"] * dual_neg
@@ -260,11 +282,11 @@ METRIC_NAMES = {
 def loss_and_metrics(sums: dict, cfg: PPOConfig, seq_len: int):
     """(loss, metrics) from the per-sequence sums of ``token_summands`` ([B] each):
     the loss aggregated as ``cfg.loss_agg_mode`` says, each metric a masked token mean."""
-    loss = aggregate_sequence_sums(sums["loss"], sums["count"], cfg.loss_agg_mode, seq_len,
-                                   cfg.max_len)
+    loss = aggregate_sequence_sums(
+        sums["loss"], sums["count"], cfg.loss_agg_mode, seq_len, cfg.max_len
+    )
     count = jnp.maximum(jnp.sum(sums["count"]), 1.0)
-    metrics = {METRIC_NAMES[k]: _sg(jnp.sum(sums[k]) / count) for k in METRIC_NAMES
-               if k in sums}
+    metrics = {METRIC_NAMES[k]: _sg(jnp.sum(sums[k]) / count) for k in METRIC_NAMES if k in sums}
     return loss, metrics
 
 
@@ -280,10 +302,15 @@ def grpo_loss(x: PPOInputs, cfg: PPOConfig):
     aggregate(pg + β·kl), aggregate(pg), aggregate(kl); kl = 0 without ref_logp."""
     seq = sequence_terms(masked_row_sums(sequence_summands(x, cfg), x.mask), cfg)
     pg, _ = policy_surrogate(x, cfg, seq)
-    kl = (jnp.zeros_like(pg) if x.ref_logp is None
-          else kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator))
-    sums = masked_row_sums({"loss": pg + cfg.kl_coef * kl, "pg": pg, "kl": kl,
-                            "count": jnp.ones_like(pg)}, x.mask)
-    agg = lambda k: aggregate_sequence_sums(sums[k], sums["count"], cfg.loss_agg_mode,
-                                            pg.shape[-1], cfg.max_len)
+    kl = (
+        jnp.zeros_like(pg)
+        if x.ref_logp is None
+        else kl_penalty(x.logp, x.ref_logp, cfg.kl_estimator)
+    )
+    sums = masked_row_sums(
+        {"loss": pg + cfg.kl_coef * kl, "pg": pg, "kl": kl, "count": jnp.ones_like(pg)}, x.mask
+    )
+    agg = lambda k: aggregate_sequence_sums(
+        sums[k], sums["count"], cfg.loss_agg_mode, pg.shape[-1], cfg.max_len
+    )
     return agg("loss"), agg("pg"), agg("kl")

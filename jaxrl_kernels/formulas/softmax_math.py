@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+
 def online_softmax_init(shape, with_entropy: bool):
     m = jnp.full(shape, -jnp.inf, jnp.float32)
     zero = jnp.zeros(shape, jnp.float32)

@@ -61,8 +61,12 @@ def _sharded_like(x, like):
     want = jax.typeof(like).sharding
     mesh = getattr(want, "mesh", None)
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    if (mesh is None or mesh.empty or explicit not in getattr(mesh, "axis_types", ())
-            or jax.typeof(x).sharding == want):
+    if (
+        mesh is None
+        or mesh.empty
+        or explicit not in getattr(mesh, "axis_types", ())
+        or jax.typeof(x).sharding == want
+    ):
         return x
     return jax.reshard(x, want)
 

@@ -77,7 +77,8 @@ def map_blocks(fn, xs, size: int):
 
     def block(c):  # behind barriers: one block (a loop XLA inlines) compiles as each of several
         barrier = jax.lax.optimization_barrier
-        return barrier(fn(*barrier(tuple(jax.lax.dynamic_slice_in_dim(x, spans.start(c), size)
-                                         for x in xs))))
+        return barrier(
+            fn(*barrier(tuple(jax.lax.dynamic_slice_in_dim(x, spans.start(c), size) for x in xs)))
+        )
 
     return spans.collect(jax.lax.map(block, jnp.arange(spans.count)), n)

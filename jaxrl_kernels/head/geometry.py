@@ -73,13 +73,16 @@ def target_rows(weight, targets, layout: str):
 def logits(hidden, weight, layout: str, **dot_options):
     """``hidden [N, D] · Wᵀ -> [N, V]`` (``dot_options``: ``precision``,
     ``preferred_element_type``)."""
-    return jax.lax.dot_general(hidden, weight, (((1,), (model_axis(layout),)), ((), ())),
-                               **dot_options)
+    return jax.lax.dot_general(
+        hidden, weight, (((1,), (model_axis(layout),)), ((), ())), **dot_options
+    )
 
 
 def matmul_precision(dtype) -> jax.lax.Precision:
     """float32 operands get full float32 products; narrower ones are exact in float32 anyway."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    return (
+        jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+    )
 
 
 def gemm_dtype(dtype):
@@ -94,15 +97,19 @@ def gemm_dtype(dtype):
 def float32_logits(hidden, weight, bias, layout: str):
     """``hidden @ Wᵀ (+ bias)`` in float32, the operands promoted to their common dtype."""
     dtype = jnp.result_type(hidden, weight)
-    z = logits(hidden.astype(dtype), weight.astype(dtype), layout,
-               precision=matmul_precision(dtype), preferred_element_type=jnp.float32)
+    z = logits(
+        hidden.astype(dtype),
+        weight.astype(dtype),
+        layout,
+        precision=matmul_precision(dtype),
+        preferred_element_type=jnp.float32,
+    )
     return z if bias is None else z + bias.astype(jnp.float32)
 
 
 def hidden_grad(dz, weight, layout: str, **dot_options):
     """``dz [N, V] · W -> [N, D]``."""
-    return jax.lax.dot_general(dz, weight, (((1,), (vocab_axis(layout),)), ((), ())),
-                               **dot_options)
+    return jax.lax.dot_general(dz, weight, (((1,), (vocab_axis(layout),)), ((), ())), **dot_options)
 
 
 def weight_grad(dz, hidden, layout: str, **dot_options):

@@ -32,9 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels.head import blocks
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_ids
+from jaxrl_kernels.head import blocks, geometry, head_ids
 from jaxrl_kernels.sharding.vma import varying_like
 
 
@@ -62,12 +60,22 @@ class RowGrad:
         inv_t = 1.0 / temperature
         if g_ent is None:
             return cls(lse, g, None, None, temperature, g * inv_t, g * inv_t, None, floor)
-        return cls(lse, g, g_ent, entropy, temperature, g * inv_t, (g + g_ent * entropy) * inv_t,
-                   g_ent * inv_t, floor)
+        return cls(
+            lse,
+            g,
+            g_ent,
+            entropy,
+            temperature,
+            g * inv_t,
+            (g + g_ent * entropy) * inv_t,
+            g_ent * inv_t,
+            floor,
+        )
 
 
-WriteGrad = Callable[[RowGrad, jax.Array, int, jax.Array, jax.Array, jax.Array],
-                     tuple[jax.Array, jax.Array | None]]
+WriteGrad = Callable[
+    [RowGrad, jax.Array, int, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]
+]
 """``(rows, start, size, hidden, weight, sigma_w) -> (G, W16 | None)``: G float16 [N, size] for
 vocabulary columns [start, start + size), and, if the kernel writes it too, the chunk's
 W16 = float16(σ_W · W[those columns]) in W's layout (None: ``backward`` converts it)."""
@@ -93,7 +101,7 @@ def pow2_at_least(x):
     return jnp.where(ok, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, x, 1.0)))), 1.0)
 
 
-def pow2_range(amax, target=2.0 ** 14):
+def pow2_range(amax, target=2.0**14):
     """A power of two σ with σ·amax <= target: float16 operands keep their range (max 65504)
     and leave the subnormals to what is 2⁻²⁴ of the largest value."""
     return target / pow2_at_least(amax.astype(jnp.float32))
@@ -109,8 +117,7 @@ GEMM_ROWS = 1024
 its blocking and any split of K by the shape, so one shape whatever N."""
 
 
-def invariant_chunk_columns(vocab: int, align: int,
-                            columns: int = INVARIANT_CHUNK_COLUMNS) -> int:
+def invariant_chunk_columns(vocab: int, align: int, columns: int = INVARIANT_CHUNK_COLUMNS) -> int:
     """``columns`` (a backend's constant, :data:`INVARIANT_CHUNK_COLUMNS` by default) rounded
     down to a multiple of ``align`` (at least ``align``), at most V."""
     return min(max(align, columns - columns % align), vocab)
@@ -121,12 +128,14 @@ def hidden_grad_rows(g, w, weight_layout, gemm_rows: int | None, **dot_options):
     of one shape, ``blocks.map_blocks``), else as one GEMM."""
     if gemm_rows is None:
         return geometry.hidden_grad(g, w, weight_layout, **dot_options)
-    return blocks.map_blocks(lambda g: geometry.hidden_grad(g, w, weight_layout, **dot_options),
-                             (g,), gemm_rows)
+    return blocks.map_blocks(
+        lambda g: geometry.hidden_grad(g, w, weight_layout, **dot_options), (g,), gemm_rows
+    )
 
 
-def chunk_columns(n_rows: int, vocab: int, chunk_bytes: int, align: int,
-                  bytes_per_entry: int = 2) -> int:
+def chunk_columns(
+    n_rows: int, vocab: int, chunk_bytes: int, align: int, bytes_per_entry: int = 2
+) -> int:
     """Columns per chunk: the chunk's logit gradient fits ``chunk_bytes``, a multiple of
     ``align`` (the kernel's vocabulary tile), and at most 1/32 of what float32 [N, V] logits
     would take (small problems stay small)."""
@@ -140,8 +149,11 @@ def initial_grads(hidden, weight, bias, weight_grad_init=jnp.zeros_like):
     """The carry of the chunk loop: float32 d_hidden (or its accumulator), d_weight in W's
     dtype (``weight_grad_init(weight)``: zeros, or a buffer the loop overwrites in full),
     float32 d_bias | None."""
-    return (jnp.zeros(hidden.shape, jnp.float32), weight_grad_init(weight),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    return (
+        jnp.zeros(hidden.shape, jnp.float32),
+        weight_grad_init(weight),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
 
 
 def run_chunks(chunk, carry, vocab: int, size: int):
@@ -169,11 +181,13 @@ class Scaled:
     d_w_scale: jax.Array
 
     @classmethod
-    def of(cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids=None,
-           floor=None) -> Scaled:
+    def of(
+        cls, hidden, weight, lse, entropy, g_logp, g_ent, temperature, g_ids=None, floor=None
+    ) -> Scaled:
         s = row_bound(g_logp, g_ent, entropy, temperature, g_ids)
-        rows = RowGrad.of(lse, g_logp / s, None if g_ent is None else g_ent / s, entropy,
-                          temperature, floor)
+        rows = RowGrad.of(
+            lse, g_logp / s, None if g_ent is None else g_ent / s, entropy, temperature, floor
+        )
         return cls.of_bound(hidden, weight, s, rows)
 
     @classmethod
@@ -191,9 +205,25 @@ class Scaled:
         return (acc * scale[:, None]).astype(dtype)
 
 
-def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weight_layout,
-             temperature, write_grad: WriteGrad, chunk_bytes: int, align: int,
-             weight_grad_init=jnp.zeros_like, floor=None, batch_invariant=False):
+def backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    write_grad: WriteGrad,
+    chunk_bytes: int,
+    align: int,
+    weight_grad_init=jnp.zeros_like,
+    floor=None,
+    batch_invariant=False,
+):
     """(d_hidden, d_weight, d_bias | None) of ``linear_logprobs`` for 16-bit hidden and weight;
     the arguments are those of the ``logprob_core`` backward part (rows without a gradient:
     lse = +inf, g = g_ent = 0). The chunks run in a ``fori_loop`` (unrolled, they are no
@@ -213,18 +243,37 @@ def backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, weig
     def write_g(start, size):
         g16, w16 = write_grad(scaled.rows, start, size, hidden, weight, scaled.sigma_w)
         if ids is not None:
-            g16 = head_ids.add_id_grads(g16, ids, g_ids / (scaled.s * temperature)[:, None],
-                                        start)
+            g16 = head_ids.add_id_grads(g16, ids, g_ids / (scaled.s * temperature)[:, None], start)
         return g16, w16
 
-    return scaled_backward(hidden, weight, bias, scaled, write_g, weight_layout=weight_layout,
-                           chunk_bytes=chunk_bytes, align=align,
-                           weight_grad_init=weight_grad_init, batch_invariant=batch_invariant)
+    return scaled_backward(
+        hidden,
+        weight,
+        bias,
+        scaled,
+        write_g,
+        weight_layout=weight_layout,
+        chunk_bytes=chunk_bytes,
+        align=align,
+        weight_grad_init=weight_grad_init,
+        batch_invariant=batch_invariant,
+    )
 
 
-def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_layout,
-                    chunk_bytes: int, align: int, weight_grad_init=jnp.zeros_like, varying=(),
-                    batch_invariant=False):
+def scaled_backward(
+    hidden,
+    weight,
+    bias,
+    scaled: Scaled,
+    write_g,
+    *,
+    weight_layout,
+    chunk_bytes: int,
+    align: int,
+    weight_grad_init=jnp.zeros_like,
+    varying=(),
+    batch_invariant=False,
+):
     """:func:`backward`'s chunk loop for any head loss: ``write_g(start, size)`` gives the
     chunk's ``(G, W16 | None)`` with G = dz / s for the row bound ``scaled.s``. Inside a
     ``shard_map`` the loop's carry varies over the manual axes of hidden, weight, ``s`` and
@@ -239,26 +288,41 @@ def scaled_backward(hidden, weight, bias, scaled: Scaled, write_g, *, weight_lay
         acc, d_weight, d_bias = carry
         g16, w16 = write_g(start, size)
         if w16 is None:
-            w16 = (geometry.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
-                   * sigma_w).astype(jnp.float16)
-        acc = acc + hidden_grad_rows(g16, w16, weight_layout, gemm_rows,
-                                     preferred_element_type=jnp.float32)
+            w16 = (
+                geometry.vocab_slice(weight, start, size, weight_layout).astype(jnp.float32)
+                * sigma_w
+            ).astype(jnp.float16)
+        acc = acc + hidden_grad_rows(
+            g16, w16, weight_layout, gemm_rows, preferred_element_type=jnp.float32
+        )
         d_w = geometry.weight_grad(g16, h16, weight_layout, preferred_element_type=jnp.float32)
-        d_weight = geometry.vocab_update(d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype),
-                                     start, weight_layout)
+        d_weight = geometry.vocab_update(
+            d_weight, (d_w * scaled.d_w_scale).astype(weight.dtype), start, weight_layout
+        )
         if d_bias is not None:
-            d_b = lax.dot_general(scaled.s, g16.astype(jnp.float32), (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+            d_b = lax.dot_general(
+                scaled.s,
+                g16.astype(jnp.float32),
+                (((0,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return acc, d_weight, d_bias
 
-    init = varying_like(initial_grads(hidden, weight, bias, weight_grad_init), hidden, weight,
-                        scaled.s, *varying)
-    columns = (invariant_chunk_columns(vocab, align) if batch_invariant
-               else chunk_columns(n_rows, vocab, chunk_bytes, align))
+    init = varying_like(
+        initial_grads(hidden, weight, bias, weight_grad_init), hidden, weight, scaled.s, *varying
+    )
+    columns = (
+        invariant_chunk_columns(vocab, align)
+        if batch_invariant
+        else chunk_columns(n_rows, vocab, chunk_bytes, align)
+    )
     acc, d_weight, d_bias = run_chunks(chunk, init, vocab, columns)
-    return (scaled.finish(acc, hidden.dtype), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+    return (
+        scaled.finish(acc, hidden.dtype),
+        d_weight,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
 WEIGHT_BLOCK_BYTES = 64 * 2**20
@@ -276,14 +340,19 @@ def rounded_weight_grad(dz, hidden, weight, weight_layout, scale=None):
     dtype = jnp.result_type(dz, hidden)
     precision = geometry.matmul_precision(dtype)
     if scale is None and geometry.gemm_dtype(dtype) == weight.dtype == dtype:
-        return geometry.weight_grad(dz, hidden, weight_layout, precision=precision,
-                                preferred_element_type=dtype)
-    vocab, dim = geometry.vocab_size(weight, weight_layout), geometry.hidden_dim(weight, weight_layout)
+        return geometry.weight_grad(
+            dz, hidden, weight_layout, precision=precision, preferred_element_type=dtype
+        )
+    vocab, dim = (
+        geometry.vocab_size(weight, weight_layout),
+        geometry.hidden_dim(weight, weight_layout),
+    )
 
     def block(d_weight, start, size):
         dz_c = lax.dynamic_slice_in_dim(dz, start, size, axis=1)
-        d_w = geometry.weight_grad(dz_c, hidden, weight_layout, precision=precision,
-                               preferred_element_type=jnp.float32)
+        d_w = geometry.weight_grad(
+            dz_c, hidden, weight_layout, precision=precision, preferred_element_type=jnp.float32
+        )
         d_w = d_w if scale is None else d_w * scale
         return geometry.vocab_update(d_weight, d_w.astype(weight.dtype), start, weight_layout)
 
@@ -312,9 +381,17 @@ def row_scaled_grads(dz, hidden, weight, weight_layout, scale):
     devices), ``hidden`` before ``d_weight``'s GEMM (:func:`rows_scaled_weight_grad`)."""
     dtype = jnp.result_type(hidden, weight)
     dz = dz.astype(dtype)
-    d_hidden = geometry.hidden_grad(dz, weight.astype(dtype), weight_layout,
-                                precision=geometry.matmul_precision(dtype),
-                                preferred_element_type=jnp.float32) * scale
-    d_weight = rows_scaled_weight_grad(dz, hidden.astype(jnp.float32) * scale, weight,
-                                       weight_layout)
+    d_hidden = (
+        geometry.hidden_grad(
+            dz,
+            weight.astype(dtype),
+            weight_layout,
+            precision=geometry.matmul_precision(dtype),
+            preferred_element_type=jnp.float32,
+        )
+        * scale
+    )
+    d_weight = rows_scaled_weight_grad(
+        dz, hidden.astype(jnp.float32) * scale, weight, weight_layout
+    )
     return d_hidden, d_weight

@@ -38,8 +38,10 @@ def _row_blocks(n_rows, k, dim, *row_args):
     size = _block_rows(n_rows, k, dim)
     count = -(-n_rows // size)
     pad = count * size - n_rows
-    return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((count, size) + x.shape[1:])
-            for x in row_args]
+    return [
+        jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape((count, size) + x.shape[1:])
+        for x in row_args
+    ]
 
 
 def _rows_back(blocks, n_rows):
@@ -53,12 +55,14 @@ def id_logits(hidden, weight, bias, ids, holds, *, weight_layout, temperature):
 
     def block(args):
         h, i = args
-        z = jnp.sum(h.astype(jnp.float32)[:, None, :] * _gathered(weight, i, weight_layout),
-                    axis=-1)
+        z = jnp.sum(
+            h.astype(jnp.float32)[:, None, :] * _gathered(weight, i, weight_layout), axis=-1
+        )
         return z if bias is None else z + bias[i].astype(jnp.float32)
 
-    z = _rows_back(jax.lax.map(block, _row_blocks(n_rows, k, hidden.shape[-1], hidden, safe)),
-                   n_rows)
+    z = _rows_back(
+        jax.lax.map(block, _row_blocks(n_rows, k, hidden.shape[-1], hidden, safe)), n_rows
+    )
     return jnp.where(holds, z if temperature == 1.0 else z / temperature, 0.0)
 
 

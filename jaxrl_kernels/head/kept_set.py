@@ -41,11 +41,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.formulas import divergence_math
-from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.formulas import divergence_math, sampler_math
+from jaxrl_kernels.formulas.sampler_math import KEY_NONE, Truncation, float_key, key_value
 from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.sharding.vma import varying_like
-from jaxrl_kernels.formulas.sampler_math import KEY_NONE, Truncation, float_key, key_value
 
 PIVOTS = 16
 """Pivots per pass (P): each pass cuts a row's interval of keys 16-fold."""
@@ -70,13 +69,16 @@ class Logits:
     rows: Callable[..., jax.Array]
 
     @staticmethod
-    def of_array(x, temperature: float = 1.0) -> "Logits":
+    def of_array(x, temperature: float = 1.0) -> Logits:
         """float32 ``x / temperature`` of an array ``x`` [N, V_local] (columns or rows of it)."""
+
         def part(axis):
             def slice_(start, size):
                 y = jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
                 return y.astype(jnp.float32) / temperature
+
             return slice_
+
         return Logits(columns=part(1), rows=part(0))
 
 
@@ -144,8 +146,10 @@ def _pivot_stats(u_chunk, m, pivots, fresh):
 def _merge_below(x, y):
     """Combine two ``(below, t_count, t_mass, t_ent)`` of disjoint column sets."""
     below = jnp.maximum(x[0], y[0])
-    return (below,) + tuple(jnp.where(x[0] == below, a, 0) + jnp.where(y[0] == below, b, 0)
-                            for a, b in zip(x[1:], y[1:]))
+    return (below,) + tuple(
+        jnp.where(x[0] == below, a, 0) + jnp.where(y[0] == below, b, 0)
+        for a, b in zip(x[1:], y[1:])
+    )
 
 
 def _across(stats, vocab_axes):
@@ -154,8 +158,7 @@ def _across(stats, vocab_axes):
         return stats
     count, mass, ent = jax.lax.psum(stats[:3], vocab_axes)
     below = jax.lax.pmax(stats[3], vocab_axes)
-    ties = jax.lax.psum(tuple(jnp.where(stats[3] == below, t, 0) for t in stats[4:]),
-                        vocab_axes)
+    ties = jax.lax.psum(tuple(jnp.where(stats[3] == below, t, 0) for t in stats[4:]), vocab_axes)
     return (count, mass, ent, below) + ties
 
 
@@ -167,8 +170,9 @@ def _pass(u_chunks, n_rows, vocab, m, pivots, vocab_axes, varying):
 
     shape = pivots.shape
     zero_i, zero_f = jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
-    init = varying((zero_i, zero_f, zero_f, jnp.full(shape, KEY_NONE, jnp.int32), zero_i,
-                    zero_f, zero_f))
+    init = varying(
+        (zero_i, zero_f, zero_f, jnp.full(shape, KEY_NONE, jnp.int32), zero_i, zero_f, zero_f)
+    )
     stats = vocab_chunks.scan_chunks(body, init, n_rows, vocab, CHUNK_BYTES)
     return _across(stats, vocab_axes)
 
@@ -193,16 +197,27 @@ def _spread(lo, hi):
 
 def row_max(u_chunks, n_rows: int, vocab: int, vocab_axes=(), varying=lambda x: x):
     """``max u`` per row over the whole vocabulary: one pass."""
+
     def body(m, start, cols, fresh, size):
         return jnp.maximum(m, jnp.max(jnp.where(fresh, u_chunks(start, size), -jnp.inf), -1))
 
-    m = vocab_chunks.scan_chunks(body, varying(jnp.full((n_rows,), -jnp.inf, jnp.float32)),
-                                 n_rows, vocab, CHUNK_BYTES)
+    m = vocab_chunks.scan_chunks(
+        body, varying(jnp.full((n_rows,), -jnp.inf, jnp.float32)), n_rows, vocab, CHUNK_BYTES
+    )
     return jax.lax.pmax(m, vocab_axes) if vocab_axes else m
 
 
-def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, *,
-         vocab_axes=(), varying=lambda x: x) -> KeptSet:
+def find(
+    logits: Logits,
+    n_rows: int,
+    vocab: int,
+    m,
+    active,
+    trunc: Truncation,
+    *,
+    vocab_axes=(),
+    varying=lambda x: x,
+) -> KeptSet:
     """The kept set of each row of ``u`` (this device's columns, read by
     ``logits.columns``); ``m`` [N] any value ``>= max u`` over the whole vocabulary (the max,
     or a backend's lse); rows not ``active`` get no search (their results are unused).
@@ -216,10 +231,12 @@ def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, 
     shards = jax.lax.psum(1, vocab_axes) if vocab_axes else 1
     k = trunc.top_k
     if k is None or k >= vocab * shards or k > MAX_CANDIDATES:
-        return search(u_chunks, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
-                      varying=varying)
-    values = _candidates(u_chunks, n_rows, vocab, min(k + 1 + CANDIDATE_SLACK, vocab * shards),
-                         vocab_axes, varying)
+        return search(
+            u_chunks, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes, varying=varying
+        )
+    values = _candidates(
+        u_chunks, n_rows, vocab, min(k + 1 + CANDIDATE_SLACK, vocab * shards), vocab_axes, varying
+    )
     found, open_rows = _from_candidates(values, m, trunc)
     open_rows = open_rows & active
 
@@ -227,13 +244,14 @@ def find(logits: Logits, n_rows: int, vocab: int, m, active, trunc: Truncation, 
     # needs equal types; a constant field would otherwise be invariant in one branch only)
     def typed(xs):
         return tuple(varying_like(x, m, open_rows) for x in xs)
+
     fields = found.search_fields()
 
     def searched(_):
-        other = search(u_chunks, n_rows, vocab, m, open_rows, trunc, vocab_axes=vocab_axes,
-                       varying=varying)
-        return typed(jnp.where(open_rows, b, a)
-                     for a, b in zip(fields, other.search_fields()))
+        other = search(
+            u_chunks, n_rows, vocab, m, open_rows, trunc, vocab_axes=vocab_axes, varying=varying
+        )
+        return typed(jnp.where(open_rows, b, a) for a, b in zip(fields, other.search_fields()))
 
     return KeptSet(*jax.lax.cond(jnp.any(open_rows), searched, lambda _: typed(fields), None))
 
@@ -262,8 +280,9 @@ def _candidates(u_chunks, n_rows, vocab, c, vocab_axes, varying):
     init = varying(jnp.full((n_rows, c_local), -jnp.inf, jnp.float32))
     top = vocab_chunks.scan_chunks(body, init, n_rows, vocab, CANDIDATE_CHUNK_BYTES)
     if vocab_axes:
-        top, _ = divergence_math.topk_across_shards(top, jnp.zeros(top.shape, jnp.int32), c,
-                                                    vocab_axes)
+        top, _ = divergence_math.topk_across_shards(
+            top, jnp.zeros(top.shape, jnp.int32), c, vocab_axes
+        )
     return top
 
 
@@ -272,7 +291,7 @@ def _from_candidates(v, m, trunc):
     decreasing), and which rows they leave open (every candidate kept: values equal to the
     last may lie beyond them)."""
     c = v.shape[1]
-    keep = v >= v[:, trunc.top_k - 1:trunc.top_k]
+    keep = v >= v[:, trunc.top_k - 1 : trunc.top_k]
     if trunc.min_p is not None:
         keep &= v >= sampler_math.min_p_floor(v[:, :1], trunc.min_p)
     shifted = v - m[:, None]
@@ -291,21 +310,33 @@ def _from_candidates(v, m, trunc):
     mid = gap + (tau - gap) * 0.5
     mid = jnp.where(mid > gap, mid, tau)  # adjacent floats: τ itself
     floor = jnp.where(gap == -jnp.inf, -jnp.inf, mid)
-    found = KeptSet(floor, jnp.sum(e, axis=-1),
-                    jnp.sum(jnp.where(keep, e * shifted, 0.0), axis=-1),
-                    jnp.ones(n_kept.shape, jnp.int32))
+    found = KeptSet(
+        floor,
+        jnp.sum(e, axis=-1),
+        jnp.sum(jnp.where(keep, e * shifted, 0.0), axis=-1),
+        jnp.ones(n_kept.shape, jnp.int32),
+    )
     return found, n_kept >= c
 
 
-def search(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, vocab_axes=(),
-           varying=lambda x: x) -> KeptSet:
+def search(
+    u_chunks,
+    n_rows: int,
+    vocab: int,
+    m,
+    active,
+    trunc: Truncation,
+    *,
+    vocab_axes=(),
+    varying=lambda x: x,
+) -> KeptSet:
     """:func:`find` by the pivot search of the module docstring, for every ``active`` row
     (min-p's threshold takes the max from a pass of its own)."""
-    top_value = m if trunc.min_p is None else row_max(u_chunks, n_rows, vocab, vocab_axes,
-                                                      varying)
+    top_value = m if trunc.min_p is None else row_max(u_chunks, n_rows, vocab, vocab_axes, varying)
     min_floor = sampler_math.min_p_floor(top_value, trunc.min_p)
-    lowest = jnp.where(min_floor == -jnp.inf, float_key(jnp.float32(-3.4028235e38)),
-                       float_key(min_floor))
+    lowest = jnp.where(
+        min_floor == -jnp.inf, float_key(jnp.float32(-3.4028235e38)), float_key(min_floor)
+    )
     # Where the searches start: top-p's below m − 104, where exp(u − m) is 0 in float32, has
     # no mass to count; top-k's k-th value lies above m − 64 on any real row (else the search
     # starts again from the lowest value).
@@ -315,10 +346,20 @@ def search(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, v
     stage = jnp.where(active, first, DONE).astype(jnp.int32)
     zeros = jnp.zeros_like(m)
     start_lo = jnp.maximum(lowest, near[first]) if first in near else lowest
-    state = dict(stage=stage, lo=start_lo, hi=top, lowest=lowest, p_start=near[TOP_P],
-                 target=jnp.full_like(m, trunc.top_k or 0.0), tau=start_lo,
-                 exact=jnp.zeros(m.shape, bool), floor=jnp.full_like(m, -jnp.inf), s=zeros,
-                 a=zeros, passes=jnp.zeros(m.shape, jnp.int32))
+    state = dict(
+        stage=stage,
+        lo=start_lo,
+        hi=top,
+        lowest=lowest,
+        p_start=near[TOP_P],
+        target=jnp.full_like(m, trunc.top_k or 0.0),
+        tau=start_lo,
+        exact=jnp.zeros(m.shape, bool),
+        floor=jnp.full_like(m, -jnp.inf),
+        s=zeros,
+        a=zeros,
+        passes=jnp.zeros(m.shape, jnp.int32),
+    )
     if first == TOP_P:
         state["target"] = jnp.full_like(m, jnp.nan)  # set by the first pass (mass at lo)
 
@@ -327,9 +368,9 @@ def search(u_chunks, n_rows: int, vocab: int, m, active, trunc: Truncation, *, v
         at_tau = jnp.broadcast_to(state["tau"][:, None], (n_rows, PIVOTS + 1))
         pivots = jnp.where(searching[:, None], _spread(state["lo"], state["hi"]), at_tau)
         count, mass, ent, below, t_count, t_mass, t_ent = _pass(
-            u_chunks, n_rows, vocab, m, pivots, vocab_axes, varying)
-        return _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_ent,
-                        top)
+            u_chunks, n_rows, vocab, m, pivots, vocab_axes, varying
+        )
+        return _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_ent, top)
 
     def more(state):
         return jnp.any(state["stage"] != DONE) & (jnp.max(state["passes"]) < MAX_PASSES)
@@ -382,10 +423,18 @@ def _advance(state, trunc, pivots, count, mass, ent, below, t_count, t_mass, t_e
     gap = key_value(below[:, 0])
     mid = gap + (tau_value - gap) * 0.5
     mid = jnp.where(mid > gap, mid, tau_value)  # adjacent floats: τ itself
-    floor = jnp.where(state["exact"], jnp.where(below[:, 0] == KEY_NONE, -jnp.inf, mid),
-                      tau_value)
-    return dict(stage=jnp.where(fin, DONE, next_stage), lo=new_lo, hi=new_hi,
-                lowest=state["lowest"], p_start=state["p_start"], target=target,
-                tau=tau, exact=exact, floor=jnp.where(fin, floor, state["floor"]),
-                s=jnp.where(fin, mass[:, 0], state["s"]), a=jnp.where(fin, ent[:, 0], state["a"]),
-                passes=state["passes"] + (stage != DONE))
+    floor = jnp.where(state["exact"], jnp.where(below[:, 0] == KEY_NONE, -jnp.inf, mid), tau_value)
+    return dict(
+        stage=jnp.where(fin, DONE, next_stage),
+        lo=new_lo,
+        hi=new_hi,
+        lowest=state["lowest"],
+        p_start=state["p_start"],
+        target=target,
+        tau=tau,
+        exact=exact,
+        floor=jnp.where(fin, floor, state["floor"]),
+        s=jnp.where(fin, mass[:, 0], state["s"]),
+        a=jnp.where(fin, ent[:, 0], state["a"]),
+        passes=state["passes"] + (stage != DONE),
+    )

@@ -28,9 +28,13 @@ def kept_bytes(n_rows: int, vocab: int, hidden_dtype, weight_dtype) -> int:
 def product(hidden, weight, weight_layout):
     """``hidden @ Wᵀ`` [N, V]: accumulated in float32, rounded once to :func:`kept_dtype`."""
     dtype = jnp.result_type(hidden, weight)
-    z = geometry.logits(hidden.astype(dtype), weight.astype(dtype), weight_layout,
-                    precision=geometry.matmul_precision(dtype),
-                    preferred_element_type=geometry.gemm_dtype(dtype))
+    z = geometry.logits(
+        hidden.astype(dtype),
+        weight.astype(dtype),
+        weight_layout,
+        precision=geometry.matmul_precision(dtype),
+        preferred_element_type=geometry.gemm_dtype(dtype),
+    )
     return z.astype(kept_dtype(hidden.dtype, weight.dtype))
 
 
@@ -42,8 +46,9 @@ def scaled(z, bias, temperature):
     a fused reduction), which would take the forward's statistics from unrounded logits and
     the backward's softmax from the kept, rounded ones."""
     finfo = jnp.finfo(z.dtype)
-    z = jax.lax.reduce_precision(z.astype(jnp.float32), exponent_bits=finfo.nexp,
-                                 mantissa_bits=finfo.nmant)
+    z = jax.lax.reduce_precision(
+        z.astype(jnp.float32), exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant
+    )
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     return z if temperature == 1.0 else z / temperature
@@ -68,8 +73,9 @@ def row_stats(zs, with_entropy):
     return (m, jnp.sum(e, axis=-1)) + ((jnp.sum(e * shifted, axis=-1),) if with_entropy else ())
 
 
-def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
-                with_entropy):
+def local_stats(
+    plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature, with_entropy
+):
     """One device's rows [N, D] and columns: its row statistics, the target's ``z̃ − m`` and
     the kept logits ``z`` [N, V_local] (the forward half of the engine's linear-head op): the
     ``kept_logits`` primitive on XLA's GEMM and reductions (the reference backend's).
@@ -80,6 +86,5 @@ def local_stats(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout
     del plan, row_valid
     z = product(hidden, weight, weight_layout)
     stats = row_stats(scaled(z, bias, temperature), with_entropy)
-    target_rel = target_logits(hidden, weight, bias, t_local, weight_layout,
-                                temperature) - stats[0]
+    target_rel = target_logits(hidden, weight, bias, t_local, weight_layout, temperature) - stats[0]
     return stats, target_rel, z

@@ -74,8 +74,9 @@ class Tiling:
         """``x`` [N, ...] (or None) with rows of ``value`` appended up to ``rows.n``."""
         if x is None or x.shape[0] == self.rows.n:
             return x
-        return jnp.pad(x, [(0, self.rows.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1),
-                       constant_values=value)
+        return jnp.pad(
+            x, [(0, self.rows.n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value
+        )
 
     def read(self, x, r0):
         """The rows ``[r0, r0 + rows.size)`` of ``x`` (None: None)."""
@@ -85,18 +86,23 @@ class Tiling:
         """``x`` with the block ``update`` written at row ``r0`` where ``fresh`` [rows.size]."""
         fresh = fresh.reshape(fresh.shape + (1,) * (update.ndim - 1))
         return jax.lax.dynamic_update_slice_in_dim(
-            x, jnp.where(fresh, update, self.read(x, r0)), r0, 0)
+            x, jnp.where(fresh, update, self.read(x, r0)), r0, 0
+        )
 
 
-def tiling(n_rows: int, vocab: int, chunk_bytes: int, *, dim: int = 0,
-           batch_invariant: bool = False) -> Tiling:
+def tiling(
+    n_rows: int, vocab: int, chunk_bytes: int, *, dim: int = 0, batch_invariant: bool = False
+) -> Tiling:
     """The tiles over N rows and V columns: all rows at once in chunks of about
     ``chunk_bytes`` of float32 [N, size] (:func:`vocab_chunking`); ``batch_invariant``: blocks
     of :data:`TILE_ROWS` rows in chunks of :func:`tile_chunking`, so that no shape a row's
     arithmetic sees depends on N (up to ``TILE_ROWS − 1`` rows more work)."""
     if batch_invariant:
-        return Tiling(blocks(max(n_rows, TILE_ROWS), TILE_ROWS),
-                      tile_chunking(vocab, dim, chunk_bytes), invariant=True)
+        return Tiling(
+            blocks(max(n_rows, TILE_ROWS), TILE_ROWS),
+            tile_chunking(vocab, dim, chunk_bytes),
+            invariant=True,
+        )
     n = max(n_rows, 1)
     return Tiling(blocks(n, n), vocab_chunking(n_rows, vocab, chunk_bytes))
 
@@ -145,19 +151,23 @@ def scan_chunks(body, init, n_rows: int, vocab: int, chunk_bytes: int):
 def linear_chunk(hidden, weight, bias, weight_layout, temperature):
     """``chunk(start, size)``: the float32 logits [N, size] of the head's columns
     ``[start, start + size)``, divided by ``temperature``."""
+
     def chunk(start, size):
         w = geometry.vocab_slice(weight, start, size, weight_layout)
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
         return geometry.float32_logits(hidden, w, b, weight_layout) / temperature
+
     return chunk
 
 
 def linear_rows(hidden, weight, bias, weight_layout, temperature):
     """``rows(start, size)``: the float32 logits [size, V] of the hidden states' rows
     ``[start, start + size)``, divided by ``temperature`` (:func:`linear_chunk`'s values)."""
+
     def rows(start, size):
         h = jax.lax.dynamic_slice_in_dim(hidden, start, size)
         return geometry.float32_logits(h, weight, bias, weight_layout) / temperature
+
     return rows
 
 
@@ -179,11 +189,12 @@ def _pow2_scale(amax):
     inside float16's range (exact: a power of two; 1 where amax is 0 or not finite)."""
     ok = jnp.isfinite(amax) & (amax > 0)
     top = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(ok, amax, 1.0))))
-    return jnp.where(ok, 2.0 ** 14 / top, 1.0).astype(jnp.float32)
+    return jnp.where(ok, 2.0**14 / top, 1.0).astype(jnp.float32)
 
 
-def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
-                     chunk_bytes: int | None = None):
+def student_backward(
+    hidden, weight, bias, weight_layout, tile_grad, operands, chunk_bytes: int | None = None
+):
     """(d_hidden, d_weight, d_bias | None) from ``tile_grad(start, cols, fresh, size)``, the
     float32 logit gradient [N, size] of a chunk of ``chunk_bytes`` (default
     :data:`DISTILL_CHUNK_BYTES`): two GEMMs per chunk. ``operands``: the arrays the result
@@ -217,14 +228,22 @@ def student_backward(hidden, weight, bias, weight_layout, tile_grad, operands,
         w = (w * sigma_w).astype(op_dtype)
         d_hidden = d_hidden + geometry.hidden_grad(g, w, weight_layout, **dot) / (sigma * sigma_w)
         d_w = geometry.weight_grad(g, h_op, weight_layout, **dot) / (sigma * sigma_h)
-        d_weight, d_bias = accumulate_chunk(d_weight, d_bias, d_w, dz, start, fresh, size,
-                                            weight_layout)
+        d_weight, d_bias = accumulate_chunk(
+            d_weight, d_bias, d_w, dz, start, fresh, size, weight_layout
+        )
         return d_hidden, d_weight, d_bias
 
-    init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(weight),
-            None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    init = (
+        jnp.zeros(hidden.shape, jnp.float32),
+        jnp.zeros_like(weight),
+        None if bias is None else jnp.zeros((vocab,), jnp.float32),
+    )
     chunk_bytes = DISTILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    d_hidden, d_weight, d_bias = scan_chunks(body, varying_like(init, *operands), n_rows, vocab,
-                                             chunk_bytes)
-    return (d_hidden.astype(hidden.dtype), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+    d_hidden, d_weight, d_bias = scan_chunks(
+        body, varying_like(init, *operands), n_rows, vocab, chunk_bytes
+    )
+    return (
+        d_hidden.astype(hidden.dtype),
+        d_weight,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )

@@ -24,22 +24,22 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.engine import distill_halves
-from jaxrl_kernels.engine import fused_distill
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import rounded_logits
-from jaxrl_kernels.dispatch import memory as memory_lib
-from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.distill import DISTILL_KEYWORDS, DistillLoss
+from jaxrl_kernels.dispatch import memory as memory_lib
+from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
+from jaxrl_kernels.engine import distill_halves, fused_distill
 from jaxrl_kernels.engine.linear_head import AxisName
+from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.head import geometry, rounded_logits
 from jaxrl_kernels.sharding.entry import global_vocab
+
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
 
 
 # -- validation ---------------------------------------------------------------------------------
+
 
 def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     """Validate the teacher head against the student's rows ``shape`` [B, T] and ``vocab``."""
@@ -48,19 +48,25 @@ def _check_teacher(t_hidden, t_weight, t_bias, layout, shape, vocab):
     check.option("teacher_weight_layout", layout, geometry.LAYOUTS)
     check.rank("teacher_hidden", t_hidden, 3, "[B, T, D_t]")
     if tuple(t_hidden.shape[:2]) != tuple(shape):
-        raise ValueError(f"teacher_hidden: expected [B, T] = {tuple(shape)} (hidden.shape[:2]), "
-                         f"got shape {tuple(t_hidden.shape)}")
+        raise ValueError(
+            f"teacher_hidden: expected [B, T] = {tuple(shape)} (hidden.shape[:2]), "
+            f"got shape {tuple(t_hidden.shape)}"
+        )
     dim = t_hidden.shape[-1]
     want = _LAYOUT_SHAPES[layout].format(d="D_t")
     check.rank("teacher_weight", t_weight, 2, want)
     t_vocab, w_dim = geometry.vocab_size(t_weight, layout), geometry.hidden_dim(t_weight, layout)
     if w_dim != dim:
-        raise ValueError(f"teacher_weight: expected shape {want} with D_t = {dim} "
-                         f"(teacher_hidden.shape[-1]) for teacher_weight_layout={layout!r}, "
-                         f"got {tuple(t_weight.shape)}")
+        raise ValueError(
+            f"teacher_weight: expected shape {want} with D_t = {dim} "
+            f"(teacher_hidden.shape[-1]) for teacher_weight_layout={layout!r}, "
+            f"got {tuple(t_weight.shape)}"
+        )
     if t_vocab != vocab:
-        raise ValueError(f"teacher_weight: expected the student's vocabulary V = {vocab} "
-                         f"(the weight's), got V = {t_vocab} in shape {tuple(t_weight.shape)}")
+        raise ValueError(
+            f"teacher_weight: expected the student's vocabulary V = {vocab} "
+            f"(the weight's), got V = {t_vocab} in shape {tuple(t_weight.shape)}"
+        )
     if t_bias is not None:
         t_bias = check.floating("teacher_bias", t_bias)
         check.shape("teacher_bias", t_bias, (vocab,), "[V]")
@@ -74,14 +80,25 @@ def _check_temperature(temperature):
 
 # -- linear_distill_loss ------------------------------------------------------------------------
 
-def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: ArrayLike,
-                        teacher_weight: ArrayLike, mask: ArrayLike, *,
-                        bias: ArrayLike | None = None, teacher_bias: ArrayLike | None = None,
-                        weight_layout: str = "vd", teacher_weight_layout: str = "vd",
-                        config: DistillLoss | None = None, temperature: float = 1.0,
-                        memory: str | int | None = None, backend: str | None = None,
-                        vocab_axis: AxisName | None = None,
-                        **deprecated: Any) -> tuple[jax.Array, jax.Array]:
+
+def linear_distill_loss(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    teacher_hidden: ArrayLike,
+    teacher_weight: ArrayLike,
+    mask: ArrayLike,
+    *,
+    bias: ArrayLike | None = None,
+    teacher_bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    teacher_weight_layout: str = "vd",
+    config: DistillLoss | None = None,
+    temperature: float = 1.0,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, jax.Array]:
     """A per-token divergence between a student and a frozen teacher LM head, over the whole
     vocabulary, without materialising either model's logits.
 
@@ -131,14 +148,22 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
       >>> round(float(loss), 3), d.shape
       (1.96, (1, 2))
     """
-    options = legacy.take("linear_distill_loss", deprecated, {"config": config}, (
-        legacy.Keywords("config", DistillLoss, DISTILL_KEYWORDS),))["config"] or DistillLoss()
+    options = (
+        legacy.take(
+            "linear_distill_loss",
+            deprecated,
+            {"config": config},
+            (legacy.Keywords("config", DistillLoss, DISTILL_KEYWORDS),),
+        )["config"]
+        or DistillLoss()
+    )
     divergence, beta = options.divergence, options.beta
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D_s]")
     shape = hidden.shape[:2]
     teacher_hidden, teacher_weight, teacher_bias = _check_teacher(
-        teacher_hidden, teacher_weight, teacher_bias, teacher_weight_layout, shape, local_vocab)
+        teacher_hidden, teacher_weight, teacher_bias, teacher_weight_layout, shape, local_vocab
+    )
     mask = check.mask("mask", mask)
     check.shape("mask", mask, shape, "[B, T]")
     mask = mask.astype(jnp.float32)
@@ -148,34 +173,67 @@ def linear_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_hidden: Ar
 
     op = "linear_distill_loss"
     stop = lambda x: None if x is None else jax.lax.stop_gradient(x)
-    opts = dict(weight_layout=weight_layout, teacher_weight_layout=teacher_weight_layout,
-                divergence=divergence, beta=beta, temperature=temperature)
+    opts = dict(
+        weight_layout=weight_layout,
+        teacher_weight_layout=teacher_weight_layout,
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+    )
     valid = mask != 0
-    operands = (hidden, weight, bias, stop(teacher_hidden), stop(teacher_weight),
-                stop(teacher_bias))
+    operands = (
+        hidden,
+        weight,
+        bias,
+        stop(teacher_hidden),
+        stop(teacher_weight),
+        stop(teacher_bias),
+    )
     kept_dtype = rounded_logits.kept_dtype(hidden.dtype, weight.dtype)
     request = memory_lib.Request(
-        memory, math.prod(shape) * vocab * kept_dtype.itemsize, tuple(shape) + (vocab,),
-        kept_dtype, loss=True, gemms=(4, 6), kept="the student's logit gradient")
-    problem = distill_problem(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
-                              weight_layout=weight_layout,
-                              teacher_weight_layout=teacher_weight_layout)
+        memory,
+        math.prod(shape) * vocab * kept_dtype.itemsize,
+        tuple(shape) + (vocab,),
+        kept_dtype,
+        loss=True,
+        gemms=(4, 6),
+        kept="the student's logit gradient",
+    )
+    problem = distill_problem(
+        hidden,
+        weight,
+        bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        weight_layout=weight_layout,
+        teacher_weight_layout=teacher_weight_layout,
+    )
     choice = dispatch.resolve(op, problem, backend, memory=request)
     if choice.fast:
         d = fused_distill.divergence_rows(operands, valid, opts=opts, vocab_axis=vocab_axis)
     else:
-        d = distill_halves.divergence_rows(choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis)
+        d = distill_halves.divergence_rows(
+            choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis
+        )
     per_token = jnp.where(valid, d, 0.0)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
 
 
 # -- linear_topk_logprobs -----------------------------------------------------------------------
 
-def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
-                         bias: ArrayLike | None = None, weight_layout: str = "vd",
-                         temperature: float = 1.0, backend: str | None = None,
-                         vocab_axis: AxisName | None = None
-                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+
+def linear_topk_logprobs(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    k: int,
+    *,
+    bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    temperature: float = 1.0,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The ``k`` most likely tokens of each row of a linear head and their log-probs, without
     materialising the logits.
 
@@ -215,14 +273,24 @@ def linear_topk_logprobs(hidden: ArrayLike, weight: ArrayLike, k: int, *,
     if squeeze:
         hidden = hidden[None]
     n_row_dims = hidden.ndim - 1
-    flat_hidden = jax.ShapeDtypeStruct((math.prod(hidden.shape[:-1]), hidden.shape[-1]),
-                                       hidden.dtype)
-    problem = linear_problem(flat_hidden, weight, bias, weight_layout=weight_layout,
-                             return_entropy=False)
+    flat_hidden = jax.ShapeDtypeStruct(
+        (math.prod(hidden.shape[:-1]), hidden.shape[-1]), hidden.dtype
+    )
+    problem = linear_problem(
+        flat_hidden, weight, bias, weight_layout=weight_layout, return_entropy=False
+    )
     choice = dispatch.resolve("linear_topk_logprobs", problem, backend)
-    values, ids, lse = distill_halves.topk_rows(choice.impl, hidden, weight, bias, k=int(k),
-                                  n_row_dims=n_row_dims, weight_layout=weight_layout,
-                                  temperature=temperature, vocab_axis=vocab_axis)
+    values, ids, lse = distill_halves.topk_rows(
+        choice.impl,
+        hidden,
+        weight,
+        bias,
+        k=int(k),
+        n_row_dims=n_row_dims,
+        weight_layout=weight_layout,
+        temperature=temperature,
+        vocab_axis=vocab_axis,
+    )
     logp = values - lse[..., None]
     if squeeze:
         logp, ids, lse = logp[0], ids[0], lse[0]

@@ -12,14 +12,9 @@ from typing import Any
 import jax
 
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.ops import distill
-from jaxrl_kernels.ops import linear_losses
-from jaxrl_kernels.ops import logits_losses
-from jaxrl_kernels.ops import logprobs
-from jaxrl_kernels.ops import losses
-from jaxrl_kernels.ops import topk_distill
 from jaxrl_kernels.dispatch import trace_log
 from jaxrl_kernels.dispatch.contract import OP_PRIMITIVE, Choice
+from jaxrl_kernels.ops import distill, linear_losses, logits_losses, logprobs, losses, topk_distill
 
 
 def _public_ops() -> dict[str, Any]:

@@ -18,15 +18,25 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.policy import (GROUP_KEYWORDS, GRPO_KEYWORDS, PG_UNUSED, Groups,
-                                         PolicyLoss, policy_options)
+from jaxrl_kernels.config.policy import (
+    GROUP_KEYWORDS,
+    GRPO_KEYWORDS,
+    PG_UNUSED,
+    Groups,
+    PolicyLoss,
+    policy_options,
+)
 from jaxrl_kernels.config.sampler import KEYWORDS as SAMPLER_KEYWORDS
 from jaxrl_kernels.config.sampler import Sampler, truncation_of
 from jaxrl_kernels.engine import head_entry
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
-from jaxrl_kernels.ops.policy_terms import (grpo_advantages, grpo_from_logprobs, kernel_config,
-                                            run_ppo)
+from jaxrl_kernels.ops.policy_terms import (
+    grpo_advantages,
+    grpo_from_logprobs,
+    kernel_config,
+    run_ppo,
+)
 from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
@@ -46,14 +56,38 @@ def _linear_inputs(hidden, weight, bias, weight_layout, actions, mask, vocab_axi
     return hidden, weight, bias, actions, mask
 
 
-def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, call, *, memory,
-                 backend, counts_outside=False):
+def _linear_loss(
+    op,
+    loss_fn,
+    inputs,
+    hidden,
+    weight,
+    bias,
+    actions,
+    mask,
+    call,
+    *,
+    memory,
+    backend,
+    counts_outside=False,
+):
     """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``
     (``head_entry.loss_rows``). With a sampler's truncation and ``counts_outside``, the
     metrics count the response tokens whose action is outside its kept set
     (``outside_kept_set``)."""
-    out, kept = head_entry.loss_rows(op, loss_fn, inputs, hidden, weight, bias, actions,
-                                     mask != 0, call, memory=memory, backend=backend)
+    out, kept = head_entry.loss_rows(
+        op,
+        loss_fn,
+        inputs,
+        hidden,
+        weight,
+        bias,
+        actions,
+        mask != 0,
+        call,
+        memory=memory,
+        backend=backend,
+    )
     if kept is None or not counts_outside:
         return out
     loss, metrics = out
@@ -61,14 +95,26 @@ def _linear_loss(op, loss_fn, inputs, hidden, weight, bias, actions, mask, call,
     return loss, {**metrics, "outside_kept_set": _sg(outside)}
 
 
-def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
-                    old_logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-                    bias: ArrayLike | None = None, weight_layout: str = "vd",
-                    rollout_logp: ArrayLike | None = None, ref_logp: ArrayLike | None = None,
-                    config: PolicyLoss | None = None, sampler: Sampler | None = None,
-                    temperature: float = 1.0, memory: str | int | None = None,
-                    backend: str | None = None, vocab_axis: AxisName | None = None,
-                    **deprecated: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+def linear_ppo_loss(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    actions: ArrayLike,
+    old_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    rollout_logp: ArrayLike | None = None,
+    ref_logp: ArrayLike | None = None,
+    config: PolicyLoss | None = None,
+    sampler: Sampler | None = None,
+    temperature: float = 1.0,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``ppo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
     The log-probs are ``linear_logprobs(hidden, weight, actions, bias, ...)``; the entropy
@@ -117,42 +163,85 @@ def linear_ppo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       >>> float(loss), float(metrics["clip_fraction"])
       (0.0, 0.0)
     """
-    values = policy_options("linear_ppo_loss", config, deprecated, given={"sampler": sampler},
-                            extra=(_SAMPLER,))
+    values = policy_options(
+        "linear_ppo_loss", config, deprecated, given={"sampler": sampler}, extra=(_SAMPLER,)
+    )
     options = values["config"]
-    hidden, weight, bias, actions, mask = _linear_inputs(hidden, weight, bias, weight_layout,
-                                                         actions, mask, vocab_axis)
+    hidden, weight, bias, actions, mask = _linear_inputs(
+        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    )
     shape = mask.shape
     old_logp = _sg(check.per_token("old_logp", old_logp, shape).astype(jnp.float32))
     check.positive("temperature", temperature)
     with_entropy = options.entropy_coef != 0
-    cfg = kernel_config(options, has_rollout=rollout_logp is not None,
-                        has_ref=ref_logp is not None, has_entropy=with_entropy)
+    cfg = kernel_config(
+        options,
+        has_rollout=rollout_logp is not None,
+        has_ref=ref_logp is not None,
+        has_entropy=with_entropy,
+    )
     inputs = dict(
-        old_logp=old_logp, advantages=check.token_advantages(advantages, shape), mask=mask,
+        old_logp=old_logp,
+        advantages=check.token_advantages(advantages, shape),
+        mask=mask,
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
-        ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)))
+        ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)),
+    )
 
     def loss_fn(logp, entropy, inputs):
-        return run_ppo("linear_ppo_loss", ppo_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
-                       cfg, backend=backend, strict=False)
+        return run_ppo(
+            "linear_ppo_loss",
+            ppo_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
+            cfg,
+            backend=backend,
+            strict=False,
+        )
 
-    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
-                    return_entropy=with_entropy, vocab_axis=vocab_axis,
-                    truncation=truncation_of(values["sampler"]))
-    return _linear_loss("linear_ppo_loss", loss_fn, inputs, hidden, weight, bias, actions, mask,
-                        call, memory=memory, backend=backend, counts_outside=True)
+    call = HeadCall(
+        weight_layout=weight_layout,
+        temperature=float(temperature),
+        return_entropy=with_entropy,
+        vocab_axis=vocab_axis,
+        truncation=truncation_of(values["sampler"]),
+    )
+    return _linear_loss(
+        "linear_ppo_loss",
+        loss_fn,
+        inputs,
+        hidden,
+        weight,
+        bias,
+        actions,
+        mask,
+        call,
+        memory=memory,
+        backend=backend,
+        counts_outside=True,
+    )
 
 
-def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
-                     old_logp: ArrayLike, rewards: ArrayLike, mask: ArrayLike, *,
-                     bias: ArrayLike | None = None, weight_layout: str = "vd",
-                     ref_logp: ArrayLike | None = None, rollout_logp: ArrayLike | None = None,
-                     advantages: ArrayLike | None = None, groups: Groups | None = None,
-                     config: PolicyLoss | None = None, sampler: Sampler | None = None,
-                     temperature: float = 1.0, memory: str | int | None = None,
-                     backend: str | None = None, vocab_axis: AxisName | None = None,
-                     **deprecated: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+def linear_grpo_loss(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    actions: ArrayLike,
+    old_logp: ArrayLike,
+    rewards: ArrayLike,
+    mask: ArrayLike,
+    *,
+    bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    ref_logp: ArrayLike | None = None,
+    rollout_logp: ArrayLike | None = None,
+    advantages: ArrayLike | None = None,
+    groups: Groups | None = None,
+    config: PolicyLoss | None = None,
+    sampler: Sampler | None = None,
+    temperature: float = 1.0,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``grpo_loss`` on the log-probs of a linear LM head, never holding ``[B, T, V]`` logits.
 
     The reference policy comes as precomputed log-probs ``ref_logp`` ``[B, T]`` (no
@@ -193,39 +282,76 @@ def linear_grpo_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
       ((4, 3, 8), (8, 50))
     """
     values = policy_options(
-        "linear_grpo_loss", config, deprecated, keywords=GRPO_KEYWORDS, unused=("entropy_coef",),
+        "linear_grpo_loss",
+        config,
+        deprecated,
+        keywords=GRPO_KEYWORDS,
+        unused=("entropy_coef",),
         given={"groups": groups, "sampler": sampler},
-        extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS), _SAMPLER))
-    hidden, weight, bias, actions, mask = _linear_inputs(hidden, weight, bias, weight_layout,
-                                                         actions, mask, vocab_axis)
+        extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS), _SAMPLER),
+    )
+    hidden, weight, bias, actions, mask = _linear_inputs(
+        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    )
     old_logp = _sg(check.per_token("old_logp", old_logp, mask.shape).astype(jnp.float32))
-    cfg = kernel_config(values["config"], has_rollout=rollout_logp is not None,
-                        has_ref=ref_logp is not None)
+    cfg = kernel_config(
+        values["config"], has_rollout=rollout_logp is not None, has_ref=ref_logp is not None
+    )
     check.positive("temperature", temperature)
     ref_logp = _sg(check.optional_per_token("ref_logp", ref_logp, mask.shape))
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(rewards, advantages=advantages, batch=hidden.shape[0],
-                          groups=values["groups"], backend=backend)
-    inputs = dict(ref_logp=ref_logp, old_logp=old_logp, advantages=adv, mask=mask,
-                  rollout_logp=rollout_logp)
+    adv = grpo_advantages(
+        rewards,
+        advantages=advantages,
+        batch=hidden.shape[0],
+        groups=values["groups"],
+        backend=backend,
+    )
+    inputs = dict(
+        ref_logp=ref_logp, old_logp=old_logp, advantages=adv, mask=mask, rollout_logp=rollout_logp
+    )
 
     def loss_fn(logp, entropy, inputs):
         return grpo_from_logprobs(logp, cfg, **inputs)
 
-    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
-                    vocab_axis=vocab_axis, truncation=truncation_of(values["sampler"]))
-    return _linear_loss("linear_grpo_loss", loss_fn, inputs, hidden, weight, bias, actions,
-                        mask, call, memory=memory, backend=backend)
+    call = HeadCall(
+        weight_layout=weight_layout,
+        temperature=float(temperature),
+        vocab_axis=vocab_axis,
+        truncation=truncation_of(values["sampler"]),
+    )
+    return _linear_loss(
+        "linear_grpo_loss",
+        loss_fn,
+        inputs,
+        hidden,
+        weight,
+        bias,
+        actions,
+        mask,
+        call,
+        memory=memory,
+        backend=backend,
+    )
 
 
-def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: ArrayLike,
-                                advantages: ArrayLike, mask: ArrayLike, *,
-                                bias: ArrayLike | None = None, weight_layout: str = "vd",
-                                config: PolicyLoss | None = None,
-                                sampler: Sampler | None = None, temperature: float = 1.0,
-                                memory: str | int | None = None, backend: str | None = None,
-                                vocab_axis: AxisName | None = None,
-                                **deprecated: Any) -> jax.Array:
+def linear_policy_gradient_loss(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    actions: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    config: PolicyLoss | None = None,
+    sampler: Sampler | None = None,
+    temperature: float = 1.0,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> jax.Array:
     """``policy_gradient_loss`` on the log-probs of a linear LM head: ``aggregate(−A·logp)``.
 
     REINFORCE, reward-weighted and best-of-N fine-tuning, and plain NLL / SFT with ``A = 1``,
@@ -259,21 +385,43 @@ def linear_policy_gradient_loss(hidden: ArrayLike, weight: ArrayLike, actions: A
       >>> round(float(nll), 3)                                         # log 50
       3.912
     """
-    values = policy_options("linear_policy_gradient_loss", config, deprecated, unused=PG_UNUSED,
-                            given={"sampler": sampler}, extra=(_SAMPLER,))
+    values = policy_options(
+        "linear_policy_gradient_loss",
+        config,
+        deprecated,
+        unused=PG_UNUSED,
+        given={"sampler": sampler},
+        extra=(_SAMPLER,),
+    )
     options = values["config"]
-    hidden, weight, bias, actions, mask = _linear_inputs(hidden, weight, bias, weight_layout,
-                                                         actions, mask, vocab_axis)
+    hidden, weight, bias, actions, mask = _linear_inputs(
+        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    )
     advantages = check.token_advantages(advantages, mask.shape)
     mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
     check.positive("temperature", temperature)
 
     def loss_fn(logp, entropy, inputs):
-        return aggregation_math.aggregate(-inputs["advantages"] * logp, inputs["mask"], mode,
-                                          max_len)
+        return aggregation_math.aggregate(
+            -inputs["advantages"] * logp, inputs["mask"], mode, max_len
+        )
 
-    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
-                    vocab_axis=vocab_axis, truncation=truncation_of(values["sampler"]))
-    return _linear_loss("linear_policy_gradient_loss", loss_fn,
-                        dict(advantages=advantages, mask=mask), hidden, weight, bias, actions,
-                        mask, call, memory=memory, backend=backend)
+    call = HeadCall(
+        weight_layout=weight_layout,
+        temperature=float(temperature),
+        vocab_axis=vocab_axis,
+        truncation=truncation_of(values["sampler"]),
+    )
+    return _linear_loss(
+        "linear_policy_gradient_loss",
+        loss_fn,
+        dict(advantages=advantages, mask=mask),
+        hidden,
+        weight,
+        bias,
+        actions,
+        mask,
+        call,
+        memory=memory,
+        backend=backend,
+    )

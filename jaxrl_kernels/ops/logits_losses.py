@@ -14,14 +14,19 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.formulas import kl_math
-from jaxrl_kernels.engine import logprob_core
-from jaxrl_kernels.dispatch.contract import Problem, dtype_name
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.policy import (GROUP_KEYWORDS, GRPO_KEYWORDS, Groups, PolicyLoss,
-                                         policy_options)
+from jaxrl_kernels.config.policy import (
+    GROUP_KEYWORDS,
+    GRPO_KEYWORDS,
+    Groups,
+    PolicyLoss,
+    policy_options,
+)
+from jaxrl_kernels.dispatch.contract import Problem, dtype_name
+from jaxrl_kernels.engine import logprob_core
 from jaxrl_kernels.engine.linear_head import AxisName
+from jaxrl_kernels.formulas import kl_math
 from jaxrl_kernels.ops.policy_terms import grpo_advantages, grpo_from_logprobs, kernel_config
 from jaxrl_kernels.sharding.entry import global_vocab
 
@@ -29,6 +34,7 @@ _sg = jax.lax.stop_gradient
 
 
 # -- GRPO and the fused-from-logits ops ----------------------------------------------------
+
 
 def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axis=None):
     policy_logits = check.floating("policy_logits", policy_logits)
@@ -47,22 +53,36 @@ def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axi
     return policy_logits, ref_logits, actions, _sg(old_logp), mask
 
 
-def _paired_logprobs(op, policy_logits, ref_logits, actions, mask, temperature, backend,
-                     vocab_axis):
+def _paired_logprobs(
+    op, policy_logits, ref_logits, actions, mask, temperature, backend, vocab_axis
+):
     batch, steps, vocab = policy_logits.shape
-    problem = Problem(n_rows=batch * steps, vocab=vocab,
-                      dtype=dtype_name(policy_logits))
+    problem = Problem(n_rows=batch * steps, vocab=vocab, dtype=dtype_name(policy_logits))
     choice = dispatch.resolve(op, problem, backend)
     logp, ref_logp = logprob_core.paired_from_parts(
-        choice.impl, policy_logits, ref_logits, actions.astype(jnp.int32), mask != 0,
-        temperature=float(temperature), vocab_axis=vocab_axis)
+        choice.impl,
+        policy_logits,
+        ref_logits,
+        actions.astype(jnp.int32),
+        mask != 0,
+        temperature=float(temperature),
+        vocab_axis=vocab_axis,
+    )
     return logp, _sg(ref_logp)
 
 
-def ratio_kl(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike,
-             old_logp: ArrayLike, mask: ArrayLike, *, kl_estimator: str = "k3",
-             temperature: float = 1.0, backend: str | None = None,
-             vocab_axis: AxisName | None = None) -> tuple[jax.Array, jax.Array]:
+def ratio_kl(
+    policy_logits: ArrayLike,
+    ref_logits: ArrayLike,
+    actions: ArrayLike,
+    old_logp: ArrayLike,
+    mask: ArrayLike,
+    *,
+    kl_estimator: str = "k3",
+    temperature: float = 1.0,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The importance ratio and the KL to a reference, per token, from two logits in one pass.
 
     ``ratio = exp(logp_policy - old_logp)``, ``kl = kl_penalty(logp_policy, logp_ref)``.
@@ -92,24 +112,36 @@ def ratio_kl(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike
       (Array([[1., 1.]], dtype=float32), Array([[0., 0.]], dtype=float32))
     """
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
-        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis
+    )
     check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
     check.positive("temperature", temperature)
-    logp, ref_logp = _paired_logprobs("ratio_kl", policy_logits, ref_logits, actions, mask,
-                                      temperature, backend, vocab_axis)
+    logp, ref_logp = _paired_logprobs(
+        "ratio_kl", policy_logits, ref_logits, actions, mask, temperature, backend, vocab_axis
+    )
     valid = mask != 0
     ratio = jnp.where(valid, jnp.exp(logp - old_logp), 1.0)
     kl = jnp.where(valid, kl_math.kl_penalty(logp, ref_logp, kl_estimator), 0.0)
     return ratio, kl
 
 
-def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLike,
-              old_logp: ArrayLike, rewards: ArrayLike, mask: ArrayLike, *,
-              groups: Groups | None = None, advantages: ArrayLike | None = None,
-              rollout_logp: ArrayLike | None = None, config: PolicyLoss | None = None,
-              temperature: float = 1.0, backend: str | None = None,
-              vocab_axis: AxisName | None = None,
-              **deprecated: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+def grpo_loss(
+    policy_logits: ArrayLike,
+    ref_logits: ArrayLike,
+    actions: ArrayLike,
+    old_logp: ArrayLike,
+    rewards: ArrayLike,
+    mask: ArrayLike,
+    *,
+    groups: Groups | None = None,
+    advantages: ArrayLike | None = None,
+    rollout_logp: ArrayLike | None = None,
+    config: PolicyLoss | None = None,
+    temperature: float = 1.0,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GRPO from policy and reference logits ``[B, T, V]`` and one reward per sequence.
 
     ``A = group_advantages(rewards, groups=groups)`` (unless ``advantages`` ``[B]`` is given),
@@ -148,18 +180,34 @@ def grpo_loss(policy_logits: ArrayLike, ref_logits: ArrayLike, actions: ArrayLik
       >>> round(float(loss), 4), float(kl)
       (0.0, 0.0)
     """
-    values = policy_options("grpo_loss", config, deprecated, keywords=GRPO_KEYWORDS,
-                            unused=("entropy_coef",), given={"groups": groups},
-                            extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS),))
+    values = policy_options(
+        "grpo_loss",
+        config,
+        deprecated,
+        keywords=GRPO_KEYWORDS,
+        unused=("entropy_coef",),
+        given={"groups": groups},
+        extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS),),
+    )
     options, groups = values["config"], values["groups"]
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
-        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis)
+        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis
+    )
     cfg = kernel_config(options, has_rollout=rollout_logp is not None)
     check.positive("temperature", temperature)
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(rewards, advantages=advantages, batch=policy_logits.shape[0],
-                          groups=groups, backend=backend)
-    logp, ref_logp = _paired_logprobs("grpo_loss", policy_logits, ref_logits, actions, mask,
-                                      temperature, backend, vocab_axis)
-    return grpo_from_logprobs(logp, cfg, ref_logp=ref_logp, old_logp=old_logp, advantages=adv,
-                              mask=mask, rollout_logp=rollout_logp)
+    adv = grpo_advantages(
+        rewards, advantages=advantages, batch=policy_logits.shape[0], groups=groups, backend=backend
+    )
+    logp, ref_logp = _paired_logprobs(
+        "grpo_loss", policy_logits, ref_logits, actions, mask, temperature, backend, vocab_axis
+    )
+    return grpo_from_logprobs(
+        logp,
+        cfg,
+        ref_logp=ref_logp,
+        old_logp=old_logp,
+        advantages=adv,
+        mask=mask,
+        rollout_logp=rollout_logp,
+    )

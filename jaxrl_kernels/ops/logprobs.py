@@ -20,8 +20,6 @@ from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
 from jaxrl_kernels.sharding.entry import global_vocab
 
 
-
-
 def _row_valid(targets, ignore_index):
     if ignore_index is None:
         return jnp.ones(targets.shape, jnp.bool_), None
@@ -31,12 +29,20 @@ def _row_valid(targets, ignore_index):
     return ~ignored, ignored
 
 
-def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float = 1.0,
-                   ignore_index: int | None = None, return_entropy: bool = False,
-                   sampler: Sampler | None = None, return_kept: bool = False,
-                   batch_invariant: bool = False, backend: str | None = None,
-                   vocab_axis: AxisName | None = None,
-                   **deprecated: Any) -> jax.Array | tuple[jax.Array, ...]:
+def token_logprobs(
+    logits: ArrayLike,
+    targets: ArrayLike,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int | None = None,
+    return_entropy: bool = False,
+    sampler: Sampler | None = None,
+    return_kept: bool = False,
+    batch_invariant: bool = False,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> jax.Array | tuple[jax.Array, ...]:
     """Log-probabilities of the target tokens under ``softmax(logits / temperature)``.
 
     ``logp = z[target] - logsumexp(z)`` with ``z = logits / temperature`` in float32, and
@@ -91,23 +97,39 @@ def token_logprobs(logits: ArrayLike, targets: ArrayLike, *, temperature: float 
     check.targets_in_range("targets", targets, vocab, ignored)
 
     _check_invariant(batch_invariant, truncation)
-    problem = Problem(n_rows=math.prod(targets.shape), vocab=local_vocab,
-                      dtype=dtype_name(logits), return_entropy=return_entropy,
-                      batch_invariant=bool(batch_invariant))
+    problem = Problem(
+        n_rows=math.prod(targets.shape),
+        vocab=local_vocab,
+        dtype=dtype_name(logits),
+        return_entropy=return_entropy,
+        batch_invariant=bool(batch_invariant),
+    )
     choice = dispatch.resolve("token_logprobs", problem, backend)
     logp, entropy, *kept = logprob_core.token_from_parts(
-        choice.impl, logits, targets.astype(jnp.int32), row_valid, temperature=float(temperature),
-        return_entropy=bool(return_entropy), vocab_axis=vocab_axis, truncation=truncation,
-        find_kept=head_entry.kept_search("token_logprobs", truncation, problem.n_rows,
-                                         local_vocab, backend))
+        choice.impl,
+        logits,
+        targets.astype(jnp.int32),
+        row_valid,
+        temperature=float(temperature),
+        return_entropy=bool(return_entropy),
+        vocab_axis=vocab_axis,
+        truncation=truncation,
+        find_kept=head_entry.kept_search(
+            "token_logprobs", truncation, problem.n_rows, local_vocab, backend
+        ),
+    )
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)
 
 
 def _sampler(op: str, sampler: Sampler | None, deprecated: dict) -> Sampler | None:
     """The call's ``Sampler``: ``sampler=``, or one from the deprecated ``top_k`` / ``top_p`` /
     ``min_p`` keywords."""
-    return legacy.take(op, deprecated, {"sampler": sampler},
-                       (legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS),))["sampler"]
+    return legacy.take(
+        op,
+        deprecated,
+        {"sampler": sampler},
+        (legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS),),
+    )["sampler"]
 
 
 def _check_invariant(batch_invariant, truncation, k_ids=False):
@@ -115,8 +137,10 @@ def _check_invariant(batch_invariant, truncation, k_ids=False):
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
     if batch_invariant and truncation is not None:
-        raise ValueError("batch_invariant: top_k, top_p and min_p are not batch-invariant "
-                         "(their kept-set passes take all rows at once)")
+        raise ValueError(
+            "batch_invariant: top_k, top_p and min_p are not batch-invariant "
+            "(their kept-set passes take all rows at once)"
+        )
     if batch_invariant and k_ids:
         raise ValueError("batch_invariant: takes one target per position, not K ids")
 
@@ -129,14 +153,24 @@ def _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept):
     return outs[0] if len(outs) == 1 else outs
 
 
-def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
-                    bias: ArrayLike | None = None, *, weight_layout: str = "vd",
-                    temperature: float = 1.0, ignore_index: int | None = None,
-                    return_entropy: bool = False, sampler: Sampler | None = None,
-                    return_kept: bool = False, batch_invariant: bool = False,
-                    memory: str | int | None = None, backend: str | None = None,
-                    vocab_axis: AxisName | None = None,
-                    **deprecated: Any) -> jax.Array | tuple[jax.Array, ...]:
+def linear_logprobs(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    targets: ArrayLike,
+    bias: ArrayLike | None = None,
+    *,
+    weight_layout: str = "vd",
+    temperature: float = 1.0,
+    ignore_index: int | None = None,
+    return_entropy: bool = False,
+    sampler: Sampler | None = None,
+    return_kept: bool = False,
+    batch_invariant: bool = False,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> jax.Array | tuple[jax.Array, ...]:
     """``token_logprobs(hidden @ W^T + bias, targets)`` without materialising the logits.
 
     Same outputs and the same gradients as ``token_logprobs`` on the logits, chained into
@@ -189,8 +223,10 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
         ignored = ~row_valid
     else:
         if targets.ndim == hidden.ndim:
-            raise ValueError(f"targets: expected shape {tuple(rows)} (hidden.shape[:-1]) or "
-                             f"{tuple(rows)} + (K,) with K >= 1, got {tuple(targets.shape)}")
+            raise ValueError(
+                f"targets: expected shape {tuple(rows)} (hidden.shape[:-1]) or "
+                f"{tuple(rows)} + (K,) with K >= 1, got {tuple(targets.shape)}"
+            )
         check.shape("targets", targets, rows, "hidden.shape[:-1]")
         row_valid, ignored = _row_valid(targets, ignore_index)
     check.positive("temperature", temperature)
@@ -200,11 +236,16 @@ def linear_logprobs(hidden: ArrayLike, weight: ArrayLike, targets: ArrayLike,
     _check_invariant(batch_invariant, truncation, k_ids=targets.ndim == hidden.ndim)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.targets_in_range("targets", targets, vocab, ignored)
-    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
-                    return_entropy=bool(return_entropy), vocab_axis=vocab_axis,
-                    truncation=truncation, batch_invariant=batch_invariant)
-    choice = head_entry.choose("linear_logprobs", memory, hidden, weight, bias, rows, call,
-                               backend)
-    logp, entropy, *kept = head_entry.logprob_rows(hidden, weight, bias, targets, row_valid,
-                                                   call, choice)
+    call = HeadCall(
+        weight_layout=weight_layout,
+        temperature=float(temperature),
+        return_entropy=bool(return_entropy),
+        vocab_axis=vocab_axis,
+        truncation=truncation,
+        batch_invariant=batch_invariant,
+    )
+    choice = head_entry.choose("linear_logprobs", memory, hidden, weight, bias, rows, call, backend)
+    logp, entropy, *kept = head_entry.logprob_rows(
+        hidden, weight, bias, targets, row_valid, call, choice
+    )
     return _outputs(logp, entropy, kept, row_valid, return_entropy, return_kept)

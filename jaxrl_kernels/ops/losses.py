@@ -17,19 +17,23 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxrl_kernels import sharding
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.formulas import kl_math
-from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.policy import (GROUP_KEYWORDS, PG_UNUSED, Groups, PolicyLoss,
-                                         policy_options)
+from jaxrl_kernels.config.policy import (
+    GROUP_KEYWORDS,
+    PG_UNUSED,
+    Groups,
+    PolicyLoss,
+    policy_options,
+)
+from jaxrl_kernels.formulas import aggregation_math, kl_math, ppo_math
 from jaxrl_kernels.ops.policy_terms import compute_group_advantages, kernel_config, run_ppo
 
 _sg = jax.lax.stop_gradient
 
 
 # -- the small pieces ----------------------------------------------------------------------
+
 
 def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3") -> jax.Array:
     """Per-token estimate of KL(policy ‖ reference) from the sampled tokens' log-probs.
@@ -59,8 +63,9 @@ def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3") -> j
     return kl_math.kl_penalty(logp, ref_logp, estimator)
 
 
-def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
-              max_len: int | None = None) -> jax.Array:
+def aggregate(
+    values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *, max_len: int | None = None
+) -> jax.Array:
     """Reduce per-token values ``[B, T]`` under a {0, 1} mask to a scalar (a loss aggregation).
 
     Args:
@@ -86,8 +91,13 @@ def aggregate(values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *,
     return aggregation_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
 
 
-def group_advantages(rewards: ArrayLike, *, groups: Groups | None = None,
-                     backend: str | None = None, **deprecated: Any) -> jax.Array:
+def group_advantages(
+    rewards: ArrayLike,
+    *,
+    groups: Groups | None = None,
+    backend: str | None = None,
+    **deprecated: Any,
+) -> jax.Array:
     """Group-relative advantages: ``(r - mean_g) / (std_g + eps)``; a group of one gets 0.
 
     Args:
@@ -108,13 +118,23 @@ def group_advantages(rewards: ArrayLike, *, groups: Groups | None = None,
       ...                     groups=jk.Groups(size=2, normalize_std=False))
       Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
     """
-    groups = legacy.take("group_advantages", deprecated, {"groups": groups}, (legacy.Keywords(
-        "groups", Groups, {**GROUP_KEYWORDS, "std_ddof": "std_ddof"}),))["groups"]
+    groups = legacy.take(
+        "group_advantages",
+        deprecated,
+        {"groups": groups},
+        (legacy.Keywords("groups", Groups, {**GROUP_KEYWORDS, "std_ddof": "std_ddof"}),),
+    )["groups"]
     return compute_group_advantages(rewards, groups, backend=backend, strict=True)
 
 
-def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-                         config: PolicyLoss | None = None, **deprecated: Any) -> jax.Array:
+def policy_gradient_loss(
+    logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    config: PolicyLoss | None = None,
+    **deprecated: Any,
+) -> jax.Array:
     """``aggregate(-A · logp, mask)``: REINFORCE, reward-weighted and best-of-N fine-tuning.
 
     Args:
@@ -134,22 +154,34 @@ def policy_gradient_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike
       >>> round(float(jk.policy_gradient_loss(logp, jnp.array([1.0, 0.0]), jnp.ones((2, 2)))), 4)
       0.5199
     """
-    options = policy_options("policy_gradient_loss", config, deprecated,
-                             unused=PG_UNUSED)["config"]
+    options = policy_options("policy_gradient_loss", config, deprecated, unused=PG_UNUSED)["config"]
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
     per_token = -check.token_advantages(advantages, shape) * logp.astype(jnp.float32)
-    return aggregation_math.aggregate(per_token, check.token_mask(mask, shape),
-                                      check.agg_mode(options.loss_agg_mode), options.max_len)
+    return aggregation_math.aggregate(
+        per_token,
+        check.token_mask(mask, shape),
+        check.agg_mode(options.loss_agg_mode),
+        options.max_len,
+    )
 
 
 # -- PPO -----------------------------------------------------------------------------------
 
-def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
-             rollout_logp: ArrayLike | None = None, ref_logp: ArrayLike | None = None,
-             entropy: ArrayLike | None = None, config: PolicyLoss | None = None,
-             backend: str | None = None,
-             **deprecated: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+
+def ppo_loss(
+    logp: ArrayLike,
+    old_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    rollout_logp: ArrayLike | None = None,
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    config: PolicyLoss | None = None,
+    backend: str | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's clipped-surrogate loss on per-token log-probs ``[B, T]``.
 
     The options are ``config``'s (a ``jk.PolicyLoss``; its defaults without one):
@@ -192,8 +224,12 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
       (0.0, 1.0)
     """
     options = policy_options("ppo_loss", config, deprecated)["config"]
-    cfg = kernel_config(options, has_rollout=rollout_logp is not None,
-                        has_ref=ref_logp is not None, has_entropy=entropy is not None)
+    cfg = kernel_config(
+        options,
+        has_rollout=rollout_logp is not None,
+        has_ref=ref_logp is not None,
+        has_entropy=entropy is not None,
+    )
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
     inputs = ppo_math.PPOInputs(
@@ -203,6 +239,6 @@ def ppo_loss(logp: ArrayLike, old_logp: ArrayLike, advantages: ArrayLike, mask: 
         mask=check.token_mask(mask, shape),
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)),
-        entropy=sharding.pin_grad_shardings(
-            check.optional_per_token("entropy", entropy, shape))[0])
+        entropy=sharding.pin_grad_shardings(check.optional_per_token("entropy", entropy, shape))[0],
+    )
     return run_ppo("ppo_loss", inputs, cfg, backend=backend, strict=True)

@@ -26,13 +26,21 @@ _sg = jax.lax.stop_gradient
 
 def _tis_options(rollout_logp_given: bool, tis_cap: Any) -> None:
     if rollout_logp_given != (tis_cap is not None):
-        raise ValueError("rollout_logp / tis_cap: truncated importance sampling needs both "
-                         f"(got rollout_logp={'set' if rollout_logp_given else None}, "
-                         f"tis_cap={tis_cap!r})")
+        raise ValueError(
+            "rollout_logp / tis_cap: truncated importance sampling needs both "
+            f"(got rollout_logp={'set' if rollout_logp_given else None}, "
+            f"tis_cap={tis_cap!r})"
+        )
 
 
-def kernel_config(loss: PolicyLoss, *, has_rollout: bool, has_ref: bool = True,
-                  has_entropy: bool = False, kl_name: str = "kl_coef") -> ppo_math.PPOConfig:
+def kernel_config(
+    loss: PolicyLoss,
+    *,
+    has_rollout: bool,
+    has_ref: bool = True,
+    has_entropy: bool = False,
+    kl_name: str = "kl_coef",
+) -> ppo_math.PPOConfig:
     """The kernels' ``PPOConfig`` of ``loss`` (its aggregation mode canonical), after checking
     that the call's optional inputs come with the options that need them: ``rollout_logp``
     with ``tis_cap``, the reference's log-probs with ``kl_coef != 0`` (the op's keyword
@@ -41,44 +49,57 @@ def kernel_config(loss: PolicyLoss, *, has_rollout: bool, has_ref: bool = True,
     if not has_ref and loss.kl_coef != 0:
         raise ValueError(f"ref_logp: required when {kl_name} != 0 ({kl_name}={loss.kl_coef!r})")
     if not has_entropy and loss.entropy_coef != 0:
-        raise ValueError(f"entropy: required when entropy_coef != 0 "
-                         f"(entropy_coef={loss.entropy_coef!r})")
+        raise ValueError(
+            f"entropy: required when entropy_coef != 0 (entropy_coef={loss.entropy_coef!r})"
+        )
     options = {name: getattr(loss, name) for name in FIELDS}
     options["loss_agg_mode"] = check.agg_mode(loss.loss_agg_mode)
     return ppo_math.PPOConfig(**options)
 
 
-def run_ppo(op: str, inputs: ppo_math.PPOInputs, cfg: ppo_math.PPOConfig, *,
-            backend: str | None, strict: bool):
+def run_ppo(
+    op: str,
+    inputs: ppo_math.PPOInputs,
+    cfg: ppo_math.PPOConfig,
+    *,
+    backend: str | None,
+    strict: bool,
+):
     """(loss, metrics) of the PPO term, on the backend ``dispatch`` chooses for ``op``."""
-    choice = dispatch.resolve(op, Problem(n_rows=inputs.logp.size), backend,
-                              primitive="ppo_loss", strict=strict)
+    choice = dispatch.resolve(
+        op, Problem(n_rows=inputs.logp.size), backend, primitive="ppo_loss", strict=strict
+    )
     return choice.impl(inputs, cfg)
 
 
 # -- group advantages ------------------------------------------------------------------------
 
+
 def group_segments(batch: int, groups: Groups):
     """(segment_ids [B], number of groups, validity flag for traced boundaries)."""
     size, boundaries = groups.size, groups.boundaries
     if (size is None) == (boundaries is None):
-        raise ValueError("groups: give exactly one of size and boundaries, e.g. "
-                         "jk.Groups(size=G)")
+        raise ValueError("groups: give exactly one of size and boundaries, e.g. jk.Groups(size=G)")
     if size is not None:
         if batch % size:
-            raise ValueError(f"groups.size: expected a positive int dividing B = {batch}, "
-                             f"got {size!r}")
+            raise ValueError(
+                f"groups.size: expected a positive int dividing B = {batch}, got {size!r}"
+            )
         return jnp.arange(batch) // size, batch // int(size), None
     bounds = check.integer("groups.boundaries", boundaries)
     check.rank("groups.boundaries", bounds, 1, "[G + 1]")
     if bounds.shape[0] < 2:
-        raise ValueError(f"groups.boundaries: expected at least 2 entries [0, ..., B], "
-                         f"got shape {tuple(bounds.shape)}")
+        raise ValueError(
+            f"groups.boundaries: expected at least 2 entries [0, ..., B], "
+            f"got shape {tuple(bounds.shape)}"
+        )
     ok = (bounds[0] == 0) & (bounds[-1] == batch) & jnp.all(jnp.diff(bounds) > 0)
     if check.is_concrete(bounds):
         if not bool(ok):
-            raise ValueError(f"groups.boundaries: expected strictly increasing values starting "
-                             f"at 0 and ending at B = {batch}, got {np.asarray(bounds).tolist()}")
+            raise ValueError(
+                f"groups.boundaries: expected strictly increasing values starting "
+                f"at 0 and ending at B = {batch}, got {np.asarray(bounds).tolist()}"
+            )
         ok = None
     else:
         check.boundaries("groups.boundaries", bounds, batch)  # check mode only
@@ -86,33 +107,43 @@ def group_segments(batch: int, groups: Groups):
     return ids, bounds.shape[0] - 1, ok
 
 
-def compute_group_advantages(rewards: Any, groups: Groups | None, *, backend: str | None,
-                             strict: bool) -> jax.Array:
+def compute_group_advantages(
+    rewards: Any, groups: Groups | None, *, backend: str | None, strict: bool
+) -> jax.Array:
     """``group_advantages`` (docs/api.md); ``strict=False`` lets a requested backend that
     cannot serve it fall back to the automatic choice (a piece of a composite op)."""
     rewards = check.as_array("rewards", rewards)
-    if not (jnp.issubdtype(rewards.dtype, jnp.floating)
-            or jnp.issubdtype(rewards.dtype, jnp.integer)):
+    if not (
+        jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.issubdtype(rewards.dtype, jnp.integer)
+    ):
         raise TypeError(f"rewards: expected a real dtype, got {rewards.dtype}")
     check.rank("rewards", rewards, 1, "[B]")
     if groups is None:
         raise ValueError("groups: expected a jk.Groups, e.g. jk.Groups(size=G), got None")
     ids, n_groups, ok = group_segments(rewards.shape[0], groups)
     (rewards,) = sharding.pin_grad_shardings(rewards)
-    choice = dispatch.resolve("group_advantages", Problem(n_rows=rewards.shape[0]),
-                              backend, strict=strict)
+    choice = dispatch.resolve(
+        "group_advantages", Problem(n_rows=rewards.shape[0]), backend, strict=strict
+    )
     # Groups may straddle any split of B: every device computes all of them from the [B] rewards.
     rewards = sharding.replicated(rewards.astype(jnp.float32))
-    adv = choice.impl(rewards, ids.astype(jnp.int32), n_groups,
-                      normalize_std=bool(groups.normalize_std), std_ddof=int(groups.std_ddof),
-                      eps=groups.eps)
+    adv = choice.impl(
+        rewards,
+        ids.astype(jnp.int32),
+        n_groups,
+        normalize_std=bool(groups.normalize_std),
+        std_ddof=int(groups.std_ddof),
+        eps=groups.eps,
+    )
     return adv if ok is None else jnp.where(ok, adv, jnp.nan)
 
 
 # -- GRPO --------------------------------------------------------------------------------------
 
-def grpo_advantages(rewards: Any, *, advantages: Any, batch: int, groups: Groups | None,
-                    backend: str | None) -> jax.Array:
+
+def grpo_advantages(
+    rewards: Any, *, advantages: Any, batch: int, groups: Groups | None, backend: str | None
+) -> jax.Array:
     """GRPO's ``[B]`` advantages, without gradient: ``advantages`` when given, else the group
     advantages of ``rewards`` under ``groups``."""
     rewards = check.as_array("rewards", rewards)
@@ -122,17 +153,23 @@ def grpo_advantages(rewards: Any, *, advantages: Any, batch: int, groups: Groups
         check.shape("advantages", advantages, (batch,), "[B]")
         return _sg(advantages.astype(jnp.float32))
     if groups is None:
-        raise ValueError("groups: expected a jk.Groups (e.g. jk.Groups(size=G)) or "
-                         "advantages=, got neither")
+        raise ValueError(
+            "groups: expected a jk.Groups (e.g. jk.Groups(size=G)) or advantages=, got neither"
+        )
     return _sg(compute_group_advantages(rewards, groups, backend=backend, strict=False))
 
 
-def grpo_from_logprobs(logp: jax.Array, cfg: ppo_math.PPOConfig, *, ref_logp, old_logp,
-                       advantages, mask, rollout_logp):
+def grpo_from_logprobs(
+    logp: jax.Array, cfg: ppo_math.PPOConfig, *, ref_logp, old_logp, advantages, mask, rollout_logp
+):
     """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
     the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef."""
     inputs = ppo_math.PPOInputs(
-        logp=logp, old_logp=old_logp,
-        advantages=jnp.broadcast_to(advantages[:, None], logp.shape), mask=mask,
-        rollout_logp=rollout_logp, ref_logp=ref_logp)
+        logp=logp,
+        old_logp=old_logp,
+        advantages=jnp.broadcast_to(advantages[:, None], logp.shape),
+        mask=mask,
+        rollout_logp=rollout_logp,
+        ref_logp=ref_logp,
+    )
     return ppo_math.grpo_loss(inputs, cfg)

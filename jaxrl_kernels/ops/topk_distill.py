@@ -47,20 +47,28 @@ def topk_divergence(student_logp, teacher_logp, valid, tail: str):
         return d
     r_t = 1.0 - jnp.sum(p_t, axis=-1)
     mass_s = jax.nn.logsumexp(jnp.where(valid, student_logp, -jnp.inf), axis=-1)
-    log_r_s = jnp.maximum(log1mexp(jnp.where(jnp.isfinite(mass_s), mass_s, -jnp.inf)),
-                          _LOG_TINY)
+    log_r_s = jnp.maximum(log1mexp(jnp.where(jnp.isfinite(mass_s), mass_s, -jnp.inf)), _LOG_TINY)
     some = r_t > 0
     log_r_t = jnp.log(jnp.where(some, r_t, 1.0))
     return d + jnp.where(some, r_t * (log_r_t - log_r_s), 0.0)
 
 
-def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: ArrayLike,
-                             teacher_logp: ArrayLike, mask: ArrayLike, *,
-                             bias: ArrayLike | None = None, weight_layout: str = "vd",
-                             config: TopKDistillLoss | None = None, temperature: float = 1.0,
-                             memory: str | int | None = None, backend: str | None = None,
-                             vocab_axis: AxisName | None = None,
-                             **deprecated: Any) -> tuple[jax.Array, jax.Array]:
+def linear_topk_distill_loss(
+    hidden: ArrayLike,
+    weight: ArrayLike,
+    teacher_ids: ArrayLike,
+    teacher_logp: ArrayLike,
+    mask: ArrayLike,
+    *,
+    bias: ArrayLike | None = None,
+    weight_layout: str = "vd",
+    config: TopKDistillLoss | None = None,
+    temperature: float = 1.0,
+    memory: str | int | None = None,
+    backend: str | None = None,
+    vocab_axis: AxisName | None = None,
+    **deprecated: Any,
+) -> tuple[jax.Array, jax.Array]:
     """The forward KL from a served teacher's top-k to a linear-head student, over the
     teacher's ids, without materialising the student's logits.
 
@@ -106,8 +114,12 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
       >>> [round(x, 3) for x in d[0].tolist()]                 # log 4, log 8
       [1.386, 2.079]
     """
-    options = legacy.take("linear_topk_distill_loss", deprecated, {"config": config}, (
-        legacy.Keywords("config", TopKDistillLoss, TOPK_KEYWORDS),))["config"]
+    options = legacy.take(
+        "linear_topk_distill_loss",
+        deprecated,
+        {"config": config},
+        (legacy.Keywords("config", TopKDistillLoss, TOPK_KEYWORDS),),
+    )["config"]
     options = options or TopKDistillLoss()
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     check.rank("hidden", hidden, 3, "[B, T, D]")
@@ -115,8 +127,10 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
     teacher_ids = check.integer("teacher_ids", teacher_ids)
     check.rank("teacher_ids", teacher_ids, 3, "[B, T, K]")
     if tuple(teacher_ids.shape[:2]) != shape or teacher_ids.shape[2] < 1:
-        raise ValueError(f"teacher_ids: expected shape {shape} + (K,) with K >= 1 "
-                         f"(hidden.shape[:2]), got {tuple(teacher_ids.shape)}")
+        raise ValueError(
+            f"teacher_ids: expected shape {shape} + (K,) with K >= 1 "
+            f"(hidden.shape[:2]), got {tuple(teacher_ids.shape)}"
+        )
     teacher_logp = check.floating("teacher_logp", teacher_logp)
     check.shape("teacher_logp", teacher_logp, teacher_ids.shape, "teacher_ids.shape")
     mask = check.mask("mask", mask)
@@ -128,14 +142,18 @@ def linear_topk_distill_loss(hidden: ArrayLike, weight: ArrayLike, teacher_ids: 
     valid = (teacher_ids >= 0) & counts[..., None]
     check.targets_in_range("teacher_ids", teacher_ids, vocab, ~valid)
 
-    call = HeadCall(weight_layout=weight_layout, temperature=float(temperature),
-                    vocab_axis=vocab_axis)
-    choice = head_entry.choose("linear_topk_distill_loss", memory, hidden, weight, bias, shape,
-                               call, backend)
-    student_logp, _ = head_entry.logprob_rows(hidden, weight, bias, teacher_ids, valid, call,
-                                              choice)
-    d = topk_divergence(student_logp, jax.lax.stop_gradient(teacher_logp).astype(jnp.float32),
-                        valid, options.tail)
+    call = HeadCall(
+        weight_layout=weight_layout, temperature=float(temperature), vocab_axis=vocab_axis
+    )
+    choice = head_entry.choose(
+        "linear_topk_distill_loss", memory, hidden, weight, bias, shape, call, backend
+    )
+    student_logp, _ = head_entry.logprob_rows(
+        hidden, weight, bias, teacher_ids, valid, call, choice
+    )
+    d = topk_divergence(
+        student_logp, jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), valid, options.tail
+    )
     per_token = jnp.where(counts, d, 0.0)
     mask = mask.astype(jnp.float32)
     return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token

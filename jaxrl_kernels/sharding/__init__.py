@@ -7,9 +7,22 @@ PartitionSpec algebra of a call (which mesh axes split rows and vocabulary);
 ``_jax_internals`` the two private jax pieces the package relies on.
 """
 
-from jaxrl_kernels.sharding.entry import (check_vocab_axis, global_vocab, keep_grad_sharding,
-                                          kernel_region,
-                                          pin_grad_shardings, replicated, run)
+from jaxrl_kernels.sharding.entry import (
+    check_vocab_axis,
+    global_vocab,
+    keep_grad_sharding,
+    kernel_region,
+    pin_grad_shardings,
+    replicated,
+    run,
+)
 
-__all__ = ["check_vocab_axis", "global_vocab", "keep_grad_sharding", "kernel_region", "pin_grad_shardings",
-           "replicated", "run"]
+__all__ = [
+    "check_vocab_axis",
+    "global_vocab",
+    "keep_grad_sharding",
+    "kernel_region",
+    "pin_grad_shardings",
+    "replicated",
+    "run",
+]

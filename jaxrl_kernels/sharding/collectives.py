@@ -23,10 +23,15 @@ def output_cotangent(plan: Placement, g, vocab_operand):
     In a user's ``shard_map(check_vma=False)`` jax hands each device a share of it (the
     shares sum to the cotangent, as for the transpose of a psum); with varying-axes types
     (``check_vma=True``, or any plan of ours) it arrives whole."""
-    if (g is None or not plan.manual or not plan.vocab_axes
-            or frozenset(plan.vocab_axes) <= varying_axes(vocab_operand)):
+    if (
+        g is None
+        or not plan.manual
+        or not plan.vocab_axes
+        or frozenset(plan.vocab_axes) <= varying_axes(vocab_operand)
+    ):
         return g
     return lax.psum(g, plan.vocab_axes)
+
 
 def finish_cotangent(plan: Placement, d_operand, operand, roles: str, want: P | None = None):
     """The cotangent of ``operand`` on this device from this device's share of it.
@@ -53,8 +58,9 @@ def finish_cotangent(plan: Placement, d_operand, operand, roles: str, want: P | 
             continue
         axes = axes_of_entry(w)  # grad_spec: h is None here, w's axes unused by the plan's layout
         if set(axes) <= pending:
-            d_operand = lax.psum_scatter(d_operand, spec_entry(axes), scatter_dimension=dim,
-                                         tiled=True)
+            d_operand = lax.psum_scatter(
+                d_operand, spec_entry(axes), scatter_dimension=dim, tiled=True
+            )
             pending -= set(axes)
         else:
             slices.append((dim, axes))

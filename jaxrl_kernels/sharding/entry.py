@@ -42,18 +42,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxrl_kernels.sharding import collectives
-from jaxrl_kernels.sharding import _jax_internals
-from jaxrl_kernels.sharding.placement import (Axes, Placement, axes_of_entry, grad_spec, padded,
-                                              placement_from_specs, spec_entry)
+from jaxrl_kernels.sharding import _jax_internals, collectives
+from jaxrl_kernels.sharding.placement import (
+    Axes,
+    Placement,
+    axes_of_entry,
+    grad_spec,
+    padded,
+    placement_from_specs,
+    spec_entry,
+)
 from jaxrl_kernels.sharding.vma import cast_varying, varying_axes
 
 try:
     from jax.experimental.custom_partitioning import custom_partitioning
 except ImportError:  # pragma: no cover - every supported jax has it
     custom_partitioning = None
+
 
 def _untyped(x):
     """``x`` as a value that varies over no manual axis, for a kernel traced with the check
@@ -71,20 +79,24 @@ def kernel_region(fn: Callable[..., Any], *operands) -> Any:
     Kernels declare their outputs without vma types, so they are traced with the check off, on
     operands that vary over no axis, and their outputs are marked as varying over every manual
     axis an operand varies over (a kernel's output depends on all of its inputs)."""
-    leaves = [x for x in jax.tree.leaves(operands) if isinstance(x, jax.Array)
-              or isinstance(x, jax.core.Tracer)]
+    leaves = [
+        x
+        for x in jax.tree.leaves(operands)
+        if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+    ]
     axes = frozenset().union(*(varying_axes(x) for x in leaves)) if leaves else frozenset()
     if not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         return fn(*operands)
     with _jax_internals.vma_check_off():
         operands = jax.tree.map(
-            lambda x: _untyped(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else x,
-            operands)
+            lambda x: _untyped(x) if isinstance(x, (jax.Array, jax.core.Tracer)) else x, operands
+        )
         out = fn(*operands)
     return jax.tree.map(lambda y: None if y is None else cast_varying(y, axes), out)
 
 
 # -- where are we? --------------------------------------------------------------------------
+
 
 def _mesh_of(operands) -> Any:
     """The (abstract) mesh the operands' types name, else the one in context, else None."""
@@ -100,8 +112,11 @@ def _mesh_of(operands) -> Any:
 
 def _is_explicit(mesh) -> bool:
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    return mesh is not None and explicit is not None and any(
-        t == explicit for t in getattr(mesh, "axis_types", ()))
+    return (
+        mesh is not None
+        and explicit is not None
+        and any(t == explicit for t in getattr(mesh, "axis_types", ()))
+    )
 
 
 def replicated(x):
@@ -118,26 +133,34 @@ def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
     ``jax.shard_map`` we are inside."""
     axes = axes_of_entry(vocab_axis)
     if not axes or not all(isinstance(a, str) for a in axes):
-        raise ValueError(f"{what}: expected a mesh axis name (str) or a tuple of them, "
-                         f"got {vocab_axis!r}")
+        raise ValueError(
+            f"{what}: expected a mesh axis name (str) or a tuple of them, got {vocab_axis!r}"
+        )
     mesh = jax.sharding.get_abstract_mesh()
     manual = frozenset(getattr(mesh, "manual_axes", ()) or ())
     if mesh.empty or not manual:
-        raise ValueError(f"{what}={vocab_axis!r} is only valid inside jax.shard_map, where it "
-                         "names the mesh axis that splits the vocabulary; outside shard_map "
-                         "pass sharded arrays to jax.jit instead")
+        raise ValueError(
+            f"{what}={vocab_axis!r} is only valid inside jax.shard_map, where it "
+            "names the mesh axis that splits the vocabulary; outside shard_map "
+            "pass sharded arrays to jax.jit instead"
+        )
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"{what}={vocab_axis!r}: {missing[0]!r} is not an axis of the mesh "
-                         f"here (axes: {', '.join(mesh.axis_names)})")
+        raise ValueError(
+            f"{what}={vocab_axis!r}: {missing[0]!r} is not an axis of the mesh "
+            f"here (axes: {', '.join(mesh.axis_names)})"
+        )
     not_manual = [a for a in axes if a not in manual]
     if not_manual:
-        raise ValueError(f"{what}={vocab_axis!r}: axis {not_manual[0]!r} is not a manual axis "
-                         "of the enclosing shard_map")
+        raise ValueError(
+            f"{what}={vocab_axis!r}: axis {not_manual[0]!r} is not a manual axis "
+            "of the enclosing shard_map"
+        )
     return axes
 
 
 # -- entering the per-shard function ----------------------------------------------------------
+
 
 def global_vocab(local_vocab: int, vocab_axis) -> int:
     """The vocabulary size across a ``vocab_axis`` split (checks the axis)."""
@@ -147,10 +170,17 @@ def global_vocab(local_vocab: int, vocab_axis) -> int:
     return local_vocab * math.prod(jax.lax.axis_size(a) for a in axes)
 
 
-def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence[str],
-        out_roles: Sequence[str], *, grads_of: Sequence[int | None] | None = None,
-        vocab_axis=None, differentiable: bool = False,
-        record: Callable[[Placement], None] | None = None) -> tuple:
+def run(
+    local_fn: Callable[..., tuple],
+    operands: Sequence[Any],
+    roles: Sequence[str],
+    out_roles: Sequence[str],
+    *,
+    grads_of: Sequence[int | None] | None = None,
+    vocab_axis=None,
+    differentiable: bool = False,
+    record: Callable[[Placement], None] | None = None,
+) -> tuple:
     """``local_fn(plan, *operands)`` run where the operands live (see the module docstring).
 
     ``operands`` may hold None (an absent bias): its role is ignored and ``local_fn`` gets None;
@@ -169,19 +199,27 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
     grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
     if vocab_axis is not None:
         axes = check_vocab_axis(vocab_axis)
-        plan = Placement(row_axes=((),) * n_rows, vocab_axes=axes, manual=True,
-                    how=f"inside shard_map, vocab_axis={vocab_axis!r}")
+        plan = Placement(
+            row_axes=((),) * n_rows,
+            vocab_axes=axes,
+            manual=True,
+            how=f"inside shard_map, vocab_axis={vocab_axis!r}",
+        )
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
-        plan = Placement(row_axes=((),) * n_rows, manual=True,
-                    how="inside shard_map: this device's arrays, no vocab_axis")
+        plan = Placement(
+            row_axes=((),) * n_rows,
+            manual=True,
+            how="inside shard_map: this device's arrays, no vocab_axis",
+        )
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
     mesh = _mesh_of(operands)
     if _is_explicit(mesh):
-        return _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh,
-                              differentiable, record)
+        return _run_shard_map(
+            local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record
+        )
     batched = any(_jax_internals.is_vmapped(x) for x in operands if x is not None)
     if differentiable or batched or custom_partitioning is None:
         plan = Placement.single(n_rows)
@@ -191,10 +229,15 @@ def run(local_fn: Callable[..., tuple], operands: Sequence[Any], roles: Sequence
                 operands = pin_grad_shardings(*operands)
         _note(record, plan)
         return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
-    _note(record, Placement(row_axes=((),) * n_rows,
-                       how="Auto mesh axes (or none): custom_partitioning plans at compile "
-                           "time; rows stay where they live, a vocabulary-sharded operand is "
-                           "used in place"))
+    _note(
+        record,
+        Placement(
+            row_axes=((),) * n_rows,
+            how="Auto mesh axes (or none): custom_partitioning plans at compile "
+            "time; rows stay where they live, a vocabulary-sharded operand is "
+            "used in place",
+        ),
+    )
     return _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of)
 
 
@@ -203,8 +246,12 @@ def keep_grad_sharding(x):
     places the gradients of plain jnp as it sees fit (the D-split of an FSDP weight or of
     tensor-parallel hidden states may be dropped); a ``custom_partitioning`` identity on the
     cotangent, told at compile time where ``x`` lives, puts it there."""
-    if (x is None or custom_partitioning is None or not x.ndim
-            or not jnp.issubdtype(x.dtype, jnp.floating)):
+    if (
+        x is None
+        or custom_partitioning is None
+        or not x.ndim
+        or not jnp.issubdtype(x.dtype, jnp.floating)
+    ):
         return x
 
     @jax.custom_vjp
@@ -234,9 +281,12 @@ def pin_grad_shardings(*xs):
     under Explicit axes, where types carry shardings, inside ``shard_map``, under ``vmap``
     and with no mesh). For ops written in plain jnp that do not go through :func:`run`."""
     mesh = _mesh_of(xs)
-    if (mesh is None or _is_explicit(mesh)
-            or getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
-            or any(_jax_internals.is_vmapped(x) for x in xs if x is not None)):
+    if (
+        mesh is None
+        or _is_explicit(mesh)
+        or getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
+        or any(_jax_internals.is_vmapped(x) for x in xs if x is not None)
+    ):
         return xs
     return tuple(keep_grad_sharding(x) for x in xs)
 
@@ -249,13 +299,16 @@ def _note(record, plan: Placement) -> None:
 def _finishing(local_fn, roles, grads_of, wants):
     """``local_fn`` with its None outputs dropped and its cotangent outputs finished
     (:meth:`Placement.finish_cotangent`, towards ``wants[operand position]`` where given)."""
+
     def fn(plan, *operands):
         outs = [y for y in local_fn(plan, *operands) if y is not None]
         for i, j in enumerate(grads_of):
             if j is not None:
-                outs[i] = collectives.finish_cotangent(plan, outs[i], operands[j], roles[j],
-                                                None if wants is None else wants[j])
+                outs[i] = collectives.finish_cotangent(
+                    plan, outs[i], operands[j], roles[j], None if wants is None else wants[j]
+                )
         return tuple(outs)
+
     return fn
 
 
@@ -266,11 +319,13 @@ def _present(operands, roles):
 
 def _with_absent(local_fn, keep, n):
     """local_fn over the present operands only, None passed where an operand is absent."""
+
     def fn(plan, *present):
         full = [None] * n
         for i, x in zip(keep, present):
             full[i] = x
         return local_fn(plan, *full)
+
     return fn
 
 
@@ -286,12 +341,12 @@ def _grad_wants(plan, roles, grads_of, specs) -> dict:
     return {j: grad_spec(plan, roles[j], specs[j]) for j in grads_of if j is not None}
 
 
-def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differentiable,
-                   record):
+def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record):
     keep, present, present_roles = _present(operands, roles)
     specs = [None if x is None else jax.typeof(x).sharding.spec for x in operands]
-    plan = placement_from_specs([specs[i] for i in keep], present_roles,
-                           how="Explicit mesh axes: shard_map")
+    plan = placement_from_specs(
+        [specs[i] for i in keep], present_roles, how="Explicit mesh axes: shard_map"
+    )
     _note(record, plan)
     wants = _grad_wants(plan, roles, grads_of, specs)
     fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
@@ -303,15 +358,21 @@ def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differe
         # axes and leaves it split like the operand. (Over other axes the gather happens
         # outside: the cotangent is the same on every device there, the gather's transpose a
         # slice.)
-        entered = [_entry_spec(plan, r, specs[i]) if jnp.issubdtype(x.dtype, jnp.floating)
-                   else s for i, x, r, s in zip(keep, present, present_roles, in_specs)]
+        entered = [
+            _entry_spec(plan, r, specs[i]) if jnp.issubdtype(x.dtype, jnp.floating) else s
+            for i, x, r, s in zip(keep, present, present_roles, in_specs)
+        ]
         fn = _gathering(fn, in_specs, entered)
         in_specs = entered
-    out_specs = tuple(plan.spec(r) if j is None else wants[j]
-                      for r, j in zip(out_roles, grads_of))
+    out_specs = tuple(plan.spec(r) if j is None else wants[j] for r, j in zip(out_roles, grads_of))
     present = [_reshard(x, mesh, s) for x, s in zip(present, in_specs)]
-    mapped = jax.shard_map(functools.partial(fn, plan), mesh=mesh, in_specs=tuple(in_specs),
-                           out_specs=out_specs, check_vma=differentiable)
+    mapped = jax.shard_map(
+        functools.partial(fn, plan),
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=out_specs,
+        check_vma=differentiable,
+    )
     outs = mapped(*present)
     # A cotangent whose operand splits a row dimension otherwise than the plan: moved here.
     return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
@@ -322,12 +383,17 @@ def _entry_spec(plan: Placement, roles: str, operand_spec) -> P:
     plan's layout."""
     have = padded(plan.spec(roles), len(roles))
     want = padded(grad_spec(plan, roles, operand_spec), len(roles))
-    return P(*(w if h is None and set(axes_of_entry(w)) <= plan.work_axes else h
-               for h, w in zip(have, want)))
+    return P(
+        *(
+            w if h is None and set(axes_of_entry(w)) <= plan.work_axes else h
+            for h, w in zip(have, want)
+        )
+    )
 
 
 def _gathering(fn, have, entered):
     """``fn`` on operands all-gathered from the ``entered`` layouts to the ``have`` ones."""
+
     def gathered(plan, *operands):
         full = []
         for x, h, e in zip(operands, have, entered):
@@ -336,11 +402,13 @@ def _gathering(fn, have, entered):
                     x = lax.all_gather(x, spec_entry(axes_of_entry(ed)), axis=dim, tiled=True)
             full.append(x)
         return fn(plan, *full)
+
     return gathered
 
 
-def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str],
-                   grads_of: Sequence[int | None]) -> tuple[str, dict]:
+def _sharding_rule(
+    roles: Sequence[str], out_roles: Sequence[str], grads_of: Sequence[int | None]
+) -> tuple[str, dict]:
     """The Shardy rule: row dims and the vocabulary are shared factors, every other dimension a
     factor of its own that must be replicated, except that a cotangent shares every factor
     of its operand (it leaves sharded like the operand); factors no result carries are
@@ -364,8 +432,10 @@ def _sharding_rule(roles: Sequence[str], out_roles: Sequence[str],
     in_set, out_set = {f for fs in ins for f in fs}, {f for fs in outs for f in fs}
     own = sorted(f for f in in_set | out_set if f.startswith("x"))
     rule = ", ".join(" ".join(fs) for fs in ins) + " -> " + ", ".join(" ".join(fs) for fs in outs)
-    extra = {"reduction_factors": tuple(sorted(in_set - out_set - set(own))),
-             "need_replication_factors": tuple(f for f in own if f in in_set - out_set)}
+    extra = {
+        "reduction_factors": tuple(sorted(in_set - out_set - set(own))),
+        "need_replication_factors": tuple(f for f in own if f in in_set - out_set),
+    }
     return rule, {k: v for k, v in extra.items() if v}
 
 
@@ -383,16 +453,20 @@ def _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
         specs = [None] * len(operands)
         for i, a in zip(keep, arg_shapes):
             specs[i] = getattr(a.sharding, "spec", None)
-        plan = placement_from_specs([specs[i] for i in keep], present_roles,
-                               how="Auto mesh axes: custom_partitioning")
+        plan = placement_from_specs(
+            [specs[i] for i in keep], present_roles, how="Auto mesh axes: custom_partitioning"
+        )
         wants = _grad_wants(plan, roles, grads_of, specs)
         fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
         arg_shardings = tuple(NamedSharding(mesh, plan.spec(r)) for r in present_roles)
-        out_shardings = tuple(NamedSharding(mesh, plan.spec(r) if j is None else wants[j])
-                              for r, j in zip(out_roles, grads_of))
+        out_shardings = tuple(
+            NamedSharding(mesh, plan.spec(r) if j is None else wants[j])
+            for r, j in zip(out_roles, grads_of)
+        )
         return mesh, functools.partial(fn, plan), out_shardings, arg_shardings
 
-    rule, factor_kinds = _sharding_rule(present_roles, out_roles,
-                                        [None if j is None else position[j] for j in grads_of])
+    rule, factor_kinds = _sharding_rule(
+        present_roles, out_roles, [None if j is None else position[j] for j in grads_of]
+    )
     call.def_partition(partition, sharding_rule=rule, **factor_kinds)
     return call(*present)

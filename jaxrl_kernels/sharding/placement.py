@@ -41,7 +41,7 @@ class Placement:
     how: str = "one device"
 
     @staticmethod
-    def single(n_row_dims: int) -> "Placement":
+    def single(n_row_dims: int) -> Placement:
         return Placement(row_axes=((),) * n_row_dims)
 
     @property
@@ -73,14 +73,16 @@ class Placement:
 
     def describe(self) -> str:
         rows = ", ".join(f"dim {i}: {list(a)}" for i, a in enumerate(self.row_axes) if a)
-        parts = [f"rows split over {rows}" if rows else "rows not split",
-                 f"vocabulary split over {list(self.vocab_axes)} (vocabulary-parallel)"
-                 if self.vocab_axes else "vocabulary whole on each device"]
+        parts = [
+            f"rows split over {rows}" if rows else "rows not split",
+            f"vocabulary split over {list(self.vocab_axes)} (vocabulary-parallel)"
+            if self.vocab_axes
+            else "vocabulary whole on each device",
+        ]
         return f"{self.how}: " + "; ".join(parts)
 
 
-def placement_from_specs(specs: Sequence[P | None], roles: Sequence[str], *,
-                         how: str) -> Placement:
+def placement_from_specs(specs: Sequence[P | None], roles: Sequence[str], *, how: str) -> Placement:
     """Rows follow the first operand that shards each row dimension; the vocabulary follows the
     first operand that shards it, minus any axis the rows already use."""
     n_rows = max((r.count("r") for r in roles), default=0)
@@ -91,8 +93,9 @@ def placement_from_specs(specs: Sequence[P | None], roles: Sequence[str], *,
             if spec is None or role.count("r") <= i:
                 continue
             dim = [k for k, c in enumerate(role) if c == "r"][i]
-            axes = tuple(a for a in axes_of_entry(spec[dim] if dim < len(spec) else None)
-                         if a not in used)
+            axes = tuple(
+                a for a in axes_of_entry(spec[dim] if dim < len(spec) else None) if a not in used
+            )
             if axes:
                 row_axes[i] = axes
                 used.update(axes)
@@ -102,7 +105,9 @@ def placement_from_specs(specs: Sequence[P | None], roles: Sequence[str], *,
         if spec is None or "v" not in role:
             continue
         dim = role.index("v")
-        axes = tuple(a for a in axes_of_entry(spec[dim] if dim < len(spec) else None) if a not in used)
+        axes = tuple(
+            a for a in axes_of_entry(spec[dim] if dim < len(spec) else None) if a not in used
+        )
         if axes:
             vocab = axes
             break

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+
 def has_vma(x) -> bool:
     aval = jax.typeof(x)
     return hasattr(aval, "vma") or hasattr(aval, "manual_axis_type")

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
+from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.head import head_ids
 from tests.backends.test_ffi import _gpu_inputs  # the ffi tests' random head
 
 N_OPERANDS = 14  # hidden, weight, bias, targets, lse, alpha, beta, gamma, h16, s, scalars,
@@ -83,8 +83,9 @@ def _kept_stats(u, floor):
     return p, lse, ent
 
 
-def _case(n, d, v, layout, dtype, with_bias, entropy, temperature, seed, k_ids=0,
-          all_floored=False):
+def _case(
+    n, d, v, layout, dtype, with_bias, entropy, temperature, seed, k_ids=0, all_floored=False
+):
     """Inputs of one backward call and its float64 result: (args, kwargs, want, active, b).
 
     Rows (where N has them): 0 floor −inf (unless ``all_floored``), 1 an out-of-range target,
@@ -137,8 +138,16 @@ def _case(n, d, v, layout, dtype, with_bias, entropy, temperature, seed, k_ids=0
     d_w = dz.T @ h64
     want = (dz @ w_vd, d_w if layout == "vd" else d_w.T, dz.sum(axis=0))
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    args = (h, w, None if b is None else b.astype(jnp.float32), jnp.asarray(targets),
-            f32(np.where(active, lse, np.inf)), f32(ent), f32(g_arg), f32(g_ent))
+    args = (
+        h,
+        w,
+        None if b is None else b.astype(jnp.float32),
+        jnp.asarray(targets),
+        f32(np.where(active, lse, np.inf)),
+        f32(ent),
+        f32(g_arg),
+        f32(g_ent),
+    )
     kwargs = dict(weight_layout=layout, temperature=temperature, floor=f32(floor))
     return args, kwargs, want, active, b
 
@@ -160,8 +169,9 @@ def _check(got, want, active, b, dtype, tol=None):
 
 def _backward(cols, n):
     """ffi linear_backward in chunks of ``cols`` columns (rounded up to 256)."""
-    return functools.partial(ffi_linear.linear_backward,
-                             config=ffi_linear.Config(chunk_bytes=2 * n * cols))
+    return functools.partial(
+        ffi_linear.linear_backward, config=ffi_linear.Config(chunk_bytes=2 * n * cols)
+    )
 
 
 # ----------------------------------------------------------------------------- CPU (CI)
@@ -172,8 +182,9 @@ def workspace_sizes(monkeypatch):
     """The extension's backward_workspace_bytes (the workspace result's shape): its own where
     it is built, else a stub (lowering needs only a size)."""
     if extension.sm90 is None:
-        monkeypatch.setattr(extension, "sm90", types.SimpleNamespace(
-            backward_workspace_bytes=lambda *a: 4096))
+        monkeypatch.setattr(
+            extension, "sm90", types.SimpleNamespace(backward_workspace_bytes=lambda *a: 4096)
+        )
     return extension.sm90
 
 
@@ -184,8 +195,9 @@ def _small(n=6, d=16, v=40, layout="vd", bias=True):
 
 def _operand_types(text):
     """The operand types of the backward custom call in a lowered module's text."""
-    lines = [l for l in text.splitlines()
-             if f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}(" in l]
+    lines = [
+        l for l in text.splitlines() if f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}(" in l
+    ]
     assert len(lines) == 1, lines
     sig = re.search(r"\} : \((.*?)\) -> ", lines[0])
     assert sig, lines[0]
@@ -204,8 +216,12 @@ def test_backward_lowers_with_the_floor_operand(workspace_sizes, layout, with_bi
     def bwd(*a):
         return ffi_linear.linear_backward(*a, weight_layout=layout, temperature=0.7, floor=floor)
 
-    text = jax.jit(bwd).trace(h, w, b, t, rows, rows, rows, rows).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(bwd)
+        .trace(h, w, b, t, rows, rows, rows, rows)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
     assert "stablehlo.while" not in text and ffi_linear.GRAD_TARGET + "(" not in text
     types_ = _operand_types(text)
@@ -222,10 +238,15 @@ def test_backward_lowers_with_the_floor_and_k_ids(workspace_sizes):
     g = jnp.ones((n, 2), jnp.float32)
     rows = jnp.ones((n,), jnp.float32)
     floor = jnp.zeros((n,), jnp.float32)
-    bwd = lambda *a: ffi_linear.linear_backward(*a, weight_layout="vd", temperature=1.0,
-                                                floor=floor)
-    text = jax.jit(bwd).trace(h, w, b, ids, rows, rows, g, rows).lower(
-        lowering_platforms=("cuda",)).as_text()
+    bwd = lambda *a: ffi_linear.linear_backward(
+        *a, weight_layout="vd", temperature=1.0, floor=floor
+    )
+    text = (
+        jax.jit(bwd)
+        .trace(h, w, b, ids, rows, rows, g, rows)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     types_ = _operand_types(text)
     assert types_[3] == f"tensor<{n}xi32>"  # row targets: all -1
     assert types_[11:] == [f"tensor<{n}x2xi32>", f"tensor<{n}x2xf32>", f"tensor<{n}xf32>"]
@@ -238,8 +259,9 @@ def test_backward_under_vmap_lowers_with_a_batched_floor(workspace_sizes):
     floor = jnp.zeros((3, n), jnp.float32)
 
     def bwd(lse, floor):
-        return ffi_linear.linear_backward(h, w, b, t, lse, lse, lse, lse, weight_layout="vd",
-                                          temperature=1.0, floor=floor)
+        return ffi_linear.linear_backward(
+            h, w, b, t, lse, lse, lse, lse, weight_layout="vd", temperature=1.0, floor=floor
+        )
 
     text = jax.jit(jax.vmap(bwd)).trace(rows, floor).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") >= 1
@@ -260,8 +282,22 @@ def _kernel_model(calls):
         def call(*ops, **attrs):
             assert len(ops) == N_OPERANDS
             calls.append(ops)
-            (hidden, weight, bias, targets, lse, alpha, beta, gamma, h16, s, scalars, ids,
-             id_coef, floor) = ops
+            (
+                hidden,
+                weight,
+                bias,
+                targets,
+                lse,
+                alpha,
+                beta,
+                gamma,
+                h16,
+                s,
+                scalars,
+                ids,
+                id_coef,
+                floor,
+            ) = ops
             dv, t = attrs["weight_dv"], float(attrs["temperature"])
             w_vd = (weight.T if dv else weight).astype(jnp.float32)
             y = jnp.dot(hidden.astype(jnp.float32), w_vd.T, precision="highest")
@@ -280,8 +316,11 @@ def _kernel_model(calls):
             acc = jnp.dot(g, w_vd, precision="highest")
             d_w = scalars[0] * jnp.dot(g.T, h16.astype(jnp.float32), precision="highest")
             d_w = (d_w.T if dv else d_w).astype(weight.dtype)
-            d_b = jnp.dot(s, g, precision="highest") if attrs["has_bias"] else jnp.zeros(
-                (0,), jnp.float32)
+            d_b = (
+                jnp.dot(s, g, precision="highest")
+                if attrs["has_bias"]
+                else jnp.zeros((0,), jnp.float32)
+            )
             return acc, d_w, d_b, jnp.zeros(workspace.shape, workspace.dtype)
 
         return call
@@ -297,21 +336,25 @@ CPU_CASES = [  # (N, D, V, layout, dtype, bias, entropy, temperature, K ids)
 ]
 
 
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,k_ids", CPU_CASES,
-                         ids=lambda x: getattr(x, "__name__", str(x)))
-def test_glue_over_a_model_of_the_kernel(workspace_sizes, monkeypatch, n, d, v, layout, dtype,
-                                         with_bias, entropy, temperature, k_ids):
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,entropy,temperature,k_ids",
+    CPU_CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_glue_over_a_model_of_the_kernel(
+    workspace_sizes, monkeypatch, n, d, v, layout, dtype, with_bias, entropy, temperature, k_ids
+):
     """linear_backward's Python side (row bound, coefficients, scales, the floor operand) over a
     jnp model of the custom call: the float64 truncated-softmax gradient that the GPU tests
     check the kernel against, with their tolerances."""
     calls = []
     monkeypatch.setattr(jax.ffi, "ffi_call", _kernel_model(calls))
-    args, kwargs, want, active, b = _case(n, d, v, layout, dtype, with_bias, entropy,
-                                          temperature, seed=n + v, k_ids=k_ids)
+    args, kwargs, want, active, b = _case(
+        n, d, v, layout, dtype, with_bias, entropy, temperature, seed=n + v, k_ids=k_ids
+    )
     got = ffi_linear.linear_backward(*args, **kwargs)
     assert len(calls) == 1
-    np.testing.assert_array_equal(np.asarray(calls[0][FLOOR_OPERAND]),
-                                  np.asarray(kwargs["floor"]))
+    np.testing.assert_array_equal(np.asarray(calls[0][FLOOR_OPERAND]), np.asarray(kwargs["floor"]))
     _check(got, want, active, b, dtype)
     # the reference's truncation matters here: without the floor the result is far off
     no_floor = ffi_linear.linear_backward(*args, **{**kwargs, "floor": None})
@@ -334,8 +377,9 @@ def test_reference_floors_keep_what_they_say():
 
 # ----------------------------------------------------------------------------- GPU (Hopper)
 
-needs_sm90 = pytest.mark.skipif(ffi.unavailable_reason() is not None,
-                                reason=f"ffi unavailable: {ffi.unavailable_reason()}")
+needs_sm90 = pytest.mark.skipif(
+    ffi.unavailable_reason() is not None, reason=f"ffi unavailable: {ffi.unavailable_reason()}"
+)
 
 # (N, D, V, layout, dtype, bias, entropy, temperature, chunk columns, K ids): ragged rows
 # (N % 128), odd V in "vd" (its d_weight tail through the tail buffer), several chunks and a
@@ -354,29 +398,43 @@ GPU_CASES = [
 
 
 def _problem(n, d, v, layout, dtype):
-    return Problem(n_rows=n, vocab=v, hidden_dim=d, dtype=jnp.dtype(dtype).name,
-                   weight_dtype=jnp.dtype(dtype).name, weight_layout=layout, platform="gpu")
+    return Problem(
+        n_rows=n,
+        vocab=v,
+        hidden_dim=d,
+        dtype=jnp.dtype(dtype).name,
+        weight_dtype=jnp.dtype(dtype).name,
+        weight_layout=layout,
+        platform="gpu",
+    )
 
 
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols,k_ids",
-                         GPU_CASES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_gpu_cases_are_served(n, d, v, layout, dtype, with_bias, entropy, temperature, cols,
-                              k_ids):
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,entropy,temperature,cols,k_ids",
+    GPU_CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_gpu_cases_are_served(n, d, v, layout, dtype, with_bias, entropy, temperature, cols, k_ids):
     """The GPU cases are ones the ffi backend accepts (its alignment rules: ffi.declines)."""
     assert ffi_linear.declines("linear_logprobs_backward", _problem(n, d, v, layout, dtype)) is None
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols,k_ids",
-                         GPU_CASES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_gpu_backward_with_floor_against_float64(n, d, v, layout, dtype, with_bias, entropy,
-                                                 temperature, cols, k_ids):
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,entropy,temperature,cols,k_ids",
+    GPU_CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_gpu_backward_with_floor_against_float64(
+    n, d, v, layout, dtype, with_bias, entropy, temperature, cols, k_ids
+):
     """The fused custom call with a per-row floor against the float64 truncated-softmax VJP:
     p masked below each row's floor, the kept set's lse and entropy, rows with floor −inf, a
     target below its floor (its one-hot term kept), ignored rows and an out-of-range target."""
-    args, kwargs, want, active, b = _case(n, d, v, layout, dtype, with_bias, entropy,
-                                          temperature, seed=n + v, k_ids=k_ids)
+    args, kwargs, want, active, b = _case(
+        n, d, v, layout, dtype, with_bias, entropy, temperature, seed=n + v, k_ids=k_ids
+    )
     got = jax.jit(lambda *a: _backward(cols, n)(*a, **kwargs))(*args)
     assert got[0].dtype == args[0].dtype and got[1].dtype == args[1].dtype
     _check(got, want, active, b, dtype)
@@ -394,9 +452,9 @@ def test_gpu_floor_of_minus_inf_is_no_floor_bit_for_bit(layout, dtype):
     u = _u64(h, w, b32, layout, 0.9)
     p, lse, ent = _kept_stats(u, np.full(n, -np.inf))
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    call = lambda floor: jax.jit(lambda *a: _backward(cols, n)(
-        *a, weight_layout=layout, temperature=0.9, floor=floor))(h, w, b32, t, f32(lse),
-                                                                f32(ent), g, g_ent)
+    call = lambda floor: jax.jit(
+        lambda *a: _backward(cols, n)(*a, weight_layout=layout, temperature=0.9, floor=floor)
+    )(h, w, b32, t, f32(lse), f32(ent), g, g_ent)
     with_floor = call(jnp.full((n,), -jnp.inf, jnp.float32))
     without = call(None)
     for x, y in zip(with_floor, without):
@@ -411,8 +469,9 @@ def test_gpu_columns_every_row_masks_get_exact_zeros(layout):
     none targets gets G = 0 in every row, so its d_weight and d_bias are exactly 0 (and the
     rest matches float64)."""
     n, d, v, cols, dtype = 40, 64, 2048, 512, jnp.bfloat16  # few rows: most columns unkept
-    args, kwargs, want, active, b = _case(n, d, v, layout, dtype, True, True, 1.0, seed=21,
-                                          all_floored=True)
+    args, kwargs, want, active, b = _case(
+        n, d, v, layout, dtype, True, True, 1.0, seed=21, all_floored=True
+    )
     floor = np.asarray(kwargs["floor"], np.float64)
     assert np.isfinite(floor).all()
     got = jax.jit(lambda *a: _backward(cols, n)(*a, **kwargs))(*args)

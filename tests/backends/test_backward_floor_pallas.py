@@ -17,13 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import assert_close, dtype_id, rand
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
 from jaxrl_kernels.backends.pallas import logits as pl_logits
+from tests.conftest import assert_close, dtype_id, rand
 
 TINY = pallas_linear.Config(
-    forward=pallas_linear.TileConfig(16, 16, 16, 4, 2), tiles_per_split=2, target_rows=16,
-    target_k=16, grad=pallas_linear.TileConfig(16, 16, 16, 4, 2), chunk_bytes=1)
+    forward=pallas_linear.TileConfig(16, 16, 16, 4, 2),
+    tiles_per_split=2,
+    target_rows=16,
+    target_k=16,
+    grad=pallas_linear.TileConfig(16, 16, 16, 4, 2),
+    chunk_bytes=1,
+)
 """16-wide tiles and one 16-column tile per backward chunk."""
 
 PLANS = {"default": None, "three_splits": pl_logits.LogitsLaunch(64, 3, 2, 1)}
@@ -100,15 +105,22 @@ def linear_case(rng, dtype, layout, bias, k=None):
     return (h, w, b, t, floor), (h64, w64, b64, u64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _linear_backward(layout, config):
-    return jax.jit(functools.partial(pallas_linear.linear_backward, weight_layout=layout,
-                                     temperature=TEMPERATURE, config=config))
+    return jax.jit(
+        functools.partial(
+            pallas_linear.linear_backward,
+            weight_layout=layout,
+            temperature=TEMPERATURE,
+            config=config,
+        )
+    )
 
 
 def check_linear(got, primals, want, want32, dtype):
-    for name, x, primal, w64, w32 in zip(("d_hidden", "d_weight", "d_bias"), got, primals, want,
-                                         want32):
+    for name, x, primal, w64, w32 in zip(
+        ("d_hidden", "d_weight", "d_bias"), got, primals, want, want32
+    ):
         if primal is None:
             assert x is None, name
             continue
@@ -123,10 +135,23 @@ def run_linear(rng, dtype, layout, bias, entropy, k=None, config=TINY):
     dz32, _, _ = truncated(u64.astype(np.float32), floor, t, g, g_ent, TEMPERATURE, np.float32)
     f32 = lambda x: None if x is None or not entropy else jnp.asarray(x, jnp.float32)
     got = _linear_backward(layout, config)(
-        h, w, b, jnp.asarray(t), jnp.asarray(lse, jnp.float32), f32(ent), jnp.asarray(g),
-        f32(g_ent), floor=jnp.asarray(floor))
-    check_linear(got, (h, w, b), head_grads(dz, h64, w64, layout),
-                 head_grads(dz32, h64, w64, layout, np.float32), dtype)
+        h,
+        w,
+        b,
+        jnp.asarray(t),
+        jnp.asarray(lse, jnp.float32),
+        f32(ent),
+        jnp.asarray(g),
+        f32(g_ent),
+        floor=jnp.asarray(floor),
+    )
+    check_linear(
+        got,
+        (h, w, b),
+        head_grads(dz, h64, w64, layout),
+        head_grads(dz32, h64, w64, layout, np.float32),
+        dtype,
+    )
     return got
 
 
@@ -139,8 +164,9 @@ def test_linear_backward_floor(rng, dtype, layout, bias, entropy):
     assert not np.any(np.asarray(got[0][DEAD], np.float32)), "d_hidden of a row without gradient"
 
 
-@pytest.mark.parametrize("layout,dtype", [("vd", jnp.bfloat16), ("dv", jnp.float32)],
-                         ids=["vd-bfloat16", "dv-float32"])
+@pytest.mark.parametrize(
+    "layout,dtype", [("vd", jnp.bfloat16), ("dv", jnp.float32)], ids=["vd-bfloat16", "dv-float32"]
+)
 def test_linear_backward_floor_k_ids(rng, layout, dtype):
     """Targets [N, K]: the floor masks the −p part only; row BELOW's first id is under its floor."""
     run_linear(rng, dtype, layout, True, True, k=3)
@@ -156,8 +182,16 @@ def test_linear_backward_floor_none(rng, dtype):
     (h, w, b, t, _), (_, _, _, u64) = linear_case(rng, dtype, "vd", True)
     g, g_ent = cotangents(rng, t.shape, True)
     _, lse, ent = truncated(u64, np.full(N, -np.inf), t, g, g_ent, TEMPERATURE)
-    args = (h, w, b, jnp.asarray(t), jnp.asarray(lse, jnp.float32), jnp.asarray(ent, jnp.float32),
-            jnp.asarray(g), jnp.asarray(g_ent))
+    args = (
+        h,
+        w,
+        b,
+        jnp.asarray(t),
+        jnp.asarray(lse, jnp.float32),
+        jnp.asarray(ent, jnp.float32),
+        jnp.asarray(g),
+        jnp.asarray(g_ent),
+    )
     fn = _linear_backward("vd", TINY)
     plain, with_none = fn(*args), fn(*args, floor=None)
     no_cut = fn(*args, floor=jnp.full((N,), -jnp.inf, jnp.float32))
@@ -168,6 +202,7 @@ def test_linear_backward_floor_none(rng, dtype):
 
 
 # ----------------------------------------------------------------------------- logits
+
 
 def token_case(rng, dtype, entropy, n=11, vocab=150):
     x, x64 = rand(rng, (n, vocab), dtype, scale=3.0)
@@ -180,8 +215,9 @@ def token_case(rng, dtype, entropy, n=11, vocab=150):
 
 
 def _token_backward(plan):
-    return jax.jit(functools.partial(pl_logits.token_backward, temperature=TEMPERATURE,
-                                     plan=PLANS[plan]))
+    return jax.jit(
+        functools.partial(pl_logits.token_backward, temperature=TEMPERATURE, plan=PLANS[plan])
+    )
 
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no_entropy"])
@@ -192,8 +228,15 @@ def test_token_backward_floor(rng, dtype, plan, entropy):
     dz, lse, ent = truncated(u64, floor, t, g, g_ent, TEMPERATURE)
     dz32, _, _ = truncated(u64.astype(np.float32), floor, t, g, g_ent, TEMPERATURE, np.float32)
     f32 = lambda v: jnp.asarray(v, jnp.float32) if entropy else None
-    got = _token_backward(plan)(x, jnp.asarray(t), jnp.asarray(lse, jnp.float32), f32(ent),
-                                jnp.asarray(g), f32(g_ent), floor=jnp.asarray(floor))
+    got = _token_backward(plan)(
+        x,
+        jnp.asarray(t),
+        jnp.asarray(lse, jnp.float32),
+        f32(ent),
+        jnp.asarray(g),
+        f32(g_ent),
+        floor=jnp.asarray(floor),
+    )
     assert got.dtype == x.dtype and got.shape == x.shape
     assert_close(got, dz, in_dtype=dtype, want32=dz32, name="d_logits")
     assert not np.any(np.asarray(got[DEAD], np.float32))
@@ -207,11 +250,18 @@ def test_token_backward_floor(rng, dtype, plan, entropy):
 def test_token_backward_floor_none(rng, dtype):
     x, u64, _, t, g, g_ent = token_case(rng, dtype, True)
     _, lse, ent = truncated(u64, np.full(len(t), -np.inf), t, g, g_ent, TEMPERATURE)
-    args = (x, jnp.asarray(t), jnp.asarray(lse, jnp.float32), jnp.asarray(ent, jnp.float32),
-            jnp.asarray(g), jnp.asarray(g_ent))
+    args = (
+        x,
+        jnp.asarray(t),
+        jnp.asarray(lse, jnp.float32),
+        jnp.asarray(ent, jnp.float32),
+        jnp.asarray(g),
+        jnp.asarray(g_ent),
+    )
     fn = _token_backward("three_splits")
     plain, with_none = fn(*args), fn(*args, floor=None)
     no_cut = fn(*args, floor=jnp.full((len(t),), -jnp.inf, jnp.float32))
     assert np.array_equal(np.asarray(plain, np.float32), np.asarray(with_none, np.float32))
-    np.testing.assert_allclose(np.asarray(no_cut, np.float32), np.asarray(plain, np.float32),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(no_cut, np.float32), np.asarray(plain, np.float32), rtol=1e-6, atol=1e-7
+    )

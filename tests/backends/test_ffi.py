@@ -22,22 +22,20 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests.support import oracle
-from tests.conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from benchmarks import kernel_entry
 from benchmarks.studies.variants import ffi_xla_gemms
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.dispatch.contract import Parts, Problem
-from jaxrl_kernels.engine.linear_head import HeadCall
-from jaxrl_kernels.engine import fused_loss
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.engine import linear_head
-from jaxrl_kernels.head import rounded_logits
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
+from jaxrl_kernels.dispatch.contract import Parts, Problem
+from jaxrl_kernels.engine import fused_loss, linear_head
+from jaxrl_kernels.engine.linear_head import HeadCall
+from jaxrl_kernels.head import head_grad, rounded_logits
+from tests.conftest import assert_bitwise, assert_close, assert_f32, cotangent
+from tests.support import oracle
 
 OFF = {"OFF", "0", "FALSE", "NO", "N"}
 ON = {"ON", "1", "TRUE", "YES", "Y"}
@@ -47,8 +45,11 @@ def _hopper_visible() -> bool:
     """What csrc/CMakeLists.txt asks under AUTO: nvidia-smi reports a GPU of compute capability 9.x."""
     if shutil.which("nvidia-smi") is None:
         return False
-    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
     return out.returncode == 0 and any(c.strip().startswith("9.") for c in out.stdout.split())
 
 
@@ -66,20 +67,31 @@ def _cuda_build_expected() -> bool:
 
 def test_extension_built_and_imports():
     if not _cuda_build_expected():
-        pytest.skip("pure-Python install: no Hopper GPU and nvcc, and JAXRL_KERNELS_BUILD_CUDA "
-                    "is not ON")
+        pytest.skip(
+            "pure-Python install: no Hopper GPU and nvcc, and JAXRL_KERNELS_BUILD_CUDA is not ON"
+        )
     assert extension.sm90 is not None, (
-        f"the build was expected, but no extension: {extension.IMPORT_ERROR}")
+        f"the build was expected, but no extension: {extension.IMPORT_ERROR}"
+    )
     assert "sm_90a" in extension.sm90.build_info()
     # JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (CI) builds the measurement-only handlers as well
     if os.environ.get("JAXRL_KERNELS_MEASUREMENT_HANDLERS", "OFF").upper() in ON:
         assert extension.sm90.measurement_handlers, (
-            "JAXRL_KERNELS_MEASUREMENT_HANDLERS is ON, but the extension has no measurement handlers")
+            "JAXRL_KERNELS_MEASUREMENT_HANDLERS is ON, but the extension has no measurement handlers"
+        )
     measurement = [ffi_linear.GRAD_TARGET] if extension.sm90.measurement_handlers else []
     assert sorted(extension.sm90.registrations()) == sorted(
-        [ffi_linear.TARGET, ffi_linear.KEPT_TARGET, ffi_linear.BACKWARD_TARGET,
-         extension.UNINITIALIZED_TARGET, ffi_distill.STATS_TARGET, ffi_distill.GRAD_TARGET,
-         ffi_kept_set.TARGET] + measurement)
+        [
+            ffi_linear.TARGET,
+            ffi_linear.KEPT_TARGET,
+            ffi_linear.BACKWARD_TARGET,
+            extension.UNINITIALIZED_TARGET,
+            ffi_distill.STATS_TARGET,
+            ffi_distill.GRAD_TARGET,
+            ffi_kept_set.TARGET,
+        ]
+        + measurement
+    )
     assert extension.sm90.DISTILL_TILE_COLS == ffi_distill.TILE_COLS
     assert extension.sm90.PAIR_STATS_K == ffi_distill.PAIR_STATS_K
 
@@ -97,8 +109,17 @@ def _tile_grid(sm90, n, cols):
     return -(-n // sm90.TILE_ROWS), -(-cols // sm90.TILE_COLS)
 
 
-@pytest.mark.parametrize("n,v,sms", [(1, 1000, 132), (100, 32768, 132), (4096, 131072, 132),
-                                     (8192, 151936, 132), (300, 50257, 7), (5000, 300, 132)])
+@pytest.mark.parametrize(
+    "n,v,sms",
+    [
+        (1, 1000, 132),
+        (100, 32768, 132),
+        (4096, 131072, 132),
+        (8192, 151936, 132),
+        (300, 50257, 7),
+        (5000, 300, 132),
+    ],
+)
 def test_planner_covers_every_tile_once(sm90, n, v, sms):
     plan = sm90.plan(n, v, sms)
     rows, tiles = _tile_grid(sm90, n, v)
@@ -132,8 +153,10 @@ def test_dv_slice_not_a_multiple_of_8_is_refused_when_traced():
     h, w, b, t = _inputs(v=36, layout="dv", bias=False)
     rv = jnp.ones(t.shape, bool)
     with pytest.raises(NotImplementedError, match="not a multiple of 8"):
-        jax.jit(lambda h, w: kernel_entry.ffi_linear_logprobs(
-            h, w, None, t, rv, weight_layout="dv", temperature=1.0, return_entropy=False)
+        jax.jit(
+            lambda h, w: kernel_entry.ffi_linear_logprobs(
+                h, w, None, t, rv, weight_layout="dv", temperature=1.0, return_entropy=False
+            )
         ).trace(h, w)
 
 
@@ -144,8 +167,9 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     rv = jnp.ones(t.shape, bool)
 
     def logp_sum(h, w, b):
-        lp, ent = kernel_entry.ffi_linear_logprobs(h, w, b, t, rv, weight_layout=layout,
-                                                   temperature=0.7, return_entropy=True)
+        lp, ent = kernel_entry.ffi_linear_logprobs(
+            h, w, b, t, rv, weight_layout=layout, temperature=0.7, return_entropy=True
+        )
         return jnp.sum(lp) + jnp.sum(ent)
 
     fwd = jax.jit(logp_sum).trace(h, w, b).lower(lowering_platforms=("cuda",)).as_text()
@@ -162,10 +186,14 @@ def test_lowers_to_the_custom_call_for_cuda(layout, with_bias):
     rows = jnp.ones((n,), jnp.float32)
 
     def backward_text(**kw):
-        bwd = jax.jit(lambda *a: ffi_linear.linear_backward(*a, weight_layout=layout,
-                                                            temperature=0.7, **kw))
-        return bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
-            lowering_platforms=("cuda",)).as_text()
+        bwd = jax.jit(
+            lambda *a: ffi_linear.linear_backward(*a, weight_layout=layout, temperature=0.7, **kw)
+        )
+        return (
+            bwd.trace(h, w, b, t, rows, rows, rows, rows)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
 
     text = backward_text()
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
@@ -184,14 +212,27 @@ def test_fast_loss_forward_is_one_custom_call_for_cuda(layout):
 
     def loss(h, w):
         call = HeadCall(weight_layout=layout, temperature=0.7, return_entropy=True)
-        return fused_loss.fused_linear_loss(ffi_linear.kept_logits, loss_fn, h, w, None, t, rv,
-                                            jnp.linspace(-1, 1, t.shape[0]), call)
+        return fused_loss.fused_linear_loss(
+            ffi_linear.kept_logits,
+            loss_fn,
+            h,
+            w,
+            None,
+            t,
+            rv,
+            jnp.linspace(-1, 1, t.shape[0]),
+            call,
+        )
 
     fwd = jax.jit(loss).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
     assert fwd.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
     assert "stablehlo.dot_general" not in fwd and ffi_linear.TARGET + "(" not in fwd
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(h, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    grad = (
+        jax.jit(jax.grad(loss, argnums=(0, 1)))
+        .trace(h, w)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert grad.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
     assert grad.count("stablehlo.dot_general") == 2
 
@@ -206,10 +247,13 @@ def test_weight_copy_attribute_from_config():
     rows = [jnp.zeros((n,), jnp.float32)] * 4
 
     def lowered(copy):
-        f = functools.partial(ffi_linear.linear_backward, weight_layout="vd", temperature=1.0,
-                              config=ffi_linear.Config(weight_copy=copy))
-        return jax.jit(f).trace(h, w, None, t, *rows).lower(
-            lowering_platforms=("cuda",)).as_text()
+        f = functools.partial(
+            ffi_linear.linear_backward,
+            weight_layout="vd",
+            temperature=1.0,
+            config=ffi_linear.Config(weight_copy=copy),
+        )
+        return jax.jit(f).trace(h, w, None, t, *rows).lower(lowering_platforms=("cuda",)).as_text()
 
     for copy, code in (("auto", 0), ("in_kernel", 1), ("apart", 2)):
         assert f"weight_copy = {code} : i64" in lowered(copy)
@@ -221,9 +265,17 @@ def test_forward_splits_attribute_from_config():
     """ffi.linear.Config.splits reaches the forward custom call as its ``splits`` attribute."""
     h, w, b, t = _inputs()
     rv = jnp.ones(t.shape, bool)
-    stats = lambda h, w: ffi_linear.linear_stats(h, w, None, t, rv, weight_layout="vd",
-                                                 temperature=1.0, with_entropy=False,
-                                                 config=ffi_linear.Config(splits=3))
+    stats = lambda h, w: ffi_linear.linear_stats(
+        h,
+        w,
+        None,
+        t,
+        rv,
+        weight_layout="vd",
+        temperature=1.0,
+        with_entropy=False,
+        config=ffi_linear.Config(splits=3),
+    )
     text = jax.jit(stats).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.custom_call @{ffi_linear.TARGET}" in text and "splits = 3 : i32" in text
 
@@ -237,18 +289,27 @@ def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
 
     h, w, b, t = _inputs(layout=layout)
     rows = jnp.ones((t.shape[0],), jnp.float32)
-    bwd = jax.jit(lambda *a: ffi_xla_gemms.linear_backward(*a, weight_layout=layout,
-                                                           temperature=0.7))
-    text = bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(
-        lowering_platforms=("cuda",)).as_text()
+    bwd = jax.jit(
+        lambda *a: ffi_xla_gemms.linear_backward(*a, weight_layout=layout, temperature=0.7)
+    )
+    text = (
+        bwd.trace(h, w, b, t, rows, rows, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
+    )
     assert f"stablehlo.custom_call @{ffi_linear.GRAD_TARGET}" in text
     assert f"stablehlo.custom_call @{extension.UNINITIALIZED_TARGET}" in text
     assert ffi_linear.BACKWARD_TARGET not in text
 
 
-@pytest.mark.parametrize("n,v,d,chunk,layout", [(4096, 131072, 2048, 8192, "vd"),
-                                                (300, 1001, 64, 512, "vd"), (37, 77, 64, 256, "vd"),
-                                                (129, 2056, 72, 768, "dv"), (1, 304, 64, 256, "dv")])
+@pytest.mark.parametrize(
+    "n,v,d,chunk,layout",
+    [
+        (4096, 131072, 2048, 8192, "vd"),
+        (300, 1001, 64, 512, "vd"),
+        (37, 77, 64, 256, "vd"),
+        (129, 2056, 72, 768, "dv"),
+        (1, 304, 64, 256, "dv"),
+    ],
+)
 def test_backward_workspace_holds_its_buffers(sm90, n, v, d, chunk, layout):
     """The fused backward's workspace: G [N, ld] and the weight copy (ld = the widest chunk
     rounded up to 8 columns), a d_weight tail buffer exactly when a "vd" last chunk is not a
@@ -279,48 +340,69 @@ def test_grad_planner_one_unit_per_tile(sm90, n, size, sms):
 
 
 def _problem(**kw):
-    base = dict(n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16",
-                weight_layout="vd", platform="gpu")
+    base = dict(
+        n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16", weight_layout="vd", platform="gpu"
+    )
     base.update(kw)
     return Problem(**base)
 
 
-@pytest.mark.parametrize("kw,expect", [
-    ({}, None),
-    ({"dtype": "float16", "weight_layout": "dv"}, None),
-    ({"dtype": "float32"}, "float32"),
-    ({"hidden_dim": 60}, "D = 60 is not a multiple of 8"),
-    ({"weight_layout": "dv", "vocab": 50257}, "V = 50257 is not a multiple of 8"),
-    ({"weight_layout": "vd", "vocab": 50257}, None),
-    ({"weight_dtype": "float32"}, "weight is float32"),
-])
+@pytest.mark.parametrize(
+    "kw,expect",
+    [
+        ({}, None),
+        ({"dtype": "float16", "weight_layout": "dv"}, None),
+        ({"dtype": "float32"}, "float32"),
+        ({"hidden_dim": 60}, "D = 60 is not a multiple of 8"),
+        ({"weight_layout": "dv", "vocab": 50257}, "V = 50257 is not a multiple of 8"),
+        ({"weight_layout": "vd", "vocab": 50257}, None),
+        ({"weight_dtype": "float32"}, "weight is float32"),
+    ],
+)
 def test_declines_what_the_kernel_does_not_serve(kw, expect):
     why = ffi.declines("linear_logprobs", _problem(**kw))
     assert (why is None) if expect is None else (expect in why), why
     assert "its backward, distill_divergence and kept_set, not 'token_logprobs'" in (
-        ffi.declines("token_logprobs", _problem()))
+        ffi.declines("token_logprobs", _problem())
+    )
 
 
 def _distill_problem(**kw):
-    base = dict(n_rows=64, vocab=1001, hidden_dim=128, dtype="bfloat16", weight_dtype="bfloat16",
-                teacher_dtype="bfloat16", teacher_weight_dtype="bfloat16", teacher_hidden_dim=256,
-                platform="gpu")
+    base = dict(
+        n_rows=64,
+        vocab=1001,
+        hidden_dim=128,
+        dtype="bfloat16",
+        weight_dtype="bfloat16",
+        teacher_dtype="bfloat16",
+        teacher_weight_dtype="bfloat16",
+        teacher_hidden_dim=256,
+        platform="gpu",
+    )
     base.update(kw)
     return Problem(**base)
 
 
-@pytest.mark.parametrize("kw,expect", [
-    ({}, None),
-    ({key: "float16" for key in ("dtype", "weight_dtype", "teacher_dtype",
-                                 "teacher_weight_dtype")}, None),
-    ({"teacher_dtype": "float16"}, "in one 16-bit dtype"),
-    ({"weight_dtype": "float32"}, "in one 16-bit dtype"),
-    ({"weight_layout": "dv"}, "\"vd\" weights"),
-    ({"teacher_weight_layout": "dv"}, "\"vd\" weights"),
-    ({"has_bias": True}, "without a bias"),
-    ({"teacher_has_bias": True}, "without a bias"),
-    ({"teacher_hidden_dim": 100}, "D_t = 100 must be"),
-])
+@pytest.mark.parametrize(
+    "kw,expect",
+    [
+        ({}, None),
+        (
+            {
+                key: "float16"
+                for key in ("dtype", "weight_dtype", "teacher_dtype", "teacher_weight_dtype")
+            },
+            None,
+        ),
+        ({"teacher_dtype": "float16"}, "in one 16-bit dtype"),
+        ({"weight_dtype": "float32"}, "in one 16-bit dtype"),
+        ({"weight_layout": "dv"}, '"vd" weights'),
+        ({"teacher_weight_layout": "dv"}, '"vd" weights'),
+        ({"has_bias": True}, "without a bias"),
+        ({"teacher_has_bias": True}, "without a bias"),
+        ({"teacher_hidden_dim": 100}, "D_t = 100 must be"),
+    ],
+)
 def test_distill_declines_what_the_kernels_do_not_serve(kw, expect):
     why = ffi.declines("distill_divergence", _distill_problem(**kw))
     assert (why is None) if expect is None else (expect in why), why
@@ -336,20 +418,31 @@ def test_distill_lowers_to_the_custom_calls_for_cuda(sm90, divergence):
     n, ds, dt, v = 6, 16, 32, 300
     h, th = (jax.random.normal(k[i], (n, d)).astype(jnp.bfloat16) for i, d in ((0, ds), (2, dt)))
     w, tw = (jax.random.normal(k[i], (v, d)).astype(jnp.bfloat16) for i, d in ((1, ds), (3, dt)))
-    opts = dict(weight_layout="vd", teacher_weight_layout="vd", divergence=divergence, beta=0.3,
-                temperature=0.7, config=fd.DistillConfig(num_sms=132, chunk_bytes=n * 256 * 2))
+    opts = dict(
+        weight_layout="vd",
+        teacher_weight_layout="vd",
+        divergence=divergence,
+        beta=0.3,
+        temperature=0.7,
+        config=fd.DistillConfig(num_sms=132, chunk_bytes=n * 256 * 2),
+    )
     fwd = jax.jit(lambda *a: fd.distill_forward(a[0], a[1], None, a[2], a[3], None, **opts))
     text = fwd.trace(h, w, th, tw).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"stablehlo.custom_call @{fd.STATS_TARGET}") == (
-        2 if divergence == "jsd" else 1)
+        2 if divergence == "jsd" else 1
+    )
     assert ("jsd_sums = true" in text) == (divergence == "jsd")
     splits = sm90.distill_plan(n, v, 132)["splits"]
     assert f"splits = {splits} : i32" in text and f"tensor<{splits}x7x{n}xf32>" in text
     rows = jnp.ones((n,), jnp.float32)
-    bwd = jax.jit(lambda *a: fd.distill_backward(a[0], a[1], None, a[2], a[3], None, *a[4:],
-                                                 **opts))
-    text = bwd.trace(h, w, th, tw, rows, rows, rows, rows, rows).lower(
-        lowering_platforms=("cuda",)).as_text()
+    bwd = jax.jit(
+        lambda *a: fd.distill_backward(a[0], a[1], None, a[2], a[3], None, *a[4:], **opts)
+    )
+    text = (
+        bwd.trace(h, w, th, tw, rows, rows, rows, rows, rows)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count(f"stablehlo.custom_call @{fd.GRAD_TARGET}") == 2  # 256 columns, then 44
     assert f"mode = {fd.GRAD_MODES[divergence]} : i32" in text and "stablehlo.while" in text
 
@@ -357,11 +450,13 @@ def test_distill_lowers_to_the_custom_calls_for_cuda(sm90, divergence):
 def test_dispatch_picks_the_ffi_backward_where_ffi_serves(monkeypatch):
     """On a Hopper GPU (simulated: ffi available) the backward primitive goes to ffi for the
     inputs the kernels serve and to pallas for the others (float32 here)."""
-    monkeypatch.setattr(ffi, "BACKEND",
-                        dataclasses.replace(ffi.BACKEND, unavailable_reason=lambda: None))
+    monkeypatch.setattr(
+        ffi, "BACKEND", dataclasses.replace(ffi.BACKEND, unavailable_reason=lambda: None)
+    )
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    pick = lambda **kw: dispatch.select("linear_logprobs", _problem(**kw),
-                                        primitive="linear_logprobs_backward", strict=False)
+    pick = lambda **kw: dispatch.select(
+        "linear_logprobs", _problem(**kw), primitive="linear_logprobs_backward", strict=False
+    )
     assert pick().backend == "ffi" and pick().impl is ffi_linear.linear_backward
     assert pick(weight_layout="dv", dtype="float16").backend == "ffi"
     choice = pick(dtype="float32")
@@ -387,15 +482,17 @@ def test_cpu_dispatch_declines_ffi_with_reason():
 
 # ----------------------------------------------------------------------------- GPU (Hopper)
 
-needs_sm90 = pytest.mark.skipif(ffi.unavailable_reason() is not None,
-                                reason=f"ffi unavailable: {ffi.unavailable_reason()}")
+needs_sm90 = pytest.mark.skipif(
+    ffi.unavailable_reason() is not None, reason=f"ffi unavailable: {ffi.unavailable_reason()}"
+)
 # The grad call alone (ffi_linear.GRAD_TARGET, benchmarks/studies/variants/ffi_xla_gemms.py) exists only in
 # an extension built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON.
 MEASUREMENT_HANDLERS = bool(getattr(extension.sm90, "measurement_handlers", False))
 needs_measurement_handlers = pytest.mark.skipif(
     not MEASUREMENT_HANDLERS,
     reason="the extension was built without the measurement-only FFI handlers (the grad call "
-           "alone): rebuild with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (docs/building.md)")
+    "alone): rebuild with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (docs/building.md)",
+)
 
 # (N, D, V, layout, dtype, bias, temperature): covers N ∈ {1, 100, 4096}, D ∈ {64, 2048, 4096},
 # V ∈ {1000, 32768, 50257, 131072}, ragged V (masked last tile), both layouts and dtypes.
@@ -430,30 +527,60 @@ def _check_rows(logp, ent, h, w, b, t, rows, layout, temperature, dtype):
     want = oracle.linear_logprobs(h64, w64, tt, b64, **kw)
     want32 = oracle.linear_logprobs(h64, w64, tt, b64, dt=np.float32, **kw)
     zscale = np.abs(oracle.linear_logits(h64, w64, b64, weight_layout=layout)).max() / temperature
-    assert_close(np.asarray(logp)[rows], want[0], in_dtype=dtype, want32=want32[0], scale=zscale,
-                 name="logp")
-    assert_close(np.asarray(ent)[rows], want[1], in_dtype=dtype, want32=want32[1], scale=zscale,
-                 name="entropy")
+    assert_close(
+        np.asarray(logp)[rows], want[0], in_dtype=dtype, want32=want32[0], scale=zscale, name="logp"
+    )
+    assert_close(
+        np.asarray(ent)[rows],
+        want[1],
+        in_dtype=dtype,
+        want32=want32[1],
+        scale=zscale,
+        name="entropy",
+    )
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,temperature", GPU_CASES,
-                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,temperature",
+    GPU_CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
 def test_gpu_values_against_float64(n, d, v, layout, dtype, with_bias, temperature):
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=n + d + v)
-    assert ffi.declines("linear_logprobs", _problem(n_rows=n, vocab=v, hidden_dim=d,
-                                                    dtype=jnp.dtype(dtype).name,
-                                                    weight_layout=layout)) is None
-    f = jax.jit(lambda h, w, b, t: jk.linear_logprobs(h, w, t, b, weight_layout=layout,
-                                                      temperature=temperature,
-                                                      return_entropy=True, backend="ffi"))
+    assert (
+        ffi.declines(
+            "linear_logprobs",
+            _problem(
+                n_rows=n, vocab=v, hidden_dim=d, dtype=jnp.dtype(dtype).name, weight_layout=layout
+            ),
+        )
+        is None
+    )
+    f = jax.jit(
+        lambda h, w, b, t: jk.linear_logprobs(
+            h,
+            w,
+            t,
+            b,
+            weight_layout=layout,
+            temperature=temperature,
+            return_entropy=True,
+            backend="ffi",
+        )
+    )
     logp, ent = f(h, w, b, t)
     assert_f32(logp, ent)
     rng = np.random.default_rng(n * 7 + v)
     edges = [0, n - 1, min(127, n - 1), min(128, n - 1)]
-    rows = np.arange(n) if n <= CHECK_ROWS else np.unique(np.concatenate(
-        [edges, rng.choice(n, CHECK_ROWS - len(edges), replace=False)]))
+    rows = (
+        np.arange(n)
+        if n <= CHECK_ROWS
+        else np.unique(
+            np.concatenate([edges, rng.choice(n, CHECK_ROWS - len(edges), replace=False)])
+        )
+    )
     _check_rows(logp, ent, h, w, b, t, rows, layout, temperature, dtype)
 
 
@@ -469,9 +596,11 @@ def test_gpu_invalid_rows_and_out_of_range_targets(layout):
     t[ignored] = -100
     bad = np.array([7, 131, 200, 250])
     t[bad] = [-1, v, v + 4096, 2**30]
-    f = jax.jit(lambda h, w, b, t: jk.linear_logprobs(h, w, t, b, weight_layout=layout,
-                                                      ignore_index=-100, return_entropy=True,
-                                                      backend="ffi"))
+    f = jax.jit(
+        lambda h, w, b, t: jk.linear_logprobs(
+            h, w, t, b, weight_layout=layout, ignore_index=-100, return_entropy=True, backend="ffi"
+        )
+    )
     logp, ent = map(np.asarray, f(h, w, b, jnp.asarray(t)))
     assert (logp[ignored] == 0).all() and (ent[ignored] == 0).all()
     assert np.isnan(logp[bad]).all() and np.isnan(ent[bad]).all()
@@ -488,8 +617,16 @@ def test_gpu_gradients_through_custom_vjp(layout, dtype):
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, True, seed=11)
 
     def fn(h, w, b):
-        return jk.linear_logprobs(h, w, t, b, weight_layout=layout, temperature=temperature,
-                                  return_entropy=True, backend="ffi")
+        return jk.linear_logprobs(
+            h,
+            w,
+            t,
+            b,
+            weight_layout=layout,
+            temperature=temperature,
+            return_entropy=True,
+            backend="ffi",
+        )
 
     (logp, ent), vjp = jax.vjp(fn, h, w, b)
     rng = np.random.default_rng(5)
@@ -499,10 +636,12 @@ def test_gpu_gradients_through_custom_vjp(layout, dtype):
     kw = dict(weight_layout=layout, temperature=temperature)
     tt = np.asarray(t)
     want = oracle.linear_logprobs_vjp(h64, w64, tt, np.asarray(g_lp), np.asarray(g_ent), b64, **kw)
-    want32 = oracle.linear_logprobs_vjp(h64, w64, tt, np.asarray(g_lp), np.asarray(g_ent), b64,
-                                        dt=np.float32, **kw)
-    for name, got, p, w_, w32 in zip(("d_hidden", "d_weight", "d_bias"), grads, (h, w, b), want,
-                                     want32):
+    want32 = oracle.linear_logprobs_vjp(
+        h64, w64, tt, np.asarray(g_lp), np.asarray(g_ent), b64, dt=np.float32, **kw
+    )
+    for name, got, p, w_, w32 in zip(
+        ("d_hidden", "d_weight", "d_bias"), grads, (h, w, b), want, want32
+    ):
         assert got.dtype == p.dtype and got.shape == p.shape, name
         assert_close(got, w_, in_dtype=dtype, want32=w32, name=name)
 
@@ -521,12 +660,23 @@ GRAD_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("gemms", ["cutlass", "cutlass_in_kernel", "cutlass_apart",
-                                   pytest.param("xla", marks=needs_measurement_handlers)])
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,entropy,temperature,cols", GRAD_CASES,
-                         ids=lambda x: getattr(x, "__name__", str(x)))
-def test_gpu_backward_against_float64(n, d, v, layout, dtype, with_bias, entropy, temperature,
-                                      cols, gemms):
+@pytest.mark.parametrize(
+    "gemms",
+    [
+        "cutlass",
+        "cutlass_in_kernel",
+        "cutlass_apart",
+        pytest.param("xla", marks=needs_measurement_handlers),
+    ],
+)
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,entropy,temperature,cols",
+    GRAD_CASES,
+    ids=lambda x: getattr(x, "__name__", str(x)),
+)
+def test_gpu_backward_against_float64(
+    n, d, v, layout, dtype, with_bias, entropy, temperature, cols, gemms
+):
     """The ffi backward part against the float64 VJP, with ignored rows (lse = +inf, zero
     cotangents) and a target outside [0, V): the fused custom call (CUTLASS GEMMs; chunks of
     `cols` rounded up to 256 columns, "vd" tails of odd width through the tail buffer), with the
@@ -548,10 +698,13 @@ def test_gpu_backward_weight_range_per_chunk(layout):
     h, w, b, t = _gpu_inputs(n, d, v, layout, jnp.bfloat16, False, seed=7)
     exps = np.repeat(np.array([-6.0, 0.0, 8.0, 18.0]), cols)  # per vocabulary column
     col_scale = jnp.asarray(np.exp2(exps), jnp.float32)
-    w = (w.astype(jnp.float32) * (col_scale[:, None] if layout == "vd" else col_scale[None, :])
-         ).astype(jnp.bfloat16)
-    h = (h.astype(jnp.float32) * 2.0 ** -18).astype(jnp.bfloat16)
-    for gemms in ("cutlass_in_kernel", "cutlass_apart") + (("xla",) if MEASUREMENT_HANDLERS else ()):
+    w = (
+        w.astype(jnp.float32) * (col_scale[:, None] if layout == "vd" else col_scale[None, :])
+    ).astype(jnp.bfloat16)
+    h = (h.astype(jnp.float32) * 2.0**-18).astype(jnp.bfloat16)
+    for gemms in ("cutlass_in_kernel", "cutlass_apart") + (
+        ("xla",) if MEASUREMENT_HANDLERS else ()
+    ):
         _check_backward(h, w, b, t, layout, jnp.bfloat16, True, 1.0, cols, gemms)
 
 
@@ -578,13 +731,15 @@ def _check_backward(h, w, b, t, layout, dtype, entropy, temperature, cols, gemms
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     if gemms.startswith("cutlass"):
         copy = {"cutlass": "auto", "cutlass_in_kernel": "in_kernel", "cutlass_apart": "apart"}
-        backward = functools.partial(ffi_linear.linear_backward, config=ffi_linear.Config(
-            chunk_bytes=2 * n * cols, weight_copy=copy[gemms]))
+        backward = functools.partial(
+            ffi_linear.linear_backward,
+            config=ffi_linear.Config(chunk_bytes=2 * n * cols, weight_copy=copy[gemms]),
+        )
     else:
         backward = functools.partial(ffi_xla_gemms.linear_backward, chunk_bytes=2 * n * cols)
     got = jax.jit(lambda *a: backward(*a, weight_layout=layout, temperature=temperature))(
-        h, w, b32, jnp.asarray(t), f32(np.where(active, lse, np.inf)), f32(ent), f32(g),
-        f32(g_ent))
+        h, w, b32, jnp.asarray(t), f32(np.where(active, lse, np.inf)), f32(ent), f32(g), f32(g_ent)
+    )
     onehot = np.zeros_like(z)
     ok = (t >= 0) & (t < v)
     onehot[np.flatnonzero(ok), t[ok]] = 1.0
@@ -621,8 +776,9 @@ G_CASES = [
 @pytest.mark.gpu
 @needs_sm90
 @needs_measurement_handlers
-@pytest.mark.parametrize("n,d,v,layout,dtype,with_bias,start,size", G_CASES,
-                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "n,d,v,layout,dtype,with_bias,start,size", G_CASES, ids=lambda x: getattr(x, "__name__", str(x))
+)
 def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start, size):
     """Every element of the grad call's G = alpha [v = target] - beta p (float16; the call
     as benchmarks/studies/variants/ffi_xla_gemms.py makes it) against
@@ -632,24 +788,28 @@ def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start
     h, w, b, t = _gpu_inputs(n, d, v, layout, dtype, with_bias, seed=3 * n + v)
     b32 = None if b is None else b.astype(jnp.float32)
     h64, w64 = (np.asarray(x).astype(np.float64) for x in (h, w))
-    z = oracle.linear_logits(h64, w64, None if b is None else np.asarray(b).astype(np.float64),
-                             weight_layout=layout)
+    z = oracle.linear_logits(
+        h64, w64, None if b is None else np.asarray(b).astype(np.float64), weight_layout=layout
+    )
     zmax = z.max(axis=1, keepdims=True)
     lse = (zmax + np.log(np.exp(z - zmax).sum(axis=1, keepdims=True)))[:, 0]
     g = np.random.default_rng(n).uniform(-1.0, 1.0, n)
-    rows = head_grad.RowGrad.of(jnp.asarray(lse, jnp.float32), jnp.asarray(g, jnp.float32), None,
-                                None, 1.0)
+    rows = head_grad.RowGrad.of(
+        jnp.asarray(lse, jnp.float32), jnp.asarray(g, jnp.float32), None, None, 1.0
+    )
     write = ffi_xla_gemms.write_grad(b32, t, layout)
     sigma_w = 8.0 if dtype == jnp.bfloat16 else 0.25
     got, w16 = jax.jit(lambda h, w: write(rows, start, size, h, w, sigma_w))(h, w)
     got = np.asarray(got, np.float64)
     cols = np.arange(start, start + size)
-    onehot = (np.asarray(t)[:, None] == cols[None, :])
+    onehot = np.asarray(t)[:, None] == cols[None, :]
     want = g[:, None] * (onehot - np.exp(z[:, cols] - lse[:, None]))
     assert got.shape == (n, size)
     # float16 rounding (2^-11 relative) plus the float32 logits and ex2.approx
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
-    w_chunk = np.asarray(w, np.float32)[cols] if layout == "vd" else np.asarray(w, np.float32)[:, cols]
+    w_chunk = (
+        np.asarray(w, np.float32)[cols] if layout == "vd" else np.asarray(w, np.float32)[:, cols]
+    )
     assert w16.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(w16), (w_chunk * sigma_w).astype(np.float16))
 
@@ -675,12 +835,18 @@ def test_gpu_weight_copy_apart_or_in_kernel_bitwise_the_same(layout):
     g = jnp.asarray(np.random.default_rng(1).standard_normal(200), jnp.float32)
 
     def grads(copy):
-        backward = functools.partial(ffi_linear.linear_backward, config=ffi_linear.Config(
-            chunk_bytes=2 * 200 * 1024, weight_copy=copy))
+        backward = functools.partial(
+            ffi_linear.linear_backward,
+            config=ffi_linear.Config(chunk_bytes=2 * 200 * 1024, weight_copy=copy),
+        )
         parts = Parts(ffi_linear.linear_stats, backward)
         rv = jnp.ones(t.shape, bool)
-        f = lambda h, w: jnp.sum(g * linear_head.linear_from_parts(
-            parts, h, w, None, t, rv, HeadCall(weight_layout=layout))[0])
+        f = lambda h, w: jnp.sum(
+            g
+            * linear_head.linear_from_parts(
+                parts, h, w, None, t, rv, HeadCall(weight_layout=layout)
+            )[0]
+        )
         return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
 
     assert_bitwise(grads("apart"), grads("in_kernel"))
@@ -695,10 +861,14 @@ def test_gpu_forced_splits_agree_with_the_plan(layout):
     h, w, b, t = _gpu_inputs(300, 256, 50000, layout, jnp.bfloat16, True, seed=5)
     rv = jnp.ones(t.shape, bool)
     b32 = b.astype(jnp.float32)
-    run = lambda splits: [np.asarray(x) for x in jax.jit(
-        lambda h, w: ffi_linear._forward_call(h, w, b32, t, rv, layout, 0.9,
-                                              ffi_linear.Config(splits=splits))
-    )(h, w)]
+    run = lambda splits: [
+        np.asarray(x)
+        for x in jax.jit(
+            lambda h, w: ffi_linear._forward_call(
+                h, w, b32, t, rv, layout, 0.9, ffi_linear.Config(splits=splits)
+            )
+        )(h, w)
+    ]
     want = run(0)
     for splits in (1, 7, 1000):
         for got, ref in zip(run(splits), want):
@@ -707,9 +877,15 @@ def test_gpu_forced_splits_agree_with_the_plan(layout):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("layout,v,dtype,with_bias", [
-    ("vd", 50257, jnp.bfloat16, True), ("dv", 32768, jnp.bfloat16, False),
-    ("vd", 4099, jnp.float16, False), ("dv", 151936, jnp.float16, True)])
+@pytest.mark.parametrize(
+    "layout,v,dtype,with_bias",
+    [
+        ("vd", 50257, jnp.bfloat16, True),
+        ("dv", 32768, jnp.bfloat16, False),
+        ("vd", 4099, jnp.float16, False),
+        ("dv", 151936, jnp.float16, True),
+    ],
+)
 def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
     """ffi's ``kept_logits`` against the reference's (``rounded_logits.local_stats``: XLA's GEMM
     rounded once, then its reductions over the rounded logits): the same kept logits up to one
@@ -727,10 +903,14 @@ def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
     z, z_x = np.asarray(z, np.float32), np.asarray(z_x, np.float32)
     ulp = np.abs(z_x) * float(jnp.finfo(dtype).eps) + 1e-30
     assert (np.abs(z - z_x) <= ulp).all() and (z == z_x).mean() > 0.95
-    lse, ent = (np.asarray(x) for x in (stats[0] + jnp.log(stats[1]),
-                                        jnp.log(stats[1]) - stats[2] / stats[1]))
-    lse_x, ent_x = (np.asarray(x) for x in (stats_x[0] + jnp.log(stats_x[1]),
-                                            jnp.log(stats_x[1]) - stats_x[2] / stats_x[1]))
+    lse, ent = (
+        np.asarray(x)
+        for x in (stats[0] + jnp.log(stats[1]), jnp.log(stats[1]) - stats[2] / stats[1])
+    )
+    lse_x, ent_x = (
+        np.asarray(x)
+        for x in (stats_x[0] + jnp.log(stats_x[1]), jnp.log(stats_x[1]) - stats_x[2] / stats_x[1])
+    )
     np.testing.assert_allclose(lse, lse_x, rtol=0, atol=2e-3)
     np.testing.assert_allclose(ent, ent_x, rtol=0, atol=2e-3)
     held = np.asarray((t >= 0) & (t < v) & rv)
@@ -769,8 +949,8 @@ def _distill_kernel_model(target, result, vmap_method=None):
     """``jax.ffi.ffi_call`` for the distillation targets, its results computed in jnp from the
     kernels' contract (csrc/sm90_launch.h: DistillArgs): partials per vocabulary split, and the
     gradient chunk G = coef · ∂d/∂z_s; the unwritten buffer as zeros."""
-    from jaxrl_kernels.formulas import divergence_math as dm
     from jaxrl_kernels.backends.ffi import distill as fd
+    from jaxrl_kernels.formulas import divergence_math as dm
 
     if target == extension.UNINITIALIZED_TARGET:
         return lambda: jnp.zeros(result.shape, result.dtype)
@@ -784,19 +964,23 @@ def _distill_kernel_model(target, result, vmap_method=None):
             parts = []
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if attrs["jsd_sums"]:
-                    parts.append(jnp.stack(dm.jsd_tile_sums(zs[:, a:b], zt[:, a:b], *rows, None,
-                                                            beta)))
+                    parts.append(
+                        jnp.stack(dm.jsd_tile_sums(zs[:, a:b], zt[:, a:b], *rows, None, beta))
+                    )
                 else:
-                    stats = dm.pair_stats_update(dm.pair_stats_init(zs.shape[:1]), zs[:, a:b],
-                                                 zt[:, a:b], None)
+                    stats = dm.pair_stats_update(
+                        dm.pair_stats_init(zs.shape[:1]), zs[:, a:b], zt[:, a:b], None
+                    )
                     parts.append(jnp.stack([*stats, jnp.min(zt[:, a:b], axis=1)]))
             return jnp.stack(parts)
         lse_s, lse_t, row_value, coef, start = rows
         cut = lambda z: jax.lax.dynamic_slice_in_dim(z, start[0], result.shape[1], 1)
         divergence = {v: k for k, v in fd.GRAD_MODES.items()}[int(attrs["mode"])]
-        g = dm.student_grad_tile(divergence, cut(zs), cut(zt), lse_s, lse_t, row_value,
-                                 row_value, coef * t, beta, t)
+        g = dm.student_grad_tile(
+            divergence, cut(zs), cut(zt), lse_s, lse_t, row_value, row_value, coef * t, beta, t
+        )
         return g.astype(jnp.float16)
+
     return call
 
 
@@ -811,11 +995,18 @@ def test_distill_glue_over_a_model_of_the_kernels(sm90, monkeypatch, divergence)
     monkeypatch.setattr(fd.jax.ffi, "ffi_call", _distill_kernel_model)
     rng = np.random.default_rng(3)
     n, ds, dt, v = 37, 16, 24, 301
-    h, w, th, tw = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
-                    for s, c in (((n, ds), 1.0), ((v, ds), 0.5), ((n, dt), 1.0), ((v, dt), 0.5)))
+    h, w, th, tw = (
+        jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
+        for s, c in (((n, ds), 1.0), ((v, ds), 0.5), ((n, dt), 1.0), ((v, dt), 0.5))
+    )
     g = jnp.asarray(rng.standard_normal(n), jnp.float32)
-    opts = dict(weight_layout="vd", teacher_weight_layout="vd", divergence=divergence, beta=0.3,
-                temperature=0.7)
+    opts = dict(
+        weight_layout="vd",
+        teacher_weight_layout="vd",
+        divergence=divergence,
+        beta=0.3,
+        temperature=0.7,
+    )
     config = fd.DistillConfig(num_sms=4, chunk_bytes=n * 128 * 2)  # 3 chunks: 128, 128, 45
     got = fd.distill_forward(h, w, None, th, tw, None, config=config, **opts)
     want = chunked_distill.distill_forward(h, w, None, th, tw, None, **opts)
@@ -825,5 +1016,5 @@ def test_distill_glue_over_a_model_of_the_kernels(sm90, monkeypatch, divergence)
     want_grads = chunked_distill.distill_backward(h, w, None, th, tw, None, *want, g, **opts)
     for x, y in zip(grads[:2], want_grads[:2]):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        assert np.max(np.abs(x - y)) <= 2 * 2.0 ** -8 * np.max(np.abs(y))
+        assert np.max(np.abs(x - y)) <= 2 * 2.0**-8 * np.max(np.abs(y))
     assert grads[2] is None

@@ -19,15 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from tests.support import oracle
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.head import kept_set
-from jaxrl_kernels.formulas import sampler_math
-from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.formulas import sampler_math
+from jaxrl_kernels.head import kept_set
+from tests.support import oracle
 
 TRUNCATIONS = [
     dict(top_k=1),
@@ -63,8 +64,9 @@ def test_lowers_to_one_call_per_row_block(monkeypatch, trunc):
 
     def find(u):
         logits = kept_set.Logits.of_array(u)
-        found = ffi_kept_set.find_rows(logits, 40, 300, jnp.max(u, -1), jnp.ones(40, bool),
-                                       sampler_math.truncation(**trunc))
+        found = ffi_kept_set.find_rows(
+            logits, 40, 300, jnp.max(u, -1), jnp.ones(40, bool), sampler_math.truncation(**trunc)
+        )
         return found.floor, found.s
 
     text = jax.jit(find).trace(u).lower(lowering_platforms=("cuda",)).as_text()
@@ -84,8 +86,9 @@ def test_lowers_inside_shard_map_with_the_rows_split():
 
     def local(u):
         logits = kept_set.Logits.of_array(u)
-        found = ffi_kept_set.find_rows(logits, 4, 300, jnp.max(u, -1), jnp.ones(4, bool),
-                                       sampler_math.truncation(top_k=5))
+        found = ffi_kept_set.find_rows(
+            logits, 4, 300, jnp.max(u, -1), jnp.ones(4, bool), sampler_math.truncation(top_k=5)
+        )
         return found.floor, found.s
 
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))))
@@ -110,13 +113,19 @@ def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
     def loss(h, w):
         call = linear_head.HeadCall(truncation=sampler_math.truncation(top_k=50, top_p=0.9))
         logp, _, _ = linear_head.linear_from_parts(
-            ffi_linear.PARTS, h, w, None, t, valid, call,
+            ffi_linear.PARTS,
+            h,
+            w,
+            None,
+            t,
+            valid,
+            call,
             backward=lambda: ffi_linear.linear_backward,
-            find_kept=ffi_kept_set.find_rows if whole_rows else kept_set.find)
+            find_kept=ffi_kept_set.find_rows if whole_rows else kept_set.find,
+        )
         return jnp.sum(logp)
 
-    text = jax.jit(jax.grad(loss, (0, 1))).trace(h, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}(") == 1
     statistics_calls = text.count(f"stablehlo.custom_call @{ffi_linear.TARGET}(")
     kernel_calls = text.count(f"stablehlo.custom_call @{ffi_kept_set.TARGET}(")
@@ -126,8 +135,15 @@ def test_truncated_lean_head_lowers_without_a_statistics_pass(whole_rows):
 def _rows(rng):
     """(u [R, V] float32, the anchor m [R]) for each kind of row."""
     cases = []
-    for vocab, spread, rows in ((1000, 3.0, 24), (50257, 3.0, 6), (131072, 4.0, 4),
-                                (20000, 0.01, 4), (20000, 300.0, 4), (7, 1.0, 6), (1, 1.0, 3)):
+    for vocab, spread, rows in (
+        (1000, 3.0, 24),
+        (50257, 3.0, 6),
+        (131072, 4.0, 4),
+        (20000, 0.01, 4),
+        (20000, 300.0, 4),
+        (7, 1.0, 6),
+        (1, 1.0, 3),
+    ):
         u = (spread * rng.standard_normal((rows, vocab))).astype(np.float32)
         cases.append((f"V={vocab} spread={spread}", u, u.max(-1)))
     u = (3.0 * rng.standard_normal((8, 6000))).astype(jnp.bfloat16).astype(np.float32)
@@ -147,13 +163,17 @@ def _rows(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trunc", TRUNCATIONS, ids=lambda t: ",".join(f"{k}={v}"
-                                                                      for k, v in t.items()))
+@pytest.mark.parametrize(
+    "trunc", TRUNCATIONS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items())
+)
 def test_gpu_kernel_against_the_oracle(rng, trunc):
     if extension.unavailable_reason():
         pytest.skip(extension.unavailable_reason())
-    call = jax.jit(lambda u, m, a: ffi_kept_set.kept_set_call(
-        u, m, a, sampler_math.truncation(**trunc)).search_fields())
+    call = jax.jit(
+        lambda u, m, a: ffi_kept_set.kept_set_call(
+            u, m, a, sampler_math.truncation(**trunc)
+        ).search_fields()
+    )
     for name, u, m in _rows(rng):
         active = np.ones(u.shape[0], bool)
         active[1::5] = False
@@ -169,6 +189,7 @@ def test_gpu_kernel_against_the_oracle(rng, trunc):
         e = np.where(want, np.exp(shifted), 0.0)
         np.testing.assert_allclose(s[active], e.sum(-1), rtol=2e-6, err_msg=name)
         ent = np.sum(e * np.where(want & np.isfinite(shifted), shifted, 0.0), -1)
-        np.testing.assert_allclose(a[active], ent, rtol=2e-6, atol=2e-6 * e.sum(-1).max(),
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            a[active], ent, rtol=2e-6, atol=2e-6 * e.sum(-1).max(), err_msg=name
+        )
         assert np.all(passes[active] >= 2) and np.all(passes[~active] == 0), name

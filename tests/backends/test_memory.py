@@ -19,8 +19,11 @@ from tests.conftest import CPU_BACKENDS
 S = jax.ShapeDtypeStruct
 F32, I32 = jnp.float32, jnp.int32
 # Pallas on CPU runs in interpret mode, whose buffers say nothing about its GPU kernels.
-LEAN_BACKENDS = [b for b in CPU_BACKENDS
-                 if b != "reference" and (b != "pallas" or jax.default_backend() == "gpu")]
+LEAN_BACKENDS = [
+    b
+    for b in CPU_BACKENDS
+    if b != "reference" and (b != "pallas" or jax.default_backend() == "gpu")
+]
 
 
 def temp_bytes(f, *args):
@@ -38,13 +41,15 @@ def record(**fields):
 
 def linear_logprobs_fns(backend, layout, return_entropy):
     def fwd(h, w, t):
-        return jk.linear_logprobs(h, w, t, weight_layout=layout, return_entropy=return_entropy,
-                                  backend=backend)
+        return jk.linear_logprobs(
+            h, w, t, weight_layout=layout, return_entropy=return_entropy, backend=backend
+        )
 
     def vjp(h, w, t, g):
         def scalar(h, w):
             out = fwd(h, w, t)
             return jnp.sum(g * (out[0] + out[1] if return_entropy else out))
+
         return jax.value_and_grad(scalar, argnums=(0, 1))(h, w)
 
     return fwd, vjp
@@ -66,10 +71,18 @@ def test_linear_logprobs_temp_bytes(lean, layout, return_entropy):
     for backend in (lean, "reference"):
         fwd, vjp = linear_logprobs_fns(backend, layout, return_entropy)
         results[backend] = (temp_bytes(fwd, h, w, t), temp_bytes(vjp, h, w, t, g))
-        record(op="linear_logprobs", backend=backend, N=N, V=V, D=D, layout=layout,
-               return_entropy=return_entropy, logits_f32_bytes=LOGITS_BYTES,
-               forward_temp_bytes=results[backend][0],
-               value_and_grad_temp_bytes=results[backend][1])
+        record(
+            op="linear_logprobs",
+            backend=backend,
+            N=N,
+            V=V,
+            D=D,
+            layout=layout,
+            return_entropy=return_entropy,
+            logits_f32_bytes=LOGITS_BYTES,
+            forward_temp_bytes=results[backend][0],
+            value_and_grad_temp_bytes=results[backend][1],
+        )
     limit = LOGITS_BYTES // 10
     fwd_b, vjp_b = results[lean]
     assert fwd_b < limit, f"{lean} forward temp {fwd_b} B >= 10% of logits ({limit} B)"
@@ -86,15 +99,35 @@ def test_linear_ppo_loss_temp_bytes_at_1gib_logits(lean):
     logits_bytes = 4 * b * t * v
     assert logits_bytes >= 2**30
     tok = S((b, t), F32)
-    args = (S((b, t, d), F32), S((d, v), F32), S((v,), F32), S((b, t), I32), tok, S((b,), F32),
-            tok, tok)
+    args = (
+        S((b, t, d), F32),
+        S((d, v), F32),
+        S((v,), F32),
+        S((b, t), I32),
+        tok,
+        S((b,), F32),
+        tok,
+        tok,
+    )
 
     def loss(backend):
         def f(h, w, bias, a, old, adv, m, ref):
-            out, _ = jk.linear_ppo_loss(h, w, a, old, adv, m, bias=bias, weight_layout="dv",
-                                        ref_logp=ref, kl_coef=0.1, entropy_coef=0.01,
-                                        backend=backend)
+            out, _ = jk.linear_ppo_loss(
+                h,
+                w,
+                a,
+                old,
+                adv,
+                m,
+                bias=bias,
+                weight_layout="dv",
+                ref_logp=ref,
+                kl_coef=0.1,
+                entropy_coef=0.01,
+                backend=backend,
+            )
             return out
+
         return f
 
     sizes = {}
@@ -103,8 +136,18 @@ def test_linear_ppo_loss_temp_bytes_at_1gib_logits(lean):
         fwd = temp_bytes(f, *args)
         vg = temp_bytes(jax.value_and_grad(f, argnums=(0, 1, 2)), *args)
         sizes[backend] = (fwd, vg)
-        record(op="linear_ppo_loss", backend=backend, B=b, T=t, V=v, D=d, layout="dv",
-               logits_f32_bytes=logits_bytes, forward_temp_bytes=fwd, value_and_grad_temp_bytes=vg)
+        record(
+            op="linear_ppo_loss",
+            backend=backend,
+            B=b,
+            T=t,
+            V=v,
+            D=d,
+            layout="dv",
+            logits_f32_bytes=logits_bytes,
+            forward_temp_bytes=fwd,
+            value_and_grad_temp_bytes=vg,
+        )
     limit = logits_bytes // 10
     assert sizes[lean][0] < limit and sizes[lean][1] < limit, sizes
     assert sizes["reference"][1] > limit, sizes

@@ -16,19 +16,24 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests import conftest
-from tests.support import oracle
-from tests.conftest import assert_close, assert_zero, dtype_id, rand
-from jaxrl_kernels.dispatch.contract import Problem
 from benchmarks import kernel_entry
 from jaxrl_kernels.backends.chunked import logprobs as chunked
 from jaxrl_kernels.backends.pallas import linear as pallas_linear
+from jaxrl_kernels.dispatch.contract import Problem
+from tests import conftest
+from tests.conftest import assert_close, assert_zero, dtype_id, rand
+from tests.support import oracle
 
 IGNORE = -100
 
 TINY = pallas_linear.Config(
-    forward=pallas_linear.TileConfig(16, 16, 16, 4, 2), tiles_per_split=2, target_rows=16,
-    target_k=16, grad=pallas_linear.TileConfig(16, 16, 16, 4, 2), chunk_bytes=1)
+    forward=pallas_linear.TileConfig(16, 16, 16, 4, 2),
+    tiles_per_split=2,
+    target_rows=16,
+    target_k=16,
+    grad=pallas_linear.TileConfig(16, 16, 16, 4, 2),
+    chunk_bytes=1,
+)
 """16-wide tiles, 2 tiles per split, and one 16-column tile per backward chunk."""
 
 
@@ -45,15 +50,25 @@ def make_case(rng, n, d, vocab, dtype, layout, *, bias, invalid=(), bad=()):
     return (h, w, b, t, valid), (h64, w64, b64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(layout, temperature, return_entropy, config):
     def run(h, w, b, t, valid, g_logp, g_ent):
         def f(h, w, b):
             return kernel_entry.pallas_linear_logprobs(
-                h, w, b, t, valid, weight_layout=layout, temperature=temperature,
-                return_entropy=return_entropy, config=config)
+                h,
+                w,
+                b,
+                t,
+                valid,
+                weight_layout=layout,
+                temperature=temperature,
+                return_entropy=return_entropy,
+                config=config,
+            )
+
         out, vjp = jax.vjp(f, h, w, b)
         return out, vjp((g_logp, g_ent if return_entropy else None))
+
     return jax.jit(run)
 
 
@@ -66,8 +81,9 @@ def check(rng, case, wide, *, layout, temperature=1.0, return_entropy=True, conf
     g_ent = rng.standard_normal(n).astype(np.float32)
     config = config or pallas_linear.DEFAULT_CONFIG
     fn = _jitted(layout, float(temperature), return_entropy, config)
-    (logp, ent), grads = fn(h, w, b, jnp.asarray(t), jnp.asarray(valid), jnp.asarray(g_lp),
-                            jnp.asarray(g_ent))
+    (logp, ent), grads = fn(
+        h, w, b, jnp.asarray(t), jnp.asarray(valid), jnp.asarray(g_lp), jnp.asarray(g_ent)
+    )
     assert logp.dtype == jnp.float32 and logp.shape == (n,)
     assert (ent is not None) == return_entropy
 
@@ -80,8 +96,7 @@ def check(rng, case, wide, *, layout, temperature=1.0, return_entropy=True, conf
     assert_close(logp, want[0], in_dtype=dtype, want32=want32[0], scale=zscale, name="logp")
     if return_entropy:
         assert ent.dtype == jnp.float32
-        assert_close(ent, want[1], in_dtype=dtype, want32=want32[1], scale=zscale,
-                     name="entropy")
+        assert_close(ent, want[1], in_dtype=dtype, want32=want32[1], scale=zscale, name="entropy")
 
     # NaN rows (valid, target out of range) get no gradient: the oracle ignores them too.
     bad = valid & ((t < 0) | (t >= (w64.shape[0] if layout == "vd" else w64.shape[1])))
@@ -89,8 +104,9 @@ def check(rng, case, wide, *, layout, temperature=1.0, return_entropy=True, conf
     ge = g_ent if return_entropy else None
     gw = oracle.linear_logprobs_vjp(h64, w64, t_grad, g_lp, ge, b64, **kw)
     gw32 = oracle.linear_logprobs_vjp(h64, w64, t_grad, g_lp, ge, b64, dt=np.float32, **kw)
-    for name, got, primal, want_g, want_g32 in zip(("d_hidden", "d_weight", "d_bias"), grads,
-                                                   (h, w, b), gw, gw32):
+    for name, got, primal, want_g, want_g32 in zip(
+        ("d_hidden", "d_weight", "d_bias"), grads, (h, w, b), gw, gw32
+    ):
         if primal is None:
             assert got is None
             continue
@@ -106,8 +122,9 @@ def check(rng, case, wide, *, layout, temperature=1.0, return_entropy=True, conf
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
 def test_odd_sizes_bias_temperature_ignored_rows(rng, dtype, layout):
     """N = 37, D = 40 (not multiples of 16), V = 1000; ignored rows, one out-of-range target."""
-    case, wide = make_case(rng, 37, 40, 1000, dtype, layout, bias=True, invalid=(3, 20),
-                           bad=((5, 1000), (6, -2)))
+    case, wide = make_case(
+        rng, 37, 40, 1000, dtype, layout, bias=True, invalid=(3, 20), bad=((5, 1000), (6, -2))
+    )
     (logp, _), _ = check(rng, case, wide, layout=layout, temperature=0.7)
     assert np.isnan(logp[5]) and np.isnan(logp[6]) and logp[3] == 0 and logp[20] == 0
 
@@ -120,12 +137,16 @@ def test_tiny_tiles_many_splits_and_chunks(rng, dtype, layout):
     check(rng, case, wide, layout=layout, temperature=1.3, config=TINY)
 
 
-@pytest.mark.parametrize("vocab,layout,dtype,entropy,bias", [
-    (1, "vd", jnp.float32, True, False),
-    (7, "dv", jnp.bfloat16, False, True),
-    (32003, "vd", jnp.bfloat16, True, True),
-    (32003, "dv", jnp.float32, False, False),
-], ids=lambda x: dtype_id(x) if not isinstance(x, (int, str, bool)) else str(x))
+@pytest.mark.parametrize(
+    "vocab,layout,dtype,entropy,bias",
+    [
+        (1, "vd", jnp.float32, True, False),
+        (7, "dv", jnp.bfloat16, False, True),
+        (32003, "vd", jnp.bfloat16, True, True),
+        (32003, "dv", jnp.float32, False, False),
+    ],
+    ids=lambda x: dtype_id(x) if not isinstance(x, (int, str, bool)) else str(x),
+)
 def test_vocab_sizes(rng, vocab, layout, dtype, entropy, bias):
     n = 2 if vocab > 1000 else 5
     case, wide = make_case(rng, n, 24, vocab, dtype, layout, bias=bias)
@@ -144,8 +165,9 @@ def test_float16(rng):
 
 def test_mixed_dtypes_compute_in_float32(rng):
     """float32 hidden with a bf16 weight: tiles are cast in the kernel, W is not copied."""
-    (h, w, b, t, valid), (h64, w64, b64) = make_case(rng, 11, 24, 100, jnp.bfloat16, "vd",
-                                                     bias=True)
+    (h, w, b, t, valid), (h64, w64, b64) = make_case(
+        rng, 11, 24, 100, jnp.bfloat16, "vd", bias=True
+    )
     h = h.astype(jnp.float32)
     check(rng, (h, w, b, t, valid), (h64, w64, b64), layout="vd")
 
@@ -154,8 +176,15 @@ def test_all_rows_ignored(rng):
     (h, w, b, t, _), _ = make_case(rng, 6, 24, 50, jnp.float32, "dv", bias=True)
     valid = np.zeros(6, bool)
     fn = _jitted("dv", 1.0, True, pallas_linear.DEFAULT_CONFIG)
-    (logp, ent), grads = fn(h, w, b, jnp.asarray(t), jnp.asarray(valid),
-                            jnp.ones(6, jnp.float32), jnp.ones(6, jnp.float32))
+    (logp, ent), grads = fn(
+        h,
+        w,
+        b,
+        jnp.asarray(t),
+        jnp.asarray(valid),
+        jnp.ones(6, jnp.float32),
+        jnp.ones(6, jnp.float32),
+    )
     assert_zero(logp, "logp")
     assert_zero(ent, "entropy")
     for name, g in zip(("d_hidden", "d_weight", "d_bias"), grads):
@@ -171,15 +200,24 @@ def test_public_op_jit_and_determinism(rng):
     @jax.jit
     def fn(h, w):
         def loss(h, w):
-            lp, ent = jk.linear_logprobs(h, w, t, weight_layout="dv", ignore_index=IGNORE,
-                                         return_entropy=True, backend="pallas")
+            lp, ent = jk.linear_logprobs(
+                h,
+                w,
+                t,
+                weight_layout="dv",
+                ignore_index=IGNORE,
+                return_entropy=True,
+                backend="pallas",
+            )
             return jnp.sum(lp * jnp.arange(15.0).reshape(3, 5)) + jnp.sum(ent), lp
+
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
 
     first = fn(h, w)
     (_, logp), _ = first
-    want, _ = oracle.linear_logprobs(h64, w64, np.asarray(t), weight_layout="dv",
-                                     ignore_index=IGNORE)
+    want, _ = oracle.linear_logprobs(
+        h64, w64, np.asarray(t), weight_layout="dv", ignore_index=IGNORE
+    )
     assert_close(logp, want, scale=np.max(np.abs(h64.reshape(15, 24) @ w64)), name="logp")
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(fn(h, w))):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -193,8 +231,9 @@ def test_vmap(rng):
     valid = jnp.ones(7, bool)
 
     def f(h, t):
-        return kernel_entry.pallas_linear_logprobs(h, w, None, t, valid, weight_layout="vd",
-                                                   temperature=1.0, return_entropy=True)
+        return kernel_entry.pallas_linear_logprobs(
+            h, w, None, t, valid, weight_layout="vd", temperature=1.0, return_entropy=True
+        )
 
     def loss(h, t):
         lp, ent = f(h, t)
@@ -211,8 +250,9 @@ def test_backward_matches_chunked_backend(rng):
     """The backward part (logprob_core contract) agrees with the chunked backend's: rows without
     a gradient come with lse = +inf and zero cotangents; a target outside [0, V) adds no
     one-hot term."""
-    (h, w, b, t, valid), _ = make_case(rng, 13, 24, 90, jnp.float32, "vd", bias=True,
-                                       invalid=(2,), bad=((4, 95),))
+    (h, w, b, t, valid), _ = make_case(
+        rng, 13, 24, 90, jnp.float32, "vd", bias=True, invalid=(2,), bad=((4, 95),)
+    )
     t, valid = jnp.asarray(t), jnp.asarray(valid)
     kw = dict(weight_layout="vd", temperature=0.8)
     m, s, a, _ = chunked.linear_stats(h, w, b, t, valid, with_entropy=True, **kw)
@@ -221,7 +261,8 @@ def test_backward_matches_chunked_backend(rng):
     lse = jnp.where(active, lse, jnp.inf)
     g_lp, g_ent = jnp.where(active, jnp.asarray(rng.standard_normal((2, 13)), jnp.float32), 0.0)
     got = jax.jit(functools.partial(pallas_linear.linear_backward, **kw))(
-        h, w, b, t, lse, ent, g_lp, g_ent)
+        h, w, b, t, lse, ent, g_lp, g_ent
+    )
     want = chunked.linear_backward(h, w, b, t, lse, ent, g_lp, g_ent, **kw)
     for a_, b_ in zip(got, want):
         np.testing.assert_allclose(np.asarray(a_), np.asarray(b_), rtol=1e-5, atol=1e-6)
@@ -229,11 +270,12 @@ def test_backward_matches_chunked_backend(rng):
 
 
 def test_declines_float64():
-    problem = Problem(n_rows=4, vocab=8, hidden_dim=4,
-                      dtype="float64", platform="gpu")
+    problem = Problem(n_rows=4, vocab=8, hidden_dim=4, dtype="float64", platform="gpu")
     assert "float64" in pallas_linear.declines("linear_logprobs", problem)
-    assert pallas_linear.declines("linear_logprobs",
-                                  dataclasses.replace(problem, dtype="bfloat16")) is None
+    assert (
+        pallas_linear.declines("linear_logprobs", dataclasses.replace(problem, dtype="bfloat16"))
+        is None
+    )
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -265,12 +307,26 @@ def _device_oracle(h, w, b, t, valid, g_lp, g_ent, *, layout, temperature, dtype
         ent = jnp.where(vc, jnp.where(ok, lse - mean_z[:, 0], jnp.nan), 0)
         dz = gl[:, None] * (onehot - p) - ge[:, None] * p * (z - mean_z)
         dz = jnp.where(ok[:, None], dz, 0) / temperature
-        return (logp, ent, jnp.matmul(dz, wv, precision=prec),
-                jnp.matmul(dz.T, hc, precision=prec), jnp.sum(dz, 0))
+        return (
+            logp,
+            ent,
+            jnp.matmul(dz, wv, precision=prec),
+            jnp.matmul(dz.T, hc, precision=prec),
+            jnp.sum(dz, 0),
+        )
 
-    outs = [part(wv, bw, hw[i:i + rows], jnp.asarray(t[i:i + rows]),
-                 jnp.asarray(valid[i:i + rows]), cast(g_lp[i:i + rows]), cast(g_ent[i:i + rows]))
-            for i in range(0, h.shape[0], rows)]
+    outs = [
+        part(
+            wv,
+            bw,
+            hw[i : i + rows],
+            jnp.asarray(t[i : i + rows]),
+            jnp.asarray(valid[i : i + rows]),
+            cast(g_lp[i : i + rows]),
+            cast(g_ent[i : i + rows]),
+        )
+        for i in range(0, h.shape[0], rows)
+    ]
     logp, ent, dh = (jnp.concatenate([o[k] for o in outs]) for k in range(3))
     dwv = functools.reduce(lambda acc, o: acc + o[3], outs[1:], outs[0][3])
     db = functools.reduce(lambda acc, o: acc + o[4], outs[1:], outs[0][4])
@@ -293,13 +349,17 @@ def _assert_close_bf16_on_device(got, want, want32, name):
     excess = jnp.where(fin, jnp.abs(g - want) - bound, -jnp.inf)
     worst = int(jnp.argmax(excess))
     n_bad = int(jnp.sum(excess > 0))
-    assert n_bad == 0, (f"{name}: {n_bad} elements off; worst flat index {worst}: got "
-                        f"{float(g.ravel()[worst])} want {float(want.ravel()[worst])} (S={s:.3e})")
+    assert n_bad == 0, (
+        f"{name}: {n_bad} elements off; worst flat index {worst}: got "
+        f"{float(g.ravel()[worst])} want {float(want.ravel()[worst])} (S={s:.3e})"
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab,layout,bias", [
-    (32768, "vd", False), (50257, "vd", True), (50257, "dv", False), (131072, "vd", False)])
+@pytest.mark.parametrize(
+    "vocab,layout,bias",
+    [(32768, "vd", False), (50257, "vd", True), (50257, "dv", False), (131072, "vd", False)],
+)
 def test_gpu_lm_head_bf16_against_float64(rng, vocab, layout, bias):
     n, d = 4096, 2048
     case, _ = make_case(rng, n, d, vocab, jnp.bfloat16, layout, bias=bias, invalid=(7, 100))
@@ -307,8 +367,9 @@ def test_gpu_lm_head_bf16_against_float64(rng, vocab, layout, bias):
     g_lp = rng.standard_normal(n).astype(np.float32)
     g_ent = rng.standard_normal(n).astype(np.float32)
     fn = _jitted(layout, 1.0, True, pallas_linear.DEFAULT_CONFIG)
-    (logp, ent), grads = fn(h, w, b, jnp.asarray(t), jnp.asarray(valid), jnp.asarray(g_lp),
-                            jnp.asarray(g_ent))
+    (logp, ent), grads = fn(
+        h, w, b, jnp.asarray(t), jnp.asarray(valid), jnp.asarray(g_lp), jnp.asarray(g_ent)
+    )
     kw = dict(layout=layout, temperature=1.0)
     with jax.enable_x64(True):
         want = _device_oracle(h, w, b, t, valid, g_lp, g_ent, dtype=jnp.float64, **kw)

@@ -11,16 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import oracle
-from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, dtype_id, rand
 from benchmarks import kernel_entry
-from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.pallas import logits as pl_logits
+from jaxrl_kernels.dispatch.contract import Problem
+from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, dtype_id, rand
+from tests.support import oracle
 
 IGNORE = -100
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Small plans: block_v 64 over V = 150 is three tiles, the last 22 wide.
-PLANS = {"one_split": pl_logits.LogitsLaunch(64, 1, 2, 1), "three_splits": pl_logits.LogitsLaunch(64, 3, 2, 1)}
+PLANS = {
+    "one_split": pl_logits.LogitsLaunch(64, 1, 2, 1),
+    "three_splits": pl_logits.LogitsLaunch(64, 3, 2, 1),
+}
 
 
 def _rows(rng, n, vocab, *, n_invalid=2, n_out_of_range=1):
@@ -28,7 +31,7 @@ def _rows(rng, n, vocab, *, n_invalid=2, n_out_of_range=1):
     t = rng.integers(0, vocab, n)
     valid = np.ones(n, bool)
     valid[rng.choice(n, n_invalid, replace=False)] = False
-    t[~valid] = IGNORE                  # invalid rows carry ids the kernel must never use
+    t[~valid] = IGNORE  # invalid rows carry ids the kernel must never use
     bad = rng.choice(np.flatnonzero(valid), n_out_of_range, replace=False)
     t[bad] = np.where(np.arange(n_out_of_range) % 2 == 0, vocab + 5, -3)
     return t, valid
@@ -44,9 +47,14 @@ def test_token_logprobs_values_and_vjp(rng, plan, dtype):
     n, vocab, temperature = 9, 150, 0.7
     logits, l64 = rand(rng, (n, vocab), dtype, scale=3.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                               temperature=temperature, return_entropy=True,
-                                               plan=PLANS[plan])
+    fn = lambda x: kernel_entry.pallas_token_logprobs(
+        x,
+        jnp.asarray(t),
+        jnp.asarray(valid),
+        temperature=temperature,
+        return_entropy=True,
+        plan=PLANS[plan],
+    )
     (logp, ent), vjp = jax.vjp(fn, logits)
     scale = np.abs(l64).max() / temperature
     want, w32 = _oracle_lp(l64, t, temperature), _oracle_lp(l64, t, temperature, np.float32)
@@ -68,8 +76,9 @@ def test_token_logprobs_without_entropy(rng, plan):
     n, vocab = 6, 150
     logits, l64 = rand(rng, (n, vocab), scale=2.0)
     t, valid = _rows(rng, n, vocab, n_invalid=1, n_out_of_range=0)
-    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                               plan=PLANS.get(plan))
+    fn = lambda x: kernel_entry.pallas_token_logprobs(
+        x, jnp.asarray(t), jnp.asarray(valid), plan=PLANS.get(plan)
+    )
     (logp, ent), vjp = jax.vjp(fn, logits)
     assert ent is None
     assert_close(logp, _oracle_lp(l64, t, 1.0)[0], scale=np.abs(l64).max())
@@ -85,19 +94,28 @@ def test_paired_logprobs_gradient_to_policy_only(rng, plan):
     pol, p64 = rand(rng, (n, vocab), jnp.bfloat16, scale=2.0)
     ref, r64 = rand(rng, (n, vocab), jnp.float16, scale=2.0)
     t, valid = _rows(rng, n, vocab)
-    fn = lambda a, b: kernel_entry.pallas_paired_logprobs(a, b, jnp.asarray(t), jnp.asarray(valid),
-                                                   temperature=temperature, plan=PLANS[plan])
+    fn = lambda a, b: kernel_entry.pallas_paired_logprobs(
+        a, b, jnp.asarray(t), jnp.asarray(valid), temperature=temperature, plan=PLANS[plan]
+    )
     (lp, ref_lp), vjp = jax.vjp(fn, pol, ref)
     for got, x64, dt, name in ((lp, p64, jnp.bfloat16, "logp"), (ref_lp, r64, jnp.float16, "ref")):
-        assert_close(got, _oracle_lp(x64, t, temperature)[0], in_dtype=dt,
-                     want32=_oracle_lp(x64, t, temperature, np.float32)[0],
-                     scale=np.abs(x64).max() / temperature, name=name)
+        assert_close(
+            got,
+            _oracle_lp(x64, t, temperature)[0],
+            in_dtype=dt,
+            want32=_oracle_lp(x64, t, temperature, np.float32)[0],
+            scale=np.abs(x64).max() / temperature,
+            name=name,
+        )
     g, g_ref = cotangent(rng, (n,)), cotangent(rng, (n,))
     d_pol, d_ref = vjp((g, g_ref))
     kw = dict(temperature=temperature, ignore_index=IGNORE)
-    assert_close(d_pol, oracle.token_logprobs_vjp(p64, t, np.asarray(g), **kw),
-                 in_dtype=jnp.bfloat16,
-                 want32=oracle.token_logprobs_vjp(p64, t, np.asarray(g), dt=np.float32, **kw))
+    assert_close(
+        d_pol,
+        oracle.token_logprobs_vjp(p64, t, np.asarray(g), **kw),
+        in_dtype=jnp.bfloat16,
+        want32=oracle.token_logprobs_vjp(p64, t, np.asarray(g), dt=np.float32, **kw),
+    )
     assert_zero(d_ref, "reference-logits gradient")
 
 
@@ -109,16 +127,17 @@ def test_extreme_logits_across_tiles(rng, dtype):
     l[0] = -1e4
     l[1] = 1e4
     l[2] = -1e4
-    l[2, 149] = 1e4                     # the max in the partial last tile
+    l[2, 149] = 1e4  # the max in the partial last tile
     l[3] = -1e4
-    l[3, 0] = 1e4                       # the max in the first tile
+    l[3, 0] = 1e4  # the max in the first tile
     logits = jnp.asarray(l).astype(dtype)
     l64 = np.asarray(logits).astype(np.float64)
     t = rng.integers(0, vocab, n)
     valid = np.ones(n, bool)
     for plan in PLANS.values():
-        fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                                   return_entropy=True, plan=plan)
+        fn = lambda x: kernel_entry.pallas_token_logprobs(
+            x, jnp.asarray(t), jnp.asarray(valid), return_entropy=True, plan=plan
+        )
         (logp, ent), vjp = jax.vjp(fn, logits)
         (d,) = vjp((cotangent(rng, (n,)), cotangent(rng, (n,))))
         for name, x in (("logp", logp), ("entropy", ent), ("d_logits", d)):
@@ -138,8 +157,9 @@ def test_jit_vmap_grad_and_determinism(rng):
     g, ge = cotangent(rng, (k, n)), cotangent(rng, (k, n))
 
     def run(x, t, v, g, ge):
-        fn = lambda x: kernel_entry.pallas_token_logprobs(x, t, v, return_entropy=True,
-                                                   plan=PLANS["three_splits"])
+        fn = lambda x: kernel_entry.pallas_token_logprobs(
+            x, t, v, return_entropy=True, plan=PLANS["three_splits"]
+        )
         out, vjp = jax.vjp(fn, x)
         return out, vjp((g, ge))[0]
 
@@ -148,15 +168,21 @@ def test_jit_vmap_grad_and_determinism(rng):
     for i in range(k):
         (lp_i, ent_i), d_i = jax.jit(run)(logits[i], t[i], valid[i], g[i], ge[i])
         for a, b in ((lp[i], lp_i), (ent[i], ent_i), (d[i], d_i)):
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                       rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6
+            )
     assert_bitwise(((lp, ent), d), step(logits, t, valid, g, ge))
 
 
 def test_plan_heuristic():
     """Tiles are powers of two of at most TILE_BYTES; splits only when rows are few."""
-    for n, vocab, itemsize in [(8192, 151936, 2), (8192, 32000, 4), (16, 151936, 2), (3, 7, 4),
-                               (100, 50257, 2)]:
+    for n, vocab, itemsize in [
+        (8192, 151936, 2),
+        (8192, 32000, 4),
+        (16, 151936, 2),
+        (3, 7, 4),
+        (100, 50257, 2),
+    ]:
         plan = pl_logits.make_launch(n, vocab, itemsize)
         assert plan.block_v & (plan.block_v - 1) == 0
         assert plan.block_v * itemsize <= pl_logits.TILE_BYTES
@@ -192,8 +218,13 @@ def test_kernels_lower_to_triton():
     try:
         for splits in (1, 4):
             plan = pl_logits.LogitsLaunch(256, splits, 4, 2)
-            tok = lambda x: jnp.sum(sum(kernel_entry.pallas_token_logprobs(
-                x, t, v, temperature=0.5, return_entropy=True, plan=plan)))
+            tok = lambda x: jnp.sum(
+                sum(
+                    kernel_entry.pallas_token_logprobs(
+                        x, t, v, temperature=0.5, return_entropy=True, plan=plan
+                    )
+                )
+            )
             pair = lambda x: jnp.sum(kernel_entry.pallas_paired_logprobs(x, x, t, v, plan=plan)[0])
             for f in (tok, pair):
                 text = jax.jit(jax.grad(f)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -226,10 +257,13 @@ def _sampled_oracle_check(rng, logits, t, valid, logp, ent, d, g, ge, dtype):
         assert_close(np.asarray(ent)[rows], want[1], in_dtype=dtype, want32=w32[1], scale=scale)
     gr, ger = np.asarray(g)[rows], None if ge is None else np.asarray(ge)[rows]
     kw = dict(ignore_index=IGNORE)
-    assert_close(np.asarray(d[rows]), oracle.token_logprobs_vjp(l64, tr, gr, ger, **kw),
-                 in_dtype=dtype,
-                 want32=oracle.token_logprobs_vjp(l64, tr, gr, ger, dt=np.float32, **kw),
-                 name="d_logits")
+    assert_close(
+        np.asarray(d[rows]),
+        oracle.token_logprobs_vjp(l64, tr, gr, ger, **kw),
+        in_dtype=dtype,
+        want32=oracle.token_logprobs_vjp(l64, tr, gr, ger, dt=np.float32, **kw),
+        name="d_logits",
+    )
 
 
 @pytest.mark.gpu
@@ -243,8 +277,9 @@ def test_gpu_token_logprobs_real_size(rng, vocab, dtype):
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
 
     def run(x):
-        fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                                   return_entropy=True)
+        fn = lambda x: kernel_entry.pallas_token_logprobs(
+            x, jnp.asarray(t), jnp.asarray(valid), return_entropy=True
+        )
         (lp, ent), vjp = jax.vjp(fn, x)
         return lp, ent, vjp((g, ge))[0]
 
@@ -277,8 +312,13 @@ def test_gpu_paired_logprobs_real_size(rng, vocab, dtype):
     _sampled_oracle_check(rng, pol, t, valid, lp, None, d, g, None, dtype)
     rows = rng.choice(n, ROWS_CHECKED, replace=False)
     r64 = np.asarray(ref[rows]).astype(np.float64)
-    assert_close(np.asarray(ref_lp)[rows], _oracle_lp(r64, t[rows], 1.0)[0], in_dtype=dtype,
-                 want32=_oracle_lp(r64, t[rows], 1.0, np.float32)[0], scale=np.abs(r64).max())
+    assert_close(
+        np.asarray(ref_lp)[rows],
+        _oracle_lp(r64, t[rows], 1.0)[0],
+        in_dtype=dtype,
+        want32=_oracle_lp(r64, t[rows], 1.0, np.float32)[0],
+        scale=np.abs(r64).max(),
+    )
     for a, b in zip((lp, ref_lp, d), step(pol, ref)):
         assert _bitwise_equal(a, b)
 
@@ -291,15 +331,20 @@ def test_gpu_few_rows_split_vocabulary(rng):
     t, valid = _rows(rng, n, vocab, n_invalid=2, n_out_of_range=1)
     assert pl_logits.make_launch(n, vocab, 2).splits > 1
     g, ge = cotangent(rng, (n,)), cotangent(rng, (n,))
-    fn = lambda x: kernel_entry.pallas_token_logprobs(x, jnp.asarray(t), jnp.asarray(valid),
-                                               return_entropy=True)
+    fn = lambda x: kernel_entry.pallas_token_logprobs(
+        x, jnp.asarray(t), jnp.asarray(valid), return_entropy=True
+    )
     (lp, ent), vjp = jax.vjp(fn, logits)
     (d,) = vjp((g, ge))
     want, w32 = _oracle_lp(l64, t, 1.0), _oracle_lp(l64, t, 1.0, np.float32)
     assert_close(lp, want[0], in_dtype=jnp.bfloat16, want32=w32[0], scale=np.abs(l64).max())
     assert_close(ent, want[1], in_dtype=jnp.bfloat16, want32=w32[1], scale=np.abs(l64).max())
     kw = dict(ignore_index=IGNORE)
-    assert_close(d, oracle.token_logprobs_vjp(l64, t, np.asarray(g), np.asarray(ge), **kw),
-                 in_dtype=jnp.bfloat16,
-                 want32=oracle.token_logprobs_vjp(l64, t, np.asarray(g), np.asarray(ge),
-                                                  dt=np.float32, **kw))
+    assert_close(
+        d,
+        oracle.token_logprobs_vjp(l64, t, np.asarray(g), np.asarray(ge), **kw),
+        in_dtype=jnp.bfloat16,
+        want32=oracle.token_logprobs_vjp(
+            l64, t, np.asarray(g), np.asarray(ge), dt=np.float32, **kw
+        ),
+    )

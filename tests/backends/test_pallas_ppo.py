@@ -11,17 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import oracle
-from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
+from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
+from tests.support import oracle
 
 # block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
 # 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
 # splits); "row_tiles" has one row per tile and one T tile covering T.
-PLANS = {"multi_tile": pl_ppo.PPOLaunch(2, 4, 2, 1), "t_splits": pl_ppo.PPOLaunch(2, 4, 1, 1),
-         "row_tiles": pl_ppo.PPOLaunch(1, 16, 1, 1)}
+PLANS = {
+    "multi_tile": pl_ppo.PPOLaunch(2, 4, 2, 1),
+    "t_splits": pl_ppo.PPOLaunch(2, 4, 1, 1),
+    "row_tiles": pl_ppo.PPOLaunch(1, 16, 1, 1),
+}
 MODES = aggregation_math.AGGREGATION_MODES
 
 
@@ -31,19 +33,28 @@ def _batch(rng, b, t, *, empty_rows=(1,)):
     seq_shift = rng.choice([-1, 1], (b, 1)) * (0.05 + 0.35 * rng.random((b, 1)))
     old = lp - seq_shift + 0.3 * rng.standard_normal((b, t))
     arrays = dict(
-        logp=lp, old_logp=old, advantages=rng.standard_normal((b, t)),
+        logp=lp,
+        old_logp=old,
+        advantages=rng.standard_normal((b, t)),
         rollout_logp=old + 0.4 * rng.standard_normal((b, t)),
         ref_logp=lp + rng.choice([-1, 1], (b, t)) * (0.15 + 0.4 * rng.random((b, t))),
-        entropy=np.abs(rng.standard_normal((b, t))) * 3)
+        entropy=np.abs(rng.standard_normal((b, t))) * 3,
+    )
     arrays = {k: np.asarray(v, np.float32).astype(np.float64) for k, v in arrays.items()}
     return arrays, random_mask(rng, b, t, empty_rows=empty_rows)
 
 
 def _inputs(arrays, mask, use):
     get = lambda k: jnp.asarray(arrays[k], jnp.float32) if k in use else None
-    return ppo_math.PPOInputs(get("logp"), get("old_logp"), get("advantages"),
-                              jnp.asarray(mask, jnp.float32), get("rollout_logp"), get("ref_logp"),
-                              get("entropy"))
+    return ppo_math.PPOInputs(
+        get("logp"),
+        get("old_logp"),
+        get("advantages"),
+        jnp.asarray(mask, jnp.float32),
+        get("rollout_logp"),
+        get("ref_logp"),
+        get("entropy"),
+    )
 
 
 def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
@@ -52,11 +63,25 @@ def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
     (loss, metrics), vjp = jax.vjp(f, x.logp, x.entropy)
     orc = {k: arrays[k] for k in ("rollout_logp", "ref_logp", "entropy") if k in use}
     want_loss, want_m, want_dlp, want_dent, per_token = oracle.ppo_loss(
-        arrays["logp"], arrays["old_logp"], arrays["advantages"], mask, clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, tis_cap=cfg.tis_cap,
-        kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef,
-        loss_agg_mode=cfg.loss_agg_mode, max_len=cfg.max_len, ratio_level=cfg.ratio_level,
-        policy_loss=cfg.policy_loss, tis_level=cfg.tis_level, tis_mode=cfg.tis_mode, **orc)
+        arrays["logp"],
+        arrays["old_logp"],
+        arrays["advantages"],
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        tis_cap=cfg.tis_cap,
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+        entropy_coef=cfg.entropy_coef,
+        loss_agg_mode=cfg.loss_agg_mode,
+        max_len=cfg.max_len,
+        ratio_level=cfg.ratio_level,
+        policy_loss=cfg.policy_loss,
+        tis_level=cfg.tis_level,
+        tis_mode=cfg.tis_mode,
+        **orc,
+    )
     scale = oracle.aggregate(np.abs(per_token), mask, cfg.loss_agg_mode, cfg.max_len)
     assert_close(loss, want_loss, scale=scale, name="loss")
     assert set(metrics) == set(want_m)
@@ -79,15 +104,27 @@ BASE = ("logp", "old_logp", "advantages")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_option_every_mode(rng, mode, plan):
     arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
-    cfg = ppo_math.PPOConfig(clip_low=0.15, clip_high=0.25, dual_clip=2.5, tis_cap=2.0,
-                             kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02,
-                             loss_agg_mode=mode, max_len=13 if mode.endswith("norm") else None)
+    cfg = ppo_math.PPOConfig(
+        clip_low=0.15,
+        clip_high=0.25,
+        dual_clip=2.5,
+        tis_cap=2.0,
+        kl_coef=0.1,
+        kl_estimator="k3",
+        entropy_coef=0.02,
+        loss_agg_mode=mode,
+        max_len=13 if mode.endswith("norm") else None,
+    )
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
 
 
 # (ratio_level, policy_loss, tis_level, tis_mode): each value twice, with each plan
-VARIANTS = [("sequence", "ppo", "sequence", "mask"), ("sequence", "cispo", "token", "truncate"),
-            ("token", "cispo", "sequence", "mask"), ("token", "ppo", "token", "truncate")]
+VARIANTS = [
+    ("sequence", "ppo", "sequence", "mask"),
+    ("sequence", "cispo", "token", "truncate"),
+    ("token", "cispo", "sequence", "mask"),
+    ("token", "ppo", "token", "truncate"),
+]
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -97,11 +134,19 @@ def test_policy_variants_every_plan(rng, variant, plan):
     that end past T, and over fully masked sequences."""
     arrays, mask = _batch(rng, 7, 11, empty_rows=(1, 4))
     ratio_level, policy_loss, tis_level, tis_mode = variant
-    cfg = ppo_math.PPOConfig(clip_low=0.15, clip_high=0.25, tis_cap=1.5, kl_coef=0.1,
-                             entropy_coef=0.02, loss_agg_mode="seq_mean_token_mean",
-                             ratio_level=ratio_level, policy_loss=policy_loss,
-                             tis_level=tis_level, tis_mode=tis_mode,
-                             dual_clip=2.5 if policy_loss == "ppo" else None)
+    cfg = ppo_math.PPOConfig(
+        clip_low=0.15,
+        clip_high=0.25,
+        tis_cap=1.5,
+        kl_coef=0.1,
+        entropy_coef=0.02,
+        loss_agg_mode="seq_mean_token_mean",
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+        dual_clip=2.5 if policy_loss == "ppo" else None,
+    )
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
 
 
@@ -141,8 +186,9 @@ def test_rollout_without_cap_is_ignored(rng):
     arrays, mask = _batch(rng, 3, 5)
     x = _inputs(arrays, mask, BASE + ("rollout_logp",))
     a = pl_ppo.ppo_loss(x, ppo_math.PPOConfig(), plan=PLANS["multi_tile"])
-    b = pl_ppo.ppo_loss(x._replace(rollout_logp=None), ppo_math.PPOConfig(),
-                        plan=PLANS["multi_tile"])
+    b = pl_ppo.ppo_loss(
+        x._replace(rollout_logp=None), ppo_math.PPOConfig(), plan=PLANS["multi_tile"]
+    )
     assert float(a[0]) == float(b[0]) and set(a[1]) == set(b[1])
 
 
@@ -160,14 +206,17 @@ def test_jit_vmap_and_determinism(rng):
     """vmap over independent batches equals the loop; two runs are bitwise equal."""
     k, b, t = 3, 4, 6
     stacks = [_batch(rng, b, t) for _ in range(k)]
-    xs = jax.tree.map(lambda *a: jnp.stack(a),
-                      *[_inputs(a, m, BASE + ("entropy",)) for a, m in stacks])
+    xs = jax.tree.map(
+        lambda *a: jnp.stack(a), *[_inputs(a, m, BASE + ("entropy",)) for a, m in stacks]
+    )
     cfg = ppo_math.PPOConfig(entropy_coef=0.05, loss_agg_mode="seq_mean_token_mean")
     plan = PLANS["multi_tile"]
 
     def run(x):
-        return jax.value_and_grad(lambda lp, e: pl_ppo.ppo_loss(
-            x._replace(logp=lp, entropy=e), cfg, plan=plan)[0], argnums=(0, 1))(x.logp, x.entropy)
+        return jax.value_and_grad(
+            lambda lp, e: pl_ppo.ppo_loss(x._replace(logp=lp, entropy=e), cfg, plan=plan)[0],
+            argnums=(0, 1),
+        )(x.logp, x.entropy)
 
     step = jax.jit(jax.vmap(run))
     loss, (d_lp, d_ent) = step(xs)
@@ -191,14 +240,14 @@ def test_plan_heuristic():
         # T is split only while the grid is short of MIN_SUM_PROGRAMS programs
         assert splits == 1 or row_tiles * (splits - 1) < pl_ppo.MIN_SUM_PROGRAMS
     long = pl_ppo.make_launch(8, 32768)
-    assert long.t_tiles_per_program < 32   # small B, long T: T is split over programs
+    assert long.t_tiles_per_program < 32  # small B, long T: T is split over programs
 
 
 # ----------------------------------------------------------------------------- group advantages
 
 GROUPINGS = {
     "size4": np.repeat(np.arange(3), 4),
-    "ragged": np.array([0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3]),   # includes a group of one
+    "ragged": np.array([0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3]),  # includes a group of one
 }
 
 
@@ -214,8 +263,11 @@ def test_group_advantages(rng, grouping, normalize_std, ddof):
     assert_close(adv, oracle.group_advantages(r, group_boundaries=bounds, **kw), name="adv")
     g = cotangent(rng, (seg.size,))
     (d,) = vjp(g)
-    assert_close(d, oracle.group_advantages_vjp(r, np.asarray(g), group_boundaries=bounds, **kw),
-                 name="d_rewards")
+    assert_close(
+        d,
+        oracle.group_advantages_vjp(r, np.asarray(g), group_boundaries=bounds, **kw),
+        name="d_rewards",
+    )
 
 
 def test_group_advantages_many_blocks(rng, monkeypatch):
@@ -233,6 +285,7 @@ def test_group_advantages_many_blocks(rng, monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU
 
+
 def _check_real_size(rng, arrays, mask, cfg):
     """_check with every input and the heuristic plan, then the jitted loss and gradient
     bitwise equal on a rerun."""
@@ -246,25 +299,36 @@ def _check_real_size(rng, arrays, mask, cfg):
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_ppo_real_size(rng, mode):
     arrays, mask = _batch(rng, 128, 512, empty_rows=(3, 77))
-    cfg = ppo_math.PPOConfig(dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
-                             loss_agg_mode=mode)
+    cfg = ppo_math.PPOConfig(
+        dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01, loss_agg_mode=mode
+    )
     _check_real_size(rng, arrays, mask, cfg)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,t", [(128, 512), (3, 20000)])
-@pytest.mark.parametrize("variant", VARIANTS + [("sequence", "ppo", "token", "truncate"),
-                                                ("token", "cispo", "token", "truncate")],
-                         ids="-".join)
+@pytest.mark.parametrize(
+    "variant",
+    VARIANTS + [("sequence", "ppo", "token", "truncate"), ("token", "cispo", "token", "truncate")],
+    ids="-".join,
+)
 def test_gpu_policy_variants_real_size(rng, variant, b, t):
     """The new options at realistic sizes (incl. long T split over programs): oracle values,
     metrics, gradients, and bitwise-equal reruns."""
     arrays, mask = _batch(rng, b, t, empty_rows=(1,))
     ratio_level, policy_loss, tis_level, tis_mode = variant
-    cfg = ppo_math.PPOConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.05,
-                             entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean",
-                             ratio_level=ratio_level, policy_loss=policy_loss,
-                             tis_level=tis_level, tis_mode=tis_mode)
+    cfg = ppo_math.PPOConfig(
+        clip_low=0.2,
+        clip_high=0.28,
+        tis_cap=2.0,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode="seq_mean_token_mean",
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+    )
     _check_real_size(rng, arrays, mask, cfg)
 
 

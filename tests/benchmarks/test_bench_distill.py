@@ -15,10 +15,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_bench_distill_small(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = ""  # one host device
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_distill", "--small",
-                           "--rounds", "1", "--runs", "1", "--divergences", "reverse_kl,jsd",
-                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_distill",
+            "--small",
+            "--rounds",
+            "1",
+            "--runs",
+            "1",
+            "--divergences",
+            "reverse_kl,jsd",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_distill.json").read_text())["rows"]
     by = {(r["variant"], r["divergence"]): r for r in rows}
@@ -31,6 +48,7 @@ def test_bench_distill_small(tmp_path):
         ours, plain = by[("ours (chunked)", d)]["loss"], by[("jnp materialised", d)]["loss"]
         assert abs(ours - plain) <= 1e-2 * max(abs(plain), 1.0), (d, ours, plain)
     liger = by[("liger fused_linear_jsd", "jsd")]
-    assert liger.get("fwdbwd_ms") or liger.get("note", "").startswith("skipped") or liger.get(
-        "error"), liger
+    assert (
+        liger.get("fwdbwd_ms") or liger.get("note", "").startswith("skipped") or liger.get("error")
+    ), liger
     assert (tmp_path / "bench_distill.md").exists()

@@ -14,13 +14,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_gradient_rounding_small(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gradient_rounding", "--small",
-                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gradient_rounding", "--small", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "gradient_rounding.json").read_text())["rows"]
-    err = {(r["z_dtype"], r["dz_dtype"], r["result"]): (r["err_d_hidden"], r["err_d_weight"])
-           for r in rows}
+    err = {
+        (r["z_dtype"], r["dz_dtype"], r["result"]): (r["err_d_hidden"], r["err_d_weight"])
+        for r in rows
+    }
     assert len(err) == 8
     for k in (0, 1):
         assert err[("float32", "float32", "float32")][k] < 1e-5

@@ -16,13 +16,32 @@ V, D = 1024, 64  # benchmarks.bench_many_devices.SIZES["smoke"]
 
 @pytest.mark.parametrize("axes", [pytest.param("auto", marks=pytest.mark.slow), "explicit"])
 def test_bench_many_devices_smoke(tmp_path, axes):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_many_devices", "--smoke",
-         "--layouts", "rows,vocab,both", "--backends", "jnp_bf16,auto,fast", "--out", str(tmp_path)]
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_many_devices",
+            "--smoke",
+            "--layouts",
+            "rows,vocab,both",
+            "--backends",
+            "jnp_bf16,auto,fast",
+            "--out",
+            str(tmp_path),
+        ]
         + (["--explicit"] if axes == "explicit" else []),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [result] = tmp_path.glob("bench_many_devices_smoke*.json")
     rows = json.loads(result.read_text())["rows"]
@@ -45,14 +64,21 @@ def test_time_split_of_a_two_gpu_trace(monkeypatch):
 
     def kernel(pid, start, dur, name):
         return dict(pid=pid, ts=start, dur=dur, name=name)
-    kernels = [kernel(1, 10, 50, "nvjet_gemm"),  # call0's, left out
-               kernel(1, 1100, 3000, "nvjet_sm90_gemm"), kernel(1, 4100, 300, "loop_fusion"),
-               kernel(1, 3900, 800, "ncclDevKernel_AllReduce"),
-               kernel(2, 1600, 3000, "nvjet_sm90_gemm"), kernel(2, 4700, 500, "ncclDevKernel")]
+
+    kernels = [
+        kernel(1, 10, 50, "nvjet_gemm"),  # call0's, left out
+        kernel(1, 1100, 3000, "nvjet_sm90_gemm"),
+        kernel(1, 4100, 300, "loop_fusion"),
+        kernel(1, 3900, 800, "ncclDevKernel_AllReduce"),
+        kernel(2, 1600, 3000, "nvjet_sm90_gemm"),
+        kernel(2, 4700, 500, "ncclDevKernel"),
+    ]
     host = [dict(name="call0", ts=0, dur=900), dict(name="call1", ts=1000, dur=5000)]
-    meta = [dict(name="process_name", pid=p, args=dict(name=f"/device:GPU:{p - 1}"))
-            for p in (2, 1)]
+    meta = [
+        dict(name="process_name", pid=p, args=dict(name=f"/device:GPU:{p - 1}")) for p in (2, 1)
+    ]
     monkeypatch.setattr(common, "traced", lambda fn, args, calls: (kernels, host, meta))
     assert bench_many_devices.time_split(None, None) == (
         "span 3.60 ms: compute 3.30 (GEMMs 3.00), nccl 0.80 (0.30 not overlapped); "
-        "call 5.00 ms, devices 0.10–3.70, 0.60–4.20")
+        "call 5.00 ms, devices 0.10–3.70, 0.60–4.20"
+    )

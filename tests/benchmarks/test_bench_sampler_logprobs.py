@@ -24,8 +24,9 @@ def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
         assert not row.get("error"), row
         assert (row["N"], row["D"], row["V"]) == (n, d, v), row
         assert math.isfinite(row["fwdbwd_ms"]) and row["fwdbwd_ms"] > 0, row
-        assert math.isclose(row["x_plain"], row["fwdbwd_ms"] / base["fwdbwd_ms"],
-                            rel_tol=1e-12), row
+        assert math.isclose(row["x_plain"], row["fwdbwd_ms"] / base["fwdbwd_ms"], rel_tol=1e-12), (
+            row
+        )
         assert row["no_nv_buffer"] == (row["temp_mib"] < row["nv_mib"]), row
         # bf16 inputs: the gradients are rounded to bf16 (relative step 2⁻⁸)
         assert 0 < row["err_dh"] < 2e-2 and 0 < row["err_dW"] < 2e-2, row
@@ -39,8 +40,8 @@ def test_bench_sampler_logprobs_small(tmp_path, monkeypatch):
 
 def test_bench_sampler_forward_small(tmp_path, monkeypatch):
     from benchmarks.studies import bench_sampler_forward as forward
-    from jaxrl_kernels.engine import logprob_core
     from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
+    from jaxrl_kernels.engine import logprob_core
 
     skip, block = logprob_core.stats_from_kept_set, ffi_kept_set.ROW_BLOCK_BYTES
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))

@@ -14,12 +14,15 @@ from benchmarks.side_by_side import exact, shared
 def test_bf16_bits_round_to_nearest_even():
     rng = np.random.default_rng(3)
     x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-30, 30, 20000)).astype(np.float32)
-    ties = (rng.integers(0, 0x7F80, 1000, dtype=np.uint32) << 16 | 0x8000).view(np.float32)  # finite
+    ties = (rng.integers(0, 0x7F80, 1000, dtype=np.uint32) << 16 | 0x8000).view(
+        np.float32
+    )  # finite
     x = np.concatenate([x, ties, np.float32([0.0, -0.0, 1.0, -3.5])])
     bits = shared.bf16_bits(x)
     np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
-    np.testing.assert_array_equal(shared.bf16_to_f32(bits), x.astype(ml_dtypes.bfloat16)
-                                  .astype(np.float32))
+    np.testing.assert_array_equal(
+        shared.bf16_to_f32(bits), x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    )
 
 
 def test_exact_grads_match_the_unchunked_float64_formula():
@@ -33,8 +36,9 @@ def test_exact_grads_match_the_unchunked_float64_formula():
     p /= p.sum(1, keepdims=True)
     dz = g[:, None] * (np.eye(v)[t] - p)
     with jax.enable_x64(True):
-        dh, dw, logp = exact.exact_grads(jnp.asarray(h), jnp.asarray(w), jnp.asarray(t),
-                                         jnp.asarray(g), chunk=10)
+        dh, dw, logp = exact.exact_grads(
+            jnp.asarray(h), jnp.asarray(w), jnp.asarray(t), jnp.asarray(g), chunk=10
+        )
         dh, dw, logp = np.asarray(dh), np.asarray(dw), np.asarray(logp)
     assert dh.dtype == np.float64 and dw.dtype == np.float32
     np.testing.assert_allclose(dh, dz @ w, rtol=1e-12, atol=1e-12)
@@ -53,12 +57,14 @@ def test_e2e_jnp_grpo_loss_equals_linear_grpo_loss():
     mask = jnp.asarray(rng.integers(0, 2, (b, t)), jnp.float32)
 
     def ours(hidden):
-        return jk.linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask,
-                                   group_size=group, backend="reference")[0]
+        return jk.linear_grpo_loss(
+            hidden, weight, actions, old_logp, rewards, mask, group_size=group, backend="reference"
+        )[0]
 
     def jnp_path(hidden):
-        logp = jnp.take_along_axis(jax.nn.log_softmax(hidden @ weight.T), actions[..., None],
-                                   axis=-1)[..., 0]
+        logp = jnp.take_along_axis(
+            jax.nn.log_softmax(hidden @ weight.T), actions[..., None], axis=-1
+        )[..., 0]
         return grpo_from_logp(logp, old_logp, rewards, mask, group)
 
     def value_and_grad(f):

@@ -17,15 +17,31 @@ def drawn(fig):
     """The labels of the lines of each panel of a plot_tokens figure."""
     return [[line.get_label() for line in ax.get_lines()] for ax in fig.axes]
 
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_bench_tokens_small_and_its_plot(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = ""  # one host device
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_tokens", "--small",
-                           "--runs", "2", "--peers", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_tokens",
+            "--small",
+            "--runs",
+            "2",
+            "--peers",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "bench_tokens.json").read_text())
     by = {(r["impl"], r.get("N")): r for r in data["rows"]}
@@ -57,9 +73,20 @@ def test_bench_tokens_small_and_its_plot(tmp_path):
 
     for name in ("tokens.svg", "tokens.png"):
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.plot_tokens",
-                               str(tmp_path / "bench_tokens.json"), str(out)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.plot_tokens",
+                str(tmp_path / "bench_tokens.json"),
+                str(out),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     svg = (tmp_path / "tokens.svg").read_text()
     xml.dom.minidom.parseString(svg)
@@ -82,29 +109,56 @@ def test_peer_rows_from_injected_records(capsys, monkeypatch):
 
     from benchmarks import bench_tokens, plot_tokens
 
-    rows = [{"impl": impl, "N": n, "D": 32, "V": 1000, "fwdbwd_ms": ms,
-             "us_per_token": 1e3 * ms / n}
-            for n in (8, 64) for impl, ms in (("jnp bf16", 2.0), ("3 GEMMs", 1.0))]
-    records = [{"impl": "QuACK chunked",
-                "error": "import failed: ModuleNotFoundError: No module named 'quack'"},
-               {"impl": "Liger", "N": 8, "D": 32, "V": 1000, "fwdbwd_ms": 3.0,
-                "version": "liger-kernel 0.6.1, torch 2.8.0", "note": "... cross-entropy"},
-               {"impl": "Liger", "N": 64, "D": 32, "V": 1000,
-                "error": "OutOfMemoryError: CUDA out of memory",
-                "version": "liger-kernel 0.6.1, torch 2.8.0", "note": "... cross-entropy"}]
+    rows = [
+        {"impl": impl, "N": n, "D": 32, "V": 1000, "fwdbwd_ms": ms, "us_per_token": 1e3 * ms / n}
+        for n in (8, 64)
+        for impl, ms in (("jnp bf16", 2.0), ("3 GEMMs", 1.0))
+    ]
+    records = [
+        {
+            "impl": "QuACK chunked",
+            "error": "import failed: ModuleNotFoundError: No module named 'quack'",
+        },
+        {
+            "impl": "Liger",
+            "N": 8,
+            "D": 32,
+            "V": 1000,
+            "fwdbwd_ms": 3.0,
+            "version": "liger-kernel 0.6.1, torch 2.8.0",
+            "note": "... cross-entropy",
+        },
+        {
+            "impl": "Liger",
+            "N": 64,
+            "D": 32,
+            "V": 1000,
+            "error": "OutOfMemoryError: CUDA out of memory",
+            "version": "liger-kernel 0.6.1, torch 2.8.0",
+            "note": "... cross-entropy",
+        },
+    ]
     peers = bench_tokens.peer_rows(records, rows)
     out = capsys.readouterr().out
     assert out.count("QuACK chunked: import failed") == 1
     assert "Liger N=64 D=32 V=1000: OutOfMemoryError" in out
     assert peers[0] == {"impl": "QuACK chunked", "error": records[0]["error"]}
-    assert peers[1] == {"impl": "Liger", "N": 8, "D": 32, "V": 1000, "fwdbwd_ms": 3.0,
-                        "us_per_token": 375.0, "x_jnp": 1.5,
-                        "version": "liger-kernel 0.6.1, torch 2.8.0",
-                        "note": "... cross-entropy"}
+    assert peers[1] == {
+        "impl": "Liger",
+        "N": 8,
+        "D": 32,
+        "V": 1000,
+        "fwdbwd_ms": 3.0,
+        "us_per_token": 375.0,
+        "x_jnp": 1.5,
+        "version": "liger-kernel 0.6.1, torch 2.8.0",
+        "note": "... cross-entropy",
+    }
     assert "fwdbwd_ms" not in peers[2] and peers[2]["error"].startswith("OutOfMemoryError")
 
-    fig = plot_tokens.figure({"meta": {"device": "cpu", "date": "d", "jax": "j", "commit": "c"},
-                              "rows": rows + peers})
+    fig = plot_tokens.figure(
+        {"meta": {"device": "cpu", "date": "d", "jax": "j", "commit": "c"}, "rows": rows + peers}
+    )
     [labels] = drawn(fig)
     assert labels == ["jnp bf16", "3 GEMMs", "Liger", plot_tokens.LEAN_FLOOR]
     [liger] = [line for line in fig.axes[0].get_lines() if line.get_label() == "Liger"]

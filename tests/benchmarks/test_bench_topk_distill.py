@@ -8,8 +8,14 @@ import numpy as np
 
 from benchmarks import bench_topk_distill as bench
 
-IMPLS = ("logprobs 1 id", "logprobs K ids", "topk lean", "topk lean bucket", "topk fast",
-         "jnp bf16")
+IMPLS = (
+    "logprobs 1 id",
+    "logprobs K ids",
+    "topk lean",
+    "topk lean bucket",
+    "topk fast",
+    "jnp bf16",
+)
 
 
 def test_teacher_ids_are_distinct_and_hold_part_of_the_mass():

@@ -18,10 +18,19 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests.support import oracle
+from tests.conftest import (
+    as_jnp,
+    assert_bitwise,
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    dtype_id,
+    ppo_token_inputs,
+    random_mask,
+)
 from tests.ops import test_ppo_loss
-from tests.conftest import (as_jnp, assert_bitwise, assert_close, assert_f32, assert_zero,
-                            cotangent, dtype_id, pallas_slow, ppo_token_inputs, random_mask)
+from tests.support import oracle
 
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
@@ -56,8 +65,9 @@ def make_batch(rng, b, t, dtype=jnp.float32, *, adv_rank=2, empty_rows=(1,), shi
     return ppo_token_inputs(rng, lp64, old64, dtype, adv_rank=adv_rank, empty_rows=empty_rows)
 
 
-def check_ppo(backend, rng, arrays, mask, dtype, options, *, use=("rollout_logp", "ref_logp",
-                                                                  "entropy")):
+def check_ppo(
+    backend, rng, arrays, mask, dtype, options, *, use=("rollout_logp", "ref_logp", "entropy")
+):
     """``test_ppo_loss.check_ppo`` on ppo_loss(**options, the arrays named in ``use``)."""
     lib = dict(options, **{k: arrays[k][0] for k in use})
     orc = dict(options, **{k: arrays[k][1] for k in use})
@@ -81,12 +91,14 @@ PALLAS_GRID = {
 
 
 def _grid():
-    for variant, mode, adv_rank, empty in itertools.product(VARIANTS, MODES, (1, 2),
-                                                            (False, True)):
+    for variant, mode, adv_rank, empty in itertools.product(VARIANTS, MODES, (1, 2), (False, True)):
         case = (variant, mode, adv_rank, empty)
         cid = f"{variant_id(variant)}-{mode}-adv{adv_rank}-{'empty' if empty else 'dense'}"
-        yield (pytest.param(*case, id=cid) if case in PALLAS_GRID
-               else pytest.param(*case, id=cid, marks=pytest.mark.pallas_slow))
+        yield (
+            pytest.param(*case, id=cid)
+            if case in PALLAS_GRID
+            else pytest.param(*case, id=cid, marks=pytest.mark.pallas_slow)
+        )
 
 
 @pytest.mark.parametrize("variant,mode,adv_rank,empty", list(_grid()))
@@ -94,17 +106,32 @@ def _grid():
 def test_ppo_variant_grid(backend, rng, variant, mode, adv_rank, empty):
     """Every combination: loss, every metric, d logp, d entropy (with TIS, KL and entropy)."""
     arrays, mask = make_batch(rng, 5, 9, adv_rank=adv_rank, empty_rows=(1, 3) if empty else ())
-    options = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
-                   loss_agg_mode=mode, max_len=11 if mode.endswith("norm") else None)
+    options = dict(
+        variant_kw(variant),
+        tis_cap=1.5,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode=mode,
+        max_len=11 if mode.endswith("norm") else None,
+    )
     check_ppo(backend, rng, arrays, mask, jnp.float32, options)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("variant", [
-    pytest.param(v, id=variant_id(v),
-                 marks=() if v in (("sequence", "cispo", "sequence", "mask"),
-                                   ("token", "ppo", "token", "truncate"))
-                 else pytest.mark.pallas_slow) for v in VARIANTS])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(
+            v,
+            id=variant_id(v),
+            marks=()
+            if v
+            in (("sequence", "cispo", "sequence", "mask"), ("token", "ppo", "token", "truncate"))
+            else pytest.mark.pallas_slow,
+        )
+        for v in VARIANTS
+    ],
+)
 @pytest.mark.op("ppo_loss")
 def test_ppo_variant_dtypes_no_extras(backend, rng, variant, dtype):
     """The policy term alone (TIS on, no KL / entropy), float32 and bfloat16 inputs."""
@@ -118,27 +145,46 @@ def test_ppo_variant_dtypes_no_extras(backend, rng, variant, dtype):
 @pytest.mark.op("ppo_loss")
 def test_variants_without_rollout(backend, rng, ratio_level, policy_loss):
     """No rollout correction: no tis metrics; dual clip (ppo) or asymmetric clip (both)."""
-    arrays, mask = make_batch(rng, 6, 8, shift=1.2)   # l_b up to +-1.25: dual clip is reached
-    options = dict(ratio_level=ratio_level, policy_loss=policy_loss, clip_low=0.1,
-                   clip_high=0.28, loss_agg_mode="seq_mean_token_mean")
+    arrays, mask = make_batch(rng, 6, 8, shift=1.2)  # l_b up to +-1.25: dual clip is reached
+    options = dict(
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        clip_low=0.1,
+        clip_high=0.28,
+        loss_agg_mode="seq_mean_token_mean",
+    )
     if policy_loss == "ppo":
         options["dual_clip"] = 2.0
     _, metrics, _ = check_ppo(backend, rng, arrays, mask, jnp.float32, options, use=())
     assert "tis_weight_mean" not in metrics and "tis_mask_fraction" not in metrics
 
 
-@pytest.mark.parametrize("variant", [
-    pytest.param(v, id=variant_id(v),
-                 marks=() if v in (("sequence", "ppo", "sequence", "mask"),
-                                   ("token", "cispo", "token", "truncate"))
-                 else pytest.mark.pallas_slow) for v in VARIANTS])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(
+            v,
+            id=variant_id(v),
+            marks=()
+            if v
+            in (("sequence", "ppo", "sequence", "mask"), ("token", "cispo", "token", "truncate"))
+            else pytest.mark.pallas_slow,
+        )
+        for v in VARIANTS
+    ],
+)
 @pytest.mark.op("ppo_loss")
 def test_ppo_variant_all_masked(backend, rng, variant):
     """Nothing valid: loss 0, every metric 0, zero gradients."""
     arrays, _ = make_batch(rng, 3, 5)
     mask = np.zeros((3, 5), np.float32)
-    options = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
-                   loss_agg_mode="seq_mean_token_mean")
+    options = dict(
+        variant_kw(variant),
+        tis_cap=1.5,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode="seq_mean_token_mean",
+    )
     loss, metrics, d_lp = check_ppo(backend, rng, arrays, mask, jnp.float32, options)
     assert float(loss) == 0.0
     assert all(float(v) == 0.0 for v in metrics.values())
@@ -156,29 +202,47 @@ def test_one_pass_forward_math(rng, variant, mode, adv_rank):
     ``ppo_math.forward_summands`` -> ``sums_to_token_terms`` -> ``loss_and_metrics`` equals
     the oracle (this is what the kernel computes tile by tile; pallas itself runs a subset
     in interpret mode). Dual clip on for ppo so its bound is reached by sequence ratios."""
-    from jaxrl_kernels.formulas import aggregation_math
-    from jaxrl_kernels.formulas import ppo_math
+    from jaxrl_kernels.formulas import aggregation_math, ppo_math
 
     arrays, mask = make_batch(rng, 6, 9, adv_rank=adv_rank, empty_rows=(2,), shift=1.2)
-    kw = dict(variant_kw(variant), tis_cap=1.5, kl_coef=0.05, entropy_coef=0.01,
-              loss_agg_mode=mode, max_len=11 if mode.endswith("norm") else None)
+    kw = dict(
+        variant_kw(variant),
+        tis_cap=1.5,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode=mode,
+        max_len=11 if mode.endswith("norm") else None,
+    )
     if variant[1] == "ppo":
         kw["dual_clip"] = 2.0
     get = lambda k: arrays[k][0]
     adv = get("advantages")
-    x = ppo_math.PPOInputs(get("logp"), get("old_logp"),
-                           jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
-                           jnp.asarray(mask), get("rollout_logp"), get("ref_logp"),
-                           get("entropy"))
+    x = ppo_math.PPOInputs(
+        get("logp"),
+        get("old_logp"),
+        jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask.shape),
+        jnp.asarray(mask),
+        get("rollout_logp"),
+        get("ref_logp"),
+        get("entropy"),
+    )
     cfg = ppo_math.PPOConfig(**kw)
     sums = aggregation_math.masked_row_sums(ppo_math.forward_summands(x, cfg), x.mask)
-    loss, metrics = ppo_math.loss_and_metrics(ppo_math.sums_to_token_terms(sums, cfg), cfg,
-                                              mask.shape[1])
+    loss, metrics = ppo_math.loss_and_metrics(
+        ppo_math.sums_to_token_terms(sums, cfg), cfg, mask.shape[1]
+    )
     w_loss, w_metrics, _, _, per_token = oracle.ppo_loss(
-        *(arrays[k][1] for k in ("logp", "old_logp", "advantages")), mask,
-        **{k: arrays[k][1] for k in ("rollout_logp", "ref_logp", "entropy")}, **kw)
-    assert_close(loss, w_loss, scale=oracle.aggregate(np.abs(per_token), mask, mode,
-                                                      kw["max_len"]), name="loss")
+        *(arrays[k][1] for k in ("logp", "old_logp", "advantages")),
+        mask,
+        **{k: arrays[k][1] for k in ("rollout_logp", "ref_logp", "entropy")},
+        **kw,
+    )
+    assert_close(
+        loss,
+        w_loss,
+        scale=oracle.aggregate(np.abs(per_token), mask, mode, kw["max_len"]),
+        name="loss",
+    )
     assert set(metrics) == set(w_metrics)
     for key, w in w_metrics.items():
         scale = oracle.kl_metric_scales(arrays["logp"][1], arrays["old_logp"][1], mask)["approx_kl"]
@@ -215,8 +279,18 @@ def test_sequence_ratio_gradient_is_exp_of_sequence_log_ratio(backend, rng):
     old, old64 = as_jnp(old64, jnp.float32)
     adv, adv64 = as_jnp(adv64, jnp.float32)
     (loss, metrics), g = jax.value_and_grad(
-        lambda x: jk.ppo_loss(x, old, adv, jnp.asarray(mask), clip_low=0.99, clip_high=100.0,
-                              ratio_level="sequence", backend=backend), has_aux=True)(lp)
+        lambda x: jk.ppo_loss(
+            x,
+            old,
+            adv,
+            jnp.asarray(mask),
+            clip_low=0.99,
+            clip_high=100.0,
+            ratio_level="sequence",
+            backend=backend,
+        ),
+        has_aux=True,
+    )(lp)
     count = mask.sum(1)
     ell = (mask * (lp64 - old64)).sum(1) / np.maximum(count, 1)
     want_grad = -adv64[:, None] * np.exp(ell)[:, None] * mask / mask.sum()
@@ -234,15 +308,20 @@ def test_cispo_clipped_tokens_keep_their_gradient(backend, rng):
     where PPO's surrogate gives them none."""
     b, t = 3, 8
     lp64 = -np.abs(rng.standard_normal((b, t))) - 0.1
-    old64 = lp64 - rng.choice([-1, 1], (b, t)) * (0.5 + rng.random((b, t)))   # |log r| >= 0.5
+    old64 = lp64 - rng.choice([-1, 1], (b, t)) * (0.5 + rng.random((b, t)))  # |log r| >= 0.5
     mask = np.ones((b, t), np.float32)
-    adv64 = np.abs(rng.standard_normal((b, t))) + 0.1           # A > 0: r > 1.2 clips in PPO
+    adv64 = np.abs(rng.standard_normal((b, t))) + 0.1  # A > 0: r > 1.2 clips in PPO
     lp, old, adv = (jnp.asarray(x, jnp.float32) for x in (lp64, old64, adv64))
     lp64, old64, adv64 = (np.asarray(x, np.float64) for x in (lp, old, adv))
     grads = {}
     for loss_name in POLICY_LOSSES:
-        grads[loss_name] = np.asarray(jax.grad(lambda x: jk.ppo_loss(
-            x, old, adv, jnp.asarray(mask), policy_loss=loss_name, backend=backend)[0])(lp))
+        grads[loss_name] = np.asarray(
+            jax.grad(
+                lambda x: jk.ppo_loss(
+                    x, old, adv, jnp.asarray(mask), policy_loss=loss_name, backend=backend
+                )[0]
+            )(lp)
+        )
     r = np.exp(lp64 - old64)
     high = r > 1.2
     assert high.any()
@@ -258,28 +337,35 @@ def test_extreme_sequence_log_ratio_and_tis_weight(backend, rng, policy_loss):
     arrays, mask = make_batch(rng, 4, 6, empty_rows=())
     lp64 = arrays["logp"][1]
     old64 = lp64 + 0.1
-    old64[0] = lp64[0] - 25.0            # l_0 = 25 -> 20
-    old64[1] = lp64[1] + 30.0            # l_1 = -30 -> -20
+    old64[0] = lp64[0] - 25.0  # l_0 = 25 -> 20
+    old64[1] = lp64[1] + 30.0  # l_1 = -30 -> -20
     roll64 = old64 - 0.05
-    roll64[2] = old64[2] - 8.0           # sequence log-weight 48 -> 20
-    roll64[3] = old64[3] + 9.0           # -54 -> -20
+    roll64[2] = old64[2] - 8.0  # sequence log-weight 48 -> 20
+    roll64[3] = old64[3] + 9.0  # -54 -> -20
     arrays["old_logp"] = as_jnp(old64, jnp.float32)
     arrays["rollout_logp"] = as_jnp(roll64, jnp.float32)
     arrays["advantages"] = as_jnp(np.where(rng.random((4, 6)) < 0.5, -1.0, 1.0), jnp.float32)
     # a cap above exp(20) tells the clipped log-weight (20) from the raw one (48)
     for tis_mode, tis_cap in (("truncate", 1e9), ("mask", 2.0), ("mask", 1e9)):
-        options = dict(ratio_level="sequence", policy_loss=policy_loss, tis_level="sequence",
-                       tis_mode=tis_mode, tis_cap=tis_cap)
+        options = dict(
+            ratio_level="sequence",
+            policy_loss=policy_loss,
+            tis_level="sequence",
+            tis_mode=tis_mode,
+            tis_cap=tis_cap,
+        )
         if policy_loss == "ppo":
             options["dual_clip"] = 3.0
-        loss, metrics, d_lp = check_ppo(backend, rng, arrays, mask, jnp.float32, options,
-                                        use=("rollout_logp",))
+        loss, metrics, d_lp = check_ppo(
+            backend, rng, arrays, mask, jnp.float32, options, use=("rollout_logp",)
+        )
         assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in metrics.values())
         assert np.isfinite(np.asarray(d_lp)).all()
 
 
-@pytest.mark.parametrize("ratio_level,policy_loss", [("sequence", "ppo"), ("token", "cispo"),
-                                                     ("sequence", "cispo")])
+@pytest.mark.parametrize(
+    "ratio_level,policy_loss", [("sequence", "ppo"), ("token", "cispo"), ("sequence", "cispo")]
+)
 @pytest.mark.op("ppo_loss")
 def test_variants_no_gradient_to_constants(backend, rng, ratio_level, policy_loss):
     """old_logp (which l_b depends on), rollout_logp, ref_logp and advantages get none."""
@@ -288,9 +374,20 @@ def test_variants_no_gradient_to_constants(backend, rng, ratio_level, policy_los
     consts = tuple(arrays[n][0] for n in names)
 
     def f(lp, old, adv, roll, ref):
-        loss, _ = jk.ppo_loss(lp, old, adv, jnp.asarray(mask), rollout_logp=roll, tis_cap=2.0,
-                              ref_logp=ref, kl_coef=0.3, ratio_level=ratio_level,
-                              policy_loss=policy_loss, tis_level="sequence", backend=backend)
+        loss, _ = jk.ppo_loss(
+            lp,
+            old,
+            adv,
+            jnp.asarray(mask),
+            rollout_logp=roll,
+            tis_cap=2.0,
+            ref_logp=ref,
+            kl_coef=0.3,
+            ratio_level=ratio_level,
+            policy_loss=policy_loss,
+            tis_level="sequence",
+            backend=backend,
+        )
         return loss
 
     grads = jax.grad(f, argnums=(1, 2, 3, 4))(arrays["logp"][0], *consts)
@@ -304,8 +401,9 @@ def test_tis_options_inert_without_rollout(backend, rng):
     arrays, mask = make_batch(rng, 3, 5)
     lp, old, adv = (arrays[k][0] for k in ("logp", "old_logp", "advantages"))
     m = jnp.asarray(mask)
-    f = lambda **kw: jax.value_and_grad(lambda x: jk.ppo_loss(
-        x, old, adv, m, ratio_level="sequence", backend=backend, **kw)[0])(lp)
+    f = lambda **kw: jax.value_and_grad(
+        lambda x: jk.ppo_loss(x, old, adv, m, ratio_level="sequence", backend=backend, **kw)[0]
+    )(lp)
     assert_bitwise(f(), f(tis_level="sequence", tis_mode="mask"), "tis options")
 
 
@@ -313,11 +411,17 @@ def test_tis_options_inert_without_rollout(backend, rng):
 def test_variants_under_jit(backend, rng):
     """Under jit (the kernels' traced path) the sequence variants equal the eager call."""
     arrays, mask = make_batch(rng, 4, 7, empty_rows=(0,))
-    lp, old, adv, roll = (arrays[k][0] for k in ("logp", "old_logp", "advantages",
-                                                 "rollout_logp"))
+    lp, old, adv, roll = (arrays[k][0] for k in ("logp", "old_logp", "advantages", "rollout_logp"))
     m = jnp.asarray(mask)
-    kw = dict(ratio_level="sequence", policy_loss="cispo", tis_level="sequence",
-              tis_mode="mask", rollout_logp=roll, tis_cap=1.5, backend=backend)
+    kw = dict(
+        ratio_level="sequence",
+        policy_loss="cispo",
+        tis_level="sequence",
+        tis_mode="mask",
+        rollout_logp=roll,
+        tis_cap=1.5,
+        backend=backend,
+    )
     fn = jax.value_and_grad(lambda x: jk.ppo_loss(x, old, adv, m, **kw), has_aux=True)
     (l1, m1), g1 = fn(lp)
     (l2, m2), g2 = jax.jit(fn)(lp)
@@ -346,10 +450,16 @@ def make_logits(rng, b, t, v):
 # The losses built on the same per-token math: every value of every option, twice, in
 # different company (the full cross-product runs on ppo_loss above); the last is
 # pallas_slow (interpret mode is slow).
-FUSED_VARIANTS = [("token", "ppo", "token", "truncate"), ("sequence", "cispo", "sequence", "mask"),
-                  ("sequence", "ppo", "token", "mask"), ("token", "cispo", "sequence", "truncate")]
-GRPO_VARIANTS = [pytest.param(v, id=variant_id(v), marks=() if i < 3 else pytest.mark.pallas_slow)
-                 for i, v in enumerate(FUSED_VARIANTS)]
+FUSED_VARIANTS = [
+    ("token", "ppo", "token", "truncate"),
+    ("sequence", "cispo", "sequence", "mask"),
+    ("sequence", "ppo", "token", "mask"),
+    ("token", "cispo", "sequence", "truncate"),
+]
+GRPO_VARIANTS = [
+    pytest.param(v, id=variant_id(v), marks=() if i < 3 else pytest.mark.pallas_slow)
+    for i, v in enumerate(FUSED_VARIANTS)
+]
 
 
 @pytest.mark.parametrize("variant", GRPO_VARIANTS)
@@ -364,13 +474,24 @@ def test_grpo_loss_variants(backend, rng, variant):
     m = jnp.asarray(mask)
 
     def f(p):
-        return jk.grpo_loss(p, ref, jnp.asarray(acts, jnp.int32), old, rewards, m,
-                            rollout_logp=roll, tis_cap=1.5, backend=backend, **options)
+        return jk.grpo_loss(
+            p,
+            ref,
+            jnp.asarray(acts, jnp.int32),
+            old,
+            rewards,
+            m,
+            rollout_logp=roll,
+            tis_cap=1.5,
+            backend=backend,
+            **options,
+        )
 
     outs, vjp = jax.vjp(f, pol)
     assert_f32(*outs)
-    w_outs, w_vjp, scale = oracle.grpo_loss(p64, r64, acts, old64, rw64, mask,
-                                            rollout_logp=roll64, tis_cap=1.5, **options)
+    w_outs, w_vjp, scale = oracle.grpo_loss(
+        p64, r64, acts, old64, rw64, mask, rollout_logp=roll64, tis_cap=1.5, **options
+    )
     zs = max(np.abs(p64).max(), np.abs(r64).max())
     for name, got, w in zip(("loss", "policy_loss", "kl"), outs, w_outs):
         assert_close(got, w, scale=scale * zs, name=name)
@@ -379,19 +500,36 @@ def test_grpo_loss_variants(backend, rng, variant):
     assert_close(d_pol, w_vjp(*gs), name="d_policy_logits")
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == "seq_mean_token_mean"
-                                               else pytest.mark.pallas_slow) for m in MODES])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=() if m == "seq_mean_token_mean" else pytest.mark.pallas_slow)
+        for m in MODES
+    ],
+)
 def test_grpo_loss_sequence_variants_agg_modes(backend, rng, mode):
     """GSPO-style grpo_loss (given advantages [B], no reference) under each aggregation."""
     b, t, v = 4, 6, 9
     pol, p64, ref, r64, acts, old, old64, _, _, mask = make_logits(rng, b, t, v)
     adv, adv64 = as_jnp(rng.standard_normal(b), jnp.float32)
     options = dict(ratio_level="sequence", clip_low=0.05, clip_high=0.08, loss_agg_mode=mode)
-    outs, vjp = jax.vjp(lambda p: jk.grpo_loss(
-        p, ref, jnp.asarray(acts, jnp.int32), old, jnp.zeros(b), jnp.asarray(mask),
-        advantages=adv, backend=backend, **options), pol)
-    w_outs, w_vjp, scale = oracle.grpo_loss(p64, r64, acts, old64, np.zeros(b), mask,
-                                            advantages=adv64, **options)
+    outs, vjp = jax.vjp(
+        lambda p: jk.grpo_loss(
+            p,
+            ref,
+            jnp.asarray(acts, jnp.int32),
+            old,
+            jnp.zeros(b),
+            jnp.asarray(mask),
+            advantages=adv,
+            backend=backend,
+            **options,
+        ),
+        pol,
+    )
+    w_outs, w_vjp, scale = oracle.grpo_loss(
+        p64, r64, acts, old64, np.zeros(b), mask, advantages=adv64, **options
+    )
     zs = max(np.abs(p64).max(), np.abs(r64).max())
     for name, got, w in zip(("loss", "policy_loss", "kl"), outs, w_outs):
         assert_close(got, w, scale=scale * zs, name=name)
@@ -399,8 +537,11 @@ def test_grpo_loss_sequence_variants_agg_modes(backend, rng, mode):
     assert_close(d_pol, w_vjp(1.0, 0.5, -0.3), name="d_policy_logits")
 
 
-@pytest.mark.parametrize("variant", [("sequence", "cispo", "sequence", "mask"),
-                                     ("sequence", "ppo", "token", "truncate")], ids=variant_id)
+@pytest.mark.parametrize(
+    "variant",
+    [("sequence", "cispo", "sequence", "mask"), ("sequence", "ppo", "token", "truncate")],
+    ids=variant_id,
+)
 def test_grpo_policy_loss_is_ppo_loss(backend, rng, variant):
     """grpo_loss's policy_loss == ppo_loss on token_logprobs with the same options (one math)."""
     b, t, v = 4, 5, 13
@@ -408,8 +549,9 @@ def test_grpo_policy_loss_is_ppo_loss(backend, rng, variant):
     actions, m = jnp.asarray(acts, jnp.int32), jnp.asarray(mask)
     adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
     kw = dict(variant_kw(variant), rollout_logp=roll, tis_cap=1.5)
-    _, pg, _ = jk.grpo_loss(pol, ref, actions, old, jnp.zeros(b), m, advantages=adv,
-                            backend=backend, **kw)
+    _, pg, _ = jk.grpo_loss(
+        pol, ref, actions, old, jnp.zeros(b), m, advantages=adv, backend=backend, **kw
+    )
     lp = jk.token_logprobs(pol, actions, backend=backend)
     ppo, _ = jk.ppo_loss(lp, old, adv, m, backend=backend, **kw)
     np.testing.assert_allclose(float(pg), float(ppo), rtol=2e-5, atol=1e-6)
@@ -430,9 +572,10 @@ def make_head(rng, b, t, v, d):
     return hidden, h64, weight, w64, acts, old, old64, roll, roll64, mask
 
 
-LINEAR_VARIANTS = [pytest.param(v, id=variant_id(v), marks=() if i in (1, 2)
-                                else pytest.mark.pallas_slow)
-                   for i, v in enumerate(FUSED_VARIANTS)]
+LINEAR_VARIANTS = [
+    pytest.param(v, id=variant_id(v), marks=() if i in (1, 2) else pytest.mark.pallas_slow)
+    for i, v in enumerate(FUSED_VARIANTS)
+]
 
 
 @pytest.mark.parametrize("variant", LINEAR_VARIANTS)
@@ -441,23 +584,37 @@ def test_linear_ppo_loss_variants(backend, rng, variant):
     b, t, v, d = 4, 5, 23, 8
     hidden, h64, weight, w64, acts, old, old64, roll, roll64, mask = make_head(rng, b, t, v, d)
     adv, adv64 = as_jnp(rng.standard_normal(b), jnp.float32)
-    options = dict(variant_kw(variant), tis_cap=1.5, entropy_coef=0.02,
-                   loss_agg_mode="seq_mean_token_sum")
+    options = dict(
+        variant_kw(variant), tis_cap=1.5, entropy_coef=0.02, loss_agg_mode="seq_mean_token_sum"
+    )
 
     def f(h, w):
-        return jk.linear_ppo_loss(h, w, jnp.asarray(acts, jnp.int32), old, adv,
-                                  jnp.asarray(mask), rollout_logp=roll, backend=backend,
-                                  **options)
+        return jk.linear_ppo_loss(
+            h,
+            w,
+            jnp.asarray(acts, jnp.int32),
+            old,
+            adv,
+            jnp.asarray(mask),
+            rollout_logp=roll,
+            backend=backend,
+            **options,
+        )
 
     (loss, metrics), vjp = jax.vjp(f, hidden, weight)
     w_loss, w_metrics, w_vjp, scale = oracle.linear_ppo_loss(
-        h64, w64, acts, old64, adv64, mask, rollout_logp=roll64, **options)
+        h64, w64, acts, old64, adv64, mask, rollout_logp=roll64, **options
+    )
     zs = np.abs(oracle.linear_logits(h64, w64)).max()
     assert_close(loss, w_loss, scale=scale * zs, name="loss")
     assert set(metrics) == set(w_metrics)
     for key, wv in w_metrics.items():
-        assert_close(metrics[key], wv, scale=zs * (1.0 if key == "approx_kl" else abs(wv)),
-                     name=f"metrics[{key}]")
+        assert_close(
+            metrics[key],
+            wv,
+            scale=zs * (1.0 if key == "approx_kl" else abs(wv)),
+            name=f"metrics[{key}]",
+        )
     g = float(cotangent(rng, ()))
     d_h, d_w = vjp((jnp.float32(g), jax.tree.map(jnp.zeros_like, metrics)))
     w_dh, w_dw, _ = w_vjp(g)
@@ -476,14 +633,33 @@ def test_linear_grpo_loss_variants(backend, rng, variant):
     options = dict(variant_kw(variant), group_size=2, beta=0.1, loss_agg_mode="token_mean")
 
     def f(h, w):
-        return jk.linear_grpo_loss(h, w, jnp.asarray(acts, jnp.int32), old, rewards,
-                                   jnp.asarray(mask), ref_logp=ref, rollout_logp=roll,
-                                   tis_cap=1.5, backend=backend, **options)
+        return jk.linear_grpo_loss(
+            h,
+            w,
+            jnp.asarray(acts, jnp.int32),
+            old,
+            rewards,
+            jnp.asarray(mask),
+            ref_logp=ref,
+            rollout_logp=roll,
+            tis_cap=1.5,
+            backend=backend,
+            **options,
+        )
 
     outs, vjp = jax.vjp(f, hidden, weight)
-    w_outs, w_vjp, scale = oracle.linear_grpo_loss(h64, w64, acts, old64, rw64, mask,
-                                                   ref_logp=ref64, rollout_logp=roll64,
-                                                   tis_cap=1.5, **options)
+    w_outs, w_vjp, scale = oracle.linear_grpo_loss(
+        h64,
+        w64,
+        acts,
+        old64,
+        rw64,
+        mask,
+        ref_logp=ref64,
+        rollout_logp=roll64,
+        tis_cap=1.5,
+        **options,
+    )
     zs = np.abs(oracle.linear_logits(h64, w64)).max()
     for name, got, wv in zip(("loss", "policy_loss", "kl"), outs, w_outs):
         assert_close(got, wv, scale=(scale + 1e-3) * zs, name=name)
@@ -514,14 +690,19 @@ def call_op(op, **kw):
     weight = jnp.asarray(rng.standard_normal((V, D)), jnp.float32)
     if op == "linear_ppo_loss":
         return jk.linear_ppo_loss(hidden, weight, targets, tok, jnp.ones(B), mask, **kw)
-    return jk.linear_grpo_loss(hidden, weight, targets, tok, jnp.ones(B), mask, group_size=1,
-                               **kw)
+    return jk.linear_grpo_loss(hidden, weight, targets, tok, jnp.ones(B), mask, group_size=1, **kw)
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("name,valid", [("ratio_level", RATIO_LEVELS),
-                                        ("policy_loss", POLICY_LOSSES),
-                                        ("tis_level", TIS_LEVELS), ("tis_mode", TIS_MODES)])
+@pytest.mark.parametrize(
+    "name,valid",
+    [
+        ("ratio_level", RATIO_LEVELS),
+        ("policy_loss", POLICY_LOSSES),
+        ("tis_level", TIS_LEVELS),
+        ("tis_mode", TIS_MODES),
+    ],
+)
 def test_unknown_option_lists_valid_ones(op, name, valid):
     with pytest.raises(ValueError) as err:
         call_op(op, **{name: "bogus"})
@@ -534,8 +715,8 @@ def test_unknown_option_lists_valid_ones(op, name, valid):
 def test_dual_clip_with_cispo_is_an_error(op):
     with pytest.raises(ValueError, match=r"^dual_clip:.*cispo"):
         call_op(op, policy_loss="cispo", dual_clip=3.0)
-    call_op(op, policy_loss="cispo")                    # without dual_clip: fine
-    call_op(op, policy_loss="ppo", dual_clip=3.0)       # with ppo: fine
+    call_op(op, policy_loss="cispo")  # without dual_clip: fine
+    call_op(op, policy_loss="ppo", dual_clip=3.0)  # with ppo: fine
 
 
 @pytest.mark.parametrize("op", ["grpo_loss", "linear_grpo_loss"])

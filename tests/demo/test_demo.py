@@ -26,9 +26,21 @@ from jaxrl_kernels.demo.__main__ import _parser, main  # noqa: E402
 from jaxrl_kernels.demo.task import EOS, PAD, AdditionTask  # noqa: E402
 
 # A tiny model on one-digit addition: small enough to compile and train in seconds.
-TINY = dict(digits=1, held_out=10, d_model=32, layers=1, heads=2, warmup_batch=64,
-            warmup_lr=3e-3, batch_size=16, group_size=8, lr=1e-3, lr_warmup=5,
-            eval_every=10**6, seed=0)
+TINY = dict(
+    digits=1,
+    held_out=10,
+    d_model=32,
+    layers=1,
+    heads=2,
+    warmup_batch=64,
+    warmup_lr=3e-3,
+    batch_size=16,
+    group_size=8,
+    lr=1e-3,
+    lr_warmup=5,
+    eval_every=10**6,
+    seed=0,
+)
 WARMUP_STEPS = 60
 RL_STEPS = 100
 # Mean sampled reward gain over the warm start asserted for the group algorithms. Seen with these
@@ -40,11 +52,13 @@ IMPROVING = ("grpo", "ppo", "gspo", "cispo")
 
 def _reward_by_strings(tokens, total, task):
     """Independent scorer: render the answer as text and apply the reward's definition."""
-    text = "".join("E" if t == EOS else "P" if t == PAD else "+="[t - 10] if t >= 10 else str(t)
-                   for t in tokens)
+    text = "".join(
+        "E" if t == EOS else "P" if t == PAD else "+="[t - 10] if t >= 10 else str(t)
+        for t in tokens
+    )
     if "E" not in text:
         return 0.0, False
-    answer = text[:text.index("E")]
+    answer = text[: text.index("E")]
     if not (1 <= len(answer) <= task.digits + 1 and answer.isdigit()):
         return 0.0, False
     if int(answer) != total:
@@ -62,8 +76,9 @@ def test_reward_matches_string_scorer(digits):
     noise = rng.integers(0, 14, answers.shape)
     digit_noise = rng.integers(0, 10, answers.shape)
     pick = rng.integers(0, 3, (len(sums), 1))
-    tokens = np.where(pick == 0, answers, np.where(pick == 1, noise,
-                                                   np.where(answers < 10, digit_noise, answers)))
+    tokens = np.where(
+        pick == 0, answers, np.where(pick == 1, noise, np.where(answers < 10, digit_noise, answers))
+    )
     got = jax.device_get(task.score(jnp.asarray(tokens), jnp.asarray(sums)))
     want = [_reward_by_strings(t, int(s), task) for t, s in zip(tokens, sums)]
     np.testing.assert_allclose(got["reward"], [w[0] for w in want], rtol=0, atol=1e-6)
@@ -109,8 +124,9 @@ def demos():
 CI_ALGOS = ("grpo",)
 
 
-@pytest.mark.parametrize("algo", [a if a in CI_ALGOS else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in ALGOS])
+@pytest.mark.parametrize(
+    "algo", [a if a in CI_ALGOS else pytest.param(a, marks=pytest.mark.slow) for a in ALGOS]
+)
 def test_algo_trains_end_to_end(algo, warm_params, demos):
     demo = demos(algo)
     # A fixed batch of training prompts, scored with a fixed sampling key before and after.
@@ -164,14 +180,24 @@ def test_command_line_writes_log_plot_and_checkpoint(tmp_path, capsys):
         log = json.load(f)
     assert [r["step"] for r in log["rl"]] == [1, 2, 3]
     assert [e["step"] for e in log["evals"]] == [0, 2, 3]
-    assert set(log["summary"]) >= {"held_out_accuracy_before", "held_out_accuracy_after",
-                                   "tokens_per_second", "peak_memory_bytes"}
+    assert set(log["summary"]) >= {
+        "held_out_accuracy_before",
+        "held_out_accuracy_after",
+        "tokens_per_second",
+        "peak_memory_bytes",
+    }
     with open(os.path.join(out, "curves.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # Resuming from the written checkpoint continues at step 3 and runs to --steps 5 in total;
     # flags equal to the checkpoint's configuration are accepted, and the log keeps the history.
-    resume = ["--steps", "5", "--out", out + "2",
-              "--resume", os.path.join(out, "checkpoint.msgpack")]
+    resume = [
+        "--steps",
+        "5",
+        "--out",
+        out + "2",
+        "--resume",
+        os.path.join(out, "checkpoint.msgpack"),
+    ]
     assert main(common + resume) == 0
     with open(os.path.join(out + "2", "log.json")) as f:
         log2 = json.load(f)
@@ -185,7 +211,8 @@ def test_command_line_writes_log_plot_and_checkpoint(tmp_path, capsys):
 
 # The command line of the TINY run with 3 warm-start steps (programs shared with the tests above).
 TINY_FLAGS = ["--algo", "reward_weighted", "--warmup-steps", "3", "--no-progress"] + [
-    x for name, value in TINY.items() for x in ("--" + name.replace("_", "-"), str(value))]
+    x for name, value in TINY.items() for x in ("--" + name.replace("_", "-"), str(value))
+]
 
 
 def _state_leaves(path):
@@ -202,7 +229,8 @@ def two_step_run(tmp_path_factory):
 
 
 def test_resume_from_directory_and_file_restores_config_and_matches_bitwise(
-        two_step_run, tmp_path, capsys):
+    two_step_run, tmp_path, capsys
+):
     """A run resumed from its directory and one resumed from a copy of its checkpoint file,
     both given nothing but --resume and --steps, end in exactly the state of an uninterrupted
     run: the configuration (here the TINY model, not the defaults) comes from the checkpoint."""
@@ -212,8 +240,20 @@ def test_resume_from_directory_and_file_restores_config_and_matches_bitwise(
     whole = str(tmp_path / "whole")
     assert main(TINY_FLAGS + ["--steps", "3", "--out", whole]) == 0
     assert main(["--resume", run_dir, "--steps", "3", "--no-progress"]) == 0
-    assert main(["--resume", copy, "--steps", "3", "--out", str(tmp_path / "from_file"),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--resume",
+                copy,
+                "--steps",
+                "3",
+                "--out",
+                str(tmp_path / "from_file"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     want = _state_leaves(os.path.join(whole, "checkpoint.msgpack"))
     for out in (run_dir, str(tmp_path / "from_file")):  # the directory is the default --out
         got = _state_leaves(os.path.join(out, "checkpoint.msgpack"))
@@ -225,7 +265,8 @@ def test_resume_from_directory_and_file_restores_config_and_matches_bitwise(
         with open(os.path.join(whole, "log.json")) as f:
             whole_log = json.load(f)
         assert {k: v for k, v in log["config"].items() if k not in ("out", "resume")} == {
-            k: v for k, v in whole_log["config"].items() if k not in ("out", "resume")}
+            k: v for k, v in whole_log["config"].items() if k not in ("out", "resume")
+        }
         assert log["config"]["d_model"] == TINY["d_model"]
         assert [r["step"] for r in log["rl"]] == [1, 2, 3] and log["resumed_at"] == [2]
         assert log["rl"] == whole_log["rl"] and log["warm_start"] == whole_log["warm_start"]
@@ -248,6 +289,7 @@ def test_bad_resume_paths_end_with_one_line(two_step_run, tmp_path, capsys):
     garbage.write_bytes(b"\x00not a checkpoint")
     foreign = tmp_path / "foreign.msgpack"
     from flax import serialization
+
     foreign.write_bytes(serialization.to_bytes({"step": np.zeros((), np.int32)}))
     _one_line_error(capsys, ["--resume", str(tmp_path / "missing")], "--resume", "does not exist")
     _one_line_error(capsys, ["--resume", str(tmp_path)], "--resume", "checkpoint.msgpack")
@@ -256,34 +298,43 @@ def test_bad_resume_paths_end_with_one_line(two_step_run, tmp_path, capsys):
 
 
 def test_flags_that_conflict_with_the_checkpoint_are_an_error(two_step_run, capsys):
-    err = _one_line_error(capsys, ["--resume", two_step_run, "--steps", "9", "--d-model", "64",
-                                   "--algo", "grpo"], "--d-model 64", "--algo grpo")
+    err = _one_line_error(
+        capsys,
+        ["--resume", two_step_run, "--steps", "9", "--d-model", "64", "--algo", "grpo"],
+        "--d-model 64",
+        "--algo grpo",
+    )
     assert "(the checkpoint has d_model=32)" in err and "algo=reward_weighted" in err
 
 
 @pytest.mark.parametrize("steps", ["1", "2"])
 def test_fewer_steps_than_done_says_so(two_step_run, capsys, steps):
-    _one_line_error(capsys, ["--resume", two_step_run, "--steps", steps], "--steps",
-                    "done 2 RL steps", "total")
+    _one_line_error(
+        capsys, ["--resume", two_step_run, "--steps", steps], "--steps", "done 2 RL steps", "total"
+    )
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--backend", "bogus"], ("--backend", "bogus")),
-    (["--d-model", "30"], ("--d-model", "heads=4")),
-    (["--heads", "0"], ("--heads",)),
-    (["--digits", "1"], ("--held-out", "500")),
-    (["--digits", "9"], ("--digits",)),
-    (["--algo", "ppo", "--ppo-minibatches", "7"], ("--ppo-minibatches", "128")),
-    (["--clip-low", "1.5"], ("--clip-low",)),
-    (["--algo", "grpo", "--group-size", "1"], ("--group-size",)),
-    (["--steps", "0"], ("--steps",)),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--backend", "bogus"], ("--backend", "bogus")),
+        (["--d-model", "30"], ("--d-model", "heads=4")),
+        (["--heads", "0"], ("--heads",)),
+        (["--digits", "1"], ("--held-out", "500")),
+        (["--digits", "9"], ("--digits",)),
+        (["--algo", "ppo", "--ppo-minibatches", "7"], ("--ppo-minibatches", "128")),
+        (["--clip-low", "1.5"], ("--clip-low",)),
+        (["--algo", "grpo", "--group-size", "1"], ("--group-size",)),
+        (["--steps", "0"], ("--steps",)),
+    ],
+)
 def test_impossible_configurations_end_with_one_line(capsys, argv, words):
     _one_line_error(capsys, argv, *words)
 
 
 def test_backend_that_cannot_run_here_ends_with_one_line(capsys, monkeypatch):
     import jaxrl_kernels as jk
+
     missing = [b for b in ("ffi", "pallas") if b not in jk.available_backends("linear_logprobs")]
     if not missing:
         pytest.skip("every backend runs here")
@@ -294,9 +345,12 @@ def test_backend_that_cannot_run_here_ends_with_one_line(capsys, monkeypatch):
 
 def test_bad_resume_path_from_a_shell(tmp_path):
     """As a user sees it: exit status 2, one line on stderr, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "jaxrl_kernels.demo", "--resume",
-                           str(tmp_path / "nowhere")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_kernels.demo", "--resume", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr, proc.stderr
 
@@ -329,34 +383,58 @@ def test_defaults_depend_on_the_algorithm():
     loss that uses it by default; none logged for algorithms without one); the importance
     weight on for ppo; the other defaults as they always were (same default run)."""
     grpo, ppo, gspo, cispo = (Config(algo=a) for a in ("grpo", "ppo", "gspo", "cispo"))
-    assert (grpo.clip_low, grpo.clip_high, grpo.dual_clip, grpo.loss_agg_mode,
-            grpo.rollout_correction) == (0.2, 0.28, None, "token_mean", "none")
+    assert (
+        grpo.clip_low,
+        grpo.clip_high,
+        grpo.dual_clip,
+        grpo.loss_agg_mode,
+        grpo.rollout_correction,
+    ) == (0.2, 0.28, None, "token_mean", "none")
     assert ppo.rollout_correction == "token-truncate" and ppo.dual_clip == 3.0
     assert (gspo.clip_low, gspo.clip_high, gspo.dual_clip, gspo.loss_agg_mode) == (
-        3e-4, 4e-4, None, "seq_mean_token_mean")
+        3e-4,
+        4e-4,
+        None,
+        "seq_mean_token_mean",
+    )
     assert (cispo.dual_clip, cispo.clip_low, cispo.clip_high, cispo.ppo_epochs) == (
-        None, 0.99, 0.28, 1)
+        None,
+        0.99,
+        0.28,
+        1,
+    )
     assert ppo.ppo_epochs == gspo.ppo_epochs == 2
     assert Config(algo="gspo", clip_high=1e-3).clip_high == 1e-3  # given values win
-    assert Config() == Config(algo="grpo", clip_low=0.2, clip_high=0.28, dual_clip=None,
-                              loss_agg_mode="token_mean", rollout_correction="none",
-                              ppo_epochs=2)
+    assert Config() == Config(
+        algo="grpo",
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=None,
+        loss_agg_mode="token_mean",
+        rollout_correction="none",
+        ppo_epochs=2,
+    )
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(algo="reinforce", rollout_correction="token-mask"), "rollout_correction"),
-    (dict(algo="cispo", dual_clip=2.0), "dual_clip"),
-    (dict(algo="grpo", dual_clip=2.0), "dual_clip"),
-    (dict(algo="reinforce", dual_clip=2.0), "dual_clip"),
-    (dict(algo="ppo", rollout_correction="tokens"), "rollout_correction"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(algo="reinforce", rollout_correction="token-mask"), "rollout_correction"),
+        (dict(algo="cispo", dual_clip=2.0), "dual_clip"),
+        (dict(algo="grpo", dual_clip=2.0), "dual_clip"),
+        (dict(algo="reinforce", dual_clip=2.0), "dual_clip"),
+        (dict(algo="ppo", rollout_correction="tokens"), "rollout_correction"),
+    ],
+)
 def test_inconsistent_algorithm_options_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Config(**kwargs)
 
 
-@pytest.mark.parametrize("algo,correction", [("ppo", "sequence-mask"), ("gspo", "token-mask"),
-                                             ("grpo", "sequence-truncate")])
+@pytest.mark.parametrize(
+    "algo,correction",
+    [("ppo", "sequence-mask"), ("gspo", "token-mask"), ("grpo", "sequence-truncate")],
+)
 def test_rollout_correction_runs(warm_params, algo, correction):
     """The sampler's log-probs and the trainer's agree up to rounding here, so the weights are
     1 and nothing is masked; the step runs and moves the policy."""
@@ -400,10 +478,11 @@ def test_choices_are_the_librarys_options():
     docs/api.md) are exactly those the config values take (loss_agg_mode: but the alias)."""
     import jaxrl_kernels as jk
     from jaxrl_kernels.demo import config
+
     assert _valid(lambda v: jk.PolicyLoss(kl_estimator=v)) == algos.KL_ESTIMATORS
     modes = _valid(lambda v: jk.PolicyLoss(loss_agg_mode=v))
-    assert modes[:len(algos.LOSS_AGG_MODES)] == algos.LOSS_AGG_MODES
-    assert modes[len(algos.LOSS_AGG_MODES):] == ("sequence_mean",)
+    assert modes[: len(algos.LOSS_AGG_MODES)] == algos.LOSS_AGG_MODES
+    assert modes[len(algos.LOSS_AGG_MODES) :] == ("sequence_mean",)
     assert _valid(lambda v: jk.DistillLoss(divergence=v)) == config.DIVERGENCES
     assert _valid(lambda v: jk.TopKDistillLoss(tail=v)) == config.TOPK_TAILS
 
@@ -413,20 +492,33 @@ def _traced_warnings(fn, *args) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(fn, *args)
-    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
-            and "jaxrl_kernels" in str(w.message)]
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, DeprecationWarning) and "jaxrl_kernels" in str(w.message)
+    ]
 
 
 def _abstract_state(demo):
-    return jax.eval_shape(lambda: demo.init_state(demo.init_fn(
-        jax.random.key(0), jnp.zeros((1, demo.task.seq_len - 1), jnp.int32))))
+    return jax.eval_shape(
+        lambda: demo.init_state(
+            demo.init_fn(jax.random.key(0), jnp.zeros((1, demo.task.seq_len - 1), jnp.int32))
+        )
+    )
 
 
-@pytest.mark.parametrize("algo,options", [
-    ("grpo", dict(kl_coef=0.02, entropy_coef=0.01, rollout_correction="sequence-mask")),
-    ("ppo", dict(kl_coef=0.02, entropy_coef=0.01)), ("gspo", {}), ("cispo", {}),
-    ("reinforce", dict(kl_coef=0.02, entropy_coef=0.01)), ("best_of_n", {}),
-    ("reward_weighted", {})])
+@pytest.mark.parametrize(
+    "algo,options",
+    [
+        ("grpo", dict(kl_coef=0.02, entropy_coef=0.01, rollout_correction="sequence-mask")),
+        ("ppo", dict(kl_coef=0.02, entropy_coef=0.01)),
+        ("gspo", {}),
+        ("cispo", {}),
+        ("reinforce", dict(kl_coef=0.02, entropy_coef=0.01)),
+        ("best_of_n", {}),
+        ("reward_weighted", {}),
+    ],
+)
 def test_rl_step_passes_options_as_config_values(algo, options):
     """Each algorithm's step (a fresh one, so traced anew) calls the ops with jk.PolicyLoss and
     jk.Groups: no deprecated keyword, and no option an op has no term for (grpo and reinforce
@@ -442,16 +534,29 @@ def test_distill_step_passes_options_as_config_values(topk):
     """The distillation step (whole vocabulary, or a served teacher's top 4) with
     jk.DistillLoss / jk.TopKDistillLoss, for our loss and the materialised one."""
     from jaxrl_kernels.demo import distill_step
+
     cfg = Config(algo="distill", teacher_topk=topk, **TINY)
     demo = Demo(cfg.teacher_config())
     params = _abstract_state(demo)["params"]
-    state = {"params": params, "opt_state": jax.eval_shape(demo.rl_optimizer.init, params),
-             "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    state = {
+        "params": params,
+        "opt_state": jax.eval_shape(demo.rl_optimizer.init, params),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+    }
     for loss in distill_step.LOSSES:
         step = distill_step.make_distill_step(
-            demo.lm, demo.lm, demo.task, demo.rl_optimizer, group_size=cfg.group_size,
-            temperature=cfg.temperature, config=cfg.distill_loss(), backend="chunked",
-            teacher_topk=topk, topk_config=cfg.topk_distill_loss(), loss=loss)
+            demo.lm,
+            demo.lm,
+            demo.task,
+            demo.rl_optimizer,
+            group_size=cfg.group_size,
+            temperature=cfg.temperature,
+            config=cfg.distill_loss(),
+            backend="chunked",
+            teacher_topk=topk,
+            topk_config=cfg.topk_distill_loss(),
+            loss=loss,
+        )
         prompts, sums, key = demo.rl_inputs(0)
         assert _traced_warnings(step, state, params, prompts, sums, key) == [], loss
 
@@ -459,10 +564,28 @@ def test_distill_step_passes_options_as_config_values(topk):
 # ---------------------------------------------------------------------- on-policy distillation
 
 # The TINY teacher (programs shared with the tests above) and a smaller student.
-DISTILL_FLAGS = TINY_FLAGS + ["--algo", "distill", "--steps", "3", "--student-d-model", "16",
-                              "--student-layers", "1", "--student-heads", "2",
-                              "--student-warmup-steps", "3", "--distill-steps", "40",
-                              "--distill-lr", "3e-3", "--timing-runs", "3", "--eval-every", "20"]
+DISTILL_FLAGS = TINY_FLAGS + [
+    "--algo",
+    "distill",
+    "--steps",
+    "3",
+    "--student-d-model",
+    "16",
+    "--student-layers",
+    "1",
+    "--student-heads",
+    "2",
+    "--student-warmup-steps",
+    "3",
+    "--distill-steps",
+    "40",
+    "--distill-lr",
+    "3e-3",
+    "--timing-runs",
+    "3",
+    "--eval-every",
+    "20",
+]
 
 
 @pytest.fixture(scope="module")
@@ -472,6 +595,7 @@ def distill_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("distill") / "run")
     import contextlib
     import io
+
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(DISTILL_FLAGS + ["--out", out]) == 0
@@ -481,14 +605,23 @@ def distill_run(tmp_path_factory):
 @pytest.mark.slow  # the distill_run fixture: ~35 s of CPU
 def test_distill_writes_log_plot_and_checkpoint(distill_run):
     out, printed = distill_run
-    for words in ("held-out accuracy", "teacher", "student before", "student after",
-                  "linear_distill_loss", "materialised jnp loss"):
+    for words in (
+        "held-out accuracy",
+        "teacher",
+        "student before",
+        "student after",
+        "linear_distill_loss",
+        "materialised jnp loss",
+    ):
         assert words in printed, (words, printed)
     with open(os.path.join(out, "log.json")) as f:
         log = json.load(f)
     s = log["summary"]
-    for name in ("teacher_held_out_accuracy", "student_held_out_accuracy_before",
-                 "student_held_out_accuracy_after"):
+    for name in (
+        "teacher_held_out_accuracy",
+        "student_held_out_accuracy_before",
+        "student_held_out_accuracy_after",
+    ):
         assert 0.0 <= s[name] <= 1.0, (name, s[name])
     assert s["distill_loss_backend"] == "chunked" and s["divergence"] == "reverse_kl"
     for loss in ("jaxrl", "materialised"):
@@ -496,7 +629,8 @@ def test_distill_writes_log_plot_and_checkpoint(distill_run):
         assert s["distill_step_timing"][loss]["median_ms"] == s[f"distill_step_ms_{loss}"]
     # The fused loss and the materialised one compute the same divergence on the same batch.
     assert s["distill_step_divergence_difference"] < 1e-4 * max(
-        1.0, s["distill_step_timing"]["jaxrl"]["divergence"])
+        1.0, s["distill_step_timing"]["jaxrl"]["divergence"]
+    )
     # The teacher's grpo run is logged like any run; then the student's warm start and steps.
     assert [r["step"] for r in log["rl"]] == [1, 2, 3] and len(log["student_warm_start"]) == 1
     assert [r["step"] for r in log["distill"]] == list(range(1, 41))
@@ -514,8 +648,13 @@ def test_distill_writes_log_plot_and_checkpoint(distill_run):
 
 @pytest.mark.slow  # the distill_run fixture
 def test_distill_run_cannot_be_resumed(distill_run, capsys):
-    _one_line_error(capsys, ["--resume", distill_run[0], "--steps", "9"], "--resume",
-                    "distill", "cannot be resumed")
+    _one_line_error(
+        capsys,
+        ["--resume", distill_run[0], "--steps", "9"],
+        "--resume",
+        "distill",
+        "cannot be resumed",
+    )
 
 
 def test_distill_fields_are_for_distill_only():
@@ -536,34 +675,45 @@ def test_served_teacher_fields():
     assert cfg.teacher_config() == Config(algo="grpo")
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--divergence", "jsd"], ("--divergence", "only --algo distill")),
-    (["--algo", "distill", "--divergence", "kl"], ("--divergence", "kl")),
-    (["--algo", "distill", "--student-d-model", "30"], ("--student-d-model", "heads=4")),
-    (["--algo", "distill", "--student-layers", "0"], ("--student-layers",)),
-    (["--algo", "distill", "--distill-steps", "0"], ("--distill-steps",)),
-    (["--algo", "distill", "--distill-lr", "0"], ("--distill-lr",)),
-    (["--algo", "distill", "--timing-runs", "0"], ("--timing-runs",)),
-    (["--algo", "distill", "--group-size", "1"], ("--group-size", "grpo")),
-    (["--algo", "distill", "--backend", "pallas"], ("--backend pallas", "linear_distill_loss")),
-    (["--teacher-topk", "4"], ("--teacher-topk", "only --algo distill")),
-    (["--algo", "grpo", "--topk-tail", "bucket"], ("--topk-tail", "only --algo distill")),
-    (["--algo", "distill", "--teacher-topk", "15"], ("--teacher-topk", "vocabulary's 14")),
-    (["--algo", "distill", "--teacher-topk", "-1"], ("--teacher-topk", ">= 0")),
-    (["--algo", "distill", "--topk-tail", "bucket"], ("--topk-tail", "--teacher-topk K > 0")),
-    (["--algo", "distill", "--teacher-topk", "4", "--topk-tail", "all"], ("--topk-tail",)),
-    (["--algo", "distill", "--teacher-topk", "4", "--divergence", "reverse_kl"],
-     ("--divergence", "forward KL", "'reverse_kl'")),
-    (["--algo", "distill", "--teacher-topk", "4", "--backend", "pallas"],
-     ("--backend pallas", "linear_topk_logprobs")),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--divergence", "jsd"], ("--divergence", "only --algo distill")),
+        (["--algo", "distill", "--divergence", "kl"], ("--divergence", "kl")),
+        (["--algo", "distill", "--student-d-model", "30"], ("--student-d-model", "heads=4")),
+        (["--algo", "distill", "--student-layers", "0"], ("--student-layers",)),
+        (["--algo", "distill", "--distill-steps", "0"], ("--distill-steps",)),
+        (["--algo", "distill", "--distill-lr", "0"], ("--distill-lr",)),
+        (["--algo", "distill", "--timing-runs", "0"], ("--timing-runs",)),
+        (["--algo", "distill", "--group-size", "1"], ("--group-size", "grpo")),
+        (["--algo", "distill", "--backend", "pallas"], ("--backend pallas", "linear_distill_loss")),
+        (["--teacher-topk", "4"], ("--teacher-topk", "only --algo distill")),
+        (["--algo", "grpo", "--topk-tail", "bucket"], ("--topk-tail", "only --algo distill")),
+        (["--algo", "distill", "--teacher-topk", "15"], ("--teacher-topk", "vocabulary's 14")),
+        (["--algo", "distill", "--teacher-topk", "-1"], ("--teacher-topk", ">= 0")),
+        (["--algo", "distill", "--topk-tail", "bucket"], ("--topk-tail", "--teacher-topk K > 0")),
+        (["--algo", "distill", "--teacher-topk", "4", "--topk-tail", "all"], ("--topk-tail",)),
+        (
+            ["--algo", "distill", "--teacher-topk", "4", "--divergence", "reverse_kl"],
+            ("--divergence", "forward KL", "'reverse_kl'"),
+        ),
+        (
+            ["--algo", "distill", "--teacher-topk", "4", "--backend", "pallas"],
+            ("--backend pallas", "linear_topk_logprobs"),
+        ),
+    ],
+)
 def test_bad_distill_flags_end_with_one_line(capsys, argv, words):
     _one_line_error(capsys, argv, *words)
 
 
 def test_bad_distill_flag_from_a_shell():
-    proc = subprocess.run([sys.executable, "-m", "jaxrl_kernels.demo", "--algo", "distill",
-                           "--student-heads", "-1"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxrl_kernels.demo", "--algo", "distill", "--student-heads", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "--student-heads" in proc.stderr, proc.stderr
 
@@ -573,23 +723,37 @@ def test_materialised_loss_is_linear_distill_loss(divergence):
     """The timed jnp step computes the same divergence, and gradient, as ours (mixed layouts)."""
     import jaxrl_kernels as jk
     from jaxrl_kernels.demo import distill_step
+
     k = jax.random.split(jax.random.key(1), 5)
     h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
     w, tw = jax.random.normal(k[2], (14, 8)), jax.random.normal(k[3], (12, 14))
     mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
-    opts = dict(config=jk.DistillLoss(divergence=divergence), temperature=0.8,
-                weight_layout="vd", teacher_weight_layout="dv")
+    opts = dict(
+        config=jk.DistillLoss(divergence=divergence),
+        temperature=0.8,
+        weight_layout="vd",
+        teacher_weight_layout="dv",
+    )
     ours = lambda h, w: jk.linear_distill_loss(h, w, th, tw, mask, backend="chunked", **opts)
     jnp_ = lambda h, w: distill_step.materialised_distill_loss(h, w, th, tw, mask, **opts)
-    for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
-                    jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
+    for a, b in zip(
+        jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
+        jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w),
+    ):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 
 
 # The served teacher: the same TINY run, the student trained on the teacher's top-4 only.
-SERVED_FLAGS = DISTILL_FLAGS + ["--teacher-topk", "4", "--topk-tail", "bucket",
-                                "--timing-runs", "1", "--no-progress"]
+SERVED_FLAGS = DISTILL_FLAGS + [
+    "--teacher-topk",
+    "4",
+    "--topk-tail",
+    "bucket",
+    "--timing-runs",
+    "1",
+    "--no-progress",
+]
 
 
 @pytest.mark.slow  # ~18 s of CPU
@@ -600,19 +764,28 @@ def test_distill_from_a_served_teacher(tmp_path):
     pytest.importorskip("matplotlib")
     import contextlib
     import io
+
     out = str(tmp_path / "run")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(SERVED_FLAGS + ["--out", out]) == 0
     printed = printed.getvalue()
-    for words in ("served teacher's top-4 ids, tail bucket", "linear_topk_distill_loss",
-                  "top-4 forward_kl, bucket", "forward_kl to the teacher"):
+    for words in (
+        "served teacher's top-4 ids, tail bucket",
+        "linear_topk_distill_loss",
+        "top-4 forward_kl, bucket",
+        "forward_kl to the teacher",
+    ):
         assert words in printed, (words, printed)
     with open(os.path.join(out, "log.json")) as f:
         log = json.load(f)
     s, steps = log["summary"], log["distill"]
     assert (s["teacher_topk"], s["topk_tail"], s["divergence"], s["distill_loss_op"]) == (
-        4, "bucket", "forward_kl", "linear_topk_distill_loss")
+        4,
+        "bucket",
+        "forward_kl",
+        "linear_topk_distill_loss",
+    )
     assert [r["step"] for r in steps] == list(range(1, 41))
     for r in steps:
         assert np.isfinite([r["topk_loss"], r["divergence"]]).all(), r
@@ -632,24 +805,29 @@ def test_materialised_topk_loss_is_linear_topk_distill_loss(tail):
     the served teacher's reply is lax.top_k of the materialised log-softmax."""
     import jaxrl_kernels as jk
     from jaxrl_kernels.demo import distill_step
+
     k = jax.random.split(jax.random.key(2), 5)
     h, th = jax.random.normal(k[0], (3, 5, 8)), jax.random.normal(k[1], (3, 5, 12))
     w, tw = jax.random.normal(k[2], (8, 14)), jax.random.normal(k[3], (12, 14))
     mask = (jax.random.uniform(k[4], (3, 5)) < 0.7).astype(jnp.float32)
-    served = {loss: distill_step.served_teacher(th, tw, 4, weight_layout="dv", temperature=0.8,
-                                                backend="chunked", loss=loss)
-              for loss in distill_step.LOSSES}
+    served = {
+        loss: distill_step.served_teacher(
+            th, tw, 4, weight_layout="dv", temperature=0.8, backend="chunked", loss=loss
+        )
+        for loss in distill_step.LOSSES
+    }
     np.testing.assert_array_equal(served["jaxrl"][1], served["materialised"][1])
-    np.testing.assert_allclose(served["jaxrl"][0], served["materialised"][0], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(served["jaxrl"][0], served["materialised"][0], rtol=1e-5, atol=1e-6)
     logp, ids = served["jaxrl"]
     ids = ids.at[0, :, 3].set(-1)  # padding
     opts = dict(config=jk.TopKDistillLoss(tail=tail), temperature=0.8, weight_layout="dv")
-    ours = lambda h, w: jk.linear_topk_distill_loss(h, w, ids, logp, mask, backend="chunked",
-                                                    **opts)
-    jnp_ = lambda h, w: distill_step.materialised_topk_distill_loss(h, w, ids, logp, mask,
-                                                                    **opts)
-    for a, b in zip(jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
-                    jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w)):
+    ours = lambda h, w: jk.linear_topk_distill_loss(
+        h, w, ids, logp, mask, backend="chunked", **opts
+    )
+    jnp_ = lambda h, w: distill_step.materialised_topk_distill_loss(h, w, ids, logp, mask, **opts)
+    for a, b in zip(
+        jax.value_and_grad(ours, (0, 1), has_aux=True)(h, w),
+        jax.value_and_grad(jnp_, (0, 1), has_aux=True)(h, w),
+    ):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)

@@ -31,21 +31,31 @@ def specs(op, n_rows, vocab, d=8):
     if op == "ratio_kl":
         return (S((b, t, vocab), F32), S((b, t, vocab), F32), S((b, t), I32), tok, tok), {}
     if op == "grpo_loss":
-        return ((S((b, t, vocab), F32), S((b, t, vocab), F32), S((b, t), I32), tok, S((b,), F32),
-                 tok), {"group_size": 1})
+        return (
+            (S((b, t, vocab), F32), S((b, t, vocab), F32), S((b, t), I32), tok, S((b,), F32), tok),
+            {"group_size": 1},
+        )
     if op == "linear_ppo_loss":
         return (S((b, t, d), F32), S((vocab, d), F32), S((b, t), I32), tok, S((b,), F32), tok), {}
     if op == "linear_grpo_loss":
-        return ((S((b, t, d), F32), S((vocab, d), F32), S((b, t), I32), tok, S((b,), F32), tok),
-                {"group_size": 1})
+        return (
+            (S((b, t, d), F32), S((vocab, d), F32), S((b, t), I32), tok, S((b,), F32), tok),
+            {"group_size": 1},
+        )
     if op == "ppo_loss":
         return (tok, tok, tok, tok), {}
     raise KeyError(op)
 
 
-VOCAB_OPS = ["token_logprobs", "linear_logprobs", "ratio_kl", "grpo_loss", "linear_ppo_loss",
-             "linear_grpo_loss"]
-BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]          # the ops whose documented signature has backend=
+VOCAB_OPS = [
+    "token_logprobs",
+    "linear_logprobs",
+    "ratio_kl",
+    "grpo_loss",
+    "linear_ppo_loss",
+    "linear_grpo_loss",
+]
+BACKEND_OPS = VOCAB_OPS + ["ppo_loss"]  # the ops whose documented signature has backend=
 
 
 def jaxpr(op, args, kwargs, backend):
@@ -66,8 +76,8 @@ def picked_line(op, args, kwargs, name):
 
 
 SMALL = (16, 7)
-ABOVE = (2048, 32769)      # 4 * N * V = 256 MiB + 8 KiB
-AT = (2048, 32768)         # 4 * N * V = 256 MiB exactly (not above)
+ABOVE = (2048, 32769)  # 4 * N * V = 256 MiB + 8 KiB
+AT = (2048, 32768)  # 4 * N * V = 256 MiB exactly (not above)
 
 
 # ----------------------------------------------------------------------------- available_backends
@@ -102,6 +112,7 @@ def test_available_backends_on_cpu_in_the_order_automatic_choice_uses(op):
 
 def test_every_backend_name_is_listed_in_dispatch():
     from jaxrl_kernels import dispatch
+
     assert set(dispatch.BACKENDS) == set(ALL)
 
 
@@ -169,8 +180,9 @@ def test_use_backend_scopes_the_default():
             assert auto_is("token_logprobs", args, kwargs, "reference") or not ON_CPU
         assert auto_is("token_logprobs", args, kwargs, "chunked")
         # an explicit argument beats the scope
-        assert (jaxpr("token_logprobs", args, kwargs, "reference")
-                != jaxpr("token_logprobs", args, kwargs, None))
+        assert jaxpr("token_logprobs", args, kwargs, "reference") != jaxpr(
+            "token_logprobs", args, kwargs, None
+        )
     if ON_CPU:
         assert auto_is("token_logprobs", args, kwargs, "reference")
 
@@ -198,7 +210,7 @@ def test_env_variable(monkeypatch):
     args, kwargs = specs("linear_logprobs", *SMALL)
     monkeypatch.setenv(ENV, "chunked")
     assert auto_is("linear_logprobs", args, kwargs, "chunked")
-    with jk.use_backend("reference"):          # a scope beats the process-wide variable
+    with jk.use_backend("reference"):  # a scope beats the process-wide variable
         assert auto_is("linear_logprobs", args, kwargs, "reference")
     assert picked_line("linear_logprobs", args, kwargs, "chunked")
     monkeypatch.setenv(ENV, "reference")

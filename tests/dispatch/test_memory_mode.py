@@ -30,8 +30,10 @@ TOKENS, MASK = jnp.zeros((B, T)), jnp.ones((B, T))
 ARGS = {  # every public op that takes memory=
     "linear_logprobs": ((HIDDEN, WEIGHT, ACTIONS), {}),
     "linear_ppo_loss": ((HIDDEN, WEIGHT, ACTIONS, TOKENS, TOKENS, MASK), {}),
-    "linear_grpo_loss": ((HIDDEN, WEIGHT, ACTIONS, TOKENS, jnp.arange(B, dtype=jnp.float32),
-                          MASK), {"group_size": 2}),
+    "linear_grpo_loss": (
+        (HIDDEN, WEIGHT, ACTIONS, TOKENS, jnp.arange(B, dtype=jnp.float32), MASK),
+        {"group_size": 2},
+    ),
     "linear_policy_gradient_loss": ((HIDDEN, WEIGHT, ACTIONS, TOKENS, MASK), {}),
     "linear_distill_loss": ((HIDDEN, WEIGHT, HIDDEN, WEIGHT, MASK), {}),
 }
@@ -47,8 +49,9 @@ def memory_line(op="linear_logprobs", **kwargs):
     "lean"."""
     args, extra = ARGS[op]
     text = jk.explain(op, *args, **extra, **kwargs)
-    lines = [l for l in text.splitlines()
-             if l.startswith((f"{op}: memory fast (", "  memory: lean ("))]
+    lines = [
+        l for l in text.splitlines() if l.startswith((f"{op}: memory fast (", "  memory: lean ("))
+    ]
     assert len(lines) == 1, text
     return lines[0]
 
@@ -64,6 +67,7 @@ def lean(source):
 def grads(memory=None):
     def loss(h, w):
         return jnp.sum(jk.linear_logprobs(h, w, ACTIONS, memory=memory) * jnp.arange(T))
+
     return jax.grad(loss, argnums=(0, 1))(HIDDEN, WEIGHT)
 
 
@@ -73,11 +77,14 @@ def assert_same(got, want):
 
 
 def assert_differ(got, want):
-    assert any(not np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-               for g, w in zip(got, want))
+    assert any(
+        not np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        for g, w in zip(got, want)
+    )
 
 
 # -- precedence ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("op", list(ARGS))
 def test_every_op_defaults_to_none_and_follows_the_scope(op):
@@ -136,6 +143,7 @@ def test_byte_budgets_from_the_scope_and_the_variable(monkeypatch):
 
 # -- bad values ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bad", ["medium", "FAST", -1, True, 1.5, jnp.int32(5)])
 def test_a_bad_scope_fails_on_entry_as_the_argument_does(bad):
     with pytest.raises(ValueError) as from_argument:
@@ -144,8 +152,9 @@ def test_a_bad_scope_fails_on_entry_as_the_argument_does(bad):
         with jk.memory_mode(bad):
             pytest.fail("entered a scope with a bad mode")
     assert str(from_scope.value) == str(from_argument.value)
-    assert str(from_scope.value).startswith(("memory: expected 'lean', 'fast' or a byte budget",
-                                             "memory: a byte budget must be >= 0"))
+    assert str(from_scope.value).startswith(
+        ("memory: expected 'lean', 'fast' or a byte budget", "memory: a byte budget must be >= 0")
+    )
 
 
 @pytest.mark.parametrize("bad", ["medium", "FAST", "-1", "1.5", "1e6", " fast"])
@@ -162,17 +171,20 @@ def test_an_explicit_backend_takes_lean_under_a_fast_scope():
     with jk.memory_mode("fast"):
         np.testing.assert_array_equal(
             jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS, backend="chunked"),
-            jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS, backend="chunked", memory="lean"))
+            jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS, backend="chunked", memory="lean"),
+        )
         with pytest.raises(ValueError, match=r"serves memory='lean' only.*memory='fast'"):
             jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS, backend="chunked", memory="fast")
 
 
 # -- under jit and grad --------------------------------------------------------------------------
 
+
 def test_the_scope_decides_the_compiled_memory_under_jit():
     def temp(memory=None):
         def loss(h, w):
             return jnp.sum(jk.linear_logprobs(h, w, ACTIONS, memory=memory))
+
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(HIDDEN, WEIGHT).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -202,8 +214,9 @@ def test_a_function_traced_in_the_scope_keeps_its_mode():
     @jax.jit
     def step(h, w):
         traces.append(None)
-        return jax.grad(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, ACTIONS) * jnp.arange(T)),
-                        argnums=(0, 1))(h, w)
+        return jax.grad(
+            lambda h, w: jnp.sum(jk.linear_logprobs(h, w, ACTIONS) * jnp.arange(T)), argnums=(0, 1)
+        )(h, w)
 
     with jk.memory_mode("fast"):
         inside = step(HIDDEN, WEIGHT)

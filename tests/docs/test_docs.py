@@ -24,8 +24,12 @@ import jaxrl_kernels as jk
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API = (ROOT / "docs" / "api.md").read_text()
 README = (ROOT / "README.md").read_text()
-PAGES = ["README.md", "benchmarks/README.md", "benchmarks/results/README.md",
-         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+PAGES = [
+    "README.md",
+    "benchmarks/README.md",
+    "benchmarks/results/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+]
 # Linked pages another branch adds; each leaves this set when it lands.
 PENDING: set[str] = set()
 OPS = [name for name in jk.__all__ if inspect.isfunction(getattr(jk, name))]
@@ -57,8 +61,9 @@ def code_signature(name: str) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in OPS if n not in ("use_backend", "explain",
-                                                               "available_backends")])
+@pytest.mark.parametrize(
+    "name", [n for n in OPS if n not in ("use_backend", "explain", "available_backends")]
+)
 def test_every_argument_is_documented_as_the_code_has_it(name):
     doc, code = documented_signature(name), code_signature(name)
     for arg, (kind, default) in code.items():
@@ -66,7 +71,8 @@ def test_every_argument_is_documented_as_the_code_has_it(name):
         assert doc[arg][0] == kind, f"{name}({arg}): documented {doc[arg][0]}, code {kind}"
         if default is not None:
             assert doc[arg][1] is not None and ast.literal_eval(doc[arg][1]) == ast.literal_eval(
-                default), f"{name}({arg}): documented default {doc[arg][1]}, code {default}"
+                default
+            ), f"{name}({arg}): documented default {doc[arg][1]}, code {default}"
     positional = lambda sig: [a for a, (kind, _) in sig.items() if kind == "positional"]
     assert positional(doc) == positional(code), f"{name}: positional arguments or their order"
 
@@ -94,6 +100,7 @@ def test_readme_links_the_api_reference():
 
 # -- README ----------------------------------------------------------------------------------
 
+
 def test_readme_is_short():
     assert len(README.splitlines()) <= 150
 
@@ -119,6 +126,7 @@ def test_readme_token_counts_come_from_their_results_file():
 
 
 # -- docstrings --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", jk.__all__)
 def test_public_op_docstring_and_types(name):
@@ -154,6 +162,7 @@ def test_docstring_examples_run(name):
 
 # -- explain, docs/api.md and the demo agree ---------------------------------------------------
 
+
 def _api_block_after(marker: str) -> list[str]:
     start = API.index(marker)
     block = re.search(r"```\n(.*?)```", API[start:], re.S).group(1)
@@ -163,8 +172,11 @@ def _api_block_after(marker: str) -> list[str]:
 def test_explain_example_is_what_explain_prints():
     """docs/api.md's example (CPU, float32, 512 tokens, D = 64, V = 32000), line for line; the
     ffi line depends on whether this install built the extension."""
-    args = (jax.ShapeDtypeStruct((512, 64), jnp.float32),
-            jax.ShapeDtypeStruct((32000, 64), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((512, 64), jnp.float32),
+        jax.ShapeDtypeStruct((32000, 64), jnp.float32),
+        jax.ShapeDtypeStruct((512,), jnp.int32),
+    )
     if jax.default_backend() != "cpu":
         pytest.skip("the documented example is a CPU one")
     got = jk.explain("linear_logprobs", *args).splitlines()
@@ -183,19 +195,35 @@ def test_requested_backend_applies_to_each_piece_it_serves():
     hidden, weight = jnp.zeros((4, 8, 16)), jnp.zeros((64, 16))
     actions, tok = jnp.zeros((4, 8), jnp.int32), jnp.zeros((4, 8))
     with jk.use_backend("chunked"):
-        grpo = jk.explain("linear_grpo_loss", hidden, weight, actions, tok, jnp.zeros(4), tok,
-                          groups=jk.Groups(size=2))
+        grpo = jk.explain(
+            "linear_grpo_loss",
+            hidden,
+            weight,
+            actions,
+            tok,
+            jnp.zeros(4),
+            tok,
+            groups=jk.Groups(size=2),
+        )
         ppo = jk.explain("linear_ppo_loss", hidden, weight, actions, tok, tok, tok)
     with jk.use_backend("ffi"):  # never serves group advantages: chosen automatically
         try:
-            jk.explain("linear_grpo_loss", hidden, weight, actions, tok, jnp.zeros(4), tok,
-                       groups=jk.Groups(size=2))
+            jk.explain(
+                "linear_grpo_loss",
+                hidden,
+                weight,
+                actions,
+                tok,
+                jnp.zeros(4),
+                tok,
+                groups=jk.Groups(size=2),
+            )
         except NotImplementedError as err:  # ffi cannot serve the log-probs here
             assert "linear_grpo_loss: backend 'ffi' cannot serve this call" in str(err)
     for line in ("group_advantages: chunked (requested)", "linear_grpo_loss: chunked (requested)"):
         assert line in grpo, grpo
     assert "ppo_loss: chunked (requested)" in ppo, ppo
-    paragraph = API[API.index("**Asking for one.**"):API.index("**`jk.available_backends")]
+    paragraph = API[API.index("**Asking for one.**") : API.index("**`jk.available_backends")]
     for words in ("`group_advantages`", "PPO surrogate", "(requested)", "(automatic)"):
         assert words in paragraph, words
 
@@ -204,15 +232,20 @@ def test_one_device_layouts_as_documented():
     """With no mesh, reference is plain jnp and a kernel backend enters custom_partitioning;
     docs/api.md "Many devices" says so in explain's own words."""
     h, w, t = jnp.zeros((8, 16)), jnp.zeros((64, 16)), jnp.zeros(8, jnp.int32)
-    auto = jk.explain("linear_logprobs", h, w, t, )
+    auto = jk.explain(
+        "linear_logprobs",
+        h,
+        w,
+        t,
+    )
     with jk.use_backend("chunked"):
         kernel = jk.explain("linear_logprobs", h, w, t)
     layout = lambda text: next(l for l in text.splitlines() if l.startswith("  layout: "))
     assert layout(auto).startswith("  layout: one device: ")
     assert "custom_partitioning" in layout(kernel)
-    section = " ".join(API[API.index("## Many devices"):API.index("## Bad input")].split())
+    section = " ".join(API[API.index("## Many devices") : API.index("## Bad input")].split())
     assert "`layout: one device: ...`" in section
-    prefix = layout(kernel)[len("  layout: "):].split(";")[0]
+    prefix = layout(kernel)[len("  layout: ") :].split(";")[0]
     assert f"`layout: {prefix};" in section, prefix
 
 
@@ -230,14 +263,33 @@ def test_demo_configuration_agrees_with_its_help():
 
 # -- no language of how the repository was made --------------------------------------------------
 
-INTERNAL = re.compile(r"\bissue \d+|\bsession\b|\blent\b|\bcarried\b|(?:beyond|the) core contract|"
-                      r"device tool|METHOD\.md", re.I)
+INTERNAL = re.compile(
+    r"\bissue \d+|\bsession\b|\blent\b|\bcarried\b|(?:beyond|the) core contract|"
+    r"device tool|METHOD\.md",
+    re.I,
+)
 
 
 def test_no_internal_language():
-    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh", "*.toml", "*.txt",
-                            "*.cc", "*.cu", "*.cuh", "*.h", ".ci/run"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        [
+            "git",
+            "ls-files",
+            "*.md",
+            "*.py",
+            "*.sh",
+            "*.toml",
+            "*.txt",
+            "*.cc",
+            "*.cu",
+            "*.cuh",
+            "*.h",
+            ".ci/run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     if not files:
         pytest.skip("not a git checkout")
     hits = []

@@ -75,10 +75,9 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests.support import oracle
+from jaxrl_kernels.engine import fused_distill, fused_loss
 from tests.conftest import random_mask
-from jaxrl_kernels.engine import fused_distill
-from jaxrl_kernels.engine import fused_loss
+from tests.support import oracle
 
 FACTOR, FLOOR = 1.25, 1e-4
 """err_fast <= FACTOR · err_plain + FLOOR (the module docstring)."""
@@ -98,8 +97,7 @@ OPTIONS = {
         "ref_kl": dict(ref=True, beta=0.04),
         "dual_clip": dict(dual_clip=3.0, clip_high=0.28),
         "seq_mean_token_mean": dict(loss_agg_mode="seq_mean_token_mean", temperature=0.9),
-        "seq_mean_token_sum-ref_kl": dict(loss_agg_mode="seq_mean_token_sum", ref=True,
-                                          beta=0.1),
+        "seq_mean_token_sum-ref_kl": dict(loss_agg_mode="seq_mean_token_sum", ref=True, beta=0.1),
     },
     "ppo": {
         "default": dict(),
@@ -117,14 +115,16 @@ OPTIONS = {
     },
     "distill": {
         "forward_kl": dict(divergence="forward_kl"),
-        "reverse_kl": dict(divergence="reverse_kl", loss_agg_mode="seq_mean_token_mean",
-                           temperature=0.8),
+        "reverse_kl": dict(
+            divergence="reverse_kl", loss_agg_mode="seq_mean_token_mean", temperature=0.8
+        ),
         "jsd": dict(divergence="jsd", jsd_beta=0.3, loss_agg_mode="seq_mean_token_sum"),
     },
 }
 
 
 # -- the grids -------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -133,7 +133,7 @@ class Case:
     layout: str
     dtype: str
     vocab: int
-    rows: tuple[int, int]   # [B, T]
+    rows: tuple[int, int]  # [B, T]
     bias: bool
     d: int
     block_rows: int
@@ -141,8 +141,9 @@ class Case:
     @property
     def id(self):
         n = self.rows[0] * self.rows[1]
-        return (f"{self.op}-{self.option}-{self.layout}-{self.dtype}-V{self.vocab}-N{n}"
-                + ("-bias" if self.bias else ""))
+        return f"{self.op}-{self.option}-{self.layout}-{self.dtype}-V{self.vocab}-N{n}" + (
+            "-bias" if self.bias else ""
+        )
 
 
 def gpu_grid(vocabs, rows, *, d, block_rows):
@@ -157,10 +158,22 @@ def gpu_grid(vocabs, rows, *, d, block_rows):
     for op, options in OPTIONS.items():
         names = list(options)
         for (i, layout), (j, dtype), (k, vocab), (l, bt) in itertools.product(
-                enumerate(("vd", "dv")), enumerate(DTYPES), enumerate(vocabs), enumerate(rows)):
+            enumerate(("vd", "dv")), enumerate(DTYPES), enumerate(vocabs), enumerate(rows)
+        ):
             if (i + j + k + l) % 2 == 0:
-                cases.append(Case(op, names[(3 * i + 2 * k + l) % len(names)], layout, dtype,
-                                  vocab, bt, bool((i + j) % 2), d, block_rows))
+                cases.append(
+                    Case(
+                        op,
+                        names[(3 * i + 2 * k + l) % len(names)],
+                        layout,
+                        dtype,
+                        vocab,
+                        bt,
+                        bool((i + j) % 2),
+                        d,
+                        block_rows,
+                    )
+                )
     return cases
 
 
@@ -172,18 +185,34 @@ def half_grid(vocab, rows, *, d, block_rows, extra_vocab):
     cases = []
     for m, (op, options) in enumerate(OPTIONS.items()):
         names = list(options)
-        half = [(layout, dtype, bt) for (i, layout), (j, dtype), (l, bt) in itertools.product(
-            enumerate(("vd", "dv")), enumerate(DTYPES), enumerate(rows)) if (i + j + l) % 2 == 0]
-        cases += [Case(op, names[n % len(names)], layout, dtype, vocab, bt, bool(n % 2), d,
-                       block_rows) for n, (layout, dtype, bt) in enumerate(half)]
-        cases.append(Case(op, names[m % len(names)], ("vd", "dv")[m % 2],
-                          list(DTYPES)[m // 2 % 2], extra_vocab, rows[-1], bool(m % 2), d,
-                          block_rows))
+        half = [
+            (layout, dtype, bt)
+            for (i, layout), (j, dtype), (l, bt) in itertools.product(
+                enumerate(("vd", "dv")), enumerate(DTYPES), enumerate(rows)
+            )
+            if (i + j + l) % 2 == 0
+        ]
+        cases += [
+            Case(op, names[n % len(names)], layout, dtype, vocab, bt, bool(n % 2), d, block_rows)
+            for n, (layout, dtype, bt) in enumerate(half)
+        ]
+        cases.append(
+            Case(
+                op,
+                names[m % len(names)],
+                ("vd", "dv")[m % 2],
+                list(DTYPES)[m // 2 % 2],
+                extra_vocab,
+                rows[-1],
+                bool(m % 2),
+                d,
+                block_rows,
+            )
+        )
     return cases
 
 
-GPU_GRID = gpu_grid((4099, 32003, 50257, 151936), ((1, 1), (3, 7), (8, 9)), d=192,
-                    block_rows=16)
+GPU_GRID = gpu_grid((4099, 32003, 50257, 151936), ((1, 1), (3, 7), (8, 9)), d=192, block_rows=16)
 CPU_GRID = half_grid(4099, ((1, 1), (3, 5), (4, 9)), d=48, block_rows=8, extra_vocab=32003)
 
 
@@ -207,6 +236,7 @@ def test_grids_cover_every_pair():
 
 # -- inputs ----------------------------------------------------------------------------------
 
+
 def as_pair(x64, dtype):
     """A float64 array as a jax array of ``dtype`` and the float64 values that holds."""
     x = jnp.asarray(np.asarray(x64, np.float32)).astype(dtype)
@@ -221,8 +251,12 @@ def head(rng, case, kept, *, d=None, layout=None):
     tokens of one call do); the hidden states are fresh."""
     d, layout, dtype = d or case.d, layout or case.layout, DTYPES[case.dtype]
     if (d, layout) not in kept:
-        w = as_pair(rng.standard_normal((case.vocab, d) if layout == "vd" else (d, case.vocab))
-                    * 2 / np.sqrt(d), dtype)
+        w = as_pair(
+            rng.standard_normal((case.vocab, d) if layout == "vd" else (d, case.vocab))
+            * 2
+            / np.sqrt(d),
+            dtype,
+        )
         b = as_pair(0.5 * rng.standard_normal(case.vocab), dtype) if case.bias else (None,) * 2
         kept[d, layout] = w, b
     w, b = kept[d, layout]
@@ -264,8 +298,9 @@ class Softmax64:
         """The logits' cotangent for cotangents ``g`` of logp and ``g_ent`` of the entropy."""
         g = np.where(self.keep, g, 0.0)[..., None]
         dz = -g * self.p
-        np.put_along_axis(dz, self.t[..., None], np.take_along_axis(dz, self.t[..., None], -1)
-                          + g, -1)
+        np.put_along_axis(
+            dz, self.t[..., None], np.take_along_axis(dz, self.t[..., None], -1) + g, -1
+        )
         if g_ent is not None:
             g_ent = np.where(self.keep, g_ent, 0.0)[..., None]
             dz -= g_ent * self.p * (self.z - self.mean[..., None])
@@ -282,8 +317,9 @@ def test_softmax64_is_the_oracle():
     logp, ent = oracle.token_logprobs(z, t, **kw)
     np.testing.assert_allclose(sm.logp, logp, atol=1e-12)
     np.testing.assert_allclose(sm.entropy, ent, atol=1e-12)
-    np.testing.assert_allclose(sm.vjp(g, g_ent), oracle.token_logprobs_vjp(z, t, g, g_ent, **kw),
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        sm.vjp(g, g_ent), oracle.token_logprobs_vjp(z, t, g, g_ent, **kw), atol=1e-12
+    )
 
 
 def log_ratios(rng, shape, boundaries):
@@ -308,6 +344,7 @@ def boundaries(kw):
 
 
 # -- the plain code, in float32 jax.numpy --------------------------------------------------
+
 
 def product16(h, w, layout):
     """``h·Wᵀ``: the 16-bit logits (float32 accumulation, rounded once to the inputs' dtype)."""
@@ -377,6 +414,7 @@ def plain_k3(logp, ref):
 
 # -- float64 pieces ----------------------------------------------------------------------------
 
+
 def head_vjp64(h64, w64, dz, layout, with_bias):
     """``(d_hidden, d_weight, d_bias | None)`` of the logits' cotangent ``dz`` [..., V]."""
     h2, dz2 = h64.reshape(-1, h64.shape[-1]), dz.reshape(-1, dz.shape[-1])
@@ -393,10 +431,10 @@ def log_softmax64(z):
 def divergence64(zs, zt, divergence, beta):
     """Per row ``(d, ∂d/∂z_s)`` in float64 (docs/api.md "linear_distill_loss")::
 
-        forward_kl  d = Σ p_t (log p_t − log p_s)       ∂d/∂z_s = p_s − p_t
-        reverse_kl  d = Σ p_s (log p_s − log p_t)       ∂d/∂z_s = p_s ⊙ (log p_s − log p_t − d)
-        jsd         d = β KL(p_t‖m) + (1−β) KL(p_s‖m)   ∂d/∂z_s = (1−β) p_s ⊙ (log p_s − log m
-                    m = β p_t + (1−β) p_s                                          − KL(p_s‖m))
+    forward_kl  d = Σ p_t (log p_t − log p_s)       ∂d/∂z_s = p_s − p_t
+    reverse_kl  d = Σ p_s (log p_s − log p_t)       ∂d/∂z_s = p_s ⊙ (log p_s − log p_t − d)
+    jsd         d = β KL(p_t‖m) + (1−β) KL(p_s‖m)   ∂d/∂z_s = (1−β) p_s ⊙ (log p_s − log m
+                m = β p_t + (1−β) p_s                                          − KL(p_s‖m))
     """
     ls, lt = log_softmax64(zs), log_softmax64(zt)
     ps, pt = np.exp(ls), np.exp(lt)
@@ -433,21 +471,22 @@ def cond_scale(*pairs):
 # ``plain(z, bias, data)`` (z: the head's 16-bit logits, ``product16``; bias None without one),
 # each jitted once and run on every draw, and ``draw(rng)``: a Draw of fresh inputs.
 
+
 @dataclasses.dataclass
 class Op:
     fast: object
     plain: object
     draw: object
-    compared: tuple         # the output names held to the rule
+    compared: tuple  # the output names held to the rule
     layout: str
 
 
 @dataclasses.dataclass
 class Draw:
-    primals: tuple          # (hidden, weight) or (hidden, weight, bias)
-    data: dict              # the other arrays fast and plain read, as jit arguments
-    exact: object           # cot -> ({name: (float64 value, scale | None)}, float64 grads)
-    zmax: float             # max |z̃| of the logits (both heads' for distillation)
+    primals: tuple  # (hidden, weight) or (hidden, weight, bias)
+    data: dict  # the other arrays fast and plain read, as jit arguments
+    exact: object  # cot -> ({name: (float64 value, scale | None)}, float64 grads)
+    zmax: float  # max |z̃| of the logits (both heads' for distillation)
 
 
 def logprobs_op(case, kw):
@@ -457,8 +496,9 @@ def logprobs_op(case, kw):
     kept = {}
 
     def fast(h, w, b, data):
-        logp, ent = jk.linear_logprobs(h, w, data["targets"], b, return_entropy=True,
-                                       memory="fast", **lkw)
+        logp, ent = jk.linear_logprobs(
+            h, w, data["targets"], b, return_entropy=True, memory="fast", **lkw
+        )
         return dict(logp=logp, entropy=ent)
 
     def plain(z, b, data):
@@ -474,11 +514,14 @@ def logprobs_op(case, kw):
 
         def exact(cot):
             dz = sm.vjp(cot["logp"], cot["entropy"])
-            return (dict(logp=(sm.logp, None), entropy=(sm.entropy, None)),
-                    head_vjp64(h64, w64, dz, case.layout, case.bias))
+            return (
+                dict(logp=(sm.logp, None), entropy=(sm.entropy, None)),
+                head_vjp64(h64, w64, dz, case.layout, case.bias),
+            )
 
-        return Draw(primals, dict(targets=jnp.asarray(targets, jnp.int32)), exact,
-                    np.abs(sm.z).max())
+        return Draw(
+            primals, dict(targets=jnp.asarray(targets, jnp.int32)), exact, np.abs(sm.z).max()
+        )
 
     return Op(fast, plain, draw, ("logp", "entropy"), case.layout)
 
@@ -496,25 +539,49 @@ def policy_draw(rng, case, kw, kept):
     data = dict(targets=jnp.asarray(acts, jnp.int32), old=old[0], mask=jnp.asarray(mask))
     if kw.get("ref"):
         data["ref"] = ref[0]
-    return dict(primals=primals, h64=h64, w64=w64, sm=sm, old=old[1],
-                ref=ref[1] if kw.get("ref") else None, mask=mask, data=data)
+    return dict(
+        primals=primals,
+        h64=h64,
+        w64=w64,
+        sm=sm,
+        old=old[1],
+        ref=ref[1] if kw.get("ref") else None,
+        mask=mask,
+        data=data,
+    )
 
 
 def grpo_op(case, kw):
     bsz, temp = case.rows[0], kw.get("temperature", 1.0)
-    group = bsz if bsz % 2 else 2   # one group of an odd B, else pairs
-    given = bsz == 1   # a group of one has advantage 0 (no policy gradient): advantages given
-    clip = dict(clip_low=kw.get("clip_low", 0.2), clip_high=kw.get("clip_high", 0.2),
-                dual_clip=kw.get("dual_clip"))
+    group = bsz if bsz % 2 else 2  # one group of an odd B, else pairs
+    given = bsz == 1  # a group of one has advantage 0 (no policy gradient): advantages given
+    clip = dict(
+        clip_low=kw.get("clip_low", 0.2),
+        clip_high=kw.get("clip_high", 0.2),
+        dual_clip=kw.get("dual_clip"),
+    )
     mode, beta = kw.get("loss_agg_mode", "token_mean"), kw.get("beta", 0.0)
     kept = {}
 
     def fast(h, w, b, data):
         group_kw = dict(advantages=data["adv"]) if given else dict(group_size=group)
         loss, pl, kl = jk.linear_grpo_loss(
-            h, w, data["targets"], data["old"], data["rewards"], data["mask"], bias=b,
-            weight_layout=case.layout, ref_logp=data.get("ref"), beta=beta, loss_agg_mode=mode,
-            temperature=temp, memory="fast", **clip, **group_kw)
+            h,
+            w,
+            data["targets"],
+            data["old"],
+            data["rewards"],
+            data["mask"],
+            bias=b,
+            weight_layout=case.layout,
+            ref_logp=data.get("ref"),
+            beta=beta,
+            loss_agg_mode=mode,
+            temperature=temp,
+            memory="fast",
+            **clip,
+            **group_kw,
+        )
         return dict(loss=loss, policy_loss=pl, kl=kl)
 
     def plain(z, b, data):
@@ -523,8 +590,11 @@ def grpo_op(case, kw):
         pg = plain_surrogate(logp, data["old"], a[:, None], **clip)
         kl = plain_k3(logp, data["ref"]) if "ref" in data else jnp.zeros_like(pg)
         wts = plain_weights(data["mask"], mode)
-        return dict(loss=jnp.sum(wts * (pg + beta * kl)), policy_loss=jnp.sum(wts * pg),
-                    kl=jnp.sum(wts * kl))
+        return dict(
+            loss=jnp.sum(wts * (pg + beta * kl)),
+            policy_loss=jnp.sum(wts * pg),
+            kl=jnp.sum(wts * kl),
+        )
 
     def draw(rng):
         x = policy_draw(rng, case, kw, kept)
@@ -534,13 +604,27 @@ def grpo_op(case, kw):
 
         def exact(cot):
             outs, d_logp, _ = oracle._grpo_from_logp(
-                lp, x["ref"], x["old"], rewards[1], x["mask"],
-                group_size=None if given else group, group_boundaries=None,
-                advantages=adv[1] if given else None, beta=beta, kl_estimator="k3",
-                loss_agg_mode=mode, normalize_std=True, eps=1e-6, dt=np.float64, **clip)
+                lp,
+                x["ref"],
+                x["old"],
+                rewards[1],
+                x["mask"],
+                group_size=None if given else group,
+                group_boundaries=None,
+                advantages=adv[1] if given else None,
+                beta=beta,
+                kl_estimator="k3",
+                loss_agg_mode=mode,
+                normalize_std=True,
+                eps=1e-6,
+                dt=np.float64,
+                **clip,
+            )
             names = ("loss", "policy_loss", "kl")
-            values = {n: (v, cond_scale((d_logp(*np.eye(3)[i]), lp)))
-                      for i, (n, v) in enumerate(zip(names, outs))}
+            values = {
+                n: (v, cond_scale((d_logp(*np.eye(3)[i]), lp)))
+                for i, (n, v) in enumerate(zip(names, outs))
+            }
             dz = x["sm"].vjp(d_logp(*(cot[n] for n in names)))
             return values, head_vjp64(x["h64"], x["w64"], dz, case.layout, case.bias)
 
@@ -552,18 +636,32 @@ def grpo_op(case, kw):
 
 def ppo_op(case, kw):
     temp = kw.get("temperature", 1.0)
-    options = dict(clip_low=kw.get("clip_low", 0.2), clip_high=kw.get("clip_high", 0.2),
-                   dual_clip=kw.get("dual_clip"), kl_coef=kw.get("kl_coef", 0.0),
-                   entropy_coef=kw.get("entropy_coef", 0.0),
-                   loss_agg_mode=kw.get("loss_agg_mode", "token_mean"))
+    options = dict(
+        clip_low=kw.get("clip_low", 0.2),
+        clip_high=kw.get("clip_high", 0.2),
+        dual_clip=kw.get("dual_clip"),
+        kl_coef=kw.get("kl_coef", 0.0),
+        entropy_coef=kw.get("entropy_coef", 0.0),
+        loss_agg_mode=kw.get("loss_agg_mode", "token_mean"),
+    )
     clip = {k: options[k] for k in ("clip_low", "clip_high", "dual_clip")}
     kept = {}
 
     def fast(h, w, b, data):
         loss, metrics = jk.linear_ppo_loss(
-            h, w, data["targets"], data["old"], data["adv"], data["mask"], bias=b,
-            weight_layout=case.layout, ref_logp=data.get("ref"), temperature=temp,
-            memory="fast", **options)
+            h,
+            w,
+            data["targets"],
+            data["old"],
+            data["adv"],
+            data["mask"],
+            bias=b,
+            weight_layout=case.layout,
+            ref_logp=data.get("ref"),
+            temperature=temp,
+            memory="fast",
+            **options,
+        )
         return dict(loss=loss, metrics=metrics)
 
     def plain(z, b, data):
@@ -572,8 +670,7 @@ def ppo_op(case, kw):
         if "ref" in data:
             per_token = per_token + options["kl_coef"] * plain_k3(logp, data["ref"])
         per_token = per_token - options["entropy_coef"] * ent
-        return dict(loss=jnp.sum(plain_weights(data["mask"], options["loss_agg_mode"])
-                                 * per_token))
+        return dict(loss=jnp.sum(plain_weights(data["mask"], options["loss_agg_mode"]) * per_token))
 
     def draw(rng):
         x = policy_draw(rng, case, kw, kept)
@@ -582,13 +679,21 @@ def ppo_op(case, kw):
 
         def exact(cot):
             loss, _, d_logp, d_ent, _ = oracle.ppo_loss(
-                sm.logp, x["old"], adv[1], x["mask"], ref_logp=x["ref"],
-                entropy=sm.entropy if with_ent else None, **options)
+                sm.logp,
+                x["old"],
+                adv[1],
+                x["mask"],
+                ref_logp=x["ref"],
+                entropy=sm.entropy if with_ent else None,
+                **options,
+            )
             pairs = [(d_logp, sm.logp)] + ([(d_ent, sm.entropy)] if with_ent else [])
             c = cot["loss"]
             dz = sm.vjp(c * d_logp, None if d_ent is None else c * d_ent)
-            return (dict(loss=(loss, cond_scale(*pairs))),
-                    head_vjp64(x["h64"], x["w64"], dz, case.layout, case.bias))
+            return (
+                dict(loss=(loss, cond_scale(*pairs))),
+                head_vjp64(x["h64"], x["w64"], dz, case.layout, case.bias),
+            )
 
         return Draw(x["primals"], dict(x["data"], adv=adv[0]), exact, np.abs(sm.z).max())
 
@@ -600,9 +705,21 @@ def pg_op(case, kw):
     kept = {}
 
     def fast(h, w, b, data):
-        return dict(loss=jk.linear_policy_gradient_loss(
-            h, w, data["targets"], data["adv"], data["mask"], bias=b, weight_layout=case.layout,
-            temperature=temp, loss_agg_mode=mode, max_len=max_len, memory="fast"))
+        return dict(
+            loss=jk.linear_policy_gradient_loss(
+                h,
+                w,
+                data["targets"],
+                data["adv"],
+                data["mask"],
+                bias=b,
+                weight_layout=case.layout,
+                temperature=temp,
+                loss_agg_mode=mode,
+                max_len=max_len,
+                memory="fast",
+            )
+        )
 
     def plain(z, b, data):
         logp, _ = plain_logprobs(plain_scaled(z, b, temp), data["targets"])
@@ -615,11 +732,14 @@ def pg_op(case, kw):
         sm = x["sm"]
 
         def exact(cot):
-            loss, d_logp = oracle.policy_gradient_loss(sm.logp, adv[1], x["mask"],
-                                                       loss_agg_mode=mode, max_len=max_len)
+            loss, d_logp = oracle.policy_gradient_loss(
+                sm.logp, adv[1], x["mask"], loss_agg_mode=mode, max_len=max_len
+            )
             dz = sm.vjp(cot["loss"] * d_logp)
-            return (dict(loss=(loss, cond_scale((d_logp, sm.logp)))),
-                    head_vjp64(x["h64"], x["w64"], dz, case.layout, case.bias))
+            return (
+                dict(loss=(loss, cond_scale((d_logp, sm.logp)))),
+                head_vjp64(x["h64"], x["w64"], dz, case.layout, case.bias),
+            )
 
         return Draw(x["primals"], dict(x["data"], adv=adv[0]), exact, np.abs(sm.z).max())
 
@@ -636,10 +756,21 @@ def distill_op(case, kw):
 
     def fast(h, w, b, data):
         loss, per_token = jk.linear_distill_loss(
-            h, w, data["t_hidden"], data["t_weight"], data["mask"], divergence=div,
-            jsd_beta=beta, temperature=temp, weight_layout=case.layout,
-            teacher_weight_layout=t_layout, bias=b, teacher_bias=data["t_bias"],
-            loss_agg_mode=mode, memory="fast")
+            h,
+            w,
+            data["t_hidden"],
+            data["t_weight"],
+            data["mask"],
+            divergence=div,
+            jsd_beta=beta,
+            temperature=temp,
+            weight_layout=case.layout,
+            teacher_weight_layout=t_layout,
+            bias=b,
+            teacher_bias=data["t_bias"],
+            loss_agg_mode=mode,
+            memory="fast",
+        )
         return dict(loss=loss, per_token=per_token)
 
     def plain(z, b, data):
@@ -661,13 +792,19 @@ def distill_op(case, kw):
             per_token = np.where(mask != 0, d, 0.0)
             wts = oracle.aggregate_weights(mask, mode)
             coef = np.where(mask != 0, cot["per_token"] + cot["loss"] * wts, 0.0)
-            values = dict(loss=(np.sum(wts * per_token), cond_scale((wts, per_token))),
-                          per_token=(per_token, None))
-            return values, head_vjp64(h64, w64, coef[..., None] * dd / temp, case.layout,
-                                      case.bias)
+            values = dict(
+                loss=(np.sum(wts * per_token), cond_scale((wts, per_token))),
+                per_token=(per_token, None),
+            )
+            return values, head_vjp64(h64, w64, coef[..., None] * dd / temp, case.layout, case.bias)
 
-        data = dict(t_hidden=th, t_weight=tw, t_bias=tb, mask=jnp.asarray(mask),
-                    t_logits=product16(th, tw, t_layout))
+        data = dict(
+            t_hidden=th,
+            t_weight=tw,
+            t_bias=tb,
+            mask=jnp.asarray(mask),
+            t_logits=product16(th, tw, t_layout),
+        )
         return Draw(primals, data, exact, max(np.abs(zs).max(), np.abs(zt).max()))
 
     return Op(fast, plain, draw, ("loss", "per_token"), case.layout)
@@ -705,12 +842,14 @@ class Errors:
     def add(self, name, fast, plain, exact, scale=None):
         exact = np.asarray(exact, np.float64)
         sq = lambda x: float(np.sum((np.asarray(x, np.float64) - exact) ** 2))
-        norm2 = float(np.sum(exact ** 2)) if scale is None else scale ** 2
+        norm2 = float(np.sum(exact**2)) if scale is None else scale**2
         self.sums[name] = self.sums.get(name, np.zeros(3)) + (sq(fast), sq(plain), norm2)
 
     def table(self):
-        return {name: tuple(np.sqrt(s[:2] / (s[2] if s[2] > 0 else 1.0)))
-                for name, s in self.sums.items()}
+        return {
+            name: tuple(np.sqrt(s[:2] / (s[2] if s[2] > 0 else 1.0)))
+            for name, s in self.sums.items()
+        }
 
 
 def small_blocks(monkeypatch, case):
@@ -728,23 +867,25 @@ def errors(case, rng):
     errs, zmax = Errors(), 0.0
     for _ in range(SINGLE_DRAWS if case.rows == (1, 1) else 1):
         draw = op.draw(rng)
-        out_fast, pullback = jax.vjp(lambda h, w, b=None: fast(h, w, b, draw.data),
-                                     *draw.primals)
-        cot = jax.tree.map(lambda o: jnp.asarray(rng.standard_normal(np.shape(o)), o.dtype),
-                           out_fast)
+        out_fast, pullback = jax.vjp(lambda h, w, b=None: fast(h, w, b, draw.data), *draw.primals)
+        cot = jax.tree.map(
+            lambda o: jnp.asarray(rng.standard_normal(np.shape(o)), o.dtype), out_fast
+        )
         if "loss" in cot:  # a signed power of two: the fused losses scale h by it exactly
-            cot["loss"] = jnp.asarray(rng.choice([-1.0, 1.0]) * 2.0 ** rng.integers(-3, 4),
-                                      cot["loss"].dtype)
+            cot["loss"] = jnp.asarray(
+                rng.choice([-1.0, 1.0]) * 2.0 ** rng.integers(-3, 4), cot["loss"].dtype
+            )
         grads_fast = pullback(cot)
         out_plain, pullback = jax.vjp(
-            lambda h, w, b=None: plain_call(tail, op.layout, h, w, b, draw.data), *draw.primals)
+            lambda h, w, b=None: plain_call(tail, op.layout, h, w, b, draw.data), *draw.primals
+        )
         grads_plain = pullback({k: cot[k] for k in op.compared})
-        values, grads_exact = draw.exact({k: np.asarray(cot[k], np.float64)
-                                          for k in op.compared})
+        values, grads_exact = draw.exact({k: np.asarray(cot[k], np.float64) for k in op.compared})
         for name in op.compared:
             errs.add(name, out_fast[name], out_plain[name], *values[name])
-        for name, gf, gp, want, p in zip(("d_hidden", "d_weight", "d_bias"), grads_fast,
-                                         grads_plain, grads_exact, draw.primals):
+        for name, gf, gp, want, p in zip(
+            ("d_hidden", "d_weight", "d_bias"), grads_fast, grads_plain, grads_exact, draw.primals
+        ):
             assert gf.dtype == p.dtype and gf.shape == p.shape, name
             errs.add(name, gf, gp, want)
         if "loss" in out_fast and len(out_fast) > 1:
@@ -752,14 +893,15 @@ def errors(case, rng):
             # so the fused losses take their kept gradient (the cotangents above, on every
             # output, take the recomputed logits)
             argnums = tuple(range(len(draw.primals)))
-            grads_fast = jax.grad(lambda h, w, b=None: fast(h, w, b, draw.data)["loss"],
-                                  argnums)(*draw.primals)
+            grads_fast = jax.grad(lambda h, w, b=None: fast(h, w, b, draw.data)["loss"], argnums)(
+                *draw.primals
+            )
             one = {k: (1.0 if k == "loss" else 0.0) * jnp.ones_like(cot[k]) for k in op.compared}
             grads_plain = pullback(one)
-            _, grads_exact = draw.exact({k: np.asarray(one[k], np.float64)
-                                         for k in op.compared})
-            for name, gf, gp, want in zip(("d_hidden", "d_weight", "d_bias"), grads_fast,
-                                          grads_plain, grads_exact):
+            _, grads_exact = draw.exact({k: np.asarray(one[k], np.float64) for k in op.compared})
+            for name, gf, gp, want in zip(
+                ("d_hidden", "d_weight", "d_bias"), grads_fast, grads_plain, grads_exact
+            ):
                 errs.add(name + " (grad)", gf, gp, want)
         zmax = max(zmax, draw.zmax)
     return errs.table(), (zmax + 1) * float(jnp.finfo(DTYPES[case.dtype]).eps)
@@ -768,11 +910,15 @@ def errors(case, rng):
 def check_case(case, rng, monkeypatch):
     small_blocks(monkeypatch, case)
     table, sanity = errors(case, rng)
-    report = "\n".join(f"  {k:12s} fast {f:.3e}  plain {p:.3e}  bound {FACTOR * p + FLOOR:.3e}"
-                       for k, (f, p) in table.items())
+    report = "\n".join(
+        f"  {k:12s} fast {f:.3e}  plain {p:.3e}  bound {FACTOR * p + FLOOR:.3e}"
+        for k, (f, p) in table.items()
+    )
     bad = [k for k, (f, p) in table.items() if not (f <= FACTOR * p + FLOOR and f <= sanity)]
-    assert not bad, (f"{case.id}: {bad} fail err_fast <= {FACTOR}·err_plain + {FLOOR} and "
-                     f"<= {sanity:.3e}\n{report}")
+    assert not bad, (
+        f"{case.id}: {bad} fail err_fast <= {FACTOR}·err_plain + {FLOOR} and "
+        f"<= {sanity:.3e}\n{report}"
+    )
 
 
 @pytest.mark.parametrize("case", CPU_GRID, ids=lambda c: c.id)
@@ -788,10 +934,12 @@ def test_fast_accuracy_gpu(case, rng, monkeypatch):
 
 # -- at a clip boundary ----------------------------------------------------------------------
 
+
 def flipped_rows(grad, want):
     """Rows of ``d_hidden`` [N, D] that are zero (clipped token) in one and not the other."""
-    return int(np.sum((np.abs(np.asarray(grad, np.float64)).max(-1) == 0)
-                      != (np.abs(want).max(-1) == 0)))
+    return int(
+        np.sum((np.abs(np.asarray(grad, np.float64)).max(-1) == 0) != (np.abs(want).max(-1) == 0))
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
@@ -817,15 +965,19 @@ def test_tokens_at_a_clip_boundary_flip_with_16bit_logits(rng, dtype):
     t = x["data"]["targets"]
 
     def loss(memory):
-        return lambda h: jk.linear_ppo_loss(h, w, t, old[0], adv[0], jnp.asarray(mask),
-                                            clip_high=high, memory=memory)[0]
+        return lambda h: jk.linear_ppo_loss(
+            h, w, t, old[0], adv[0], jnp.asarray(mask), clip_high=high, memory=memory
+        )[0]
 
     @jax.jit
     def tail(z, b, data):
         logp, _ = plain_logprobs(plain_scaled(z, b, 1.0), t)
         return jnp.mean(plain_surrogate(logp, old[0], adv[0][:, None], clip_high=high))
 
-    grads = dict(fast=jax.grad(loss("fast"))(h), lean=jax.grad(loss("lean"))(h),
-                 plain=jax.grad(lambda h: plain_call(tail, "vd", h, w, None, None))(h))
+    grads = dict(
+        fast=jax.grad(loss("fast"))(h),
+        lean=jax.grad(loss("lean"))(h),
+        plain=jax.grad(lambda h: plain_call(tail, "vd", h, w, None, None))(h),
+    )
     flips = {name: flipped_rows(g.reshape(-1, d), want) for name, g in grads.items()}
     assert flips["fast"] >= 1 and flips["plain"] >= 1 and flips["lean"] == 0, flips

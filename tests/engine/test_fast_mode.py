@@ -18,23 +18,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.support import oracle
-from tests.conftest import (assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand,
-                            random_mask)
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import Problem
+from tests.conftest import (
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    pallas_sample,
+    rand,
+    random_mask,
+)
+from tests.support import oracle
+
 
 def _round(x64, dtype):
-    return np.asarray(jnp.asarray(np.asarray(x64, np.float32)).astype(dtype)
-                      .astype(jnp.float32), np.float64)
+    return np.asarray(
+        jnp.asarray(np.asarray(x64, np.float32)).astype(dtype).astype(jnp.float32), np.float64
+    )
 
 
-def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignore, dtype,
-                 loss_cotangent=None):
+def fast_formula(
+    h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignore, dtype, loss_cotangent=None
+):
     """docs/api.md's fast-mode formula in float64 with its two roundings to the head's dtype:
     the kept logits, and the logits' gradient before the GEMMs (the target logit stays
     exact). Returns ((logp, entropy), (d_hidden, d_weight, d_bias | None)).
@@ -69,7 +80,7 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
     db = None if b64 is None else dz2.sum(0)
     dw = dz2.T @ h2 if layout == "vd" else h2.T @ dz2
     if loss_cotangent is not None:  # c scales d_hidden's float32 result and h; d_bias of the
-        c = loss_cotangent          # unrounded dz
+        c = loss_cotangent  # unrounded dz
         dh = c * dh
         h2c = _round(c * h2, dtype)
         dw = dz2.T @ h2c if layout == "vd" else h2c.T @ dz2
@@ -79,8 +90,9 @@ def fast_formula(h64, w64, b64, targets, g, g_ent, *, layout, temperature, ignor
 
 def head(rng, lead, vocab, d, dtype, layout, with_bias):
     hidden, h64 = rand(rng, lead + (d,), dtype)
-    weight, w64 = rand(rng, (vocab, d) if layout == "vd" else (d, vocab), dtype,
-                       scale=2.0 / np.sqrt(d))
+    weight, w64 = rand(
+        rng, (vocab, d) if layout == "vd" else (d, vocab), dtype, scale=2.0 / np.sqrt(d)
+    )
     bias, b64 = rand(rng, (vocab,), dtype, scale=0.5) if with_bias else (None, None)
     targets = rng.integers(0, vocab, size=lead)
     return hidden, h64, weight, w64, bias, b64, targets
@@ -95,22 +107,33 @@ CASES = [  # lead, V, D, temperature, bias
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"]
+)
 @pytest.mark.parametrize("layout", ["vd", "dv"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_fast_linear_logprobs_matches_float64(rng, dtype, layout, case):
     lead, vocab, d, temp, with_bias = CASES[case]
-    hidden, h64, weight, w64, bias, b64, targets = head(rng, lead, vocab, d, dtype, layout,
-                                                        with_bias)
+    hidden, h64, weight, w64, bias, b64, targets = head(
+        rng, lead, vocab, d, dtype, layout, with_bias
+    )
     ignore = -100
     targets = np.where(rng.random(lead) < 0.2, ignore, targets)
     t = jnp.asarray(targets, jnp.int32)
     primals = (hidden, weight) + ((bias,) if with_bias else ())
 
     def f(h, w, b=None):
-        return jk.linear_logprobs(h, w, t, b, weight_layout=layout, temperature=temp,
-                                  ignore_index=ignore, return_entropy=True, memory="fast")
+        return jk.linear_logprobs(
+            h,
+            w,
+            t,
+            b,
+            weight_layout=layout,
+            temperature=temp,
+            ignore_index=ignore,
+            return_entropy=True,
+            memory="fast",
+        )
 
     (logp, ent), vjp = jax.vjp(jax.jit(f), *primals)
     assert_f32(logp, ent)
@@ -129,12 +152,23 @@ def test_fast_linear_logprobs_matches_float64(rng, dtype, layout, case):
         for name, got, w in zip(("d_hidden", "d_weight", "d_bias"), grads, want_g):
             assert_close(got, w, name=name)
         return
-    values, grads_f = fast_formula(h64, w64, b64, targets, g64, ge64, layout=layout,
-                                   temperature=temp, ignore=ignore, dtype=dtype)
+    values, grads_f = fast_formula(
+        h64,
+        w64,
+        b64,
+        targets,
+        g64,
+        ge64,
+        layout=layout,
+        temperature=temp,
+        ignore=ignore,
+        dtype=dtype,
+    )
     assert_close(logp, want[0], in_dtype=dtype, want32=values[0], scale=zs, name="logp")
     assert_close(ent, want[1], in_dtype=dtype, want32=values[1], scale=zs, name="entropy")
-    for name, got, p, w, wf in zip(("d_hidden", "d_weight", "d_bias"), grads, primals, want_g,
-                                   grads_f):
+    for name, got, p, w, wf in zip(
+        ("d_hidden", "d_weight", "d_bias"), grads, primals, want_g, grads_f
+    ):
         assert got.dtype == p.dtype and got.shape == p.shape, name
         assert_close(got, w, in_dtype=dtype, want32=wf, name=name)
 
@@ -144,33 +178,45 @@ def test_fast_linear_logprobs_matches_float64(rng, dtype, layout, case):
 GRPO_OPTIONS = {
     "default": {},
     "ref_dual_k2": dict(ref=True, beta=0.05, kl_estimator="k2", dual_clip=3.0),
-    "gspo": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4,
-                 loss_agg_mode="seq_mean_token_mean"),
-    "cispo_tis_seq_mask": dict(policy_loss="cispo", rollout=True, tis_cap=1.5,
-                               tis_level="sequence", tis_mode="mask", temperature=0.8),
-    "tis_token_sum_norm": dict(rollout=True, tis_cap=2.0,
-                               loss_agg_mode="seq_mean_token_sum_norm"),
+    "gspo": dict(
+        ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, loss_agg_mode="seq_mean_token_mean"
+    ),
+    "cispo_tis_seq_mask": dict(
+        policy_loss="cispo",
+        rollout=True,
+        tis_cap=1.5,
+        tis_level="sequence",
+        tis_mode="mask",
+        temperature=0.8,
+    ),
+    "tis_token_sum_norm": dict(rollout=True, tis_cap=2.0, loss_agg_mode="seq_mean_token_sum_norm"),
     "seq_sum": dict(loss_agg_mode="seq_mean_token_sum", ref=True, beta=0.1),
 }
 PPO_OPTIONS = {
     "default": {},
-    "entropy_kl_dual": dict(entropy_coef=0.05, ref=True, kl_coef=0.1, dual_clip=2.5,
-                            temperature=1.3),
-    "gspo_entropy": dict(ratio_level="sequence", entropy_coef=0.02,
-                         loss_agg_mode="seq_mean_token_mean"),
+    "entropy_kl_dual": dict(
+        entropy_coef=0.05, ref=True, kl_coef=0.1, dual_clip=2.5, temperature=1.3
+    ),
+    "gspo_entropy": dict(
+        ratio_level="sequence", entropy_coef=0.02, loss_agg_mode="seq_mean_token_mean"
+    ),
     "cispo_tis": dict(policy_loss="cispo", rollout=True, tis_cap=2.0, tis_mode="mask"),
-    "tis_seq_sum_norm": dict(rollout=True, tis_cap=1.5, tis_level="sequence",
-                             loss_agg_mode="seq_mean_token_sum_norm"),
+    "tis_seq_sum_norm": dict(
+        rollout=True, tis_cap=1.5, tis_level="sequence", loss_agg_mode="seq_mean_token_sum_norm"
+    ),
 }
 
 
 def loss_inputs(rng, layout, with_bias, b=4, t=5, vocab=37, d=8):
-    hidden, _, weight, _, bias, _, acts = head(rng, (b, t), vocab, d, jnp.float32, layout,
-                                               with_bias)
+    hidden, _, weight, _, bias, _, acts = head(
+        rng, (b, t), vocab, d, jnp.float32, layout, with_bias
+    )
     mask = jnp.asarray(random_mask(rng, b, t, empty_rows=(1,)))
     old = jnp.asarray(-np.log(vocab) + 0.5 * rng.standard_normal((b, t)), jnp.float32)
-    extra = dict(ref_logp=jnp.asarray(old + 0.2 * rng.standard_normal((b, t)), jnp.float32),
-                 rollout_logp=jnp.asarray(old + 0.3 * rng.standard_normal((b, t)), jnp.float32))
+    extra = dict(
+        ref_logp=jnp.asarray(old + 0.2 * rng.standard_normal((b, t)), jnp.float32),
+        rollout_logp=jnp.asarray(old + 0.3 * rng.standard_normal((b, t)), jnp.float32),
+    )
     return hidden, weight, bias, jnp.asarray(acts, jnp.int32), old, mask, extra
 
 
@@ -208,8 +254,9 @@ def assert_same_vjp(f, primals, rng):
 PALLAS_GRPO = {(o, ("vd", "dv")[i % 2]) for i, o in enumerate(GRPO_OPTIONS)}
 
 
-@pytest.mark.parametrize("options,layout", pallas_sample(PALLAS_GRPO, list(GRPO_OPTIONS),
-                                                         ["vd", "dv"]))
+@pytest.mark.parametrize(
+    "options,layout", pallas_sample(PALLAS_GRPO, list(GRPO_OPTIONS), ["vd", "dv"])
+)
 def test_linear_grpo_loss_fast_equals_lean(backend, rng, options, layout):
     hidden, weight, bias, acts, old, mask, extra = loss_inputs(rng, layout, options != "default")
     rewards = jnp.asarray(rng.integers(0, 2, 4), jnp.float32)
@@ -218,8 +265,20 @@ def test_linear_grpo_loss_fast_equals_lean(backend, rng, options, layout):
 
     def f(h, w, b=None, *, memory):
         with jk.use_backend(backend):
-            return jk.linear_grpo_loss(h, w, acts, old, rewards, mask, bias=b, group_size=2,
-                                       weight_layout=layout, memory=memory, **kw, **backend_kw)
+            return jk.linear_grpo_loss(
+                h,
+                w,
+                acts,
+                old,
+                rewards,
+                mask,
+                bias=b,
+                group_size=2,
+                weight_layout=layout,
+                memory=memory,
+                **kw,
+                **backend_kw,
+            )
 
     assert_same_vjp(f, (hidden, weight) + ((bias,) if bias is not None else ()), rng)
 
@@ -233,23 +292,25 @@ def test_linear_ppo_loss_fast_equals_lean(backend, rng, options):
 
     def f(h, w, b, *, memory):
         with jk.use_backend(backend):
-            return jk.linear_ppo_loss(h, w, acts, old, adv, mask, bias=b, weight_layout=layout,
-                                      memory=memory, **kw)
+            return jk.linear_ppo_loss(
+                h, w, acts, old, adv, mask, bias=b, weight_layout=layout, memory=memory, **kw
+            )
 
     assert_same_vjp(f, (hidden, weight, bias), rng)
 
 
 # -- linear_policy_gradient_loss --------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                  "seq_mean_token_sum_norm"])
+
+@pytest.mark.parametrize(
+    "mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+)
 @pytest.mark.parametrize("memory", ["lean", "fast"])
 def test_linear_policy_gradient_loss_matches_float64(backend, rng, mode, memory):
     if memory == "fast" and backend != "reference":
         pytest.skip("memory='fast' takes no backend: run once")
     b, t, vocab, d = 3, 4, 29, 8
-    hidden, h64, weight, w64, bias, b64, acts = head(rng, (b, t), vocab, d, jnp.float32, "vd",
-                                                     True)
+    hidden, h64, weight, w64, bias, b64, acts = head(rng, (b, t), vocab, d, jnp.float32, "vd", True)
     mask64 = random_mask(rng, b, t, empty_rows=(2,))
     adv64 = rng.standard_normal(b)
     temp = 0.9
@@ -258,12 +319,24 @@ def test_linear_policy_gradient_loss_matches_float64(backend, rng, mode, memory)
     def f(h, w, bb):
         kw2 = dict(kw, bias=bb)
         if memory == "fast":
-            return jk.linear_policy_gradient_loss(h, w, jnp.asarray(acts), jnp.asarray(adv64,
-                                                  jnp.float32), jnp.asarray(mask64),
-                                                  memory="fast", **kw2)
-        return jk.linear_policy_gradient_loss(h, w, jnp.asarray(acts),
-                                              jnp.asarray(adv64, jnp.float32),
-                                              jnp.asarray(mask64), backend=backend, **kw2)
+            return jk.linear_policy_gradient_loss(
+                h,
+                w,
+                jnp.asarray(acts),
+                jnp.asarray(adv64, jnp.float32),
+                jnp.asarray(mask64),
+                memory="fast",
+                **kw2,
+            )
+        return jk.linear_policy_gradient_loss(
+            h,
+            w,
+            jnp.asarray(acts),
+            jnp.asarray(adv64, jnp.float32),
+            jnp.asarray(mask64),
+            backend=backend,
+            **kw2,
+        )
 
     loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(hidden, weight, bias)
     assert_f32(loss)
@@ -280,8 +353,9 @@ def test_linear_policy_gradient_loss_sft_is_the_masked_nll(rng):
     """A = 1: plain NLL / SFT, token-mean over the response mask."""
     hidden, h64, weight, w64, _, _, acts = head(rng, (2, 5), 11, 4, jnp.float32, "dv", False)
     mask = jnp.asarray(random_mask(rng, 2, 5, empty_rows=()))
-    loss = jk.linear_policy_gradient_loss(hidden, weight, jnp.asarray(acts), jnp.ones(2), mask,
-                                          weight_layout="dv")
+    loss = jk.linear_policy_gradient_loss(
+        hidden, weight, jnp.asarray(acts), jnp.ones(2), mask, weight_layout="dv"
+    )
     lp, _ = oracle.linear_logprobs(h64, w64, acts, weight_layout="dv")
     m = np.asarray(mask, np.float64)
     assert_close(loss, -(lp * m).sum() / m.sum(), scale=5.0, name="nll")
@@ -298,11 +372,11 @@ def test_linear_policy_gradient_loss_bad_input(rng):
     with pytest.raises(ValueError, match="hidden"):
         jk.linear_policy_gradient_loss(hidden[0], weight, acts[0], jnp.ones(2), mask)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        jk.linear_policy_gradient_loss(hidden, weight, acts, jnp.ones(2), mask,
-                                       loss_agg_mode="sum")
+        jk.linear_policy_gradient_loss(hidden, weight, acts, jnp.ones(2), mask, loss_agg_mode="sum")
 
 
 # -- transformations and sharding -------------------------------------------------------------
+
 
 def test_fast_under_vmap(rng):
     hidden, _, weight, _, bias, _, acts = head(rng, (3, 6), 41, 8, jnp.float32, "vd", True)
@@ -325,8 +399,11 @@ def test_fast_under_vmap(rng):
         assert_close(a, np.asarray(b, np.float64), name="vmap gradient")
 
 
-LAYOUTS = {"rows": (("data", None), None), "vocab": ((None, None), "model"),
-           "both": (("data", None), "model")}
+LAYOUTS = {
+    "rows": (("data", None), None),
+    "vocab": ((None, None), "model"),
+    "both": (("data", None), "model"),
+}
 
 
 @pytest.mark.parametrize("kind", ["Auto", "Explicit"])
@@ -344,16 +421,22 @@ def test_fast_sharded_equals_unsharded(rng, kind, layout):
     rows, vocab_axis = LAYOUTS[layout]
 
     def loss(h, w, bb, acts, old, mask):
-        out = jk.linear_grpo_loss(h, w, acts, old, rewards, mask, bias=bb, group_size=2,
-                                  memory="fast", dual_clip=3.0)
+        out = jk.linear_grpo_loss(
+            h, w, acts, old, rewards, mask, bias=bb, group_size=2, memory="fast", dual_clip=3.0
+        )
         return out[0] + 0.5 * out[1]
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     want = fn(hidden, weight, bias, acts, old, mask)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    args = (put(hidden, P(*rows, None)), put(weight, P(vocab_axis, None)),
-            put(bias, P(vocab_axis)), put(acts, P(*rows)), put(old, P(*rows)),
-            put(mask, P(*rows)))
+    args = (
+        put(hidden, P(*rows, None)),
+        put(weight, P(vocab_axis, None)),
+        put(bias, P(vocab_axis)),
+        put(acts, P(*rows)),
+        put(old, P(*rows)),
+        put(mask, P(*rows)),
+    )
     got = fn(*args)
     for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(a, np.asarray(b_, np.float64), scale=1.0, name="sharded")
@@ -367,17 +450,22 @@ def test_fast_inside_shard_map_with_vocab_axis(rng):
         pytest.skip("needs 8 devices")
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     n, vocab, d = 8, 256, 8
-    hidden, h64, weight, w64, bias, b64, targets = head(rng, (n,), vocab, d, jnp.float32, "vd",
-                                                        True)
+    hidden, h64, weight, w64, bias, b64, targets = head(
+        rng, (n,), vocab, d, jnp.float32, "vd", True
+    )
     t = jnp.asarray(targets, jnp.int32)
 
     def local(h, w, b, t):
-        return jk.linear_logprobs(h, w, t, b, return_entropy=True, vocab_axis="model",
-                                  memory="fast")
+        return jk.linear_logprobs(
+            h, w, t, b, return_entropy=True, vocab_axis="model", memory="fast"
+        )
 
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("model"), P("model"),
-                                                       P("data")),
-                           out_specs=(P("data"), P("data")))
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P("data"), P("model"), P("model"), P("data")),
+        out_specs=(P("data"), P("data")),
+    )
 
     def loss(h, w, b):
         lp, ent = mapped(h, w, b, t)
@@ -386,7 +474,8 @@ def test_fast_inside_shard_map_with_vocab_axis(rng):
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     t = put(t, P("data"))
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-        put(hidden, P("data")), put(weight, P("model")), put(bias, P("model")))
+        put(hidden, P("data")), put(weight, P("model")), put(bias, P("model"))
+    )
     t = jnp.asarray(targets, jnp.int32)
 
     def plain(h, w, b):
@@ -400,6 +489,7 @@ def test_fast_inside_shard_map_with_vocab_axis(rng):
 
 # -- the memory choice -------------------------------------------------------------------------
 
+
 def test_memory_budget_and_explain(rng):
     hidden, _, weight, _, _, _, acts = head(rng, (4, 8), 100, 16, jnp.bfloat16, "vd", False)
     acts = jnp.asarray(acts)
@@ -407,14 +497,25 @@ def test_memory_budget_and_explain(rng):
     args = (hidden, weight, acts)
     assert "memory: lean (memory='lean')" in jk.explain("linear_logprobs", *args)
     text = jk.explain("linear_logprobs", *args, memory="fast")
-    assert text.startswith("linear_logprobs: memory fast (memory='fast'): the head's logits kept "
-                           "as bfloat16 [4, 8, 100]"), text
+    assert text.startswith(
+        "linear_logprobs: memory fast (memory='fast'): the head's logits kept "
+        "as bfloat16 [4, 8, 100]"
+    ), text
     assert "3 per forward+backward" in text
     assert "memory fast" in jk.explain("linear_logprobs", *args, memory=kept)
     assert "memory: lean (memory=" in jk.explain("linear_logprobs", *args, memory=kept - 1)
     old = jnp.zeros((4, 8))
-    text = jk.explain("linear_grpo_loss", hidden, weight, acts, old, jnp.ones(4), jnp.ones((4, 8)),
-                      group_size=2, memory="fast")
+    text = jk.explain(
+        "linear_grpo_loss",
+        hidden,
+        weight,
+        acts,
+        old,
+        jnp.ones(4),
+        jnp.ones((4, 8)),
+        group_size=2,
+        memory="fast",
+    )
     assert "\nlinear_grpo_loss: memory fast" in text, text
     with jk.use_backend("chunked"):
         text = jk.explain("linear_logprobs", *args, memory="fast")
@@ -446,19 +547,27 @@ def test_fast_mode_chooses_who_makes_the_kept_logits(rng, op, monkeypatch):
     lines = text.splitlines()  # the op's layout under the op's line, not under kept_logits'
     at_op = next(i for i, line in enumerate(lines) if line.startswith(f"{op}: memory fast"))
     assert lines[at_op + 1].startswith("  layout: "), text
-    monkeypatch.setattr(ffi, "BACKEND", dataclasses.replace(ffi.BACKEND,
-                                                           unavailable_reason=lambda: None))
+    monkeypatch.setattr(
+        ffi, "BACKEND", dataclasses.replace(ffi.BACKEND, unavailable_reason=lambda: None)
+    )
     assert "\nkept_logits: ffi (automatic)" in call(many)
-    problem = Problem(n_rows=4 * many, vocab=96, hidden_dim=16, dtype="bfloat16",
-                      weight_dtype="bfloat16")
+    problem = Problem(
+        n_rows=4 * many, vocab=96, hidden_dim=16, dtype="bfloat16", weight_dtype="bfloat16"
+    )
     request = memory_lib.Request("fast", 1, (4 * many, 96), jnp.bfloat16)
-    assert dispatch.resolve(op, problem, memory=request,
-                            kept="kept_logits").impl is ffi_linear.kept_logits
+    assert (
+        dispatch.resolve(op, problem, memory=request, kept="kept_logits").impl
+        is ffi_linear.kept_logits
+    )
     text = call(many - 1)
-    assert ("\nkept_logits: reference (automatic)" in text
-            and f"ffi declined: {4 * many - 4} rows < {4 * many}" in text), text
+    assert (
+        "\nkept_logits: reference (automatic)" in text
+        and f"ffi declined: {4 * many - 4} rows < {4 * many}" in text
+    ), text
     text = call(many, jnp.float32)
-    assert "\nkept_logits: reference (automatic)" in text and "ffi declined: hidden is float32" in text
+    assert (
+        "\nkept_logits: reference (automatic)" in text and "ffi declined: hidden is float32" in text
+    )
 
 
 @pytest.mark.parametrize("op", ["linear_logprobs", "linear_grpo_loss", "linear_distill_loss"])
@@ -468,10 +577,18 @@ def test_explain_keeps_a_budgets_reason(rng, op):
     hidden, _, weight, _, _, _, acts = head(rng, (4, 8), 100, 16, jnp.bfloat16, "vd", False)
     acts = jnp.asarray(acts)
     kept = 4 * 8 * 100 * 2
-    args = {"linear_logprobs": (hidden, weight, acts),
-            "linear_grpo_loss": (hidden, weight, acts, jnp.zeros((4, 8)), jnp.ones(4),
-                                 jnp.ones((4, 8))),
-            "linear_distill_loss": (hidden, weight, hidden, weight, jnp.ones((4, 8)))}[op]
+    args = {
+        "linear_logprobs": (hidden, weight, acts),
+        "linear_grpo_loss": (
+            hidden,
+            weight,
+            acts,
+            jnp.zeros((4, 8)),
+            jnp.ones(4),
+            jnp.ones((4, 8)),
+        ),
+        "linear_distill_loss": (hidden, weight, hidden, weight, jnp.ones((4, 8))),
+    }[op]
     extra = {"group_size": 2} if op == "linear_grpo_loss" else {}
     text = jk.explain(op, *args, memory=kept - 1, **extra)
     lines = [l for l in text.splitlines() if "memory" in l]
@@ -484,9 +601,15 @@ def test_explain_keeps_a_budgets_reason(rng, op):
     assert f"\n{op}: memory fast (memory={kept}: a budget of " in "\n" + fast, fast
 
 
-@pytest.mark.parametrize("memory,match", [("medium", "memory: expected 'lean', 'fast'"),
-                                          (-1, "budget must be >= 0"), (True, "memory"),
-                                          (1.5, "memory")])
+@pytest.mark.parametrize(
+    "memory,match",
+    [
+        ("medium", "memory: expected 'lean', 'fast'"),
+        (-1, "budget must be >= 0"),
+        (True, "memory"),
+        (1.5, "memory"),
+    ],
+)
 def test_memory_bad_values(rng, memory, match):
     hidden, _, weight, _, _, _, acts = head(rng, (3,), 10, 4, jnp.float32, "vd", False)
     with pytest.raises(ValueError, match=match):
@@ -509,6 +632,7 @@ def test_fast_keeps_the_logits_and_lean_does_not(rng):
     def temp(memory):
         def loss(h, w):
             return jnp.sum(jk.linear_logprobs(h, w, t, backend=None, memory=memory))
+
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, weight).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -522,8 +646,17 @@ def test_fully_masked_rows_get_no_gradient_fast(rng):
     hidden, _, weight, _, bias, _, acts = head(rng, (2, 3), 9, 4, jnp.float32, "vd", True)
 
     def f(h, w, bb):
-        loss, _ = jk.linear_ppo_loss(h, w, jnp.asarray(acts), jnp.zeros((2, 3)), jnp.ones(2),
-                                     jnp.zeros((2, 3)), bias=bb, entropy_coef=0.1, memory="fast")
+        loss, _ = jk.linear_ppo_loss(
+            h,
+            w,
+            jnp.asarray(acts),
+            jnp.zeros((2, 3)),
+            jnp.ones(2),
+            jnp.zeros((2, 3)),
+            bias=bb,
+            entropy_coef=0.1,
+            memory="fast",
+        )
         return loss
 
     loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(hidden, weight, bias)
@@ -533,6 +666,7 @@ def test_fully_masked_rows_get_no_gradient_fast(rng):
 
 
 # -- on a GPU: XLA's GEMM (cuBLAS) rounds its float32 accumulator to the head's dtype -----------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -545,8 +679,9 @@ def test_gpu_fast_matches_its_float64_formula(dtype, layout):
     g, g_ent = cotangent(rng, (n,)), cotangent(rng, (n,))
 
     def f(h, w, b):
-        return jk.linear_logprobs(h, w, t, b, weight_layout=layout, temperature=temp,
-                                  return_entropy=True, memory="fast")
+        return jk.linear_logprobs(
+            h, w, t, b, weight_layout=layout, temperature=temp, return_entropy=True, memory="fast"
+        )
 
     (logp, ent), vjp = jax.vjp(jax.jit(f), hidden, weight, bias)
     grads = vjp((g, g_ent))
@@ -554,8 +689,9 @@ def test_gpu_fast_matches_its_float64_formula(dtype, layout):
     want = oracle.linear_logprobs(h64, w64, targets, b64, **kw)
     g64, ge64 = np.asarray(g, np.float64), np.asarray(g_ent, np.float64)
     want_g = oracle.linear_logprobs_vjp(h64, w64, targets, g64, ge64, b64, **kw)
-    values, grads_f = fast_formula(h64, w64, b64, targets, g64, ge64, layout=layout,
-                                   temperature=temp, ignore=-100, dtype=dtype)
+    values, grads_f = fast_formula(
+        h64, w64, b64, targets, g64, ge64, layout=layout, temperature=temp, ignore=-100, dtype=dtype
+    )
     zs = np.abs(oracle.linear_logits(h64, w64, b64, weight_layout=layout)).max() / temp
     assert_close(logp, want[0], in_dtype=dtype, want32=values[0], scale=zs, name="logp")
     assert_close(ent, want[1], in_dtype=dtype, want32=values[1], scale=zs, name="entropy")

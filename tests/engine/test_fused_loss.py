@@ -12,12 +12,18 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests.support import oracle
 from jaxrl_kernels.engine import fused_loss
 from tests.conftest import as_jnp, assert_close, assert_zero, cotangent, random_mask
 from tests.engine.test_fast_mode import fast_formula
-from tests.ops.test_linear_losses import (GRPO_OPTIONS, PPO_OPTIONS, _grads_check, _head_case,
-                                          _split_options, make_head)
+from tests.ops.test_linear_losses import (
+    GRPO_OPTIONS,
+    PPO_OPTIONS,
+    _grads_check,
+    _head_case,
+    _split_options,
+    make_head,
+)
+from tests.support import oracle
 
 # float32 heads here: with 16-bit heads the kept logits are rounded (docs/api.md, memory=
 # "fast"), which moves clipped ratios across the clip bounds; bfloat16 is checked on losses
@@ -27,21 +33,40 @@ LAYOUTS = ["vd", "dv"]
 
 def _ppo_case(rng, options, dtype, layout):
     x = make_head(rng, 4, 5, 37, 8, dtype, layout, with_bias=options != "default")
-    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = \
+    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = (
         _head_case(x)
+    )
     b, t = acts.shape
     adv, adv64 = as_jnp(rng.standard_normal(b), jnp.float32)
-    lib_kw, orc_kw = _split_options(rng, x, PPO_OPTIONS[options], rollout=lambda _: (
-        "rollout_logp", as_jnp(old64 + 0.3 * rng.standard_normal((b, t)), jnp.float32)))
+    lib_kw, orc_kw = _split_options(
+        rng,
+        x,
+        PPO_OPTIONS[options],
+        rollout=lambda _: (
+            "rollout_logp",
+            as_jnp(old64 + 0.3 * rng.standard_normal((b, t)), jnp.float32),
+        ),
+    )
 
     def f(*p):
-        return jk.linear_ppo_loss(p[0], p[1], actions, old, adv, mask,
-                                  bias=p[2] if len(p) > 2 else None, weight_layout=layout,
-                                  memory="fast", **lib_kw)
+        return jk.linear_ppo_loss(
+            p[0],
+            p[1],
+            actions,
+            old,
+            adv,
+            mask,
+            bias=p[2] if len(p) > 2 else None,
+            weight_layout=layout,
+            memory="fast",
+            **lib_kw,
+        )
 
     def want(dt):
-        return oracle.linear_ppo_loss(h64, w64, acts, old64, adv64, m64, bias=b64,
-                                      weight_layout=layout, dt=dt, **orc_kw)
+        return oracle.linear_ppo_loss(
+            h64, w64, acts, old64, adv64, m64, bias=b64, weight_layout=layout, dt=dt, **orc_kw
+        )
+
     return f, primals, want
 
 
@@ -52,30 +77,44 @@ def test_ppo_loss_gradient_in_the_forward(rng, options, layout):
     dtype = jnp.float32
     f, primals, want = _ppo_case(rng, options, dtype, layout)
     c = float(cotangent(rng, ()))
-    grads = jax.jit(jax.grad(lambda *p: c * f(*p)[0], argnums=tuple(range(len(primals)))))(
-        *primals)
+    grads = jax.jit(jax.grad(lambda *p: c * f(*p)[0], argnums=tuple(range(len(primals)))))(*primals)
     _grads_check(grads, primals, want(np.float64)[2](c), want(np.float32)[2](c), dtype)
 
 
 def _grpo_case(rng, options, dtype, layout):
     x = make_head(rng, 4, 5, 37, 8, dtype, layout, with_bias=options != "default")
-    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = \
+    (h, h64), (w, w64), (bias, b64), (actions, acts), (mask, m64), (old, old64), primals = (
         _head_case(x)
+    )
     b = acts.shape[0]
     rewards, r64 = as_jnp(rng.standard_normal(b), jnp.float32)
     lib_kw, orc_kw = _split_options(
-        rng, x, GRPO_OPTIONS[options],
+        rng,
+        x,
+        GRPO_OPTIONS[options],
         advantages=lambda _: ("advantages", as_jnp(rng.standard_normal(b), jnp.float32)),
-        group_boundaries=lambda v: ("group_boundaries", (jnp.asarray(v), v)))
+        group_boundaries=lambda v: ("group_boundaries", (jnp.asarray(v), v)),
+    )
 
     def f(*p):
-        return jk.linear_grpo_loss(p[0], p[1], actions, old, rewards, mask,
-                                   bias=p[2] if len(p) > 2 else None, weight_layout=layout,
-                                   memory="fast", **lib_kw)
+        return jk.linear_grpo_loss(
+            p[0],
+            p[1],
+            actions,
+            old,
+            rewards,
+            mask,
+            bias=p[2] if len(p) > 2 else None,
+            weight_layout=layout,
+            memory="fast",
+            **lib_kw,
+        )
 
     def want(dt):
-        return oracle.linear_grpo_loss(h64, w64, acts, old64, r64, m64, bias=b64,
-                                       weight_layout=layout, dt=dt, **orc_kw)
+        return oracle.linear_grpo_loss(
+            h64, w64, acts, old64, r64, m64, bias=b64, weight_layout=layout, dt=dt, **orc_kw
+        )
+
     return f, primals, want
 
 
@@ -110,16 +149,35 @@ def test_policy_gradient_loss_bf16_gradient_in_the_forward(rng, mode, layout):
     c = float(cotangent(rng, ()))
 
     def loss(h, w, bb):
-        return c * jk.linear_policy_gradient_loss(h, w, actions, adv, mask, bias=bb,
-                                                  weight_layout=layout, loss_agg_mode=mode,
-                                                  max_len=6, memory="fast")
+        return c * jk.linear_policy_gradient_loss(
+            h,
+            w,
+            actions,
+            adv,
+            mask,
+            bias=bb,
+            weight_layout=layout,
+            loss_agg_mode=mode,
+            max_len=6,
+            memory="fast",
+        )
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*primals)
     d_lp = -c * np.broadcast_to(adv64[:, None], (b, t)) * oracle.aggregate_weights(m64, mode, 6)
     want = oracle.linear_logprobs_vjp(h64, w64, acts, d_lp, None, b64, weight_layout=layout)
-    _, want_fast = fast_formula(h64, w64, b64, acts, d_lp / c, np.zeros_like(d_lp),
-                                layout=layout, temperature=1.0, ignore=-1, dtype=jnp.bfloat16,
-                                loss_cotangent=c)
+    _, want_fast = fast_formula(
+        h64,
+        w64,
+        b64,
+        acts,
+        d_lp / c,
+        np.zeros_like(d_lp),
+        layout=layout,
+        temperature=1.0,
+        ignore=-1,
+        dtype=jnp.bfloat16,
+        loss_cotangent=c,
+    )
     _grads_check(grads, primals, want, want_fast, jnp.bfloat16)
 
 
@@ -132,9 +190,20 @@ def test_entropy_bonus_and_no_loss_cotangent(rng):
 
     def metric(memory):
         def fn(h, w, bb):
-            _, m = jk.linear_ppo_loss(h, w, actions, old, adv, mask, bias=bb, entropy_coef=0.1,
-                                      weight_layout="dv", memory=memory)
+            _, m = jk.linear_ppo_loss(
+                h,
+                w,
+                actions,
+                old,
+                adv,
+                mask,
+                bias=bb,
+                entropy_coef=0.1,
+                weight_layout="dv",
+                memory=memory,
+            )
             return m["entropy"] + 2.0 * m["ratio_mean"]
+
         return jax.grad(fn, argnums=(0, 1, 2))(*primals)
 
     for got, want in zip(metric("fast"), metric("lean")):
@@ -155,8 +224,7 @@ def test_under_vmap_and_jit(rng):
         return jk.linear_grpo_loss(h, w, a, o, r, m, group_size=2, memory="fast")[0]
 
     def batched(h, w):
-        return jnp.sum(jax.vmap(one, in_axes=(0, None, 0, 0, 0, 0))(h, w, acts, old, mask,
-                                                                     rewards))
+        return jnp.sum(jax.vmap(one, in_axes=(0, None, 0, 0, 0, 0))(h, w, acts, old, mask, rewards))
 
     def looped(h, w):
         return sum(one(h[i], w, acts[i], old[i], mask[i], rewards[i]) for i in range(n_prob))
@@ -172,8 +240,17 @@ def test_all_masked_rows_get_no_gradient(rng):
     h, w, bb = x["hidden"][0], x["weight"][0], x["bias"][0]
 
     def f(h, w, bb):
-        return jk.linear_grpo_loss(h, w, x["actions"][0], x["old_logp"][0], jnp.ones(2),
-                                   jnp.zeros((2, 3)), bias=bb, group_size=2, memory="fast")[0]
+        return jk.linear_grpo_loss(
+            h,
+            w,
+            x["actions"][0],
+            x["old_logp"][0],
+            jnp.ones(2),
+            jnp.zeros((2, 3)),
+            bias=bb,
+            group_size=2,
+            memory="fast",
+        )[0]
 
     loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, bb)
     assert float(loss) == 0.0
@@ -183,8 +260,14 @@ def test_all_masked_rows_get_no_gradient(rng):
 
 def test_explain_says_the_gradient_is_taken_in_the_forward(rng):
     x = make_head(rng, 2, 3, 11, 4, jnp.float32, "vd", with_bias=False)
-    args = (x["hidden"][0], x["weight"][0], x["actions"][0], x["old_logp"][0], jnp.ones(2),
-            x["mask"][0])
+    args = (
+        x["hidden"][0],
+        x["weight"][0],
+        x["actions"][0],
+        x["old_logp"][0],
+        jnp.ones(2),
+        x["mask"][0],
+    )
     text = jk.explain("linear_grpo_loss", *args, group_size=2, memory="fast")
     assert "the loss's gradient taken in the forward" in text, text
     lean = jk.explain("linear_grpo_loss", *args, group_size=2)
@@ -192,6 +275,7 @@ def test_explain_says_the_gradient_is_taken_in_the_forward(rng):
 
 
 # -- on a GPU: one [N, V] buffer in the head's dtype, and bf16 accuracy -------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -209,8 +293,9 @@ def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
     rewards, r64 = as_jnp(rng.standard_normal(b), jnp.float32)
 
     def loss(h, w, memory):
-        return jk.linear_grpo_loss(h, w, actions, old, rewards, mask, group_size=4,
-                                   weight_layout=layout, memory=memory)[0]
+        return jk.linear_grpo_loss(
+            h, w, actions, old, rewards, mask, group_size=4, weight_layout=layout, memory=memory
+        )[0]
 
     def temp(fn):
         compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(h, w).compile()
@@ -218,17 +303,29 @@ def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
 
     kept = b * t * vocab * 2
     fused = temp(lambda h, w: loss(h, w, "fast"))
-    saved = temp(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, actions, weight_layout=layout,
-                                                         memory="fast")))
+    saved = temp(
+        lambda h, w: jnp.sum(jk.linear_logprobs(h, w, actions, weight_layout=layout, memory="fast"))
+    )
     # one [N, V] buffer, plus at most one row block's float32 work
     assert kept <= fused <= kept + fused_loss.ROW_BLOCK_BYTES, (fused, kept)
     assert fused < saved, (fused, saved)
     grads = jax.jit(jax.grad(lambda h, w: loss(h, w, "fast"), argnums=(0, 1)))(h, w)
-    outs, w_vjp, _ = oracle.linear_grpo_loss(h64, w64, acts, old64, r64, m64, group_size=4,
-                                             weight_layout=layout)
+    outs, w_vjp, _ = oracle.linear_grpo_loss(
+        h64, w64, acts, old64, r64, m64, group_size=4, weight_layout=layout
+    )
     d_lp = _grpo_logp_cotangent(h64, w64, acts, old64, r64, m64, layout)
-    _, want_fast = fast_formula(h64, w64, None, acts, d_lp, np.zeros_like(d_lp), layout=layout,
-                                temperature=1.0, ignore=-1, dtype=jnp.bfloat16)
+    _, want_fast = fast_formula(
+        h64,
+        w64,
+        None,
+        acts,
+        d_lp,
+        np.zeros_like(d_lp),
+        layout=layout,
+        temperature=1.0,
+        ignore=-1,
+        dtype=jnp.bfloat16,
+    )
     _grads_check(grads, primals, w_vjp(1.0, 0.0, 0.0), want_fast, jnp.bfloat16)
 
 

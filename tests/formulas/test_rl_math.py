@@ -6,13 +6,27 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from tests.conftest import (
+    as_jnp,
+    assert_close,
+    assert_f32,
+    assert_zero,
+    call,
+    cotangent,
+    dtype_id,
+    rand,
+    random_mask,
+)
 from tests.support import oracle
-from tests.conftest import (as_jnp, assert_close, assert_f32, assert_zero, call, cotangent,
-                            dtype_id, rand, random_mask)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-MODES = ["token_mean", "seq_mean_token_mean", "sequence_mean", "seq_mean_token_sum",
-         "seq_mean_token_sum_norm"]
+MODES = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "sequence_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+]
 
 
 # ----------------------------------------------------------------------------- kl_penalty
@@ -130,17 +144,21 @@ def test_aggregate_sequence_mean_alias(backend, rng):
 # (B, group_size, group_boundaries)
 GROUPINGS = [
     (8, 4, None),
-    (6, 1, None),                    # every group is a group of one
+    (6, 1, None),  # every group is a group of one
     (6, 6, None),
-    (7, None, [0, 3, 4, 7]),         # a group of one in the middle
+    (7, None, [0, 3, 4, 7]),  # a group of one in the middle
     (5, None, [0, 1, 5]),
     (5, None, [0, 5]),
     (1, None, [0, 1]),
 ]
 
 
-STD_OPTIONS = [(True, 0, 1e-6, jnp.float32), (True, 1, 1e-3, jnp.float32),
-               (False, 0, 1e-6, jnp.float32), (True, 0, 1e-6, jnp.bfloat16)]
+STD_OPTIONS = [
+    (True, 0, 1e-6, jnp.float32),
+    (True, 1, 1e-3, jnp.float32),
+    (False, 0, 1e-6, jnp.float32),
+    (True, 0, 1e-6, jnp.bfloat16),
+]
 
 
 STD_IDS = ["std", "std_ddof1", "nostd", "std-bf16"]
@@ -152,18 +170,31 @@ def _advantage_cases():
     for i, (b, size, bounds) in enumerate(GROUPINGS):
         grouping = f"size{size}" if size else "bounds" + "/".join(map(str, bounds))
         for j, (options, sid) in enumerate(zip(STD_OPTIONS, STD_IDS)):
-            yield pytest.param(b, size, bounds, *options, id=f"{b}-{grouping}-{sid}",
-                               marks=() if i % len(STD_OPTIONS) == j else pytest.mark.pallas_slow)
+            yield pytest.param(
+                b,
+                size,
+                bounds,
+                *options,
+                id=f"{b}-{grouping}-{sid}",
+                marks=() if i % len(STD_OPTIONS) == j else pytest.mark.pallas_slow,
+            )
 
 
-@pytest.mark.parametrize("b,group_size,group_boundaries,normalize_std,std_ddof,eps,dtype",
-                         list(_advantage_cases()))
+@pytest.mark.parametrize(
+    "b,group_size,group_boundaries,normalize_std,std_ddof,eps,dtype", list(_advantage_cases())
+)
 @pytest.mark.op("group_advantages")
-def test_group_advantages(backend, rng, b, group_size, group_boundaries, normalize_std, std_ddof,
-                          eps, dtype):
+def test_group_advantages(
+    backend, rng, b, group_size, group_boundaries, normalize_std, std_ddof, eps, dtype
+):
     r, r64 = rand(rng, (b,), dtype, scale=2.0, loc=0.5)
-    kw = dict(group_size=group_size, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps,
-              group_boundaries=None if group_boundaries is None else jnp.asarray(group_boundaries))
+    kw = dict(
+        group_size=group_size,
+        normalize_std=normalize_std,
+        std_ddof=std_ddof,
+        eps=eps,
+        group_boundaries=None if group_boundaries is None else jnp.asarray(group_boundaries),
+    )
     okw = dict(kw, group_boundaries=group_boundaries)
     adv, vjp = jax.vjp(lambda x: call(jk.group_advantages, backend, x, **kw), r)
     assert_f32(adv)
@@ -172,8 +203,14 @@ def test_group_advantages(backend, rng, b, group_size, group_boundaries, normali
     want32 = oracle.group_advantages(r64, dt=np.float32, **okw)
     # adv = (r - mean) / std cancels: condition factor 1 + max|r| / max|r - mean|.
     cond = 1 + np.abs(r64).max() / max(np.abs(r64 - r64.mean()).max(), 1e-30)
-    assert_close(adv, want, in_dtype=dtype, want32=want32, scale=cond * np.abs(want).max(initial=0),
-                 name="advantages")
+    assert_close(
+        adv,
+        want,
+        in_dtype=dtype,
+        want32=want32,
+        scale=cond * np.abs(want).max(initial=0),
+        name="advantages",
+    )
     singletons = _singletons(b, group_size, group_boundaries)
     assert_zero(np.asarray(adv)[singletons], "advantage of a group of one")
 
@@ -184,8 +221,14 @@ def test_group_advantages(backend, rng, b, group_size, group_boundaries, normali
     want_g = oracle.group_advantages_vjp(r64, np.asarray(g), **okw)
     # The float32 formula error of the analytic VJP is not computed: bound the f32 error by the
     # f32 tolerance itself (the low-precision rule then adds its 1e-3).
-    assert_close(dr, want_g, in_dtype=dtype, want32=want_g,
-                 scale=cond * np.abs(want_g).max(initial=0), name="d_rewards")
+    assert_close(
+        dr,
+        want_g,
+        in_dtype=dtype,
+        want32=want_g,
+        scale=cond * np.abs(want_g).max(initial=0),
+        name="d_rewards",
+    )
     assert_zero(np.asarray(dr)[singletons], "gradient of a group of one")
 
 

@@ -25,7 +25,7 @@ class TinyLM(nn.Module):
         self.ln1, self.ln2, self.ln3 = nn.LayerNorm(), nn.LayerNorm(), nn.LayerNorm()
         self.attn = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=DIM)
         self.up, self.down = nn.Dense(2 * DIM), nn.Dense(DIM)
-        self.head = nn.Dense(VOCAB)        # kernel [D, V]: weight_layout="dv"
+        self.head = nn.Dense(VOCAB)  # kernel [D, V]: weight_layout="dv"
 
     def hidden(self, tokens):
         x = self.embed(tokens)
@@ -49,8 +49,8 @@ def _setup():
     assert 1000 < n_params < 10000, n_params
     inputs, actions = tokens[:, :-1], tokens[:, 1:]
     mask = np.ones((B, T), np.float32)
-    mask[1, T // 2:] = 0          # a shorter sequence
-    mask[5, :] = 0                # an empty one
+    mask[1, T // 2 :] = 0  # a shorter sequence
+    mask[5, :] = 0  # an empty one
     logits0 = jax.jit(MODEL.apply)(params, inputs)
     old_logp = jax.jit(lambda l: jk.token_logprobs(l, actions, backend="reference"))(logits0)
     # reward: how often the sequence picks an even token
@@ -65,9 +65,18 @@ def _ppo_loss_fn(backend, inputs, actions, mask, old_logp, rewards):
     def loss_fn(params):
         hidden = MODEL.apply(params, inputs, method=TinyLM.hidden)
         head = params["params"]["head"]
-        loss, metrics = jk.linear_ppo_loss(hidden, head["kernel"], actions, old_logp, adv, mask,
-                                           bias=head["bias"], weight_layout="dv",
-                                           entropy_coef=0.01, backend=backend)
+        loss, metrics = jk.linear_ppo_loss(
+            hidden,
+            head["kernel"],
+            actions,
+            old_logp,
+            adv,
+            mask,
+            bias=head["bias"],
+            weight_layout="dv",
+            entropy_coef=0.01,
+            backend=backend,
+        )
         return loss, metrics
 
     return loss_fn
@@ -76,14 +85,23 @@ def _ppo_loss_fn(backend, inputs, actions, mask, old_logp, rewards):
 def _grpo_loss_fn(backend, inputs, actions, mask, old_logp, rewards, ref_logits):
     def loss_fn(params):
         logits = MODEL.apply(params, inputs)
-        loss, policy_loss, kl = jk.grpo_loss(logits, ref_logits, actions, old_logp, rewards, mask,
-                                             group_size=GROUP, beta=0.04, backend=backend)
+        loss, policy_loss, kl = jk.grpo_loss(
+            logits,
+            ref_logits,
+            actions,
+            old_logp,
+            rewards,
+            mask,
+            group_size=GROUP,
+            beta=0.04,
+            backend=backend,
+        )
         return loss, (policy_loss, kl)
 
     return loss_fn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _train(kind, backend):
     """20 jitted adam steps from the same start; returns the losses and the first gradient."""
     params, inputs, actions, mask, old_logp, rewards, logits0 = _setup()

@@ -24,16 +24,18 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxrl_kernels as jk  # noqa: E402
-from tests.support import tunix_support as ts  # noqa: E402
 from jaxrl_kernels.integrations import tunix as jt  # noqa: E402
+from tests.support import tunix_support as ts  # noqa: E402
 
 VOCAB = 61  # odd, so a [D, V] weight and a [V, D] table are told apart by shape
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {family: ts.make_model(family, VOCAB, seed=i)
-            for i, family in enumerate(("qwen3", "qwen3_tied", "gemma3"))}
+    return {
+        family: ts.make_model(family, VOCAB, seed=i)
+        for i, family in enumerate(("qwen3", "qwen3_tied", "gemma3"))
+    }
 
 
 def compare(model, example, config, tunix_name, ours_name, **ours_kwargs):
@@ -48,20 +50,29 @@ def compare(model, example, config, tunix_name, ours_name, **ours_kwargs):
 # temperature (1, 0 = "none" in tunix, others), sampler IS weights, old log-probs None,
 # advantages [B] and [B, T], packed sequences. Every example has an empty completion row.
 GRPO_CASES = {
-    "token-mean": (dict(loss_algo="grpo", beta=0.04, kl_loss_mode="kl"),
-                   1.0, ts.ExampleSpec()),
+    "token-mean": (dict(loss_algo="grpo", beta=0.04, kl_loss_mode="kl"), 1.0, ts.ExampleSpec()),
     "sequence-mean-token-mean": (
         dict(loss_algo="gspo-token", beta=0.0, epsilon_high=0.28, kl_loss_mode="low_var_kl"),
-        0.7, ts.ExampleSpec(old=False, sampler_is=True)),
+        0.7,
+        ts.ExampleSpec(old=False, sampler_is=True),
+    ),
     "sequence-mean-token-scale": (
-        dict(loss_algo="grpo", beta=0.04, epsilon_c=3.0, kl_loss_mode="mse_kl",
-             kl_clamp_value=0.05), 0.0, ts.ExampleSpec(sampler_is=True, token_advantages=True)),
+        dict(
+            loss_algo="grpo", beta=0.04, epsilon_c=3.0, kl_loss_mode="mse_kl", kl_clamp_value=0.05
+        ),
+        0.0,
+        ts.ExampleSpec(sampler_is=True, token_advantages=True),
+    ),
     "seq-mean-token-sum": (
         dict(loss_algo="gspo-token", beta=None, epsilon=0.1, epsilon_high=0.3, epsilon_c=2.0),
-        1.3, ts.ExampleSpec(ref=False)),
+        1.3,
+        ts.ExampleSpec(ref=False),
+    ),
     "sequence-mean-token-sum-norm": (
         dict(loss_algo="grpo", beta=0.1, kl_loss_mode="low_var_kl", kl_clamp_value=0.2),
-        1.0, ts.ExampleSpec(old=False, sampler_is=True)),
+        1.0,
+        ts.ExampleSpec(old=False, sampler_is=True),
+    ),
 }
 
 
@@ -87,16 +98,14 @@ def test_grpo_packed_sequences_match_tunix(models):
 
 PPO_CASES = {
     "plain": dict(),
-    "entropy_dual_clip": dict(entropy_coef=0.01, epsilon_c=3.0, epsilon_low=0.1,
-                              epsilon_high=0.3),
+    "entropy_dual_clip": dict(entropy_coef=0.01, epsilon_c=3.0, epsilon_low=0.1, epsilon_high=0.3),
 }
 
 
 @pytest.mark.parametrize("case", list(PPO_CASES))
 def test_ppo_options_match_tunix(models, case):
     model = models["qwen3"]
-    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=3,
-                              ppo=True)
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=3, ppo=True)
     _, aux, _ = compare(model, example, ts.ppo_config(**PPO_CASES[case]), "ppo", "jaxrl_ppo")
     assert ("loss/entropy" in aux) == (case == "entropy_dual_clip")
 
@@ -111,8 +120,7 @@ class KLConfig:
 
 def test_ppo_kl_coef_matches_tunix(models):
     model = models["qwen3"]
-    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=4,
-                              ppo=True)
+    example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=4, ppo=True)
     _, aux, _ = compare(model, example, KLConfig(), "ppo", "jaxrl_ppo")
     assert "kl" in aux
 
@@ -121,15 +129,21 @@ def test_ppo_kl_coef_matches_tunix(models):
 def test_model_families_match_tunix(models, family, lean):
     """Tied-embedding heads ([V, D]), one family per CPU backend: GRPO, and PPO with entropy."""
     model = models[family]
-    grpo = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
-                          kl_loss_mode="low_var_kl", epsilon_c=3.0)
-    example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=5,
-                              temperature=0.7)
+    grpo = ts.grpo_config(
+        0.7,
+        loss_agg_mode="sequence-mean-token-mean",
+        beta=0.04,
+        kl_loss_mode="low_var_kl",
+        epsilon_c=3.0,
+    )
+    example = ts.make_example(
+        model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=5, temperature=0.7
+    )
     compare(model, example, grpo, "grpo", "jaxrl_grpo", backend=lean)
-    ppo_example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=6,
-                                  ppo=True)
-    compare(model, ppo_example, ts.ppo_config(entropy_coef=0.05), "ppo", "jaxrl_ppo",
-            backend=lean)
+    ppo_example = ts.make_example(
+        model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=6, ppo=True
+    )
+    compare(model, ppo_example, ts.ppo_config(entropy_coef=0.05), "ppo", "jaxrl_ppo", backend=lean)
 
 
 @pytest.mark.parametrize("case", ["grpo-gspo", "grpo-packed", "ppo-entropy"])
@@ -139,8 +153,7 @@ def test_fast_memory_matches_tunix(models, case):
     model = models["qwen3"]
     if case == "grpo-gspo":
         options, temperature, spec = GRPO_CASES["sequence-mean-token-mean"]
-        config = ts.grpo_config(temperature, loss_agg_mode="sequence-mean-token-mean",
-                                **options)
+        config = ts.grpo_config(temperature, loss_agg_mode="sequence-mean-token-mean", **options)
         example = ts.make_example(model, VOCAB, spec, seed=8, temperature=temperature)
         compare(model, example, config, "grpo", "jaxrl_grpo", memory="fast")
     elif case == "grpo-packed":
@@ -148,10 +161,17 @@ def test_fast_memory_matches_tunix(models, case):
         example = ts.make_example(model, VOCAB, ts.ExampleSpec(packed=True, completion_len=9))
         compare(model, example, config, "grpo", "jaxrl_grpo", memory="fast")
     else:
-        example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=9,
-                                  ppo=True)
-        _, aux, _ = compare(model, example, ts.ppo_config(**PPO_CASES["entropy_dual_clip"]),
-                            "ppo", "jaxrl_ppo", memory="fast")
+        example = ts.make_example(
+            model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=9, ppo=True
+        )
+        _, aux, _ = compare(
+            model,
+            example,
+            ts.ppo_config(**PPO_CASES["entropy_dual_clip"]),
+            "ppo",
+            "jaxrl_ppo",
+            memory="fast",
+        )
         assert "loss/entropy" in aux
 
 
@@ -167,11 +187,13 @@ def test_gpu_automatic_backend_matches_tunix():
     """On a GPU the automatic backend (pallas; ffi declines float32) against tunix's loss, both
     with float32 matmuls at full precision."""
     model = ts.make_model("qwen3_tied", 1031)
-    config = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
-                            kl_loss_mode="low_var_kl")
+    config = ts.grpo_config(
+        0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04, kl_loss_mode="low_var_kl"
+    )
     with jax.default_matmul_precision("highest"):
-        example = ts.make_example(model, 1031, ts.ExampleSpec(batch=8, completion_len=64),
-                                  temperature=0.7)
+        example = ts.make_example(
+            model, 1031, ts.ExampleSpec(batch=8, completion_len=64), temperature=0.7
+        )
         compare(model, example, config, "grpo", "jaxrl_grpo")
 
 
@@ -189,16 +211,31 @@ def test_other_families_qualify():
     from tunix.models.gemma import model as gemma
     from tunix.models.qwen2 import model as qwen2
 
-    config = qwen2.ModelConfig(num_layers=1, vocab_size=VOCAB, embed_dim=16, hidden_dim=24,
-                               num_heads=2, head_dim=8, num_kv_heads=1, rope_theta=10_000,
-                               norm_eps=1e-6)
+    config = qwen2.ModelConfig(
+        num_layers=1,
+        vocab_size=VOCAB,
+        embed_dim=16,
+        hidden_dim=24,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+    )
     model = qwen2.Qwen2(config, rngs=nnx.Rngs(0))
     jt.check_model(model)
     assert jt.find_head(model).layout == "dv"
     config = dataclasses.replace(
-        gemma.ModelConfig.gemma_2b(), num_layers=1, num_embed=VOCAB, embed_dim=16,
-        hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1,
-        attention_types=(gemma.AttentionType.GLOBAL,))
+        gemma.ModelConfig.gemma_2b(),
+        num_layers=1,
+        num_embed=VOCAB,
+        embed_dim=16,
+        hidden_dim=24,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        attention_types=(gemma.AttentionType.GLOBAL,),
+    )
     model = gemma.Gemma(config, rngs=nnx.Rngs(0))
     jt.check_model(model)
     assert jt.find_head(model).layout == "vd"
@@ -220,14 +257,17 @@ def test_sampler_matched_losses(models, case):
     model = models["qwen3"]
     algo = case.split("-")[0]
     if algo == "grpo":
-        config = ts.grpo_config(SAMPLER.temperature, loss_agg_mode="token-mean", beta=0.04,
-                                kl_loss_mode="low_var_kl")
-        example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=11,
-                                  temperature=SAMPLER.temperature)
+        config = ts.grpo_config(
+            SAMPLER.temperature, loss_agg_mode="token-mean", beta=0.04, kl_loss_mode="low_var_kl"
+        )
+        example = ts.make_example(
+            model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=11, temperature=SAMPLER.temperature
+        )
     else:  # tunix's PPO loss takes temperature 1; sampler-matched, the sampler's
         config = ts.ppo_config(entropy_coef=0.05, epsilon_c=3.0)
-        example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=12,
-                                  ppo=True)
+        example = ts.make_example(
+            model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=12, ppo=True
+        )
     name = jt.sampler_matched_loss(f"jaxrl_{algo}", SAMPLER)
     assert name == f"jaxrl_{algo}[temperature=0.7,top_k=5,top_p=0.8]"
     kwargs = dict(memory="fast") if case == "grpo-fast" else {}
@@ -249,14 +289,17 @@ def test_sampler_matched_logprob_pass(models):
     example = ts.make_example(model, VOCAB, ts.ExampleSpec(), seed=13)
     graphdef, state = nnx.split(model)
     args = (graphdef, state, example.prompt_ids, example.completion_ids)
-    got = np.asarray(jt.compute_per_token_logps(*args, ts.PAD_ID, ts.EOS_ID,
-                                                temperature=SAMPLER.temperature,
-                                                sampler=SAMPLER.sampler))
+    got = np.asarray(
+        jt.compute_per_token_logps(
+            *args, ts.PAD_ID, ts.EOS_ID, temperature=SAMPLER.temperature, sampler=SAMPLER.sampler
+        )
+    )
     logits = ts.tunix_logits(*args)
     want = np.asarray(ts.processed_logprobs(logits, example.completion_ids, SAMPLER))
     np.testing.assert_allclose(got, want, atol=ts.RTOL * float(np.max(np.abs(want))))
-    full = np.asarray(jk.token_logprobs(logits, example.completion_ids,
-                                        temperature=SAMPLER.temperature))
+    full = np.asarray(
+        jk.token_logprobs(logits, example.completion_ids, temperature=SAMPLER.temperature)
+    )
     assert np.min(got - full) > -1e-5 and np.mean(got - full) > 0.05  # lse - lse(kept) >= 0
 
 
@@ -270,8 +313,9 @@ def test_sampler_settings(models):
         return jt.SamplerSettings.from_rollout_config(base_rollout.RolloutConfig(**options))
 
     assert settings() == jt.SamplerSettings(0.9)  # tunix's defaults: top_p 1.0, top_k None
-    assert settings(temperature=1.0, top_k=50, top_p=0.95) == \
-        jt.SamplerSettings(1.0, top_k=50, top_p=0.95)
+    assert settings(temperature=1.0, top_k=50, top_p=0.95) == jt.SamplerSettings(
+        1.0, top_k=50, top_p=0.95
+    )
     for off in (None, 0, -1):
         assert settings(top_k=off).top_k is None
     assert settings(top_p=None).top_p is None and settings(top_p=1.0).truncation is None
@@ -280,14 +324,20 @@ def test_sampler_settings(models):
         settings(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         settings(top_p=0.0)
-    for bad in (dict(temperature=0.0), dict(temperature=1.0, top_k=0),
-                dict(temperature=1.0, top_p=1.5), dict(temperature=1.0, min_p=-0.1)):
+    for bad in (
+        dict(temperature=0.0),
+        dict(temperature=1.0, top_k=0),
+        dict(temperature=1.0, top_p=1.5),
+        dict(temperature=1.0, min_p=-0.1),
+    ):
         with pytest.raises(ValueError):
             jt.SamplerSettings(**bad)
     # the vanilla engine samples greedily when top_p is None: refused there, not elsewhere
     config = base_rollout.RolloutConfig(top_p=None, top_k=8)
-    cluster = types.SimpleNamespace(get_rollout_config=lambda mode: config,
-                                    rollout=object.__new__(vanilla_rollout.VanillaRollout))
+    cluster = types.SimpleNamespace(
+        get_rollout_config=lambda mode: config,
+        rollout=object.__new__(vanilla_rollout.VanillaRollout),
+    )
     with pytest.raises(ValueError, match="greedily"):
         jt.sampler_settings(cluster)
     cluster.rollout = object()
@@ -296,11 +346,11 @@ def test_sampler_settings(models):
     example = ts.make_example(models["qwen3"], VOCAB, ts.ExampleSpec(), seed=1)
     grpo = ts.grpo_config(1.0, loss_agg_mode="token-mean")
     with pytest.raises(ValueError, match="one temperature"):
-        jt.grpo_policy_loss(models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID,
-                            sampler=SAMPLER)
+        jt.grpo_policy_loss(models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID, sampler=SAMPLER)
     with pytest.raises(TypeError, match="SamplerSettings"):
-        jt.grpo_policy_loss(models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID,
-                            sampler=dict(top_k=5))
+        jt.grpo_policy_loss(
+            models["qwen3"], example, grpo, ts.PAD_ID, ts.EOS_ID, sampler=dict(top_k=5)
+        )
     with pytest.raises(ValueError, match="'grpo'"):
         jt.sampler_matched_loss("grpo", SAMPLER)
 
@@ -320,15 +370,20 @@ def largest_buffer(loss_name, model, example, config):
     def objective(state, example):
         return loss_fn(nnx.merge(graphdef, state), example, config, ts.PAD_ID, ts.EOS_ID)
 
-    text = jax.jit(jax.value_and_grad(objective, has_aux=True)).lower(state, example) \
-        .compile().as_text()
+    text = (
+        jax.jit(jax.value_and_grad(objective, has_aux=True))
+        .lower(state, example)
+        .compile()
+        .as_text()
+    )
     return buffer_elements(text)
 
 
 def buffer_elements(hlo_text):
     """Element count of the largest array in a compiled program's text."""
-    return max(int(np.prod([int(d) for d in dims.split(",") if d]))
-               for dims in SHAPE.findall(hlo_text))
+    return max(
+        int(np.prod([int(d) for d in dims.split(",") if d])) for dims in SHAPE.findall(hlo_text)
+    )
 
 
 # V = 8209 and 256 completion tokens: the chunked backend's tiles are [256, 4096], so its
@@ -373,18 +428,28 @@ def test_compiled_logprob_pass_holds_no_logits():
     assert buffer_elements(theirs.as_text()) >= completion_logits
     assert buffer_elements(ours.as_text()) <= bound < completion_logits
     want = np.asarray(theirs(*args))
-    np.testing.assert_allclose(np.asarray(ours(*args)), want,
-                               atol=ts.RTOL * float(np.max(np.abs(want))))
+    np.testing.assert_allclose(
+        np.asarray(ours(*args)), want, atol=ts.RTOL * float(np.max(np.abs(want)))
+    )
 
 
 # -- errors ----------------------------------------------------------------------------------
 
+
 def test_model_without_hidden_states_is_refused():
     from tunix.models.llama3 import model as llama3
 
-    config = llama3.ModelConfig(num_layers=1, vocab_size=VOCAB, embed_dim=16, hidden_dim=24,
-                                num_heads=2, head_dim=8, num_kv_heads=1, rope_theta=10_000,
-                                norm_eps=1e-6)
+    config = llama3.ModelConfig(
+        num_layers=1,
+        vocab_size=VOCAB,
+        embed_dim=16,
+        hidden_dim=24,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+    )
     model = llama3.Llama3(config, rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="Llama3.*output_hidden_states"):
         jt.check_model(model)
@@ -394,9 +459,17 @@ def test_softcapped_logits_are_refused():
     from tunix.models.gemma import model as gemma
 
     config = dataclasses.replace(
-        gemma.ModelConfig.gemma2_2b(), num_layers=1, num_embed=VOCAB, embed_dim=16,
-        hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1, sliding_window_size=4,
-        attention_types=(gemma.AttentionType.GLOBAL,))
+        gemma.ModelConfig.gemma2_2b(),
+        num_layers=1,
+        num_embed=VOCAB,
+        embed_dim=16,
+        hidden_dim=24,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        sliding_window_size=4,
+        attention_types=(gemma.AttentionType.GLOBAL,),
+    )
     model = gemma.Gemma(config, rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="final_logits_softcap = 30.0"):
         jt.check_model(model)
@@ -429,16 +502,19 @@ def test_refuses_logits():
     graphdef, state = nnx.split(model)
     tokens = jnp.ones((2, 3), jnp.int32)
     with pytest.raises(NotImplementedError, match="return_logits=True"):
-        jt.compute_per_token_logps(graphdef, state, tokens, tokens, ts.PAD_ID, ts.EOS_ID,
-                                   return_logits=True)
+        jt.compute_per_token_logps(
+            graphdef, state, tokens, tokens, ts.PAD_ID, ts.EOS_ID, return_logits=True
+        )
 
 
 # -- many devices ----------------------------------------------------------------------------
 
+
 # ~60 s of CPU; tests/integrations/test_tunix_learners.py runs the learners on fsdp=2 in CI
 @pytest.mark.slow
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py forces "
-                    "8 host devices)")
+@pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py forces 8 host devices)"
+)
 def test_sharded_fsdp2_tp4_matches_tunix():
     """tests/support/tunix_sharded.py: a (fsdp=2, tp=4) mesh, the models' own shardings (vocabulary
     over "tp"), against tunix's losses on the same sharded inputs."""

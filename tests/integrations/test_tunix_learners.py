@@ -38,14 +38,17 @@ from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("tunix", reason="the tunix extra is not installed (pip install -e .[tunix])")
 
-from tests.support import tunix_support as ts  # noqa: E402
 from tunix.rl import function_registry  # noqa: E402
-from jaxrl_kernels.integrations import tunix as jaxrl_tunix  # noqa: E402
 
+from jaxrl_kernels.integrations import tunix as jaxrl_tunix  # noqa: E402
+from tests.support import tunix_support as ts  # noqa: E402
 
 # the RMSNorm scales of the one-layer learner model, declared P() (replicated)
-NORM_SCALES = ("['final_norm']['w'].value", "['layers'][0]['input_layernorm']['w'].value",
-               "['layers'][0]['post_attention_layernorm']['w'].value")
+NORM_SCALES = (
+    "['final_norm']['w'].value",
+    "['layers'][0]['input_layernorm']['w'].value",
+    "['layers'][0]['post_attention_layernorm']['w'].value",
+)
 
 
 def check_pair(algo, packed=False, global_steps=2, per_step=2, micro_batch=1):
@@ -107,8 +110,9 @@ def test_sampler_matched_learner(algo):  # grpo ~35 s of CPU, ppo ~65 s
     tests/support/tunix_support.py): every logged metric and final parameter, the shardings and the
     compile counts agree. One global step of 2 prompts in micro-batches of 1 (GRPO: 2
     generations each)."""
-    sizes = dict(global_steps=1, per_step=2, micro_batch=1, top_k=8, top_p=0.9,
-                 sampler_matched=True)
+    sizes = dict(
+        global_steps=1, per_step=2, micro_batch=1, top_k=8, top_p=0.9, sampler_matched=True
+    )
     want = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=False, **sizes)
     got = ts.run_learner(algo, f"jaxrl_{algo}", kernel_logprobs=True, **sizes)
     ts.assert_same_run(got, want)
@@ -132,9 +136,11 @@ def test_use_kernel_logprobs_sampler_matched_options():
 
     rollout_config = base_rollout.RolloutConfig(temperature=0.8, top_k=0, top_p=0.95)
     cluster = types.SimpleNamespace(
-        inference_worker=types.SimpleNamespace(_models={}), rollout=object(),
+        inference_worker=types.SimpleNamespace(_models={}),
+        rollout=object(),
         get_rollout_config=lambda mode: rollout_config,
-        actor_trainer=types.SimpleNamespace(loss_fn=None))
+        actor_trainer=types.SimpleNamespace(loss_fn=None),
+    )
     with pytest.raises(ValueError, match="algo_config="):
         jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True)
     config = ts.ppo_config(policy_loss_fn="ppo")
@@ -146,13 +152,15 @@ def test_use_kernel_logprobs_sampler_matched_options():
         jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True, algo_config=config)
     policy_loss_fn = losses.grpo_policy_loss  # as GRPOLearner binds it: a lambda calling it
     cluster.actor_trainer.loss_fn = lambda model, example, algo_config: policy_loss_fn(
-        model, example, algo_config, 0, 1)
+        model, example, algo_config, 0, 1
+    )
     with pytest.raises(ValueError, match="before building the learner"):
         jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True, algo_config=config)
     assert config.policy_loss_fn == "jaxrl_ppo"
     cluster.actor_trainer.loss_fn = None
-    with jaxrl_tunix.use_kernel_logprobs(cluster, sampler_matched=True,
-                                         algo_config=config) as handle:
+    with jaxrl_tunix.use_kernel_logprobs(
+        cluster, sampler_matched=True, algo_config=config
+    ) as handle:
         assert handle.sampler == jaxrl_tunix.SamplerSettings(0.8, top_p=0.95)
         assert config.policy_loss_fn == handle.loss == "jaxrl_ppo[temperature=0.8,top_p=0.95]"
         variant = function_registry.get_policy_loss_fn(handle.loss)
@@ -172,13 +180,17 @@ def test_grpo_learner_packed_matches_tunix():
 
 def test_losses_have_tunix_signature():
     sampler = jaxrl_tunix.SamplerSettings(1.0, top_k=4)
-    for ours, theirs in (("jaxrl_grpo", "grpo"), ("jaxrl_ppo", "ppo"),
-                         (jaxrl_tunix.sampler_matched_loss("jaxrl_grpo", sampler), "grpo"),
-                         (jaxrl_tunix.sampler_matched_loss("jaxrl_ppo", sampler), "ppo")):
+    for ours, theirs in (
+        ("jaxrl_grpo", "grpo"),
+        ("jaxrl_ppo", "ppo"),
+        (jaxrl_tunix.sampler_matched_loss("jaxrl_grpo", sampler), "grpo"),
+        (jaxrl_tunix.sampler_matched_loss("jaxrl_ppo", sampler), "ppo"),
+    ):
         got = inspect.signature(function_registry.get_policy_loss_fn(ours)).parameters
         want = inspect.signature(function_registry.get_policy_loss_fn(theirs)).parameters
-        assert [(p.name, p.kind, p.default) for p in got.values()] == \
-               [(p.name, p.kind, p.default) for p in want.values()]
+        assert [(p.name, p.kind, p.default) for p in got.values()] == [
+            (p.name, p.kind, p.default) for p in want.values()
+        ]
 
 
 def test_use_kernel_logprobs_refuses_unsupported_models():
@@ -186,11 +198,18 @@ def test_use_kernel_logprobs_refuses_unsupported_models():
     from flax import nnx
     from tunix.models.llama3 import model as llama3
 
-    config = llama3.ModelConfig(num_layers=1, vocab_size=ts.LEARNER_VOCAB, embed_dim=16,
-                                hidden_dim=24, num_heads=2, head_dim=8, num_kv_heads=1,
-                                rope_theta=10_000, norm_eps=1e-6)
-    worker = types.SimpleNamespace(_models={"reference": llama3.Llama3(config,
-                                                                        rngs=nnx.Rngs(0))})
+    config = llama3.ModelConfig(
+        num_layers=1,
+        vocab_size=ts.LEARNER_VOCAB,
+        embed_dim=16,
+        hidden_dim=24,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        rope_theta=10_000,
+        norm_eps=1e-6,
+    )
+    worker = types.SimpleNamespace(_models={"reference": llama3.Llama3(config, rngs=nnx.Rngs(0))})
     cluster = types.SimpleNamespace(inference_worker=worker, rollout=object())
     with pytest.raises(NotImplementedError, match="Llama3.*output_hidden_states"):
         jaxrl_tunix.use_kernel_logprobs(cluster)

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from tests.support import oracle
-from tests.conftest import assert_close, cotangent, rand
 from jaxrl_kernels import dispatch
-from jaxrl_kernels.dispatch import contract, resolver
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.head import vocab_chunks
-from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
+from jaxrl_kernels.dispatch import contract, resolver
+from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.head import vocab_chunks
+from tests.conftest import assert_close, cotangent, rand
+from tests.support import oracle
 
 ROWS = 7
 IGNORE = -100
@@ -36,16 +35,22 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 # Each layout and dtype runs on every backend; the rest of the grid with JAXRL_TEST_SLOW=1 (and,
 # for pallas in interpret mode, JAXRL_TEST_PALLAS_SLOW=1).
 slow = pytest.mark.slow
-LINEAR_CASES = [pytest.param("vd", F32, id="vd-float32"),
-                pytest.param("dv", BF16, id="dv-bfloat16", marks=pytest.mark.pallas_slow),
-                pytest.param("dv", F32, id="dv-float32", marks=slow),
-                pytest.param("vd", BF16, id="vd-bfloat16", marks=slow)]
-TOKEN_DTYPES = [pytest.param(F32, id="float32"),
-                pytest.param(BF16, id="bfloat16", marks=pytest.mark.pallas_slow)]
-ACCURACY_CASES = [pytest.param("dv", BF16, id="dv-bfloat16"),
-                  pytest.param("vd", F32, id="vd-float32", marks=pytest.mark.pallas_slow),
-                  pytest.param("dv", F32, id="dv-float32", marks=slow),
-                  pytest.param("vd", BF16, id="vd-bfloat16", marks=slow)]
+LINEAR_CASES = [
+    pytest.param("vd", F32, id="vd-float32"),
+    pytest.param("dv", BF16, id="dv-bfloat16", marks=pytest.mark.pallas_slow),
+    pytest.param("dv", F32, id="dv-float32", marks=slow),
+    pytest.param("vd", BF16, id="vd-bfloat16", marks=slow),
+]
+TOKEN_DTYPES = [
+    pytest.param(F32, id="float32"),
+    pytest.param(BF16, id="bfloat16", marks=pytest.mark.pallas_slow),
+]
+ACCURACY_CASES = [
+    pytest.param("dv", BF16, id="dv-bfloat16"),
+    pytest.param("vd", F32, id="vd-float32", marks=pytest.mark.pallas_slow),
+    pytest.param("dv", F32, id="dv-float32", marks=slow),
+    pytest.param("vd", BF16, id="vd-bfloat16", marks=slow),
+]
 
 
 def placements(rng):
@@ -53,10 +58,14 @@ def placements(rng):
     rows)``, for each batch they are placed in (twice at N = 515: other positions, other
     neighbours, more padding)."""
     out = []
-    for n, pad, shape, seed in ((8, 0, (8,), 1), (64, 20, (64,), 2), (515, 40, (515,), 3),
-                                (515, 200, (515,), 4)):
+    for n, pad, shape, seed in (
+        (8, 0, (8,), 1),
+        (64, 20, (64,), 2),
+        (515, 40, (515,), 3),
+        (515, 200, (515,), 4),
+    ):
         where = rng.permutation(n)
-        out.append((shape, where[:ROWS], where[ROWS:ROWS + pad], seed))
+        out.append((shape, where[:ROWS], where[ROWS : ROWS + pad], seed))
     return out
 
 
@@ -75,23 +84,36 @@ def assert_rows_invariant(alone, batches):
         for name, outs, where in batches:
             for k, x in enumerate(outs):
                 got = bits(x)[where[i]]
-                assert got == want[k], (f"row {i} at position {where[i]} of {name}: output {k} "
-                                        "differs from the row alone")
+                assert got == want[k], (
+                    f"row {i} at position {where[i]} of {name}: output {k} "
+                    "differs from the row alone"
+                )
 
 
 # -- linear_logprobs ----------------------------------------------------------------------------
 
+
 def _linear_fn(backend, weight, layout):
     """jit(hidden, targets, c, e) -> (logp, entropy, d_hidden of Σ c·logp + e·entropy), flat rows
     (any leading shape in, [N] / [N, D] out)."""
+
     def f(hidden, targets, c, e):
         def loss(h):
-            lp, ent = jk.linear_logprobs(h, weight, targets, weight_layout=layout,
-                                         ignore_index=IGNORE, return_entropy=True,
-                                         backend=backend, batch_invariant=True)
+            lp, ent = jk.linear_logprobs(
+                h,
+                weight,
+                targets,
+                weight_layout=layout,
+                ignore_index=IGNORE,
+                return_entropy=True,
+                backend=backend,
+                batch_invariant=True,
+            )
             return jnp.sum(c * lp + e * ent), (lp, ent)
+
         (_, (lp, ent)), dh = jax.value_and_grad(loss, has_aux=True)(hidden)
         return lp.reshape(-1), ent.reshape(-1), dh.reshape(-1, hidden.shape[-1])
+
     return jax.jit(f)
 
 
@@ -109,6 +131,7 @@ def check_rows(rng, f, dtype, width, v, scale):
     """``f(x [*shape, width], targets, c, e) -> (logp, entropy, d_x)`` of ROWS drawn rows
     (``scale`` · standard normal, targets in [0, v)) alone against the same rows placed in
     the batches of :func:`placements`: bitwise equal (:func:`assert_rows_invariant`)."""
+
     def draw(gen, n):
         x = scale * gen.standard_normal((n, width)).astype(np.float32)
         t = gen.integers(0, v, n)
@@ -117,11 +140,15 @@ def check_rows(rng, f, dtype, width, v, scale):
 
     def call(x, t, c, e, shape=None):
         shape = shape or (x.shape[0],)
-        return f(jnp.asarray(x, dtype).reshape(shape + (width,)), jnp.asarray(t, jnp.int32)
-                 .reshape(shape), jnp.asarray(c).reshape(shape), jnp.asarray(e).reshape(shape))
+        return f(
+            jnp.asarray(x, dtype).reshape(shape + (width,)),
+            jnp.asarray(t, jnp.int32).reshape(shape),
+            jnp.asarray(c).reshape(shape),
+            jnp.asarray(e).reshape(shape),
+        )
 
     x, t, c, e = draw(rng, ROWS)
-    alone = [call(x[i:i + 1], t[i:i + 1], c[i:i + 1], e[i:i + 1]) for i in range(ROWS)]
+    alone = [call(x[i : i + 1], t[i : i + 1], c[i : i + 1], e[i : i + 1]) for i in range(ROWS)]
     batches = []
     for shape, where, pads, seed in placements(rng):
         n = int(np.prod(shape))
@@ -134,11 +161,13 @@ def check_rows(rng, f, dtype, width, v, scale):
 
 # -- token_logprobs on logits -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", TOKEN_DTYPES)
 def test_token_logprobs_rows_bitwise_independent_of_the_batch(backend, rng, dtype):
     if backend == "pallas":
-        pytest.skip("pallas has no batch-invariant token_logprobs (test_pallas_token_logprobs_"
-                    "is_declined)")
+        pytest.skip(
+            "pallas has no batch-invariant token_logprobs (test_pallas_token_logprobs_is_declined)"
+        )
     check_token_invariance(backend, rng, dtype, V)
 
 
@@ -147,8 +176,9 @@ def test_pallas_token_logprobs_is_declined():
     last place apart between N = 1 and N = 8 (docs/api.md): pallas serves no batch-invariant
     token_logprobs, and the automatic choice takes another backend."""
     with pytest.raises(NotImplementedError, match="no batch-invariant 'token_logprobs'"):
-        jk.token_logprobs(jnp.zeros((4, 16)), jnp.zeros(4, int), backend="pallas",
-                          batch_invariant=True)
+        jk.token_logprobs(
+            jnp.zeros((4, 16)), jnp.zeros(4, int), backend="pallas", batch_invariant=True
+        )
     problem = Problem(n_rows=4, vocab=16, batch_invariant=True)
     assert dispatch.select("token_logprobs", problem).backend != "pallas"
 
@@ -156,9 +186,17 @@ def test_pallas_token_logprobs_is_declined():
 def check_token_invariance(backend, rng, dtype, v):
     def f(logits, targets, c, e):
         def loss(x):
-            lp, ent = jk.token_logprobs(x, targets, ignore_index=IGNORE, return_entropy=True,
-                                        temperature=0.9, backend=backend, batch_invariant=True)
+            lp, ent = jk.token_logprobs(
+                x,
+                targets,
+                ignore_index=IGNORE,
+                return_entropy=True,
+                temperature=0.9,
+                backend=backend,
+                batch_invariant=True,
+            )
             return jnp.sum(c * lp + e * ent), (lp, ent)
+
         (_, (lp, ent)), dx = jax.value_and_grad(loss, has_aux=True)(logits)
         return lp.reshape(-1), ent.reshape(-1), dx.reshape(-1, v)
 
@@ -166,6 +204,7 @@ def check_token_invariance(backend, rng, dtype, v):
 
 
 # -- still the formula ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout,dtype", ACCURACY_CASES)
 def test_batch_invariant_values_and_vjp_against_float64(backend, rng, layout, dtype):
@@ -178,8 +217,17 @@ def test_batch_invariant_values_and_vjp_against_float64(backend, rng, layout, dt
     targets = jnp.asarray(rng.integers(0, v, n), jnp.int32)
 
     def fn(h, w, b):
-        return jk.linear_logprobs(h, w, targets, b, weight_layout=layout, temperature=temperature,
-                                  return_entropy=True, backend=backend, batch_invariant=True)
+        return jk.linear_logprobs(
+            h,
+            w,
+            targets,
+            b,
+            weight_layout=layout,
+            temperature=temperature,
+            return_entropy=True,
+            backend=backend,
+            batch_invariant=True,
+        )
 
     (logp, ent), vjp = jax.vjp(fn, hidden, weight, bias)
     t = np.asarray(targets)
@@ -192,15 +240,18 @@ def test_batch_invariant_values_and_vjp_against_float64(backend, rng, layout, dt
     g_lp, g_ent = cotangent(rng, (n,)), cotangent(rng, (n,))
     grads = vjp((g_lp, g_ent))
     gw = oracle.linear_logprobs_vjp(h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64, **kw)
-    gw32 = oracle.linear_logprobs_vjp(h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64,
-                                      dt=np.float32, **kw)
-    for name, got, p, w, w32 in zip(("d_hidden", "d_weight", "d_bias"), grads,
-                                    (hidden, weight, bias), gw, gw32):
+    gw32 = oracle.linear_logprobs_vjp(
+        h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64, dt=np.float32, **kw
+    )
+    for name, got, p, w, w32 in zip(
+        ("d_hidden", "d_weight", "d_bias"), grads, (hidden, weight, bias), gw, gw32
+    ):
         assert got.dtype == p.dtype and got.shape == p.shape, name
         assert_close(got, w, in_dtype=dtype, want32=w32, name=name)
 
 
 # -- what batch_invariant=True chooses, and what it refuses ------------------------------------
+
 
 @pytest.mark.parametrize("op", ["token_logprobs", "linear_logprobs"])
 def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
@@ -212,8 +263,11 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
     assert plain.impl is table.ops[contract.OP_PRIMITIVE[op]]
     assert pinned.impl is table.invariant_ops[contract.OP_PRIMITIVE[op]]
     assert pinned.impl is not plain.impl
-    args = ((jnp.zeros((4, 8)), jnp.zeros((16, 8))) if op == "linear_logprobs"
-            else (jnp.zeros((4, 16)),)) + (jnp.zeros(4, int),)
+    args = (
+        (jnp.zeros((4, 8)), jnp.zeros((16, 8)))
+        if op == "linear_logprobs"
+        else (jnp.zeros((4, 16)),)
+    ) + (jnp.zeros(4, int),)
     with jk.use_backend(backend):
         text = jk.explain(op, *args, batch_invariant=True)
     assert f"{op}: {backend} (requested, batch-invariant)" in text, text
@@ -221,12 +275,21 @@ def test_dispatch_takes_the_backends_invariant_implementation(backend, op):
 
 def test_a_backend_without_an_invariant_implementation_is_declined(monkeypatch):
     import dataclasses
+
     chunked = resolver._backend("chunked")
-    monkeypatch.setitem(resolver._loaded, "chunked", type("M", (), {
-        "BACKEND": dataclasses.replace(chunked, invariant_ops={})}))
+    monkeypatch.setitem(
+        resolver._loaded,
+        "chunked",
+        type("M", (), {"BACKEND": dataclasses.replace(chunked, invariant_ops={})}),
+    )
     with pytest.raises(NotImplementedError, match="no batch-invariant 'linear_logprobs'"):
-        jk.linear_logprobs(jnp.zeros((4, 8)), jnp.zeros((16, 8)), jnp.zeros(4, int),
-                           backend="chunked", batch_invariant=True)
+        jk.linear_logprobs(
+            jnp.zeros((4, 8)),
+            jnp.zeros((16, 8)),
+            jnp.zeros(4, int),
+            backend="chunked",
+            batch_invariant=True,
+        )
     # automatic choice passes it over (reference has one)
     problem = Problem(n_rows=2**20, vocab=2**20, batch_invariant=True)
     assert dispatch.select("linear_logprobs", problem).backend != "chunked"
@@ -254,9 +317,12 @@ def test_not_with_fast_memory_or_truncation_or_k_ids():
 
 # -- ffi: the launch parameters it pins (lowered for CUDA, no GPU needed) ------------------------
 
+
 def test_ffi_invariant_launch_parameters_do_not_depend_on_n():
-    chunks = {ffi_linear.backward_chunk(n, 151936, ffi_linear.INVARIANT_CONFIG)
-              for n in (1, 7, 100, 4096, 65536)}
+    chunks = {
+        ffi_linear.backward_chunk(n, 151936, ffi_linear.INVARIANT_CONFIG)
+        for n in (1, 7, 100, 4096, 65536)
+    }
     assert chunks == {ffi_linear.INVARIANT_CHUNK_COLUMNS}
     assert ffi_linear.backward_chunk(5, 1000, ffi_linear.INVARIANT_CONFIG) == 1024
     assert len({ffi_linear.backward_chunk(n, 151936) for n in (1, 4096, 65536)}) > 1  # default
@@ -272,9 +338,16 @@ def test_ffi_invariant_forward_lowers_with_fixed_splits(n):
     w = jax.random.normal(k[1], (1000, 64), jnp.float32).astype(BF16)
     t, rv = jnp.zeros((n,), jnp.int32), jnp.ones((n,), bool)
     parts = ffi_linear.INVARIANT_OPS["linear_logprobs"]
-    text = jax.jit(lambda h, w: parts.stats(h, w, None, t, rv, weight_layout="vd",
-                                            temperature=1.0, with_entropy=True)).trace(
-        h, w).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(
+            lambda h, w: parts.stats(
+                h, w, None, t, rv, weight_layout="vd", temperature=1.0, with_entropy=True
+            )
+        )
+        .trace(h, w)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert f"stablehlo.custom_call @{ffi_linear.TARGET}" in text
     assert f"splits = {ffi_linear.INVARIANT_SPLITS} : i32" in text
 
@@ -282,6 +355,7 @@ def test_ffi_invariant_forward_lowers_with_fixed_splits(n):
 @pytest.mark.parametrize("n", [1, 300])
 def test_ffi_invariant_backward_lowers_with_a_fixed_chunk(n):
     from jaxrl_kernels.backends.ffi import extension
+
     if extension.sm90 is None:
         pytest.skip(f"extension not built (its workspace size): {extension.IMPORT_ERROR}")
     k = jax.random.split(jax.random.key(0), 2)
@@ -289,8 +363,12 @@ def test_ffi_invariant_backward_lowers_with_a_fixed_chunk(n):
     w = jax.random.normal(k[1], (9000, 64), jnp.float32).astype(BF16)
     t, rows = jnp.zeros((n,), jnp.int32), jnp.ones((n,), jnp.float32)
     bwd = ffi_linear.INVARIANT_OPS["linear_logprobs_backward"]
-    text = jax.jit(lambda *a: bwd(*a, weight_layout="vd", temperature=1.0)).trace(
-        h, w, None, t, rows, rows, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
+    text = (
+        jax.jit(lambda *a: bwd(*a, weight_layout="vd", temperature=1.0))
+        .trace(h, w, None, t, rows, rows, rows, rows)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
     assert text.count(f"stablehlo.custom_call @{ffi_linear.BACKWARD_TARGET}") == 1
     assert f"chunk = {ffi_linear.INVARIANT_CHUNK_COLUMNS} : i64" in text
     assert "split_k = false" in text  # d_hidden's GEMM splits K by a count that follows N
@@ -313,9 +391,18 @@ def _gpu_backend(name, dtype=BF16, layout="vd", d=256):
         pytest.skip("needs a GPU")
     if name == "ffi":
         from jaxrl_kernels.backends import ffi
-        why = ffi.unavailable_reason() or ffi.declines("linear_logprobs", Problem(
-            n_rows=1, vocab=32000, hidden_dim=d, dtype=jnp.dtype(dtype).name,
-            weight_dtype=jnp.dtype(dtype).name, weight_layout=layout))
+
+        why = ffi.unavailable_reason() or ffi.declines(
+            "linear_logprobs",
+            Problem(
+                n_rows=1,
+                vocab=32000,
+                hidden_dim=d,
+                dtype=jnp.dtype(dtype).name,
+                weight_dtype=jnp.dtype(dtype).name,
+                weight_layout=layout,
+            ),
+        )
         if why:
             pytest.skip(f"ffi: {why}")
     return name
@@ -324,15 +411,20 @@ def _gpu_backend(name, dtype=BF16, layout="vd", d=256):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_backend", GPU_BACKENDS)
 @pytest.mark.parametrize("layout,dtype", [("vd", BF16), ("dv", jnp.float16), ("vd", F32)])
-def test_gpu_linear_logprobs_rows_bitwise_independent_of_the_batch(rng, gpu_backend, layout,
-                                                                   dtype):
+def test_gpu_linear_logprobs_rows_bitwise_independent_of_the_batch(rng, gpu_backend, layout, dtype):
     """On a GPU: V = 32000 ("dv": a multiple of 8, as ffi needs) walks several 4096-column
     backward chunks, D = 256 several k-tiles; N up to 515 (several 128-row tiles, 256-row
     blocks)."""
     if gpu_backend == "ffi" and dtype == F32:
         pytest.skip("ffi serves 16-bit heads")
-    check_linear_invariance(_gpu_backend(gpu_backend, dtype, layout), rng, layout, dtype, 256,
-                            32000 if layout == "dv" else 32003)
+    check_linear_invariance(
+        _gpu_backend(gpu_backend, dtype, layout),
+        rng,
+        layout,
+        dtype,
+        256,
+        32000 if layout == "dv" else 32003,
+    )
 
 
 @pytest.mark.gpu
@@ -349,7 +441,8 @@ def test_gpu_batch_invariant_values_and_vjp_against_float64(rng, gpu_backend):
     """The pinned GPU launches still meet docs/api.md's accuracy (bf16, both layouts)."""
     for layout in ("vd", "dv"):
         test_batch_invariant_values_and_vjp_against_float64(
-            _gpu_backend(gpu_backend, BF16, layout, 16), rng, layout, BF16)
+            _gpu_backend(gpu_backend, BF16, layout, 16), rng, layout, BF16
+        )
 
 
 @pytest.mark.gpu
@@ -364,17 +457,20 @@ def test_gpu_ffi_invariant_rows_at_large_n(rng):
     t = rng.integers(0, v, ROWS)
     c = rng.standard_normal(ROWS).astype(np.float32)
     e = rng.standard_normal(ROWS).astype(np.float32)
-    run = lambda h, t, c, e: f(jnp.asarray(h, BF16), jnp.asarray(t, jnp.int32), jnp.asarray(c),
-                               jnp.asarray(e))
-    alone = [run(h[i:i + 1], t[i:i + 1], c[i:i + 1], e[i:i + 1]) for i in range(ROWS)]
+    run = lambda h, t, c, e: f(
+        jnp.asarray(h, BF16), jnp.asarray(t, jnp.int32), jnp.asarray(c), jnp.asarray(e)
+    )
+    alone = [run(h[i : i + 1], t[i : i + 1], c[i : i + 1], e[i : i + 1]) for i in range(ROWS)]
     batches = []
     for n in (4100, 16384):
         other = np.random.default_rng(n)
         where = other.permutation(n)[:ROWS]
         hb = other.standard_normal((n, d)).astype(np.float32)
         tb = other.integers(0, v, n)
-        cb, eb = other.standard_normal(n).astype(np.float32), other.standard_normal(n).astype(
-            np.float32)
+        cb, eb = (
+            other.standard_normal(n).astype(np.float32),
+            other.standard_normal(n).astype(np.float32),
+        )
         hb[where], tb[where], cb[where], eb[where] = h, t, c, e
         batches.append((f"N={n}", run(hb, tb, cb, eb), where))
     assert_rows_invariant(alone, batches)

@@ -10,8 +10,14 @@ import pytest
 import jaxrl_kernels as jk
 from tests.ops.test_errors import MASK_OPS, A, B, T, V, call_op
 
-TARGET_OPS = ["token_logprobs", "linear_logprobs", "ratio_kl", "grpo_loss", "linear_ppo_loss",
-              "linear_grpo_loss"]
+TARGET_OPS = [
+    "token_logprobs",
+    "linear_logprobs",
+    "ratio_kl",
+    "grpo_loss",
+    "linear_ppo_loss",
+    "linear_grpo_loss",
+]
 
 
 def eager_message(op, **over):
@@ -56,14 +62,17 @@ def test_mask_values_outside_0_1_raise_under_jit(op):
     jit_over(op, "mask")(mask)
 
 
-@pytest.mark.parametrize("op,name,value", [
-    ("token_logprobs", "logits", jnp.nan),
-    ("linear_logprobs", "hidden", jnp.nan),
-    ("linear_ppo_loss", "hidden", jnp.inf),
-    ("grpo_loss", "logits", -jnp.inf),
-    ("ppo_loss", "old_logp", jnp.nan),
-    ("linear_grpo_loss", "old_logp", -jnp.inf),
-])
+@pytest.mark.parametrize(
+    "op,name,value",
+    [
+        ("token_logprobs", "logits", jnp.nan),
+        ("linear_logprobs", "hidden", jnp.nan),
+        ("linear_ppo_loss", "hidden", jnp.inf),
+        ("grpo_loss", "logits", -jnp.inf),
+        ("ppo_loss", "old_logp", jnp.nan),
+        ("linear_grpo_loss", "old_logp", -jnp.inf),
+    ],
+)
 def test_non_finite_inputs_raise_in_check_mode(op, name, value):
     x = A[name].at[(1,) * A[name].ndim].set(value)
     message = eager_message(op, **{name: x})
@@ -96,10 +105,12 @@ def test_masked_or_ignored_targets_pass():
 
 def test_traced_group_boundaries():
     with jk.checks():
-        traced_raises(jax.jit(lambda b: jk.group_advantages(
-            jnp.ones(4), groups=jk.Groups(boundaries=b))), jnp.array([0, 3, 2, 4]),
-                      message="groups.boundaries: expected strictly increasing values starting "
-                              "at 0 and ending at B = 4, got 2 at position (2,)")
+        traced_raises(
+            jax.jit(lambda b: jk.group_advantages(jnp.ones(4), groups=jk.Groups(boundaries=b))),
+            jnp.array([0, 3, 2, 4]),
+            message="groups.boundaries: expected strictly increasing values starting "
+            "at 0 and ending at B = 4, got 2 at position (2,)",
+        )
 
 
 def test_environment_variable_and_scope(monkeypatch):
@@ -113,15 +124,18 @@ def test_environment_variable_and_scope(monkeypatch):
     jit_over("aggregate", "mask")(mask)
 
 
-@pytest.mark.parametrize("op", ["linear_grpo_loss", "linear_ppo_loss", "grpo_loss",
-                                "token_logprobs", "aggregate"])
+@pytest.mark.parametrize(
+    "op", ["linear_grpo_loss", "linear_ppo_loss", "grpo_loss", "token_logprobs", "aggregate"]
+)
 def test_free_when_off(op, monkeypatch):
     """Off, the jaxpr is the same operation for operation as with the mode never consulted
     (JAXRL_KERNELS_CHECKS unset, "0", or overridden by checks(False)), and has no callback;
     on, it has one."""
+
     def jaxpr():
-        return str(jax.make_jaxpr(lambda t, m: call_op(op, targets=t, mask=m))(
-            A["targets"], A["mask"]))
+        return str(
+            jax.make_jaxpr(lambda t, m: call_op(op, targets=t, mask=m))(A["targets"], A["mask"])
+        )
 
     monkeypatch.delenv("JAXRL_KERNELS_CHECKS", raising=False)
     off = jaxpr()

@@ -23,8 +23,9 @@ def twice(f, *args):
 
 
 # Sizes where a vocabulary-chunked implementation walks several chunks.
-@pytest.mark.parametrize("n,v,d,layout", [pallas_slow(2048, 1000, 16, "vd"),
-                                          pallas_slow(64, 32003, 8, "dv")])
+@pytest.mark.parametrize(
+    "n,v,d,layout", [pallas_slow(2048, 1000, 16, "vd"), pallas_slow(64, 32003, 8, "dv")]
+)
 def test_bitwise_repeatable_large(backend, rng, n, v, d, layout):
     h = jnp.asarray(rng.standard_normal((n, d)).astype(np.float32))
     w = jnp.asarray(rng.standard_normal((v, d) if layout == "vd" else (d, v)).astype(np.float32))
@@ -32,11 +33,13 @@ def test_bitwise_repeatable_large(backend, rng, n, v, d, layout):
     g = jnp.asarray(rng.standard_normal(n).astype(np.float32))
 
     def f(h, w):
-        lp, ent = jk.linear_logprobs(h, w, t, weight_layout=layout, return_entropy=True,
-                                     backend=backend)
+        lp, ent = jk.linear_logprobs(
+            h, w, t, weight_layout=layout, return_entropy=True, backend=backend
+        )
         return jnp.sum(g * (lp + 0.1 * ent))
 
     twice(jax.value_and_grad(f, argnums=(0, 1)), h, w)
-    logits = (h @ (w.T if layout == "vd" else w))
-    twice(jax.value_and_grad(lambda l: jnp.sum(g * jk.token_logprobs(l, t, backend=backend))),
-          logits)
+    logits = h @ (w.T if layout == "vd" else w)
+    twice(
+        jax.value_and_grad(lambda l: jnp.sum(g * jk.token_logprobs(l, t, backend=backend))), logits
+    )

@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.support import oracle
-from tests.conftest import assert_close, assert_zero, cotangent, pallas_slow, random_mask
 from jaxrl_kernels.engine import fused_distill
 from jaxrl_kernels.head import vocab_chunks
+from tests.conftest import assert_close, assert_zero, cotangent, pallas_slow, random_mask
+from tests.support import oracle
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
 
@@ -49,8 +50,10 @@ def pallas_auto_axes_off_gpu(backend, kind):
     case runs on GPUs only (``test_distill_pallas_sharded_on_gpu``). Explicit axes and
     ``shard_map`` run here."""
     if backend == "pallas" and kind == "Auto" and jax.default_backend() != "gpu":
-        pytest.skip("pallas distillation kernels under Auto axes on CPU devices: see "
-                    "pallas_auto_axes_off_gpu")
+        pytest.skip(
+            "pallas distillation kernels under Auto axes on CPU devices: see "
+            "pallas_auto_axes_off_gpu"
+        )
 
 
 def head_dtype(backend):
@@ -66,8 +69,12 @@ def route(backend, memory, dtype=None):
     """The keyword arguments that run ``linear_distill_loss`` on ``backend`` (lean) or in
     ``memory="fast"``, which runs one function whatever the backend: it is tested once, under
     the first backend's name. A float32 ``dtype`` is skipped on pallas (16-bit heads only)."""
-    if dtype is not None and backend == "pallas" and memory == "lean" and (
-            jnp.dtype(dtype) == jnp.float32):
+    if (
+        dtype is not None
+        and backend == "pallas"
+        and memory == "lean"
+        and (jnp.dtype(dtype) == jnp.float32)
+    ):
         pytest.skip("pallas distill_divergence takes 16-bit heads")
     if memory == "lean":
         return dict(backend=backend)
@@ -85,9 +92,11 @@ def small_chunks(monkeypatch):
 
 # -- the oracle -------------------------------------------------------------------------------
 
+
 def _round(x, dtype):
-    return np.asarray(jnp.asarray(np.asarray(x, np.float32)).astype(dtype).astype(jnp.float32),
-                      np.float64)
+    return np.asarray(
+        jnp.asarray(np.asarray(x, np.float32)).astype(dtype).astype(jnp.float32), np.float64
+    )
 
 
 def _log_softmax(z):
@@ -95,19 +104,41 @@ def _log_softmax(z):
     return z - m - np.log(np.exp(z - m).sum(-1, keepdims=True))
 
 
-def distill_oracle(h, w, th, tw, mask, *, divergence, beta=0.5, temperature=1.0, layout="vd",
-                   t_layout="vd", b=None, tb=None, mode="token_mean", max_len=None,
-                   g_tok=None, g_loss=0.0, dt=np.float64, fast=None):
+def distill_oracle(
+    h,
+    w,
+    th,
+    tw,
+    mask,
+    *,
+    divergence,
+    beta=0.5,
+    temperature=1.0,
+    layout="vd",
+    t_layout="vd",
+    b=None,
+    tb=None,
+    mode="token_mean",
+    max_len=None,
+    g_tok=None,
+    g_loss=0.0,
+    dt=np.float64,
+    fast=None,
+):
     """``(loss, per_token, d_hidden, d_weight, d_bias | None, scale)`` in ``dt``; the gradients
     are those of ``g_loss·loss + Σ g_tok·per_token``; ``scale`` = max|z_s| + max|z_t|.
     ``fast`` (a 16-bit dtype): ``memory="fast"``'s formula, with its roundings to that dtype
     (docs/api.md): ``∂d/∂z_s`` kept for the backward, and ``g ⊙ h`` entering ``d_weight``'s
     GEMM (the logits and ``d`` are exact)."""
     rnd = (lambda x: x) if fast is None else (lambda x: _round(x, fast))
-    zs = (oracle.linear_logits(h, w, None, weight_layout=layout, dt=dt)
-          + (0.0 if b is None else np.asarray(b, dt))) / dt(temperature)
-    zt = (oracle.linear_logits(th, tw, None, weight_layout=t_layout, dt=dt)
-          + (0.0 if tb is None else np.asarray(tb, dt))) / dt(temperature)
+    zs = (
+        oracle.linear_logits(h, w, None, weight_layout=layout, dt=dt)
+        + (0.0 if b is None else np.asarray(b, dt))
+    ) / dt(temperature)
+    zt = (
+        oracle.linear_logits(th, tw, None, weight_layout=t_layout, dt=dt)
+        + (0.0 if tb is None else np.asarray(tb, dt))
+    ) / dt(temperature)
     ls, lt = _log_softmax(zs), _log_softmax(zt)
     ps, pt = np.exp(ls), np.exp(lt)
     if divergence == "reverse_kl":
@@ -148,8 +179,9 @@ def grad_scale(exact, s):
     return np.max(np.abs(exact)) * max(1.0, s)
 
 
-def topk_oracle(h, w, k, *, b=None, layout="vd", temperature=1.0, g_logp=None, g_lse=None,
-                dt=np.float64):
+def topk_oracle(
+    h, w, k, *, b=None, layout="vd", temperature=1.0, g_logp=None, g_lse=None, dt=np.float64
+):
     """``(logp, ids, lse, d_hidden, d_weight, d_bias | None)``; ids by a stable sort of −z."""
     z = oracle.linear_logits(h, w, b, weight_layout=layout, dt=dt) / dt(temperature)
     z2 = z.reshape(-1, z.shape[-1])
@@ -157,8 +189,11 @@ def topk_oracle(h, w, k, *, b=None, layout="vd", temperature=1.0, g_logp=None, g
     m = z2.max(-1)
     lse = m + np.log(np.exp(z2 - m[:, None]).sum(-1))
     logp = np.take_along_axis(z2, ids, -1) - lse[:, None]
-    out = [logp.reshape(z.shape[:-1] + (k,)), ids.reshape(z.shape[:-1] + (k,)),
-           lse.reshape(z.shape[:-1])]
+    out = [
+        logp.reshape(z.shape[:-1] + (k,)),
+        ids.reshape(z.shape[:-1] + (k,)),
+        lse.reshape(z.shape[:-1]),
+    ]
     if g_logp is None:
         return tuple(out) + (None, None, None)
     g = np.asarray(g_logp, np.float64).reshape(-1, k)
@@ -197,10 +232,12 @@ def test_oracle_gradient_is_the_derivative():
 
 # -- inputs -----------------------------------------------------------------------------------
 
+
 def _head(rng, b, t, d, v, layout, dtype, with_bias):
     h = rng.standard_normal((b, t, d)).astype(np.float32)
-    w = (rng.standard_normal((v, d) if layout == "vd" else (d, v)) * 2.0 / np.sqrt(d)
-         ).astype(np.float32)
+    w = (rng.standard_normal((v, d) if layout == "vd" else (d, v)) * 2.0 / np.sqrt(d)).astype(
+        np.float32
+    )
     bias = (0.5 * rng.standard_normal(v)).astype(np.float32) if with_bias else None
     to = lambda x: None if x is None else jnp.asarray(x).astype(dtype)
     back = lambda x: None if x is None else np.asarray(to(x)).astype(np.float64)
@@ -231,17 +268,42 @@ def test_distill_matches_oracle(rng, backend, divergence, case, memory):
     mask = random_mask(rng, b, t, empty_rows=(1,) if b > 1 else ())
     beta = 0.3 if divergence == "jsd" else 0.5
     g_tok, g_loss = cotangent(rng, (b, t)), float(rng.standard_normal())
-    kw = dict(divergence=divergence, jsd_beta=beta, temperature=temp, weight_layout=lay,
-              teacher_weight_layout=tlay, loss_agg_mode=mode, max_len=max_len)
+    kw = dict(
+        divergence=divergence,
+        jsd_beta=beta,
+        temperature=temp,
+        weight_layout=lay,
+        teacher_weight_layout=tlay,
+        loss_agg_mode=mode,
+        max_len=max_len,
+    )
 
     def f(h, w, bs, th, tw, tbs):
-        return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs, teacher_bias=tbs,
-                                      **route(backend, memory, dtype), **kw)
+        return jk.linear_distill_loss(
+            h,
+            w,
+            th,
+            tw,
+            jnp.asarray(mask),
+            bias=bs,
+            teacher_bias=tbs,
+            **route(backend, memory, dtype),
+            **kw,
+        )
 
     (loss, per_token), vjp = jax.vjp(jax.jit(f), h, w, bs, th, tw, tbs)
     grads = vjp((jnp.float32(g_loss), g_tok))
-    okw = dict(divergence=divergence, beta=beta, temperature=temp, layout=lay, t_layout=tlay,
-               mode=mode, max_len=max_len, g_tok=np.asarray(g_tok), g_loss=g_loss)
+    okw = dict(
+        divergence=divergence,
+        beta=beta,
+        temperature=temp,
+        layout=lay,
+        t_layout=tlay,
+        mode=mode,
+        max_len=max_len,
+        g_tok=np.asarray(g_tok),
+        g_loss=g_loss,
+    )
     want = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, **okw)
     want32 = distill_oracle(h64, w64, th64, tw64, mask, b=bs64, tb=tbs64, dt=np.float32, **okw)
     if memory == "fast" and dtype != jnp.float32:  # values by the lean rule, gradients by its own
@@ -249,8 +311,9 @@ def test_distill_matches_oracle(rng, backend, divergence, case, memory):
         want32 = want32[:2] + fast[2:]
     scale = want[-1]
     assert loss.dtype == per_token.dtype == jnp.float32 and per_token.shape == (b, t)
-    close = lambda got, i, name, s=None: assert_close(got, want[i], in_dtype=dtype,
-                                                      want32=want32[i], scale=s, name=name)
+    close = lambda got, i, name, s=None: assert_close(
+        got, want[i], in_dtype=dtype, want32=want32[i], scale=s, name=name
+    )
     close(per_token, 1, "per_token", scale)
     close(loss, 0, "loss", scale)
     assert np.all(np.asarray(per_token)[mask == 0] == 0)
@@ -271,8 +334,9 @@ def test_distill_jit_vmap_and_reruns(rng, backend, memory):
     mask = jnp.asarray(random_mask(rng, 2, 3))
 
     def loss(h, th, w):
-        return jk.linear_distill_loss(h, w, th, tw, mask, divergence="jsd",
-                                      **route(backend, memory))[0]
+        return jk.linear_distill_loss(
+            h, w, th, tw, mask, divergence="jsd", **route(backend, memory)
+        )[0]
 
     batched = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 2)), in_axes=(0, 0, None)))
     value, (dh, dw) = batched(hs, ths, w)
@@ -299,13 +363,30 @@ def test_distill_large_logits(rng, backend, divergence, memory):
     h, h64, th, th64 = 256 * h, 256 * h64, 256 * th, 256 * th64
     mask = np.ones((2, 3), np.float32)
     g = cotangent(rng, (2, 3))
-    f = lambda h, w: jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
-                                            temperature=3.0, teacher_weight_layout="dv",
-                                            **route(backend, memory))[1]
+    f = lambda h, w: jk.linear_distill_loss(
+        h,
+        w,
+        th,
+        tw,
+        jnp.asarray(mask),
+        divergence=divergence,
+        temperature=3.0,
+        teacher_weight_layout="dv",
+        **route(backend, memory),
+    )[1]
     per_token, vjp = jax.vjp(f, h, w)
     dh, dw = vjp(g)
-    want = distill_oracle(h64, w64, th64, tw64, mask, divergence=divergence, temperature=3.0,
-                          t_layout="dv", g_tok=np.asarray(g))
+    want = distill_oracle(
+        h64,
+        w64,
+        th64,
+        tw64,
+        mask,
+        divergence=divergence,
+        temperature=3.0,
+        t_layout="dv",
+        g_tok=np.asarray(g),
+    )
     assert np.abs(want[-1]) > 500
     assert_close(per_token, want[1], scale=want[-1], name="per_token")
     assert np.all(np.isfinite(np.asarray(dh))) and np.all(np.isfinite(np.asarray(dw)))
@@ -318,8 +399,9 @@ def test_distill_equal_heads_give_zero(backend, memory):
     (h, w, _), _ = _head(rng, 2, 2, 8, 130, "vd", head_dtype(backend), False)
     mask = jnp.ones((2, 2))
     for div in DIVERGENCES:
-        loss, per_token = jk.linear_distill_loss(h, w, h, w, mask, divergence=div,
-                                                 **route(backend, memory))
+        loss, per_token = jk.linear_distill_loss(
+            h, w, h, w, mask, divergence=div, **route(backend, memory)
+        )
         assert np.max(np.abs(np.asarray(per_token))) < 1e-5, div
 
 
@@ -328,8 +410,8 @@ def test_distill_equal_heads_give_zero(backend, memory):
 TOPK_CASES = [  # (dtype, layout, bias, temperature, lead shape, V, k)
     ("float32", "vd", False, 1.0, (2, 3), 301, 5),
     ("float32", "dv", True, 0.7, (5,), 257, 1),
-    ("float32", "vd", True, 1.2, (), 129, 129),       # 1-D hidden, k = V
-    ("float32", "dv", False, 1.0, (1,), 7, 3),         # N = 1
+    ("float32", "vd", True, 1.2, (), 129, 129),  # 1-D hidden, k = V
+    ("float32", "dv", False, 1.0, (1,), 7, 3),  # N = 1
     ("bfloat16", "vd", True, 0.9, (2, 2), 301, 8),
 ]
 
@@ -341,7 +423,8 @@ def test_topk_matches_oracle(rng, backend, case):
     d = 8
     hd = rng.standard_normal(lead + (d,)).astype(np.float32)
     wd = (rng.standard_normal((v, d) if lay == "vd" else (d, v)) * 2 / np.sqrt(d)).astype(
-        np.float32)
+        np.float32
+    )
     bd = (0.5 * rng.standard_normal(v)).astype(np.float32) if with_bias else None
     h, w = jnp.asarray(hd).astype(dtype), jnp.asarray(wd).astype(dtype)
     b = None if bd is None else jnp.asarray(bd).astype(dtype)
@@ -350,14 +433,16 @@ def test_topk_matches_oracle(rng, backend, case):
     g_logp, g_lse = cotangent(rng, lead + (k,)), cotangent(rng, lead)
 
     def f(h, w, b):
-        return jk.linear_topk_logprobs(h, w, k, bias=b, weight_layout=lay, temperature=temp,
-                                       backend=backend)
+        return jk.linear_topk_logprobs(
+            h, w, k, bias=b, weight_layout=lay, temperature=temp, backend=backend
+        )
 
     (logp, ids, lse), vjp = jax.vjp(jax.jit(f), h, w, b)
     zero_ids = np.zeros(ids.shape, jax.dtypes.float0)
     grads = vjp((g_logp, zero_ids, g_lse))
-    okw = dict(b=b64, layout=lay, temperature=temp, g_logp=np.asarray(g_logp),
-               g_lse=np.asarray(g_lse))
+    okw = dict(
+        b=b64, layout=lay, temperature=temp, g_logp=np.asarray(g_logp), g_lse=np.asarray(g_lse)
+    )
     want = topk_oracle(h64, w64, k, **okw)
     want32 = topk_oracle(h64, w64, k, dt=np.float32, **okw)
     assert ids.dtype == jnp.int32 and ids.shape == lead + (k,) and lse.shape == lead
@@ -366,8 +451,11 @@ def test_topk_matches_oracle(rng, backend, case):
     for got, i, name in ((logp, 0, "logp"), (lse, 2, "lse")):
         assert_close(got, want[i], in_dtype=dtype, want32=want32[i], scale=zmax, name=name)
     assert np.all(np.diff(np.asarray(logp), axis=-1) <= 0)
-    for got, i, name in ((grads[0], 3, "d_hidden"), (grads[1], 4, "d_weight"),
-                         (grads[2], 5, "d_bias")):
+    for got, i, name in (
+        (grads[0], 3, "d_hidden"),
+        (grads[1], 4, "d_weight"),
+        (grads[2], 5, "d_bias"),
+    ):
         if want[i] is not None:
             assert_close(got, want[i], in_dtype=dtype, want32=want32[i], name=name)
 
@@ -424,7 +512,7 @@ def _agree(got, want, name="value"):
     if got.dtype.itemsize == 2:
         s = max(float(np.max(np.abs(want.astype(np.float64)), initial=0.0)), 1e-30)
         err = np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)), initial=0.0)
-        assert err <= 2.0 ** -7 * s, f"{name}: {err} > 2^-7 x {s}"
+        assert err <= 2.0**-7 * s, f"{name}: {err} > 2^-7 x {s}"
     else:
         assert_close(got, want, name=name)
 
@@ -438,18 +526,32 @@ def _sharded_inputs(rng, dtype=jnp.float32):
 
 def _distill_fn(backend, divergence, vocab_axis=None, memory="lean"):
     def fn(h, w, b, th, tw, mask):
-        return jk.linear_distill_loss(h, w, th, tw, mask, bias=b, divergence=divergence,
-                                      temperature=0.8, teacher_weight_layout="dv",
-                                      loss_agg_mode="seq_mean_token_sum", **route(backend, memory),
-                                      vocab_axis=vocab_axis)
+        return jk.linear_distill_loss(
+            h,
+            w,
+            th,
+            tw,
+            mask,
+            bias=b,
+            divergence=divergence,
+            temperature=0.8,
+            teacher_weight_layout="dv",
+            loss_agg_mode="seq_mean_token_sum",
+            **route(backend, memory),
+            vocab_axis=vocab_axis,
+        )
+
     return fn
 
 
 def _gathered(compiled) -> list[int]:
     """Element counts of the results of every all-gather in a compiled program."""
-    return [int(np.prod([int(d) for d in t.split(",") if d]))
-            for line in compiled.as_text().splitlines() if " all-gather" in line
-            for t in re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather")[0])]
+    return [
+        int(np.prod([int(d) for d in t.split(",") if d]))
+        for line in compiled.as_text().splitlines()
+        if " all-gather" in line
+        for t in re.findall(r"\w+\[([\d,]*)\]", line.split(" all-gather")[0])
+    ]
 
 
 @pytest.mark.parametrize("memory", MEMORY)
@@ -461,8 +563,14 @@ def test_distill_sharded(rng, backend, kind, divergence, memory):
     pallas_auto_axes_off_gpu(backend, kind)
     mesh = _mesh(kind)
     args = _sharded_inputs(rng, head_dtype(backend))
-    specs = [P("data", None, None), P("model", None), P("model"), P("data", None, None),
-             P(None, "model"), P("data", None)]
+    specs = [
+        P("data", None, None),
+        P("model", None),
+        P("model"),
+        P("data", None, None),
+        P(None, "model"),
+        P("data", None),
+    ]
     fn = _distill_fn(backend, divergence, memory=memory)
     g = cotangent(rng, (4, 4))
 
@@ -470,6 +578,7 @@ def test_distill_sharded(rng, backend, kind, divergence, memory):
         def scalar(*a):
             loss, per_token = fn(*a)
             return 0.7 * loss + jnp.sum(per_token * g)
+
         return fn(*a), jax.grad(scalar, argnums=(0, 1, 2))(*a)
 
     want = jax.jit(both)(*args)
@@ -505,25 +614,33 @@ def test_topk_sharded(rng, backend, kind):
         return f(h, w, b), jax.grad(scalar, argnums=(0, 1, 2))(h, w, b)
 
     want = jax.jit(both)(h, w, b)
-    placed = [jax.device_put(x, NamedSharding(mesh, s))
-              for x, s in zip((h, w, b), (P("data", None, None), P("model", None), P("model")))]
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, s))
+        for x, s in zip((h, w, b), (P("data", None, None), P("model", None), P("model")))
+    ]
     with jax.set_mesh(mesh):
         compiled = jax.jit(both).lower(*placed).compile()
         got = compiled(*placed)
     np.testing.assert_array_equal(np.asarray(got[0][1]), np.asarray(want[0][1]))
     assert not [n for n in _gathered(compiled) if n >= min(h.size, w.size) // 8]
-    for x, y in zip(jax.tree.leaves((got[0][0], got[0][2], got[1])),
-                    jax.tree.leaves((want[0][0], want[0][2], want[1]))):
+    for x, y in zip(
+        jax.tree.leaves((got[0][0], got[0][2], got[1])),
+        jax.tree.leaves((want[0][0], want[0][2], want[1])),
+    ):
         assert_close(x, np.asarray(y), scale=10.0)
 
 
 def _in_shard_map(fn, in_specs, out_specs, shape=None):
-    mesh = _mesh() if shape is None else jax.make_mesh(
-        shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = (
+        _mesh()
+        if shape is None
+        else jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    )
     inner = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def mapped(*args):
         return inner(*(jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)))
+
     return mesh, jax.jit(mapped)
 
 
@@ -541,8 +658,9 @@ def test_distill_vocab_axis(rng, backend, memory):
         mesh, call = _in_shard_map(lambda *a: inner(*a)[1], in_specs, rows)
         unsharded = lambda *a: _distill_fn(backend, divergence, memory=memory)(*a)[1]
         g = cotangent(rng, (4, 4))
-        grad = lambda f: jax.jit(jax.grad(lambda h, w, b, *rest: jnp.sum(f(h, w, b, *rest) * g),
-                                          argnums=(0, 1, 2)))
+        grad = lambda f: jax.jit(
+            jax.grad(lambda h, w, b, *rest: jnp.sum(f(h, w, b, *rest) * g), argnums=(0, 1, 2))
+        )
         _agree(call(*args), jax.jit(unsharded)(*args), name=divergence)
         for x, y in zip(grad(call)(*args), grad(unsharded)(*args)):
             _agree(x, y, name=f"{divergence} grad")
@@ -558,8 +676,9 @@ def test_topk_vocab_axis(rng, backend):
     outs = (P("data", None, None), P("data", None, None), P("data", None))
 
     def f(h, w, vocab_axis=None):
-        return jk.linear_topk_logprobs(h, w, k, weight_layout="dv", backend=backend,
-                                       vocab_axis=vocab_axis)
+        return jk.linear_topk_logprobs(
+            h, w, k, weight_layout="dv", backend=backend, vocab_axis=vocab_axis
+        )
 
     _, call = _in_shard_map(lambda h, w: f(h, w, "model"), in_specs, outs)
     got, want = call(h, w), jax.jit(f)(h, w)
@@ -567,13 +686,15 @@ def test_topk_vocab_axis(rng, backend):
     assert_close(got[0], np.asarray(want[0]), scale=20.0)
     assert_close(got[2], np.asarray(want[2]))
     g = cotangent(rng, (4, 3, k))
-    scalar = lambda fn: jax.jit(jax.grad(
-        lambda h, w: jnp.sum(fn(h, w)[0] * g) + jnp.sum(fn(h, w)[2]), argnums=(0, 1)))
+    scalar = lambda fn: jax.jit(
+        jax.grad(lambda h, w: jnp.sum(fn(h, w)[0] * g) + jnp.sum(fn(h, w)[2]), argnums=(0, 1))
+    )
     for x, y in zip(scalar(call)(h, w), scalar(f)(h, w)):
         assert_close(x, np.asarray(y))
 
 
 # -- explain and bad input -------------------------------------------------------------------
+
 
 def test_explain_names_the_backends():
     h, w = jnp.zeros((2, 3, 8)), jnp.zeros((64, 8))
@@ -581,8 +702,14 @@ def test_explain_names_the_backends():
     text = jk.explain("linear_distill_loss", h, w, th, tw, jnp.ones((2, 3)))
     assert text.splitlines()[0] == "linear_distill_loss: reference (automatic)", text
     assert "pallas declined: pallas distill_divergence takes 16-bit heads" in text, text
-    text = jk.explain("linear_distill_loss", h.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                      th.astype(jnp.bfloat16), tw.astype(jnp.bfloat16), jnp.ones((2, 3)))
+    text = jk.explain(
+        "linear_distill_loss",
+        h.astype(jnp.bfloat16),
+        w.astype(jnp.bfloat16),
+        th.astype(jnp.bfloat16),
+        tw.astype(jnp.bfloat16),
+        jnp.ones((2, 3)),
+    )
     assert "pallas declined: platform is 'cpu'; pallas runs only in interpret mode" in text, text
     text = jk.explain("linear_topk_logprobs", h, w, k=4)
     assert "pallas declined: backend 'pallas' does not implement 'topk_logprobs'" in text, text
@@ -592,9 +719,13 @@ def test_explain_names_the_backends():
 
 
 def _distill_args(**over):
-    a = dict(hidden=jnp.ones((2, 3, 4)), weight=jnp.ones((5, 4)),
-             teacher_hidden=jnp.ones((2, 3, 6)), teacher_weight=jnp.ones((5, 6)),
-             mask=jnp.ones((2, 3)))
+    a = dict(
+        hidden=jnp.ones((2, 3, 4)),
+        weight=jnp.ones((5, 4)),
+        teacher_hidden=jnp.ones((2, 3, 6)),
+        teacher_weight=jnp.ones((5, 6)),
+        mask=jnp.ones((2, 3)),
+    )
     kw = {k: v for k, v in over.items() if k not in a}
     a.update({k: v for k, v in over.items() if k in a})
     return a, kw
@@ -618,8 +749,9 @@ DISTILL_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("err,name,over", DISTILL_ERRORS,
-                         ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(DISTILL_ERRORS)])
+@pytest.mark.parametrize(
+    "err,name,over", DISTILL_ERRORS, ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(DISTILL_ERRORS)]
+)
 def test_distill_errors(err, name, over):
     a, kw = _distill_args(**over)
     with pytest.raises(err) as info:
@@ -633,8 +765,10 @@ def test_jsd_beta_checked_only_for_jsd():
     jk.linear_distill_loss(*a.values(), divergence="reverse_kl", jsd_beta=2.0)
 
 
-@pytest.mark.parametrize("k,err", [(0, ValueError), (6, ValueError), (-1, ValueError),
-                                   (2.0, TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "k,err",
+    [(0, ValueError), (6, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)],
+)
 def test_topk_k_errors(k, err):
     with pytest.raises(err) as info:
         jk.linear_topk_logprobs(jnp.ones((3, 4)), jnp.ones((5, 4)), k)
@@ -667,28 +801,55 @@ def test_distill_fast_on_gpu(divergence, monkeypatch):
     monkeypatch.setattr(fused_distill, "BLOCK_BYTES", 2 * 200 * 32771 * 4)  # 3 blocks
     b, t, v = GPU_SHAPE
     (h, w, bs), (h64, w64, bs64), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
-        8, with_bias=True)
+        8, with_bias=True
+    )
 
     def f(h, w, bs):
-        return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), bias=bs,
-                                      divergence=divergence, teacher_weight_layout="dv",
-                                      temperature=0.9, memory="fast")
+        return jk.linear_distill_loss(
+            h,
+            w,
+            th,
+            tw,
+            jnp.asarray(mask),
+            bias=bs,
+            divergence=divergence,
+            teacher_weight_layout="dv",
+            temperature=0.9,
+            memory="fast",
+        )
 
     step = jax.jit(lambda h, w, bs: jax.vjp(f, h, w, bs)[1]((jnp.float32(g_loss), g_tok)))
     grads = step(h, w, bs)
     for x, y in zip(grads, step(h, w, bs)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     loss, per_token = jax.jit(f)(h, w, bs)
-    okw = dict(divergence=divergence, t_layout="dv", b=bs64, temperature=0.9,
-               g_tok=np.asarray(g_tok), g_loss=g_loss)
+    okw = dict(
+        divergence=divergence,
+        t_layout="dv",
+        b=bs64,
+        temperature=0.9,
+        g_tok=np.asarray(g_tok),
+        g_loss=g_loss,
+    )
     want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
     want_fast = distill_oracle(h64, w64, th64, tw64, mask, fast=jnp.bfloat16, **okw)
     want32 = distill_oracle(h64, w64, th64, tw64, mask, dt=np.float32, **okw)
     want32 = want32[:2] + want_fast[2:]
-    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
-                         (grads[1], 3, "dW"), (grads[2], 4, "db")):
-        assert_close(got, want[i], in_dtype=jnp.bfloat16, want32=want32[i],
-                     scale=want[-1] if i < 2 else None, name=name)
+    for got, i, name in (
+        (per_token, 1, "per_token"),
+        (loss, 0, "loss"),
+        (grads[0], 2, "dh"),
+        (grads[1], 3, "dW"),
+        (grads[2], 4, "db"),
+    ):
+        assert_close(
+            got,
+            want[i],
+            in_dtype=jnp.bfloat16,
+            want32=want32[i],
+            scale=want[-1] if i < 2 else None,
+            name=name,
+        )
     temp = step.lower(h, w, bs).compile().memory_analysis().temp_size_in_bytes
     n = b * t
     kept, block = n * v * 2, 171 * v * 4  # 171 rows per block, float32
@@ -707,11 +868,20 @@ def test_distill_on_gpu(divergence, gpu_backend, monkeypatch):
     monkeypatch.setattr(vocab_chunks, "DISTILL_CHUNK_BYTES", 2 * 2**20)
     b, t, v = GPU_SHAPE
     (h, w, _), (h64, w64, _), (th, tw), (th64, tw64), mask, g_tok, g_loss = _gpu_heads(
-        7, with_bias=False)
+        7, with_bias=False
+    )
 
     def f(h, w):
-        return jk.linear_distill_loss(h, w, th, tw, jnp.asarray(mask), divergence=divergence,
-                                      teacher_weight_layout="dv", backend=gpu_backend)
+        return jk.linear_distill_loss(
+            h,
+            w,
+            th,
+            tw,
+            jnp.asarray(mask),
+            divergence=divergence,
+            teacher_weight_layout="dv",
+            backend=gpu_backend,
+        )
 
     step = jax.jit(lambda h, w: jax.vjp(f, h, w)[1]((jnp.float32(g_loss), g_tok)))
     grads = step(h, w)
@@ -722,10 +892,20 @@ def test_distill_on_gpu(divergence, gpu_backend, monkeypatch):
     okw = dict(divergence=divergence, t_layout="dv", g_tok=np.asarray(g_tok), g_loss=g_loss)
     want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
     want32 = distill_oracle(h64, w64, th64, tw64, mask, dt=np.float32, **okw)
-    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
-                         (grads[1], 3, "dW")):
-        assert_close(got, want[i], in_dtype=jnp.bfloat16, want32=want32[i],
-                     scale=want[-1] if i < 2 else None, name=name)
+    for got, i, name in (
+        (per_token, 1, "per_token"),
+        (loss, 0, "loss"),
+        (grads[0], 2, "dh"),
+        (grads[1], 3, "dW"),
+    ):
+        assert_close(
+            got,
+            want[i],
+            in_dtype=jnp.bfloat16,
+            want32=want32[i],
+            scale=want[-1] if i < 2 else None,
+            name=name,
+        )
     temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
     # pallas pads an odd V to its 128-column tiles: a copy of each head's weight
     padded = 0 if gpu_backend == "chunked" else -(-v // 128) * 128 * (256 + 512) * 2
@@ -746,11 +926,18 @@ def test_distill_pallas_sharded_on_gpu(rng, divergence):
         def run(*a):
             scalar = lambda *a: 0.7 * fn(*a)[0] + jnp.sum(fn(*a)[1] * g)
             return fn(*a)[1], jax.grad(scalar, argnums=(0, 1, 2))(*a)
+
         return run
 
     want = jax.jit(both(_distill_fn("chunked", divergence)))(*args)
-    specs = [P("data", None, None), P("model", None), P("model"), P("data", None, None),
-             P(None, "model"), P("data", None)]
+    specs = [
+        P("data", None, None),
+        P("model", None),
+        P("model"),
+        P("data", None, None),
+        P(None, "model"),
+        P("data", None),
+    ]
     for kind in ("Explicit", "Auto"):
         mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
         placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
@@ -759,11 +946,13 @@ def test_distill_pallas_sharded_on_gpu(rng, divergence):
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _agree(x, y, name=f"{kind} {divergence}")
     inner = _distill_fn("pallas", divergence, vocab_axis="model")
-    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None),
-                              shape=(1, 1))
+    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None), shape=(1, 1))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(mapped(*a) * g), argnums=(0, 1, 2)))
-    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_distill_fn("chunked", divergence)(*a)[1] * g),
-                                 argnums=(0, 1, 2)))(*args)
+    want_grad = jax.jit(
+        jax.grad(
+            lambda *a: jnp.sum(_distill_fn("chunked", divergence)(*a)[1] * g), argnums=(0, 1, 2)
+        )
+    )(*args)
     _agree(mapped(*args), want[0], name="shard_map per_token")
     for x, y in zip(grad(*args), want_grad):
         _agree(x, y, name="shard_map grad")
@@ -784,8 +973,19 @@ def _ffi_heads(seed, dtype=jnp.bfloat16):
 
 def _ffi_loss(divergence, backend="ffi", **kw):
     def f(h, w, th, tw, mask):
-        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, jsd_beta=0.3,
-                                      temperature=0.8, backend=backend, **kw)
+        return jk.linear_distill_loss(
+            h,
+            w,
+            th,
+            tw,
+            mask,
+            divergence=divergence,
+            jsd_beta=0.3,
+            temperature=0.8,
+            backend=backend,
+            **kw,
+        )
+
     return f
 
 
@@ -805,28 +1005,52 @@ def test_distill_ffi_on_gpu(divergence, dtype, monkeypatch):
     (h, w, th, tw), (h64, w64, th64, tw64), mask, g_tok = _ffi_heads(11, dtype)
     f = _ffi_loss(divergence)
     mask_j = jnp.asarray(mask)
-    step = jax.jit(lambda h, w: jax.vjp(lambda h, w: f(h, w, th, tw, mask_j), h, w)[1](
-        (jnp.float32(0.5), g_tok)))
+    step = jax.jit(
+        lambda h, w: jax.vjp(lambda h, w: f(h, w, th, tw, mask_j), h, w)[1](
+            (jnp.float32(0.5), g_tok)
+        )
+    )
     grads = step(h, w)
     for x, y in zip(grads, step(h, w)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     loss, per_token = jax.jit(f)(h, w, th, tw, mask_j)
-    okw = dict(divergence=divergence, beta=0.3, temperature=0.8, g_tok=np.asarray(g_tok),
-               g_loss=0.5)
+    okw = dict(
+        divergence=divergence, beta=0.3, temperature=0.8, g_tok=np.asarray(g_tok), g_loss=0.5
+    )
     want = distill_oracle(h64, w64, th64, tw64, mask, **okw)
     want32 = distill_oracle(h64, w64, th64, tw64, mask, dt=np.float32, **okw)
-    for got, i, name in ((per_token, 1, "per_token"), (loss, 0, "loss"), (grads[0], 2, "dh"),
-                         (grads[1], 3, "dW")):
-        assert_close(got, want[i], in_dtype=dtype, want32=want32[i],
-                     scale=want[-1] if i < 2 else None, name=name)
+    for got, i, name in (
+        (per_token, 1, "per_token"),
+        (loss, 0, "loss"),
+        (grads[0], 2, "dh"),
+        (grads[1], 3, "dW"),
+    ):
+        assert_close(
+            got,
+            want[i],
+            in_dtype=dtype,
+            want32=want32[i],
+            scale=want[-1] if i < 2 else None,
+            name=name,
+        )
     b, t, v = FFI_SHAPE
     temp = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
     assert temp < b * t * v * 4 // 2, f"{temp / 2**20:.1f} MiB of temporaries"
     auto = _ffi_loss(divergence, backend=None)
-    np.testing.assert_array_equal(np.asarray(jax.jit(auto)(h, w, th, tw, mask_j)[1]),
-                                  np.asarray(per_token))
-    text = jk.explain("linear_distill_loss", h, w, th, tw, mask_j, divergence=divergence,
-                      jsd_beta=0.3, temperature=0.8)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(auto)(h, w, th, tw, mask_j)[1]), np.asarray(per_token)
+    )
+    text = jk.explain(
+        "linear_distill_loss",
+        h,
+        w,
+        th,
+        tw,
+        mask_j,
+        divergence=divergence,
+        jsd_beta=0.3,
+        temperature=0.8,
+    )
     assert text.splitlines()[0] == "linear_distill_loss: ffi (automatic)", text
 
 
@@ -849,11 +1073,17 @@ def test_distill_ffi_sharded_on_gpu(rng, divergence):
         def run(*a):
             scalar = lambda *a: 0.7 * fn(*a)[0] + jnp.sum(fn(*a)[1] * g)
             return fn(*a)[1], jax.grad(scalar, argnums=(0, 1))(*a)
+
         return run
 
     want = jax.jit(both(_ffi_loss(divergence, "chunked")))(*args)
-    specs = [P("data", None, None), P("model", None), P("data", None, None), P("model", None),
-             P("data", None)]
+    specs = [
+        P("data", None, None),
+        P("model", None),
+        P("data", None, None),
+        P("model", None),
+        P("data", None),
+    ]
     for kind in ("Explicit", "Auto"):
         mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(getattr(AxisType, kind),) * 2)
         placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
@@ -862,11 +1092,11 @@ def test_distill_ffi_sharded_on_gpu(rng, divergence):
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _agree(x, y, name=f"{kind} {divergence}")
     inner = _ffi_loss(divergence, vocab_axis="model")
-    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None),
-                              shape=(1, 1))
+    _, mapped = _in_shard_map(lambda *a: inner(*a)[1], tuple(specs), P("data", None), shape=(1, 1))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(mapped(*a) * g), argnums=(0, 1)))
-    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_ffi_loss(divergence, "chunked")(*a)[1] * g),
-                                 argnums=(0, 1)))(*args)
+    want_grad = jax.jit(
+        jax.grad(lambda *a: jnp.sum(_ffi_loss(divergence, "chunked")(*a)[1] * g), argnums=(0, 1))
+    )(*args)
     _agree(mapped(*args), want[0], name="shard_map per_token")
     for x, y in zip(grad(*args), want_grad):
         _agree(x, y, name="shard_map grad")

@@ -21,9 +21,14 @@ def tok(shape=(B, T), value=-1.0):
 
 def base_args():
     return dict(
-        logits=jnp.zeros((B, T, V)), targets=jnp.zeros((B, T), jnp.int32),
-        hidden=jnp.ones((B, T, D)), weight=jnp.ones((V, D)) * 0.1,
-        logp=tok(), old_logp=tok(), adv=jnp.ones((B, T)), mask=jnp.ones((B, T)),
+        logits=jnp.zeros((B, T, V)),
+        targets=jnp.zeros((B, T), jnp.int32),
+        hidden=jnp.ones((B, T, D)),
+        weight=jnp.ones((V, D)) * 0.1,
+        logp=tok(),
+        old_logp=tok(),
+        adv=jnp.ones((B, T)),
+        mask=jnp.ones((B, T)),
         rewards=jnp.arange(B, dtype=F),
     )
 
@@ -56,21 +61,36 @@ def call_op(op, **over):
     if op == "policy_gradient_loss":
         return jk.policy_gradient_loss(a["logp"], a["adv"], a["mask"], **kw)
     if op == "ratio_kl":
-        return jk.ratio_kl(a["logits"], kw.pop("ref_logits", a["logits"]), a["targets"],
-                           a["old_logp"], a["mask"], **kw)
+        return jk.ratio_kl(
+            a["logits"],
+            kw.pop("ref_logits", a["logits"]),
+            a["targets"],
+            a["old_logp"],
+            a["mask"],
+            **kw,
+        )
     if op == "grpo_loss":
         if "advantages" not in kw:
             kw.setdefault("groups", jk.Groups(size=1))
-        return jk.grpo_loss(a["logits"], kw.pop("ref_logits", a["logits"]), a["targets"],
-                            a["old_logp"], a["rewards"], a["mask"], **kw)
+        return jk.grpo_loss(
+            a["logits"],
+            kw.pop("ref_logits", a["logits"]),
+            a["targets"],
+            a["old_logp"],
+            a["rewards"],
+            a["mask"],
+            **kw,
+        )
     if op == "linear_ppo_loss":
-        return jk.linear_ppo_loss(a["hidden"], a["weight"], a["targets"], a["old_logp"], a["adv"],
-                                  a["mask"], **kw)
+        return jk.linear_ppo_loss(
+            a["hidden"], a["weight"], a["targets"], a["old_logp"], a["adv"], a["mask"], **kw
+        )
     if op == "linear_grpo_loss":
         if "advantages" not in kw:
             kw.setdefault("groups", jk.Groups(size=1))
-        return jk.linear_grpo_loss(a["hidden"], a["weight"], a["targets"], a["old_logp"],
-                                   a["rewards"], a["mask"], **kw)
+        return jk.linear_grpo_loss(
+            a["hidden"], a["weight"], a["targets"], a["old_logp"], a["rewards"], a["mask"], **kw
+        )
     raise KeyError(op)
 
 
@@ -85,9 +105,19 @@ def expect(err_type, names, op, **over):
 
 
 def test_valid_arguments_work():
-    for op in ("token_logprobs", "linear_logprobs", "kl_penalty", "aggregate", "group_advantages",
-               "ppo_loss", "policy_gradient_loss", "ratio_kl", "grpo_loss", "linear_ppo_loss",
-               "linear_grpo_loss"):
+    for op in (
+        "token_logprobs",
+        "linear_logprobs",
+        "kl_penalty",
+        "aggregate",
+        "group_advantages",
+        "ppo_loss",
+        "policy_gradient_loss",
+        "ratio_kl",
+        "grpo_loss",
+        "linear_ppo_loss",
+        "linear_grpo_loss",
+    ):
         call_op(op)
 
 
@@ -121,8 +151,11 @@ SHAPE_ERRORS = [
     ("linear_logprobs", ("weight", "hidden"), dict(weight=jnp.ones((V, D + 1)))),
     ("linear_logprobs", "weight", dict(weight=jnp.ones((V * D,)))),
     ("linear_logprobs", "bias", dict(bias=jnp.ones((V + 1,)))),
-    ("linear_logprobs", "bias", dict(bias=jnp.ones((D,)), weight_layout="dv",
-                                     weight=jnp.ones((D, V + 1)))),
+    (
+        "linear_logprobs",
+        "bias",
+        dict(bias=jnp.ones((D,)), weight_layout="dv", weight=jnp.ones((D, V + 1))),
+    ),
     ("linear_logprobs", "targets", dict(targets=jnp.zeros((B,), jnp.int32))),
     ("kl_penalty", "ref_logp", dict(ref_logp=tok((B, T + 1)))),
     ("aggregate", "mask", dict(mask=jnp.ones((B, T + 1)))),
@@ -156,9 +189,13 @@ SHAPE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("op,names,over", SHAPE_ERRORS,
-                         ids=[f"{o}-{n if isinstance(n, str) else n[0]}-{i}"
-                              for i, (o, n, _) in enumerate(SHAPE_ERRORS)])
+@pytest.mark.parametrize(
+    "op,names,over",
+    SHAPE_ERRORS,
+    ids=[
+        f"{o}-{n if isinstance(n, str) else n[0]}-{i}" for i, (o, n, _) in enumerate(SHAPE_ERRORS)
+    ],
+)
 def test_shape_errors(op, names, over):
     msg = expect(ValueError, names, op, **over)
     assert re.search(r"\d", msg), f"message gives no shape: {msg!r}"
@@ -169,14 +206,26 @@ def test_shape_errors(op, names, over):
 
 OPTION_ERRORS = [
     ("kl_penalty", "estimator", dict(estimator="k4"), ("k1", "abs", "k2", "k3")),
-    ("ppo_loss", "kl_estimator", dict(kl_estimator="kl", ref_logp=tok(), kl_coef=0.1),
-     ("k1", "abs", "k2", "k3")),
+    (
+        "ppo_loss",
+        "kl_estimator",
+        dict(kl_estimator="kl", ref_logp=tok(), kl_coef=0.1),
+        ("k1", "abs", "k2", "k3"),
+    ),
     ("ratio_kl", "kl_estimator", dict(kl_estimator="K3"), ("k1", "abs", "k2", "k3")),
     ("grpo_loss", "kl_estimator", dict(kl_estimator="mse"), ("k1", "abs", "k2", "k3")),
-    ("aggregate", "mode", dict(mode="mean"),
-     ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")),
-    ("ppo_loss", "loss_agg_mode", dict(loss_agg_mode="sum"),
-     ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")),
+    (
+        "aggregate",
+        "mode",
+        dict(mode="mean"),
+        ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+    ),
+    (
+        "ppo_loss",
+        "loss_agg_mode",
+        dict(loss_agg_mode="sum"),
+        ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+    ),
     ("policy_gradient_loss", "loss_agg_mode", dict(loss_agg_mode="avg"), ("token_mean",)),
     ("grpo_loss", "loss_agg_mode", dict(loss_agg_mode="x"), ("token_mean",)),
     ("linear_grpo_loss", "loss_agg_mode", dict(loss_agg_mode="x"), ("token_mean",)),
@@ -186,8 +235,9 @@ OPTION_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("op,name,over,valid", OPTION_ERRORS,
-                         ids=[f"{o}-{n}" for o, n, _, _ in OPTION_ERRORS])
+@pytest.mark.parametrize(
+    "op,name,over,valid", OPTION_ERRORS, ids=[f"{o}-{n}" for o, n, _, _ in OPTION_ERRORS]
+)
 def test_unknown_option_lists_valid(op, name, over, valid):
     msg = expect(ValueError, name, op, **over)
     for v in valid:
@@ -196,15 +246,29 @@ def test_unknown_option_lists_valid(op, name, over, valid):
 
 # ----------------------------------------------------------------------------- numeric ranges
 
-RANGE_ERRORS = [(op, name, value) for op in ("ppo_loss", "grpo_loss", "linear_ppo_loss",
-                                             "linear_grpo_loss")
-                for name, value in (("clip_low", -0.1), ("clip_low", 1.0), ("clip_low", 1.5),
-                                    ("clip_high", 0.0), ("clip_high", -0.2),
-                                    ("dual_clip", 1.0), ("dual_clip", 0.5))]
-RANGE_ERRORS += [("ppo_loss", "tis_cap", 0.0), ("ppo_loss", "tis_cap", -1.0),
-                 ("linear_ppo_loss", "tis_cap", 0.0)]
-RANGE_ERRORS += [(op, "temperature", t) for op in ("token_logprobs", "linear_logprobs", "ratio_kl",
-                                                   "linear_ppo_loss") for t in (0.0, -1.0)]
+RANGE_ERRORS = [
+    (op, name, value)
+    for op in ("ppo_loss", "grpo_loss", "linear_ppo_loss", "linear_grpo_loss")
+    for name, value in (
+        ("clip_low", -0.1),
+        ("clip_low", 1.0),
+        ("clip_low", 1.5),
+        ("clip_high", 0.0),
+        ("clip_high", -0.2),
+        ("dual_clip", 1.0),
+        ("dual_clip", 0.5),
+    )
+]
+RANGE_ERRORS += [
+    ("ppo_loss", "tis_cap", 0.0),
+    ("ppo_loss", "tis_cap", -1.0),
+    ("linear_ppo_loss", "tis_cap", 0.0),
+]
+RANGE_ERRORS += [
+    (op, "temperature", t)
+    for op in ("token_logprobs", "linear_logprobs", "ratio_kl", "linear_ppo_loss")
+    for t in (0.0, -1.0)
+]
 
 
 @pytest.mark.parametrize("op,name,value", RANGE_ERRORS)
@@ -215,8 +279,16 @@ def test_option_ranges(op, name, value):
     expect(ValueError, name, op, **over)
 
 
-@pytest.mark.parametrize("name,value", [("clip_low", 0.0), ("clip_low", 0.99), ("clip_high", 5.0),
-                                        ("dual_clip", 1.01), ("tis_cap", 1e-3)])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("clip_low", 0.0),
+        ("clip_low", 0.99),
+        ("clip_high", 5.0),
+        ("dual_clip", 1.01),
+        ("tis_cap", 1e-3),
+    ],
+)
 def test_option_range_edges_accepted(name, value):
     over = {name: value}
     if name == "tis_cap":
@@ -228,7 +300,7 @@ def test_option_range_edges_accepted(name, value):
 
 
 GROUP_ERRORS = [
-    ("groups.size", dict(size=3)),                                         # does not divide B = 2
+    ("groups.size", dict(size=3)),  # does not divide B = 2
     ("groups: give exactly one", dict(size=1, boundaries=jnp.asarray([0, 2]))),
     ("groups: give exactly one", dict()),
     ("groups.boundaries", dict(boundaries=jnp.asarray([1, 2]))),
@@ -239,7 +311,9 @@ GROUP_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("names,groups", GROUP_ERRORS, ids=[str(i) for i in range(len(GROUP_ERRORS))])
+@pytest.mark.parametrize(
+    "names,groups", GROUP_ERRORS, ids=[str(i) for i in range(len(GROUP_ERRORS))]
+)
 @pytest.mark.parametrize("op", ["group_advantages", "grpo_loss"])
 def test_group_errors(op, names, groups):
     expect(ValueError, names, op, groups=jk.Groups(**groups))
@@ -265,21 +339,31 @@ BAD_POS = (1, 2)
 
 def _bad_targets(value, vocab=V):
     t = np.zeros((B, T), np.int32)
-    t[0, 1] = vocab - 1               # the largest valid id
+    t[0, 1] = vocab - 1  # the largest valid id
     t[BAD_POS] = value
     return t
 
 
 @pytest.mark.parametrize("value", [V, V + 7, -1, -(2**31)])
-@pytest.mark.parametrize("op", ["token_logprobs", "linear_logprobs", "ratio_kl", "grpo_loss",
-                                "linear_ppo_loss", "linear_grpo_loss"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "token_logprobs",
+        "linear_logprobs",
+        "ratio_kl",
+        "grpo_loss",
+        "linear_ppo_loss",
+        "linear_grpo_loss",
+    ],
+)
 def test_concrete_out_of_range_targets_raise(backend, op, value):
     name = "targets" if op in ("token_logprobs", "linear_logprobs") else "actions"
     t = _bad_targets(value)
-    t[1, 0] = value                   # the first bad position (row-major) is (1, 0)
+    t[1, 0] = value  # the first bad position (row-major) is (1, 0)
     msg = expect(ValueError, name, op, targets=jnp.asarray(t), backend=backend)
     assert re.search(r"[\(\[]\s*1\s*,\s*0\s*[\)\]]", msg) or re.search(r"\b3\b", msg), (
-        f"message does not name the first bad position (1, 0): {msg!r}")
+        f"message does not name the first bad position (1, 0): {msg!r}"
+    )
 
 
 def test_ignore_index_out_of_range_is_fine(backend):
@@ -305,14 +389,16 @@ def test_traced_out_of_range_targets_give_nan(backend, value):
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, V)), F)
 
     lp, ent = jax.jit(lambda l, t: jk.token_logprobs(l, t, return_entropy=True, backend=backend))(
-        logits, t)
+        logits, t
+    )
     for name, x in (("logp", lp), ("entropy", ent)):
         x = np.asarray(x)
         assert np.array_equal(np.isnan(x), bad), f"token_logprobs {name}: NaN not at {BAD_POS}"
 
     hidden = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, D)), F)
-    lp, ent = jax.jit(lambda h, w, t: jk.linear_logprobs(h, w, t, return_entropy=True,
-                                                         backend=backend))(hidden, A["weight"], t)
+    lp, ent = jax.jit(
+        lambda h, w, t: jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend)
+    )(hidden, A["weight"], t)
     for name, x in (("logp", lp), ("entropy", ent)):
         x = np.asarray(x)
         assert np.array_equal(np.isnan(x), bad), f"linear_logprobs {name}: NaN not at {BAD_POS}"
@@ -327,12 +413,24 @@ def test_traced_out_of_range_targets_give_nan(backend, value):
 def test_traced_out_of_range_actions_poison_losses(backend):
     """Under jit, a bad action at a valid token makes the losses NaN (never silently zero)."""
     t = jnp.asarray(_bad_targets(V + 1))
-    loss, _ = jax.jit(lambda t: jk.linear_ppo_loss(A["hidden"], A["weight"], t, A["old_logp"],
-                                                   A["adv"], A["mask"], backend=backend))(t)
+    loss, _ = jax.jit(
+        lambda t: jk.linear_ppo_loss(
+            A["hidden"], A["weight"], t, A["old_logp"], A["adv"], A["mask"], backend=backend
+        )
+    )(t)
     assert np.isnan(float(loss))
-    outs = jax.jit(lambda t: jk.grpo_loss(A["logits"], A["logits"], t, A["old_logp"], A["rewards"],
-                                          A["mask"], groups=jk.Groups(size=1),
-                                          backend=backend))(t)
+    outs = jax.jit(
+        lambda t: jk.grpo_loss(
+            A["logits"],
+            A["logits"],
+            t,
+            A["old_logp"],
+            A["rewards"],
+            A["mask"],
+            groups=jk.Groups(size=1),
+            backend=backend,
+        )
+    )(t)
     assert np.isnan(float(outs[0]))
 
 
@@ -348,10 +446,13 @@ def test_nan_inputs_propagate():
 # ----------------------------------------------------------------------------- messages that say the fix
 
 
-@pytest.mark.parametrize("layout,weight,fits", [
-    ("vd", jnp.ones((D, V)), "dv"),        # a [D, V] Dense kernel passed as the default "vd"
-    ("dv", jnp.ones((V, D)), "vd"),        # a [V, D] embedding passed as "dv"
-])
+@pytest.mark.parametrize(
+    "layout,weight,fits",
+    [
+        ("vd", jnp.ones((D, V)), "dv"),  # a [D, V] Dense kernel passed as the default "vd"
+        ("dv", jnp.ones((V, D)), "vd"),  # a [V, D] embedding passed as "dv"
+    ],
+)
 @pytest.mark.parametrize("op", ["linear_logprobs", "linear_ppo_loss", "linear_grpo_loss"])
 def test_weight_in_the_other_layout_names_it(op, layout, weight, fits):
     msg = expect(ValueError, "weight", op, weight=weight, weight_layout=layout)
@@ -364,17 +465,27 @@ def test_weight_fitting_no_layout_suggests_none():
     assert "'dv'" not in msg and str(D) in msg, msg
 
 
-@pytest.mark.parametrize("op,name,over", [
-    ("token_logprobs", "logits", dict(logits=jnp.zeros(()), targets=jnp.zeros((), jnp.int32))),
-    ("linear_logprobs", "hidden", dict(hidden=jnp.ones(()), targets=jnp.zeros((), jnp.int32))),
-])
+@pytest.mark.parametrize(
+    "op,name,over",
+    [
+        ("token_logprobs", "logits", dict(logits=jnp.zeros(()), targets=jnp.zeros((), jnp.int32))),
+        ("linear_logprobs", "hidden", dict(hidden=jnp.ones(()), targets=jnp.zeros((), jnp.int32))),
+    ],
+)
 def test_scalar_logits_say_at_least_1d(op, name, over):
     msg = expect(ValueError, name, op, **over)
     assert "at least 1-D" in msg and " or " not in msg, msg
 
 
-MASK_OPS = ["aggregate", "ppo_loss", "policy_gradient_loss", "ratio_kl", "grpo_loss",
-            "linear_ppo_loss", "linear_grpo_loss"]
+MASK_OPS = [
+    "aggregate",
+    "ppo_loss",
+    "policy_gradient_loss",
+    "ratio_kl",
+    "grpo_loss",
+    "linear_ppo_loss",
+    "linear_grpo_loss",
+]
 
 
 @pytest.mark.parametrize("value", [0.5, 2.0, -1.0, np.nan])

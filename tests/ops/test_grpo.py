@@ -6,12 +6,26 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from tests.conftest import (
+    as_jnp,
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    pallas_sample,
+    pallas_slow,
+    rand,
+    random_mask,
+)
 from tests.support import oracle
-from tests.conftest import (as_jnp, assert_close, assert_f32, assert_zero, cotangent, pallas_sample,
-                            pallas_slow, rand, random_mask)
 
-MODES = ["token_mean", "seq_mean_token_mean", "sequence_mean", "seq_mean_token_sum",
-         "seq_mean_token_sum_norm"]
+MODES = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "sequence_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+]
 
 
 def make_logits(rng, b, t, v, dtype, *, garbage_actions_where_masked=False):
@@ -51,12 +65,21 @@ RATIO_BIG = [
 @pytest.mark.parametrize("b,t,v,estimator,temperature,dtype", RATIO_CASES)
 def test_ratio_kl(backend, rng, b, t, v, estimator, temperature, dtype):
     pol, p64, ref, r64, actions, acts, old, old64, mask = make_logits(
-        rng, b, t, v, dtype, garbage_actions_where_masked=True)
+        rng, b, t, v, dtype, garbage_actions_where_masked=True
+    )
     m = jnp.asarray(mask)
 
     def f(pl, rl):
-        return jk.ratio_kl(pl, rl, actions, old, m, kl_estimator=estimator, temperature=temperature,
-                           backend=backend)
+        return jk.ratio_kl(
+            pl,
+            rl,
+            actions,
+            old,
+            m,
+            kl_estimator=estimator,
+            temperature=temperature,
+            backend=backend,
+        )
 
     (ratio, kl), vjp = jax.vjp(f, pol, ref)
     assert_f32(ratio, kl)
@@ -75,8 +98,13 @@ def test_ratio_kl(backend, rng, b, t, v, estimator, temperature, dtype):
     g_r, g_k = cotangent(rng, (b, t)), cotangent(rng, (b, t))
     d_pol, d_ref = vjp((g_r, g_k))
     assert d_pol.dtype == pol.dtype
-    assert_close(d_pol, w_vjp(np.asarray(g_r), np.asarray(g_k)), in_dtype=dtype,
-                 want32=w32[2](np.asarray(g_r), np.asarray(g_k)), name="d_policy_logits")
+    assert_close(
+        d_pol,
+        w_vjp(np.asarray(g_r), np.asarray(g_k)),
+        in_dtype=dtype,
+        want32=w32[2](np.asarray(g_r), np.asarray(g_k)),
+        name="d_policy_logits",
+    )
     assert_zero(d_ref, "gradient to ref_logits")
     assert_zero(np.asarray(d_pol)[off], "gradient at masked tokens")
 
@@ -88,8 +116,11 @@ def test_ratio_kl_big(backend, rng, b, t, v, estimator, temperature, dtype):
 
 def test_ratio_kl_no_gradient_to_old_logp(backend, rng):
     pol, _, ref, _, actions, _, old, _, mask = make_logits(rng, 2, 3, 5, jnp.float32)
-    g = jax.grad(lambda o: jnp.sum(jnp.stack(jk.ratio_kl(pol, ref, actions, o, jnp.asarray(mask),
-                                                         backend=backend))))(old)
+    g = jax.grad(
+        lambda o: jnp.sum(
+            jnp.stack(jk.ratio_kl(pol, ref, actions, o, jnp.asarray(mask), backend=backend))
+        )
+    )(old)
     assert_zero(g, "gradient to old_logp")
 
 
@@ -127,8 +158,9 @@ def check_grpo(backend, rng, b, t, v, dtype, kw, okw):
     assert len(outs) == 3
     assert_f32(*outs)
     w_outs, w_vjp, scale = oracle.grpo_loss(p64, r64, acts, old64, r64_rew, mask, **okw)
-    w32_outs, w32_vjp, _ = oracle.grpo_loss(p64, r64, acts, old64, r64_rew, mask, dt=np.float32,
-                                            **okw)
+    w32_outs, w32_vjp, _ = oracle.grpo_loss(
+        p64, r64, acts, old64, r64_rew, mask, dt=np.float32, **okw
+    )
     zs = max(np.abs(p64).max(), np.abs(r64).max())
     for name, got, w, w32 in zip(("loss", "policy_loss", "kl"), outs, w_outs, w32_outs):
         assert_close(got, w, in_dtype=dtype, want32=w32, scale=scale * zs, name=name)
@@ -143,12 +175,18 @@ def check_grpo(backend, rng, b, t, v, dtype, kw, okw):
 
 # pallas (interpret mode is slow) runs every grouping and every option set, each at least once,
 # normalize_std=False and eps on rewards it normalises; the rest of the grid is pallas_slow.
-PALLAS_OPTIONS = {("size2", "default"), ("size1", "beta_k3"), ("given_adv", "beta_k1_dual"),
-                  ("bounds_single", "beta_abs_nostd"), ("size2", "beta_k2_eps")}
+PALLAS_OPTIONS = {
+    ("size2", "default"),
+    ("size1", "beta_k3"),
+    ("given_adv", "beta_k1_dual"),
+    ("bounds_single", "beta_abs_nostd"),
+    ("size2", "beta_k2_eps"),
+}
 
 
-@pytest.mark.parametrize("grouping,options",
-                         pallas_sample(PALLAS_OPTIONS, list(GROUPINGS), list(OPTION_SETS)))
+@pytest.mark.parametrize(
+    "grouping,options", pallas_sample(PALLAS_OPTIONS, list(GROUPINGS), list(OPTION_SETS))
+)
 def test_grpo_loss_options(backend, rng, grouping, options):
     kw = dict(GROUPINGS[grouping], **OPTION_SETS[options])
     okw = dict(kw)
@@ -163,10 +201,17 @@ def test_grpo_loss_agg_modes(backend, rng, mode):
     check_grpo(backend, rng, 4, 5, 9, jnp.float32, dict(kw), dict(kw))
 
 
-@pytest.mark.parametrize("b,t,v,dtype", [
-    (4, 3, 1000, jnp.float32), (4, 3, 1000, jnp.bfloat16), (4, 3, 1000, jnp.float16),
-    (2, 1, 1, jnp.float32),
-    pallas_slow(2, 1, 32003, jnp.float32), pallas_slow(16, 128, 1000, jnp.float32)])
+@pytest.mark.parametrize(
+    "b,t,v,dtype",
+    [
+        (4, 3, 1000, jnp.float32),
+        (4, 3, 1000, jnp.bfloat16),
+        (4, 3, 1000, jnp.float16),
+        (2, 1, 1, jnp.float32),
+        pallas_slow(2, 1, 32003, jnp.float32),
+        pallas_slow(16, 128, 1000, jnp.float32),
+    ],
+)
 def test_grpo_loss_dtypes_and_vocab(backend, rng, b, t, v, dtype):
     kw = dict(group_size=2, beta=0.05)
     check_grpo(backend, rng, b, t, v, dtype, dict(kw), dict(kw))
@@ -175,8 +220,9 @@ def test_grpo_loss_dtypes_and_vocab(backend, rng, b, t, v, dtype):
 def test_grpo_loss_all_masked(backend, rng):
     pol, _, ref, _, actions, _, old, _, _ = make_logits(rng, 4, 3, 6, jnp.float32)
     rewards = jnp.asarray(rng.standard_normal(4).astype(np.float32))
-    f = lambda p: jk.grpo_loss(p, ref, actions, old, rewards, jnp.zeros((4, 3)), group_size=2,
-                               beta=0.1, backend=backend)
+    f = lambda p: jk.grpo_loss(
+        p, ref, actions, old, rewards, jnp.zeros((4, 3)), group_size=2, beta=0.1, backend=backend
+    )
     outs = f(pol)
     assert all(float(o) == 0.0 for o in outs)
     assert_zero(jax.grad(lambda p: f(p)[0])(pol))
@@ -187,8 +233,9 @@ def test_grpo_loss_matches_ppo_pieces(backend, rng):
     pol, _, ref, _, actions, _, old, _, mask = make_logits(rng, 4, 5, 13, jnp.float32)
     rewards = jnp.asarray(rng.standard_normal(4).astype(np.float32))
     m = jnp.asarray(mask)
-    loss, pl, kl = jk.grpo_loss(pol, ref, actions, old, rewards, m, group_size=2, beta=0.1,
-                                backend=backend)
+    loss, pl, kl = jk.grpo_loss(
+        pol, ref, actions, old, rewards, m, group_size=2, beta=0.1, backend=backend
+    )
     lp = jk.token_logprobs(pol, actions, backend=backend)
     rlp = jk.token_logprobs(ref, actions, backend=backend)
     adv = jk.group_advantages(rewards, group_size=2)
@@ -202,20 +249,24 @@ def test_ratio_kl_and_grpo_extreme_logits_stay_finite(backend, rng):
     b, t, v = 2, 3, 6
     pol = jnp.asarray(rng.choice([-1e4, 1e4, 0.0], size=(b, t, v)).astype(np.float32))
     ref = jnp.asarray(rng.choice([-1e4, 1e4, 0.0], size=(b, t, v)).astype(np.float32))
-    actions = jnp.asarray(np.argmax(np.asarray(pol), -1), jnp.int32)   # logp_pi near 0
+    actions = jnp.asarray(np.argmax(np.asarray(pol), -1), jnp.int32)  # logp_pi near 0
     old = jnp.full((b, t), -0.1, jnp.float32)
     mask = jnp.ones((b, t))
-    (ratio, kl), vjp = jax.vjp(lambda p: jk.ratio_kl(p, ref, actions, old, mask, backend=backend),
-                               pol)
+    (ratio, kl), vjp = jax.vjp(
+        lambda p: jk.ratio_kl(p, ref, actions, old, mask, backend=backend), pol
+    )
     (d,) = vjp((jnp.ones((b, t)), jnp.ones((b, t))))
     for name, x in (("ratio", ratio), ("kl", kl), ("d_policy_logits", d)):
         assert np.isfinite(np.asarray(x)).all(), f"{name} not finite"
     p64, r64 = np.asarray(pol, np.float64), np.asarray(ref, np.float64)
-    w_ratio, w_kl, _ = oracle.ratio_kl(p64, r64, np.asarray(actions), np.asarray(old, np.float64),
-                                       np.ones((b, t)))
+    w_ratio, w_kl, _ = oracle.ratio_kl(
+        p64, r64, np.asarray(actions), np.asarray(old, np.float64), np.ones((b, t))
+    )
     assert_close(ratio, w_ratio, scale=1e4 * np.abs(w_ratio).max(), name="ratio")
     rewards = jnp.arange(b, dtype=jnp.float32)
-    loss, g = jax.value_and_grad(lambda p: jk.grpo_loss(p, ref, actions, old, rewards, mask,
-                                                        group_size=2, beta=0.1,
-                                                        backend=backend)[0])(pol)
+    loss, g = jax.value_and_grad(
+        lambda p: jk.grpo_loss(
+            p, ref, actions, old, rewards, mask, group_size=2, beta=0.1, backend=backend
+        )[0]
+    )(pol)
     assert np.isfinite(float(loss)) and np.isfinite(np.asarray(g)).all()

@@ -7,9 +7,16 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from tests.conftest import (
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    pallas_sample,
+    pallas_slow,
+    rand,
+)
 from tests.support import oracle
-from tests.conftest import (assert_close, assert_f32, assert_zero, cotangent, pallas_sample,
-                            pallas_slow, rand)
 
 # (leading shape, V, D, temperature, with bias); every dtype and layout
 CASES = [
@@ -39,14 +46,36 @@ def make_inputs(rng, lead, vocab, d, dtype, layout, with_bias):
     return hidden, h64, weight, w64, bias, b64, targets
 
 
-def check_linear(backend, rng, hidden, h64, weight, w64, bias, b64, targets, *, layout, temperature,
-                 ignore_index=None):
+def check_linear(
+    backend,
+    rng,
+    hidden,
+    h64,
+    weight,
+    w64,
+    bias,
+    b64,
+    targets,
+    *,
+    layout,
+    temperature,
+    ignore_index=None,
+):
     dtype = hidden.dtype
     primals = (hidden, weight) if bias is None else (hidden, weight, bias)
 
     def fn(h, w, b=None):
-        return jk.linear_logprobs(h, w, targets, b, weight_layout=layout, temperature=temperature,
-                                  ignore_index=ignore_index, return_entropy=True, backend=backend)
+        return jk.linear_logprobs(
+            h,
+            w,
+            targets,
+            b,
+            weight_layout=layout,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            return_entropy=True,
+            backend=backend,
+        )
 
     (logp, ent), vjp = jax.vjp(fn, *primals)
     assert_f32(logp, ent)
@@ -62,8 +91,9 @@ def check_linear(backend, rng, hidden, h64, weight, w64, bias, b64, targets, *, 
     g_lp, g_ent = cotangent(rng, targets.shape), cotangent(rng, targets.shape)
     grads = vjp((g_lp, g_ent))
     gw = oracle.linear_logprobs_vjp(h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64, **kw)
-    gw32 = oracle.linear_logprobs_vjp(h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64,
-                                      dt=np.float32, **kw)
+    gw32 = oracle.linear_logprobs_vjp(
+        h64, w64, t, np.asarray(g_lp), np.asarray(g_ent), b64, dt=np.float32, **kw
+    )
     for name, got, p, w, w32 in zip(("d_hidden", "d_weight", "d_bias"), grads, primals, gw, gw32):
         assert got.dtype == p.dtype and got.shape == p.shape, name
         assert_close(got, w, in_dtype=dtype, want32=w32, name=name)
@@ -76,8 +106,10 @@ DTYPE_LAYOUTS = [(jnp.float32, "vd"), (jnp.float32, "dv"), (jnp.bfloat16, "vd")]
 PALLAS_VALUES = {c + DTYPE_LAYOUTS[i % len(DTYPE_LAYOUTS)] for i, c in enumerate(CASES)}
 
 
-@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias,dtype,layout",
-                         pallas_sample(PALLAS_VALUES, CASES, DTYPE_LAYOUTS))
+@pytest.mark.parametrize(
+    "lead,vocab,d,temperature,with_bias,dtype,layout",
+    pallas_sample(PALLAS_VALUES, CASES, DTYPE_LAYOUTS),
+)
 def test_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout):
     h, h64, w, w64, b, b64, t = make_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
     check_linear(backend, rng, h, h64, w, w64, b, b64, t, layout=layout, temperature=temperature)
@@ -108,8 +140,20 @@ def test_ignore_index(backend, rng, ignore_index):
     if ignore_index == 2:
         t[0] = np.where(t[0] == 2, 3, t[0])
     targets = jnp.asarray(t, jnp.int32)
-    logp, ent, grads = check_linear(backend, rng, h, h64, w, w64, b, b64, targets, layout="vd",
-                                    temperature=1.0, ignore_index=ignore_index)
+    logp, ent, grads = check_linear(
+        backend,
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        layout="vd",
+        temperature=1.0,
+        ignore_index=ignore_index,
+    )
     ign = t == ignore_index
     assert_zero(np.asarray(logp)[ign], "logp at ignored targets")
     assert_zero(np.asarray(ent)[ign], "entropy at ignored targets")
@@ -119,8 +163,9 @@ def test_ignore_index(backend, rng, ignore_index):
 def test_all_ignored_gives_zero_grads(backend, rng):
     h, _, w, _, b, _, _ = make_inputs(rng, (2, 3), 7, 4, jnp.float32, "dv", True)
     t = jnp.full((2, 3), -1, jnp.int32)
-    f = lambda h, w, b: jnp.sum(jk.linear_logprobs(h, w, t, b, weight_layout="dv", ignore_index=-1,
-                                                   backend=backend))
+    f = lambda h, w, b: jnp.sum(
+        jk.linear_logprobs(h, w, t, b, weight_layout="dv", ignore_index=-1, backend=backend)
+    )
     val, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, b)
     assert float(val) == 0.0
     for g in grads:
@@ -140,8 +185,9 @@ def test_extreme_hidden_stays_finite(backend, rng):
     h, h64, w, w64, _, _, t = make_inputs(rng, (4,), 11, 4, jnp.float32, "vd", False)
     h = h * 1e4 / 4
     h64 = np.asarray(h).astype(np.float64)
-    (lp, ent), vjp = jax.vjp(lambda h, w: jk.linear_logprobs(h, w, t, return_entropy=True,
-                                                             backend=backend), h, w)
+    (lp, ent), vjp = jax.vjp(
+        lambda h, w: jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend), h, w
+    )
     dh, dw = vjp((jnp.ones(4), jnp.ones(4)))
     for x in (lp, ent, dh, dw):
         assert np.isfinite(np.asarray(x)).all()

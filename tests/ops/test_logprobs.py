@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from tests.conftest import (
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    dtype_id,
+    pallas_slow,
+    rand,
+)
 from tests.support import oracle
-from tests.conftest import (assert_close, assert_f32, assert_zero, cotangent, dtype_id, pallas_slow,
-                            rand)
 
 # (leading shape, V, temperature); every dtype
 CASES = [
@@ -37,8 +44,14 @@ def _targets(rng, lead, v):
 def check_token_logprobs(backend, rng, logits, l64, targets, *, temperature=1.0, ignore_index=None):
     """Values and the VJP (random cotangents on logp and entropy) against the oracle."""
     dtype = logits.dtype
-    fn = lambda l: jk.token_logprobs(l, targets, temperature=temperature, ignore_index=ignore_index,
-                                     return_entropy=True, backend=backend)
+    fn = lambda l: jk.token_logprobs(
+        l,
+        targets,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        return_entropy=True,
+        backend=backend,
+    )
     (logp, ent), vjp = jax.vjp(fn, logits)
     assert_f32(logp, ent)
     assert logp.shape == targets.shape and ent.shape == targets.shape
@@ -78,15 +91,18 @@ def test_logp_only(backend, rng, temperature):
     """return_entropy=False returns one array; its VJP is (onehot - p) * g / T."""
     logits, l64 = rand(rng, (4, 5, 33), scale=2.0)
     targets = _targets(rng, (4, 5), 33)
-    logp, vjp = jax.vjp(lambda l: jk.token_logprobs(l, targets, temperature=temperature,
-                                                    backend=backend), logits)
+    logp, vjp = jax.vjp(
+        lambda l: jk.token_logprobs(l, targets, temperature=temperature, backend=backend), logits
+    )
     assert isinstance(logp, jax.Array) and logp.shape == (4, 5)
     want, _ = oracle.token_logprobs(l64, np.asarray(targets), temperature=temperature)
     assert_close(logp, want, scale=np.abs(l64).max() / temperature)
     g = cotangent(rng, (4, 5))
     (d,) = vjp(g)
-    assert_close(d, oracle.token_logprobs_vjp(l64, np.asarray(targets), np.asarray(g),
-                                              temperature=temperature))
+    assert_close(
+        d,
+        oracle.token_logprobs_vjp(l64, np.asarray(targets), np.asarray(g), temperature=temperature),
+    )
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 3])
@@ -96,13 +112,14 @@ def test_ignore_index(backend, rng, ignore_index, dtype):
     lead, vocab = (3, 6), 11
     logits, l64 = rand(rng, lead + (vocab,), dtype, scale=2.0)
     t = rng.integers(0, vocab, size=lead)
-    t[0, :] = ignore_index           # a whole sequence ignored
+    t[0, :] = ignore_index  # a whole sequence ignored
     t[1, ::2] = ignore_index
     if ignore_index == 3:
         t[2, :] = np.where(t[2, :] == 3, 4, t[2, :])
     targets = jnp.asarray(t, jnp.int32)
-    logp, ent, d = check_token_logprobs(backend, rng, logits, l64, targets,
-                                        ignore_index=ignore_index)
+    logp, ent, d = check_token_logprobs(
+        backend, rng, logits, l64, targets, ignore_index=ignore_index
+    )
     ign = t == ignore_index
     assert_zero(np.asarray(logp)[ign], "logp at ignored targets")
     assert_zero(np.asarray(ent)[ign], "entropy at ignored targets")
@@ -114,15 +131,15 @@ def test_extreme_logits_stay_finite(backend, rng, dtype):
     """Logits of +-1e4 (one dominant entry, ties at the max, all equal) stay finite and accurate."""
     vocab = 9
     l = rng.choice([-1e4, 1e4, 0.0], size=(6, vocab)).astype(np.float32)
-    l[0] = 1e4                       # all equal at the top
-    l[1] = -1e4                      # all equal at the bottom
+    l[0] = 1e4  # all equal at the top
+    l[1] = -1e4  # all equal at the bottom
     l[2] = -1e4
-    l[2, 4] = 1e4                    # one dominant logit
+    l[2, 4] = 1e4  # one dominant logit
     l[3] = rng.standard_normal(vocab) * 1e4
     logits = jnp.asarray(l).astype(dtype)
     l64 = np.asarray(logits).astype(np.float64)
     t = rng.integers(0, vocab, size=6)
-    t[2] = 0                         # the target far below the max: logp ~ -2e4
+    t[2] = 0  # the target far below the max: logp ~ -2e4
     targets = jnp.asarray(t, jnp.int32)
     fn = lambda x: jk.token_logprobs(x, targets, return_entropy=True, backend=backend)
     (logp, ent), vjp = jax.vjp(fn, logits)
@@ -140,8 +157,9 @@ def test_leading_shapes_flatten(backend, rng):
     logits, _ = rand(rng, (3, 5, 13))
     targets = _targets(rng, (3, 5), 13)
     a, ea = jk.token_logprobs(logits, targets, return_entropy=True, backend=backend)
-    b, eb = jk.token_logprobs(logits.reshape(15, 13), targets.reshape(15), return_entropy=True,
-                              backend=backend)
+    b, eb = jk.token_logprobs(
+        logits.reshape(15, 13), targets.reshape(15), return_entropy=True, backend=backend
+    )
     np.testing.assert_allclose(np.asarray(a).reshape(15), np.asarray(b), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(ea).reshape(15), np.asarray(eb), rtol=1e-6, atol=1e-6)
 

@@ -6,13 +6,28 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from tests.conftest import (
+    as_jnp,
+    assert_close,
+    assert_f32,
+    assert_zero,
+    call,
+    cotangent,
+    dtype_id,
+    pallas_sample,
+    ppo_token_inputs,
+    random_mask,
+)
 from tests.support import oracle
-from tests.conftest import (as_jnp, assert_close, assert_f32, assert_zero, call, cotangent,
-                            dtype_id, pallas_sample, ppo_token_inputs, random_mask)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-MODES = ["token_mean", "seq_mean_token_mean", "sequence_mean", "seq_mean_token_sum",
-         "seq_mean_token_sum_norm"]
+MODES = [
+    "token_mean",
+    "seq_mean_token_mean",
+    "sequence_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+]
 BASE_METRICS = {"clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean"}
 
 # Option sets; "rollout"/"ref"/"entropy" = True means "pass that array".
@@ -28,9 +43,19 @@ CONFIGS = {
     "kl_k3": dict(ref=True, kl_coef=0.05),
     "ref_zero_coef": dict(ref=True),
     "entropy": dict(entropy=True, entropy_coef=0.01),
-    "everything": dict(clip_low=0.15, clip_high=0.25, dual_clip=2.5, rollout=True, tis_cap=2.0,
-                       ref=True, kl_coef=0.1, kl_estimator="k3", entropy=True, entropy_coef=0.02,
-                       max_len=13),
+    "everything": dict(
+        clip_low=0.15,
+        clip_high=0.25,
+        dual_clip=2.5,
+        rollout=True,
+        tis_cap=2.0,
+        ref=True,
+        kl_coef=0.1,
+        kl_estimator="k3",
+        entropy=True,
+        entropy_coef=0.02,
+        max_len=13,
+    ),
 }
 
 
@@ -85,8 +110,14 @@ def check_ppo(backend, rng, arrays, mask, dtype, lib_kw, orc_kw):
     assert set(metrics) == set(w_metrics), f"metrics {set(metrics) ^ set(w_metrics)}"
     kl_scale = oracle.kl_metric_scales(lp64, old64, mask, orc_kw.get("ref_logp"))
     for key, w in w_metrics.items():
-        assert_close(metrics[key], w, in_dtype=dtype, want32=want32[1][key],
-                     scale=kl_scale.get(key), name=f"metrics[{key}]")
+        assert_close(
+            metrics[key],
+            w,
+            in_dtype=dtype,
+            want32=want32[1][key],
+            scale=kl_scale.get(key),
+            name=f"metrics[{key}]",
+        )
 
     g = cotangent(rng, ())
     d_lp, d_ent = vjp((g, jax.tree.map(jnp.zeros_like, metrics)))
@@ -113,13 +144,19 @@ def test_ppo_loss_options(backend, rng, config, dtype):
 
 # pallas (interpret mode is slow) runs every mode, both advantage ranks and max_len on the mode
 # that reads it; the rest of the grid is pallas_slow.
-PALLAS_AGG = {("token_mean", None, 2), ("seq_mean_token_mean", 20, 1), ("sequence_mean", None, 1),
-              ("seq_mean_token_sum", None, 2), ("seq_mean_token_sum_norm", 20, 1),
-              ("seq_mean_token_sum_norm", None, 2)}
+PALLAS_AGG = {
+    ("token_mean", None, 2),
+    ("seq_mean_token_mean", 20, 1),
+    ("sequence_mean", None, 1),
+    ("seq_mean_token_sum", None, 2),
+    ("seq_mean_token_sum_norm", 20, 1),
+    ("seq_mean_token_sum_norm", None, 2),
+}
 
 
-@pytest.mark.parametrize("mode,max_len,adv_rank", pallas_sample(PALLAS_AGG, MODES, (None, 20),
-                                                                 (1, 2)))
+@pytest.mark.parametrize(
+    "mode,max_len,adv_rank", pallas_sample(PALLAS_AGG, MODES, (None, 20), (1, 2))
+)
 @pytest.mark.op("ppo_loss")
 def test_ppo_loss_agg_modes(backend, rng, mode, max_len, adv_rank):
     arrays, mask = make_batch(rng, 5, 7, jnp.float32, adv_rank=adv_rank, empty_rows=(0, 3))
@@ -147,8 +184,8 @@ def test_ppo_loss_extreme_log_ratio(backend, rng):
     arrays, mask = make_batch(rng, 2, 6, jnp.float32, empty_rows=())
     lp64 = np.asarray(arrays["logp"][1]).copy()
     old64 = lp64.copy() + 0.1
-    old64[0, :3] = lp64[0, :3] - 25.0        # r = e^20 (clipped log-ratio)
-    old64[1, :3] = lp64[1, :3] + 30.0        # r = e^-20
+    old64[0, :3] = lp64[0, :3] - 25.0  # r = e^20 (clipped log-ratio)
+    old64[1, :3] = lp64[1, :3] + 30.0  # r = e^-20
     adv64 = np.where(rng.random((2, 6)) < 0.5, -1.0, 1.0)
     arrays["old_logp"] = as_jnp(old64, jnp.float32)
     arrays["advantages"] = as_jnp(adv64, jnp.float32)
@@ -169,8 +206,18 @@ def test_ppo_loss_no_gradient_to_constants(backend, rng):
     consts = tuple(arrays[n][0] for n in names)
 
     def f(lp, old, adv, roll, ref):
-        loss, _ = jk.ppo_loss(lp, old, adv, jnp.asarray(mask), rollout_logp=roll, tis_cap=2.0,
-                              ref_logp=ref, kl_coef=0.3, dual_clip=3.0, backend=backend)
+        loss, _ = jk.ppo_loss(
+            lp,
+            old,
+            adv,
+            jnp.asarray(mask),
+            rollout_logp=roll,
+            tis_cap=2.0,
+            ref_logp=ref,
+            kl_coef=0.3,
+            dual_clip=3.0,
+            backend=backend,
+        )
         return loss
 
     grads = jax.grad(f, argnums=(1, 2, 3, 4))(lp, *consts)
@@ -204,13 +251,19 @@ def test_policy_gradient_loss(backend, rng, mode, adv_rank, dtype):
     adv, adv64 = arrays["advantages"]
     m = jnp.asarray(mask)
     max_len = 9 if mode == "seq_mean_token_sum_norm" else None
-    loss, vjp = jax.vjp(lambda x: call(jk.policy_gradient_loss, backend, x, adv, m,
-                                       loss_agg_mode=mode, max_len=max_len), lp)
+    loss, vjp = jax.vjp(
+        lambda x: call(
+            jk.policy_gradient_loss, backend, x, adv, m, loss_agg_mode=mode, max_len=max_len
+        ),
+        lp,
+    )
     assert_f32(loss)
-    w_loss, w_d = oracle.policy_gradient_loss(lp64, adv64, mask, loss_agg_mode=mode,
-                                              max_len=max_len)
-    w32 = oracle.policy_gradient_loss(lp64, adv64, mask, loss_agg_mode=mode, max_len=max_len,
-                                      dt=np.float32)
+    w_loss, w_d = oracle.policy_gradient_loss(
+        lp64, adv64, mask, loss_agg_mode=mode, max_len=max_len
+    )
+    w32 = oracle.policy_gradient_loss(
+        lp64, adv64, mask, loss_agg_mode=mode, max_len=max_len, dt=np.float32
+    )
     a2 = adv64 if adv_rank == 2 else adv64[:, None]
     scale = oracle.aggregate(np.abs(a2 * lp64), mask, mode, max_len)
     assert_close(loss, w_loss, in_dtype=dtype, want32=w32[0], scale=scale, name="loss")
@@ -226,14 +279,17 @@ def test_policy_gradient_variants(backend, rng, kind):
     b, t = 6, 5
     lp64 = -np.abs(rng.standard_normal((b, t)))
     reward = rng.standard_normal(b)
-    adv = {"reinforce_baseline": reward - reward.mean(),
-           "reward_weighted": np.exp(reward),
-           "best_of_n": (reward == reward.max()).astype(np.float64)}[kind]
+    adv = {
+        "reinforce_baseline": reward - reward.mean(),
+        "reward_weighted": np.exp(reward),
+        "best_of_n": (reward == reward.max()).astype(np.float64),
+    }[kind]
     mask = random_mask(rng, b, t, empty_rows=())
     lp = as_jnp(lp64, jnp.float32)[0]
     adv_j, mask_j = jnp.asarray(adv, jnp.float32), jnp.asarray(mask)
     loss, g = jax.value_and_grad(
-        lambda x: call(jk.policy_gradient_loss, backend, x, adv_j, mask_j))(lp)
+        lambda x: call(jk.policy_gradient_loss, backend, x, adv_j, mask_j)
+    )(lp)
     w_loss, w_d = oracle.policy_gradient_loss(lp64, adv, mask)
     assert_close(loss, w_loss, scale=oracle.aggregate(np.abs(adv[:, None] * lp64), mask))
     assert_close(g, w_d)

@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.support import oracle
 from jaxrl_kernels.head import kept_set
 from tests.conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+from tests.support import oracle
 from tests.support.sharding_support import on_two_devices
 
 TRUNCATIONS = [
@@ -44,16 +45,40 @@ def head_inputs(rng, lead, vocab, d, dtype, layout, with_bias, scale=3.0):
     return hidden, h64, weight, w64, bias, b64
 
 
-def check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, *, layout, temperature,
-                 ignore_index=None, backend=None, memory=None):
+def check_linear(
+    rng,
+    h,
+    h64,
+    w,
+    w64,
+    b,
+    b64,
+    targets,
+    trunc,
+    *,
+    layout,
+    temperature,
+    ignore_index=None,
+    backend=None,
+    memory=None,
+):
     """Values, kept flags and the VJP of ``linear_logprobs`` against the oracle."""
     dtype = h.dtype
     primals = (h, w) if b is None else (h, w, b)
     kw = dict(weight_layout=layout, temperature=temperature, ignore_index=ignore_index, **trunc)
 
     def fn(h, w, b=None):
-        return jk.linear_logprobs(h, w, jnp.asarray(targets), b, return_entropy=True,
-                                  return_kept=True, backend=backend, memory=memory, **kw)
+        return jk.linear_logprobs(
+            h,
+            w,
+            jnp.asarray(targets),
+            b,
+            return_entropy=True,
+            return_kept=True,
+            backend=backend,
+            memory=memory,
+            **kw,
+        )
 
     logp, ent, kept = fn(*primals)
     _, vjp = jax.vjp(lambda *p: fn(*p)[:2], *primals)
@@ -78,14 +103,29 @@ def check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, *, layout, tempera
     return logp, ent, kept, grads
 
 
-@pytest.mark.parametrize("lead,vocab,d,temperature,with_bias,dtype,layout,trunc",
-                         pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS))))
-def test_linear_values_and_vjp(backend, rng, lead, vocab, d, temperature, with_bias, dtype,
-                               layout, trunc):
+@pytest.mark.parametrize(
+    "lead,vocab,d,temperature,with_bias,dtype,layout,trunc",
+    pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS))),
+)
+def test_linear_values_and_vjp(
+    backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout, trunc
+):
     h, h64, w, w64, b, b64 = head_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
     targets = rng.integers(0, vocab, lead).astype(np.int32)
-    check_linear(rng, h, h64, w, w64, b, b64, targets, TRUNCATIONS[trunc], layout=layout,
-                 temperature=temperature, backend=backend)
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        TRUNCATIONS[trunc],
+        layout=layout,
+        temperature=temperature,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
@@ -94,8 +134,20 @@ def test_linear_fast_mode(rng, trunc, layout):
     """memory="fast": the kept set found over the kept logits (float32 heads)."""
     h, h64, w, w64, b, b64 = head_inputs(rng, (3, 7), 211, 8, jnp.float32, layout, True)
     targets = rng.integers(0, 211, (3, 7)).astype(np.int32)
-    check_linear(rng, h, h64, w, w64, b, b64, targets, TRUNCATIONS[trunc], layout=layout,
-                 temperature=0.9, memory="fast")
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        TRUNCATIONS[trunc],
+        layout=layout,
+        temperature=0.9,
+        memory="fast",
+    )
 
 
 @pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
@@ -105,11 +157,13 @@ def test_logits_values_and_vjp(backend, rng, trunc):
         logits, z64 = rand(rng, (4, 6, 333), dtype, scale=2.5)
         targets = rng.integers(0, 333, (4, 6)).astype(np.int32)
         kw = dict(temperature=0.8, **TRUNCATIONS[trunc])
-        fn = lambda x: jk.token_logprobs(x, jnp.asarray(targets), return_entropy=True,
-                                         backend=backend, **kw)
+        fn = lambda x: jk.token_logprobs(
+            x, jnp.asarray(targets), return_entropy=True, backend=backend, **kw
+        )
         (logp, ent), vjp = jax.vjp(fn, logits)
-        kept = jk.token_logprobs(logits, jnp.asarray(targets), return_kept=True,
-                                 backend=backend, **kw)[1]
+        kept = jk.token_logprobs(
+            logits, jnp.asarray(targets), return_kept=True, backend=backend, **kw
+        )[1]
         want = oracle.sampler_logprobs(None, None, targets, logits=z64, **kw)
         want32 = oracle.sampler_logprobs(None, None, targets, logits=z64, dt=np.float32, **kw)
         scale = np.max(np.abs(z64)) / 0.8
@@ -131,8 +185,12 @@ def integer_head(rng, rows, vocab, d, layout):
     hidden[np.arange(rows), rng.integers(0, d, rows)] = 1.0
     weight = rng.integers(-6, 7, (vocab, d)).astype(np.float32)
     weight = weight if layout == "vd" else weight.T.copy()
-    return jnp.asarray(hidden), hidden.astype(np.float64), jnp.asarray(weight), \
-        weight.astype(np.float64)
+    return (
+        jnp.asarray(hidden),
+        hidden.astype(np.float64),
+        jnp.asarray(weight),
+        weight.astype(np.float64),
+    )
 
 
 @pytest.mark.parametrize("layout", ["vd", "dv"])
@@ -141,14 +199,38 @@ def test_ties_at_top_k_are_kept(backend, rng, layout):
     (vLLM's rule), so a row keeps more than k tokens."""
     h, h64, w, w64 = integer_head(rng, 6, 97, 5, layout)
     targets = rng.integers(0, 97, 6).astype(np.int32)
-    logp, _, kept, _ = check_linear(rng, h, h64, w, w64, None, None, targets, dict(top_k=10),
-                                    layout=layout, temperature=1.0, backend=backend)
+    logp, _, kept, _ = check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        None,
+        None,
+        targets,
+        dict(top_k=10),
+        layout=layout,
+        temperature=1.0,
+        backend=backend,
+    )
     z = oracle.linear_logits(h64, w64, weight_layout=layout)
     sizes = oracle.kept_set(z, top_k=10).sum(-1)
     assert np.all(sizes >= 10) and np.any(sizes > 10), sizes
     # top-p over tied values keeps them all as well
-    check_linear(rng, h, h64, w, w64, None, None, targets, dict(top_p=0.6), layout=layout,
-                 temperature=1.0, backend=backend)
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        None,
+        None,
+        targets,
+        dict(top_p=0.6),
+        layout=layout,
+        temperature=1.0,
+        backend=backend,
+    )
 
 
 def test_nucleus_of_one_token(backend, rng):
@@ -164,9 +246,20 @@ def test_nucleus_of_one_token(backend, rng):
     w64 = np.asarray(w).astype(np.float64)
     top = np.argmax(oracle.linear_logits(h64, w64), axis=-1)
     targets = np.where(np.arange(5) % 2 == 0, top, (top + 1) % 64).astype(np.int32)
-    logp, ent, kept, grads = check_linear(rng, h, h64, w, w64, None, None, targets,
-                                          dict(top_p=0.5), layout="vd", temperature=1.0,
-                                          backend=backend)
+    logp, ent, kept, grads = check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        None,
+        None,
+        targets,
+        dict(top_p=0.5),
+        layout="vd",
+        temperature=1.0,
+        backend=backend,
+    )
     np.testing.assert_array_equal(np.asarray(kept), np.arange(5) % 2 == 0)
     assert_zero(np.asarray(logp)[::2], "logp of the only kept token")
     assert_zero(np.asarray(ent), "entropy of a one-token nucleus")
@@ -174,11 +267,22 @@ def test_nucleus_of_one_token(backend, rng):
 
 def test_nucleus_of_thousands(backend, rng):
     """A flat distribution (high temperature): the nucleus spans more than 1000 tokens."""
-    h, h64, w, w64, b, b64 = head_inputs(rng, (4,), 3001, 8, jnp.float32, "dv", True,
-                                         scale=1.0)
+    h, h64, w, w64, b, b64 = head_inputs(rng, (4,), 3001, 8, jnp.float32, "dv", True, scale=1.0)
     targets = rng.integers(0, 3001, 4).astype(np.int32)
-    check_linear(rng, h, h64, w, w64, b, b64, targets, dict(top_p=0.95), layout="dv",
-                 temperature=3.0, backend=backend)
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        dict(top_p=0.95),
+        layout="dv",
+        temperature=3.0,
+        backend=backend,
+    )
     z = oracle.linear_logits(h64, w64, b64, weight_layout="dv") / 3.0
     assert np.all(oracle.kept_set(z, top_p=0.95).sum(-1) > 1000)
 
@@ -189,9 +293,9 @@ def test_min_p_on_a_flat_row(backend, rng):
     h = jnp.zeros((3, d), jnp.float32)
     w, _ = rand(rng, (vocab, d))
     targets = jnp.asarray([0, 17, 49])
-    logp, ent, kept = jk.linear_logprobs(h, w, targets, min_p=0.5, top_k=7,
-                                         return_entropy=True, return_kept=True,
-                                         backend=backend)
+    logp, ent, kept = jk.linear_logprobs(
+        h, w, targets, min_p=0.5, top_k=7, return_entropy=True, return_kept=True, backend=backend
+    )
     np.testing.assert_allclose(np.asarray(logp), -np.log(vocab), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(ent), np.log(vocab), rtol=1e-6)
     assert np.all(np.asarray(kept))
@@ -203,9 +307,20 @@ def test_targets_outside_the_kept_set(backend, rng):
     h, h64, w, w64, _, _ = head_inputs(rng, (6,), 120, 8, jnp.float32, "vd", False)
     z = oracle.linear_logits(h64, w64)
     targets = np.argsort(z, axis=-1)[:, 3].astype(np.int32)  # among the least likely
-    logp, _, kept, grads = check_linear(rng, h, h64, w, w64, None, None, targets,
-                                        dict(top_k=5), layout="vd", temperature=1.0,
-                                        backend=backend)
+    logp, _, kept, grads = check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        None,
+        None,
+        targets,
+        dict(top_k=5),
+        layout="vd",
+        temperature=1.0,
+        backend=backend,
+    )
     assert not np.any(np.asarray(kept))
     assert np.all(np.isfinite(np.asarray(logp)))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
@@ -218,26 +333,51 @@ def test_spread_logits(backend, rng):
     h, h64, w, w64, _, _ = head_inputs(rng, (5,), 97, 8, jnp.float32, "vd", False, scale=12.0)
     targets = rng.integers(0, 97, 5).astype(np.int32)
     for trunc in (dict(top_k=50), dict(top_k=50, top_p=0.95), dict(top_k=90, min_p=1e-30)):
-        check_linear(rng, h, h64, w, w64, None, None, targets, trunc, layout="vd",
-                     temperature=1.0, backend=backend)
+        check_linear(
+            rng,
+            h,
+            h64,
+            w,
+            w64,
+            None,
+            None,
+            targets,
+            trunc,
+            layout="vd",
+            temperature=1.0,
+            backend=backend,
+        )
 
 
 @pytest.mark.parametrize("spread", [0.01, 3.0, 300.0])
-@pytest.mark.parametrize("trunc", [dict(top_k=40), dict(top_k=40, top_p=0.9), dict(top_p=0.5),
-                                   dict(min_p=0.01, top_k=120), dict(top_k=7, top_p=0.99)])
+@pytest.mark.parametrize(
+    "trunc",
+    [
+        dict(top_k=40),
+        dict(top_k=40, top_p=0.9),
+        dict(top_p=0.5),
+        dict(min_p=0.01, top_k=120),
+        dict(top_k=7, top_p=0.99),
+    ],
+)
 def test_pivot_search(rng, spread, trunc):
     """The pivot search alone (kept_set.search; with top-k the op takes candidates first):
     the kept set ``u >= floor`` and its mass are the oracle's, on rows from nearly flat to
     hundreds wide (where top-k's search starts again from the lowest value)."""
-    from jaxrl_kernels.head import kept_set
     from jaxrl_kernels.formulas import sampler_math
+    from jaxrl_kernels.head import kept_set
 
     u = (spread * rng.standard_normal((6, 500))).astype(np.float32)
     u[0, :50] = u[0, 0]  # a tie at the thresholds
     m = u.max(-1)
-    found = kept_set.search(lambda start, size: jax.lax.dynamic_slice_in_dim(
-        jnp.asarray(u), start, size, axis=1), 6, 500, jnp.asarray(m), jnp.ones(6, bool),
-        sampler_math.truncation(**trunc))
+    found = kept_set.search(
+        lambda start, size: jax.lax.dynamic_slice_in_dim(jnp.asarray(u), start, size, axis=1),
+        6,
+        500,
+        jnp.asarray(m),
+        jnp.ones(6, bool),
+        sampler_math.truncation(**trunc),
+    )
     want = oracle.kept_set(u, **trunc)
     np.testing.assert_array_equal(u >= np.asarray(found.floor)[:, None], want)
     mass = np.sum(np.where(want, np.exp(u.astype(np.float64) - m[:, None]), 0.0), -1)
@@ -249,8 +389,20 @@ def test_top_k_of_the_whole_vocabulary(backend, rng):
     h, h64, w, w64, b, b64 = head_inputs(rng, (6,), 40, 8, jnp.float32, "dv", True)
     targets = rng.integers(0, 40, 6).astype(np.int32)
     for trunc in (dict(top_k=40), dict(top_k=64, top_p=0.8)):
-        check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="dv",
-                     temperature=1.0, backend=backend)
+        check_linear(
+            rng,
+            h,
+            h64,
+            w,
+            w64,
+            b,
+            b64,
+            targets,
+            trunc,
+            layout="dv",
+            temperature=1.0,
+            backend=backend,
+        )
 
 
 def test_ignored_rows_and_one_row(backend, rng):
@@ -258,14 +410,25 @@ def test_ignored_rows_and_one_row(backend, rng):
     h, h64, w, w64, b, b64 = head_inputs(rng, (2, 4), 90, 8, jnp.float32, "vd", True)
     targets = rng.integers(0, 90, (2, 4)).astype(np.int32)
     targets[1] = 89
-    logp, ent, kept, grads = check_linear(rng, h, h64, w, w64, b, b64, targets,
-                                          dict(top_k=8, top_p=0.8), layout="vd",
-                                          temperature=1.0, ignore_index=89, backend=backend)
+    logp, ent, kept, grads = check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        dict(top_k=8, top_p=0.8),
+        layout="vd",
+        temperature=1.0,
+        ignore_index=89,
+        backend=backend,
+    )
     assert_zero(np.asarray(logp)[1], "logp of ignored rows")
     assert_zero(np.asarray(grads[0])[1], "d_hidden of ignored rows")
     assert not np.any(np.asarray(kept)[1])
-    one = jk.linear_logprobs(h[0, 0], w, jnp.asarray(targets[0, 0]), b, top_p=0.8,
-                             backend=backend)
+    one = jk.linear_logprobs(h[0, 0], w, jnp.asarray(targets[0, 0]), b, top_p=0.8, backend=backend)
     want = oracle.sampler_logprobs(h64[0, 0], w64, targets[0, 0], b64, top_p=0.8)[0]
     assert one.shape == ()
     np.testing.assert_allclose(float(one), float(want), rtol=1e-5, atol=1e-5)
@@ -276,20 +439,23 @@ def test_no_truncation_is_the_plain_call(backend, rng):
     h, _, w, _, _, _ = head_inputs(rng, (3, 5), 77, 8, jnp.float32, "vd", False)
     t = jnp.asarray(rng.integers(0, 77, (3, 5)))
     plain = jk.linear_logprobs(h, w, t, backend=backend)
-    same, kept = jk.linear_logprobs(h, w, t, top_p=1.0, min_p=0.0, return_kept=True,
-                                    backend=backend)
+    same, kept = jk.linear_logprobs(
+        h, w, t, top_p=1.0, min_p=0.0, return_kept=True, backend=backend
+    )
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(same))
     assert np.all(np.asarray(kept))
 
 
 @kept_set.finding_row_max
-def _find_on_whole_rows(logits, n_rows, vocab, m, active, trunc, *, vocab_axes=(),
-                        varying=lambda x: x, targets=None):
+def _find_on_whole_rows(
+    logits, n_rows, vocab, m, active, trunc, *, vocab_axes=(), varying=lambda x: x, targets=None
+):
     """The reference search, taking each row's max and target logit from its whole rows where
     asked (``m=None``), as ffi's kernel does on a GPU."""
     if m is not None:
-        return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
-                             varying=varying)
+        return kept_set.find(
+            logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes, varying=varying
+        )
     _find_on_whole_rows.without_max += 1
     m, target_rel = kept_set.row_max_and_target(logits.rows(0, n_rows), targets)
     found = kept_set.find(logits, n_rows, vocab, m, active, trunc, varying=varying)
@@ -310,20 +476,39 @@ def test_no_statistics_pass_where_the_search_finds_the_max(backend, rng, monkeyp
     h, h64, w, w64, b, b64 = head_inputs(rng, (2, 7), 211, 12, jnp.float32, "vd", True)
     targets = rng.integers(0, 211, (2, 7)).astype(np.int32)
     targets[1, ::3] = -100
-    check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="vd", temperature=1.2,
-                 ignore_index=-100, backend=backend)
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        trunc,
+        layout="vd",
+        temperature=1.2,
+        ignore_index=-100,
+        backend=backend,
+    )
     assert _find_on_whole_rows.without_max > 0
     logp = jax.jit(lambda t: jk.linear_logprobs(h, w, t, b, **trunc, backend=backend))(
-        jnp.asarray(targets).at[0, 0].set(211))
+        jnp.asarray(targets).at[0, 0].set(211)
+    )
     assert np.isnan(np.asarray(logp)[0, 0])  # as without truncation: an id outside [0, V)
 
 
 def test_errors(rng):
     h, _, w, _, _, _ = head_inputs(rng, (3,), 20, 4, jnp.float32, "vd", False)
     t = jnp.zeros((3,), jnp.int32)
-    for bad, match in [(dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
-                       (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                       (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p")]:
+    for bad, match in [
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=2.0), "min_p"),
+    ]:
         with pytest.raises(ValueError, match=match):
             jk.linear_logprobs(h, w, t, **bad)
         with pytest.raises(ValueError, match=match):
@@ -351,8 +536,9 @@ def test_sharded(backend, rng, kind, layout, memory):
     lean_backend = None if memory == "fast" else backend
 
     def loss(h, w, b):
-        logp, ent = jk.linear_logprobs(h, w, t, b, top_k=9, top_p=0.8, return_entropy=True,
-                                       backend=lean_backend, memory=memory)
+        logp, ent = jk.linear_logprobs(
+            h, w, t, b, top_k=9, top_p=0.8, return_entropy=True, backend=lean_backend, memory=memory
+        )
         return jnp.sum(g * logp + ent)
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
@@ -378,8 +564,9 @@ def test_sharded_where_the_search_finds_the_max(rng, monkeypatch, kind, layout):
     g = cotangent(rng, (4, 3))
 
     def loss(h, w, b):
-        logp, ent = jk.linear_logprobs(h, w, t, b, top_k=9, top_p=0.8, return_entropy=True,
-                                       backend="chunked")
+        logp, ent = jk.linear_logprobs(
+            h, w, t, b, top_k=9, top_p=0.8, return_entropy=True, backend="chunked"
+        )
         return jnp.sum(g * logp + ent)
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
@@ -398,10 +585,10 @@ def test_shard_map_vocab_axis(backend, rng):
         pytest.skip("needs two devices")
     h, _, w, _, _, _ = head_inputs(rng, (6,), 64, 8, jnp.float32, "dv", False)
     t = jnp.asarray(rng.integers(0, 64, (6,)))
-    mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices()[:2])
-    kw = dict(weight_layout="dv", top_k=12, top_p=0.7, min_p=0.02, return_entropy=True,
-              backend=backend)
+    mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    kw = dict(
+        weight_layout="dv", top_k=12, top_p=0.7, min_p=0.02, return_entropy=True, backend=backend
+    )
 
     @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, "v")), out_specs=(P(), P()))
     def sharded(h, w_slice):
@@ -411,10 +598,10 @@ def test_shard_map_vocab_axis(backend, rng):
     with jax.set_mesh(mesh):
         w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "v")))
         got = jax.jit(sharded)(h, w_sharded)
-        g = jax.jit(jax.grad(lambda h, w: jnp.sum(sharded(h, w)[0]), argnums=(0, 1)))(
-            h, w_sharded)
-    g_want = jax.grad(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, t, **kw)[0]),
-                      argnums=(0, 1))(h, w)
+        g = jax.jit(jax.grad(lambda h, w: jnp.sum(sharded(h, w)[0]), argnums=(0, 1)))(h, w_sharded)
+    g_want = jax.grad(lambda h, w: jnp.sum(jk.linear_logprobs(h, w, t, **kw)[0]), argnums=(0, 1))(
+        h, w
+    )
     for a, c in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
     for a, c in zip(g, g_want):
@@ -422,6 +609,7 @@ def test_shard_map_vocab_axis(backend, rng):
 
 
 # -- GPU ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas", "ffi", "chunked", "fast"])
@@ -434,9 +622,21 @@ def test_gpu(rng, impl, trunc):
     dtype = jnp.float32 if impl == "fast" else jnp.bfloat16
     h, h64, w, w64, b, b64 = head_inputs(rng, (3, 100), 12304, 256, dtype, "vd", True)
     targets = rng.integers(0, 12304, (3, 100)).astype(np.int32)
-    check_linear(rng, h, h64, w, w64, b, b64, targets, trunc, layout="vd", temperature=0.9,
-                 backend=None if impl == "fast" else impl,
-                 memory="fast" if impl == "fast" else "lean")
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        targets,
+        trunc,
+        layout="vd",
+        temperature=0.9,
+        backend=None if impl == "fast" else impl,
+        memory="fast" if impl == "fast" else "lean",
+    )
 
 
 @pytest.mark.gpu
@@ -454,8 +654,9 @@ def test_gpu_fast_bf16_on_the_kept_logits_kernel(rng, trunc):
         pytest.skip(ffi.unavailable_reason())
     h, _, w, _, b, _ = head_inputs(rng, (6, 100), 12304, 256, jnp.bfloat16, "vd", True)
     targets = jnp.asarray(rng.integers(0, 12304, (6, 100)).astype(np.int32))
-    kw = dict(bias=b, temperature=0.9, return_entropy=True, return_kept=True, memory="fast",
-              **trunc)
+    kw = dict(
+        bias=b, temperature=0.9, return_entropy=True, return_kept=True, memory="fast", **trunc
+    )
 
     def run():
         f = lambda h, w: jk.linear_logprobs(h, w, targets, **kw)

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.support import oracle
 from tests.conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+from tests.support import oracle
 from tests.support.sharding_support import on_two_devices
 
 LAYOUTS = ["vd", "dv"]
@@ -48,15 +49,24 @@ def draw_ids(rng, lead, vocab, k):
     return ids
 
 
-def check_ids(rng, hidden, h64, weight, w64, bias, b64, ids, *, layout, temperature,
-              backend=None, memory=None):
+def check_ids(
+    rng, hidden, h64, weight, w64, bias, b64, ids, *, layout, temperature, backend=None, memory=None
+):
     dtype = hidden.dtype
     primals = (hidden, weight) if bias is None else (hidden, weight, bias)
 
     def fn(h, w, b=None):
-        return jk.linear_logprobs(h, w, jnp.asarray(ids), b, weight_layout=layout,
-                                  temperature=temperature, return_entropy=True,
-                                  backend=backend, memory=memory)
+        return jk.linear_logprobs(
+            h,
+            w,
+            jnp.asarray(ids),
+            b,
+            weight_layout=layout,
+            temperature=temperature,
+            return_entropy=True,
+            backend=backend,
+            memory=memory,
+        )
 
     (logp, ent), vjp = jax.vjp(fn, *primals)
     assert_f32(logp, ent)
@@ -81,14 +91,16 @@ def check_ids(rng, hidden, h64, weight, w64, bias, b64, ids, *, layout, temperat
     return logp, ent, grads
 
 
-@pytest.mark.parametrize("lead,vocab,d,k,temperature,with_bias,dtype,layout",
-                         pallas_sample(PALLAS_VALUES, CASES, DTYPE_LAYOUTS))
-def test_ids_values_and_vjp(backend, rng, lead, vocab, d, k, temperature, with_bias, dtype,
-                            layout):
+@pytest.mark.parametrize(
+    "lead,vocab,d,k,temperature,with_bias,dtype,layout",
+    pallas_sample(PALLAS_VALUES, CASES, DTYPE_LAYOUTS),
+)
+def test_ids_values_and_vjp(backend, rng, lead, vocab, d, k, temperature, with_bias, dtype, layout):
     h, h64, w, w64, b, b64 = head_inputs(rng, lead, vocab, d, dtype, layout, with_bias)
     ids = draw_ids(rng, lead, vocab, k)
-    logp, ent, grads = check_ids(rng, h, h64, w, w64, b, b64, ids, layout=layout,
-                                 temperature=temperature, backend=backend)
+    logp, ent, grads = check_ids(
+        rng, h, h64, w, w64, b, b64, ids, layout=layout, temperature=temperature, backend=backend
+    )
     padded = (ids < 0).all(-1)
     assert_zero(np.asarray(ent)[padded], "entropy of an all-padding position")
     assert_zero(np.asarray(grads[0])[padded], "d_hidden of an all-padding position")
@@ -99,8 +111,19 @@ def test_ids_values_and_vjp(backend, rng, lead, vocab, d, k, temperature, with_b
 def test_ids_fast_mode(rng, lead, vocab, d, k, temperature, with_bias, layout):
     """memory="fast" (the logits kept) against the oracle, float32 heads."""
     h, h64, w, w64, b, b64 = head_inputs(rng, lead, vocab, d, jnp.float32, layout, with_bias)
-    check_ids(rng, h, h64, w, w64, b, b64, draw_ids(rng, lead, vocab, k), layout=layout,
-              temperature=temperature, memory="fast")
+    check_ids(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        draw_ids(rng, lead, vocab, k),
+        layout=layout,
+        temperature=temperature,
+        memory="fast",
+    )
 
 
 def test_ids_fast_mode_bfloat16_matches_lean(rng):
@@ -125,8 +148,9 @@ def test_one_position(backend, rng):
     """hidden [D] with ids [K]: one position, outputs [K] and a scalar entropy."""
     h, h64, w, w64, b, b64 = head_inputs(rng, (), 29, 8, jnp.float32, "vd", True)
     ids = np.array([3, 28, 0, 3, -1], np.int32)
-    logp, ent, _ = check_ids(rng, h, h64, w, w64, b, b64, ids, layout="vd", temperature=1.0,
-                             backend=backend)
+    logp, ent, _ = check_ids(
+        rng, h, h64, w, w64, b, b64, ids, layout="vd", temperature=1.0, backend=backend
+    )
     assert logp.shape == (5,) and ent.shape == ()
 
 
@@ -136,10 +160,10 @@ def test_k_ids_equal_k_single_calls(backend, rng):
     ids = np.argsort(rng.random((3, 5, 61)), axis=-1)[..., :4].astype(np.int32)
     many = jk.linear_logprobs(h, w, jnp.asarray(ids), b, weight_layout="dv", backend=backend)
     for k in range(4):
-        one = jk.linear_logprobs(h, w, jnp.asarray(ids[..., k]), b, weight_layout="dv",
-                                 backend=backend)
-        np.testing.assert_allclose(np.asarray(many[..., k]), np.asarray(one), rtol=2e-6,
-                                   atol=2e-6)
+        one = jk.linear_logprobs(
+            h, w, jnp.asarray(ids[..., k]), b, weight_layout="dv", backend=backend
+        )
+        np.testing.assert_allclose(np.asarray(many[..., k]), np.asarray(one), rtol=2e-6, atol=2e-6)
 
 
 def test_ids_ignore_index(backend, rng):
@@ -147,8 +171,9 @@ def test_ids_ignore_index(backend, rng):
     h, _, w, _, _, _ = head_inputs(rng, (4,), 31, 8, jnp.float32, "vd", False)
     ids = np.array([[1, 7, 7], [0, 5, -3], [5, 5, 5], [2, 30, 9]], np.int32)
     g = jnp.asarray(rng.standard_normal(ids.shape), jnp.float32)
-    f = lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, jnp.asarray(ids), ignore_index=5,
-                                                    backend=backend))
+    f = lambda h, w: jnp.sum(
+        g * jk.linear_logprobs(h, w, jnp.asarray(ids), ignore_index=5, backend=backend)
+    )
     val, (dh, _) = jax.value_and_grad(f, argnums=(0, 1))(h, w)
     logp = jk.linear_logprobs(h, w, jnp.asarray(ids), ignore_index=5, backend=backend)
     assert_zero(np.asarray(logp)[(ids == 5) | (ids < 0)], "logp at ignored ids")
@@ -157,6 +182,7 @@ def test_ids_ignore_index(backend, rng):
 
 
 # -- the loss ---------------------------------------------------------------------------------
+
 
 def teacher_topk(rng, b, t, vocab, k, *, full_mass_at=None):
     """A random teacher's top-k ids [B, T, K] and log-probs (its own full softmax), padding in
@@ -168,7 +194,7 @@ def teacher_topk(rng, b, t, vocab, k, *, full_mass_at=None):
     if full_mass_at is not None:
         t_logp[full_mass_at] -= np.log(np.exp(t_logp[full_mass_at]).sum())
     if k > 1 and t > 1:
-        ids[0, 1, k // 2:] = -1
+        ids[0, 1, k // 2 :] = -1
     return ids, t_logp.astype(np.float32)
 
 
@@ -193,28 +219,49 @@ LOSS_CASES = [  # (B, T, V, D, K, tail, temperature, with bias, layout, loss_agg
 ]
 
 
-@pytest.mark.parametrize("b,t,vocab,d,k,tail,temperature,with_bias,layout,mode",
-                         pallas_sample({LOSS_CASES[0], LOSS_CASES[1]}, LOSS_CASES))
-def test_topk_distill_loss(backend, rng, b, t, vocab, d, k, tail, temperature, with_bias, layout,
-                           mode):
-    h, h64, w, w64, bias, b64 = head_inputs(rng, (b, t), vocab, d, jnp.float32, layout,
-                                            with_bias)
+@pytest.mark.parametrize(
+    "b,t,vocab,d,k,tail,temperature,with_bias,layout,mode",
+    pallas_sample({LOSS_CASES[0], LOSS_CASES[1]}, LOSS_CASES),
+)
+def test_topk_distill_loss(
+    backend, rng, b, t, vocab, d, k, tail, temperature, with_bias, layout, mode
+):
+    h, h64, w, w64, bias, b64 = head_inputs(rng, (b, t), vocab, d, jnp.float32, layout, with_bias)
     ids, t_logp = teacher_topk(rng, b, t, vocab, k, full_mass_at=(b - 1, t - 1))
     mask = np.ones((b, t), np.float32)
     mask[0, 0] = 0
     primals = (h, w) if bias is None else (h, w, bias)
 
     def fn(*args):
-        return jk.linear_topk_distill_loss(args[0], args[1], jnp.asarray(ids),
-                                           jnp.asarray(t_logp), jnp.asarray(mask),
-                                           bias=args[2] if len(args) == 3 else None,
-                                           weight_layout=layout, temperature=temperature,
-                                           tail=tail, loss_agg_mode=mode, backend=backend)
+        return jk.linear_topk_distill_loss(
+            args[0],
+            args[1],
+            jnp.asarray(ids),
+            jnp.asarray(t_logp),
+            jnp.asarray(mask),
+            bias=args[2] if len(args) == 3 else None,
+            weight_layout=layout,
+            temperature=temperature,
+            tail=tail,
+            loss_agg_mode=mode,
+            backend=backend,
+        )
 
-    (loss, per_token), grads = jax.value_and_grad(fn, argnums=tuple(range(len(primals))),
-                                                  has_aux=True)(*primals)
-    want = oracle_loss(h64, w64, b64, ids, t_logp, mask, layout=layout,
-                       temperature=temperature, tail=tail, mode=mode)
+    (loss, per_token), grads = jax.value_and_grad(
+        fn, argnums=tuple(range(len(primals))), has_aux=True
+    )(*primals)
+    want = oracle_loss(
+        h64,
+        w64,
+        b64,
+        ids,
+        t_logp,
+        mask,
+        layout=layout,
+        temperature=temperature,
+        tail=tail,
+        mode=mode,
+    )
     assert_f32(loss, per_token)
     assert_close(loss, want[0], name="loss")
     assert_close(per_token, want[1], name="per_token")
@@ -231,11 +278,13 @@ def test_topk_distill_loss_bfloat16_and_fast(rng, tail):
     h, h64, w, w64, bias, b64 = head_inputs(rng, (b, t), vocab, d, jnp.bfloat16, "vd", True)
     ids, t_logp = teacher_topk(rng, b, t, vocab, k)
     mask = np.ones((b, t), np.float32)
-    want = oracle_loss(h64, w64, b64, ids, t_logp, mask, layout="vd", temperature=1.0,
-                       tail=tail, mode="token_mean")
+    want = oracle_loss(
+        h64, w64, b64, ids, t_logp, mask, layout="vd", temperature=1.0, tail=tail, mode="token_mean"
+    )
     for memory in ("lean", "fast"):
-        f = lambda h, w, b: jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, bias=b,
-                                                        tail=tail, memory=memory)[0]
+        f = lambda h, w, b: jk.linear_topk_distill_loss(
+            h, w, ids, t_logp, mask, bias=b, tail=tail, memory=memory
+        )[0]
         loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, bias)
         np.testing.assert_allclose(float(loss), want[0], rtol=2e-2, atol=2e-3)
         for got, w_ in zip(grads, want[2:]):
@@ -246,8 +295,9 @@ def test_topk_distill_loss_bfloat16_and_fast(rng, tail):
 def test_teacher_gets_no_gradient(rng):
     h, _, w, _, _, _ = head_inputs(rng, (1, 4), 23, 8, jnp.float32, "vd", False)
     ids, t_logp = teacher_topk(rng, 1, 4, 23, 5)
-    g = jax.grad(lambda lt: jk.linear_topk_distill_loss(h, w, ids, lt, jnp.ones((1, 4)),
-                                                        tail="bucket")[0])(jnp.asarray(t_logp))
+    g = jax.grad(
+        lambda lt: jk.linear_topk_distill_loss(h, w, ids, lt, jnp.ones((1, 4)), tail="bucket")[0]
+    )(jnp.asarray(t_logp))
     assert_zero(g, "d teacher_logp")
 
 
@@ -258,8 +308,9 @@ def test_loss_is_zero_when_student_is_teacher(rng):
     order = np.argsort(-np.asarray(logp), axis=-1)[..., :6].astype(np.int32)
     t_logp = np.take_along_axis(np.asarray(logp), order, -1)
     for tail in ("drop", "bucket"):
-        _, d = jk.linear_topk_distill_loss(h, w, order, t_logp, jnp.ones((1, 3)), bias=bias,
-                                           tail=tail)
+        _, d = jk.linear_topk_distill_loss(
+            h, w, order, t_logp, jnp.ones((1, 3)), bias=bias, tail=tail
+        )
         if tail == "bucket":
             np.testing.assert_allclose(np.asarray(d), 0.0, atol=2e-6)
         else:  # Σ_k p_t (log p_t − log p_s) = 0 at equal log-probs
@@ -267,6 +318,7 @@ def test_loss_is_zero_when_student_is_teacher(rng):
 
 
 # -- errors -----------------------------------------------------------------------------------
+
 
 def test_errors(rng):
     h, _, w, _, _, _ = head_inputs(rng, (2, 3), 11, 4, jnp.float32, "vd", False)
@@ -323,8 +375,9 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
     lean_backend = None if memory == "fast" else backend
 
     def loss(h, w, bias):
-        return jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, bias=bias, tail="bucket",
-                                           backend=lean_backend, memory=memory)[0]
+        return jk.linear_topk_distill_loss(
+            h, w, ids, t_logp, mask, bias=bias, tail="bucket", backend=lean_backend, memory=memory
+        )[0]
 
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, bias)
     got = on_two_devices(loss, h, w, bias, kind=kind, layout=layout)
@@ -338,23 +391,35 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
 def test_shard_map_vocab_axis(backend, rng):
     """Inside a user's shard_map with the vocabulary split: global ids, global results."""
     h, w, _, ids, t_logp, mask = two_device_inputs(rng, 2, 6, "dv", False)
-    mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices()[:2])
+    mesh = jax.make_mesh((2,), ("v",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
 
     @jax.shard_map(mesh=mesh, in_specs=(P(), P(None, "v")), out_specs=(P(), P()))
     def sharded(h, w_slice):
-        return jk.linear_topk_distill_loss(h, w_slice, ids, t_logp, mask, weight_layout="dv",
-                                           tail="bucket", backend=backend, vocab_axis="v")
+        return jk.linear_topk_distill_loss(
+            h,
+            w_slice,
+            ids,
+            t_logp,
+            mask,
+            weight_layout="dv",
+            tail="bucket",
+            backend=backend,
+            vocab_axis="v",
+        )
 
-    want = jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, weight_layout="dv",
-                                       tail="bucket", backend=backend)
+    want = jk.linear_topk_distill_loss(
+        h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
+    )
     with jax.set_mesh(mesh):
         w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "v")))
         got = jax.jit(sharded)(h, w_sharded)
         g = jax.jit(jax.grad(lambda h, w: sharded(h, w)[0], argnums=(0, 1)))(h, w_sharded)
-    g_want = jax.grad(lambda h, w: jk.linear_topk_distill_loss(
-        h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend)[0],
-        argnums=(0, 1))(h, w)
+    g_want = jax.grad(
+        lambda h, w: jk.linear_topk_distill_loss(
+            h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
+        )[0],
+        argnums=(0, 1),
+    )(h, w)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
     for a, c in zip(g, g_want):
@@ -362,6 +427,7 @@ def test_shard_map_vocab_axis(backend, rng):
 
 
 # -- GPU ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas", "ffi", "chunked", "fast"])
@@ -374,6 +440,17 @@ def test_gpu_ids(rng, impl, layout):
     dtype = jnp.float32 if impl == "fast" else jnp.bfloat16  # fast: XLA's GEMMs
     h, h64, w, w64, b, b64 = head_inputs(rng, (3, 100), 12304, 256, dtype, layout, True)
     ids = draw_ids(rng, (3, 100), 12304, 64)
-    check_ids(rng, h, h64, w, w64, b, b64, ids, layout=layout, temperature=0.9,
-              backend=None if impl == "fast" else impl,
-              memory="fast" if impl == "fast" else "lean")
+    check_ids(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        b,
+        b64,
+        ids,
+        layout=layout,
+        temperature=0.9,
+        backend=None if impl == "fast" else impl,
+        memory="fast" if impl == "fast" else "lean",
+    )

@@ -22,12 +22,21 @@ def _arrays(rng):
     f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
     logp = -jnp.abs(f(B, T)) - 0.1
     return dict(
-        logits=f(B, T, V) * 2, ref_logits=f(B, T, V) * 2,
+        logits=f(B, T, V) * 2,
+        ref_logits=f(B, T, V) * 2,
         actions=jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32),
-        hidden=f(B, T, D), weight=f(V, D) * 0.5, weight_dv=f(D, V) * 0.5, bias=f(V) * 0.1,
-        logp=logp, old_logp=logp + 0.3 * f(B, T), ref_logp=logp + 0.3 * f(B, T),
-        rollout_logp=logp + 0.3 * f(B, T), entropy=jnp.abs(f(B, T)),
-        adv=f(B, T), adv_b=f(B), rewards=f(B),
+        hidden=f(B, T, D),
+        weight=f(V, D) * 0.5,
+        weight_dv=f(D, V) * 0.5,
+        bias=f(V) * 0.1,
+        logp=logp,
+        old_logp=logp + 0.3 * f(B, T),
+        ref_logp=logp + 0.3 * f(B, T),
+        rollout_logp=logp + 0.3 * f(B, T),
+        entropy=jnp.abs(f(B, T)),
+        adv=f(B, T),
+        adv_b=f(B),
+        rewards=f(B),
         mask=jnp.asarray(random_mask(rng, B, T)),
     )
 
@@ -35,48 +44,105 @@ def _arrays(rng):
 # name -> (differentiable arg names, other arg names, fn(backend, *args) -> outputs, main output)
 CASES = {
     "token_logprobs": (
-        ("logits",), ("actions",),
-        lambda b, l, t: jk.token_logprobs(l, t, temperature=0.9, return_entropy=True, backend=b)),
+        ("logits",),
+        ("actions",),
+        lambda b, l, t: jk.token_logprobs(l, t, temperature=0.9, return_entropy=True, backend=b),
+    ),
     "linear_logprobs": (
-        ("hidden", "weight_dv", "bias"), ("actions",),
-        lambda b, h, w, bb, t: jk.linear_logprobs(h, w, t, bb, weight_layout="dv",
-                                                  return_entropy=True, backend=b)),
-    "kl_penalty": (
-        ("logp",), ("ref_logp",),
-        lambda b, x, r: call(jk.kl_penalty, b, x, r, "k3")),
+        ("hidden", "weight_dv", "bias"),
+        ("actions",),
+        lambda b, h, w, bb, t: jk.linear_logprobs(
+            h, w, t, bb, weight_layout="dv", return_entropy=True, backend=b
+        ),
+    ),
+    "kl_penalty": (("logp",), ("ref_logp",), lambda b, x, r: call(jk.kl_penalty, b, x, r, "k3")),
     "aggregate": (
-        ("logp",), ("mask",),
-        lambda b, x, m: call(jk.aggregate, b, x, m, "seq_mean_token_mean")),
+        ("logp",),
+        ("mask",),
+        lambda b, x, m: call(jk.aggregate, b, x, m, "seq_mean_token_mean"),
+    ),
     "group_advantages": (
-        ("rewards",), (),
-        lambda b, r: call(jk.group_advantages, b, r + jnp.arange(B, dtype=jnp.float32),
-                          group_boundaries=jnp.asarray([0, 2, B]))),
+        ("rewards",),
+        (),
+        lambda b, r: call(
+            jk.group_advantages,
+            b,
+            r + jnp.arange(B, dtype=jnp.float32),
+            group_boundaries=jnp.asarray([0, 2, B]),
+        ),
+    ),
     "ppo_loss": (
-        ("logp", "entropy"), ("old_logp", "adv", "mask", "rollout_logp", "ref_logp"),
+        ("logp", "entropy"),
+        ("old_logp", "adv", "mask", "rollout_logp", "ref_logp"),
         lambda b, lp, e, o, a, m, ro, rf: jk.ppo_loss(
-            lp, o, a, m, entropy=e, entropy_coef=0.01, rollout_logp=ro, tis_cap=2.0, ref_logp=rf,
-            kl_coef=0.1, dual_clip=3.0, backend=b)),
+            lp,
+            o,
+            a,
+            m,
+            entropy=e,
+            entropy_coef=0.01,
+            rollout_logp=ro,
+            tis_cap=2.0,
+            ref_logp=rf,
+            kl_coef=0.1,
+            dual_clip=3.0,
+            backend=b,
+        ),
+    ),
     "policy_gradient_loss": (
-        ("logp",), ("adv_b", "mask"),
-        lambda b, lp, a, m: call(jk.policy_gradient_loss, b, lp, a, m,
-                                 loss_agg_mode="seq_mean_token_sum")),
+        ("logp",),
+        ("adv_b", "mask"),
+        lambda b, lp, a, m: call(
+            jk.policy_gradient_loss, b, lp, a, m, loss_agg_mode="seq_mean_token_sum"
+        ),
+    ),
     "ratio_kl": (
-        ("logits",), ("ref_logits", "actions", "old_logp", "mask"),
-        lambda b, l, r, t, o, m: jk.ratio_kl(l, r, t, o, m, kl_estimator="k2", backend=b)),
+        ("logits",),
+        ("ref_logits", "actions", "old_logp", "mask"),
+        lambda b, l, r, t, o, m: jk.ratio_kl(l, r, t, o, m, kl_estimator="k2", backend=b),
+    ),
     "grpo_loss": (
-        ("logits",), ("ref_logits", "actions", "old_logp", "rewards", "mask"),
-        lambda b, l, r, t, o, rw, m: jk.grpo_loss(l, r, t, o, rw, m, group_size=2, beta=0.1,
-                                                  backend=b)),
+        ("logits",),
+        ("ref_logits", "actions", "old_logp", "rewards", "mask"),
+        lambda b, l, r, t, o, rw, m: jk.grpo_loss(
+            l, r, t, o, rw, m, group_size=2, beta=0.1, backend=b
+        ),
+    ),
     "linear_ppo_loss": (
-        ("hidden", "weight", "bias"), ("actions", "old_logp", "adv_b", "mask", "ref_logp"),
+        ("hidden", "weight", "bias"),
+        ("actions", "old_logp", "adv_b", "mask", "ref_logp"),
         lambda b, h, w, bb, t, o, a, m, rf: jk.linear_ppo_loss(
-            h, w, t, o, a, m, bias=bb, ref_logp=rf, kl_coef=0.1, entropy_coef=0.01,
-            temperature=1.1, backend=b)),
+            h,
+            w,
+            t,
+            o,
+            a,
+            m,
+            bias=bb,
+            ref_logp=rf,
+            kl_coef=0.1,
+            entropy_coef=0.01,
+            temperature=1.1,
+            backend=b,
+        ),
+    ),
     "linear_grpo_loss": (
-        ("hidden", "weight_dv"), ("actions", "old_logp", "rewards", "mask", "ref_logp"),
+        ("hidden", "weight_dv"),
+        ("actions", "old_logp", "rewards", "mask", "ref_logp"),
         lambda b, h, w, t, o, rw, m, rf: jk.linear_grpo_loss(
-            h, w, t, o, rw, m, weight_layout="dv", ref_logp=rf, beta=0.05,
-            group_boundaries=jnp.asarray([0, 1, B]), backend=b)),
+            h,
+            w,
+            t,
+            o,
+            rw,
+            m,
+            weight_layout="dv",
+            ref_logp=rf,
+            beta=0.05,
+            group_boundaries=jnp.asarray([0, 1, B]),
+            backend=b,
+        ),
+    ),
 }
 OPS = list(CASES)
 
@@ -98,8 +164,10 @@ def _setup(op, backend, rng):
     arrs = _arrays(rng)
     args = [arrs[n] for n in diff + other]
     f = lambda *a: fn(backend, *a)
-    weights = [jnp.asarray(rng.standard_normal(x.shape).astype(np.float32))
-               for x in jax.tree.leaves(_main(jax.eval_shape(f, *args)))]
+    weights = [
+        jnp.asarray(rng.standard_normal(x.shape).astype(np.float32))
+        for x in jax.tree.leaves(_main(jax.eval_shape(f, *args)))
+    ]
     return f, args, len(diff), weights
 
 
@@ -146,8 +214,10 @@ def test_vmap(backend, rng, op):
     names = diff + other
     stacked = [jnp.stack([bt[n] for bt in batches]) for n in names]
     f = lambda *a: fn(backend, *a)
-    weights = [jnp.asarray(rng.standard_normal(np.shape(x)).astype(np.float32))
-               for x in jax.tree.leaves(_main(jax.eval_shape(f, *[batches[0][n] for n in names])))]
+    weights = [
+        jnp.asarray(rng.standard_normal(np.shape(x)).astype(np.float32))
+        for x in jax.tree.leaves(_main(jax.eval_shape(f, *[batches[0][n] for n in names])))
+    ]
     grad = jax.grad(lambda *a: _scalarize(f(*a), weights), argnums=tuple(range(len(diff))))
     both = lambda *a: (f(*a), grad(*a))
     got = jax.jit(jax.vmap(both))(*stacked)

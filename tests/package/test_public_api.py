@@ -12,11 +12,31 @@ import jaxrl_kernels.dispatch
 import jaxrl_kernels.integrations  # noqa: F401  (the public path jaxrl_kernels.integrations.tunix)
 
 NAMES = [
-    "DistillLoss", "Groups", "PolicyLoss", "Sampler", "TopKDistillLoss", "aggregate",
-    "available_backends", "checks", "explain", "group_advantages", "grpo_loss", "kl_penalty",
-    "linear_distill_loss", "linear_grpo_loss", "linear_logprobs", "linear_policy_gradient_loss",
-    "linear_ppo_loss", "linear_topk_distill_loss", "linear_topk_logprobs", "memory_mode",
-    "policy_gradient_loss", "ppo_loss", "ratio_kl", "token_logprobs", "use_backend",
+    "DistillLoss",
+    "Groups",
+    "PolicyLoss",
+    "Sampler",
+    "TopKDistillLoss",
+    "aggregate",
+    "available_backends",
+    "checks",
+    "explain",
+    "group_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "linear_distill_loss",
+    "linear_grpo_loss",
+    "linear_logprobs",
+    "linear_policy_gradient_loss",
+    "linear_ppo_loss",
+    "linear_topk_distill_loss",
+    "linear_topk_logprobs",
+    "memory_mode",
+    "policy_gradient_loss",
+    "ppo_loss",
+    "ratio_kl",
+    "token_logprobs",
+    "use_backend",
 ]
 
 POSITIONAL = {
@@ -42,9 +62,19 @@ POSITIONAL = {
     "checks": ["enabled"],
 }
 
-DEPRECATED = ("group_advantages", "grpo_loss", "linear_distill_loss", "linear_grpo_loss",
-              "linear_logprobs", "linear_policy_gradient_loss", "linear_ppo_loss",
-              "linear_topk_distill_loss", "policy_gradient_loss", "ppo_loss", "token_logprobs")
+DEPRECATED = (
+    "group_advantages",
+    "grpo_loss",
+    "linear_distill_loss",
+    "linear_grpo_loss",
+    "linear_logprobs",
+    "linear_policy_gradient_loss",
+    "linear_ppo_loss",
+    "linear_topk_distill_loss",
+    "policy_gradient_loss",
+    "ppo_loss",
+    "token_logprobs",
+)
 """The ops whose old option keywords still arrive through ``**deprecated`` (until 0.3)."""
 
 
@@ -61,8 +91,9 @@ def test_positional_parameters():
         if inspect.isclass(fn):
             continue
         params = inspect.signature(fn).parameters.values()
-        positional = [p.name for p in params
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        positional = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         assert positional == POSITIONAL[name], name
 
 
@@ -76,6 +107,9 @@ def test_deprecated_keywords_and_the_signatures_size():
         want = ["deprecated"] if name in DEPRECATED else ["kwargs"] if name == "explain" else []
         assert var == want, name
     for name in ("linear_grpo_loss", "linear_ppo_loss"):
-        named = [p for p in inspect.signature(getattr(jk, name)).parameters.values()
-                 if p.kind is not p.VAR_KEYWORD]
+        named = [
+            p
+            for p in inspect.signature(getattr(jk, name)).parameters.values()
+            if p.kind is not p.VAR_KEYWORD
+        ]
         assert len(named) <= 18, (name, len(named))

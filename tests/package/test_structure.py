@@ -40,12 +40,13 @@ PUBLIC_MODULES = ("", "dispatch")
 ``jaxrl_kernels.dispatch`` (``BACKENDS``, ``select``, ``use_backend``)."""
 
 INTERNAL_USES = {
-    ("integrations.tunix.losses", "engine.head_entry"):
-        "tunix's losses are tunix's formulas (token_math) on the head's log-probs, so they "
-        "take the one linear-head entry, as the public linear losses do, for the fused "
-        "(memory='fast') gradient",
-    ("integrations.tunix.losses", "engine.linear_head"):
-        "the HeadCall that entry takes",
+    (
+        "integrations.tunix.losses",
+        "engine.head_entry",
+    ): "tunix's losses are tunix's formulas (token_math) on the head's log-probs, so they "
+    "take the one linear-head entry, as the public linear losses do, for the fused "
+    "(memory='fast') gradient",
+    ("integrations.tunix.losses", "engine.linear_head"): "the HeadCall that entry takes",
 }
 """(importer, imported) pairs where the demo or an integration uses an internal module, and
 why."""
@@ -68,8 +69,9 @@ def _layer(name: str) -> int:
     best, best_len = None, -1
     for rank, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            if (prefix == "" and name == "") or (prefix and (name == prefix or
-                                                             name.startswith(prefix + "."))):
+            if (prefix == "" and name == "") or (
+                prefix and (name == prefix or name.startswith(prefix + "."))
+            ):
                 if len(prefix) > best_len:
                     best, best_len = rank, len(prefix)
     assert best is not None, f"jaxrl_kernels.{name} belongs to no layer of LAYERS"
@@ -86,7 +88,7 @@ def _target(name: str) -> str | None:
         return None
     if name.split(".")[1:2] and name.split(".")[1] in EXTENSIONS:
         return None
-    rel = name[len("jaxrl_kernels."):] if name != "jaxrl_kernels" else ""
+    rel = name[len("jaxrl_kernels.") :] if name != "jaxrl_kernels" else ""
     while rel and rel not in MODULES:
         rel = rel.rpartition(".")[0]
     return rel
@@ -102,8 +104,11 @@ def _imports(name: str) -> set[str]:
             out.update(_target(a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = ".".join(["jaxrl_kernels", *package.split(".")][:len(package.split(".")) +
-                                                                      2 - node.level])
+                base = ".".join(
+                    ["jaxrl_kernels", *package.split(".")][
+                        : len(package.split(".")) + 2 - node.level
+                    ]
+                )
                 base = f"{base}.{node.module}" if node.module else base
             else:
                 base = node.module
@@ -126,7 +131,8 @@ def test_imports_go_down_the_layers(name):
     for other in sorted(GRAPH[name]):
         assert _layer(other) <= mine, (
             f"jaxrl_kernels.{name} (layer {LAYERS[mine]}) imports jaxrl_kernels.{other}, of a "
-            f"higher layer {LAYERS[_layer(other)]}")
+            f"higher layer {LAYERS[_layer(other)]}"
+        )
 
 
 def test_no_import_cycle():
@@ -136,7 +142,7 @@ def test_no_import_cycle():
         state[name] = 1
         for other in sorted(GRAPH[name]):
             if state.get(other) == 1:
-                cycle = stack[stack.index(other):] + [other]
+                cycle = stack[stack.index(other) :] + [other]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if other not in state:
                 visit(other, stack + [other])
@@ -161,8 +167,9 @@ def test_no_module_over_400_lines(name):
     assert lines <= MAX_LINES, f"jaxrl_kernels.{name}: {lines} lines (at most {MAX_LINES})"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES
-                                        if n.startswith(("demo", "integrations"))))
+@pytest.mark.parametrize(
+    "name", sorted(n for n in MODULES if n.startswith(("demo", "integrations")))
+)
 def test_demo_and_integrations_use_public_names(name):
     own = name.split(".")[0] if name.startswith("demo") else ".".join(name.split(".")[:2])
     for other in sorted(GRAPH[name]):
@@ -170,7 +177,8 @@ def test_demo_and_integrations_use_public_names(name):
             continue
         assert (name, other) in INTERNAL_USES, (
             f"jaxrl_kernels.{name} imports the internal jaxrl_kernels.{other}: use the public "
-            f"names (jaxrl_kernels.<name>) or say why in INTERNAL_USES")
+            f"names (jaxrl_kernels.<name>) or say why in INTERNAL_USES"
+        )
 
 
 def test_the_layers_are_the_folders():
@@ -180,5 +188,6 @@ def test_the_layers_are_the_folders():
     assert folders <= named, f"folders not in LAYERS: {sorted(folders - named)}"
     for prefixes in LAYERS:
         for prefix in prefixes:
-            assert prefix == "" or any(n == prefix or n.startswith(prefix + ".")
-                                       for n in MODULES), f"LAYERS names {prefix!r}: no module"
+            assert prefix == "" or any(
+                n == prefix or n.startswith(prefix + ".") for n in MODULES
+            ), f"LAYERS names {prefix!r}: no module"

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels
-from jaxrl_kernels.sharding import _jax_internals
-from jaxrl_kernels.sharding import vma
+from jaxrl_kernels.sharding import _jax_internals, vma
 
 PACKAGE = pathlib.Path(jaxrl_kernels.__file__).parent
 
@@ -43,11 +42,15 @@ def test_vma_check_off_traces_without_varying_axes():
         return x
 
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=True))(
-        jnp.ones(4))
+        jnp.ones(4)
+    )
     assert seen == {"checked": frozenset({"x"}), "off": frozenset()}
 
 
 def test_no_other_module_imports_jax_private():
-    offenders = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-                 if path.name != "_jax_internals.py" and "jax._src" in path.read_text()]
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "_jax_internals.py" and "jax._src" in path.read_text()
+    ]
     assert offenders == []

@@ -44,17 +44,32 @@ def test_two_processes_gpus(backend_name):
     if gpus not in (4, 8):  # two processes of 2 or 4 GPUs each
         pytest.skip("needs 4 or 8 GPUs")
     half = [",".join(str(g) for g in range(i * gpus // 2, (i + 1) * gpus // 2)) for i in range(2)]
-    _run_pair(backend_name, [dict(JAXRL_MULTIPROCESS_ON="gpu", CUDA_VISIBLE_DEVICES=ids,
-                                  XLA_PYTHON_CLIENT_PREALLOCATE="false") for ids in half])
+    _run_pair(
+        backend_name,
+        [
+            dict(
+                JAXRL_MULTIPROCESS_ON="gpu",
+                CUDA_VISIBLE_DEVICES=ids,
+                XLA_PYTHON_CLIENT_PREALLOCATE="false",
+            )
+            for ids in half
+        ],
+    )
 
 
 def _run_pair(backend, extra_env):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), port, backend, *RUNS],
-                              env=dict(env, **extra), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for i, extra in enumerate(extra_env)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(i), port, backend, *RUNS],
+            env=dict(env, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, extra in enumerate(extra_env)
+    ]
     outs = []
     for p in procs:
         try:

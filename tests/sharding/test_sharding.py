@@ -1,8 +1,9 @@
 """Many devices (8 host devices, mesh data=2 × model=4): every op on sharded inputs.
 
-For every op × backend (conftest's list: pallas in interpret mode with JAXRL_TEST_PALLAS=1) × {Auto, Explicit} mesh axes × {rows over ``data``, vocabulary over
-``model``, both}: values and gradients (random cotangents) equal the unsharded call of the same
-backend (float32, 1e-5 of scale), the compiled program all-gathers none of the hidden states,
+For every op × backend (conftest's list: pallas in interpret mode with JAXRL_TEST_PALLAS=1)
+× {Auto, Explicit} mesh axes × {rows over ``data``, vocabulary over ``model``, both}: values
+and gradients (random cotangents) equal the unsharded call of the same backend (float32, 1e-5
+of scale), the compiled program all-gathers none of the hidden states,
 logits or weight (nor a device's share of them), and d_weight / d_logits come back sharded like
 the weight / logits. Inside ``jax.shard_map`` with ``vocab_axis``: the global results, compared
 with the unsharded call and with the float64 oracle, including entropy, temperature,
@@ -25,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.support import oracle
-from tests.conftest import assert_close, pallas_sample, rand, random_mask
-from tests.support.sharding_support import collective_sizes, full_spec
 from jaxrl_kernels.backends.chunked import logprobs as chunked
-
+from tests.conftest import assert_close, pallas_sample, rand, random_mask
+from tests.support import oracle
+from tests.support.sharding_support import collective_sizes, full_spec
 
 B, T, D, V = 4, 8, 32, 8192
 AXES = ("data", "model")
@@ -52,6 +53,7 @@ def make_mesh(kind: str):
 
 # -- the check ---------------------------------------------------------------------------------
 
+
 def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=(), low_rel=None):
     """``fn(*args)`` on arrays placed by ``specs`` against the unsharded call.
 
@@ -64,28 +66,34 @@ def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=(), low_rel=No
     """
     rng = np.random.default_rng(0)
     outs = jax.eval_shape(fn, *args)
-    weights = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
-               for o in jax.tree.leaves(outs)]
+    weights = [
+        jnp.asarray(rng.standard_normal(o.shape), jnp.float32) for o in jax.tree.leaves(outs)
+    ]
 
     def scalar(*a):
-        return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
-                   for o, w in zip(jax.tree.leaves(fn(*a)), weights))
+        return sum(
+            jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
+            for o, w in zip(jax.tree.leaves(fn(*a)), weights)
+        )
 
     def both(*a):
         out = fn(*a)
         return out, (jax.grad(scalar, argnums=diff)(*a) if diff else ())
 
     want_out, want_grad = jax.jit(both)(*args)
-    placed = [x if s is None else jax.device_put(x, NamedSharding(mesh, P(*s)))
-              for x, s in zip(args, specs)]
+    placed = [
+        x if s is None else jax.device_put(x, NamedSharding(mesh, P(*s)))
+        for x, s in zip(args, specs)
+    ]
     compiled = jax.jit(both).lower(*placed).compile()
     got_out, got_grad = compiled(*placed)
     for name, got, want in (("output", got_out, want_out), ("gradient", got_grad, want_grad)):
         for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
             w = np.asarray(w, np.float64)
             fin = np.isfinite(w)
-            np.testing.assert_array_equal(np.isnan(np.asarray(g)), np.isnan(w),
-                                          err_msg=f"{name} {i}: NaN positions")
+            np.testing.assert_array_equal(
+                np.isnan(np.asarray(g)), np.isnan(w), err_msg=f"{name} {i}: NaN positions"
+            )
             g64 = np.asarray(g, np.float64)[fin]
             if low_rel is not None and g.dtype in (jnp.bfloat16, jnp.float16):
                 rel = float(np.linalg.norm(g64 - w[fin]) / max(np.linalg.norm(w[fin]), 1e-30))
@@ -101,11 +109,13 @@ def check_sharded(fn, args, specs, mesh, *, diff=(), big=(), like=(), low_rel=No
     for g_index, a_index in like:
         assert full_spec(got_grad[g_index]) == full_spec(placed[a_index]), (
             f"gradient {g_index} sharded {full_spec(got_grad[g_index])}, "
-            f"argument {full_spec(placed[a_index])}")
+            f"argument {full_spec(placed[a_index])}"
+        )
     return got_out
 
 
 # -- inputs ---------------------------------------------------------------------------------
+
 
 def head(rng, layout="vd"):
     h, _ = rand(rng, (B, T, D))
@@ -150,8 +160,10 @@ PALLAS_B = {("Explicit", "rows"), ("Auto", "vocab"), ("Explicit", "both")}
 PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Explicit", "both")}
 
 
-@pytest.mark.parametrize("weight_layout,mesh_kind,layout",
-                         pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)))
+@pytest.mark.parametrize(
+    "weight_layout,mesh_kind,layout",
+    pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)),
+)
 def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
     if backend == "pallas" and weight_layout == "dv" and layout != "both":
         pytest.skip("pallas in interpret mode: the dv layout runs only in the 'both' layout")
@@ -159,14 +171,28 @@ def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
     b, _ = rand(rng, (V,), scale=0.3)
     rows, vocab = LAYOUTS[layout]
     fn = functools.partial(_linear_logprobs, backend=backend, weight_layout=weight_layout)
-    check_sharded(fn, (h, w, b, acts),
-                  [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
-                  make_mesh(mesh_kind), diff=(0, 1, 2), big=(0, 1), like=((1, 1), (2, 2)))
+    check_sharded(
+        fn,
+        (h, w, b, acts),
+        [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
+        make_mesh(mesh_kind),
+        diff=(0, 1, 2),
+        big=(0, 1),
+        like=((1, 1), (2, 2)),
+    )
 
 
 def _linear_logprobs(h, w, b, acts, *, backend, weight_layout):
-    return jk.linear_logprobs(h, w, acts, b, weight_layout=weight_layout, return_entropy=True,
-                              temperature=0.8, backend=backend)
+    return jk.linear_logprobs(
+        h,
+        w,
+        acts,
+        b,
+        weight_layout=weight_layout,
+        return_entropy=True,
+        temperature=0.8,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_A, MESHES, list(LAYOUTS)))
@@ -175,10 +201,18 @@ def test_token_logprobs(rng, backend, mesh_kind, layout):
     t = np.asarray(rng.integers(0, V, (B, T)), np.int32)
     t[2, 3] = -100
     rows, vocab = LAYOUTS[layout]
-    fn = lambda x, t: jk.token_logprobs(x, t, return_entropy=True, temperature=1.3,
-                                        ignore_index=-100, backend=backend)
-    check_sharded(fn, (logits, jnp.asarray(t)), [(rows, None, vocab), (rows, None)],
-                  make_mesh(mesh_kind), diff=(0,), big=(0,), like=((0, 0),))
+    fn = lambda x, t: jk.token_logprobs(
+        x, t, return_entropy=True, temperature=1.3, ignore_index=-100, backend=backend
+    )
+    check_sharded(
+        fn,
+        (logits, jnp.asarray(t)),
+        [(rows, None, vocab), (rows, None)],
+        make_mesh(mesh_kind),
+        diff=(0,),
+        big=(0,),
+        like=((0, 0),),
+    )
 
 
 @pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
@@ -187,15 +221,22 @@ def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
     rows, vocab = LAYOUTS[layout]
 
     def fn(pol, ref, acts, old, rewards, mask):
-        loss = jk.grpo_loss(pol, ref, acts, old, rewards, mask, group_size=2, beta=0.05,
-                            backend=backend)
+        loss = jk.grpo_loss(
+            pol, ref, acts, old, rewards, mask, group_size=2, beta=0.05, backend=backend
+        )
         ratio, kl = jk.ratio_kl(pol, ref, acts, old, mask, backend=backend)
         return loss, ratio, kl
 
     logit_spec = (rows, None, vocab)
-    check_sharded(fn, (pol, ref, acts, old, rewards, mask),
-                  [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
-                  make_mesh(mesh_kind), diff=(0,), big=(0, 1), like=((0, 0),))
+    check_sharded(
+        fn,
+        (pol, ref, acts, old, rewards, mask),
+        [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
+        make_mesh(mesh_kind),
+        diff=(0,),
+        big=(0, 1),
+        like=((0, 0),),
+    )
 
 
 @pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
@@ -205,23 +246,48 @@ def test_linear_losses(rng, backend, mesh_kind, layout):
     adv, _ = rand(rng, (B,))
     ref, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
     rows, vocab = LAYOUTS[layout]
-    check_sharded(*_linear_losses_case(backend, (h, w, acts, old, adv, ref, mask), rows, vocab),
-                  make_mesh(mesh_kind), diff=(0, 1), big=(0, 1), like=((1, 1),))
+    check_sharded(
+        *_linear_losses_case(backend, (h, w, acts, old, adv, ref, mask), rows, vocab),
+        make_mesh(mesh_kind),
+        diff=(0, 1),
+        big=(0, 1),
+        like=((1, 1),),
+    )
 
 
 def _linear_losses_case(backend, operands, rows, vocab):
     """linear_ppo_loss and linear_grpo_loss on (h, w, actions, old, adv, ref, mask), and the
     operands' specs: rows split over ``rows``, the vocabulary over ``vocab``."""
+
     def fn(h, w, acts, old, adv, ref, mask):
-        ppo, metrics = jk.linear_ppo_loss(h, w, acts, old, adv, mask, entropy_coef=0.01,
-                                          ref_logp=ref, kl_coef=0.1, dual_clip=3.0,
-                                          loss_agg_mode="seq_mean_token_mean", backend=backend)
-        grpo = jk.linear_grpo_loss(h, w, acts, old, adv, mask, ref_logp=ref, group_size=2,
-                                   beta=0.04, backend=backend)
+        ppo, metrics = jk.linear_ppo_loss(
+            h,
+            w,
+            acts,
+            old,
+            adv,
+            mask,
+            entropy_coef=0.01,
+            ref_logp=ref,
+            kl_coef=0.1,
+            dual_clip=3.0,
+            loss_agg_mode="seq_mean_token_mean",
+            backend=backend,
+        )
+        grpo = jk.linear_grpo_loss(
+            h, w, acts, old, adv, mask, ref_logp=ref, group_size=2, beta=0.04, backend=backend
+        )
         return ppo, metrics, grpo
 
-    specs = [(rows, None, None), (vocab, None), (rows, None), (rows, None), (rows,),
-             (rows, None), (rows, None)]
+    specs = [
+        (rows, None, None),
+        (vocab, None),
+        (rows, None),
+        (rows, None),
+        (rows,),
+        (rows, None),
+        (rows, None),
+    ]
     return fn, operands, specs
 
 
@@ -236,24 +302,39 @@ def test_ppo_loss_and_group_advantages(rng, backend, mesh_kind):
 
     def fn(logp, old, ent, rewards, mask):
         adv = jk.group_advantages(rewards, group_size=2, backend=backend)
-        return jk.ppo_loss(logp, old, adv, mask, entropy=ent, entropy_coef=0.01,
-                           loss_agg_mode="seq_mean_token_mean", backend=backend), adv
+        return jk.ppo_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            entropy=ent,
+            entropy_coef=0.01,
+            loss_agg_mode="seq_mean_token_mean",
+            backend=backend,
+        ), adv
 
-    check_sharded(fn, (logp, old, ent, rewards, mask),
-                  [("data", None), ("data", None), ("data", None), ("data",), ("data", None)],
-                  make_mesh(mesh_kind), diff=(0, 2, 3))
+    check_sharded(
+        fn,
+        (logp, old, ent, rewards, mask),
+        [("data", None), ("data", None), ("data", None), ("data",), ("data", None)],
+        make_mesh(mesh_kind),
+        diff=(0, 2, 3),
+    )
 
 
 # -- inside shard_map: vocab_axis ----------------------------------------------------------------
 
+
 def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit"):
     """``fn`` as a jitted shard_map over the test mesh, taking global arrays."""
     mesh = make_mesh(mesh_kind)
-    inner = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                          check_vma=check_vma)
+    inner = jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+    )
 
     def mapped(*args):  # traceable: reshards its (global) arguments to in_specs
         return inner(*(jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)))
+
     return mapped, jax.jit(mapped)
 
 
@@ -265,14 +346,22 @@ def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
     for weight_layout in ("vd", "dv"):
         h, w, _, _ = head(rng, weight_layout)
         t = bad_targets(rng, B, T, V)
-        kw = dict(weight_layout=weight_layout, temperature=0.7, ignore_index=-100,
-                  return_entropy=True, backend=backend)
+        kw = dict(
+            weight_layout=weight_layout,
+            temperature=0.7,
+            ignore_index=-100,
+            return_entropy=True,
+            backend=backend,
+        )
         g_lp, g_ent = (jnp.asarray(rng.standard_normal((B, T)), jnp.float32) for _ in range(2))
         ws = P("model", None) if weight_layout == "vd" else P(None, "model")
         rows = P("data", None)
         sharded, _ = _in_shard_map(
             lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="model", **kw),
-            (P("data", None, None), ws, rows), (rows, rows), check_vma=check_vma)
+            (P("data", None, None), ws, rows),
+            (rows, rows),
+            check_vma=check_vma,
+        )
 
         def scalar(out):
             fin = lambda x: jnp.where(jnp.isnan(x), 0.0, x)
@@ -280,18 +369,31 @@ def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
 
         unsharded = lambda h, w, t: jk.linear_logprobs(h, w, t, **kw)
         mesh = make_mesh("Explicit")
-        placed = (jax.device_put(h, NamedSharding(mesh, P("data", None, None))),
-                  jax.device_put(w, NamedSharding(mesh, ws)),
-                  jax.device_put(t, NamedSharding(mesh, rows)))
-        (lp, ent), (dh, dw) = jax.jit(lambda h, w, t: (
-            sharded(h, w, t), jax.grad(lambda h, w: scalar(sharded(h, w, t)), (0, 1))(h, w)))(
-            *placed)
-        (lp0, ent0), (dh0, dw0) = jax.jit(lambda h, w, t: (
-            unsharded(h, w, t), jax.grad(lambda h, w: scalar(unsharded(h, w, t)), (0, 1))(h, w)))(
-            h, w, t)
-        want = oracle.linear_logprobs(np.asarray(h, np.float64), np.asarray(w, np.float64),
-                                      np.asarray(t), weight_layout=weight_layout,
-                                      temperature=0.7, ignore_index=-100)
+        placed = (
+            jax.device_put(h, NamedSharding(mesh, P("data", None, None))),
+            jax.device_put(w, NamedSharding(mesh, ws)),
+            jax.device_put(t, NamedSharding(mesh, rows)),
+        )
+        (lp, ent), (dh, dw) = jax.jit(
+            lambda h, w, t: (
+                sharded(h, w, t),
+                jax.grad(lambda h, w: scalar(sharded(h, w, t)), (0, 1))(h, w),
+            )
+        )(*placed)
+        (lp0, ent0), (dh0, dw0) = jax.jit(
+            lambda h, w, t: (
+                unsharded(h, w, t),
+                jax.grad(lambda h, w: scalar(unsharded(h, w, t)), (0, 1))(h, w),
+            )
+        )(h, w, t)
+        want = oracle.linear_logprobs(
+            np.asarray(h, np.float64),
+            np.asarray(w, np.float64),
+            np.asarray(t),
+            weight_layout=weight_layout,
+            temperature=0.7,
+            ignore_index=-100,
+        )
         for got, base, w64, name in ((lp, lp0, want[0], "logp"), (ent, ent0, want[1], "entropy")):
             assert_close(got, w64, name=name, scale=10.0)
             assert_close(got, np.asarray(base), name=f"{name} vs unsharded")
@@ -308,15 +410,23 @@ def test_linear_logprobs_vocab_axis_grad_inside(rng, backend):
     h, w, t, _ = head(rng)
 
     def local(h, w, t):
-        value, grads = jax.value_and_grad(lambda h, w: jnp.sum(jk.linear_logprobs(
-            h, w, t, vocab_axis="model", backend=backend)), argnums=(0, 1))(h, w)
+        value, grads = jax.value_and_grad(
+            lambda h, w: jnp.sum(jk.linear_logprobs(h, w, t, vocab_axis="model", backend=backend)),
+            argnums=(0, 1),
+        )(h, w)
         return jax.lax.psum(value, "data"), grads
 
-    _, call = _in_shard_map(local, (P("data", None, None), P("model", None), P("data", None)),
-                            (P(), (P("data", None, None), P("model", None))))
+    _, call = _in_shard_map(
+        local,
+        (P("data", None, None), P("model", None), P("data", None)),
+        (P(), (P("data", None, None), P("model", None))),
+    )
     got = call(h, w, t)
-    want = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(jk.linear_logprobs(
-        h, w, t, backend=backend)), argnums=(0, 1)))(h, w)
+    want = jax.jit(
+        jax.value_and_grad(
+            lambda h, w: jnp.sum(jk.linear_logprobs(h, w, t, backend=backend)), argnums=(0, 1)
+        )
+    )(h, w)
     for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, np.asarray(wv))
 
@@ -326,19 +436,30 @@ def test_logits_ops_vocab_axis(rng, backend):
     pol, ref, acts, old, rewards, mask = logits_inputs(rng)
 
     def ops(pol, ref, acts, old, rewards, mask, vocab_axis=None):
-        lp, ent = jk.token_logprobs(pol, acts, return_entropy=True, temperature=1.2,
-                                    backend=backend, vocab_axis=vocab_axis)
-        ratio, kl = jk.ratio_kl(pol, ref, acts, old, mask, backend=backend,
-                                vocab_axis=vocab_axis)
-        loss, pg, grpo_kl = jk.grpo_loss(pol, ref, acts, old, rewards, mask, group_size=2,
-                                         beta=0.1, backend=backend, vocab_axis=vocab_axis)
+        lp, ent = jk.token_logprobs(
+            pol, acts, return_entropy=True, temperature=1.2, backend=backend, vocab_axis=vocab_axis
+        )
+        ratio, kl = jk.ratio_kl(pol, ref, acts, old, mask, backend=backend, vocab_axis=vocab_axis)
+        loss, pg, grpo_kl = jk.grpo_loss(
+            pol,
+            ref,
+            acts,
+            old,
+            rewards,
+            mask,
+            group_size=2,
+            beta=0.1,
+            backend=backend,
+            vocab_axis=vocab_axis,
+        )
         return lp, ent, ratio, kl, jnp.stack([loss, pg, grpo_kl])
 
     args = (pol, ref, acts, old, rewards, mask)
     vocab3, rows = P(None, None, "model"), P(None, None)
     specs = (vocab3, vocab3, rows, rows, P(None), rows)
-    mapped, call = _in_shard_map(functools.partial(ops, vocab_axis="model"), specs,
-                                 (rows,) * 4 + (P(),))
+    mapped, call = _in_shard_map(
+        functools.partial(ops, vocab_axis="model"), specs, (rows,) * 4 + (P(),)
+    )
     for g, w in zip(call(*args), jax.jit(ops)(*args)):
         assert_close(g, np.asarray(w))
     scalar = lambda out: jnp.sum(out[4]) + jnp.sum(jnp.log(out[2]))
@@ -353,10 +474,12 @@ def test_linear_losses_vocab_axis(rng, backend):
     adv, _ = rand(rng, (B,))
 
     def losses(h, w, vocab_axis=None):
-        ppo, _ = jk.linear_ppo_loss(h, w, acts, old, adv, mask, entropy_coef=0.02,
-                                    backend=backend, vocab_axis=vocab_axis)
-        grpo, _, _ = jk.linear_grpo_loss(h, w, acts, old, adv, mask, group_size=2,
-                                         backend=backend, vocab_axis=vocab_axis)
+        ppo, _ = jk.linear_ppo_loss(
+            h, w, acts, old, adv, mask, entropy_coef=0.02, backend=backend, vocab_axis=vocab_axis
+        )
+        grpo, _, _ = jk.linear_grpo_loss(
+            h, w, acts, old, adv, mask, group_size=2, backend=backend, vocab_axis=vocab_axis
+        )
         return ppo + grpo
 
     mapped, _ = _in_shard_map(lambda h, w: losses(h, w, "model"), (P(), P("model", None)), P())
@@ -370,8 +493,11 @@ def test_vocab_axis_errors(rng):
     h, w, acts, _ = head(rng)
     with pytest.raises(ValueError, match="vocab_axis='model' is only valid inside jax.shard_map"):
         jk.linear_logprobs(h, w, acts, vocab_axis="model")
-    _, call = _in_shard_map(lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="tensor"),
-                            (P(), P("model", None), P()), P())
+    _, call = _in_shard_map(
+        lambda h, w, t: jk.linear_logprobs(h, w, t, vocab_axis="tensor"),
+        (P(), P("model", None), P()),
+        P(),
+    )
     with pytest.raises(ValueError, match="'tensor' is not an axis of the mesh"):
         call(h, w, acts)
 
@@ -401,15 +527,23 @@ def test_vocab_axis_compiled_kernels_under_vma_checks(rng, backend_name):
     t = jnp.asarray(rng.integers(0, 4096, 64), jnp.int32)
 
     def loss(h, w, t, vocab_axis=None):
-        lp, ent = jk.linear_logprobs(h, w, t, return_entropy=True, backend=backend_name,
-                                     vocab_axis=vocab_axis)
+        lp, ent = jk.linear_logprobs(
+            h, w, t, return_entropy=True, backend=backend_name, vocab_axis=vocab_axis
+        )
         return jnp.sum(lp) + 0.5 * jnp.sum(ent)
 
-    mapped = jax.shard_map(lambda h, w, t: jax.value_and_grad(
-        lambda h, w: loss(h, w, t, "model"), argnums=(0, 1))(h, w), mesh=mesh,
-        in_specs=(P(), P("model", None), P()), out_specs=(P(), (P(), P("model", None))))
-    placed = [jax.device_put(x, NamedSharding(mesh, s))
-              for x, s in zip((h, w, t), (P(), P("model", None), P()))]
+    mapped = jax.shard_map(
+        lambda h, w, t: jax.value_and_grad(lambda h, w: loss(h, w, t, "model"), argnums=(0, 1))(
+            h, w
+        ),
+        mesh=mesh,
+        in_specs=(P(), P("model", None), P()),
+        out_specs=(P(), (P(), P("model", None))),
+    )
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, s))
+        for x, s in zip((h, w, t), (P(), P("model", None), P()))
+    ]
     got = jax.jit(mapped)(*placed)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(h, w, t)
     for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -423,8 +557,9 @@ GPU_B, GPU_T, GPU_D, GPU_V = 4, 96, 256, 12352  # per GPU of two: 192 rows (not 
 # of four: 96 rows, or 3088 columns (a multiple of 8, as the ffi "dv" kernel needs)
 # layout: (rows' axis, vocabulary's axis); "both" runs on a (2, 2) mesh of four GPUs
 GPU_LAYOUTS = {"rows": ("x", None), "vocab": (None, "x"), "both": ("x", "y")}
-GPU_GRID = [(n, layout) for n in (2, 4) for layout in GPU_LAYOUTS
-            if not (n == 2 and layout == "both")]
+GPU_GRID = [
+    (n, layout) for n in (2, 4) for layout in GPU_LAYOUTS if not (n == 2 and layout == "both")
+]
 GPU_LOW_REL = 4e-3  # about one bfloat16 rounding (2^-8) of a two-term sum, in norm
 
 
@@ -439,8 +574,12 @@ def gpu_mesh(kind: str, n: int = 2, layout: str = "rows"):
     if jax.default_backend() != "gpu" or jax.local_device_count() < n:
         pytest.skip(f"needs {n} GPUs")
     shape, names = ((2, 2), ("x", "y")) if layout == "both" else ((n,), ("x",))
-    return jax.make_mesh(shape, names, axis_types=(getattr(AxisType, kind),) * len(names),
-                         devices=jax.local_devices()[:n])
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types=(getattr(AxisType, kind),) * len(names),
+        devices=jax.local_devices()[:n],
+    )
 
 
 def gpu_backend(name):
@@ -471,10 +610,16 @@ def test_gpus_linear_logprobs(rng, backend_name, weight_layout, mesh_kind, n_gpu
     b = jnp.asarray(rng.standard_normal(GPU_V) * 0.3, jnp.bfloat16)
     rows, vocab = GPU_LAYOUTS[layout]
     fn = functools.partial(_linear_logprobs, backend=backend, weight_layout=weight_layout)
-    check_sharded(fn, (h, w, b, t),
-                  [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
-                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1, 2), big=(0, 1),
-                  like=((1, 1), (2, 2)), low_rel=gpu_low_rel(n_gpus))
+    check_sharded(
+        fn,
+        (h, w, b, t),
+        [(rows, None, None), w_spec(weight_layout, vocab), (vocab,), (rows, None)],
+        gpu_mesh(mesh_kind, n_gpus, layout),
+        diff=(0, 1, 2),
+        big=(0, 1),
+        like=((1, 1), (2, 2)),
+        low_rel=gpu_low_rel(n_gpus),
+    )
 
 
 @pytest.mark.gpu
@@ -488,9 +633,14 @@ def test_gpus_linear_losses(rng, backend_name, mesh_kind, n_gpus, layout):
     ref = jnp.asarray(-np.log(GPU_V) + 0.3 * rng.standard_normal((GPU_B, GPU_T)), jnp.float32)
     adv = jnp.asarray(rng.standard_normal(GPU_B), jnp.float32)
     rows, vocab = GPU_LAYOUTS[layout]
-    check_sharded(*_linear_losses_case(backend, (h, w, t, old, adv, ref, mask), rows, vocab),
-                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0, 1), big=(0, 1), like=((1, 1),),
-                  low_rel=gpu_low_rel(n_gpus))
+    check_sharded(
+        *_linear_losses_case(backend, (h, w, t, old, adv, ref, mask), rows, vocab),
+        gpu_mesh(mesh_kind, n_gpus, layout),
+        diff=(0, 1),
+        big=(0, 1),
+        like=((1, 1),),
+        low_rel=gpu_low_rel(n_gpus),
+    )
 
 
 @pytest.mark.gpu
@@ -513,18 +663,34 @@ def test_gpus_logits_ops(rng, mesh_kind, n_gpus, layout):
     assert n % 2 == 0
 
     def fn(pol, ref, t, old, rewards, mask):
-        lp, ent = jk.token_logprobs(pol, t, return_entropy=True, temperature=1.3,
-                                    ignore_index=-100, backend=backend)
-        loss = jk.grpo_loss(pol, ref, jnp.maximum(t, 0), old, rewards, mask, group_size=2,
-                            beta=0.05, backend=backend)
+        lp, ent = jk.token_logprobs(
+            pol, t, return_entropy=True, temperature=1.3, ignore_index=-100, backend=backend
+        )
+        loss = jk.grpo_loss(
+            pol,
+            ref,
+            jnp.maximum(t, 0),
+            old,
+            rewards,
+            mask,
+            group_size=2,
+            beta=0.05,
+            backend=backend,
+        )
         ratio, kl = jk.ratio_kl(pol, ref, jnp.maximum(t, 0), old, mask, backend=backend)
         return lp, ent, loss, ratio, kl
 
     logit_spec = (rows, None, vocab)
-    check_sharded(fn, (pol, ref, t, old, rewards, mask),
-                  [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
-                  gpu_mesh(mesh_kind, n_gpus, layout), diff=(0,), big=(0, 1), like=((0, 0),),
-                  low_rel=gpu_low_rel(n_gpus))
+    check_sharded(
+        fn,
+        (pol, ref, t, old, rewards, mask),
+        [logit_spec, logit_spec, (rows, None), (rows, None), (rows,), (rows, None)],
+        gpu_mesh(mesh_kind, n_gpus, layout),
+        diff=(0,),
+        big=(0, 1),
+        like=((0, 0),),
+        low_rel=gpu_low_rel(n_gpus),
+    )
 
 
 @pytest.mark.gpu
@@ -538,10 +704,14 @@ def test_gpus_vocab_axis(rng, backend_name, weight_layout):
     mesh = gpu_mesh("Explicit")
     h, w, _, _ = gpu_head(rng, weight_layout)
     t = bad_targets(rng, GPU_B, GPU_T, GPU_V)
-    kw = dict(weight_layout=weight_layout, temperature=0.7, ignore_index=-100,
-              return_entropy=True, backend=backend)
-    g_lp, g_ent = (jnp.asarray(rng.standard_normal((GPU_B, GPU_T)), jnp.float32)
-                   for _ in range(2))
+    kw = dict(
+        weight_layout=weight_layout,
+        temperature=0.7,
+        ignore_index=-100,
+        return_entropy=True,
+        backend=backend,
+    )
+    g_lp, g_ent = (jnp.asarray(rng.standard_normal((GPU_B, GPU_T)), jnp.float32) for _ in range(2))
     ws = P("x", None) if weight_layout == "vd" else P(None, "x")
 
     def loss(h, w, vocab_axis=None):
@@ -549,17 +719,28 @@ def test_gpus_vocab_axis(rng, backend_name, weight_layout):
         fin = lambda x: jnp.where(jnp.isnan(x), 0.0, x)
         return jnp.sum(fin(lp) * g_lp) + jnp.sum(fin(ent) * g_ent), (lp, ent)
 
-    body = lambda h, w: jax.value_and_grad(lambda h, w: loss(h, w, "x"), argnums=(0, 1),
-                                           has_aux=True)(h, w)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), ws),
-                           out_specs=((P(), (P(), P())), (P(), ws)))
-    placed = (jax.device_put(h, NamedSharding(mesh, P())), jax.device_put(w, NamedSharding(mesh, ws)))
+    body = lambda h, w: jax.value_and_grad(
+        lambda h, w: loss(h, w, "x"), argnums=(0, 1), has_aux=True
+    )(h, w)
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), ws), out_specs=((P(), (P(), P())), (P(), ws))
+    )
+    placed = (
+        jax.device_put(h, NamedSharding(mesh, P())),
+        jax.device_put(w, NamedSharding(mesh, ws)),
+    )
     (_, (lp, ent)), (dh, dw) = jax.jit(mapped)(*placed)
-    (_, (lp0, ent0)), (dh0, dw0) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
-                                                             has_aux=True))(h, w)
-    want = oracle.linear_logprobs(np.asarray(h, np.float64), np.asarray(w, np.float64),
-                                  np.asarray(t), weight_layout=weight_layout,
-                                  temperature=0.7, ignore_index=-100)
+    (_, (lp0, ent0)), (dh0, dw0) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        h, w
+    )
+    want = oracle.linear_logprobs(
+        np.asarray(h, np.float64),
+        np.asarray(w, np.float64),
+        np.asarray(t),
+        weight_layout=weight_layout,
+        temperature=0.7,
+        ignore_index=-100,
+    )
     for got, base, w64, name in ((lp, lp0, want[0], "logp"), (ent, ent0, want[1], "entropy")):
         assert_close(got, w64, in_dtype=jnp.bfloat16, want32=w64, name=name, scale=10.0)
         assert_close(got, np.asarray(base), name=f"{name} vs one GPU")

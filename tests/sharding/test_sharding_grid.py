@@ -59,13 +59,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
+from jaxrl_kernels.backends.chunked import logprobs as chunked
 from tests.conftest import CPU_BACKENDS, assert_close, random_mask
 from tests.conftest import call as call_op
 from tests.support.sharding_support import collective_sizes, full_spec
-from jaxrl_kernels.backends.chunked import logprobs as chunked
 
 B, T, D, V = 4, 8, 16, 1024
 DATA, MODEL = 2, 4
@@ -91,22 +92,33 @@ SAMPLER_OPTIONS = {  # the sampler's processed distribution (docs/api.md, sample
     "top_p": dict(top_p=0.9, temperature=0.8),
     "sampler_all": dict(top_k=40, top_p=0.9, min_p=0.05),
 }
-LOGPROB_OPTIONS = {**LOGPROB_OPTIONS, **SAMPLER_OPTIONS,
-                   "sampler_kept": dict(SAMPLER_OPTIONS["sampler_all"], return_entropy=True,
-                                        return_kept=True, ignore_index=-100)}
-LINEAR_LOGPROB_OPTIONS = {**LOGPROB_OPTIONS, "bias": dict(_bias=True),
-                          "all": dict(LOGPROB_OPTIONS["all"], _bias=True),
-                          # "_k_ids": K ids per position ([B, T, K] targets, some padding)
-                          "k_ids": dict(_k_ids=7),
-                          "k_ids_all": dict(LOGPROB_OPTIONS["all"], _bias=True, _k_ids=5)}
+LOGPROB_OPTIONS = {
+    **LOGPROB_OPTIONS,
+    **SAMPLER_OPTIONS,
+    "sampler_kept": dict(
+        SAMPLER_OPTIONS["sampler_all"], return_entropy=True, return_kept=True, ignore_index=-100
+    ),
+}
+LINEAR_LOGPROB_OPTIONS = {
+    **LOGPROB_OPTIONS,
+    "bias": dict(_bias=True),
+    "all": dict(LOGPROB_OPTIONS["all"], _bias=True),
+    # "_k_ids": K ids per position ([B, T, K] targets, some padding)
+    "k_ids": dict(_k_ids=7),
+    "k_ids_all": dict(LOGPROB_OPTIONS["all"], _bias=True, _k_ids=5),
+}
 
 AGGREGATIONS = {  # besides "token_mean", the default
     "agg_seq_mean_token_mean": dict(loss_agg_mode="seq_mean_token_mean"),
     "agg_seq_mean_token_sum": dict(loss_agg_mode="seq_mean_token_sum"),
     "agg_seq_mean_token_sum_norm": dict(loss_agg_mode="seq_mean_token_sum_norm"),
 }
-WITH_MAX_LEN = {**AGGREGATIONS, "agg_seq_mean_token_sum_norm_max_len": dict(
-    loss_agg_mode="seq_mean_token_sum_norm", max_len=12)}  # ops that take max_len
+WITH_MAX_LEN = {
+    **AGGREGATIONS,
+    "agg_seq_mean_token_sum_norm_max_len": dict(
+        loss_agg_mode="seq_mean_token_sum_norm", max_len=12
+    ),
+}  # ops that take max_len
 POLICY_OPTIONS = {  # every PPO-style loss
     "plain": {},
     "dual_clip": dict(dual_clip=3.0),
@@ -115,8 +127,7 @@ POLICY_OPTIONS = {  # every PPO-style loss
     "ratio_sequence": dict(ratio_level="sequence"),
     "cispo": dict(policy_loss="cispo"),
     "tis_token": dict(_rollout=True, tis_cap=1.5),
-    "tis_sequence_mask": dict(_rollout=True, tis_cap=1.5, tis_level="sequence",
-                              tis_mode="mask"),
+    "tis_sequence_mask": dict(_rollout=True, tis_cap=1.5, tis_level="sequence", tis_mode="mask"),
 }
 PPO_OPTIONS = {
     **POLICY_OPTIONS,
@@ -124,8 +135,15 @@ PPO_OPTIONS = {
     "reference": dict(_ref=True, kl_coef=0.1, kl_estimator="k2"),
     "entropy": dict(entropy_coef=0.01),
     "dual_clip_reference": dict(dual_clip=3.0, _ref=True, kl_coef=0.1),
-    "all": dict(dual_clip=3.0, _ref=True, kl_coef=0.1, entropy_coef=0.01,
-                loss_agg_mode="seq_mean_token_mean", _rollout=True, tis_cap=1.5),
+    "all": dict(
+        dual_clip=3.0,
+        _ref=True,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        loss_agg_mode="seq_mean_token_mean",
+        _rollout=True,
+        tis_cap=1.5,
+    ),
 }
 GRPO_OPTIONS = {
     **POLICY_OPTIONS,
@@ -135,8 +153,16 @@ GRPO_OPTIONS = {
     "advantages": dict(_advantages=True),
     "boundaries": dict(_boundaries=True),
     "no_std": dict(normalize_std=False),
-    "all": dict(_ref=True, beta=0.05, dual_clip=3.0, loss_agg_mode="seq_mean_token_sum",
-                ratio_level="sequence", _rollout=True, tis_cap=1.5, tis_level="sequence"),
+    "all": dict(
+        _ref=True,
+        beta=0.05,
+        dual_clip=3.0,
+        loss_agg_mode="seq_mean_token_sum",
+        ratio_level="sequence",
+        _rollout=True,
+        tis_cap=1.5,
+        tis_level="sequence",
+    ),
 }
 DISTILL_OPTIONS = {  # "_teacher_bias": a teacher bias; "_teacher_layout": the teacher head in
     # the other weight layout than the student's (else the same); "_teacher_dim": its D_t (else D)
@@ -148,16 +174,25 @@ DISTILL_OPTIONS = {  # "_teacher_bias": a teacher bias; "_teacher_layout": the t
     "teacher_layout": dict(_teacher_layout=True),
     "teacher_dim": dict(_teacher_dim=2 * D),
     **WITH_MAX_LEN,
-    "all": dict(divergence="jsd", jsd_beta=0.7, temperature=0.8, _bias=True, _teacher_bias=True,
-                _teacher_layout=True, _teacher_dim=D // 2, loss_agg_mode="seq_mean_token_mean"),
+    "all": dict(
+        divergence="jsd",
+        jsd_beta=0.7,
+        temperature=0.8,
+        _bias=True,
+        _teacher_bias=True,
+        _teacher_layout=True,
+        _teacher_dim=D // 2,
+        loss_agg_mode="seq_mean_token_mean",
+    ),
 }
 TOPK_DISTILL_OPTIONS = {  # a served teacher's K = 6 ids ("_k_ids" for another K)
     "plain": {},  # tail="drop"
     "bucket": dict(tail="bucket"),
     "temperature": dict(temperature=0.8, _bias=True),
     **WITH_MAX_LEN,
-    "all": dict(tail="bucket", temperature=1.3, _bias=True, _k_ids=3,
-                loss_agg_mode="seq_mean_token_mean"),
+    "all": dict(
+        tail="bucket", temperature=1.3, _bias=True, _k_ids=3, loss_agg_mode="seq_mean_token_mean"
+    ),
 }
 TOPK_OPTIONS = {  # k: 5 unless given; k_large: more than a vocabulary slice (V / MODEL) holds
     "plain": {},
@@ -169,24 +204,48 @@ TOPK_OPTIONS = {  # k: 5 unless given; k_large: more than a vocabulary slice (V 
 OPTIONS: dict[str, dict[str, dict]] = {
     "token_logprobs": LOGPROB_OPTIONS,
     "linear_logprobs": LINEAR_LOGPROB_OPTIONS,
-    "ratio_kl": {"plain": {}, "k1": dict(kl_estimator="k1"), "k2": dict(kl_estimator="k2"),
-                 "abs": dict(kl_estimator="abs"), "temperature": dict(temperature=0.8)},
+    "ratio_kl": {
+        "plain": {},
+        "k1": dict(kl_estimator="k1"),
+        "k2": dict(kl_estimator="k2"),
+        "abs": dict(kl_estimator="abs"),
+        "temperature": dict(temperature=0.8),
+    },
     "grpo_loss": {**GRPO_OPTIONS, "temperature": dict(temperature=1.3, _ref=True, beta=0.05)},
-    "linear_ppo_loss": {**PPO_OPTIONS, "temperature": dict(temperature=0.8),
-                        "bias": dict(_bias=True, entropy_coef=0.01), **SAMPLER_OPTIONS,
-                        "sampler_entropy": dict(SAMPLER_OPTIONS["sampler_all"], _bias=True,
-                                                entropy_coef=0.01)},
-    "linear_grpo_loss": {**GRPO_OPTIONS, "temperature": dict(temperature=0.8),
-                         "bias": dict(_bias=True), **SAMPLER_OPTIONS},
-    "ppo_loss": {**PPO_OPTIONS, "entropy": dict(_entropy=True, entropy_coef=0.01),
-                 "all": dict(PPO_OPTIONS["all"], _entropy=True)},
+    "linear_ppo_loss": {
+        **PPO_OPTIONS,
+        "temperature": dict(temperature=0.8),
+        "bias": dict(_bias=True, entropy_coef=0.01),
+        **SAMPLER_OPTIONS,
+        "sampler_entropy": dict(SAMPLER_OPTIONS["sampler_all"], _bias=True, entropy_coef=0.01),
+    },
+    "linear_grpo_loss": {
+        **GRPO_OPTIONS,
+        "temperature": dict(temperature=0.8),
+        "bias": dict(_bias=True),
+        **SAMPLER_OPTIONS,
+    },
+    "ppo_loss": {
+        **PPO_OPTIONS,
+        "entropy": dict(_entropy=True, entropy_coef=0.01),
+        "all": dict(PPO_OPTIONS["all"], _entropy=True),
+    },
     "policy_gradient_loss": {"token_mean": {}, **WITH_MAX_LEN},
-    "group_advantages": {"plain": {}, "no_std": dict(normalize_std=False),
-                         "ddof": dict(std_ddof=1), "boundaries": dict(_boundaries=True)},
-    "aggregate": {"token_mean": {}, **{k: dict(mode=v["loss_agg_mode"],
-                                               **({"max_len": v["max_len"]} if "max_len" in v
-                                                  else {}))
-                                       for k, v in WITH_MAX_LEN.items()}},
+    "group_advantages": {
+        "plain": {},
+        "no_std": dict(normalize_std=False),
+        "ddof": dict(std_ddof=1),
+        "boundaries": dict(_boundaries=True),
+    },
+    "aggregate": {
+        "token_mean": {},
+        **{
+            k: dict(
+                mode=v["loss_agg_mode"], **({"max_len": v["max_len"]} if "max_len" in v else {})
+            )
+            for k, v in WITH_MAX_LEN.items()
+        },
+    },
     "kl_penalty": {e: dict(estimator=e) for e in ("k1", "abs", "k2", "k3")},
     "linear_distill_loss": DISTILL_OPTIONS,
     "linear_topk_logprobs": TOPK_OPTIONS,
@@ -195,8 +254,12 @@ OPTIONS: dict[str, dict[str, dict]] = {
 
 LOGITS_OPS = ("token_logprobs", "ratio_kl", "grpo_loss")
 DISTILL_OPS = ("linear_distill_loss", "linear_topk_logprobs")
-LINEAR_OPS = ("linear_logprobs", "linear_ppo_loss", "linear_grpo_loss",
-              "linear_topk_distill_loss") + DISTILL_OPS
+LINEAR_OPS = (
+    "linear_logprobs",
+    "linear_ppo_loss",
+    "linear_grpo_loss",
+    "linear_topk_distill_loss",
+) + DISTILL_OPS
 TOKEN_OPS = ("ppo_loss", "policy_gradient_loss", "group_advantages", "aggregate", "kl_penalty")
 VOCAB_AXIS_OPS = LOGITS_OPS + LINEAR_OPS
 
@@ -205,8 +268,7 @@ LAYOUTS = {
     "linear": ("rows", "vocab", "both", "tp", "fsdp", "tp_fsdp"),
     "token": ("rows", "time", "both"),
 }
-SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"),
-                     "token": ("rows",)}
+SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"), "token": ("rows",)}
 DECLINED = {op: ("pallas",) for op in DISTILL_OPS}  # backends left out of an op's grid
 NO_SMALL_INPUTS = ("linear_topk_logprobs",)  # no per-token inputs: no "whole" variant
 
@@ -236,14 +298,18 @@ def _cases_of(op: str, backends) -> list[Case]:
     backends = [b for b in backends if b not in DECLINED.get(op, ())]
     out = []
     for option, backend, mode, wl in itertools.product(
-            OPTIONS[op], backends, MODES, ("vd", "dv") if fam == "linear" else ("vd",)):
+        OPTIONS[op], backends, MODES, ("vd", "dv") if fam == "linear" else ("vd",)
+    ):
         if mode == "shard_map" and option == "boundaries":
             continue  # boundaries of the whole batch do not fit a device's row block
         layouts = SHARD_MAP_LAYOUTS[fam] if mode == "shard_map" else LAYOUTS[fam]
         for layout in layouts:
             out.append(Case(op, option, backend, mode, layout, wl))
-            if (mode != "shard_map" and layout != "vocab"  # small inputs there: whole anyway
-                    and op not in NO_SMALL_INPUTS):
+            if (
+                mode != "shard_map"
+                and layout != "vocab"  # small inputs there: whole anyway
+                and op not in NO_SMALL_INPUTS
+            ):
                 out.append(Case(op, option, backend, mode, layout, wl, "whole"))
     return out
 
@@ -256,8 +322,7 @@ REGRESSIONS = [  # the configurations users reported crashing, on every kernel b
     Case("grpo_loss", "reference", "chunked", "Explicit", "both", small="whole"),
     Case("grpo_loss", "reference", "pallas", "Explicit", "rows", small="whole"),
     Case("linear_ppo_loss", "dual_clip_reference", "chunked", "Explicit", "rows", small="whole"),
-    Case("linear_ppo_loss", "dual_clip_reference", "reference", "Explicit", "both",
-         small="whole"),
+    Case("linear_ppo_loss", "dual_clip_reference", "reference", "Explicit", "both", small="whole"),
     Case("linear_logprobs", "plain", "chunked", "Explicit", "tp_fsdp", "dv"),
     Case("linear_logprobs", "entropy", "pallas", "Explicit", "tp_fsdp", "dv"),
     Case("linear_ppo_loss", "entropy", "chunked", "Auto", "tp_fsdp", "dv"),
@@ -311,6 +376,7 @@ def _grid_shard(cases: list[Case]) -> list[Case]:
 
 # -- inputs and the call -------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Built:
     call: Callable  # (arrays by name, vocab_axis) -> outputs
@@ -325,8 +391,10 @@ class Built:
 
 
 def _split(kwargs: dict) -> tuple[dict, dict]:
-    return ({k: v for k, v in kwargs.items() if not k.startswith("_")},
-            {k[1:]: v for k, v in kwargs.items() if k.startswith("_")})
+    return (
+        {k: v for k, v in kwargs.items() if not k.startswith("_")},
+        {k[1:]: v for k, v in kwargs.items() if k.startswith("_")},
+    )
 
 
 def build(case: Case) -> Built:
@@ -337,7 +405,8 @@ def build(case: Case) -> Built:
     # exactly, and the many equal logits check that ties go to the lower id across slices.
     step = 8.0 if case.op == "linear_topk_logprobs" else None
     normal = lambda shape, scale=1.0, loc=0.0: jnp.asarray(
-        _on_grid(loc + scale * rng.standard_normal(shape), step).astype(np.float32))
+        _on_grid(loc + scale * rng.standard_normal(shape), step).astype(np.float32)
+    )
     kw, need = _split(OPTIONS[case.op][case.option])
     kw = dict(kw)
     fam = family(case.op)
@@ -357,8 +426,11 @@ def build(case: Case) -> Built:
             take("ref_logits", normal((B, T, V), 2.0), "logits")
     elif fam == "linear":
         take("hidden", normal((B, T, D)), "hidden")
-        take("weight", normal((V, D) if case.weight_layout == "vd" else (D, V),
-                              2.0 / np.sqrt(D)), "weight")
+        take(
+            "weight",
+            normal((V, D) if case.weight_layout == "vd" else (D, V), 2.0 / np.sqrt(D)),
+            "weight",
+        )
         kw["weight_layout"] = case.weight_layout
         if need.get("bias"):
             take("bias", normal((V,), 0.3), "bias")
@@ -366,8 +438,11 @@ def build(case: Case) -> Built:
             d_t = need.get("teacher_dim", D)
             take("teacher_hidden", normal((B, T, d_t)), "teacher_hidden")
             t_layout = teacher_layout(case)
-            take("teacher_weight", normal((V, d_t) if t_layout == "vd" else (d_t, V),
-                                          2.0 / np.sqrt(d_t)), "teacher_weight")
+            take(
+                "teacher_weight",
+                normal((V, d_t) if t_layout == "vd" else (d_t, V), 2.0 / np.sqrt(d_t)),
+                "teacher_weight",
+            )
             kw["teacher_weight_layout"] = t_layout
             if need.get("teacher_bias"):
                 take("teacher_bias", normal((V,), 0.3), "bias")
@@ -377,7 +452,7 @@ def build(case: Case) -> Built:
         if case.op == "linear_topk_distill_loss":
             k = need.get("k_ids", 6)
             ids = np.argsort(rng.random((B, T, V)), axis=-1)[..., :k].astype(np.int32)
-            ids[0, 2, k // 2:] = -1
+            ids[0, 2, k // 2 :] = -1
             t_logp = np.log(rng.dirichlet(np.ones(k + 1), (B, T))[..., :k])
             take("teacher_ids", jnp.asarray(ids), "tok")
             take("teacher_logp", jnp.asarray(t_logp.astype(np.float32)), "tok")
@@ -390,8 +465,13 @@ def build(case: Case) -> Built:
             ids[1, 3, 0] = -100
         take("targets", jnp.asarray(ids), "tok")
     elif fam != "token" and case.op not in DISTILL_OPS + ("linear_topk_distill_loss",):
-        take("targets", jnp.asarray(acts if case.op in ("token_logprobs", "linear_logprobs")
-                                    else np.maximum(acts, 0)), "tok")
+        take(
+            "targets",
+            jnp.asarray(
+                acts if case.op in ("token_logprobs", "linear_logprobs") else np.maximum(acts, 0)
+            ),
+            "tok",
+        )
         if case.op not in ("token_logprobs", "linear_logprobs"):
             take("old_logp", old, "tok")
             take("mask", mask, "tok")
@@ -440,11 +520,9 @@ def build(case: Case) -> Built:
             "group_advantages": ("rewards",),
             "aggregate": ("logp", "mask"),
             "kl_penalty": ("logp", "ref_logp"),
-            "linear_distill_loss": ("hidden", "weight", "teacher_hidden", "teacher_weight",
-                                    "mask"),
+            "linear_distill_loss": ("hidden", "weight", "teacher_hidden", "teacher_weight", "mask"),
             "linear_topk_logprobs": ("hidden", "weight"),
-            "linear_topk_distill_loss": ("hidden", "weight", "teacher_ids", "teacher_logp",
-                                         "mask"),
+            "linear_topk_distill_loss": ("hidden", "weight", "teacher_ids", "teacher_logp", "mask"),
         }[case.op]
         args = [x.pop(n) for n in fixed]
         if case.op in ("grpo_loss", "linear_grpo_loss", "group_advantages"):
@@ -455,16 +533,32 @@ def build(case: Case) -> Built:
 
     names = list(inputs)
     # the teacher's arguments too: their gradients are zeros, sharded like them
-    diff_names = {"logits", "hidden", "weight", "bias", "entropy", "teacher_hidden",
-                  "teacher_weight", "teacher_bias"} | (
-        {"logp"} if fam == "token" else set()) | (
-        {"rewards"} if case.op == "group_advantages" else set())
-    return Built(call, names, [inputs[n][0] for n in names], [inputs[n][1] for n in names],
-                 tuple(i for i, n in enumerate(names) if n in diff_names),
-                 tuple(i for i, n in enumerate(names) if n in ("logits", "ref_logits",
-                                                               "hidden", "weight",
-                                                               "teacher_hidden",
-                                                               "teacher_weight")))
+    diff_names = (
+        {
+            "logits",
+            "hidden",
+            "weight",
+            "bias",
+            "entropy",
+            "teacher_hidden",
+            "teacher_weight",
+            "teacher_bias",
+        }
+        | ({"logp"} if fam == "token" else set())
+        | ({"rewards"} if case.op == "group_advantages" else set())
+    )
+    return Built(
+        call,
+        names,
+        [inputs[n][0] for n in names],
+        [inputs[n][1] for n in names],
+        tuple(i for i, n in enumerate(names) if n in diff_names),
+        tuple(
+            i
+            for i, n in enumerate(names)
+            if n in ("logits", "ref_logits", "hidden", "weight", "teacher_hidden", "teacher_weight")
+        ),
+    )
 
 
 def _on_grid(x: np.ndarray, step: float | None) -> np.ndarray:
@@ -537,14 +631,23 @@ def shard_mapped(case: Case, built: Built, mesh):
             return built.fn(*arrays)
         parts = []
         for i in range(blocks):
-            parts.append(built.fn(*(x if k in ("weight", "teacher_weight", "bias", "rep")
-                                    else jnp.split(x, blocks, axis=0)[i]
-                                    for x, k in zip(arrays, built.kinds))))
+            parts.append(
+                built.fn(
+                    *(
+                        x
+                        if k in ("weight", "teacher_weight", "bias", "rep")
+                        else jnp.split(x, blocks, axis=0)[i]
+                        for x, k in zip(arrays, built.kinds)
+                    )
+                )
+            )
         return jax.tree.map(lambda *ys: jnp.stack(ys), *parts)
+
     return mapped, unsharded
 
 
 # -- the checks --------------------------------------------------------------------------------
+
 
 def check(case: Case):
     if case.backend not in CPU_BACKENDS + ["fast"]:
@@ -557,22 +660,31 @@ def check(case: Case):
         sharded = unsharded = built.fn
     rng = np.random.default_rng(1)
     # no weight on an integer output (linear_topk_logprobs' ids): compared, not differentiated
-    weights = [jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
-               if jnp.issubdtype(o.dtype, jnp.inexact) else None
-               for o in jax.tree.leaves(jax.eval_shape(unsharded, *built.arrays))]
+    weights = [
+        jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+        if jnp.issubdtype(o.dtype, jnp.inexact)
+        else None
+        for o in jax.tree.leaves(jax.eval_shape(unsharded, *built.arrays))
+    ]
 
     def with_grads(fn):
         def scalar(*a):
-            return sum(jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
-                       for o, w in zip(jax.tree.leaves(fn(*a)), weights) if w is not None)
+            return sum(
+                jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * w)
+                for o, w in zip(jax.tree.leaves(fn(*a)), weights)
+                if w is not None
+            )
 
         def both(*a):
             return fn(*a), jax.grad(scalar, argnums=built.diff)(*a)
+
         return both
 
     want = jax.jit(with_grads(unsharded))(*built.arrays)
-    placed = [jax.device_put(x, NamedSharding(mesh, P(*spec(k, case))))
-              for x, k in zip(built.arrays, built.kinds)]
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, P(*spec(k, case))))
+        for x, k in zip(built.arrays, built.kinds)
+    ]
     with jax.set_mesh(mesh):  # as a user does (jax.sharding.use_mesh before jax 0.7)
         compiled = jax.jit(with_grads(sharded)).lower(*placed).compile()
     got = compiled(*placed)
@@ -583,16 +695,18 @@ def check(case: Case):
             if not jnp.issubdtype(wl.dtype, jnp.inexact):  # topk's ids: equal
                 np.testing.assert_array_equal(gl, wl, err_msg=f"{case}: {name} {i}")
                 continue
-            scale = 1.0 if name == "output" and wl.ndim <= (1 if case.mode == "shard_map"
-                                                             else 0) else None
+            scale = (
+                1.0
+                if name == "output" and wl.ndim <= (1 if case.mode == "shard_map" else 0)
+                else None
+            )
             if scale is None and case.op == "linear_distill_loss":
                 # Both are float32 sums over the vocabulary in different orders (chunks,
                 # slices), each within 1e-5 S of the float64 result (test_distill.py's oracle
                 # tests): between them 2e-5 S (a divergence and its gradient cancel terms).
                 finite = np.asarray(wl, np.float64)[np.isfinite(wl)]
                 scale = 2.0 * float(np.max(np.abs(finite), initial=0.0))
-            assert_close(gl, np.asarray(wl, np.float64), scale=scale,
-                         name=f"{case}: {name} {i}")
+            assert_close(gl, np.asarray(wl, np.float64), scale=scale, name=f"{case}: {name} {i}")
     for g, i in zip(got[1], built.diff):
         if built.names[i].startswith("teacher_") and case.mode == "Auto":
             # linear_distill_loss's teacher: jax's symbolic zero cotangent (the op stops its
@@ -602,16 +716,23 @@ def check(case: Case):
             continue
         assert full_spec(g) == full_spec(placed[i]), (
             f"{case}: gradient of argument {i} sharded {full_spec(g)}, the argument "
-            f"{full_spec(placed[i])}")
+            f"{full_spec(placed[i])}"
+        )
     if not built.big:
         return
-    if (case.backend == "reference" and case.mode == "Auto"
-            and any(k in OPTIONS[case.op][case.option] for k in ("top_k", "top_p", "min_p"))):
+    if (
+        case.backend == "reference"
+        and case.mode == "Auto"
+        and any(k in OPTIONS[case.op][case.option] for k in ("top_k", "top_p", "min_p"))
+    ):
         return  # the reference leaves its sort to XLA's partitioner, which gathers (api.md)
     hlo = compiled.as_text()
     allowed = set()
-    dims = {built.arrays[i].shape[-1] for i, n in enumerate(built.names)
-            if n in ("hidden", "teacher_hidden")}  # D, and a distillation teacher's D_t
+    dims = {
+        built.arrays[i].shape[-1]
+        for i, n in enumerate(built.names)
+        if n in ("hidden", "teacher_hidden")
+    }  # D, and a distillation teacher's D_t
     for dim in dims:
         if case.layout in ("tp", "tp_fsdp"):
             allowed.add(B * T * dim // DATA)  # hidden states: the D shards of a row block
@@ -620,21 +741,22 @@ def check(case: Case):
     limit = min(built.arrays[i].size for i in built.big) // (DATA * MODEL)
     gathers = [n for n in collective_sizes(hlo, "all-gather") if n >= limit]
     assert all(n in allowed for n in gathers), (
-        f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})")
+        f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})"
+    )
     xla_places_grads = case.backend == "reference" and case.mode == "Auto"
     if case.layout in ("fsdp", "tp_fsdp") and case.mode != "shard_map" and not xla_places_grads:
         share = V * D // MODEL  # d_weight of a vocabulary slice, all of D
         assert share not in collective_sizes(hlo, "all-reduce"), (
-            f"{case}: d_weight all-reduced over the FSDP axis")
+            f"{case}: d_weight all-reduced over the FSDP axis"
+        )
         assert share // DATA in collective_sizes(hlo, "reduce-scatter"), (
-            f"{case}: d_weight not reduce-scattered over the FSDP axis")
+            f"{case}: d_weight not reduce-scattered over the FSDP axis"
+        )
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked, "CHUNK_BYTES", 16 * 1024)  # 256 columns of 16 rows
-
-
 
 
 FAST_CASES = [  # memory="fast" (the logits kept for the backward) in every entry and layout
@@ -659,13 +781,20 @@ def _distill_fast_grid() -> tuple[list[Case], list[Case]]:
     takes every entry × layout once, with the options and weight layouts in turn, so that
     each option runs at least once."""
     op, options = "linear_distill_loss", list(DISTILL_OPTIONS)
-    places = [(mode, layout) for mode in MODES
-              for layout in (SHARD_MAP_LAYOUTS if mode == "shard_map" else LAYOUTS)["linear"]]
-    full = [Case(op, option, "fast", mode, layout, wl)
-            for option, (mode, layout), wl in itertools.product(options, places, ("vd", "dv"))]
+    places = [
+        (mode, layout)
+        for mode in MODES
+        for layout in (SHARD_MAP_LAYOUTS if mode == "shard_map" else LAYOUTS)["linear"]
+    ]
+    full = [
+        Case(op, option, "fast", mode, layout, wl)
+        for option, (mode, layout), wl in itertools.product(options, places, ("vd", "dv"))
+    ]
     count = max(len(places), len(options))
-    sample = [Case(op, options[i % len(options)], "fast", *places[i % len(places)],
-                   ("vd", "dv")[i % 2]) for i in range(count)]
+    sample = [
+        Case(op, options[i % len(options)], "fast", *places[i % len(places)], ("vd", "dv")[i % 2])
+        for i in range(count)
+    ]
     return sample, [c for c in full if c not in sample]
 
 
@@ -700,7 +829,10 @@ def test_grid_builds():
             jax.eval_shape(built.fn, *built.arrays)
             if op in VOCAB_AXIS_OPS or family(op) == "token":
                 mapped, unsharded = shard_mapped(
-                    dataclasses.replace(case, mode="shard_map",
-                                        layout=SHARD_MAP_LAYOUTS[family(op)][-1]),
-                    built, make_mesh("shard_map"))
+                    dataclasses.replace(
+                        case, mode="shard_map", layout=SHARD_MAP_LAYOUTS[family(op)][-1]
+                    ),
+                    built,
+                    make_mesh("shard_map"),
+                )
                 jax.eval_shape(unsharded, *built.arrays)

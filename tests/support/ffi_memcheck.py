@@ -45,17 +45,26 @@ def main() -> None:
         w = (jax.random.normal(k[1], (v, d) if layout == "vd" else (d, v)) / 4).astype(dtype)
         b = jax.random.normal(k[2], (v,)).astype(dtype) if with_bias else None
         t = np.asarray(jax.random.randint(k[3], (n,), 0, v, jnp.int32)).copy()
-        t[:: 7] = -100            # ignored
-        t[1:: 11] = v             # out of range: NaN
-        t[2:: 13] = -(2**30)
-        t[3:: 17] = 2**31 - 1
+        t[::7] = -100  # ignored
+        t[1::11] = v  # out of range: NaN
+        t[2::13] = -(2**30)
+        t[3::17] = 2**31 - 1
         t = jnp.asarray(t)
 
         def run(backend):
             # under jit the targets are traced: out-of-range ones give NaN instead of raising
-            fwd = jax.jit(lambda h, w, b, t: jk.linear_logprobs(
-                h, w, t, b, weight_layout=layout, ignore_index=-100, return_entropy=True,
-                backend=backend))
+            fwd = jax.jit(
+                lambda h, w, b, t: jk.linear_logprobs(
+                    h,
+                    w,
+                    t,
+                    b,
+                    weight_layout=layout,
+                    ignore_index=-100,
+                    return_entropy=True,
+                    backend=backend,
+                )
+            )
             return [np.asarray(x, np.float64) for x in fwd(h, w, b, t)]
 
         got, ref = run("ffi"), run("reference")
@@ -78,18 +87,27 @@ def backward_error(h, w, b, t, layout, seed):
     v = w.shape[0] if layout == "vd" else w.shape[1]
     b32 = None if b is None else b.astype(jnp.float32)
     valid = (t >= 0) & (t < v)
-    m, s, a, _ = chunked.linear_stats(h, w, b32, t, valid, weight_layout=layout, temperature=1.0,
-                                      with_entropy=True)
+    m, s, a, _ = chunked.linear_stats(
+        h, w, b32, t, valid, weight_layout=layout, temperature=1.0, with_entropy=True
+    )
     lse = jnp.where(valid, m + jnp.log(s), jnp.inf)
     ent = jnp.log(s) - a / s
     k = jax.random.split(jax.random.key(100 + seed), 2)
     g, g_ent = (jnp.where(valid, jax.random.normal(kk, (n,)), 0.0) for kk in k)
     args = (h, w, b32, t, lse, ent, g, g_ent)
     config = ffi_linear.Config(chunk_bytes=2 * n * 256)
-    got = jax.jit(lambda *a: ffi_linear.linear_backward(*a, weight_layout=layout,
-                                                        temperature=1.0, config=config))(*args)
-    want = chunked.linear_backward(h.astype(jnp.float32), w.astype(jnp.float32), *args[2:],
-                                   weight_layout=layout, temperature=1.0)
+    got = jax.jit(
+        lambda *a: ffi_linear.linear_backward(
+            *a, weight_layout=layout, temperature=1.0, config=config
+        )
+    )(*args)
+    want = chunked.linear_backward(
+        h.astype(jnp.float32),
+        w.astype(jnp.float32),
+        *args[2:],
+        weight_layout=layout,
+        temperature=1.0,
+    )
     worst = 0.0
     for x, y in zip(got, want):
         if y is None:

@@ -77,8 +77,9 @@ def token_logprobs(logits, targets, *, temperature=1.0, ignore_index=None, dt=F6
     return logp, ent
 
 
-def token_logprobs_vjp(logits, targets, g_logp, g_ent=None, *, temperature=1.0, ignore_index=None,
-                       dt=F64):
+def token_logprobs_vjp(
+    logits, targets, g_logp, g_ent=None, *, temperature=1.0, ignore_index=None, dt=F64
+):
     """Cotangent of the logits for cotangents ``g_logp`` (and ``g_ent``) of (logp, entropy)."""
     temp = dt(temperature)
     z = np.asarray(f64(logits), dtype=dt) / temp
@@ -106,28 +107,50 @@ def linear_logits(hidden, weight, bias=None, *, weight_layout="vd", dt=F64):
     return logits
 
 
-def linear_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd", temperature=1.0,
-                    ignore_index=None, dt=F64):
+def linear_logprobs(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    *,
+    weight_layout="vd",
+    temperature=1.0,
+    ignore_index=None,
+    dt=F64,
+):
     logits = linear_logits(hidden, weight, bias, weight_layout=weight_layout, dt=dt)
-    return token_logprobs(logits, targets, temperature=temperature, ignore_index=ignore_index,
-                          dt=dt)
+    return token_logprobs(
+        logits, targets, temperature=temperature, ignore_index=ignore_index, dt=dt
+    )
 
 
-def linear_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, *,
-                        weight_layout="vd", temperature=1.0, ignore_index=None, dt=F64):
+def linear_logprobs_vjp(
+    hidden,
+    weight,
+    targets,
+    g_logp,
+    g_ent=None,
+    bias=None,
+    *,
+    weight_layout="vd",
+    temperature=1.0,
+    ignore_index=None,
+    dt=F64,
+):
     """``(d_hidden, d_weight, d_bias)``; d_bias is None when bias is None."""
     h = np.asarray(f64(hidden), dtype=dt)
     w = np.asarray(f64(weight), dtype=dt)
     logits = linear_logits(h, w, bias, weight_layout=weight_layout, dt=dt)
-    dl = token_logprobs_vjp(logits, targets, g_logp, g_ent, temperature=temperature,
-                            ignore_index=ignore_index, dt=dt)
+    dl = token_logprobs_vjp(
+        logits, targets, g_logp, g_ent, temperature=temperature, ignore_index=ignore_index, dt=dt
+    )
     d = h.shape[-1]
     h2 = h.reshape(-1, d)
     dl2 = dl.reshape(-1, dl.shape[-1])
-    if weight_layout == "vd":      # logits = h W^T, W [V, D]
+    if weight_layout == "vd":  # logits = h W^T, W [V, D]
         dh = dl2 @ w
         dw = dl2.T @ h2
-    else:                          # logits = h W,   W [D, V]
+    else:  # logits = h W,   W [D, V]
         dh = dl2 @ w.T
         dw = h2.T @ dl2
     db = None if bias is None else dl2.sum(0)
@@ -145,8 +168,9 @@ def _head_vjp(h, w, dl, weight_layout, with_bias):
     return dh.reshape(h.shape), dw, (dl2.sum(0) if with_bias else None)
 
 
-def linear_id_logprobs(hidden, weight, ids, bias=None, *, weight_layout="vd", temperature=1.0,
-                       dt=F64):
+def linear_id_logprobs(
+    hidden, weight, ids, bias=None, *, weight_layout="vd", temperature=1.0, dt=F64
+):
     """K ids per position: ``(logp [..., K], entropy [...])``. logp = z[id] - logsumexp(z) at
     each id >= 0 (0 at ids < 0); the entropy of each position with an id >= 0 (0 elsewhere)."""
     z = linear_logits(hidden, weight, bias, weight_layout=weight_layout, dt=dt) / dt(temperature)
@@ -155,12 +179,21 @@ def linear_id_logprobs(hidden, weight, ids, bias=None, *, weight_layout="vd", te
     _, lse, mean_z = _softmax_stats(z)
     logp = np.take_along_axis(z, np.where(valid, ids, 0), axis=-1) - lse
     ent = (lse - mean_z)[..., 0]
-    return (np.where(valid, logp, 0).astype(dt),
-            np.where(valid.any(-1), ent, 0).astype(dt))
+    return (np.where(valid, logp, 0).astype(dt), np.where(valid.any(-1), ent, 0).astype(dt))
 
 
-def linear_id_logprobs_vjp(hidden, weight, ids, g_logp, g_ent=None, bias=None, *,
-                           weight_layout="vd", temperature=1.0, dt=F64):
+def linear_id_logprobs_vjp(
+    hidden,
+    weight,
+    ids,
+    g_logp,
+    g_ent=None,
+    bias=None,
+    *,
+    weight_layout="vd",
+    temperature=1.0,
+    dt=F64,
+):
     """``(d_hidden, d_weight, d_bias)`` of :func:`linear_id_logprobs` for cotangents ``g_logp``
     [..., K] and ``g_ent`` [...]: dz = (sum_k g_k (onehot_k - p) - g_H p (z - sum p z)) / T over
     the valid ids (a repeated id adds its one-hot twice)."""
@@ -173,8 +206,11 @@ def linear_id_logprobs_vjp(hidden, weight, ids, g_logp, g_ent=None, bias=None, *
     p, _, mean_z = _softmax_stats(z)
     g = np.where(valid, np.asarray(g_logp, dt), 0)
     dz = -g.sum(-1, keepdims=True) * p
-    flat_dz, flat_ids, flat_g = dz.reshape(-1, z.shape[-1]), ids.reshape(-1, ids.shape[-1]), \
-        g.reshape(-1, ids.shape[-1])
+    flat_dz, flat_ids, flat_g = (
+        dz.reshape(-1, z.shape[-1]),
+        ids.reshape(-1, ids.shape[-1]),
+        g.reshape(-1, ids.shape[-1]),
+    )
     for r in range(flat_dz.shape[0]):
         for k in range(flat_ids.shape[1]):
             if flat_ids[r, k] >= 0:
@@ -303,8 +339,16 @@ def _groups_of_several(b, group_size=None, group_boundaries=None):
             yield seg == g
 
 
-def group_advantages(rewards, *, group_size=None, group_boundaries=None, normalize_std=True,
-                     std_ddof=0, eps=1e-6, dt=F64):
+def group_advantages(
+    rewards,
+    *,
+    group_size=None,
+    group_boundaries=None,
+    normalize_std=True,
+    std_ddof=0,
+    eps=1e-6,
+    dt=F64,
+):
     """adv = r - mean_g (/ (std_g + eps)); a group of one gets 0."""
     r = np.asarray(f64(rewards), dt)
     adv = np.zeros_like(r)
@@ -318,8 +362,9 @@ def group_advantages(rewards, *, group_size=None, group_boundaries=None, normali
     return adv
 
 
-def group_advantages_vjp(rewards, g, *, group_size=None, group_boundaries=None,
-                         normalize_std=True, std_ddof=0, eps=1e-6):
+def group_advantages_vjp(
+    rewards, g, *, group_size=None, group_boundaries=None, normalize_std=True, std_ddof=0, eps=1e-6
+):
     """Cotangent of rewards (float64). Needs std_g > 0 in groups of two or more."""
     r = f64(rewards)
     g = f64(g)
@@ -341,9 +386,23 @@ def group_advantages_vjp(rewards, g, *, group_size=None, group_boundaries=None,
 # ----------------------------------------------------------------------------- PPO
 
 
-def ppo_token_terms(logp, old_logp, advantages, *, mask=None, clip_low=0.2, clip_high=0.2,
-                    dual_clip=None, rollout_logp=None, tis_cap=None, ratio_level="token",
-                    policy_loss="ppo", tis_level="token", tis_mode="truncate", dt=F64):
+def ppo_token_terms(
+    logp,
+    old_logp,
+    advantages,
+    *,
+    mask=None,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    rollout_logp=None,
+    tis_cap=None,
+    ratio_level="token",
+    policy_loss="ppo",
+    tis_level="token",
+    tis_mode="truncate",
+    dt=F64,
+):
     """Per-token surrogate pieces: dict with pg, dpg (d pg / d logp), r, clipped, dual, tis.
 
     docs/api.md "Policy-loss variants": ``ratio_level="sequence"``: r_bt = exp(l_b) with
@@ -405,16 +464,47 @@ def ppo_token_terms(logp, old_logp, advantages, *, mask=None, clip_low=0.2, clip
     return dict(pg=pg, dpg=dpg, r=r_tok, r_used=r, clipped=clip_taken, dual=dual_taken, tis=tis)
 
 
-def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-             rollout_logp=None, tis_cap=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
-             entropy=None, entropy_coef=0.0, loss_agg_mode="token_mean", max_len=None,
-             ratio_level="token", policy_loss="ppo", tis_level="token", tis_mode="truncate",
-             dt=F64):
+def ppo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    rollout_logp=None,
+    tis_cap=None,
+    ref_logp=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy=None,
+    entropy_coef=0.0,
+    loss_agg_mode="token_mean",
+    max_len=None,
+    ratio_level="token",
+    policy_loss="ppo",
+    tis_level="token",
+    tis_mode="truncate",
+    dt=F64,
+):
     """``(loss, metrics, d_logp, d_entropy, per_token)``; d_entropy is None without entropy."""
-    t = ppo_token_terms(logp, old_logp, advantages, mask=mask, clip_low=clip_low,
-                        clip_high=clip_high, dual_clip=dual_clip, rollout_logp=rollout_logp,
-                        tis_cap=tis_cap, ratio_level=ratio_level, policy_loss=policy_loss,
-                        tis_level=tis_level, tis_mode=tis_mode, dt=dt)
+    t = ppo_token_terms(
+        logp,
+        old_logp,
+        advantages,
+        mask=mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        rollout_logp=rollout_logp,
+        tis_cap=tis_cap,
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+        dt=dt,
+    )
     per_token = t["pg"].copy()
     d_tok = t["dpg"].copy()
     kl = None
@@ -445,8 +535,9 @@ def ppo_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, d
     return loss, metrics, d_logp, d_ent, per_token
 
 
-def policy_gradient_loss(logp, advantages, mask, *, loss_agg_mode="token_mean", max_len=None,
-                         dt=F64):
+def policy_gradient_loss(
+    logp, advantages, mask, *, loss_agg_mode="token_mean", max_len=None, dt=F64
+):
     """``(loss, d_logp)`` of aggregate(-A logp)."""
     lp = np.asarray(f64(logp), dt)
     a = np.asarray(f64(advantages), dt)
@@ -460,8 +551,17 @@ def policy_gradient_loss(logp, advantages, mask, *, loss_agg_mode="token_mean", 
 # ----------------------------------------------------------------------------- fused ops
 
 
-def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator="k3",
-             temperature=1.0, dt=F64):
+def ratio_kl(
+    policy_logits,
+    ref_logits,
+    actions,
+    old_logp,
+    mask,
+    *,
+    kl_estimator="k3",
+    temperature=1.0,
+    dt=F64,
+):
     """``(ratio, kl, vjp)``; masked positions give ratio 1, kl 0 and never read their action."""
     m = f64(mask) != 0
     acts = np.where(m, np.asarray(actions), 0)
@@ -479,16 +579,50 @@ def ratio_kl(policy_logits, ref_logits, actions, old_logp, mask, *, kl_estimator
     return ratio, kl, vjp
 
 
-def _grpo_from_logp(lp, ref_lp, old_logp, rewards, mask, *, group_size, group_boundaries,
-                    advantages, clip_low, clip_high, dual_clip, beta, kl_estimator,
-                    loss_agg_mode, normalize_std, eps, dt, max_len=None, **variants):
+def _grpo_from_logp(
+    lp,
+    ref_lp,
+    old_logp,
+    rewards,
+    mask,
+    *,
+    group_size,
+    group_boundaries,
+    advantages,
+    clip_low,
+    clip_high,
+    dual_clip,
+    beta,
+    kl_estimator,
+    loss_agg_mode,
+    normalize_std,
+    eps,
+    dt,
+    max_len=None,
+    **variants,
+):
     if advantages is None:
-        adv = group_advantages(rewards, group_size=group_size, group_boundaries=group_boundaries,
-                               normalize_std=normalize_std, eps=eps, dt=dt)
+        adv = group_advantages(
+            rewards,
+            group_size=group_size,
+            group_boundaries=group_boundaries,
+            normalize_std=normalize_std,
+            eps=eps,
+            dt=dt,
+        )
     else:
         adv = np.asarray(f64(advantages), dt)
-    t = ppo_token_terms(lp, old_logp, adv, mask=mask, clip_low=clip_low, clip_high=clip_high,
-                        dual_clip=dual_clip, dt=dt, **variants)
+    t = ppo_token_terms(
+        lp,
+        old_logp,
+        adv,
+        mask=mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        dt=dt,
+        **variants,
+    )
     if ref_lp is None:
         kl = np.zeros_like(lp)
         dkl = np.zeros_like(lp)
@@ -507,20 +641,53 @@ def _grpo_from_logp(lp, ref_lp, old_logp, rewards, mask, *, group_size, group_bo
     return (loss, pl, kla), d_logp, scale
 
 
-def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, group_size=None,
-              group_boundaries=None, advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None,
-              beta=0.0, kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True,
-              eps=1e-6, dt=F64, **variants):
+def grpo_loss(
+    policy_logits,
+    ref_logits,
+    actions,
+    old_logp,
+    rewards,
+    mask,
+    *,
+    group_size=None,
+    group_boundaries=None,
+    advantages=None,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    beta=0.0,
+    kl_estimator="k3",
+    loss_agg_mode="token_mean",
+    normalize_std=True,
+    eps=1e-6,
+    dt=F64,
+    **variants,
+):
     """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> d policy_logits.
 
     ``variants``: ratio_level, policy_loss, tis_level, tis_mode, rollout_logp, tis_cap."""
     lp, _ = token_logprobs(policy_logits, actions, dt=dt)
     ref_lp, _ = token_logprobs(ref_logits, actions, dt=dt)
     outs, d_logp, scale = _grpo_from_logp(
-        lp, ref_lp, old_logp, rewards, mask, group_size=group_size,
-        group_boundaries=group_boundaries, advantages=advantages, clip_low=clip_low,
-        clip_high=clip_high, dual_clip=dual_clip, beta=beta, kl_estimator=kl_estimator,
-        loss_agg_mode=loss_agg_mode, normalize_std=normalize_std, eps=eps, dt=dt, **variants)
+        lp,
+        ref_lp,
+        old_logp,
+        rewards,
+        mask,
+        group_size=group_size,
+        group_boundaries=group_boundaries,
+        advantages=advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        loss_agg_mode=loss_agg_mode,
+        normalize_std=normalize_std,
+        eps=eps,
+        dt=dt,
+        **variants,
+    )
 
     def vjp(g_loss, g_pl, g_kl):
         return token_logprobs_vjp(policy_logits, actions, d_logp(g_loss, g_pl, g_kl), dt=dt)
@@ -528,43 +695,119 @@ def grpo_loss(policy_logits, ref_logits, actions, old_logp, rewards, mask, *, gr
     return outs, vjp, scale
 
 
-def linear_ppo_loss(hidden, weight, actions, old_logp, advantages, mask, *, bias=None,
-                    weight_layout="vd", temperature=1.0, entropy_coef=0.0, dt=F64, **ppo_kw):
+def linear_ppo_loss(
+    hidden,
+    weight,
+    actions,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    bias=None,
+    weight_layout="vd",
+    temperature=1.0,
+    entropy_coef=0.0,
+    dt=F64,
+    **ppo_kw,
+):
     """``(loss, metrics, vjp, scale)``; vjp(g) -> (d_hidden, d_weight, d_bias)."""
-    lp, ent = linear_logprobs(hidden, weight, actions, bias, weight_layout=weight_layout,
-                              temperature=temperature, dt=dt)
+    lp, ent = linear_logprobs(
+        hidden, weight, actions, bias, weight_layout=weight_layout, temperature=temperature, dt=dt
+    )
     use_ent = entropy_coef != 0
     loss, metrics, d_lp, d_ent, per_token = ppo_loss(
-        lp, old_logp, advantages, mask, entropy=ent if use_ent else None,
-        entropy_coef=entropy_coef, dt=dt, **ppo_kw)
+        lp,
+        old_logp,
+        advantages,
+        mask,
+        entropy=ent if use_ent else None,
+        entropy_coef=entropy_coef,
+        dt=dt,
+        **ppo_kw,
+    )
 
     def vjp(g):
-        return linear_logprobs_vjp(hidden, weight, actions, g * d_lp,
-                                   None if d_ent is None else g * d_ent, bias,
-                                   weight_layout=weight_layout, temperature=temperature, dt=dt)
+        return linear_logprobs_vjp(
+            hidden,
+            weight,
+            actions,
+            g * d_lp,
+            None if d_ent is None else g * d_ent,
+            bias,
+            weight_layout=weight_layout,
+            temperature=temperature,
+            dt=dt,
+        )
 
-    scale = aggregate(np.abs(per_token), mask, ppo_kw.get("loss_agg_mode", "token_mean"),
-                      ppo_kw.get("max_len"), dt)
+    scale = aggregate(
+        np.abs(per_token),
+        mask,
+        ppo_kw.get("loss_agg_mode", "token_mean"),
+        ppo_kw.get("max_len"),
+        dt,
+    )
     return loss, metrics, vjp, scale
 
 
-def linear_grpo_loss(hidden, weight, actions, old_logp, rewards, mask, *, bias=None,
-                     weight_layout="vd", ref_logp=None, group_size=None, group_boundaries=None,
-                     advantages=None, clip_low=0.2, clip_high=0.2, dual_clip=None, beta=0.0,
-                     kl_estimator="k3", loss_agg_mode="token_mean", normalize_std=True, eps=1e-6,
-                     dt=F64, **variants):
+def linear_grpo_loss(
+    hidden,
+    weight,
+    actions,
+    old_logp,
+    rewards,
+    mask,
+    *,
+    bias=None,
+    weight_layout="vd",
+    ref_logp=None,
+    group_size=None,
+    group_boundaries=None,
+    advantages=None,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    beta=0.0,
+    kl_estimator="k3",
+    loss_agg_mode="token_mean",
+    normalize_std=True,
+    eps=1e-6,
+    dt=F64,
+    **variants,
+):
     """``((loss, policy_loss, kl), vjp, scale)``; vjp(g_loss, g_pl, g_kl) -> (dh, dw, db)."""
     lp, _ = linear_logprobs(hidden, weight, actions, bias, weight_layout=weight_layout, dt=dt)
     outs, d_logp, scale = _grpo_from_logp(
-        lp, None if ref_logp is None else np.asarray(f64(ref_logp), dt), old_logp, rewards, mask,
-        group_size=group_size, group_boundaries=group_boundaries, advantages=advantages,
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, beta=beta,
-        kl_estimator=kl_estimator, loss_agg_mode=loss_agg_mode, normalize_std=normalize_std,
-        eps=eps, dt=dt, **variants)
+        lp,
+        None if ref_logp is None else np.asarray(f64(ref_logp), dt),
+        old_logp,
+        rewards,
+        mask,
+        group_size=group_size,
+        group_boundaries=group_boundaries,
+        advantages=advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        loss_agg_mode=loss_agg_mode,
+        normalize_std=normalize_std,
+        eps=eps,
+        dt=dt,
+        **variants,
+    )
 
     def vjp(g_loss, g_pl, g_kl):
-        return linear_logprobs_vjp(hidden, weight, actions, d_logp(g_loss, g_pl, g_kl), None, bias,
-                                   weight_layout=weight_layout, dt=dt)
+        return linear_logprobs_vjp(
+            hidden,
+            weight,
+            actions,
+            d_logp(g_loss, g_pl, g_kl),
+            None,
+            bias,
+            weight_layout=weight_layout,
+            dt=dt,
+        )
 
     return outs, vjp, scale
 
@@ -601,9 +844,21 @@ def kept_set(z, *, top_k=None, top_p=None, min_p=None):
     return keep
 
 
-def sampler_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd",
-                     temperature=1.0, ignore_index=None, top_k=None, top_p=None, min_p=None,
-                     logits=None, dt=F64):
+def sampler_logprobs(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    *,
+    weight_layout="vd",
+    temperature=1.0,
+    ignore_index=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    logits=None,
+    dt=F64,
+):
     """``(logp, entropy, kept)`` under the processed distribution ``q = softmax(z)`` on the
     kept set: logp = z[t] - logsumexp(z[kept]) (also for a target outside it), entropy of q,
     kept: the target is in the kept set. ``logits``: given directly instead of a head."""
@@ -625,9 +880,23 @@ def sampler_logprobs(hidden, weight, targets, bias=None, *, weight_layout="vd",
     return logp, ent, inside
 
 
-def sampler_logprobs_vjp(hidden, weight, targets, g_logp, g_ent=None, bias=None, *,
-                         weight_layout="vd", temperature=1.0, ignore_index=None, top_k=None,
-                         top_p=None, min_p=None, logits=None, dt=F64):
+def sampler_logprobs_vjp(
+    hidden,
+    weight,
+    targets,
+    g_logp,
+    g_ent=None,
+    bias=None,
+    *,
+    weight_layout="vd",
+    temperature=1.0,
+    ignore_index=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    logits=None,
+    dt=F64,
+):
     """Cotangents of :func:`sampler_logprobs` with the kept set held fixed: ``d logp / dz =
     onehot - q``, ``d H / dz = -q (log q + H)`` (q = 0 outside the kept set); ``(d_hidden,
     d_weight, d_bias)``, or the logits' cotangent when ``logits`` is given."""

@@ -33,14 +33,17 @@ def on_two_devices(loss, hidden, weight, bias, *, kind: str, layout: str):
     devices."""
     import jax
     import pytest
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if len(jax.devices()) < 2:
         pytest.skip("needs two devices")
-    mesh = jax.make_mesh((2,), ("x",), axis_types=(getattr(AxisType, kind),),
-                         devices=jax.devices()[:2])
+    mesh = jax.make_mesh(
+        (2,), ("x",), axis_types=(getattr(AxisType, kind),), devices=jax.devices()[:2]
+    )
     rows, vocab_spec = (P("x"), P()) if layout == "rows" else (P(), P("x"))
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     with jax.set_mesh(mesh):
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
-            put(hidden, rows), put(weight, vocab_spec), put(bias, vocab_spec))
+            put(hidden, rows), put(weight, vocab_spec), put(bias, vocab_spec)
+        )

@@ -44,24 +44,33 @@ def shard_example(example, mesh):
 def check(family, algo, backends, mesh):
     model = ts.make_model(family, VOCAB, dim=16, heads=4, kv_heads=4)
     if algo == "grpo":
-        config = ts.grpo_config(0.7, loss_agg_mode="sequence-mean-token-mean", beta=0.04,
-                                kl_loss_mode="low_var_kl", epsilon_c=3.0)
-        example = ts.make_example(model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=2,
-                                  temperature=0.7)
+        config = ts.grpo_config(
+            0.7,
+            loss_agg_mode="sequence-mean-token-mean",
+            beta=0.04,
+            kl_loss_mode="low_var_kl",
+            epsilon_c=3.0,
+        )
+        example = ts.make_example(
+            model, VOCAB, ts.ExampleSpec(sampler_is=True), seed=2, temperature=0.7
+        )
     else:
         config = ts.ppo_config(entropy_coef=0.05)
-        example = ts.make_example(model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=3,
-                                  ppo=True)
+        example = ts.make_example(
+            model, VOCAB, ts.ExampleSpec(token_advantages=True), seed=3, ppo=True
+        )
     with mesh:
         sharded_model = shard_model(model, mesh)
-        head = sharded_model.lm_head.w if family == "qwen3" else \
-            sharded_model.embedder.input_embedding
+        head = (
+            sharded_model.lm_head.w if family == "qwen3" else sharded_model.embedder.input_embedding
+        )
         print(f"{family}: head {head.shape} sharded {head.sharding.spec}", flush=True)
         example = shard_example(example, mesh)
         want = ts.loss_and_grads(algo, sharded_model, example, config)
         for backend in backends:
-            got = ts.loss_and_grads(f"jaxrl_{algo}", sharded_model, example, config,
-                                    backend=backend)
+            got = ts.loss_and_grads(
+                f"jaxrl_{algo}", sharded_model, example, config, backend=backend
+            )
             ts.assert_same(got, want)
             print(f"{family} {algo} ({backend}): equal to tunix's sharded loss", flush=True)
 
@@ -69,8 +78,12 @@ def check(family, algo, backends, mesh):
 def check_all():
     assert jax.device_count() >= 8, f"needs 8 devices, got {jax.device_count()}"
     # tunix builds its meshes with Auto axes (tunix/utils/mesh.py).
-    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), devices=jax.devices()[:8],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh(
+        (2, 4),
+        ("fsdp", "tp"),
+        devices=jax.devices()[:8],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
     for family, algo, backends in CASES:
         check(family, algo, backends, mesh)
     print("tunix sharded: all equal")

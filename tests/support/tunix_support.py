@@ -27,19 +27,37 @@ PAD_ID, EOS_ID = 0, 1
 RTOL = 1e-5  # float32: |got - want| <= RTOL * scale (docs/api.md "Numerics")
 
 
-def model_config(family: str, vocab: int, dim: int = 16, heads: int = 2, kv_heads: int = 1,
-                 **options):
+def model_config(
+    family: str, vocab: int, dim: int = 16, heads: int = 2, kv_heads: int = 1, **options
+):
     """A float32 tunix config of the family: "qwen3" (lm_head [D, V]), "qwen3_tied", "gemma3".
     ``options``: further Qwen3 ModelConfig fields (shd_config...)."""
     if family in ("qwen3", "qwen3_tied"):
         return qwen3.ModelConfig(
-            num_layers=1, vocab_size=vocab, embed_dim=dim, hidden_dim=24, num_heads=heads,
-            head_dim=8, num_kv_heads=kv_heads, rope_theta=10_000, norm_eps=1e-6,
-            use_tied_embedding=family == "qwen3_tied", **options)
+            num_layers=1,
+            vocab_size=vocab,
+            embed_dim=dim,
+            hidden_dim=24,
+            num_heads=heads,
+            head_dim=8,
+            num_kv_heads=kv_heads,
+            rope_theta=10_000,
+            norm_eps=1e-6,
+            use_tied_embedding=family == "qwen3_tied",
+            **options,
+        )
     if family == "gemma3":
         return gemma3.ModelConfig(
-            num_layers=1, num_embed=vocab, embed_dim=dim, hidden_dim=24, num_heads=heads,
-            head_dim=8, num_kv_heads=kv_heads, sliding_window_size=4, param_dtype=jnp.float32)
+            num_layers=1,
+            num_embed=vocab,
+            embed_dim=dim,
+            hidden_dim=24,
+            num_heads=heads,
+            head_dim=8,
+            num_kv_heads=kv_heads,
+            sliding_window_size=4,
+            param_dtype=jnp.float32,
+        )
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -57,7 +75,8 @@ def _perturbed(model, seed):
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(seed + 1)
     state = jax.tree.map(
-        lambda x: x + jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), state)
+        lambda x: x + jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), state
+    )
     return nnx.merge(graphdef, state)
 
 
@@ -66,24 +85,34 @@ class ExampleSpec:
     batch: int = 4
     prompt_len: int = 5
     completion_len: int = 7
-    old: bool = True            # old_per_token_logps given (else None)
-    ref: bool = True            # ref_per_token_logps given
-    sampler_is: bool = False    # sampler_is_weights given
+    old: bool = True  # old_per_token_logps given (else None)
+    ref: bool = True  # ref_per_token_logps given
+    sampler_is: bool = False  # sampler_is_weights given
     token_advantages: bool = False  # advantages [B, T] (PPO's GAE) instead of [B]
-    packed: bool = False        # sequence packing: segment_ids / segment_positions, empty prompt
+    packed: bool = False  # sequence packing: segment_ids / segment_positions, empty prompt
 
 
-def current_logprobs(model, prompt, completion, temperature=1.0, segment_ids=None,
-                     segment_positions=None):
+def current_logprobs(
+    model, prompt, completion, temperature=1.0, segment_ids=None, segment_positions=None
+):
     """tunix's own per-token log-probs of the completion under ``model`` (no gradient)."""
     graphdef, state = nnx.split(model)
     return common.compute_per_token_logps(
-        graphdef, state, prompt, completion, PAD_ID, EOS_ID, segment_ids=segment_ids,
-        segment_positions=segment_positions, temperature=temperature)
+        graphdef,
+        state,
+        prompt,
+        completion,
+        PAD_ID,
+        EOS_ID,
+        segment_ids=segment_ids,
+        segment_positions=segment_positions,
+        temperature=temperature,
+    )
 
 
-def make_example(model, vocab: int, spec: ExampleSpec, seed: int = 0, temperature: float = 1.0,
-                 ppo: bool = False):
+def make_example(
+    model, vocab: int, spec: ExampleSpec, seed: int = 0, temperature: float = 1.0, ppo: bool = False
+):
     """A TrainExample: left-padded prompts, completions of random length (row 1 empty) padded
     with PAD_ID, old/ref log-probs near the current policy's, random sampler IS weights."""
     rng = np.random.default_rng(seed)
@@ -103,12 +132,17 @@ def make_example(model, vocab: int, spec: ExampleSpec, seed: int = 0, temperatur
         mask = (rng.random((b, c)) < 0.8).astype(np.int32)
         mask[:, 0] = 0
         mask[1] = 0
-        packing = dict(segment_ids=jnp.asarray(segment_ids, jnp.int32),
-                       segment_positions=jnp.asarray(segment_positions, jnp.int32))
+        packing = dict(
+            segment_ids=jnp.asarray(segment_ids, jnp.int32),
+            segment_positions=jnp.asarray(segment_positions, jnp.int32),
+        )
     else:
         prompt_lens = rng.integers(1, p + 1, size=b)
-        prompt = np.where(np.arange(p)[None, :] >= p - prompt_lens[:, None],
-                          rng.integers(2, vocab, size=(b, p)), PAD_ID)
+        prompt = np.where(
+            np.arange(p)[None, :] >= p - prompt_lens[:, None],
+            rng.integers(2, vocab, size=(b, p)),
+            PAD_ID,
+        )
         packing = {}
     prompt = jnp.asarray(prompt, jnp.int32)
     completion = jnp.asarray(completion, jnp.int32)
@@ -116,16 +150,22 @@ def make_example(model, vocab: int, spec: ExampleSpec, seed: int = 0, temperatur
     shape = now.shape
     advantages = rng.standard_normal(shape if spec.token_advantages else (b,))
     fields = dict(
-        prompt_ids=prompt, prompt_mask=(prompt != PAD_ID).astype(jnp.int32),
-        completion_ids=completion, completion_mask=jnp.asarray(mask, jnp.int32),
+        prompt_ids=prompt,
+        prompt_mask=(prompt != PAD_ID).astype(jnp.int32),
+        completion_ids=completion,
+        completion_mask=jnp.asarray(mask, jnp.int32),
         advantages=jnp.asarray(advantages, jnp.float32),
-        old_per_token_logps=(jnp.asarray(now + 0.5 * rng.standard_normal(shape), jnp.float32)
-                             if spec.old else None),
-        ref_per_token_logps=(jnp.asarray(now + 0.5 * rng.standard_normal(shape), jnp.float32)
-                             if spec.ref else None),
-        sampler_is_weights=(jnp.asarray(rng.uniform(0.2, 1.5, shape), jnp.float32)
-                            if spec.sampler_is else None),
-        **packing)
+        old_per_token_logps=(
+            jnp.asarray(now + 0.5 * rng.standard_normal(shape), jnp.float32) if spec.old else None
+        ),
+        ref_per_token_logps=(
+            jnp.asarray(now + 0.5 * rng.standard_normal(shape), jnp.float32) if spec.ref else None
+        ),
+        sampler_is_weights=(
+            jnp.asarray(rng.uniform(0.2, 1.5, shape), jnp.float32) if spec.sampler_is else None
+        ),
+        **packing,
+    )
     if ppo:
         return ppo_learner.TrainExample(**fields)
     return grpo_learner.TrainExample(**fields)
@@ -151,8 +191,9 @@ def loss_and_grads(loss_name: str, model, example, algo_config, **loss_kwargs):
     graphdef, state = nnx.split(model)
 
     def objective(state, example):
-        return loss_fn(nnx.merge(graphdef, state), example, algo_config, PAD_ID, EOS_ID,
-                       **loss_kwargs)
+        return loss_fn(
+            nnx.merge(graphdef, state), example, algo_config, PAD_ID, EOS_ID, **loss_kwargs
+        )
 
     (loss, aux), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(state, example)
     return loss, aux, grads
@@ -168,18 +209,33 @@ def loss_and_grads(loss_name: str, model, example, algo_config, **loss_kwargs):
 # tests/integrations/test_tunix.py holds to tunix's loss): what the oracle checks is the route of
 # the log-probs (hidden states, head, targets, temperature, truncation, gradients), not the formula.
 
+
 def tunix_logits(graphdef, state, prompt, completion, stop_gradient=True):
     """tunix's own float32 [B, C, V] logits of the completion positions (unpacked)."""
     _, logits = common.compute_per_token_logps(
-        graphdef, state, prompt, completion, PAD_ID, EOS_ID, stop_gradient=stop_gradient,
-        return_logits=True, temperature=1.0)
+        graphdef,
+        state,
+        prompt,
+        completion,
+        PAD_ID,
+        EOS_ID,
+        stop_gradient=stop_gradient,
+        return_logits=True,
+        temperature=1.0,
+    )
     return logits
 
 
 def processed_logprobs(logits, targets, sampler, **options):
     """jk.token_logprobs of the sampler's truncated distribution ("reference" backend)."""
-    return jk.token_logprobs(logits, targets, temperature=sampler.temperature,
-                             backend="reference", sampler=sampler.sampler, **options)
+    return jk.token_logprobs(
+        logits,
+        targets,
+        temperature=sampler.temperature,
+        backend="reference",
+        sampler=sampler.sampler,
+        **options,
+    )
 
 
 def processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
@@ -187,20 +243,26 @@ def processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id, **k
     log-probs of ``kwargs["sampler"]``, with the same ``aux`` (``outside_kept_set`` too)."""
     assert getattr(train_example, "segment_ids", None) is None, "unpacked examples only"
     sampler = kwargs["sampler"]
-    terms_of = (tunix_losses.ppo_loss_terms if isinstance(algo_config, ppo_learner.PPOConfig)
-                else tunix_losses.grpo_loss_terms)
+    terms_of = (
+        tunix_losses.ppo_loss_terms
+        if isinstance(algo_config, ppo_learner.PPOConfig)
+        else tunix_losses.grpo_loss_terms
+    )
     terms = terms_of(train_example, algo_config, sampler)
     graphdef, state = nnx.split(model)
-    logits = tunix_logits(graphdef, state, train_example.prompt_ids,
-                          train_example.completion_ids, stop_gradient=False)
-    logp, entropy, kept = processed_logprobs(logits, train_example.completion_ids, sampler,
-                                             return_entropy=True, return_kept=True)
-    loss, aux = terms.loss_of_logprobs(logp, entropy if terms.with_entropy else None,
-                                       terms.inputs)
+    logits = tunix_logits(
+        graphdef, state, train_example.prompt_ids, train_example.completion_ids, stop_gradient=False
+    )
+    logp, entropy, kept = processed_logprobs(
+        logits, train_example.completion_ids, sampler, return_entropy=True, return_kept=True
+    )
+    loss, aux = terms.loss_of_logprobs(logp, entropy if terms.with_entropy else None, terms.inputs)
     if sampler.truncation is not None:
         outside = (train_example.completion_mask != 0) & ~kept
-        aux = {**aux, "outside_kept_set": jax.lax.stop_gradient(
-            jnp.sum(outside.astype(jnp.float32)))}
+        aux = {
+            **aux,
+            "outside_kept_set": jax.lax.stop_gradient(jnp.sum(outside.astype(jnp.float32))),
+        }
     return loss, aux
 
 
@@ -210,8 +272,9 @@ def processed_oracle_name(sampler):
     name = f"test_processed_oracle[{sampler}]"
 
     def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
-        return processed_oracle_loss(model, train_example, algo_config, pad_id, eos_id,
-                                     sampler=sampler)
+        return processed_oracle_loss(
+            model, train_example, algo_config, pad_id, eos_id, sampler=sampler
+        )
 
     function_registry.register_policy_loss_fn(name)(loss)
     return name
@@ -236,12 +299,12 @@ class OracleLogprobs:
 
         def reference(prompt, completion, pad_id, eos_id, temperature=1.0):
             assert temperature == sampler.temperature  # the cluster passes the rollout's
-            return self._pass("reference", *worker._model_states["reference"], prompt,
-                              completion)
+            return self._pass("reference", *worker._model_states["reference"], prompt, completion)
 
         def old_policy(prompt, completion):
-            return self._pass("rollout", *rollout._sampler.model_def_and_state(), prompt,
-                              completion)
+            return self._pass(
+                "rollout", *rollout._sampler.model_def_and_state(), prompt, completion
+            )
 
         worker.get_ref_per_token_logps = reference
         rollout.get_per_token_logps = old_policy
@@ -249,8 +312,9 @@ class OracleLogprobs:
     def _pass(self, role, graphdef, state, prompt, completion):
         logits = tunix_logits(graphdef, state, prompt, completion)
         logp = processed_logprobs(logits, completion, self.sampler)
-        full = jk.token_logprobs(logits, completion, temperature=self.sampler.temperature,
-                                 backend="reference")
+        full = jk.token_logprobs(
+            logits, completion, temperature=self.sampler.temperature, backend="reference"
+        )
         tokens = np.asarray(completion) != PAD_ID
         self.gains[role].append(float(np.mean(np.asarray(logp - full)[tokens])))
         return logp
@@ -321,18 +385,31 @@ class WordTokenizer:
 def word_reward(prompts, completions, **kwargs):
     """A deterministic reward that varies between completions: distinct words minus length / 4
     plus 2 per "w7"."""
-    return [len(set(c.split())) - len(c.split()) / 4 + 2.0 * c.split().count("w7")
-            for c in completions]
+    return [
+        len(set(c.split())) - len(c.split()) / 4 + 2.0 * c.split().count("w7") for c in completions
+    ]
 
 
-PROMPTS = ["w5 w9 w11", "w12 w8", "w4 w4 w30", "w13 w20 w21 w3", "w40 w41", "w50 w9 w6",
-           "w33", "w17 w18 w19"]
+PROMPTS = [
+    "w5 w9 w11",
+    "w12 w8",
+    "w4 w4 w30",
+    "w13 w20 w21 w3",
+    "w40 w41",
+    "w50 w9 w6",
+    "w33",
+    "w17 w18 w19",
+]
 
 
 def learner_mesh():
     """(fsdp=2, tp=1) over two host devices, Auto axes as tunix builds its meshes."""
-    return jax.make_mesh((2, 1), ("fsdp", "tp"), devices=jax.devices()[:2],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        (2, 1),
+        ("fsdp", "tp"),
+        devices=jax.devices()[:2],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
 
 
 def fsdp_sharding_config():
@@ -350,18 +427,26 @@ def fsdp_sharding_config():
             spec.pop()
         return tuple(spec)
 
-    weights = ("emb_vd", "emb_dv", "q_weight_dnh", "kv_weight_dnh", "o_weight_nhd",
-               "ffw_weight_df", "ffw_weight_fd", "rms_norm_weight", "exp_weight_edf",
-               "exp_weight_efd")
-    return dataclasses.replace(default, **{name: tidy(getattr(default, name))
-                                           for name in weights})
+    weights = (
+        "emb_vd",
+        "emb_dv",
+        "q_weight_dnh",
+        "kv_weight_dnh",
+        "o_weight_nhd",
+        "ffw_weight_df",
+        "ffw_weight_fd",
+        "rms_norm_weight",
+        "exp_weight_edf",
+        "exp_weight_efd",
+    )
+    return dataclasses.replace(default, **{name: tidy(getattr(default, name)) for name in weights})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _learner_template(seed: int):
     model = MODEL_CLASSES["qwen3"](
-        model_config("qwen3", LEARNER_VOCAB, shd_config=fsdp_sharding_config()),
-        rngs=nnx.Rngs(seed))
+        model_config("qwen3", LEARNER_VOCAB, shd_config=fsdp_sharding_config()), rngs=nnx.Rngs(seed)
+    )
     graphdef, state = nnx.split(_perturbed(model, seed))
     return graphdef, jax.tree.map(np.asarray, state)
 
@@ -375,17 +460,19 @@ def learner_model(seed: int = 0):
 
 
 def param_shardings(model):
-    return {jax.tree_util.keystr(path): leaf.sharding
-            for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    return {
+        jax.tree_util.keystr(path): leaf.sharding
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    }
 
 
 @dataclasses.dataclass
 class LearnerRun:
-    metrics: dict            # "prefix/mode/name" -> list of logged values
-    params: dict             # "path" -> final value (numpy)
-    shardings_start: dict    # "path" -> sharding of the actor's parameter once tunix placed it
-    shardings_end: dict      # ... after training
-    compiles: dict           # jitted function -> number of compiled programs
+    metrics: dict  # "prefix/mode/name" -> list of logged values
+    params: dict  # "path" -> final value (numpy)
+    shardings_start: dict  # "path" -> sharding of the actor's parameter once tunix placed it
+    shardings_end: dict  # ... after training
+    compiles: dict  # jitted function -> number of compiled programs
     kernel_logprobs: Any = None
 
 
@@ -395,10 +482,20 @@ def _cache_size(fn):
     return fn._cache_size() if hasattr(fn, "_cache_size") else None
 
 
-def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = False,
-                global_steps: int = 2, per_step: int = 2, micro_batch: int = 1,
-                backend: str | None = None, top_k: int | None = None, top_p: float = 1.0,
-                sampler_matched: bool = False) -> LearnerRun:
+def run_learner(
+    algo: str,
+    loss: str,
+    *,
+    kernel_logprobs: bool,
+    packed: bool = False,
+    global_steps: int = 2,
+    per_step: int = 2,
+    micro_batch: int = 1,
+    backend: str | None = None,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    sampler_matched: bool = False,
+) -> LearnerRun:
     """tunix's GRPOLearner / PPOLearner trained for ``global_steps`` batches of ``per_step``
     prompts.
 
@@ -424,8 +521,7 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
     from jaxrl_kernels.integrations import tunix as jaxrl_tunix
 
     mesh = learner_mesh()
-    roles = [rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-             rl_cluster_lib.Role.ROLLOUT]
+    roles = [rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT]
     actor, reference = learner_model(seed=7), learner_model(seed=7)
     critic = None
     if algo == "ppo":
@@ -435,31 +531,61 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
     training = rl_cluster_lib.RLTrainingConfig(
         actor_optimizer=optax.adamw(LEARNER_LR, eps=LEARNER_ADAM_EPS),
         critic_optimizer=optax.adamw(LEARNER_LR, eps=LEARNER_ADAM_EPS),
-        eval_every_n_steps=10**6, max_steps=4 * global_steps,
-        mini_batch_size=per_step, train_micro_batch_size=micro_batch,
-        max_seq_token_per_tpu=4 * (prompt_len + completion_len) if packed else None)
+        eval_every_n_steps=10**6,
+        max_steps=4 * global_steps,
+        mini_batch_size=per_step,
+        train_micro_batch_size=micro_batch,
+        max_seq_token_per_tpu=4 * (prompt_len + completion_len) if packed else None,
+    )
     rollout = base_rollout.RolloutConfig(
-        max_tokens_to_generate=completion_len, max_prompt_length=prompt_len,
-        kv_cache_size=prompt_len + completion_len + 2, temperature=0.9, top_p=top_p,
-        top_k=top_k, seed=0)
+        max_tokens_to_generate=completion_len,
+        max_prompt_length=prompt_len,
+        kv_cache_size=prompt_len + completion_len + 2,
+        temperature=0.9,
+        top_p=top_p,
+        top_k=top_k,
+        seed=0,
+    )
     cluster = rl_cluster_lib.RLCluster(
-        actor=actor, reference=reference, critic=critic, tokenizer=WordTokenizer(),
+        actor=actor,
+        reference=reference,
+        critic=critic,
+        tokenizer=WordTokenizer(),
         cluster_config=rl_cluster_lib.ClusterConfig(
-            role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla",
-            offload_to_cpu=False, training_config=training, rollout_config=rollout))
+            role_to_mesh={role: mesh for role in roles},
+            rollout_engine="vanilla",
+            offload_to_cpu=False,
+            training_config=training,
+            rollout_config=rollout,
+        ),
+    )
     start = param_shardings(cluster.actor_trainer.model)
     if algo == "grpo":
-        config = grpo_learner.GRPOConfig(num_generations=2, num_iterations=2, beta=0.04,
-                                         loss_agg_mode="sequence-mean-token-mean",
-                                         epsilon=0.1, policy_loss_fn=loss)
+        config = grpo_learner.GRPOConfig(
+            num_generations=2,
+            num_iterations=2,
+            beta=0.04,
+            loss_agg_mode="sequence-mean-token-mean",
+            epsilon=0.1,
+            policy_loss_fn=loss,
+        )
     else:
-        config = ppo_learner.PPOConfig(num_iterations=2, beta=0.04, epsilon=0.1,
-                                       entropy_coef=0.01, epsilon_c=3.0, policy_loss_fn=loss)
+        config = ppo_learner.PPOConfig(
+            num_iterations=2,
+            beta=0.04,
+            epsilon=0.1,
+            entropy_coef=0.01,
+            epsilon_c=3.0,
+            policy_loss_fn=loss,
+        )
     handle = None
     if kernel_logprobs:
         handle = jaxrl_tunix.use_kernel_logprobs(
-            cluster, backend=backend, sampler_matched=sampler_matched,
-            algo_config=config if sampler_matched else None)
+            cluster,
+            backend=backend,
+            sampler_matched=sampler_matched,
+            algo_config=config if sampler_matched else None,
+        )
     elif sampler_matched:
         sampler = jaxrl_tunix.sampler_settings(cluster)
         config.policy_loss_fn = processed_oracle_name(sampler)
@@ -468,19 +594,25 @@ def run_learner(algo: str, loss: str, *, kernel_logprobs: bool, packed: bool = F
         learner = grpo_learner.GRPOLearner(cluster, config, reward_fns=[word_reward])
     else:
         learner = ppo_learner.PPOLearner(cluster, config, reward_fns=[word_reward])
-    batches = [{"prompts": PROMPTS[per_step * i:per_step * (i + 1)]}
-               for i in range(global_steps)]
+    batches = [{"prompts": PROMPTS[per_step * i : per_step * (i + 1)]} for i in range(global_steps)]
     learner.train(batches)
     model = cluster.actor_trainer.model
     sampler = cluster.rollout._sampler
-    compiles = {"actor train step": _cache_size(cluster.actor_trainer._jitted_train_step_fn),
-                "sampler prefill": _cache_size(sampler._compiled_prefill_fn),
-                "sampler decode": _cache_size(sampler._compiled_decode_fn)}
-    metrics = {f"{prefix}/{mode}/{name}": list(values)
-               for prefix, modes in cluster._rl_metrics_logger._metrics.items()
-               for mode, names in modes.items() for name, values in names.items()}
-    params = {jax.tree_util.keystr(path): np.asarray(leaf)
-              for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    compiles = {
+        "actor train step": _cache_size(cluster.actor_trainer._jitted_train_step_fn),
+        "sampler prefill": _cache_size(sampler._compiled_prefill_fn),
+        "sampler decode": _cache_size(sampler._compiled_decode_fn),
+    }
+    metrics = {
+        f"{prefix}/{mode}/{name}": list(values)
+        for prefix, modes in cluster._rl_metrics_logger._metrics.items()
+        for mode, names in modes.items()
+        for name, values in names.items()
+    }
+    params = {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    }
     if kernel_logprobs:
         handle.restore()
         assert config.policy_loss_fn == loss  # restore() set it back
@@ -509,19 +641,23 @@ def assert_same_shardings(got: LearnerRun, want: LearnerRun):
     """Parameter by parameter, the actor's sharding (mesh and PartitionSpec) equals that of
     ``want``'s, as tunix placed it and after training."""
     for when, got_shardings, want_shardings in (
-            ("start", got.shardings_start, want.shardings_start),
-            ("end", got.shardings_end, want.shardings_end)):
+        ("start", got.shardings_start, want.shardings_start),
+        ("end", got.shardings_end, want.shardings_end),
+    ):
         assert sorted(got_shardings) == sorted(want_shardings)
         for name, want_sharding in want_shardings.items():
             assert got_shardings[name] == want_sharding, (
                 f"{name} at the {when}: {got_shardings[name].spec} where tunix's loss gives "
-                f"{want_sharding.spec}")
+                f"{want_sharding.spec}"
+            )
 
 
 def moved_shardings(run: LearnerRun) -> dict:
     """{parameter: (spec as placed, spec after training)} for every actor parameter whose final
     sharding is not equivalent to the one tunix placed it with (a mesh axis of size 1 may be
     dropped from a spec, as XLA writes it)."""
-    return {name: (start.spec, run.shardings_end[name].spec)
-            for name, start in run.shardings_start.items()
-            if not run.shardings_end[name].is_equivalent_to(start, run.params[name].ndim)}
+    return {
+        name: (start.spec, run.shardings_end[name].spec)
+        for name, start in run.shardings_start.items()
+        if not run.shardings_end[name].is_equivalent_to(start, run.params[name].ndim)
+    }

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
+from jaxrl_kernels.head import head_grad
 
 
 def write_grad(bias, targets, weight_layout, weight_copy=True):
@@ -29,33 +29,73 @@ def write_grad(bias, targets, weight_layout, weight_copy=True):
 
     def write(rows, start, size, hidden, weight, sigma_w):
         depth = hidden.shape[1]
-        w16_shape = ((0, 0) if not weight_copy else
-                     (size, depth) if weight_layout == "vd" else (depth, size))
-        call = jax.ffi.ffi_call(ffi_linear.GRAD_TARGET,
-                                (jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
-                                 jax.ShapeDtypeStruct(w16_shape, jnp.float16)),
-                                vmap_method="sequential")
-        g16, w16 = call(hidden, weight, bias32, targets32, rows.lse, rows.alpha, rows.beta,
-                        ffi_linear._f32_or_empty(rows.gamma),
-                        jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
-                        jnp.reshape(jnp.asarray(sigma_w, jnp.float32), (1,)),
-                        weight_dv=weight_layout == "dv", has_bias=bias is not None,
-                        has_entropy=rows.gamma is not None,
-                        temperature=np.float32(rows.temperature))
+        w16_shape = (
+            (0, 0) if not weight_copy else (size, depth) if weight_layout == "vd" else (depth, size)
+        )
+        call = jax.ffi.ffi_call(
+            ffi_linear.GRAD_TARGET,
+            (
+                jax.ShapeDtypeStruct((hidden.shape[0], size), jnp.float16),
+                jax.ShapeDtypeStruct(w16_shape, jnp.float16),
+            ),
+            vmap_method="sequential",
+        )
+        g16, w16 = call(
+            hidden,
+            weight,
+            bias32,
+            targets32,
+            rows.lse,
+            rows.alpha,
+            rows.beta,
+            ffi_linear._f32_or_empty(rows.gamma),
+            jnp.reshape(jnp.asarray(start, jnp.int32), (1,)),
+            jnp.reshape(jnp.asarray(sigma_w, jnp.float32), (1,)),
+            weight_dv=weight_layout == "dv",
+            has_bias=bias is not None,
+            has_entropy=rows.gamma is not None,
+            temperature=np.float32(rows.temperature),
+        )
         return g16, (w16 if weight_copy else None)
+
     return write
 
 
 uninitialized_like = extension.uninitialized_like
 
 
-def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, chunk_bytes=ffi_linear.GRAD_CHUNK_BYTES,
-                    weight_grad_init=uninitialized_like, weight_copy=True):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    chunk_bytes=ffi_linear.GRAD_CHUNK_BYTES,
+    weight_grad_init=uninitialized_like,
+    weight_copy=True,
+):
     """``ffi.linear.linear_backward``'s arguments and results, its chunks as
     ``head_grad.backward``'s loop of the grad custom call and XLA's GEMMs."""
     ffi_linear._check_served(hidden, weight, weight_layout)
     return head_grad.backward(
-        hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, weight_layout=weight_layout,
-        temperature=temperature, write_grad=write_grad(bias, targets, weight_layout, weight_copy),
-        chunk_bytes=chunk_bytes, align=ffi_linear.TILE_COLS, weight_grad_init=weight_grad_init)
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        entropy,
+        g_logp,
+        g_ent,
+        weight_layout=weight_layout,
+        temperature=temperature,
+        write_grad=write_grad(bias, targets, weight_layout, weight_copy),
+        chunk_bytes=chunk_bytes,
+        align=ffi_linear.TILE_COLS,
+        weight_grad_init=weight_grad_init,
+    )

@@ -8,11 +8,9 @@ advantages are the reference's functions (no vocabulary axis).
 
 from __future__ import annotations
 
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.formulas import ppo_math
-from jaxrl_kernels.dispatch.contract import (STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend,
-                                            Problem)
 from jaxrl_kernels.backends.chunked import distill, logprobs
+from jaxrl_kernels.dispatch.contract import STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend, Problem
+from jaxrl_kernels.formulas import aggregation_math, ppo_math
 
 AUTOMATIC_ABOVE_BYTES = 256 * 2**20
 """Automatic choice takes chunked over reference for a vocabulary primitive whose float32
@@ -28,8 +26,10 @@ def automatic(primitive: str, problem: Problem) -> str | None:
         return "chunked adds nothing over reference for ops without a vocabulary axis"
     size = problem.logits_bytes_f32
     if size <= AUTOMATIC_ABOVE_BYTES:
-        return (f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
-                f"<= {AUTOMATIC_ABOVE_BYTES // 2**20} MiB, so reference is used")
+        return (
+            f"a float32 [N, V] buffer is {size / 2**20:.1f} MiB "
+            f"<= {AUTOMATIC_ABOVE_BYTES // 2**20} MiB, so reference is used"
+        )
     return None
 
 

@@ -31,13 +31,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.formulas import divergence_math as dm
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.dispatch.contract import Parts
-from jaxrl_kernels.sharding.vma import varying_like
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry, vocab_chunks
 from jaxrl_kernels.head.vocab_chunks import linear_chunk, student_backward
+from jaxrl_kernels.sharding.vma import varying_like
 
 
 def _scan(body, init, n_rows: int, vocab: int):
@@ -47,18 +46,35 @@ def _scan(body, init, n_rows: int, vocab: int):
 
 # -- distillation -------------------------------------------------------------------------
 
+
 def _both_chunks(student, teacher, temperature):
     zs = linear_chunk(*student, temperature)
     zt = linear_chunk(*teacher, temperature)
     return lambda start, size: (zs(start, size), zt(start, size))
 
 
-def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
-                    teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
+def distill_forward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+    vocab_axes=(),
+):
     """Per row [N]: ``(d, lse_s, lse_t, kl_s)`` (``kl_s`` = KL(p_s ‖ m) for the JSD, else 0)."""
     n_rows, vocab = hidden.shape[0], geometry.vocab_size(weight, weight_layout)
-    chunks = _both_chunks((hidden, weight, bias, weight_layout),
-                          (t_hidden, t_weight, t_bias, teacher_weight_layout), temperature)
+    chunks = _both_chunks(
+        (hidden, weight, bias, weight_layout),
+        (t_hidden, t_weight, t_bias, teacher_weight_layout),
+        temperature,
+    )
 
     def body(stats, start, cols, fresh, size):
         return dm.pair_stats_update(stats, *chunks(start, size), fresh)
@@ -80,26 +96,52 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
     return d, lse_s, lse_t, kl_s
 
 
-def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, kl_s,
-                     g, *, weight_layout, teacher_weight_layout, divergence, beta, temperature):
+def distill_backward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    lse_s,
+    lse_t,
+    d,
+    kl_s,
+    g,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+):
     """(d_hidden, d_weight, d_bias | None) of the student for per-row cotangents ``g``."""
-    chunks = _both_chunks((hidden, weight, bias, weight_layout),
-                          (t_hidden, t_weight, t_bias, teacher_weight_layout), temperature)
+    chunks = _both_chunks(
+        (hidden, weight, bias, weight_layout),
+        (t_hidden, t_weight, t_bias, teacher_weight_layout),
+        temperature,
+    )
 
     def tile_grad(start, cols, fresh, size):
         zs, zt = chunks(start, size)
-        return dm.student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta,
-                                    temperature)
+        return dm.student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta, temperature)
 
-    return student_backward(hidden, weight, bias, weight_layout, tile_grad,
-                            (hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d,
-                             kl_s, g))
+    return student_backward(
+        hidden,
+        weight,
+        bias,
+        weight_layout,
+        tile_grad,
+        (hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, kl_s, g),
+    )
 
 
 # -- top-k log-probs -------------------------------------------------------------------------
 
-def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_offset,
-                 vocab_axes=()):
+
+def topk_forward(
+    hidden, weight, bias, *, k, weight_layout, temperature, vocab_offset, vocab_axes=()
+):
     """``(values [N, k], ids [N, k] int32, lse [N])``: the k largest logits of each row (global
     ids, equal values in id order) and the row's logsumexp."""
     n_rows, vocab = hidden.shape[0], geometry.vocab_size(weight, weight_layout)
@@ -112,13 +154,16 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
         stats = softmax_math.online_softmax_update(stats, z)
         cand_v = jnp.concatenate([values, z], axis=1)
         cand_i = jnp.concatenate(
-            [ids, jnp.broadcast_to((cols + vocab_offset).astype(jnp.int32), z.shape)], axis=1)
+            [ids, jnp.broadcast_to((cols + vocab_offset).astype(jnp.int32), z.shape)], axis=1
+        )
         values, ids = dm.topk_merge(cand_v, cand_i, k_local)
         return stats, values, ids
 
-    init = (softmax_math.online_softmax_init((n_rows,), False),
-            jnp.full((n_rows, k_local), -jnp.inf, jnp.float32),
-            jnp.full((n_rows, k_local), -1, jnp.int32))
+    init = (
+        softmax_math.online_softmax_init((n_rows,), False),
+        jnp.full((n_rows, k_local), -jnp.inf, jnp.float32),
+        jnp.full((n_rows, k_local), -1, jnp.int32),
+    )
     stats, values, ids = _scan(body, varying_like(init, hidden, weight, bias), n_rows, vocab)
     if vocab_axes:
         m_all = jax.lax.pmax(stats[0], vocab_axes)
@@ -128,8 +173,9 @@ def topk_forward(hidden, weight, bias, *, k, weight_layout, temperature, vocab_o
     return values, ids, lse
 
 
-def topk_backward(hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weight_layout,
-                  temperature):
+def topk_backward(
+    hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weight_layout, temperature
+):
     """(d_hidden, d_weight, d_bias | None) for cotangents of the values ``z[ids]`` [N, k] and
     of ``lse`` [N]; ``local_ids`` are this device's column indices (any other value: an id
     another shard holds)."""
@@ -144,8 +190,14 @@ def topk_backward(hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weig
         dz = dz.at[rows, at].add(g_values, mode="drop")
         return dz / temperature
 
-    return student_backward(hidden, weight, bias, weight_layout, tile_grad,
-                            (hidden, weight, bias, local_ids, lse, g_values, g_lse))
+    return student_backward(
+        hidden,
+        weight,
+        bias,
+        weight_layout,
+        tile_grad,
+        (hidden, weight, bias, local_ids, lse, g_values, g_lse),
+    )
 
 
 OPS = {

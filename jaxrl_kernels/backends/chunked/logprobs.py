@@ -17,11 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry, head_ids, vocab_chunks
 
 CHUNK_BYTES = 4 * 2**20
 """Target size of one float32 tile: [N, chunk], or [TILE_ROWS, chunk] when batch-invariant
@@ -29,8 +27,7 @@ CHUNK_BYTES = 4 * 2**20
 
 
 def _tiling(n_rows: int, vocab: int, batch_invariant: bool, dim: int = 0):
-    return vocab_chunks.tiling(n_rows, vocab, CHUNK_BYTES, dim=dim,
-                               batch_invariant=batch_invariant)
+    return vocab_chunks.tiling(n_rows, vocab, CHUNK_BYTES, dim=dim, batch_invariant=batch_invariant)
 
 
 def _softmax_stats(z_tiles, n_streams, targets, tiles, with_entropy):
@@ -41,12 +38,20 @@ def _softmax_stats(z_tiles, n_streams, targets, tiles, with_entropy):
     of the row block at ``r0``. Returns, per stream, ``(stats, target_z)`` over
     ``tiles.rows.n`` rows.
     """
-    init = tuple((softmax_math.online_softmax_init((tiles.rows.n,), with_entropy),
-                  jnp.zeros((tiles.rows.n,), jnp.float32)) for _ in range(n_streams))
+    init = tuple(
+        (
+            softmax_math.online_softmax_init((tiles.rows.n,), with_entropy),
+            jnp.zeros((tiles.rows.n,), jnp.float32),
+        )
+        for _ in range(n_streams)
+    )
 
     def tile(carry, _, r0, fresh_rows, start, cols, fresh_cols, size):
-        inputs = (z_tiles(r0, start, size), tiles.read(targets, r0),
-                  jax.tree.map(lambda x: tiles.read(x, r0), carry))
+        inputs = (
+            z_tiles(r0, start, size),
+            tiles.read(targets, r0),
+            jax.tree.map(lambda x: tiles.read(x, r0), carry),
+        )
         z_all, t, states = tiles.isolate(inputs)
         is_target = (cols[None, :] == t[:, None]) & fresh_cols
         new = []
@@ -70,37 +75,43 @@ def _relative(stats, target_z, n_rows):
 
 # -- log-probs from logits ---------------------------------------------------------------
 
+
 def _logits_tile(logits, temperature, rows: int):
     """``tile(r0, start, size)``: float32 ``logits[r0:r0 + rows, start:start + size] / T``."""
+
     def tile(r0, start, size):
         x = jax.lax.dynamic_slice(logits, (r0, start), (rows, size))
         return x.astype(jnp.float32) / temperature
+
     return tile
 
 
-def token_stats(logits, targets, row_valid, *, temperature, with_entropy,
-                batch_invariant=False):
+def token_stats(logits, targets, row_valid, *, temperature, with_entropy, batch_invariant=False):
     n_rows, vocab = logits.shape
     tiles = _tiling(n_rows, vocab, batch_invariant)
     z_tile = _logits_tile(tiles.pad(logits), temperature, tiles.rows.size)
-    [(stats, target_z)] = _softmax_stats(lambda *a: (z_tile(*a),), 1, tiles.pad(targets), tiles,
-                                         with_entropy)
+    [(stats, target_z)] = _softmax_stats(
+        lambda *a: (z_tile(*a),), 1, tiles.pad(targets), tiles, with_entropy
+    )
     return _relative(stats, target_z, n_rows)
 
 
-def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature,
-                 batch_invariant=False):
+def paired_stats(
+    policy_logits, ref_logits, targets, row_valid, *, temperature, batch_invariant=False
+):
     n_rows, vocab = policy_logits.shape
     tiles = _tiling(n_rows, vocab, batch_invariant)
     policy_tile = _logits_tile(tiles.pad(policy_logits), temperature, tiles.rows.size)
     ref_tile = _logits_tile(tiles.pad(ref_logits), temperature, tiles.rows.size)
-    streams = _softmax_stats(lambda *a: (policy_tile(*a), ref_tile(*a)), 2, tiles.pad(targets),
-                             tiles, False)
+    streams = _softmax_stats(
+        lambda *a: (policy_tile(*a), ref_tile(*a)), 2, tiles.pad(targets), tiles, False
+    )
     return tuple(_relative(stats, target_z, n_rows) for stats, target_z in streams)
 
 
-def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature, floor=None,
-                   batch_invariant=False):
+def token_backward(
+    logits, targets, lse, entropy, g_logp, g_ent, *, temperature, floor=None, batch_invariant=False
+):
     """d loss / d logits, written tile by tile into one buffer of the logits' dtype
     (``floor``: the kept set's, ``softmax_math.logprob_grad_tile``)."""
     n_rows, vocab = logits.shape
@@ -111,10 +122,12 @@ def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature,
 
     def tile(d_logits, _, r0, fresh_rows, start, cols, fresh_cols, size):
         z, t, lse_, ent, g, g_e, floor_ = tiles.isolate(
-            (z_tile(r0, start, size),) + tuple(tiles.read(x, r0) for x in (
-                targets, lse, entropy, g_logp, g_ent, floor)))
-        dz = softmax_math.logprob_grad_tile(z, lse_, ent, cols[None, :] == t[:, None], g, g_e,
-                                            temperature, floor_).astype(d_logits.dtype)
+            (z_tile(r0, start, size),)
+            + tuple(tiles.read(x, r0) for x in (targets, lse, entropy, g_logp, g_ent, floor))
+        )
+        dz = softmax_math.logprob_grad_tile(
+            z, lse_, ent, cols[None, :] == t[:, None], g, g_e, temperature, floor_
+        ).astype(d_logits.dtype)
         dz = tiles.isolate(dz)
         old = jax.lax.dynamic_slice(d_logits, (r0, start), dz.shape)
         dz = jnp.where(fresh_rows[:, None] & fresh_cols[None, :], dz, old)
@@ -125,28 +138,56 @@ def token_backward(logits, targets, lse, entropy, g_logp, g_ent, *, temperature,
 
 # -- log-probs of a linear head -----------------------------------------------------------
 
+
 def _head_tile(hidden, weight, bias, weight_layout, temperature, tiles):
     """``tile(r0, start, size)``: the float32 logits [rows, size] of the row block of
     ``hidden`` at ``r0`` and the head's columns ``[start, start + size)``."""
+
     def tile(r0, start, size):
-        chunk = vocab_chunks.linear_chunk(tiles.read(hidden, r0), weight, bias, weight_layout,
-                                          temperature)
+        chunk = vocab_chunks.linear_chunk(
+            tiles.read(hidden, r0), weight, bias, weight_layout, temperature
+        )
         return chunk(start, size)
+
     return tile
 
 
-def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                 with_entropy, batch_invariant=False):
+def linear_stats(
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+    batch_invariant=False,
+):
     n_rows, dim = hidden.shape
     tiles = _tiling(n_rows, geometry.vocab_size(weight, weight_layout), batch_invariant, dim)
     z_tile = _head_tile(tiles.pad(hidden), weight, bias, weight_layout, temperature, tiles)
-    [(stats, target_z)] = _softmax_stats(lambda *a: (z_tile(*a),), 1, tiles.pad(targets), tiles,
-                                         with_entropy)
+    [(stats, target_z)] = _softmax_stats(
+        lambda *a: (z_tile(*a),), 1, tiles.pad(targets), tiles, with_entropy
+    )
     return _relative(stats, target_z, n_rows)
 
 
-def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, floor=None, batch_invariant=False):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    floor=None,
+    batch_invariant=False,
+):
     """(d_hidden, d_weight, d_bias | None) from per-row cotangents, tile by tile.
 
     For each vocabulary chunk and in it each row block: dz = d loss/d logits (float32),
@@ -161,7 +202,8 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     tiles = _tiling(n_rows, vocab, batch_invariant, dim)
     targets, lse = tiles.pad(targets), tiles.pad(lse, jnp.inf)
     entropy, g_logp, g_ent, floor, ids, g_ids = map(
-        tiles.pad, (entropy, g_logp, g_ent, floor, ids, g_ids))
+        tiles.pad, (entropy, g_logp, g_ent, floor, ids, g_ids)
+    )
     hidden32 = tiles.pad(hidden.astype(jnp.float32))
     z_tile = _head_tile(tiles.pad(hidden), weight, bias, weight_layout, temperature, tiles)
     hi = geometry.matmul_precision(jnp.float32)
@@ -174,37 +216,50 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
         (d_hidden, *rest), (w, d_w, d_b) = carry, acc
         row = functools.partial(tiles.read, r0=r0)
         z, t, lse_, ent, g, g_e, floor_ = tiles.isolate(
-            (z_tile(r0, start, size),) + tuple(map(row, (targets, lse, entropy, g_logp, g_ent,
-                                                         floor))))
-        dz = softmax_math.logprob_grad_tile(z, lse_, ent, cols[None, :] == t[:, None], g, g_e,
-                                            temperature, floor_)
+            (z_tile(r0, start, size),)
+            + tuple(map(row, (targets, lse, entropy, g_logp, g_ent, floor)))
+        )
+        dz = softmax_math.logprob_grad_tile(
+            z, lse_, ent, cols[None, :] == t[:, None], g, g_e, temperature, floor_
+        )
         if ids is not None:
             dz = head_ids.add_id_grads(dz, row(ids), row(g_ids) / temperature, start)
         dz = tiles.isolate(jnp.where(fresh_rows[:, None] & fresh_cols[None, :], dz, 0.0))
         d_h = row(d_hidden) + geometry.hidden_grad(dz, w, weight_layout, precision=hi)
         d_w = d_w + geometry.weight_grad(dz, row(hidden32), weight_layout, precision=hi)
-        return ((tiles.write(d_hidden, d_h, r0, fresh_rows), *rest),
-                (w, d_w, d_b + jnp.sum(dz, axis=0)))
+        return (
+            (tiles.write(d_hidden, d_h, r0, fresh_rows), *rest),
+            (w, d_w, d_b + jnp.sum(dz, axis=0)),
+        )
 
     def close_chunk(carry, acc, start, fresh_cols, size):
         d_hidden, d_weight, d_bias = carry
         _, d_w, d_b = acc
         old = geometry.vocab_slice(d_weight, start, size, weight_layout)
-        d_w = jnp.where(geometry.per_column(fresh_cols, weight_layout), d_w.astype(d_weight.dtype),
-                        old)
+        d_w = jnp.where(
+            geometry.per_column(fresh_cols, weight_layout), d_w.astype(d_weight.dtype), old
+        )
         d_weight = geometry.vocab_update(d_weight, d_w, start, weight_layout)
         if d_bias is not None:
             old_b = jax.lax.dynamic_slice_in_dim(d_bias, start, size)
-            d_bias = jax.lax.dynamic_update_slice_in_dim(d_bias, jnp.where(fresh_cols, d_b, old_b),
-                                                         start, 0)
+            d_bias = jax.lax.dynamic_update_slice_in_dim(
+                d_bias, jnp.where(fresh_cols, d_b, old_b), start, 0
+            )
         return d_hidden, d_weight, d_bias
 
-    init = (jnp.zeros(hidden32.shape, jnp.float32), jnp.zeros_like(weight),
-            None if bias is None else jnp.zeros((vocab,), jnp.float32))
+    init = (
+        jnp.zeros(hidden32.shape, jnp.float32),
+        jnp.zeros_like(weight),
+        None if bias is None else jnp.zeros((vocab,), jnp.float32),
+    )
     d_hidden, d_weight, d_bias = vocab_chunks.scan_tiles(
-        tile, init, tiles, open_chunk=open_chunk, close_chunk=close_chunk)
-    return (d_hidden[:n_rows].astype(hidden.dtype), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+        tile, init, tiles, open_chunk=open_chunk, close_chunk=close_chunk
+    )
+    return (
+        d_hidden[:n_rows].astype(hidden.dtype),
+        d_weight,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
 OPS = {

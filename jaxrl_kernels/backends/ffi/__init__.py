@@ -10,9 +10,9 @@ is unavailable.
 
 from __future__ import annotations
 
-from jaxrl_kernels.dispatch.contract import Backend, Problem
 from jaxrl_kernels.backends.ffi import distill, kept_set, linear
 from jaxrl_kernels.backends.ffi.extension import unavailable_reason
+from jaxrl_kernels.dispatch.contract import Backend, Problem
 
 _SUBMODULES = (linear, distill, kept_set)
 
@@ -23,22 +23,27 @@ _DECLINERS = {primitive: mod.declines for mod in _SUBMODULES for primitive in mo
 def declines(primitive: str, problem: Problem) -> str | None:
     """Why the kernels do not serve these inputs (None if they do)."""
     if primitive not in OPS:
-        return (f"ffi implements memory='fast''s kept_logits, linear_logprobs, its backward, "
-                f"distill_divergence and kept_set, not {primitive!r}")
+        return (
+            f"ffi implements memory='fast''s kept_logits, linear_logprobs, its backward, "
+            f"distill_divergence and kept_set, not {primitive!r}"
+        )
     return _DECLINERS[primitive](primitive, problem)
 
 
 def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
-        return ("ffi serves only linear_logprobs (forward and backward), kept_logits, "
-                "distill_divergence and kept_set")
+        return (
+            "ffi serves only linear_logprobs (forward and backward), kept_logits, "
+            "distill_divergence and kept_set"
+        )
     if primitive == "kept_logits" and problem.n_rows < linear.KEPT_LOGITS_MIN_ROWS:
-        return (f"{problem.n_rows} rows < {linear.KEPT_LOGITS_MIN_ROWS}: XLA's GEMM is faster "
-                "there (ffi.linear.KEPT_LOGITS_MIN_ROWS)")
+        return (
+            f"{problem.n_rows} rows < {linear.KEPT_LOGITS_MIN_ROWS}: XLA's GEMM is faster "
+            "there (ffi.linear.KEPT_LOGITS_MIN_ROWS)"
+        )
     return None
 
 
 INVARIANT_OPS = dict(linear.INVARIANT_OPS)  # linear_logprobs and its backward
 
-BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic,
-                  invariant_ops=INVARIANT_OPS)
+BACKEND = Backend("ffi", OPS, unavailable_reason, declines, automatic, invariant_ops=INVARIANT_OPS)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.formulas import divergence_math as dm
-from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import head_grad
 from jaxrl_kernels.sharding.vma import varying_like
 
 STATS_TARGET = "jaxrl_kernels_sm90_distill_stats"  # csrc/ffi_distill.cc
@@ -66,26 +66,36 @@ def _num_sms(config):
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     count = getattr(gpus[0], "core_count", None) if gpus else None
     if not count:
-        raise RuntimeError("ffi distill_divergence needs the GPU's multiprocessor count "
-                           "(jax.Device.core_count); set DistillConfig.num_sms to lower without one")
+        raise RuntimeError(
+            "ffi distill_divergence needs the GPU's multiprocessor count "
+            "(jax.Device.core_count); set DistillConfig.num_sms to lower without one"
+        )
     return int(count)
 
 
 def declines(primitive: str, problem) -> str | None:
     """Why the kernels do not serve this distillation (None if they do)."""
-    dtypes = {problem.dtype, problem.weight_dtype, problem.teacher_dtype,
-              problem.teacher_weight_dtype}
+    dtypes = {
+        problem.dtype,
+        problem.weight_dtype,
+        problem.teacher_dtype,
+        problem.teacher_weight_dtype,
+    }
     if len(dtypes) != 1 or not dtypes <= {"bfloat16", "float16"}:
-        return ("ffi distill_divergence takes both heads' hidden states and weights in one 16-bit "
-                f"dtype, got student {problem.dtype} × {problem.weight_dtype}, teacher "
-                f"{problem.teacher_dtype} × {problem.teacher_weight_dtype}")
+        return (
+            "ffi distill_divergence takes both heads' hidden states and weights in one 16-bit "
+            f"dtype, got student {problem.dtype} × {problem.weight_dtype}, teacher "
+            f"{problem.teacher_dtype} × {problem.teacher_weight_dtype}"
+        )
     if problem.weight_layout != "vd" or problem.teacher_weight_layout != "vd":
-        return "ffi distill_divergence takes \"vd\" weights [V, D] for both heads"
+        return 'ffi distill_divergence takes "vd" weights [V, D] for both heads'
     if problem.has_bias or problem.teacher_has_bias:
         return "ffi distill_divergence takes heads without a bias"
     if problem.hidden_dim % 8 or problem.teacher_hidden_dim % 8:
-        return (f"D_s = {problem.hidden_dim} and D_t = {problem.teacher_hidden_dim} must be "
-                "multiples of 8 (TMA needs 16-byte row strides)")
+        return (
+            f"D_s = {problem.hidden_dim} and D_t = {problem.teacher_hidden_dim} must be "
+            "multiples of 8 (TMA needs 16-byte row strides)"
+        )
     if max(problem.n_rows, problem.vocab) >= 2**31:
         return "N and V must be below 2**31"
     return None
@@ -95,22 +105,46 @@ def _partials(heads, lse_s, lse_t, *, jsd_sums, beta, temperature, config):
     n_rows, vocab = heads[0].shape[0], heads[1].shape[0]
     splits = extension.sm90.distill_plan(n_rows, vocab, _num_sms(config))["splits"]
     k = 2 if jsd_sums else PAIR_STATS_K
-    call = jax.ffi.ffi_call(STATS_TARGET, jax.ShapeDtypeStruct((splits, k, n_rows), jnp.float32),
-                            vmap_method="sequential")
-    partials = call(*heads, lse_s, lse_t, jsd_sums=jsd_sums, beta=np.float32(beta),
-                    temperature=np.float32(temperature), splits=np.int32(splits))
+    call = jax.ffi.ffi_call(
+        STATS_TARGET,
+        jax.ShapeDtypeStruct((splits, k, n_rows), jnp.float32),
+        vmap_method="sequential",
+    )
+    partials = call(
+        *heads,
+        lse_s,
+        lse_t,
+        jsd_sums=jsd_sums,
+        beta=np.float32(beta),
+        temperature=np.float32(temperature),
+        splits=np.int32(splits),
+    )
     return varying_like(partials, *heads, lse_s, lse_t)  # a custom call's results vary over none
 
 
-def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
-                    teacher_weight_layout, divergence, beta, temperature, vocab_axes=(),
-                    config=None):
+def distill_forward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+    vocab_axes=(),
+    config=None,
+):
     """Per row [N]: ``(d, lse_s, lse_t, aux)`` (the module docstring says what ``aux`` is)."""
     config = config or DEFAULT_CONFIG
     heads = (hidden, weight, t_hidden, t_weight)
     none = jnp.zeros((0,), jnp.float32)
-    partials = _partials(heads, none, none, jsd_sums=False, beta=beta, temperature=temperature,
-                         config=config)
+    partials = _partials(
+        heads, none, none, jsd_sums=False, beta=beta, temperature=temperature, config=config
+    )
     stats = dm.pair_stats_merge_splits(tuple(partials[:, k] for k in range(6)))
     min_t = jnp.min(partials[:, 6], axis=0)
     stats = dm.pair_stats_combine(stats, vocab_axes)
@@ -119,8 +153,9 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
     lse_s, lse_t, reverse, forward = dm.pair_stats_finalize(stats)
 
     def jsd_sums():
-        sums = _partials(heads, lse_s, lse_t, jsd_sums=True, beta=beta, temperature=temperature,
-                         config=config)
+        sums = _partials(
+            heads, lse_s, lse_t, jsd_sums=True, beta=beta, temperature=temperature, config=config
+        )
         return jnp.sum(sums[:, 0], axis=0), jnp.sum(sums[:, 1], axis=0)
 
     d, kl_s = dm.choose_divergence(divergence, beta, reverse, forward, jsd_sums, vocab_axes)
@@ -128,9 +163,26 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
     return d, lse_s, lse_t, aux
 
 
-def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, aux, g,
-                     *, weight_layout, teacher_weight_layout, divergence, beta, temperature,
-                     config=None):
+def distill_backward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    lse_s,
+    lse_t,
+    d,
+    aux,
+    g,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+    config=None,
+):
     """(d_hidden, d_weight, None) of the student for per-row cotangents ``g``."""
     config = config or DEFAULT_CONFIG
     heads = (hidden, weight, t_hidden, t_weight)
@@ -143,18 +195,31 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
     rows = tuple(x.astype(jnp.float32) for x in (lse_s, lse_t, row_value, coef))
 
     def write_g(start, size):
-        call = jax.ffi.ffi_call(GRAD_TARGET, jax.ShapeDtypeStruct((n_rows, size), jnp.float16),
-                                vmap_method="sequential")
-        g16 = call(*heads, *rows, jnp.asarray(start, jnp.int32).reshape(1),
-                   mode=np.int32(GRAD_MODES[divergence]), beta=np.float32(beta),
-                   temperature=np.float32(temperature))
+        call = jax.ffi.ffi_call(
+            GRAD_TARGET, jax.ShapeDtypeStruct((n_rows, size), jnp.float16), vmap_method="sequential"
+        )
+        g16 = call(
+            *heads,
+            *rows,
+            jnp.asarray(start, jnp.int32).reshape(1),
+            mode=np.int32(GRAD_MODES[divergence]),
+            beta=np.float32(beta),
+            temperature=np.float32(temperature),
+        )
         return varying_like(g16, *heads, *rows), None
 
-    return head_grad.scaled_backward(hidden, weight, None, scaled, write_g,
-                                     weight_layout=weight_layout,
-                                     chunk_bytes=config.chunk_bytes, align=TILE_COLS,
-                                     weight_grad_init=extension.uninitialized_like,
-                                     varying=(*heads, *rows))
+    return head_grad.scaled_backward(
+        hidden,
+        weight,
+        None,
+        scaled,
+        write_g,
+        weight_layout=weight_layout,
+        chunk_bytes=config.chunk_bytes,
+        align=TILE_COLS,
+        weight_grad_init=extension.uninitialized_like,
+        varying=(*heads, *rows),
+    )
 
 
 PARTS = Parts(distill_forward, distill_backward)

@@ -25,17 +25,21 @@ else:
 def unavailable_reason() -> str | None:
     """None only if the extension is loaded and the default device is a 9.x (Hopper) GPU."""
     if sm90 is None:
-        return ("the CUDA extension jaxrl_kernels._sm90 is not built (pip builds it where a "
-                "Hopper GPU and nvcc are found, or with JAXRL_KERNELS_BUILD_CUDA=ON: "
-                f"docs/building.md): {IMPORT_ERROR}")
+        return (
+            "the CUDA extension jaxrl_kernels._sm90 is not built (pip builds it where a "
+            "Hopper GPU and nvcc are found, or with JAXRL_KERNELS_BUILD_CUDA=ON: "
+            f"docs/building.md): {IMPORT_ERROR}"
+        )
     backend = jax.default_backend()
     if backend != "gpu":
         return f"platform is {backend!r}; ffi needs an NVIDIA GPU with compute capability 9.x"
     dev = jax.devices()[0]
     cc = str(getattr(dev, "compute_capability", ""))
     if not cc.startswith("9."):
-        return (f"device {getattr(dev, 'device_kind', dev)} has compute capability {cc or '?'}; "
-                "the extension is built for sm_90a (Hopper) only")
+        return (
+            f"device {getattr(dev, 'device_kind', dev)} has compute capability {cc or '?'}; "
+            "the extension is built for sm_90a (Hopper) only"
+        )
     return None
 
 

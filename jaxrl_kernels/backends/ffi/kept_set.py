@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_kernels import sharding
+from jaxrl_kernels.formulas.sampler_math import Truncation
 from jaxrl_kernels.head import kept_set
 from jaxrl_kernels.head.blocks import equal_blocks
-from jaxrl_kernels.formulas.sampler_math import Truncation
 
 TARGET = "jaxrl_kernels_kept_set"  # csrc/ffi_kept_set.cc
 
@@ -55,27 +55,44 @@ def kept_set_call(u, m, active, trunc: Truncation) -> kept_set.KeptSet:
     [R]): floor, s, a and passes per row, as :class:`kept_set.KeptSet`."""
     n_rows = u.shape[0]
     row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, (row, row, row, jax.ShapeDtypeStruct((n_rows,), jnp.int32)),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (row, row, row, jax.ShapeDtypeStruct((n_rows,), jnp.int32)),
+        vmap_method="sequential",
+    )
     floor, s, a, passes = call(
-        u.astype(jnp.float32), m.astype(jnp.float32), active.astype(jnp.bool_),
+        u.astype(jnp.float32),
+        m.astype(jnp.float32),
+        active.astype(jnp.bool_),
         top_k=np.int64(trunc.top_k or 0),
         top_p=np.float32(1.0 if trunc.top_p is None else trunc.top_p),
         has_min_p=trunc.min_p is not None,
-        log_min_p=np.float32(0.0 if trunc.min_p is None else math.log(trunc.min_p)))
+        log_min_p=np.float32(0.0 if trunc.min_p is None else math.log(trunc.min_p)),
+    )
     return kept_set.KeptSet(floor, s, a, passes)
 
 
 @kept_set.finding_row_max
-def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc: Truncation,
-              *, vocab_axes=(), varying=lambda x: x, targets=None) -> kept_set.KeptSet:
+def find_rows(
+    logits: kept_set.Logits,
+    n_rows: int,
+    vocab: int,
+    m,
+    active,
+    trunc: Truncation,
+    *,
+    vocab_axes=(),
+    varying=lambda x: x,
+    targets=None,
+) -> kept_set.KeptSet:
     """``kept_set.find``'s contract, by :func:`kept_set_call` on blocks of ``logits.rows``.
     ``m=None`` (whole rows, no ``vocab_axes``): each block's max is its rows' own, returned
     with ``targets``' ``u − m`` (``KeptSet.m``, ``KeptSet.target_rel``), so that the caller
     needs no statistics pass for them."""
     if vocab_axes:
-        return kept_set.find(logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes,
-                             varying=varying)
+        return kept_set.find(
+            logits, n_rows, vocab, m, active, trunc, vocab_axes=vocab_axes, varying=varying
+        )
     spans = equal_blocks(n_rows, max(1, ROW_BLOCK_BYTES // (4 * vocab)))
 
     def block(c):
@@ -90,9 +107,12 @@ def find_rows(logits: kept_set.Logits, n_rows: int, vocab: int, m, active, trunc
             m_block = found_max[0]
         else:
             m_block, found_max = rows_of(m), ()
-        return sharding.kernel_region(
-            lambda *a: kept_set_call(*a, trunc).search_fields(), u, m_block,
-            rows_of(active)) + found_max
+        return (
+            sharding.kernel_region(
+                lambda *a: kept_set_call(*a, trunc).search_fields(), u, m_block, rows_of(active)
+            )
+            + found_max
+        )
 
     if spans.count == 1:
         return kept_set.KeptSet(*block(0))

@@ -41,11 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.head import head_ids
 from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.head import geometry, head_grad, head_ids
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
@@ -103,8 +101,9 @@ class Config:
         """The backward call's ``weight_copy`` attribute (csrc/sm90_launch.h ``WeightCopy``)."""
         codes = {"auto": 0, "in_kernel": 1, "apart": 2}
         if self.weight_copy not in codes:
-            raise ValueError(f"weight_copy: expected one of {sorted(codes)}, got "
-                             f"{self.weight_copy!r}")
+            raise ValueError(
+                f"weight_copy: expected one of {sorted(codes)}, got {self.weight_copy!r}"
+            )
         return codes[self.weight_copy]
 
     def forward_splits(self) -> int:
@@ -121,17 +120,24 @@ def declines(primitive: str, problem) -> str | None:
     """Why the kernel does not serve these inputs to ``linear_logprobs`` or its backward (None
     if it does)."""
     if problem.dtype not in SERVED_DTYPES:
-        return (f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
-                "(wgmma operands)")
+        return (
+            f"hidden is {problem.dtype}; the SM90 kernel serves bfloat16 and float16 "
+            "(wgmma operands)"
+        )
     if problem.weight_dtype is not None and problem.weight_dtype != problem.dtype:
-        return (f"weight is {problem.weight_dtype} and hidden {problem.dtype}; the kernel needs "
-                "one 16-bit dtype for both")
+        return (
+            f"weight is {problem.weight_dtype} and hidden {problem.dtype}; the kernel needs "
+            "one 16-bit dtype for both"
+        )
     if problem.hidden_dim % ALIGN != 0:
-        return (f"D = {problem.hidden_dim} is not a multiple of {ALIGN} (TMA needs 16-byte row "
-                "strides)")
+        return (
+            f"D = {problem.hidden_dim} is not a multiple of {ALIGN} (TMA needs 16-byte row strides)"
+        )
     if problem.weight_layout == "dv" and problem.vocab % ALIGN != 0:
-        return (f"V = {problem.vocab} is not a multiple of {ALIGN}; the \"dv\" weight [D, V] needs "
-                "16-byte row strides for TMA")
+        return (
+            f'V = {problem.vocab} is not a multiple of {ALIGN}; the "dv" weight [D, V] needs '
+            "16-byte row strides for TMA"
+        )
     if max(problem.n_rows, problem.vocab, problem.hidden_dim) >= 2**31:
         return "N, V and D must each be below 2**31"
     return None
@@ -143,14 +149,16 @@ def _check_served(hidden, weight, weight_layout):
     if weight.dtype != hidden.dtype or hidden.dtype.name not in SERVED_DTYPES:
         raise NotImplementedError(
             f"ffi: hidden {hidden.dtype} / weight {weight.dtype}: the kernel needs both bfloat16 "
-            "or both float16 (dispatch should have declined this call)")
+            "or both float16 (dispatch should have declined this call)"
+        )
     vocab = geometry.vocab_size(weight, weight_layout)
     if weight_layout == "dv" and vocab % ALIGN != 0:
         raise NotImplementedError(
-            f"ffi: this device's \"dv\" weight slice is [{weight.shape[0]}, {vocab}]; its "
+            f'ffi: this device\'s "dv" weight slice is [{weight.shape[0]}, {vocab}]; its '
             f"{vocab} vocabulary columns are not a multiple of {ALIGN} (TMA needs 16-byte row "
             "strides). Split the vocabulary so that each device's share is a multiple of "
-            f"{ALIGN}, use the \"vd\" layout, or pass backend=\"pallas\" or \"chunked\".")
+            f'{ALIGN}, use the "vd" layout, or pass backend="pallas" or "chunked".'
+        )
 
 
 def _f32_or_empty(x):
@@ -158,8 +166,17 @@ def _f32_or_empty(x):
     return jnp.zeros((0,), jnp.float32) if x is None else x.astype(jnp.float32)
 
 
-def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, temperature,
-                  config=DEFAULT_CONFIG, keep_logits=False):
+def _forward_call(
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    weight_layout,
+    temperature,
+    config=DEFAULT_CONFIG,
+    keep_logits=False,
+):
     """(logp, entropy unmasked, lse), float32 [N] each, from the custom call; with
     ``keep_logits``, first the logits ``hidden @ Wᵀ`` [N, V] in the head's dtype, the
     statistics then those of the rounded logits (the target logit unrounded)."""
@@ -172,11 +189,20 @@ def _forward_call(hidden, weight, bias, targets, row_valid, weight_layout, tempe
     if keep_logits:
         vocab = geometry.vocab_size(weight, weight_layout)
         results = (jax.ShapeDtypeStruct((n_rows, vocab), hidden.dtype),) + results
-    call = jax.ffi.ffi_call(KEPT_TARGET if keep_logits else TARGET, results,
-                            vmap_method="sequential")
-    return call(hidden, weight, bias32, targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
-                weight_dv=weight_layout == "dv", has_bias=has_bias,
-                temperature=np.float32(temperature), splits=np.int32(config.forward_splits()))
+    call = jax.ffi.ffi_call(
+        KEPT_TARGET if keep_logits else TARGET, results, vmap_method="sequential"
+    )
+    return call(
+        hidden,
+        weight,
+        bias32,
+        targets.astype(jnp.int32),
+        row_valid.astype(jnp.bool_),
+        weight_dv=weight_layout == "dv",
+        has_bias=has_bias,
+        temperature=np.float32(temperature),
+        splits=np.int32(config.forward_splits()),
+    )
 
 
 def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> int:
@@ -189,8 +215,21 @@ def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> 
     return -(-columns // TILE_COLS) * TILE_COLS
 
 
-def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, floor=None, config=None):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    floor=None,
+    config=None,
+):
     """The ``linear_logprobs_backward`` primitive (``logprob_core``'s backward part): one
     custom call over all chunks of ``config.chunk_bytes``. ``targets`` and ``g_logp`` [N, K]:
     K ids per row (``head_ids.split_targets``), whose one-hot terms a kernel adds to each
@@ -213,32 +252,73 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     rows = scaled.rows
     split_k = not config.batch_invariant
     workspace = extension.sm90.backward_workspace_bytes(
-        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16, split_k)
+        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16, split_k
+    )
     scalars = jnp.stack([scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
         BACKWARD_TARGET,
-        (jax.ShapeDtypeStruct((n_rows, depth), jnp.float32),
-         jax.ShapeDtypeStruct(weight.shape, weight.dtype),
-         jax.ShapeDtypeStruct((vocab,) if bias is not None else (0,), jnp.float32),
-         jax.ShapeDtypeStruct((workspace,), jnp.uint8)),
-        vmap_method="sequential")
+        (
+            jax.ShapeDtypeStruct((n_rows, depth), jnp.float32),
+            jax.ShapeDtypeStruct(weight.shape, weight.dtype),
+            jax.ShapeDtypeStruct((vocab,) if bias is not None else (0,), jnp.float32),
+            jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+        ),
+        vmap_method="sequential",
+    )
     acc, d_weight, d_bias, _ = call(
-        hidden, weight, _f32_or_empty(bias), targets.astype(jnp.int32), rows.lse, rows.alpha,
-        rows.beta, _f32_or_empty(rows.gamma), scaled.h16, scaled.s, scalars,
-        ids.astype(jnp.int32), id_coef, _f32_or_empty(floor),
-        weight_dv=weight_layout == "dv", has_bias=bias is not None,
-        has_entropy=rows.gamma is not None, temperature=np.float32(rows.temperature),
-        chunk=np.int64(chunk), weight_copy=np.int64(config.weight_copy_code()), split_k=split_k)
-    return (scaled.finish(acc, hidden.dtype), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+        hidden,
+        weight,
+        _f32_or_empty(bias),
+        targets.astype(jnp.int32),
+        rows.lse,
+        rows.alpha,
+        rows.beta,
+        _f32_or_empty(rows.gamma),
+        scaled.h16,
+        scaled.s,
+        scalars,
+        ids.astype(jnp.int32),
+        id_coef,
+        _f32_or_empty(floor),
+        weight_dv=weight_layout == "dv",
+        has_bias=bias is not None,
+        has_entropy=rows.gamma is not None,
+        temperature=np.float32(rows.temperature),
+        chunk=np.int64(chunk),
+        weight_copy=np.int64(config.weight_copy_code()),
+        split_k=split_k,
+    )
+    return (
+        scaled.finish(acc, hidden.dtype),
+        d_weight,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
-def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                 with_entropy, config=None):
+def linear_stats(
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+    config=None,
+):
     """The row statistics of ``logprob_core`` from the custom call's finalized outputs: with
     ``m = lse`` the sum of exponentials is 1, ``a = −entropy`` and ``z_target − m = logp``."""
-    logp, entropy, lse = _forward_call(hidden, weight, bias, targets, row_valid, weight_layout,
-                                       temperature, config or DEFAULT_CONFIG)
+    logp, entropy, lse = _forward_call(
+        hidden,
+        weight,
+        bias,
+        targets,
+        row_valid,
+        weight_layout,
+        temperature,
+        config or DEFAULT_CONFIG,
+    )
     return lse, jnp.ones_like(lse), (-entropy if with_entropy else None), logp
 
 
@@ -248,26 +328,32 @@ call's, before any split): below it the call's fixed costs outweigh what the ker
 XLA's logits (docs/performance.md, "Constants and the measurements behind them")."""
 
 
-def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature,
-                with_entropy):
+def kept_logits(
+    plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature, with_entropy
+):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
     ``rounded_logits.local_stats``) from one custom call: the kernel writes the logits rounded
     to the head's dtype as it folds them, so no pass reads them back for the statistics."""
     del plan
-    z, logp, entropy, lse = _forward_call(hidden, weight, bias, t_local, row_valid,
-                                          weight_layout, temperature, keep_logits=True)
+    z, logp, entropy, lse = _forward_call(
+        hidden, weight, bias, t_local, row_valid, weight_layout, temperature, keep_logits=True
+    )
     stats = (lse, jnp.ones_like(lse)) + ((-entropy,) if with_entropy else ())
     return stats, logp, z
 
 
 PARTS = Parts(linear_stats, backward=None)  # the backward: dispatch's choice (Choice.backward)
 
-OPS = {"linear_logprobs": PARTS, "linear_logprobs_backward": linear_backward,
-       "kept_logits": kept_logits}
+OPS = {
+    "linear_logprobs": PARTS,
+    "linear_logprobs_backward": linear_backward,
+    "kept_logits": kept_logits,
+}
 
 INVARIANT_OPS = {
-    "linear_logprobs": Parts(functools.partial(linear_stats, config=INVARIANT_CONFIG),
-                             backward=None),
+    "linear_logprobs": Parts(
+        functools.partial(linear_stats, config=INVARIANT_CONFIG), backward=None
+    ),
     "linear_logprobs_backward": functools.partial(linear_backward, config=INVARIANT_CONFIG),
 }
 """The same under :data:`INVARIANT_CONFIG` (the backward resolved for a batch-invariant call

@@ -66,5 +66,12 @@ def automatic(primitive: str, problem: Problem) -> str | None:
     return rule(primitive, problem) if rule else None
 
 
-BACKEND = Backend("pallas", OPS, unavailable_reason, declines, automatic,
-                  native_platforms=GPU_PLATFORMS, invariant_ops=INVARIANT_OPS)
+BACKEND = Backend(
+    "pallas",
+    OPS,
+    unavailable_reason,
+    declines,
+    automatic,
+    native_platforms=GPU_PLATFORMS,
+    invariant_ops=INVARIANT_OPS,
+)

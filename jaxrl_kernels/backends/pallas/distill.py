@@ -37,11 +37,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxrl_kernels.formulas import divergence_math as dm
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.formulas import divergence_math as dm
+from jaxrl_kernels.head import geometry, vocab_chunks
 from jaxrl_kernels.sharding.vma import varying_like
 
 BLOCK_ROWS = 64
@@ -66,14 +65,23 @@ _F32_TILE = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def declines(primitive, problem) -> str | None:
-    dtypes = {problem.dtype, problem.weight_dtype, problem.teacher_dtype,
-              problem.teacher_weight_dtype}
-    if not dtypes <= set(SERVED_DTYPES) or len({problem.dtype, problem.weight_dtype}) > 1 or (
-            problem.teacher_dtype != problem.teacher_weight_dtype):
-        return ("pallas distill_divergence takes 16-bit heads, each head's hidden states and "
-                "weight of one dtype (bfloat16 or float16; wgmma's float32 is TF32), got "
-                f"student {problem.dtype} × {problem.weight_dtype}, teacher "
-                f"{problem.teacher_dtype} × {problem.teacher_weight_dtype}")
+    dtypes = {
+        problem.dtype,
+        problem.weight_dtype,
+        problem.teacher_dtype,
+        problem.teacher_weight_dtype,
+    }
+    if (
+        not dtypes <= set(SERVED_DTYPES)
+        or len({problem.dtype, problem.weight_dtype}) > 1
+        or (problem.teacher_dtype != problem.teacher_weight_dtype)
+    ):
+        return (
+            "pallas distill_divergence takes 16-bit heads, each head's hidden states and "
+            "weight of one dtype (bfloat16 or float16; wgmma's float32 is TF32), got "
+            f"student {problem.dtype} × {problem.weight_dtype}, teacher "
+            f"{problem.teacher_dtype} × {problem.teacher_weight_dtype}"
+        )
     if not problem.on_gpu and not hasattr(plgpu, "InterpretGPUParams"):
         return "Mosaic GPU interpret mode (jax >= 0.12) is needed off a GPU"
     return None
@@ -83,8 +91,10 @@ def automatic(primitive, problem) -> str | None:
     """Automatic choice on a GPU passes these kernels over: they trail the chunked backend's
     cuBLAS GEMMs (benchmarks/results/bench_distill_pallas.md: 1.4× its time for a KL, 1.6×
     for the JSD, on an H100); ``backend="pallas"`` runs them."""
-    return ("its Mosaic GPU kernels are slower than the chunked backend's cuBLAS GEMMs "
-            "(benchmarks/results/bench_distill_pallas.md); backend='pallas' runs them")
+    return (
+        "its Mosaic GPU kernels are slower than the chunked backend's cuBLAS GEMMs "
+        "(benchmarks/results/bench_distill_pallas.md); backend='pallas' runs them"
+    )
 
 
 _LOAD_IDX = inspect.signature(plgpu.load).parameters.get("idx")
@@ -118,6 +128,7 @@ def _prepare(hidden, weight, bias, layout, temperature):
 
 # -- in-kernel pieces --------------------------------------------------------------------------
 
+
 def _head_tile(h_rows, w_tile, layout, depth):
     """``h_rows [BLOCK_ROWS, Dp] · W_tileᵀ`` [BLOCK_ROWS, BLOCK_VOCAB] float32 (GMEM refs;
     ``w_tile`` is the tile's ``[BLOCK_VOCAB, Dp]`` or ``[Dp, BLOCK_VOCAB]``). One wgmma stays
@@ -126,8 +137,9 @@ def _head_tile(h_rows, w_tile, layout, depth):
     n_k = h_rows.shape[1] // BLOCK_K
     depth = min(depth, n_k)
     late = 1 if depth > 1 else 0
-    spec = lambda shape, index: plgpu.BlockSpec(shape, index, transforms=_OPERAND,
-                                                delay_release=late)
+    spec = lambda shape, index: plgpu.BlockSpec(
+        shape, index, transforms=_OPERAND, delay_release=late
+    )
     h_spec = spec((BLOCK_ROWS, BLOCK_K), lambda k: (0, k))
     if layout == "vd":
         w_spec = spec((BLOCK_VOCAB, BLOCK_K), lambda k: (0, k))
@@ -139,8 +151,9 @@ def _head_tile(h_rows, w_tile, layout, depth):
             plgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)) if layout == "vd" else w_smem)
             plgpu.wgmma_wait(late)
 
-        plgpu.emit_pipeline(step, grid=(n_k,), in_specs=[h_spec, w_spec],
-                            max_concurrent_steps=depth)(h_rows, w_tile)
+        plgpu.emit_pipeline(
+            step, grid=(n_k,), in_specs=[h_spec, w_spec], max_concurrent_steps=depth
+        )(h_rows, w_tile)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
@@ -165,9 +178,15 @@ def _kernel(body, out_type, scratch, grid, grid_names):
     interpreter's state is global): its ordered IO effects would otherwise reach
     ``custom_partitioning`` and ``shard_map``, which lower none."""
     emulated = common.interpret()
-    call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
-                        grid_names=grid_names, compiler_params=plgpu.CompilerParams(),
-                        interpret=plgpu.InterpretGPUParams() if emulated else None)
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(),
+        interpret=plgpu.InterpretGPUParams() if emulated else None,
+    )
     if not emulated:
         return lambda *args: varying_like(call(*args), *args)
     run = jax.jit(call)
@@ -179,6 +198,7 @@ def _kernel(body, out_type, scratch, grid, grid_names):
     def on_host(*args):
         out = jax.pure_callback(run_alone, out_type, *args, vmap_method="sequential")
         return varying_like(out, *args)
+
     return on_host
 
 
@@ -211,8 +231,9 @@ def _both_logits(refs, block, j, bias_smem, barriers, layouts, inv_t, depth=PIPE
     out = []
     for i, (h, w, b) in enumerate(((hs, ws, bs), (ht, wt, bt))):
         bias = _bias_tile(b, j, bias_smem.at[i], barriers.at[i])
-        out.append(_logits(h.at[block], _vocab_tile(w, j, layouts[i]), bias, layouts[i], inv_t,
-                           depth))
+        out.append(
+            _logits(h.at[block], _vocab_tile(w, j, layouts[i]), bias, layouts[i], inv_t, depth)
+        )
     return out
 
 
@@ -224,9 +245,9 @@ def _row_pass(fold, init, student, teacher, row_inputs, *, layouts, temperature)
     inv_t = 1.0 / temperature
 
     def body(*refs):
-        heads, row_refs = refs[:6], refs[6:6 + n_in]
-        out_refs = refs[6 + n_in:6 + n_in + n_out]
-        bias_smem, rows_smem, barriers = refs[6 + n_in + n_out:]
+        heads, row_refs = refs[:6], refs[6 : 6 + n_in]
+        out_refs = refs[6 + n_in : 6 + n_in + n_out]
+        bias_smem, rows_smem, barriers = refs[6 + n_in + n_out :]
         block = pl.ds(lax.axis_index("rows") * BLOCK_ROWS, BLOCK_ROWS)
         row_values = _load_rows(row_refs, block, rows_smem, barriers, 2)
 
@@ -245,29 +266,43 @@ def _row_pass(fold, init, student, teacher, row_inputs, *, layouts, temperature)
 
     n_slots = max(n_in, n_out)
     out = _kernel(
-        body, [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * n_out,
-        [plgpu.SMEM((2, BLOCK_VOCAB), jnp.float32), plgpu.SMEM((n_slots, BLOCK_ROWS), jnp.float32),
-         plgpu.Barrier(num_barriers=2 + max(n_in, 1))],
-        (n_rows // BLOCK_ROWS,), ("rows",))(*student, *teacher, *row_inputs)
+        body,
+        [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * n_out,
+        [
+            plgpu.SMEM((2, BLOCK_VOCAB), jnp.float32),
+            plgpu.SMEM((n_slots, BLOCK_ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=2 + max(n_in, 1)),
+        ],
+        (n_rows // BLOCK_ROWS,),
+        ("rows",),
+    )(*student, *teacher, *row_inputs)
     return tuple(out)
 
 
 def _pair_stats(student, teacher, *, layouts, temperature):
     """``divergence_math.pair_stats`` of every row (padded rows included)."""
-    return _row_pass(lambda stats, zs, zt: dm.pair_stats_update(stats, zs, zt, None),
-                     dm.pair_stats_init, student, teacher, (), layouts=layouts,
-                     temperature=temperature)
+    return _row_pass(
+        lambda stats, zs, zt: dm.pair_stats_update(stats, zs, zt, None),
+        dm.pair_stats_init,
+        student,
+        teacher,
+        (),
+        layouts=layouts,
+        temperature=temperature,
+    )
 
 
 def _jsd_sums(student, teacher, lse_s, lse_t, beta, *, layouts, temperature):
     """``(KL_t, KL_s)`` of every row given its ``lse_s``, ``lse_t`` [Np]."""
+
     def fold(sums, zs, zt, ls, lt):
         kl_t, kl_s = dm.jsd_tile_sums(zs, zt, ls, lt, None, beta)
         return sums[0] + kl_t, sums[1] + kl_s
 
     zeros = lambda shape: (jnp.zeros(shape, jnp.float32),) * 2
-    return _row_pass(fold, zeros, student, teacher, (lse_s, lse_t), layouts=layouts,
-                     temperature=temperature)
+    return _row_pass(
+        fold, zeros, student, teacher, (lse_s, lse_t), layouts=layouts, temperature=temperature
+    )
 
 
 def _student_grad(student, teacher, rows, *, layouts, divergence, beta, temperature):
@@ -283,26 +318,48 @@ def _student_grad(student, teacher, rows, *, layouts, divergence, beta, temperat
         j = lax.axis_index("tiles")
         lse_s, lse_t, d, kl_s, g = _load_rows(row_refs, block, rows_smem, barriers, 2)
         # one step less in flight: the float32 output tile takes its shared memory
-        zs, zt = _both_logits(heads, block, j, bias_smem, barriers, layouts, inv_t,
-                              PIPELINE_DEPTH - 1)
-        out_smem[...] = dm.student_grad_tile(divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta,
-                                             temperature)
+        zs, zt = _both_logits(
+            heads, block, j, bias_smem, barriers, layouts, inv_t, PIPELINE_DEPTH - 1
+        )
+        out_smem[...] = dm.student_grad_tile(
+            divergence, zs, zt, lse_s, lse_t, d, kl_s, g, beta, temperature
+        )
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[block, pl.ds(j * BLOCK_VOCAB, BLOCK_VOCAB)])
         plgpu.wait_smem_to_gmem(0)
 
     return _kernel(
-        body, jax.ShapeDtypeStruct((n_rows, size), jnp.float32),
-        [plgpu.SMEM((2, BLOCK_VOCAB), jnp.float32), plgpu.SMEM((5, BLOCK_ROWS), jnp.float32),
-         plgpu.SMEM((BLOCK_ROWS, BLOCK_VOCAB), jnp.float32, transforms=_F32_TILE),
-         plgpu.Barrier(num_barriers=7)],
-        (n_rows // BLOCK_ROWS, size // BLOCK_VOCAB), ("rows", "tiles"))(*student, *teacher, *rows)
+        body,
+        jax.ShapeDtypeStruct((n_rows, size), jnp.float32),
+        [
+            plgpu.SMEM((2, BLOCK_VOCAB), jnp.float32),
+            plgpu.SMEM((5, BLOCK_ROWS), jnp.float32),
+            plgpu.SMEM((BLOCK_ROWS, BLOCK_VOCAB), jnp.float32, transforms=_F32_TILE),
+            plgpu.Barrier(num_barriers=7),
+        ],
+        (n_rows // BLOCK_ROWS, size // BLOCK_VOCAB),
+        ("rows", "tiles"),
+    )(*student, *teacher, *rows)
 
 
 # -- the parts ----------------------------------------------------------------------------------
 
-def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
-                    teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
+
+def distill_forward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+    vocab_axes=(),
+):
     """Per row [N]: ``(d, lse_s, lse_t, kl_s)``, as the chunked backend's ``distill_forward``."""
     n_rows = hidden.shape[0]
     layouts = (weight_layout, teacher_weight_layout)
@@ -314,16 +371,34 @@ def distill_forward(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_
 
     def jsd_sums():
         pad = lambda x: _pad(x, 0, BLOCK_ROWS)
-        sums = _jsd_sums(student, teacher, pad(lse_s), pad(lse_t), beta, layouts=layouts,
-                         temperature=temperature)
+        sums = _jsd_sums(
+            student, teacher, pad(lse_s), pad(lse_t), beta, layouts=layouts, temperature=temperature
+        )
         return tuple(x[:n_rows] for x in sums)
 
     d, kl_s = dm.choose_divergence(divergence, beta, reverse, forward, jsd_sums, vocab_axes)
     return d, lse_s, lse_t, kl_s
 
 
-def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, lse_t, d, kl_s,
-                     g, *, weight_layout, teacher_weight_layout, divergence, beta, temperature):
+def distill_backward(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    lse_s,
+    lse_t,
+    d,
+    kl_s,
+    g,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+):
     """(d_hidden, d_weight, d_bias | None) of the student for per-row cotangents ``g``."""
     (n_rows, dim), vocab = hidden.shape, geometry.vocab_size(weight, weight_layout)
     layouts = (weight_layout, teacher_weight_layout)
@@ -332,17 +407,24 @@ def distill_backward(hidden, weight, bias, t_hidden, t_weight, t_bias, lse_s, ls
     rows = tuple(_pad(x.astype(jnp.float32), 0, BLOCK_ROWS) for x in (lse_s, lse_t, d, kl_s, g))
 
     def tile_grad(start, cols, fresh, size):
-        chunk = lambda w, b, layout: (geometry.vocab_slice(w, start, size, layout),
-                                      lax.dynamic_slice_in_dim(b, start, size))
-        return _student_grad((hs, *chunk(ws, bs, weight_layout)),
-                             (ht, *chunk(wt, bt, teacher_weight_layout)), rows,
-                             layouts=layouts, divergence=divergence, beta=beta,
-                             temperature=temperature)
+        chunk = lambda w, b, layout: (
+            geometry.vocab_slice(w, start, size, layout),
+            lax.dynamic_slice_in_dim(b, start, size),
+        )
+        return _student_grad(
+            (hs, *chunk(ws, bs, weight_layout)),
+            (ht, *chunk(wt, bt, teacher_weight_layout)),
+            rows,
+            layouts=layouts,
+            divergence=divergence,
+            beta=beta,
+            temperature=temperature,
+        )
 
     d_bias_proxy = None if bias is None else _pad(bias, 0, BLOCK_VOCAB)
     dh, dw, db = vocab_chunks.student_backward(
-        hs, ws, d_bias_proxy, weight_layout, tile_grad,
-        (hs, ws, bs, ht, wt, bt) + rows)
+        hs, ws, d_bias_proxy, weight_layout, tile_grad, (hs, ws, bs, ht, wt, bt) + rows
+    )
     dw = dw[:vocab, :dim] if weight_layout == "vd" else dw[:dim, :vocab]
     return dh[:n_rows, :dim], dw, None if db is None else db[:vocab]
 

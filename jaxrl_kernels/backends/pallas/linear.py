@@ -30,17 +30,29 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.head import head_grad
-from jaxrl_kernels.head import head_ids
-from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
-from jaxrl_kernels.backends.pallas.linear_config import (DEFAULT_CONFIG, INVARIANT_CONFIG, Config,
-                                                         TileConfig)
+from jaxrl_kernels.backends.pallas.linear_config import (
+    DEFAULT_CONFIG,
+    INVARIANT_CONFIG,
+    Config,
+    TileConfig,
+)
 from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry, head_grad, head_ids
 
-__all__ = ["Config", "DEFAULT_CONFIG", "INVARIANT_CONFIG", "TileConfig", "declines",
-           "kernel_parts", "linear_backward", "linear_stats", "OPS", "INVARIANT_OPS"]
+__all__ = [
+    "Config",
+    "DEFAULT_CONFIG",
+    "INVARIANT_CONFIG",
+    "TileConfig",
+    "declines",
+    "kernel_parts",
+    "linear_backward",
+    "linear_stats",
+    "OPS",
+    "INVARIANT_OPS",
+]
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,44 +75,102 @@ def merge_splits(parts):
     while parts[0].shape[0] > 1:
         if parts[0].shape[0] % 2:
             identity = (-jnp.inf,) + (0.0,) * (len(parts) - 1)
-            parts = tuple(jnp.concatenate([p, jnp.full((1, p.shape[1]), e, p.dtype)])
-                          for p, e in zip(parts, identity))
-        parts = softmax_math.online_softmax_merge(tuple(p[0::2] for p in parts),
-                                             tuple(p[1::2] for p in parts))
+            parts = tuple(
+                jnp.concatenate([p, jnp.full((1, p.shape[1]), e, p.dtype)])
+                for p, e in zip(parts, identity)
+            )
+        parts = softmax_math.online_softmax_merge(
+            tuple(p[0::2] for p in parts), tuple(p[1::2] for p in parts)
+        )
     return tuple(p[0] for p in parts)
 
 
-def linear_stats(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-                 with_entropy, config=None):
+def linear_stats(
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+    config=None,
+):
     """The row statistics ``(m, s, a | None, z_target − m)`` of ``logprob_core``."""
     config = config or DEFAULT_CONFIG
     vocab = geometry.vocab_size(weight, weight_layout)
     scale = 1.0 / temperature
-    parts = _isolated(kernels.stats_call(hidden, weight, bias, layout=weight_layout, scale=scale,
-                                         with_entropy=with_entropy, config=config), config)
+    parts = _isolated(
+        kernels.stats_call(
+            hidden,
+            weight,
+            bias,
+            layout=weight_layout,
+            scale=scale,
+            with_entropy=with_entropy,
+            config=config,
+        ),
+        config,
+    )
     stats = merge_splits(tuple(parts))
     in_range = (targets >= 0) & (targets < vocab)
     safe = jnp.where(in_range & row_valid, targets, 0).astype(jnp.int32)
-    target_z = _isolated(kernels.target_call(hidden, weight, bias, safe, layout=weight_layout,
-                                             scale=scale, config=config), config)
+    target_z = _isolated(
+        kernels.target_call(
+            hidden, weight, bias, safe, layout=weight_layout, scale=scale, config=config
+        ),
+        config,
+    )
     return stats[0], stats[1], (stats[2] if with_entropy else None), target_z - stats[0]
 
 
 def _write_grad(bias, targets, *, layout, config):
     """``head_grad.WriteGrad`` on the Triton grad kernel: G = dz / s as float16."""
+
     def write(rows: head_grad.RowGrad, start, size, hidden, weight, sigma_w):
-        g16, _ = _isolated(kernels.grad_call(
-            start, size, hidden, weight, bias, targets, rows.lse, rows.g, rows.entropy,
-            rows.g_ent, layout=layout, temperature=rows.temperature, dz_dtype=jnp.float16,
-            config=config, floor=rows.floor), config)
+        g16, _ = _isolated(
+            kernels.grad_call(
+                start,
+                size,
+                hidden,
+                weight,
+                bias,
+                targets,
+                rows.lse,
+                rows.g,
+                rows.entropy,
+                rows.g_ent,
+                layout=layout,
+                temperature=rows.temperature,
+                dz_dtype=jnp.float16,
+                config=config,
+                floor=rows.floor,
+            ),
+            config,
+        )
         # the kernel's column sums of dz are unused (head_grad takes d_bias from G), and
         # head_grad converts the weight chunk
         return g16, None
+
     return write
 
 
-def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *, layout,
-                      temperature, config, floor):
+def _float32_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    layout,
+    temperature,
+    config,
+    floor,
+):
     """Per chunk float32 dz, d_hidden += dz·W_c, d_W_c = dzᵀ·hidden and d_b_c = Σ_rows dz,
     with full-precision float32 GEMMs."""
     targets, g_logp, ids, g_ids = head_ids.split_targets(targets, g_logp)
@@ -110,28 +180,56 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
     hidden32 = hidden.astype(jnp.float32)
 
     def dot(a, b, contract):
-        return lax.dot_general(a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+        return lax.dot_general(
+            a,
+            b,
+            (contract, ((), ())),
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
 
     def chunk(carry, start, size):
         d_hidden, d_weight, d_bias = carry
-        dz, d_b = _isolated(kernels.grad_call(
-            start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, layout=layout,
-            temperature=temperature, dz_dtype=jnp.float32, config=config, floor=floor), config)
+        dz, d_b = _isolated(
+            kernels.grad_call(
+                start,
+                size,
+                hidden,
+                weight,
+                bias,
+                targets,
+                lse,
+                g_logp,
+                entropy,
+                g_ent,
+                layout=layout,
+                temperature=temperature,
+                dz_dtype=jnp.float32,
+                config=config,
+                floor=floor,
+            ),
+            config,
+        )
         if ids is not None:
             dz = head_ids.add_id_grads(dz, ids, g_ids / temperature, start)
             d_b = jnp.sum(dz, axis=0)
         w_c = lax.dynamic_slice_in_dim(weight, start, size, axis=w_axis).astype(jnp.float32)
-        d_h = head_grad.hidden_grad_rows(dz, w_c, layout, gemm_rows,
-                                         precision=lax.Precision.HIGHEST,
-                                         preferred_element_type=jnp.float32)
+        d_h = head_grad.hidden_grad_rows(
+            dz,
+            w_c,
+            layout,
+            gemm_rows,
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
         if layout == "vd":
             d_w = dot(dz, hidden32, ((0,), (0,)))
         else:
             d_w = dot(hidden32, dz, ((0,), (0,)))
         d_hidden = d_hidden + d_h
-        d_weight = lax.dynamic_update_slice_in_dim(d_weight, d_w.astype(weight.dtype), start,
-                                                   axis=w_axis)
+        d_weight = lax.dynamic_update_slice_in_dim(
+            d_weight, d_w.astype(weight.dtype), start, axis=w_axis
+        )
         if d_bias is not None:
             d_bias = lax.dynamic_update_slice_in_dim(d_bias, d_b, start, axis=0)
         return d_hidden, d_weight, d_bias
@@ -140,16 +238,34 @@ def _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent
     if config.batch_invariant:
         size = head_grad.invariant_chunk_columns(vocab, config.grad.block_vocab)
     else:
-        size = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes,
-                                       config.grad.block_vocab, bytes_per_entry=4)
+        size = head_grad.chunk_columns(
+            n_rows, vocab, config.chunk_bytes, config.grad.block_vocab, bytes_per_entry=4
+        )
     d_hidden, d_weight, d_bias = head_grad.run_chunks(
-        chunk, head_grad.initial_grads(hidden, weight, bias), vocab, size)
-    return (d_hidden.astype(hidden.dtype), d_weight,
-            None if bias is None else d_bias.astype(bias.dtype))
+        chunk, head_grad.initial_grads(hidden, weight, bias), vocab, size
+    )
+    return (
+        d_hidden.astype(hidden.dtype),
+        d_weight,
+        None if bias is None else d_bias.astype(bias.dtype),
+    )
 
 
-def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, *,
-                    weight_layout, temperature, floor=None, config=None):
+def linear_backward(
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    entropy,
+    g_logp,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
+    floor=None,
+    config=None,
+):
     """(d_hidden, d_weight, d_bias | None) of linear_logprobs from per-row cotangents.
 
     The backward part of ``logprob_core``: ``lse`` [N] is the per-row logsumexp of z (+inf on
@@ -166,31 +282,57 @@ def linear_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent, 
     config = config or DEFAULT_CONFIG
     targets = targets.astype(jnp.int32)
     if jnp.dtype(jnp.result_type(hidden, weight)).itemsize == 4:
-        return _float32_backward(hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
-                                 layout=weight_layout, temperature=temperature, config=config,
-                                 floor=floor)
+        return _float32_backward(
+            hidden,
+            weight,
+            bias,
+            targets,
+            lse,
+            entropy,
+            g_logp,
+            g_ent,
+            layout=weight_layout,
+            temperature=temperature,
+            config=config,
+            floor=floor,
+        )
     row_targets = head_ids.split_targets(targets, g_logp)[0]
     return head_grad.backward(
-        hidden, weight, bias, targets, lse, entropy, g_logp, g_ent,
-        weight_layout=weight_layout, temperature=temperature,
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        entropy,
+        g_logp,
+        g_ent,
+        weight_layout=weight_layout,
+        temperature=temperature,
         write_grad=_write_grad(bias, row_targets, layout=weight_layout, config=config),
-        chunk_bytes=config.chunk_bytes, align=config.grad.block_vocab, floor=floor,
-        batch_invariant=config.batch_invariant)
+        chunk_bytes=config.chunk_bytes,
+        align=config.grad.block_vocab,
+        floor=floor,
+        batch_invariant=config.batch_invariant,
+    )
 
 
 # -- the parts of logprob_core, and the primitive built from them ---------------------------
 
+
 def kernel_parts(config: Config | None = None) -> Parts:
     """The ``logprob_core.Parts`` of these kernels under ``config``."""
     config = config or DEFAULT_CONFIG
-    return Parts(functools.partial(linear_stats, config=config),
-                 functools.partial(linear_backward, config=config))
+    return Parts(
+        functools.partial(linear_stats, config=config),
+        functools.partial(linear_backward, config=config),
+    )
 
 
 OPS = {"linear_logprobs": kernel_parts(), "linear_logprobs_backward": linear_backward}
 
-INVARIANT_OPS = {"linear_logprobs": kernel_parts(INVARIANT_CONFIG),
-                 "linear_logprobs_backward": functools.partial(linear_backward,
-                                                               config=INVARIANT_CONFIG)}
+INVARIANT_OPS = {
+    "linear_logprobs": kernel_parts(INVARIANT_CONFIG),
+    "linear_logprobs_backward": functools.partial(linear_backward, config=INVARIANT_CONFIG),
+}
 """The same under ``linear_config.INVARIANT_CONFIG``: each row's results bitwise independent of
 the other rows."""

@@ -56,15 +56,18 @@ def pow2_block(size: int, extent: int) -> int:
     return max(16, min(size, pl.next_power_of_2(max(extent, 1))))
 
 
-def fit(tiles: TileConfig, n_rows: int, vocab: int, dim: int, itemsize: int,
-        fixed_rows: bool = False) -> TileConfig:
+def fit(
+    tiles: TileConfig, n_rows: int, vocab: int, dim: int, itemsize: int, fixed_rows: bool = False
+) -> TileConfig:
     """Shrink tiles to the problem, and the pipeline so its num_stages - 1 buffers fit;
     ``fixed_rows``: the row tile stays ``block_rows`` whatever N (batch-invariant)."""
     tiles = dataclasses.replace(
         tiles,
         block_rows=tiles.block_rows if fixed_rows else pow2_block(tiles.block_rows, n_rows),
         block_vocab=pow2_block(tiles.block_vocab, vocab),
-        block_k=pow2_block(tiles.block_k, dim))
+        block_k=pow2_block(tiles.block_k, dim),
+    )
     per_stage = (tiles.block_rows + tiles.block_vocab) * tiles.block_k * itemsize
-    return dataclasses.replace(tiles, num_stages=max(1, min(tiles.num_stages,
-                                                             1 + SMEM_BYTES // per_stage)))
+    return dataclasses.replace(
+        tiles, num_stages=max(1, min(tiles.num_stages, 1 + SMEM_BYTES // per_stage))
+    )

@@ -26,10 +26,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.backends.pallas import common
 from jaxrl_kernels.backends.pallas.linear_config import fit, pow2_block
+from jaxrl_kernels.formulas import softmax_math
+from jaxrl_kernels.head import geometry
 
 
 def span(start, size: int):
@@ -60,8 +60,22 @@ def _dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, layout,
-                compute_dtype, scale, cols_ragged):
+def tile_logits(
+    h_ref,
+    w_ref,
+    b_ref,
+    row0,
+    col0,
+    *,
+    n_rows,
+    vocab,
+    dim,
+    tiles,
+    layout,
+    compute_dtype,
+    scale,
+    cols_ragged,
+):
     """``(h[rows] · W[cols]ᵀ + b[cols]) · scale`` for one [bm, bn] tile, in float32."""
     bm, bn, bk = tiles.block_rows, tiles.block_vocab, tiles.block_k
     rows_ok = in_bounds(row0, bm, n_rows, n_rows % bm == 0)
@@ -74,17 +88,20 @@ def tile_logits(h_ref, w_ref, b_ref, row0, col0, *, n_rows, vocab, dim, tiles, l
         k0 = pl.multiple_of(k * bk, bk)
         ks = span(k0, bk)
         k_ok = in_bounds(k0, bk, dim, dim % bk == 0)
-        h_mask = both(None if rows_ok is None else rows_ok[:, None],
-                      None if k_ok is None else k_ok[None, :])
+        h_mask = both(
+            None if rows_ok is None else rows_ok[:, None], None if k_ok is None else k_ok[None, :]
+        )
         h = _load(h_ref.at[rows[:, None], ks[None, :]], h_mask).astype(compute_dtype)
         if layout == "vd":
-            w_mask = both(None if cols_ok is None else cols_ok[:, None],
-                          None if k_ok is None else k_ok[None, :])
+            w_mask = both(
+                None if cols_ok is None else cols_ok[:, None],
+                None if k_ok is None else k_ok[None, :],
+            )
             w = _load(w_ref.at[cols[:, None], ks[None, :]], w_mask)
-            return acc + pltriton.dot(h, w.astype(compute_dtype), trans_b=True,
-                                      precision=precision)
-        w_mask = both(None if k_ok is None else k_ok[:, None],
-                      None if cols_ok is None else cols_ok[None, :])
+            return acc + pltriton.dot(h, w.astype(compute_dtype), trans_b=True, precision=precision)
+        w_mask = both(
+            None if k_ok is None else k_ok[:, None], None if cols_ok is None else cols_ok[None, :]
+        )
         w = _load(w_ref.at[ks[:, None], cols[None, :]], w_mask)
         return acc + pltriton.dot(h, w.astype(compute_dtype), precision=precision)
 
@@ -104,15 +121,36 @@ def forward_tiles(config, hidden, weight, layout):
     """(tiles of the statistics kernel fitted to the problem, number of vocabulary splits)."""
     n_rows, dim = hidden.shape
     vocab = geometry.vocab_size(weight, layout)
-    tiles = fit(config.forward, n_rows, vocab, dim,
-                jnp.dtype(jnp.result_type(hidden, weight)).itemsize, config.batch_invariant)
+    tiles = fit(
+        config.forward,
+        n_rows,
+        vocab,
+        dim,
+        jnp.dtype(jnp.result_type(hidden, weight)).itemsize,
+        config.batch_invariant,
+    )
     return tiles, pl.cdiv(pl.cdiv(vocab, tiles.block_vocab), config.tiles_per_split)
 
 
 # -- forward: split-vocabulary softmax statistics ---------------------------------------------
 
-def walk_split(fold, init, h_ref, w_ref, b_ref, *, n_rows, vocab, dim, tiles, tiles_per_split,
-               layout, compute_dtype, scale):
+
+def walk_split(
+    fold,
+    init,
+    h_ref,
+    w_ref,
+    b_ref,
+    *,
+    n_rows,
+    vocab,
+    dim,
+    tiles,
+    tiles_per_split,
+    layout,
+    compute_dtype,
+    scale,
+):
     """Program (i, s) of the statistics grid: ``fold(state, z)`` over the logit tiles of row
     block i and vocabulary split s, in order (columns past V as -inf). Returns (first row,
     split, final state)."""
@@ -125,9 +163,21 @@ def walk_split(fold, init, h_ref, w_ref, b_ref, *, n_rows, vocab, dim, tiles, ti
 
     def tile(j, state):
         col0 = pl.multiple_of(j * bn, bn)
-        z = tile_logits(h_ref, w_ref, b_ref, row0, col0, n_rows=n_rows, vocab=vocab, dim=dim,
-                        tiles=tiles, layout=layout, compute_dtype=compute_dtype, scale=scale,
-                        cols_ragged=cols_ragged)
+        z = tile_logits(
+            h_ref,
+            w_ref,
+            b_ref,
+            row0,
+            col0,
+            n_rows=n_rows,
+            vocab=vocab,
+            dim=dim,
+            tiles=tiles,
+            layout=layout,
+            compute_dtype=compute_dtype,
+            scale=scale,
+            cols_ragged=cols_ragged,
+        )
         if cols_ragged:
             z = jnp.where((col0 + jnp.arange(bn) < vocab)[None, :], z, -jnp.inf)
         return fold(state, z)
@@ -144,11 +194,16 @@ def store_split(ref, split, row0, value, *, n_rows, block_rows):
 def _stats_kernel(*refs, has_bias, n_stats, **walk):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
-    out_refs = refs[2 + has_bias:]
+    out_refs = refs[2 + has_bias :]
     bm = walk["tiles"].block_rows
-    row0, split, stats = walk_split(softmax_math.online_softmax_update,
-                                    softmax_math.online_softmax_init((bm,), n_stats == 3),
-                                    h_ref, w_ref, b_ref, **walk)
+    row0, split, stats = walk_split(
+        softmax_math.online_softmax_update,
+        softmax_math.online_softmax_init((bm,), n_stats == 3),
+        h_ref,
+        w_ref,
+        b_ref,
+        **walk,
+    )
     for ref, value in zip(out_refs, stats):
         store_split(ref, split, row0, value, n_rows=walk["n_rows"], block_rows=bm)
 
@@ -159,10 +214,18 @@ def stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
     tiles, n_splits = forward_tiles(config, hidden, weight, layout)
     n_stats = 3 if with_entropy else 2
     kernel = functools.partial(
-        _stats_kernel, n_rows=n_rows, vocab=geometry.vocab_size(weight, layout), dim=dim, tiles=tiles,
-        tiles_per_split=config.tiles_per_split, layout=layout,
-        compute_dtype=jnp.result_type(hidden, weight), scale=scale, has_bias=bias is not None,
-        n_stats=n_stats)
+        _stats_kernel,
+        n_rows=n_rows,
+        vocab=geometry.vocab_size(weight, layout),
+        dim=dim,
+        tiles=tiles,
+        tiles_per_split=config.tiles_per_split,
+        layout=layout,
+        compute_dtype=jnp.result_type(hidden, weight),
+        scale=scale,
+        has_bias=bias is not None,
+        n_stats=n_stats,
+    )
     args = (hidden, weight) + (() if bias is None else (bias,))
     return pl.pallas_call(
         kernel,
@@ -176,10 +239,11 @@ def stats_call(hidden, weight, bias, *, layout, scale, with_entropy, config):
 
 # -- forward: target logits by a gather-dot ---------------------------------------------------
 
+
 def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_bias):
     h_ref, w_ref = refs[:2]
     b_ref = refs[2] if has_bias else None
-    t_ref, out_ref = refs[2 + has_bias:]
+    t_ref, out_ref = refs[2 + has_bias :]
     bm, bk = block_rows, block_k
     row0 = pl.program_id(0) * bm
     rows_ok = in_bounds(row0, bm, n_rows, n_rows % bm == 0)
@@ -188,8 +252,9 @@ def _target_kernel(*refs, n_rows, dim, block_rows, block_k, layout, scale, has_b
     def k_step(k, acc):
         ks = k * bk + jnp.arange(bk)
         k_ok = None if dim % bk == 0 else ks < dim
-        mask = both(None if rows_ok is None else rows_ok[:, None],
-                    None if k_ok is None else k_ok[None, :])
+        mask = both(
+            None if rows_ok is None else rows_ok[:, None], None if k_ok is None else k_ok[None, :]
+        )
         h = _load(h_ref.at[span(row0, bm)[:, None], ks[None, :]], mask)
         if layout == "vd":
             w = _load(w_ref.at[t[:, None], ks[None, :]], mask)
@@ -211,8 +276,15 @@ def target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
     bm = pow2_block(config.target_rows, n_rows)
     bk = pow2_block(config.target_k, dim)
     kernel = functools.partial(
-        _target_kernel, n_rows=n_rows, dim=dim, block_rows=bm, block_k=bk, layout=layout,
-        scale=scale, has_bias=bias is not None)
+        _target_kernel,
+        n_rows=n_rows,
+        dim=dim,
+        block_rows=bm,
+        block_k=bk,
+        layout=layout,
+        scale=scale,
+        has_bias=bias is not None,
+    )
     args = (hidden, weight) + (() if bias is None else (bias,)) + (safe_targets,)
     return pl.pallas_call(
         kernel,
@@ -226,8 +298,21 @@ def target_call(hidden, weight, bias, safe_targets, *, layout, scale, config):
 
 # -- backward: the logit gradient of one vocabulary chunk --------------------------------------
 
-def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, temperature,
-                 has_bias, with_entropy, has_floor):
+
+def _grad_kernel(
+    *refs,
+    n_rows,
+    vocab,
+    dim,
+    size,
+    tiles,
+    layout,
+    compute_dtype,
+    temperature,
+    has_bias,
+    with_entropy,
+    has_floor,
+):
     it = iter(refs)
     start_ref, h_ref, w_ref = next(it), next(it), next(it)
     b_ref = next(it) if has_bias else None
@@ -243,9 +328,21 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
     local0 = pl.multiple_of(j * bn, bn)
     col0 = start_ref[0] + local0
     ragged = size % bn != 0
-    z = tile_logits(h_ref, w_ref, b_ref, row0, col0, n_rows=n_rows, vocab=vocab, dim=dim,
-                    tiles=tiles, layout=layout, compute_dtype=compute_dtype,
-                    scale=1.0 / temperature, cols_ragged=ragged)
+    z = tile_logits(
+        h_ref,
+        w_ref,
+        b_ref,
+        row0,
+        col0,
+        n_rows=n_rows,
+        vocab=vocab,
+        dim=dim,
+        tiles=tiles,
+        layout=layout,
+        compute_dtype=compute_dtype,
+        scale=1.0 / temperature,
+        cols_ragged=ragged,
+    )
     rows_ok = in_bounds(row0, bm, n_rows, n_rows % bm == 0)
 
     def rows(ref):
@@ -254,37 +351,74 @@ def _grad_kernel(*refs, n_rows, vocab, dim, size, tiles, layout, compute_dtype, 
     t = rows(t_ref)
     is_target = (col0 + jnp.arange(bn))[None, :] == t[:, None]
     dz = softmax_math.logprob_grad_tile(
-        z, rows(lse_ref), rows(ent_ref) if with_entropy else None, is_target, rows(gl_ref),
-        rows(ge_ref) if with_entropy else None, temperature,
-        floor=rows(floor_ref) if has_floor else None)
+        z,
+        rows(lse_ref),
+        rows(ent_ref) if with_entropy else None,
+        is_target,
+        rows(gl_ref),
+        rows(ge_ref) if with_entropy else None,
+        temperature,
+        floor=rows(floor_ref) if has_floor else None,
+    )
     cols_ok = in_bounds(local0, bn, size, not ragged)
     if cols_ok is not None:
         dz = jnp.where(cols_ok[None, :], dz, 0.0)
-    mask = both(None if rows_ok is None else rows_ok[:, None],
-                None if cols_ok is None else cols_ok[None, :])
-    pltriton.store(dz_ref.at[span(row0, bm)[:, None], span(local0, bn)[None, :]],
-                   dz.astype(dz_ref.dtype), mask=mask)
+    mask = both(
+        None if rows_ok is None else rows_ok[:, None], None if cols_ok is None else cols_ok[None, :]
+    )
+    pltriton.store(
+        dz_ref.at[span(row0, bm)[:, None], span(local0, bn)[None, :]],
+        dz.astype(dz_ref.dtype),
+        mask=mask,
+    )
     if db_ref is not None:
         if rows_ok is not None:
             dz = jnp.where(rows_ok[:, None], dz, 0.0)
         pltriton.store(db_ref.at[i, span(local0, bn)], jnp.sum(dz, axis=0), mask=cols_ok)
 
 
-def grad_call(start, size, hidden, weight, bias, targets, lse, g_logp, entropy, g_ent, *,
-              layout, temperature, dz_dtype, config, floor=None):
+def grad_call(
+    start,
+    size,
+    hidden,
+    weight,
+    bias,
+    targets,
+    lse,
+    g_logp,
+    entropy,
+    g_ent,
+    *,
+    layout,
+    temperature,
+    dz_dtype,
+    config,
+    floor=None,
+):
     """(dz [N, size] in ``dz_dtype``, d_bias [size] | None) for the vocabulary columns
     [start, start + size): ``softmax_math.logprob_grad_tile`` of the recomputed logits, with
     p = 0 where z < ``floor`` [N] (None: no floor, and no such operand)."""
     n_rows, dim = hidden.shape
     compute_dtype = jnp.result_type(hidden, weight)
-    tiles = fit(config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize,
-                config.batch_invariant)
+    tiles = fit(
+        config.grad, n_rows, size, dim, jnp.dtype(compute_dtype).itemsize, config.batch_invariant
+    )
     with_entropy = g_ent is not None
     n_row_blocks = pl.cdiv(n_rows, tiles.block_rows)
     kernel = functools.partial(
-        _grad_kernel, n_rows=n_rows, vocab=geometry.vocab_size(weight, layout), dim=dim, size=size,
-        tiles=tiles, layout=layout, compute_dtype=compute_dtype, temperature=temperature,
-        has_bias=bias is not None, with_entropy=with_entropy, has_floor=floor is not None)
+        _grad_kernel,
+        n_rows=n_rows,
+        vocab=geometry.vocab_size(weight, layout),
+        dim=dim,
+        size=size,
+        tiles=tiles,
+        layout=layout,
+        compute_dtype=compute_dtype,
+        temperature=temperature,
+        has_bias=bias is not None,
+        with_entropy=with_entropy,
+        has_floor=floor is not None,
+    )
     args = [jnp.reshape(jnp.asarray(start, jnp.int32), (1,)), hidden, weight]
     args += [] if bias is None else [bias]
     args += [targets, lse, g_logp] + ([entropy, g_ent] if with_entropy else [])

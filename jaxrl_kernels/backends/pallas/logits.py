@@ -36,9 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.dispatch.contract import Parts
 from jaxrl_kernels.backends.pallas import common
+from jaxrl_kernels.dispatch.contract import Parts
+from jaxrl_kernels.formulas import softmax_math
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -58,12 +58,12 @@ FWD_STAGES = 3
 class LogitsLaunch(NamedTuple):
     """Launch configuration of the kernels for one shape."""
 
-    block_v: int        # forward vocabulary tile (a power of two)
-    splits: int         # programs per row (split-V); 1 = finalise inside the kernel
+    block_v: int  # forward vocabulary tile (a power of two)
+    splits: int  # programs per row (split-V); 1 = finalise inside the kernel
     num_warps: int
     num_stages: int
-    bwd_block_v: int = 0     # backward tile; 0 = block_v
-    bwd_num_warps: int = 0   # 0 = num_warps
+    bwd_block_v: int = 0  # backward tile; 0 = block_v
+    bwd_num_warps: int = 0  # 0 = num_warps
 
     def tiles_per_split(self, vocab: int, block_v: int | None = None) -> int:
         return pl.cdiv(pl.cdiv(vocab, block_v or self.block_v), self.splits)
@@ -76,8 +76,15 @@ def _warps(block_v: int, itemsize: int) -> int:
     return max(1, min(8, block_v * itemsize // 1024))
 
 
-def make_launch(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False,
-                block_v: int | None = None, splits: int | None = None) -> LogitsLaunch:
+def make_launch(
+    n_rows: int,
+    vocab: int,
+    itemsize: int,
+    *,
+    entropy: bool = False,
+    block_v: int | None = None,
+    splits: int | None = None,
+) -> LogitsLaunch:
     """The documented heuristic. Forward: a ``TILE_BYTES`` tile (half with entropy; fewer
     for small V), one warp per KiB of tile up to 8, ``FWD_STAGES`` pipeline stages.
     Backward: a ``2 * TILE_BYTES`` tile, one warp per KiB up to 16, two stages. The
@@ -93,7 +100,9 @@ def make_launch(n_rows: int, vocab: int, itemsize: int, *, entropy: bool = False
     splits = pl.cdiv(n_tiles, pl.cdiv(n_tiles, splits))  # no split without a tile
     bwd_block = min(pl.next_power_of_2(vocab), 2 * TILE_BYTES // itemsize)
     bwd_warps = max(1, min(16, bwd_block * itemsize // 1024))
-    return LogitsLaunch(block_v, splits, _warps(block_v, itemsize), FWD_STAGES, bwd_block, bwd_warps)
+    return LogitsLaunch(
+        block_v, splits, _warps(block_v, itemsize), FWD_STAGES, bwd_block, bwd_warps
+    )
 
 
 def declines(primitive: str, problem) -> str | None:
@@ -103,6 +112,7 @@ def declines(primitive: str, problem) -> str | None:
 
 
 # -- kernels --------------------------------------------------------------------------------
+
 
 def _scaled(x, temperature: float):
     z = x.astype(jnp.float32)
@@ -114,8 +124,16 @@ def _tile_columns(j, block_v: int, vocab: int):
     return cols, cols < vocab
 
 
-def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temperature: float,
-                    block_v: int, tiles_per_split: int):
+def _forward_kernel(
+    target_ref,
+    valid_ref,
+    *refs,
+    n_in: int,
+    entropy: bool,
+    temperature: float,
+    block_v: int,
+    tiles_per_split: int,
+):
     """Outputs: (m, s[, a]) of each input for this (row, split), then z_target of each input
     (written by split 0; 0 where the target is not a column of these logits)."""
     x_refs, out_refs = refs[:n_in], refs[n_in:]
@@ -136,8 +154,9 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
         return tuple(new)
 
     safe_target = jnp.where(valid & in_range, target, 0)
-    target_z = [jnp.where(in_range, _scaled(ref[safe_target], temperature), 0.0)
-                for ref in x_refs]  # issued before the walk
+    target_z = [
+        jnp.where(in_range, _scaled(ref[safe_target], temperature), 0.0) for ref in x_refs
+    ]  # issued before the walk
     init = tuple(softmax_math.online_softmax_init((), entropy and k == 0) for k in range(n_in))
     stats = lax.fori_loop(lo, hi, body, init)
     pos = 0
@@ -152,8 +171,18 @@ def _forward_kernel(target_ref, valid_ref, *refs, n_in: int, entropy: bool, temp
             out_refs[pos + k][...] = target_z[k]
 
 
-def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, has_floor: bool,
-                 temperature: float, block_v: int, tiles_per_split: int):
+def _grad_kernel(
+    target_ref,
+    x_ref,
+    lse_ref,
+    g_ref,
+    *refs,
+    entropy: bool,
+    has_floor: bool,
+    temperature: float,
+    block_v: int,
+    tiles_per_split: int,
+):
     refs = list(refs)
     ent_ref, g_ent_ref = (refs.pop(0), refs.pop(0)) if entropy else (None, None)
     floor_ref = refs.pop(0) if has_floor else None
@@ -172,12 +201,14 @@ def _grad_kernel(target_ref, x_ref, lse_ref, g_ref, *refs, entropy: bool, has_fl
     def _(j):
         cols, inside = _tile_columns(j, block_v, vocab)
         x = plgpu.load(x_ref.at[cols], mask=inside & live, other=0.0, eviction_policy="evict_first")
-        dz = softmax_math.logprob_grad_tile(_scaled(x, temperature), lse, ent, cols == target, g,
-                                       g_ent, temperature, floor=floor)
+        dz = softmax_math.logprob_grad_tile(
+            _scaled(x, temperature), lse, ent, cols == target, g, g_ent, temperature, floor=floor
+        )
         plgpu.store(dx_ref.at[cols], jnp.where(live, dz, 0.0).astype(dx_ref.dtype), mask=inside)
 
 
 # -- launchers ------------------------------------------------------------------------------
+
 
 def _row_specs(count: int, vocab: int | None = None):
     if vocab is None:
@@ -192,16 +223,22 @@ def _forward(xs, targets, row_valid, *, temperature: float, entropy: bool, plan:
     n_in = len(xs)
     n_stats = 2 * n_in + entropy
     kernel = functools.partial(
-        _forward_kernel, n_in=n_in, entropy=entropy, temperature=temperature,
-        block_v=plan.block_v, tiles_per_split=plan.tiles_per_split(vocab))
+        _forward_kernel,
+        n_in=n_in,
+        entropy=entropy,
+        temperature=temperature,
+        block_v=plan.block_v,
+        tiles_per_split=plan.tiles_per_split(vocab),
+    )
     outs = pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
         in_specs=_row_specs(2) + _row_specs(n_in, vocab),
-        out_specs=([pl.BlockSpec((None, None), lambda i, s: (i, s))] * n_stats
-                   + _row_specs(n_in)),
-        out_shape=([jax.ShapeDtypeStruct((n, plan.splits), jnp.float32)] * n_stats
-                   + [jax.ShapeDtypeStruct((n,), jnp.float32)] * n_in),
+        out_specs=([pl.BlockSpec((None, None), lambda i, s: (i, s))] * n_stats + _row_specs(n_in)),
+        out_shape=(
+            [jax.ShapeDtypeStruct((n, plan.splits), jnp.float32)] * n_stats
+            + [jax.ShapeDtypeStruct((n,), jnp.float32)] * n_in
+        ),
         compiler_params=common.compiler_params(plan.num_warps, plan.num_stages),
         interpret=common.interpret(),
         name="logprobs_fwd" if n_in == 1 else "paired_logprobs_fwd",
@@ -214,7 +251,7 @@ def _combine_splits(outs, *, n_in: int, entropy: bool):
     pos, result = 0, []
     for k in range(n_in):
         width = 3 if (entropy and k == 0) else 2
-        parts = outs[pos:pos + width]
+        parts = outs[pos : pos + width]
         pos += width
         stats = tuple(p[:, 0] for p in parts)
         for j in range(1, parts[0].shape[1]):
@@ -225,16 +262,21 @@ def _combine_splits(outs, *, n_in: int, entropy: bool):
     return result
 
 
-def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float,
-              plan: LogitsLaunch):
+def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float, plan: LogitsLaunch):
     n, vocab = x.shape
     entropy = ent is not None
     block_v, num_warps = plan.backward()
-    kernel = functools.partial(_grad_kernel, entropy=entropy, has_floor=floor is not None,
-                               temperature=temperature, block_v=block_v,
-                               tiles_per_split=plan.tiles_per_split(vocab, block_v))
-    extra = ((ent, g_ent) if entropy else ()) + (() if floor is None else
-                                                  (floor.astype(jnp.float32),))
+    kernel = functools.partial(
+        _grad_kernel,
+        entropy=entropy,
+        has_floor=floor is not None,
+        temperature=temperature,
+        block_v=block_v,
+        tiles_per_split=plan.tiles_per_split(vocab, block_v),
+    )
+    extra = ((ent, g_ent) if entropy else ()) + (
+        () if floor is None else (floor.astype(jnp.float32),)
+    )
     return pl.pallas_call(
         kernel,
         grid=(n, plan.splits),
@@ -249,6 +291,7 @@ def _backward(x, targets, lse, g, ent, g_ent, floor, *, temperature: float,
 
 # -- the two parts of logprob_core, and the primitives built from them ----------------------
 
+
 def _checked_plan(logits, plan, entropy=False):
     n, vocab = logits.shape
     return plan or make_launch(n, vocab, jnp.dtype(logits.dtype).itemsize, entropy=entropy)
@@ -258,26 +301,38 @@ def token_stats(logits, targets, row_valid, *, temperature, with_entropy, plan=N
     if logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
         return empty, empty, (empty if with_entropy else None), empty
-    (stats,) = _forward([logits], targets.astype(jnp.int32), row_valid.astype(jnp.bool_),
-                        temperature=float(temperature), entropy=bool(with_entropy),
-                        plan=_checked_plan(logits, plan, bool(with_entropy)))
+    (stats,) = _forward(
+        [logits],
+        targets.astype(jnp.int32),
+        row_valid.astype(jnp.bool_),
+        temperature=float(temperature),
+        entropy=bool(with_entropy),
+        plan=_checked_plan(logits, plan, bool(with_entropy)),
+    )
     return stats
 
 
 def paired_stats(policy_logits, ref_logits, targets, row_valid, *, temperature, plan=None):
     if policy_logits.shape != ref_logits.shape:
-        raise ValueError(f"ref_logits: expected shape {policy_logits.shape}, "
-                         f"got {ref_logits.shape}")
+        raise ValueError(
+            f"ref_logits: expected shape {policy_logits.shape}, got {ref_logits.shape}"
+        )
     if policy_logits.shape[0] == 0:
         empty = jnp.zeros((0,), jnp.float32)
         return (empty, empty, None, empty), (empty, empty, None, empty)
-    return tuple(_forward([policy_logits, ref_logits], targets.astype(jnp.int32),
-                          row_valid.astype(jnp.bool_), temperature=float(temperature),
-                          entropy=False, plan=_checked_plan(policy_logits, plan)))
+    return tuple(
+        _forward(
+            [policy_logits, ref_logits],
+            targets.astype(jnp.int32),
+            row_valid.astype(jnp.bool_),
+            temperature=float(temperature),
+            entropy=False,
+            plan=_checked_plan(policy_logits, plan),
+        )
+    )
 
 
-def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floor=None,
-                   plan=None):
+def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floor=None, plan=None):
     """d logits of token_logprobs from per-row cotangents (the ``logprob_core`` backward part).
 
     ``floor`` [N] | None: a truncated softmax keeping ``logits / T >= floor`` per row (``lse``
@@ -285,16 +340,23 @@ def token_backward(logits, targets, lse, entropy, g, g_ent, *, temperature, floo
     """
     if logits.shape[0] == 0:
         return jnp.zeros_like(logits)
-    return _backward(logits, targets.astype(jnp.int32), lse, g, entropy, g_ent, floor,
-                     temperature=float(temperature),
-                     plan=_checked_plan(logits, plan, entropy is not None))
+    return _backward(
+        logits,
+        targets.astype(jnp.int32),
+        lse,
+        g,
+        entropy,
+        g_ent,
+        floor,
+        temperature=float(temperature),
+        plan=_checked_plan(logits, plan, entropy is not None),
+    )
 
 
 def kernel_parts(plan: LogitsLaunch | None = None, *, paired: bool = False) -> Parts:
     """The ``logprob_core.Parts`` of these kernels, with a fixed launch plan if given."""
     stats = paired_stats if paired else token_stats
-    return Parts(functools.partial(stats, plan=plan),
-                 functools.partial(token_backward, plan=plan))
+    return Parts(functools.partial(stats, plan=plan), functools.partial(token_backward, plan=plan))
 
 
 OPS = {"token_logprobs": kernel_parts(), "paired_logprobs": kernel_parts(paired=True)}

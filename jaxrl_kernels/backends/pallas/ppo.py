@@ -43,9 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrl_kernels import sharding
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.formulas import ppo_math
 from jaxrl_kernels.backends.pallas import common
+from jaxrl_kernels.formulas import aggregation_math, ppo_math
 
 TILE_ELEMENTS = 2048
 """Tokens per [rows, T] tile: 8 per thread at 8 warps for each of up to 7 inputs."""
@@ -66,8 +65,9 @@ class PPOLaunch(NamedTuple):
     num_warps: int
 
 
-def make_launch(batch: int, seq_len: int, *, block_t: int | None = None,
-                min_programs: int = MIN_SUM_PROGRAMS) -> PPOLaunch:
+def make_launch(
+    batch: int, seq_len: int, *, block_t: int | None = None, min_programs: int = MIN_SUM_PROGRAMS
+) -> PPOLaunch:
     """The heuristic: a ``TILE_ELEMENTS`` tile as wide as T allows (≤ 1024); the sum
     kernels split T into ranges of whole tiles until there are ~``min_programs`` programs."""
     if block_t is None:
@@ -101,7 +101,9 @@ def _load_tokens(refs, names, rows, cols, ok) -> ppo_math.PPOInputs:
 
 def _load_rows(refs, names, rows, row_ok) -> dict:
     """The [rows] entries of per-sequence inputs (0 outside the arrays)."""
-    return {name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(names, refs)}
+    return {
+        name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(names, refs)
+    }
 
 
 def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...]]:
@@ -111,25 +113,25 @@ def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...
 
 # -- kind (a): [B, T] tokens -> per-sequence sums [B, K] ---------------------------------------
 
+
 def _sum_keys(summands, names) -> tuple[str, ...]:
     """The keys ``summands(tokens)`` returns for these inputs, in order."""
     tokens = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
     return tuple(jax.eval_shape(lambda t: summands(ppo_math.PPOInputs(**t)), tokens))
 
 
-def _row_sums_kernel(*refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int,
-                     width: int):
-    tok_refs, out_ref = refs[:len(names)], refs[len(names)]
+def _row_sums_kernel(
+    *refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int, width: int
+):
+    tok_refs, out_ref = refs[: len(names)], refs[len(names)]
     i, split = pl.program_id(0), pl.program_id(1)
     rows = _tile_index(i, 0, plan, batch, seq_len)[0]
 
     def tile(j, acc):
-        _, cols, _, ok = _tile_index(i, split * plan.t_tiles_per_program + j, plan, batch,
-                                     seq_len)
+        _, cols, _, ok = _tile_index(i, split * plan.t_tiles_per_program + j, plan, batch, seq_len)
         x = _load_tokens(tok_refs, names, rows, cols, ok)
         values = summands(x)
-        return {k: acc[k] + jnp.sum(x.mask * values[k].astype(jnp.float32), axis=1)
-                for k in keys}
+        return {k: acc[k] + jnp.sum(x.mask * values[k].astype(jnp.float32), axis=1) for k in keys}
 
     zeros = jnp.zeros((plan.block_rows,), jnp.float32)
     acc = lax.fori_loop(0, plan.t_tiles_per_program, tile, {k: zeros for k in keys})
@@ -148,15 +150,22 @@ def _row_sums(summands, name: str, tokens: dict, plan: PPOLaunch) -> dict:
     row_tiles = pl.cdiv(batch, plan.block_rows)
     splits = pl.cdiv(pl.cdiv(seq_len, plan.block_t), plan.t_tiles_per_program)
     width = pl.next_power_of_2(len(keys))
-    kernel = functools.partial(_row_sums_kernel, summands=summands, keys=keys, names=names,
-                               plan=plan, batch=batch, seq_len=seq_len, width=width)
+    kernel = functools.partial(
+        _row_sums_kernel,
+        summands=summands,
+        keys=keys,
+        names=names,
+        plan=plan,
+        batch=batch,
+        seq_len=seq_len,
+        width=width,
+    )
     partials = pl.pallas_call(
         kernel,
         grid=(row_tiles, splits),
         in_specs=[pl.BlockSpec()] * len(arrays),
         out_specs=pl.BlockSpec((None, plan.block_rows, width), lambda i, s: (s, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * plan.block_rows, width),
-                                       jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * plan.block_rows, width), jnp.float32),
         compiler_params=common.compiler_params(plan.num_warps, 2),
         interpret=common.interpret(),
         name=name,
@@ -177,8 +186,11 @@ def forward_sums(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) 
 
     def local(layout, *arrays):
         sums = sharding.kernel_region(
-            lambda *a: _row_sums(summands, "ppo_loss_fwd", dict(zip(names, a)),
-                                 plan or make_launch(*a[0].shape)), *arrays)
+            lambda *a: _row_sums(
+                summands, "ppo_loss_fwd", dict(zip(names, a)), plan or make_launch(*a[0].shape)
+            ),
+            *arrays,
+        )
         t_axes = layout.row_axes[1]
         return tuple(lax.psum(sums[k], t_axes) if t_axes else sums[k] for k in keys)
 
@@ -188,10 +200,11 @@ def forward_sums(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) 
 
 # -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
 
+
 def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq_len: int):
-    tok_refs = refs[:len(names)]
-    seq_refs = refs[len(names):len(names) + len(seq_names)]
-    coef_ref, dlogp_ref = refs[len(names) + len(seq_names):len(names) + len(seq_names) + 2]
+    tok_refs = refs[: len(names)]
+    seq_refs = refs[len(names) : len(names) + len(seq_names)]
+    coef_ref, dlogp_ref = refs[len(names) + len(seq_names) : len(names) + len(seq_names) + 2]
     dent_ref = refs[-1] if "entropy" in names else None
     rows, cols, row_ok, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
     x = _load_tokens(tok_refs, names, rows, cols, ok)
@@ -208,49 +221,70 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq
         plgpu.store(dent_ref.at[rows[:, None], cols[None, :]], d_ent, mask=ok)
 
 
-def token_grads(tokens: dict, seq: ppo_math.SequenceTerms, coef, cfg: ppo_math.PPOConfig,
-                plan: PPOLaunch | None):
+def token_grads(
+    tokens: dict, seq: ppo_math.SequenceTerms, coef, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None
+):
     """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
     coef_b · m_bt, where the tokens live (``sharding.run``)."""
     names, arrays = _present(tokens, _FIELDS)
     seq_names, seq_arrays = _present(seq._asdict(), _SEQ_FIELDS)
 
     def local(layout, *args):
-        return tuple(sharding.kernel_region(
-            lambda *a: _token_grads(a[:len(names)], names, a[len(names):-1], seq_names, a[-1],
-                                    cfg, plan), *args))
+        return tuple(
+            sharding.kernel_region(
+                lambda *a: _token_grads(
+                    a[: len(names)], names, a[len(names) : -1], seq_names, a[-1], cfg, plan
+                ),
+                *args,
+            )
+        )
 
     grads_of = (names.index("logp"),) + ((names.index("entropy"),) if "entropy" in names else ())
-    return sharding.run(local, arrays + seq_arrays + (coef,),
-                        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1),
-                        ("rr",) * len(grads_of), grads_of=grads_of)
+    return sharding.run(
+        local,
+        arrays + seq_arrays + (coef,),
+        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1),
+        ("rr",) * len(grads_of),
+        grads_of=grads_of,
+    )
 
 
 def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
     batch, seq_len = arrays[0].shape
     plan = plan or make_launch(batch, seq_len)
     n_out = 1 + ("entropy" in names)
-    kernel = functools.partial(_grads_kernel, names=names, seq_names=seq_names, cfg=cfg,
-                               plan=plan, batch=batch, seq_len=seq_len)
+    kernel = functools.partial(
+        _grads_kernel,
+        names=names,
+        seq_names=seq_names,
+        cfg=cfg,
+        plan=plan,
+        batch=batch,
+        seq_len=seq_len,
+    )
     any_spec = pl.BlockSpec()
-    return tuple(pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
-        in_specs=[any_spec] * (len(arrays) + len(seq_arrays) + 1),
-        out_specs=[any_spec] * n_out,
-        out_shape=[jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)] * n_out,
-        compiler_params=common.compiler_params(plan.num_warps, 1),
-        interpret=common.interpret(),
-        name="ppo_loss_bwd",
-    )(*arrays, *seq_arrays, coef))
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
+            in_specs=[any_spec] * (len(arrays) + len(seq_arrays) + 1),
+            out_specs=[any_spec] * n_out,
+            out_shape=[jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)] * n_out,
+            compiler_params=common.compiler_params(plan.num_warps, 1),
+            interpret=common.interpret(),
+            name="ppo_loss_bwd",
+        )(*arrays, *seq_arrays, coef)
+    )
 
 
 # -- the primitive -------------------------------------------------------------------------------
 
+
 def _forward(tokens: dict, cfg, plan: PPOLaunch):
     sums = forward_sums(tokens, cfg, plan)
-    loss, metrics = ppo_math.loss_and_metrics(ppo_math.sums_to_token_terms(sums, cfg), cfg,
-                                              tokens["logp"].shape[1])
+    loss, metrics = ppo_math.loss_and_metrics(
+        ppo_math.sums_to_token_terms(sums, cfg), cfg, tokens["logp"].shape[1]
+    )
     return loss, metrics, (ppo_math.sequence_terms(sums, cfg), sums["count"])
 
 
@@ -268,8 +302,9 @@ def _ppo_loss_fwd(tokens, cfg, plan):
 def _ppo_loss_bwd(cfg, plan, res, cot):
     tokens, (seq, counts) = res
     seq_len = tokens["logp"].shape[1]
-    coef = cot[0] * aggregation_math.aggregation_weights(counts, cfg.loss_agg_mode, seq_len,
-                                                         cfg.max_len)
+    coef = cot[0] * aggregation_math.aggregation_weights(
+        counts, cfg.loss_agg_mode, seq_len, cfg.max_len
+    )
     grads = dict(zip(("logp", "entropy"), token_grads(tokens, seq, coef, cfg, plan)))
     return ({n: grads.get(n) for n in tokens},)
 
@@ -277,8 +312,9 @@ def _ppo_loss_bwd(cfg, plan, res, cot):
 _ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
 
 
-def ppo_loss(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig, *,
-             plan: PPOLaunch | None = None):
+def ppo_loss(
+    ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig, *, plan: PPOLaunch | None = None
+):
     """Primitive ``ppo_loss``: ``(loss, metrics)`` as ``ppo_math.ppo_loss`` defines them."""
     fields = ppo_inputs._asdict()
     if config.tis_cap is None:
@@ -297,8 +333,9 @@ GROUP_BLOCK = 1024
 """Rewards scanned per step by a group's program."""
 
 
-def _group_kernel(rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddof: int,
-                  eps: float, block: int):
+def _group_kernel(
+    rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddof: int, eps: float, block: int
+):
     n = rewards_ref.shape[0]
     group = pl.program_id(0)
     n_blocks = pl.cdiv(n, block)
@@ -318,6 +355,7 @@ def _group_kernel(rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddo
     mean = total / jnp.maximum(count, 1.0)
     scale = jnp.float32(1.0)
     if normalize_std:
+
         def sq_sum(j, acc):
             _, mine, r = members(j)
             c = r - mean
@@ -339,8 +377,9 @@ def _group_kernel(rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddo
 def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps):
     (n,) = rewards.shape
     block = min(pl.next_power_of_2(n), GROUP_BLOCK)
-    kernel = functools.partial(_group_kernel, normalize_std=normalize_std, std_ddof=std_ddof,
-                               eps=eps, block=block)
+    kernel = functools.partial(
+        _group_kernel, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps, block=block
+    )
     any_spec = pl.BlockSpec()
     call = pl.pallas_call(
         kernel,
@@ -353,8 +392,12 @@ def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, st
         name="group_advantages",
     )
     # Groups may straddle any split of B: every device runs the kernel on all [B] rewards.
-    (adv,) = sharding.run(lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
-                          (rewards, segment_ids), ("-", "-"), ("-",))
+    (adv,) = sharding.run(
+        lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
+        (rewards, segment_ids),
+        ("-", "-"),
+        ("-",),
+    )
     return adv
 
 
@@ -370,23 +413,31 @@ def _group_fwd(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps):
 
 def _group_bwd(num_groups, normalize_std, std_ddof, eps, res, g):
     rewards, segment_ids = res
-    _, pull = jax.vjp(lambda r: aggregation_math.group_advantages(
-        r, segment_ids, num_groups, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps),
-        rewards)
+    _, pull = jax.vjp(
+        lambda r: aggregation_math.group_advantages(
+            r, segment_ids, num_groups, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps
+        ),
+        rewards,
+    )
     return pull(g)[0], None
 
 
 _group_advantages.defvjp(_group_fwd, _group_bwd)
 
 
-def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, std_ddof=0,
-                     eps=1e-6):
+def group_advantages(rewards, segment_ids, num_groups, *, normalize_std=True, std_ddof=0, eps=1e-6):
     """Primitive ``group_advantages``: adv[B] (segment ids in ``[0, num_groups)``)."""
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.shape[0] == 0 or num_groups == 0:
         return jnp.zeros(rewards.shape, jnp.float32)
-    return _group_advantages(rewards, jnp.asarray(segment_ids, jnp.int32), int(num_groups),
-                             bool(normalize_std), int(std_ddof), float(eps))
+    return _group_advantages(
+        rewards,
+        jnp.asarray(segment_ids, jnp.int32),
+        int(num_groups),
+        bool(normalize_std),
+        int(std_ddof),
+        float(eps),
+    )
 
 
 OPS = {"ppo_loss": ppo_loss, "group_advantages": group_advantages}

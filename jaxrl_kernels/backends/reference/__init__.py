@@ -10,12 +10,10 @@ the last resort.
 
 from __future__ import annotations
 
-from jaxrl_kernels.formulas import aggregation_math
-from jaxrl_kernels.head import kept_set
-from jaxrl_kernels.formulas import ppo_math
-from jaxrl_kernels.head import rounded_logits
-from jaxrl_kernels.dispatch.contract import Backend
 from jaxrl_kernels.backends.reference import distill, logprobs
+from jaxrl_kernels.dispatch.contract import Backend
+from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from jaxrl_kernels.head import kept_set, rounded_logits
 
 OPS = {
     **logprobs.OPS,  # token_logprobs, paired_logprobs, linear_logprobs

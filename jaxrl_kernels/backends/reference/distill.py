@@ -15,23 +15,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.dispatch.contract import Parts, Whole
 from jaxrl_kernels.formulas import divergence_math as dm
 from jaxrl_kernels.head.geometry import float32_logits as linear_logits
-from jaxrl_kernels.dispatch.contract import Parts, Whole
 
 
-def distill_divergence(hidden, weight, bias, t_hidden, t_weight, t_bias, *, weight_layout,
-                       teacher_weight_layout, divergence, beta, temperature, vocab_axes=()):
+def distill_divergence(
+    hidden,
+    weight,
+    bias,
+    t_hidden,
+    t_weight,
+    t_bias,
+    *,
+    weight_layout,
+    teacher_weight_layout,
+    divergence,
+    beta,
+    temperature,
+    vocab_axes=(),
+):
     """Per-row ``d`` [N] of flat hidden states [N, D_s] and [N, D_t]; no gradient to the
     teacher."""
     zs = linear_logits(hidden, weight, bias, weight_layout) / temperature
     zt = jax.lax.stop_gradient(
-        linear_logits(t_hidden, t_weight, t_bias, teacher_weight_layout) / temperature)
+        linear_logits(t_hidden, t_weight, t_bias, teacher_weight_layout) / temperature
+    )
     return dm.divergence_of_logits(zs, zt, divergence, beta, vocab_axes)
 
 
-def topk_logprobs(hidden, weight, bias, *, k, weight_layout, temperature, vocab_offset,
-                  vocab_axes=()):
+def topk_logprobs(
+    hidden, weight, bias, *, k, weight_layout, temperature, vocab_offset, vocab_axes=()
+):
     """``(values [N, k], ids [N, k] int32, lse [N])`` as in the chunked backend."""
     z = linear_logits(hidden, weight, bias, weight_layout) / temperature
     local_vocab = z.shape[-1]
@@ -47,14 +62,16 @@ def topk_logprobs(hidden, weight, bias, *, k, weight_layout, temperature, vocab_
     return values, ids, m + jnp.log(s)
 
 
-def topk_backward(hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weight_layout,
-                  temperature):
+def topk_backward(
+    hidden, weight, bias, local_ids, lse, g_values, g_lse, *, weight_layout, temperature
+):
     """(d_hidden, d_weight, d_bias | None) for cotangents of the values ``z[ids]`` [N, k] and of
     ``lse`` [N]: ``dz = g_lse p + Σ_j g_j onehot(id_j)`` on this device's slice of the logits
     (``local_ids`` outside ``[0, V_local)``: held by another slice), pulled back through
     ``z = (hidden·Wᵀ + b) / temperature`` by jax."""
-    z, pull = jax.vjp(lambda h, w, b: linear_logits(h, w, b, weight_layout) / temperature,
-                      hidden, weight, bias)
+    z, pull = jax.vjp(
+        lambda h, w, b: linear_logits(h, w, b, weight_layout) / temperature, hidden, weight, bias
+    )
     local_vocab = z.shape[-1]
     rows = jnp.broadcast_to(jnp.arange(z.shape[0])[:, None], local_ids.shape)
     at = jnp.where((local_ids >= 0) & (local_ids < local_vocab), local_ids, local_vocab)

@@ -13,11 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.head import geometry
-from jaxrl_kernels.formulas import sampler_math
-from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import vocab_chunks
 from jaxrl_kernels.dispatch.contract import Whole
+from jaxrl_kernels.formulas import sampler_math, softmax_math
+from jaxrl_kernels.head import geometry, vocab_chunks
 
 
 def _row_softmax(z, vocab_axes, return_entropy):
@@ -76,8 +74,7 @@ def _truncated_logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes
         n_shards = jax.lax.psum(1, vocab_axes)
         whole = jnp.zeros((z.shape[0], n_shards * z.shape[1]), z.dtype)
         offset = jax.lax.axis_index(vocab_axes) * z.shape[1]
-        z = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, z, offset, axis=1),
-                         vocab_axes)
+        z = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, z, offset, axis=1), vocab_axes)
     keep = jax.lax.stop_gradient(sampler_math.kept_mask(jax.lax.stop_gradient(z), truncation))
     in_range = (targets >= 0) & (targets < z.shape[-1])
     t = jnp.clip(targets, 0, z.shape[-1] - 1)
@@ -94,12 +91,17 @@ def _truncated_logprobs_from_z(z, targets, row_valid, return_entropy, vocab_axes
 
 def _flat_rows(fn, n_row_dims, targets, row_valid, *operands, **kw):
     flat = [None if x is None else x.reshape((-1,) + x.shape[n_row_dims:]) for x in operands]
-    logp, entropy, *inside = fn(*flat, targets.reshape((-1,) + targets.shape[n_row_dims:]),
-                                row_valid.reshape((-1,) + targets.shape[n_row_dims:]), **kw)
+    logp, entropy, *inside = fn(
+        *flat,
+        targets.reshape((-1,) + targets.shape[n_row_dims:]),
+        row_valid.reshape((-1,) + targets.shape[n_row_dims:]),
+        **kw,
+    )
     rows = targets.shape[:n_row_dims]
-    return (logp.reshape(targets.shape),
-            None if entropy is None else entropy.reshape(rows)) + tuple(
-                x.reshape(rows) for x in inside)
+    return (
+        logp.reshape(targets.shape),
+        None if entropy is None else entropy.reshape(rows),
+    ) + tuple(x.reshape(rows) for x in inside)
 
 
 def _per_row(targets, n_row_dims, truncation):
@@ -119,12 +121,17 @@ def _in_row_blocks(fn, rows: int | None):
     def blocked(*operands):
         n = operands[0].shape[0]
         count = max(1, -(-n // rows))
-        split = [jnp.pad(x, [(0, count * rows - n)] + [(0, 0)] * (x.ndim - 1))
-                 .reshape((count, rows) + x.shape[1:]) for x in operands]
+        split = [
+            jnp.pad(x, [(0, count * rows - n)] + [(0, 0)] * (x.ndim - 1)).reshape(
+                (count, rows) + x.shape[1:]
+            )
+            for x in operands
+        ]
         # behind barriers: one block, inlined, compiles as each block of a loop does
         barrier = jax.lax.optimization_barrier
         outs = jax.lax.map(lambda xs: barrier(fn(*barrier(xs))), split)
         return jax.tree.map(lambda y: y.reshape((count * rows,) + y.shape[2:])[:n], outs)
+
     return blocked
 
 
@@ -134,28 +141,54 @@ def _exact_f32(x):
     return None if x is None else x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def token_jnp(logits, targets, row_valid, *, temperature, return_entropy, vocab_axes=(),
-              n_row_dims=1, truncation=None, row_block=None):
+def token_jnp(
+    logits,
+    targets,
+    row_valid,
+    *,
+    temperature,
+    return_entropy,
+    vocab_axes=(),
+    n_row_dims=1,
+    truncation=None,
+    row_block=None,
+):
     """``row_block``: the rows in blocks of this many (:func:`_in_row_blocks`; batch-invariant)."""
     per_row = _per_row(targets, n_row_dims, truncation)
 
     def flat(logits, targets, row_valid):
         z = logits.astype(jnp.float32) / temperature
         return per_row(z, targets, row_valid, return_entropy, vocab_axes)
+
     return _flat_rows(_in_row_blocks(flat, row_block), n_row_dims, targets, row_valid, logits)
 
 
-def paired_jnp(policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(),
-               n_row_dims=1):
-    kw = dict(temperature=temperature, return_entropy=False, vocab_axes=vocab_axes,
-              n_row_dims=n_row_dims)
+def paired_jnp(
+    policy_logits, ref_logits, targets, row_valid, *, temperature, vocab_axes=(), n_row_dims=1
+):
+    kw = dict(
+        temperature=temperature, return_entropy=False, vocab_axes=vocab_axes, n_row_dims=n_row_dims
+    )
     logp, _ = token_jnp(policy_logits, targets, row_valid, **kw)
     ref, _ = token_jnp(jax.lax.stop_gradient(ref_logits), targets, row_valid, **kw)
     return logp, ref
 
 
-def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, temperature,
-               return_entropy, vocab_axes=(), n_row_dims=1, truncation=None, row_block=None):
+def linear_jnp(
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    return_entropy,
+    vocab_axes=(),
+    n_row_dims=1,
+    truncation=None,
+    row_block=None,
+):
     """Log-probs at ``targets`` [*rows] or at K ids per row [*rows, K] (``n_row_dims``
     leading dimensions of ``hidden`` are rows); under a ``truncation`` also whether each
     target is in its row's kept set. ``row_block``: the rows in blocks of this many
@@ -167,6 +200,7 @@ def linear_jnp(hidden, weight, bias, targets, row_valid, *, weight_layout, tempe
     def flat(hidden, targets, row_valid):
         z = geometry.float32_logits(hidden, weight, bias, weight_layout) / temperature
         return per_row(z, targets, row_valid, return_entropy, vocab_axes)
+
     return _flat_rows(_in_row_blocks(flat, row_block), n_row_dims, targets, row_valid, hidden)
 
 

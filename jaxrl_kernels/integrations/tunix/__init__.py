@@ -36,11 +36,19 @@ from __future__ import annotations
 from tunix.rl import function_registry
 
 from jaxrl_kernels.integrations.tunix.cluster import KernelLogprobs, use_kernel_logprobs
-from jaxrl_kernels.integrations.tunix.logprobs import (check_model, compute_per_token_logps,
-                                                       find_head, policy_logprobs)
-from jaxrl_kernels.integrations.tunix.losses import (GRPO_LOSS_NAME, PPO_LOSS_NAME,
-                                                     grpo_policy_loss, ppo_policy_loss,
-                                                     sampler_matched_loss)
+from jaxrl_kernels.integrations.tunix.logprobs import (
+    check_model,
+    compute_per_token_logps,
+    find_head,
+    policy_logprobs,
+)
+from jaxrl_kernels.integrations.tunix.losses import (
+    GRPO_LOSS_NAME,
+    PPO_LOSS_NAME,
+    grpo_policy_loss,
+    ppo_policy_loss,
+    sampler_matched_loss,
+)
 from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, sampler_settings
 
 function_registry.register_policy_loss_fn(GRPO_LOSS_NAME)(grpo_policy_loss)

@@ -40,12 +40,16 @@ itself (its prefill computes the prompt's logits and each decoding step one [B, 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jaxrl_kernels.integrations.tunix.logprobs import check_model, compute_per_token_logps
-from jaxrl_kernels.integrations.tunix.losses import (GRPO_LOSS_NAME, PPO_LOSS_NAME,
-                                                     grpo_policy_loss, ppo_policy_loss,
-                                                     sampler_matched_loss)
+from jaxrl_kernels.integrations.tunix.losses import (
+    GRPO_LOSS_NAME,
+    PPO_LOSS_NAME,
+    grpo_policy_loss,
+    ppo_policy_loss,
+    sampler_matched_loss,
+)
 from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, sampler_settings
 
 _MISSING = object()
@@ -109,16 +113,18 @@ class KernelLogprobs:
         while self._undo:
             self._undo.pop()()
 
-    def __enter__(self) -> "KernelLogprobs":
+    def __enter__(self) -> KernelLogprobs:
         return self
 
     def __exit__(self, *exc) -> None:
         self.restore()
 
     def __repr__(self) -> str:
-        return (f"KernelLogprobs(patched={self.patched}, skipped={self.skipped}, "
-                f"calls={self.calls}, sampler={self.sampler}, loss={self.loss!r}, "
-                f"active={self.active})")
+        return (
+            f"KernelLogprobs(patched={self.patched}, skipped={self.skipped}, "
+            f"calls={self.calls}, sampler={self.sampler}, loss={self.loss!r}, "
+            f"active={self.active})"
+        )
 
 
 def _reference(handle: KernelLogprobs, worker, backend, sampler) -> None:
@@ -130,17 +136,23 @@ def _reference(handle: KernelLogprobs, worker, backend, sampler) -> None:
     check_model(model)
     truncation = {} if sampler is None else dict(sampler=sampler.sampler)
 
-    def get_ref_per_token_logps(prompt_tokens, completion_tokens, pad_id, eos_id,
-                                temperature=1.0):
+    def get_ref_per_token_logps(prompt_tokens, completion_tokens, pad_id, eos_id, temperature=1.0):
         """jaxrl_kernels' version of InferenceWorker.get_ref_per_token_logps (same result;
         with sampler matching, the log-probs of the sampler's truncated distribution at its
         temperature)."""
         graphdef, state = worker._model_states["reference"]
         return compute_per_token_logps(
-            graphdef, state, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            pad_id=pad_id, eos_id=eos_id, stop_gradient=True,
+            graphdef,
+            state,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            pad_id=pad_id,
+            eos_id=eos_id,
+            stop_gradient=True,
             temperature=temperature if sampler is None else sampler.temperature,
-            backend=backend, **truncation)
+            backend=backend,
+            **truncation,
+        )
 
     handle._set(worker, "get_ref_per_token_logps", "reference", get_ref_per_token_logps)
 
@@ -151,12 +163,14 @@ def _rollout(handle: KernelLogprobs, rollout, backend, sampler) -> None:
     if not isinstance(rollout, vanilla_rollout.VanillaRollout):
         handle.skipped["rollout"] = (
             f"{type(rollout).__name__} keeps its own get_per_token_logps (only tunix's "
-            "'vanilla' rollout is served)")
+            "'vanilla' rollout is served)"
+        )
         return
     check_model(rollout.model())
     # tunix: temperature 1 (the default); sampler-matched: the sampler's, and its truncation
-    matched = {} if sampler is None else dict(temperature=sampler.temperature,
-                                              sampler=sampler.sampler)
+    matched = (
+        {} if sampler is None else dict(temperature=sampler.temperature, sampler=sampler.sampler)
+    )
 
     def get_per_token_logps(prompt_tokens, completion_tokens):
         """jaxrl_kernels' version of VanillaRollout.get_per_token_logps (same result: tunix
@@ -164,9 +178,16 @@ def _rollout(handle: KernelLogprobs, rollout, backend, sampler) -> None:
         those of the sampler's truncated distribution at its temperature)."""
         graphdef, state = rollout._sampler.model_def_and_state()
         return compute_per_token_logps(
-            graphdef, state, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            pad_id=rollout.pad_id(), eos_id=rollout.eos_id(), stop_gradient=True,
-            backend=backend, **matched)
+            graphdef,
+            state,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            pad_id=rollout.pad_id(),
+            eos_id=rollout.eos_id(),
+            stop_gradient=True,
+            backend=backend,
+            **matched,
+        )
 
     handle._set(rollout, "get_per_token_logps", "rollout", get_per_token_logps)
 
@@ -178,8 +199,10 @@ def _sampler_of(rl_cluster, sampler_matched) -> SamplerSettings | None:
         return sampler_settings(rl_cluster)
     if isinstance(sampler_matched, SamplerSettings):
         return sampler_matched
-    raise TypeError(f"sampler_matched: expected a bool or a SamplerSettings, got "
-                    f"{type(sampler_matched).__name__}")
+    raise TypeError(
+        f"sampler_matched: expected a bool or a SamplerSettings, got "
+        f"{type(sampler_matched).__name__}"
+    )
 
 
 def _check_algo_config(rl_cluster, algo_config) -> None:
@@ -188,20 +211,23 @@ def _check_algo_config(rl_cluster, algo_config) -> None:
             "use_kernel_logprobs(sampler_matched=...): pass algo_config= (the learner's "
             f"GRPOConfig / PPOConfig, policy_loss_fn {GRPO_LOSS_NAME!r} / {PPO_LOSS_NAME!r}), so "
             "that the policy loss takes the current policy's log-probs from the same "
-            "distribution as the old-policy and reference log-probs")
+            "distribution as the old-policy and reference log-probs"
+        )
     loss = getattr(algo_config, "policy_loss_fn", None)
     if loss not in (GRPO_LOSS_NAME, PPO_LOSS_NAME):
         raise ValueError(
             f"use_kernel_logprobs(sampler_matched=...): algo_config.policy_loss_fn = {loss!r}; "
             f"expected {GRPO_LOSS_NAME!r} or {PPO_LOSS_NAME!r} (tunix's own losses take the "
             "current policy's log-probs over the whole vocabulary, and their ratio would "
-            "compare them with the truncated old-policy log-probs)")
+            "compare them with the truncated old-policy log-probs)"
+        )
     if _bound_plain_loss(rl_cluster):
         raise ValueError(
             "use_kernel_logprobs(sampler_matched=...): a learner has already taken "
             f"{loss!r} from the registry for this cluster's actor trainer; call "
             "use_kernel_logprobs before building the learner, so that it takes the "
-            "sampler-matched variant")
+            "sampler-matched variant"
+        )
 
 
 def _bound_plain_loss(rl_cluster) -> bool:
@@ -223,10 +249,15 @@ def _bound_plain_loss(rl_cluster) -> bool:
     return False
 
 
-def use_kernel_logprobs(rl_cluster, *, reference: bool = True, rollout: bool = True,
-                        backend: str | None = None,
-                        sampler_matched: bool | SamplerSettings = False,
-                        algo_config=None) -> KernelLogprobs:
+def use_kernel_logprobs(
+    rl_cluster,
+    *,
+    reference: bool = True,
+    rollout: bool = True,
+    backend: str | None = None,
+    sampler_matched: bool | SamplerSettings = False,
+    algo_config=None,
+) -> KernelLogprobs:
     """Serve ``rl_cluster``'s reference and rollout-policy log-probs with jaxrl_kernels.
 
     ``reference`` / ``rollout``: which of the two passes to take over. ``backend``:

@@ -56,7 +56,8 @@ def _value(variable):
 def _unsupported(model, what: str) -> NotImplementedError:
     return NotImplementedError(
         f"jaxrl_kernels.integrations.tunix: cannot serve {type(model).__name__}: {what}. "
-        "Its log-probs need the model's [B, T, V] logits; use tunix's own loss for it.")
+        "Its log-probs need the model's [B, T, V] logits; use tunix's own loss for it."
+    )
 
 
 def _tied_flag(model):
@@ -69,31 +70,43 @@ def _tied_flag(model):
 
 def _no_lora(model, module, where: str) -> None:
     if len(nnx.state(module, nnx.LoRAParam)):
-        raise _unsupported(model, f"{where} carries LoRA parameters, so its logits are not one "
-                                  "product with a single weight")
+        raise _unsupported(
+            model,
+            f"{where} carries LoRA parameters, so its logits are not one "
+            "product with a single weight",
+        )
 
 
 def find_head(model) -> Head:
     """The LM head of a tunix model, or ``NotImplementedError`` saying why there is none."""
     softcap = getattr(model, "final_logits_softcap", None)
     if softcap is not None:
-        raise _unsupported(model, f"final_logits_softcap = {softcap} maps its logits through tanh, "
-                                  "and jaxrl_kernels' ops take log-softmax of a linear head")
+        raise _unsupported(
+            model,
+            f"final_logits_softcap = {softcap} maps its logits through tanh, "
+            "and jaxrl_kernels' ops take log-softmax of a linear head",
+        )
     tied = _tied_flag(model)
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None and tied is not True:
         einsum = getattr(lm_head, "einsum_str", None)
         weight = getattr(lm_head, "w", None)
         if einsum != LM_HEAD_EINSUM or weight is None:
-            raise _unsupported(model, f"its lm_head is not an Einsum {LM_HEAD_EINSUM!r} with "
-                                      f"weight `w` (einsum_str={einsum!r})")
+            raise _unsupported(
+                model,
+                f"its lm_head is not an Einsum {LM_HEAD_EINSUM!r} with "
+                f"weight `w` (einsum_str={einsum!r})",
+            )
         _no_lora(model, lm_head, "lm_head")
         return Head(_value(weight), "dv", getattr(lm_head, "dtype", None))
     embedder = getattr(model, "embedder", None)
     table = getattr(embedder, "input_embedding", None)
     if table is None:
-        raise _unsupported(model, "it has neither an `lm_head` Einsum [D, V] nor a tied "
-                                  "`embedder.input_embedding` [V, D]")
+        raise _unsupported(
+            model,
+            "it has neither an `lm_head` Einsum [D, V] nor a tied "
+            "`embedder.input_embedding` [V, D]",
+        )
     return Head(_value(table), "vd", getattr(embedder, "dtype", None))
 
 
@@ -107,18 +120,26 @@ def _call_parameters(model):
 def check_model(model) -> None:
     """Raise ``NotImplementedError`` unless ``model`` exposes final hidden states and a head."""
     if "output_hidden_states" not in _call_parameters(model):
-        raise _unsupported(model, "its __call__ takes no `output_hidden_states`, so its final "
-                                  "hidden states cannot be read")
+        raise _unsupported(
+            model,
+            "its __call__ takes no `output_hidden_states`, so its final "
+            "hidden states cannot be read",
+        )
     find_head(model)
 
 
 def _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids):
     """The keyword arguments tunix's compute_per_token_logps gives the model."""
     params = _call_parameters(model)
-    kwargs = {"positions": positions, "cache": None, "attention_mask": attn_mask,
-              "output_hidden_states": True}
+    kwargs = {
+        "positions": positions,
+        "cache": None,
+        "attention_mask": attn_mask,
+        "output_hidden_states": True,
+    }
     takes_segments = "segment_ids" in params or any(
-        p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
     if takes_segments:
         if segment_ids is not None:
             kwargs["segment_ids"] = segment_ids
@@ -139,8 +160,9 @@ def _context_mesh():
 def _is_explicit_or_manual(mesh) -> bool:
     """Whether shardings are part of the types here: Explicit mesh axes, or inside shard_map."""
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    return (any(t == explicit for t in getattr(mesh, "axis_types", ()))
-            or bool(getattr(mesh, "manual_axes", ())))
+    return any(t == explicit for t in getattr(mesh, "axis_types", ())) or bool(
+        getattr(mesh, "manual_axes", ())
+    )
 
 
 def head_layout(hidden):
@@ -198,11 +220,11 @@ class HeadRows:
     """What the policy's log-probs are taken from: the final hidden states of the positions
     that predict the completion (or, packed, every next token), the LM head, the targets."""
 
-    hidden: jax.Array    # [B, K, D] in the head's dtype
-    weight: jax.Array    # [V, D] ("vd") or [D, V] ("dv")
+    hidden: jax.Array  # [B, K, D] in the head's dtype
+    weight: jax.Array  # [V, D] ("vd") or [D, V] ("dv")
     layout: str
-    targets: jax.Array   # [B, K]
-    packed: bool         # K = L - 1: the outputs get position 0 back (logp 0, entropy log V)
+    targets: jax.Array  # [B, K]
+    packed: bool  # K = L - 1: the outputs get position 0 back (logp 0, entropy log V)
 
     def pad(self, logp, entropy):
         """tunix's layout of (logp, entropy | None): packed, position 0 holds logp = 0 and the
@@ -212,8 +234,9 @@ class HeadRows:
         vocab = self.weight.shape[0 if self.layout == "vd" else 1]
         logp = jnp.pad(logp, ((0, 0), (1, 0)))
         if entropy is not None:
-            entropy = jnp.pad(entropy, ((0, 0), (1, 0)),
-                              constant_values=jnp.log(jnp.float32(vocab)))
+            entropy = jnp.pad(
+                entropy, ((0, 0), (1, 0)), constant_values=jnp.log(jnp.float32(vocab))
+            )
         return logp, entropy
 
     def pad_kept(self, kept):
@@ -222,25 +245,51 @@ class HeadRows:
         return jnp.pad(kept, ((0, 0), (1, 0)), constant_values=True) if self.packed else kept
 
 
-def policy_head_rows(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
-                     segment_ids=None, segment_positions=None) -> HeadRows:
+def policy_head_rows(
+    model,
+    prompt_tokens,
+    completion_tokens,
+    *,
+    pad_id,
+    eos_id,
+    segment_ids=None,
+    segment_positions=None,
+) -> HeadRows:
     """The model's forward up to its final hidden states, and what the head's log-probs of the
     completion (or of a packed sequence's next tokens) need (:class:`HeadRows`)."""
     check_model(model)
     input_tokens, positions, attn_mask, pad_segments = common.process_ids(
-        prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
+        prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions
+    )
     kwargs = _model_kwargs(model, positions, attn_mask, pad_segments, segment_ids)
     hidden, head = final_hidden_states(model, input_tokens, kwargs)
     packed = segment_ids is not None
     keep = input_tokens.shape[1] - 1 if packed else completion_tokens.shape[1]
     dtype = head.dtype if head.dtype is not None else jnp.result_type(hidden, head.weight)
-    return HeadRows(hidden[:, -keep - 1:-1].astype(dtype), head.weight.astype(dtype),
-                    head.layout, input_tokens[:, -keep:], packed)
+    return HeadRows(
+        hidden[:, -keep - 1 : -1].astype(dtype),
+        head.weight.astype(dtype),
+        head.layout,
+        input_tokens[:, -keep:],
+        packed,
+    )
 
 
-def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
-                    segment_ids=None, segment_positions=None, temperature=1.0,
-                    return_entropy=False, backend=None, memory=None, sampler=None):
+def policy_logprobs(
+    model,
+    prompt_tokens,
+    completion_tokens,
+    *,
+    pad_id,
+    eos_id,
+    segment_ids=None,
+    segment_positions=None,
+    temperature=1.0,
+    return_entropy=False,
+    backend=None,
+    memory=None,
+    sampler=None,
+):
     """tunix's ``compute_per_token_logps(..., return_logits=True)`` without the logits.
 
     Returns (logp, entropy or None), float32 [B, C] for completions of length C, or [B, L]
@@ -253,23 +302,57 @@ def policy_logprobs(model, prompt_tokens, completion_tokens, *, pad_id, eos_id,
     are then those of the truncated, renormalised distribution (sampler matching,
     :mod:`.sampler`).
     """
-    rows = policy_head_rows(model, prompt_tokens, completion_tokens, pad_id=pad_id,
-                            eos_id=eos_id, segment_ids=segment_ids,
-                            segment_positions=segment_positions)
-    out = jk.linear_logprobs(rows.hidden, rows.weight, rows.targets, weight_layout=rows.layout,
-                             temperature=tunix_temperature(temperature),
-                             return_entropy=return_entropy, backend=backend, memory=memory,
-                             sampler=sampler)
+    rows = policy_head_rows(
+        model,
+        prompt_tokens,
+        completion_tokens,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        segment_ids=segment_ids,
+        segment_positions=segment_positions,
+    )
+    out = jk.linear_logprobs(
+        rows.hidden,
+        rows.weight,
+        rows.targets,
+        weight_layout=rows.layout,
+        temperature=tunix_temperature(temperature),
+        return_entropy=return_entropy,
+        backend=backend,
+        memory=memory,
+        sampler=sampler,
+    )
     return rows.pad(*(out if return_entropy else (out, None)))
 
 
-@functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient",
-                                             "return_logits", "temperature", "backend",
-                                             "sampler"))
-def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id, eos_id,
-                            images=None, stop_gradient=True, return_logits=False,
-                            segment_ids=None, segment_positions=None, temperature=1.0,
-                            backend=None, sampler=None):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "pad_id",
+        "eos_id",
+        "stop_gradient",
+        "return_logits",
+        "temperature",
+        "backend",
+        "sampler",
+    ),
+)
+def compute_per_token_logps(
+    graphdef,
+    state,
+    prompt_tokens,
+    completion_tokens,
+    pad_id,
+    eos_id,
+    images=None,
+    stop_gradient=True,
+    return_logits=False,
+    segment_ids=None,
+    segment_positions=None,
+    temperature=1.0,
+    backend=None,
+    sampler=None,
+):
     """tunix's ``common.compute_per_token_logps`` (same arguments, same result) without logits.
 
     The per-token log-probs of the completion under ``nnx.merge(graphdef, state)``, float32
@@ -287,14 +370,24 @@ def compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, p
     if return_logits:
         raise NotImplementedError(
             "compute_per_token_logps(return_logits=True): the logits are what this function "
-            "never builds; use tunix.rl.common.compute_per_token_logps")
+            "never builds; use tunix.rl.common.compute_per_token_logps"
+        )
     if images is not None:
         raise NotImplementedError(
             "compute_per_token_logps(images=...): multimodal inputs are not supported; use "
-            "tunix.rl.common.compute_per_token_logps")
+            "tunix.rl.common.compute_per_token_logps"
+        )
     model = nnx.merge(graphdef, state)
-    logp, _ = policy_logprobs(model, prompt_tokens, completion_tokens, pad_id=pad_id,
-                              eos_id=eos_id, segment_ids=segment_ids,
-                              segment_positions=segment_positions, temperature=temperature,
-                              backend=backend, sampler=sampler)
+    logp, _ = policy_logprobs(
+        model,
+        prompt_tokens,
+        completion_tokens,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        segment_ids=segment_ids,
+        segment_positions=segment_positions,
+        temperature=temperature,
+        backend=backend,
+        sampler=sampler,
+    )
     return jax.lax.stop_gradient(logp) if stop_gradient else logp

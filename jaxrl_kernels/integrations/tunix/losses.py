@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -100,20 +100,39 @@ def _example_loss(model, example, pad_id, eos_id, terms: LossTerms, kwargs):
     primitive (lean: nothing [B, T, V] kept; fast with a truncation: the logits kept for the
     backward). With a truncation, ``aux`` gains ``"outside_kept_set"``: how many completion
     tokens (mask != 0) lie outside their position's kept set."""
-    rows = policy_head_rows(model, example.prompt_ids, example.completion_ids, pad_id=pad_id,
-                            eos_id=eos_id, segment_ids=getattr(example, "segment_ids", None),
-                            segment_positions=getattr(example, "segment_positions", None))
-    call = HeadCall(weight_layout=rows.layout, temperature=terms.temperature,
-                    return_entropy=terms.with_entropy,
-                    truncation=None if terms.sampler is None else terms.sampler.truncation)
+    rows = policy_head_rows(
+        model,
+        example.prompt_ids,
+        example.completion_ids,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        segment_ids=getattr(example, "segment_ids", None),
+        segment_positions=getattr(example, "segment_positions", None),
+    )
+    call = HeadCall(
+        weight_layout=rows.layout,
+        temperature=terms.temperature,
+        return_entropy=terms.with_entropy,
+        truncation=None if terms.sampler is None else terms.sampler.truncation,
+    )
 
     def loss_fn(logp, entropy, inputs):
         return terms.loss_of_logprobs(*rows.pad(logp, entropy), inputs)
 
     valid = jnp.ones(rows.targets.shape, jnp.bool_)
     (loss, aux), kept = head_entry.loss_rows(
-        terms.op, loss_fn, terms.inputs, rows.hidden, rows.weight, None, rows.targets, valid,
-        call, memory=kwargs.get("memory"), backend=kwargs.get("backend"))
+        terms.op,
+        loss_fn,
+        terms.inputs,
+        rows.hidden,
+        rows.weight,
+        None,
+        rows.targets,
+        valid,
+        call,
+        memory=kwargs.get("memory"),
+        backend=kwargs.get("backend"),
+    )
     if kept is None:
         return loss, aux
     outside = (terms.inputs["mask"] != 0) & ~rows.pad_kept(kept)
@@ -131,7 +150,8 @@ def _loss_temperature(algo_config, sampler, tunix_value):
         raise ValueError(
             f"sampler.temperature = {sampler.temperature} but "
             f"algo_config.temperature = {own}: sampler-matched log-probs take one temperature, "
-            "the rollout's")
+            "the rollout's"
+        )
     return sampler.temperature
 
 
@@ -183,14 +203,21 @@ def grpo_loss_terms(train_example, algo_config, sampler=None) -> LossTerms:
     epsilon = algo_config.epsilon
     epsilon_high = getattr(algo_config, "epsilon_high", epsilon)
     beta = algo_config.beta
-    inputs = dict(mask=train_example.completion_mask,
-                  adv=train_example.advantages.astype(jnp.float32),
-                  old=train_example.old_per_token_logps, ref=train_example.ref_per_token_logps,
-                  weights=getattr(train_example, "sampler_is_weights", None))
+    inputs = dict(
+        mask=train_example.completion_mask,
+        adv=train_example.advantages.astype(jnp.float32),
+        old=train_example.old_per_token_logps,
+        ref=train_example.ref_per_token_logps,
+        weights=getattr(train_example, "sampler_is_weights", None),
+    )
     return LossTerms(
-        functools.partial(_grpo_loss, algo_config, epsilon, epsilon_high, beta, mode), inputs,
-        _loss_temperature(algo_config, sampler, algo_config.temperature), True, sampler,
-        "linear_grpo_loss")
+        functools.partial(_grpo_loss, algo_config, epsilon, epsilon_high, beta, mode),
+        inputs,
+        _loss_temperature(algo_config, sampler, algo_config.temperature),
+        True,
+        sampler,
+        "linear_grpo_loss",
+    )
 
 
 def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
@@ -203,9 +230,14 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.
     """
-    return _example_loss(model, train_example, pad_id, eos_id,
-                         grpo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
-                         kwargs)
+    return _example_loss(
+        model,
+        train_example,
+        pad_id,
+        eos_id,
+        grpo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
+        kwargs,
+    )
 
 
 def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, inputs):
@@ -216,8 +248,9 @@ def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, in
 
     log_ratio, ppo_kl = _grpo_log_ratio(logp, old, mask, algo_config.loss_algo)
     ratio = jnp.exp(log_ratio)
-    pg, unclipped, clipped, dual = _surrogate(ratio, adv, epsilon, epsilon_high,
-                                              getattr(algo_config, "epsilon_c", None))
+    pg, unclipped, clipped, dual = _surrogate(
+        ratio, adv, epsilon, epsilon_high, getattr(algo_config, "epsilon_c", None)
+    )
     weights = inputs["weights"]
     if weights is not None:
         weights = weights.astype(jnp.float32)
@@ -232,10 +265,12 @@ def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, in
         "ppo_kl": ppo_kl,
         "pg_clipfrac_lower": tm.aggregate(dual, mask, mode),
         **_grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask),
-        "sampler_is/weight_mean": (jnp.float32(1.0) if weights is None
-                                   else tm.masked_mean(weights, mask)),
-        "sampler_is/weight_min": (jnp.float32(1.0) if weights is None
-                                  else tm.masked_min(weights, mask)),
+        "sampler_is/weight_mean": (
+            jnp.float32(1.0) if weights is None else tm.masked_mean(weights, mask)
+        ),
+        "sampler_is/weight_min": (
+            jnp.float32(1.0) if weights is None else tm.masked_min(weights, mask)
+        ),
     }
     ref = inputs["ref"]
     if ref is not None:
@@ -253,15 +288,26 @@ def ppo_loss_terms(train_example, algo_config, sampler=None) -> LossTerms:
     as tunix's; with a ``sampler``, sampler matching, at the sampler's)."""
     old = train_example.old_per_token_logps
     if old is None:
-        raise ValueError("train_example.old_per_token_logps: PPO's ratio needs the rollout "
-                         "policy's log-probs, got None")
+        raise ValueError(
+            "train_example.old_per_token_logps: PPO's ratio needs the rollout "
+            "policy's log-probs, got None"
+        )
     entropy_coef = algo_config.entropy_coef
     with_entropy = entropy_coef is not None and entropy_coef != 0.0
-    inputs = dict(mask=train_example.completion_mask, adv=train_example.advantages, old=old,
-                  ref=train_example.ref_per_token_logps)
-    return LossTerms(functools.partial(_ppo_loss, algo_config, entropy_coef, with_entropy),
-                     inputs, _loss_temperature(algo_config, sampler, 1.0), with_entropy,
-                     sampler, "linear_ppo_loss")
+    inputs = dict(
+        mask=train_example.completion_mask,
+        adv=train_example.advantages,
+        old=old,
+        ref=train_example.ref_per_token_logps,
+    )
+    return LossTerms(
+        functools.partial(_ppo_loss, algo_config, entropy_coef, with_entropy),
+        inputs,
+        _loss_temperature(algo_config, sampler, 1.0),
+        with_entropy,
+        sampler,
+        "linear_ppo_loss",
+    )
 
 
 def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
@@ -274,18 +320,27 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.
     """
-    return _example_loss(model, train_example, pad_id, eos_id,
-                         ppo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
-                         kwargs)
+    return _example_loss(
+        model,
+        train_example,
+        pad_id,
+        eos_id,
+        ppo_loss_terms(train_example, algo_config, loss_sampler(kwargs)),
+        kwargs,
+    )
 
 
 def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
     """tunix's PPO policy loss and metrics on the per-token log-probs."""
     mask, adv, old = inputs["mask"], inputs["adv"], inputs["old"]
     ratio = jnp.exp(logp - old)
-    pg, unclipped, clipped, dual = _surrogate(ratio, adv, algo_config.epsilon_low,
-                                              algo_config.epsilon_high,
-                                              getattr(algo_config, "epsilon_c", None))
+    pg, unclipped, clipped, dual = _surrogate(
+        ratio,
+        adv,
+        algo_config.epsilon_low,
+        algo_config.epsilon_high,
+        getattr(algo_config, "epsilon_c", None),
+    )
     aux = {
         "pg_clipfrac": tm.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
         "pg_clipfrac_lower": tm.masked_mean(dual, mask),
@@ -296,8 +351,9 @@ def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
         loss = loss - entropy_coef * aux["loss/entropy"]
     kl_coef = getattr(algo_config, "kl_coef", 0.0)
     if kl_coef > 0.0 and inputs["ref"] is not None:
-        kl = tm.kl_divergence(logp, inputs["ref"], "kl",
-                              getattr(algo_config, "kl_clamp_value", None))
+        kl = tm.kl_divergence(
+            logp, inputs["ref"], "kl", getattr(algo_config, "kl_clamp_value", None)
+        )
         aux["kl"] = tm.masked_mean(kl, mask)
         loss = loss + kl_coef * aux["kl"]
     return loss, aux
@@ -316,30 +372,38 @@ def sampler_matched_loss(loss_name: str, sampler: SamplerSettings) -> str:
     """
     losses = {GRPO_LOSS_NAME: grpo_policy_loss, PPO_LOSS_NAME: ppo_policy_loss}
     if loss_name not in losses:
-        raise ValueError(f"sampler_matched_loss: expected {GRPO_LOSS_NAME!r} or "
-                         f"{PPO_LOSS_NAME!r}, got {loss_name!r}")
+        raise ValueError(
+            f"sampler_matched_loss: expected {GRPO_LOSS_NAME!r} or "
+            f"{PPO_LOSS_NAME!r}, got {loss_name!r}"
+        )
     if not isinstance(sampler, SamplerSettings):
-        raise TypeError(f"sampler_matched_loss: expected a SamplerSettings, got "
-                        f"{type(sampler).__name__}")
-    fields = ",".join(f"{f.name}={getattr(sampler, f.name)!r}"
-                      for f in dataclasses.fields(sampler) if getattr(sampler, f.name) is not None)
+        raise TypeError(
+            f"sampler_matched_loss: expected a SamplerSettings, got {type(sampler).__name__}"
+        )
+    fields = ",".join(
+        f"{f.name}={getattr(sampler, f.name)!r}"
+        for f in dataclasses.fields(sampler)
+        if getattr(sampler, f.name) is not None
+    )
     name = f"{loss_name}[{fields}]"
     try:
         function_registry.get_policy_loss_fn(name)
     except LookupError:
-        function_registry.register_policy_loss_fn(name)(_matched(losses[loss_name], sampler,
-                                                                 name))
+        function_registry.register_policy_loss_fn(name)(_matched(losses[loss_name], sampler, name))
     return name
 
 
 def _matched(loss_fn, sampler, name):
     def loss(model, train_example, algo_config, pad_id, eos_id, **kwargs):
-        return loss_fn(model, train_example, algo_config, pad_id, eos_id,
-                       **{**kwargs, "sampler": sampler})
+        return loss_fn(
+            model, train_example, algo_config, pad_id, eos_id, **{**kwargs, "sampler": sampler}
+        )
 
     loss.__name__ = loss.__qualname__ = f"{loss_fn.__name__}_sampler_matched"
-    loss.__doc__ = (f"{name!r}: {loss_fn.__name__} with sampler={sampler} (sampler-matched "
-                    "log-probs; jaxrl_kernels.integrations.tunix.sampler_matched_loss).")
+    loss.__doc__ = (
+        f"{name!r}: {loss_fn.__name__} with sampler={sampler} (sampler-matched "
+        "log-probs; jaxrl_kernels.integrations.tunix.sampler_matched_loss)."
+    )
     loss.sampler = sampler
     loss.base = loss_fn
     return loss

@@ -54,8 +54,11 @@ class SamplerSettings:
 
     def __post_init__(self):
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
-                math.isfinite(t) and t > 0):
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not (math.isfinite(t) and t > 0)
+        ):
             raise ValueError(f"temperature: expected a finite float > 0, got {t!r}")
         truncation = self.sampler.truncation()  # checks the fields
         object.__setattr__(self, "temperature", float(t))
@@ -73,7 +76,7 @@ class SamplerSettings:
         return self.sampler.truncation()
 
     @classmethod
-    def from_rollout_config(cls, rollout_config) -> "SamplerSettings":
+    def from_rollout_config(cls, rollout_config) -> SamplerSettings:
         """The settings of a tunix ``RolloutConfig`` (see the module docstring's table):
         ``top_k`` None / <= 0 and ``top_p`` None / >= 1 are off; ``temperature`` 0 (greedy
         decoding: every sampled token has probability 1) and ``top_p`` <= 0 raise
@@ -85,13 +88,15 @@ class SamplerSettings:
                 "sampler-matched log-probs: the rollout's temperature is 0 (greedy decoding), "
                 "so the sampled distribution puts probability 1 on each sampled token; there "
                 "is nothing to match. Sample at a temperature > 0, or leave sampler matching "
-                "off")
+                "off"
+            )
         top_k = rollout_config.top_k
         top_k = None if top_k is None or int(top_k) <= 0 else int(top_k)
         top_p = rollout_config.top_p
         if top_p is not None and top_p <= 0:
-            raise ValueError(f"rollout_config.top_p: expected None or a float in (0, 1], got "
-                             f"{top_p!r}")
+            raise ValueError(
+                f"rollout_config.top_p: expected None or a float in (0, 1], got {top_p!r}"
+            )
         top_p = None if top_p is None or top_p >= 1 else float(top_p)
         return cls(float(temperature), top_k, top_p)
 
@@ -110,12 +115,14 @@ def sampler_settings(rl_cluster) -> SamplerSettings:
     from tunix.rl.rollout import vanilla_rollout
 
     config = rl_cluster.get_rollout_config(rl_cluster_lib.Mode.TRAIN)
-    if config.top_p is None and isinstance(getattr(rl_cluster, "rollout", None),
-                                           vanilla_rollout.VanillaRollout):
+    if config.top_p is None and isinstance(
+        getattr(rl_cluster, "rollout", None), vanilla_rollout.VanillaRollout
+    ):
         raise ValueError(
             "sampler-matched log-probs: the rollout config's top_p is None, and tunix's "
             "vanilla sampler then decodes greedily (probability 1 for each sampled token); "
-            "set top_p (1.0: no nucleus truncation) or leave sampler matching off")
+            "set top_p (1.0: no nucleus truncation) or leave sampler matching off"
+        )
     return SamplerSettings.from_rollout_config(config)
 
 
@@ -124,6 +131,7 @@ def loss_sampler(kwargs) -> SamplerSettings | None:
     log-probs)."""
     sampler = kwargs.get("sampler")
     if sampler is not None and not isinstance(sampler, SamplerSettings):
-        raise TypeError(f"sampler: expected a SamplerSettings or None, got "
-                        f"{type(sampler).__name__}")
+        raise TypeError(
+            f"sampler: expected a SamplerSettings or None, got {type(sampler).__name__}"
+        )
     return sampler

@@ -23,8 +23,13 @@ import jax.numpy as jnp
 
 import jaxrl_kernels as jk
 
-AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
-             "seq-mean-token-sum", "sequence-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "sequence-mean-token-mean",
+    "sequence-mean-token-scale",
+    "seq-mean-token-sum",
+    "sequence-mean-token-sum-norm",
+)
 KL_METHODS = ("kl", "mse_kl", "low_var_kl")
 _SPEC_MODES = {"token-mean": "token_mean", "sequence-mean-token-mean": "seq_mean_token_mean"}
 _SPEC_KL = {"kl": "k1", "mse_kl": "k2"}
