@@ -28,71 +28,19 @@ from jaxrl_kernels.config.policy import (
 )
 from jaxrl_kernels.config.sampler import KEYWORDS as SAMPLER_KEYWORDS
 from jaxrl_kernels.config.sampler import Sampler, truncation_of
-from jaxrl_kernels.engine import head_entry
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
 from jaxrl_kernels.ops.policy_terms import (
     grpo_advantages,
     grpo_from_logprobs,
     kernel_config,
+    linear_inputs,
+    linear_loss,
     run_ppo,
 )
-from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
 _SAMPLER = legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS)
-
-
-def _linear_inputs(hidden, weight, bias, weight_layout, actions, mask, vocab_axis):
-    """The head and the per-token arrays every linear loss takes, checked."""
-    hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
-    vocab = global_vocab(local_vocab, vocab_axis)
-    check.rank("hidden", hidden, 3, "[B, T, D]")
-    shape = hidden.shape[:2]
-    actions = check.integer("actions", actions)
-    check.shape("actions", actions, shape, "[B, T]")
-    mask = check.token_mask(mask, shape)
-    check.targets_in_range("actions", actions, vocab, mask=mask)
-    return hidden, weight, bias, actions, mask
-
-
-def _linear_loss(
-    op,
-    loss_fn,
-    inputs,
-    hidden,
-    weight,
-    bias,
-    actions,
-    mask,
-    call,
-    *,
-    memory,
-    backend,
-    counts_outside=False,
-):
-    """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``
-    (``head_entry.loss_rows``). With a sampler's truncation and ``counts_outside``, the
-    metrics count the response tokens whose action is outside its kept set
-    (``outside_kept_set``)."""
-    out, kept = head_entry.loss_rows(
-        op,
-        loss_fn,
-        inputs,
-        hidden,
-        weight,
-        bias,
-        actions,
-        mask != 0,
-        call,
-        memory=memory,
-        backend=backend,
-    )
-    if kept is None or not counts_outside:
-        return out
-    loss, metrics = out
-    outside = jnp.sum(((mask != 0) & ~kept).astype(jnp.float32))
-    return loss, {**metrics, "outside_kept_set": _sg(outside)}
 
 
 def linear_ppo_loss(
@@ -167,7 +115,7 @@ def linear_ppo_loss(
         "linear_ppo_loss", config, deprecated, given={"sampler": sampler}, extra=(_SAMPLER,)
     )
     options = values["config"]
-    hidden, weight, bias, actions, mask = _linear_inputs(
+    hidden, weight, bias, actions, mask = linear_inputs(
         hidden, weight, bias, weight_layout, actions, mask, vocab_axis
     )
     shape = mask.shape
@@ -204,7 +152,7 @@ def linear_ppo_loss(
         vocab_axis=vocab_axis,
         truncation=truncation_of(values["sampler"]),
     )
-    return _linear_loss(
+    return linear_loss(
         "linear_ppo_loss",
         loss_fn,
         inputs,
@@ -290,7 +238,7 @@ def linear_grpo_loss(
         given={"groups": groups, "sampler": sampler},
         extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS), _SAMPLER),
     )
-    hidden, weight, bias, actions, mask = _linear_inputs(
+    hidden, weight, bias, actions, mask = linear_inputs(
         hidden, weight, bias, weight_layout, actions, mask, vocab_axis
     )
     old_logp = _sg(check.per_token("old_logp", old_logp, mask.shape).astype(jnp.float32))
@@ -320,7 +268,7 @@ def linear_grpo_loss(
         vocab_axis=vocab_axis,
         truncation=truncation_of(values["sampler"]),
     )
-    return _linear_loss(
+    return linear_loss(
         "linear_grpo_loss",
         loss_fn,
         inputs,
@@ -394,7 +342,7 @@ def linear_policy_gradient_loss(
         extra=(_SAMPLER,),
     )
     options = values["config"]
-    hidden, weight, bias, actions, mask = _linear_inputs(
+    hidden, weight, bias, actions, mask = linear_inputs(
         hidden, weight, bias, weight_layout, actions, mask, vocab_axis
     )
     advantages = check.token_advantages(advantages, mask.shape)
@@ -412,7 +360,7 @@ def linear_policy_gradient_loss(
         vocab_axis=vocab_axis,
         truncation=truncation_of(values["sampler"]),
     )
-    return _linear_loss(
+    return linear_loss(
         "linear_policy_gradient_loss",
         loss_fn,
         dict(advantages=advantages, mask=mask),

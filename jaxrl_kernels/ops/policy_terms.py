@@ -1,5 +1,6 @@
 """What the policy-loss ops compute alike: the kernels' config of a call, the PPO term through
-``dispatch``, group advantages and GRPO from log-probs.
+``dispatch``, group advantages, GRPO from log-probs, and the linear losses' checked inputs and
+their one call of the linear-head entry.
 
 The options arrive as config values (:class:`jaxrl_kernels.config.PolicyLoss`,
 :class:`jaxrl_kernels.config.Groups`); this module checks them against the call's arrays
@@ -19,7 +20,9 @@ from jaxrl_kernels import dispatch, sharding
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config.policy import FIELDS, Groups, PolicyLoss
 from jaxrl_kernels.dispatch.contract import Problem
+from jaxrl_kernels.engine import head_entry
 from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
 
@@ -173,3 +176,58 @@ def grpo_from_logprobs(
         ref_logp=ref_logp,
     )
     return ppo_math.grpo_loss(inputs, cfg)
+
+
+# -- the linear losses' shared parts -------------------------------------------------------
+
+
+def linear_inputs(hidden, weight, bias, weight_layout, actions, mask, vocab_axis):
+    """The head and the per-token arrays every linear loss takes, checked."""
+    hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
+    vocab = global_vocab(local_vocab, vocab_axis)
+    check.rank("hidden", hidden, 3, "[B, T, D]")
+    shape = hidden.shape[:2]
+    actions = check.integer("actions", actions)
+    check.shape("actions", actions, shape, "[B, T]")
+    mask = check.token_mask(mask, shape)
+    check.targets_in_range("actions", actions, vocab, mask=mask)
+    return hidden, weight, bias, actions, mask
+
+
+def linear_loss(
+    op,
+    loss_fn,
+    inputs,
+    hidden,
+    weight,
+    bias,
+    actions,
+    mask,
+    call,
+    *,
+    memory,
+    backend,
+    counts_outside=False,
+):
+    """``loss_fn(logp, entropy | None, inputs)`` on the head's log-probs of ``actions``
+    (``head_entry.loss_rows``). With a sampler's truncation and ``counts_outside``, the
+    metrics count the response tokens whose action is outside its kept set
+    (``outside_kept_set``)."""
+    out, kept = head_entry.loss_rows(
+        op,
+        loss_fn,
+        inputs,
+        hidden,
+        weight,
+        bias,
+        actions,
+        mask != 0,
+        call,
+        memory=memory,
+        backend=backend,
+    )
+    if kept is None or not counts_outside:
+        return out
+    loss, metrics = out
+    outside = jnp.sum(((mask != 0) & ~kept).astype(jnp.float32))
+    return loss, {**metrics, "outside_kept_set": _sg(outside)}

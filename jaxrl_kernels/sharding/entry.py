@@ -34,33 +34,21 @@ among the axes summed over (``psum_scatter``), else sliced (each device holds it
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_kernels.sharding import _jax_internals, collectives
+from jaxrl_kernels.sharding import _jax_internals, partitioned
 from jaxrl_kernels.sharding.placement import (
     Axes,
     Placement,
     axes_of_entry,
-    grad_spec,
-    padded,
-    placement_from_specs,
-    spec_entry,
 )
 from jaxrl_kernels.sharding.vma import cast_varying, varying_axes
-
-try:
-    from jax.experimental.custom_partitioning import custom_partitioning
-except ImportError:  # pragma: no cover - every supported jax has it
-    custom_partitioning = None
 
 
 def _untyped(x):
@@ -125,7 +113,7 @@ def replicated(x):
     mesh = _mesh_of([x])
     if not _is_explicit(mesh) or all(e is None for e in jax.typeof(x).sharding.spec):
         return x
-    return _reshard(x, mesh, P())
+    return partitioned.reshard(x, mesh, P())
 
 
 def check_vocab_axis(vocab_axis, what: str = "vocab_axis") -> Axes:
@@ -205,31 +193,31 @@ def run(
             manual=True,
             how=f"inside shard_map, vocab_axis={vocab_axis!r}",
         )
-        _note(record, plan)
-        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
+        partitioned.note(record, plan)
+        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         plan = Placement(
             row_axes=((),) * n_rows,
             manual=True,
             how="inside shard_map: this device's arrays, no vocab_axis",
         )
-        _note(record, plan)
-        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
+        partitioned.note(record, plan)
+        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
     mesh = _mesh_of(operands)
     if _is_explicit(mesh):
-        return _run_shard_map(
+        return partitioned.run_shard_map(
             local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record
         )
     batched = any(_jax_internals.is_vmapped(x) for x in operands if x is not None)
-    if differentiable or batched or custom_partitioning is None:
+    if differentiable or batched or partitioned.custom_partitioning is None:
         plan = Placement.single(n_rows)
         if mesh is not None and not batched:
             plan = dataclasses.replace(plan, how="Auto mesh axes: partitioned by XLA (jnp)")
             if differentiable:
                 operands = pin_grad_shardings(*operands)
-        _note(record, plan)
-        return _finishing(local_fn, roles, grads_of, None)(plan, *operands)
-    _note(
+        partitioned.note(record, plan)
+        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
+    partitioned.note(
         record,
         Placement(
             row_axes=((),) * n_rows,
@@ -238,7 +226,7 @@ def run(
             "used in place",
         ),
     )
-    return _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of)
+    return partitioned.run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of)
 
 
 def keep_grad_sharding(x):
@@ -248,7 +236,7 @@ def keep_grad_sharding(x):
     cotangent, told at compile time where ``x`` lives, puts it there."""
     if (
         x is None
-        or custom_partitioning is None
+        or partitioned.custom_partitioning is None
         or not x.ndim
         or not jnp.issubdtype(x.dtype, jnp.floating)
     ):
@@ -259,7 +247,7 @@ def keep_grad_sharding(x):
         return x
 
     def bwd(x, g):
-        @custom_partitioning
+        @partitioned.custom_partitioning
         def placed(g, like):
             return g
 
@@ -289,184 +277,3 @@ def pin_grad_shardings(*xs):
     ):
         return xs
     return tuple(keep_grad_sharding(x) for x in xs)
-
-
-def _note(record, plan: Placement) -> None:
-    if record is not None:
-        record(plan)
-
-
-def _finishing(local_fn, roles, grads_of, wants):
-    """``local_fn`` with its None outputs dropped and its cotangent outputs finished
-    (:meth:`Placement.finish_cotangent`, towards ``wants[operand position]`` where given)."""
-
-    def fn(plan, *operands):
-        outs = [y for y in local_fn(plan, *operands) if y is not None]
-        for i, j in enumerate(grads_of):
-            if j is not None:
-                outs[i] = collectives.finish_cotangent(
-                    plan, outs[i], operands[j], roles[j], None if wants is None else wants[j]
-                )
-        return tuple(outs)
-
-    return fn
-
-
-def _present(operands, roles):
-    keep = [i for i, x in enumerate(operands) if x is not None]
-    return keep, [operands[i] for i in keep], [roles[i] for i in keep]
-
-
-def _with_absent(local_fn, keep, n):
-    """local_fn over the present operands only, None passed where an operand is absent."""
-
-    def fn(plan, *present):
-        full = [None] * n
-        for i, x in zip(keep, present):
-            full[i] = x
-        return local_fn(plan, *full)
-
-    return fn
-
-
-def _reshard(x, mesh, spec: P):
-    if padded(jax.typeof(x).sharding.spec, x.ndim) == padded(spec, x.ndim):
-        return x
-    target = NamedSharding(mesh, spec)
-    return jax.reshard(x, target) if hasattr(jax, "reshard") else jax.sharding.reshard(x, target)
-
-
-def _grad_wants(plan, roles, grads_of, specs) -> dict:
-    """{operand position: the layout its cotangent leaves the per-device function in}."""
-    return {j: grad_spec(plan, roles[j], specs[j]) for j in grads_of if j is not None}
-
-
-def _run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record):
-    keep, present, present_roles = _present(operands, roles)
-    specs = [None if x is None else jax.typeof(x).sharding.spec for x in operands]
-    plan = placement_from_specs(
-        [specs[i] for i in keep], present_roles, how="Explicit mesh axes: shard_map"
-    )
-    _note(record, plan)
-    wants = _grad_wants(plan, roles, grads_of, specs)
-    fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
-    in_specs = [plan.spec(r) for r in present_roles]
-    if differentiable:
-        # jax differentiates the body: a dimension the plan keeps whole but the operand splits
-        # over axes the work is split over enters split and is all-gathered inside, so that
-        # the transpose of that all-gather, a reduce-scatter, sums the cotangent over those
-        # axes and leaves it split like the operand. (Over other axes the gather happens
-        # outside: the cotangent is the same on every device there, the gather's transpose a
-        # slice.)
-        entered = [
-            _entry_spec(plan, r, specs[i]) if jnp.issubdtype(x.dtype, jnp.floating) else s
-            for i, x, r, s in zip(keep, present, present_roles, in_specs)
-        ]
-        fn = _gathering(fn, in_specs, entered)
-        in_specs = entered
-    out_specs = tuple(plan.spec(r) if j is None else wants[j] for r, j in zip(out_roles, grads_of))
-    present = [_reshard(x, mesh, s) for x, s in zip(present, in_specs)]
-    mapped = jax.shard_map(
-        functools.partial(fn, plan),
-        mesh=mesh,
-        in_specs=tuple(in_specs),
-        out_specs=out_specs,
-        check_vma=differentiable,
-    )
-    outs = mapped(*present)
-    # A cotangent whose operand splits a row dimension otherwise than the plan: moved here.
-    return tuple(y if j is None else _reshard(y, mesh, specs[j]) for y, j in zip(outs, grads_of))
-
-
-def _entry_spec(plan: Placement, roles: str, operand_spec) -> P:
-    """``grad_spec`` where the extra splits are over axes the work is split over, else the
-    plan's layout."""
-    have = padded(plan.spec(roles), len(roles))
-    want = padded(grad_spec(plan, roles, operand_spec), len(roles))
-    return P(
-        *(
-            w if h is None and set(axes_of_entry(w)) <= plan.work_axes else h
-            for h, w in zip(have, want)
-        )
-    )
-
-
-def _gathering(fn, have, entered):
-    """``fn`` on operands all-gathered from the ``entered`` layouts to the ``have`` ones."""
-
-    def gathered(plan, *operands):
-        full = []
-        for x, h, e in zip(operands, have, entered):
-            for dim, (hd, ed) in enumerate(zip(padded(h, x.ndim), padded(e, x.ndim))):
-                if hd != ed:
-                    x = lax.all_gather(x, spec_entry(axes_of_entry(ed)), axis=dim, tiled=True)
-            full.append(x)
-        return fn(plan, *full)
-
-    return gathered
-
-
-def _sharding_rule(
-    roles: Sequence[str], out_roles: Sequence[str], grads_of: Sequence[int | None]
-) -> tuple[str, dict]:
-    """The Shardy rule: row dims and the vocabulary are shared factors, every other dimension a
-    factor of its own that must be replicated, except that a cotangent shares every factor
-    of its operand (it leaves sharded like the operand); factors no result carries are
-    reductions."""
-    names = iter(f"x{i}" for i in range(10_000))
-
-    def factors(role: str) -> list[str]:
-        out, row = [], 0
-        for c in role:
-            if c == "r":
-                out.append(f"r{row}")
-                row += 1
-            elif c == "v":
-                out.append("v")
-            else:
-                out.append(next(names))
-        return out
-
-    ins = [factors(r) for r in roles]
-    outs = [factors(r) if j is None else ins[j] for r, j in zip(out_roles, grads_of)]
-    in_set, out_set = {f for fs in ins for f in fs}, {f for fs in outs for f in fs}
-    own = sorted(f for f in in_set | out_set if f.startswith("x"))
-    rule = ", ".join(" ".join(fs) for fs in ins) + " -> " + ", ".join(" ".join(fs) for fs in outs)
-    extra = {
-        "reduction_factors": tuple(sorted(in_set - out_set - set(own))),
-        "need_replication_factors": tuple(f for f in own if f in in_set - out_set),
-    }
-    return rule, {k: v for k, v in extra.items() if v}
-
-
-def _run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
-    keep, present, present_roles = _present(operands, roles)
-    n_rows = max(r.count("r") for r in present_roles)
-    position = {i: k for k, i in enumerate(keep)}
-
-    @custom_partitioning
-    def call(*args):
-        fn = _with_absent(_finishing(local_fn, roles, grads_of, None), keep, len(operands))
-        return fn(Placement.single(n_rows), *args)
-
-    def partition(mesh, arg_shapes, result_shape):
-        specs = [None] * len(operands)
-        for i, a in zip(keep, arg_shapes):
-            specs[i] = getattr(a.sharding, "spec", None)
-        plan = placement_from_specs(
-            [specs[i] for i in keep], present_roles, how="Auto mesh axes: custom_partitioning"
-        )
-        wants = _grad_wants(plan, roles, grads_of, specs)
-        fn = _with_absent(_finishing(local_fn, roles, grads_of, wants), keep, len(operands))
-        arg_shardings = tuple(NamedSharding(mesh, plan.spec(r)) for r in present_roles)
-        out_shardings = tuple(
-            NamedSharding(mesh, plan.spec(r) if j is None else wants[j])
-            for r, j in zip(out_roles, grads_of)
-        )
-        return mesh, functools.partial(fn, plan), out_shardings, arg_shardings
-
-    rule, factor_kinds = _sharding_rule(
-        present_roles, out_roles, [None if j is None else position[j] for j in grads_of]
-    )
-    call.def_partition(partition, sharding_rule=rule, **factor_kinds)
-    return call(*present)

@@ -70,8 +70,6 @@ from jaxrl_kernels.integrations.tunix.sampler import SamplerSettings, loss_sampl
 GRPO_LOSS_NAME = "jaxrl_grpo"
 PPO_LOSS_NAME = "jaxrl_ppo"
 LOSS_ALGOS = ("grpo", "gspo-token")
-LOG_RATIO_CLIP = 20.0
-GSPO_LOG_RATIO_MAX = 10.0
 
 _sg = jax.lax.stop_gradient
 
@@ -155,45 +153,6 @@ def _loss_temperature(algo_config, sampler, tunix_value):
     return sampler.temperature
 
 
-def _surrogate(ratio, adv, clip_low, clip_high, dual_clip):
-    """(pg, unclipped, clipped, dual_clipped): tunix's clipped surrogate with optional dual clip."""
-    unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
-    pg = jnp.maximum(unclipped, clipped).astype(jnp.float32)
-    if dual_clip is None:
-        return pg, unclipped, clipped, jnp.zeros(pg.shape, jnp.float32)
-    bound = -dual_clip * adv
-    dual = ((pg > bound) & (adv < 0.0)).astype(jnp.float32)
-    return jnp.where(adv < 0.0, jnp.minimum(bound, pg), pg), unclipped, clipped, dual
-
-
-def _grpo_log_ratio(logp, old, mask, loss_algo):
-    """(clipped log-ratio ℓ used for the ratio, tunix's ppo_kl diagnostic)."""
-    log_ratio = logp - old
-    ppo_kl = tm.masked_mean(-log_ratio, mask)
-    log_ratio = jnp.clip(log_ratio, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-    if loss_algo == "gspo-token":
-        per_seq = jnp.sum(log_ratio * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
-        log_ratio = jnp.minimum(logp - _sg(logp) + _sg(per_seq)[:, None], GSPO_LOG_RATIO_MAX)
-    return log_ratio, ppo_kl
-
-
-def _grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
-    adv = jnp.broadcast_to(adv, mask.shape)
-    return {
-        "is_ratio/mean": tm.masked_mean(ratio, mask),
-        "is_ratio/max": tm.masked_max(ratio, mask, 0.0),
-        "is_ratio/min": tm.masked_min(ratio, mask),
-        "log_ratio/abs_mean": tm.masked_mean(jnp.abs(log_ratio), mask),
-        "pg_loss/unclipped_mean": tm.masked_mean(unclipped, mask),
-        "pg_loss/clipped_mean": tm.masked_mean(clipped, mask),
-        "advantage/abs_mean": tm.masked_mean(jnp.abs(adv), mask),
-        "advantage/max": tm.masked_max(adv, mask, -jnp.inf),
-        "advantage/min": tm.masked_min(adv, mask),
-        "advantage/nonzero_frac": tm.masked_mean((jnp.abs(adv) > 1e-8).astype(jnp.float32), mask),
-    }
-
-
 def grpo_loss_terms(train_example, algo_config, sampler=None) -> LossTerms:
     """The :class:`LossTerms` of tunix's ``"grpo"`` loss (checks the config's options);
     ``sampler``: the :class:`.sampler.SamplerSettings` of sampler matching, or None."""
@@ -246,9 +205,9 @@ def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, in
     adv = adv if adv.ndim == 2 else adv[:, None]
     old = _sg(logp) if old is None else old.astype(jnp.float32)
 
-    log_ratio, ppo_kl = _grpo_log_ratio(logp, old, mask, algo_config.loss_algo)
+    log_ratio, ppo_kl = tm.grpo_log_ratio(logp, old, mask, algo_config.loss_algo)
     ratio = jnp.exp(log_ratio)
-    pg, unclipped, clipped, dual = _surrogate(
+    pg, unclipped, clipped, dual = tm.surrogate(
         ratio, adv, epsilon, epsilon_high, getattr(algo_config, "epsilon_c", None)
     )
     weights = inputs["weights"]
@@ -264,7 +223,7 @@ def _grpo_loss(algo_config, epsilon, epsilon_high, beta, mode, logp, entropy, in
         "pg_clipfrac": tm.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
         "ppo_kl": ppo_kl,
         "pg_clipfrac_lower": tm.aggregate(dual, mask, mode),
-        **_grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask),
+        **tm.grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask),
         "sampler_is/weight_mean": (
             jnp.float32(1.0) if weights is None else tm.masked_mean(weights, mask)
         ),
@@ -334,7 +293,7 @@ def _ppo_loss(algo_config, entropy_coef, with_entropy, logp, entropy, inputs):
     """tunix's PPO policy loss and metrics on the per-token log-probs."""
     mask, adv, old = inputs["mask"], inputs["adv"], inputs["old"]
     ratio = jnp.exp(logp - old)
-    pg, unclipped, clipped, dual = _surrogate(
+    pg, unclipped, clipped, dual = tm.surrogate(
         ratio,
         adv,
         algo_config.epsilon_low,

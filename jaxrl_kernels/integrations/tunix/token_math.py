@@ -15,10 +15,14 @@ R = max(#{b : n_b > 0}, 1) (rows with a completion token) and T the completion l
 KL methods, d = ref_logp - logp: ``"kl"``: -d (docs/api.md "k1"); ``"mse_kl"``: d²/2 (docs/api.md "k2");
 ``"low_var_kl"``: exp(d) - d - 1 with no clip on d (our "k3" clips d to [-20, 20] first).
 A ``clamp_value`` c then clips the estimate to [-c, c].
+
+Also here: the policy term as tunix computes it (its clipped surrogate with the dual clip,
+GRPO's and GSPO's log-ratio) and the diagnostics tunix's GRPO loss reports.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 import jaxrl_kernels as jk
@@ -85,3 +89,51 @@ def kl_divergence(logp, ref_logp, method: str, clamp_value=None):
     if clamp_value is not None:
         kl = jnp.clip(kl, -clamp_value, clamp_value)
     return kl
+
+
+# -- the policy term and its diagnostics, as tunix computes them ------------------------------
+
+LOG_RATIO_CLIP = 20.0
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def surrogate(ratio, adv, clip_low, clip_high, dual_clip):
+    """(pg, unclipped, clipped, dual_clipped): tunix's clipped surrogate with optional dual clip."""
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1 - clip_low, 1 + clip_high)
+    pg = jnp.maximum(unclipped, clipped).astype(jnp.float32)
+    if dual_clip is None:
+        return pg, unclipped, clipped, jnp.zeros(pg.shape, jnp.float32)
+    bound = -dual_clip * adv
+    dual = ((pg > bound) & (adv < 0.0)).astype(jnp.float32)
+    return jnp.where(adv < 0.0, jnp.minimum(bound, pg), pg), unclipped, clipped, dual
+
+
+def grpo_log_ratio(logp, old, mask, loss_algo):
+    """(clipped log-ratio ℓ used for the ratio, tunix's ppo_kl diagnostic)."""
+    log_ratio = logp - old
+    ppo_kl = masked_mean(-log_ratio, mask)
+    log_ratio = jnp.clip(log_ratio, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    if loss_algo == "gspo-token":
+        per_seq = jnp.sum(log_ratio * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
+        log_ratio = jnp.minimum(
+            logp - jax.lax.stop_gradient(logp) + jax.lax.stop_gradient(per_seq)[:, None],
+            GSPO_LOG_RATIO_MAX,
+        )
+    return log_ratio, ppo_kl
+
+
+def grpo_diagnostics(ratio, log_ratio, adv, unclipped, clipped, mask):
+    adv = jnp.broadcast_to(adv, mask.shape)
+    return {
+        "is_ratio/mean": masked_mean(ratio, mask),
+        "is_ratio/max": masked_max(ratio, mask, 0.0),
+        "is_ratio/min": masked_min(ratio, mask),
+        "log_ratio/abs_mean": masked_mean(jnp.abs(log_ratio), mask),
+        "pg_loss/unclipped_mean": masked_mean(unclipped, mask),
+        "pg_loss/clipped_mean": masked_mean(clipped, mask),
+        "advantage/abs_mean": masked_mean(jnp.abs(adv), mask),
+        "advantage/max": masked_max(adv, mask, -jnp.inf),
+        "advantage/min": masked_min(adv, mask),
+        "advantage/nonzero_frac": masked_mean((jnp.abs(adv) > 1e-8).astype(jnp.float32), mask),
+    }
