@@ -58,9 +58,10 @@ Adding an op on a linear head:
 
 1. its two per-device functions on flat rows, ``forward(plan, *operands) -> (*outputs,
    *residuals)`` and ``backward(plan, *operands, *residuals, *cotangents) -> cotangents``,
-   and ``engine.differentiable`` with the operands' roles (``logprob_core.linear_head_op``
-   when its outputs are log-probs from row statistics); the math on tiles in a ``*_math``
-   module, shared with the kernels;
+   and ``engine.vjp.differentiable`` with the operands' roles
+   (``engine.linear_head.linear_head_op`` when its outputs are log-probs from row statistics);
+   the math on tiles in a ``formulas/*_math`` module, shared with the kernels; its options as
+   a config value (``config/``);
 2. a row in :data:`OP_PRIMITIVE` (and the primitive in the table above) if backends serve
    its heavy part, and ``dispatch.resolve`` at its one call site (with ``memory=`` if it
    has a kept-logits mode);

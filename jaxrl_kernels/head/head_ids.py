@@ -6,7 +6,7 @@ For ids ``i`` [N, K] (this device's columns; ``holds`` says which ids this devic
 
 is ``N·K·D`` work, walked in row blocks of at most :data:`ID_BLOCK_BYTES` of gathered weight
 rows (no ``[N, K, D]`` array is ever whole). The K-id log-probs
-(``logprob_core.linear_head_op`` with ids) take each row's statistics from a backend's pass
+(``engine.linear_head.linear_head_op`` with ids) take each row's statistics from a backend's pass
 over the whole vocabulary and these K logits from here. Their backward is the backend's, with
 ``d logp_k / dz = onehot_k − p``: the ``−p`` part with the row coefficient ``Σ_k g_k``
 (:func:`split_targets`), the one-hot part added to each vocabulary chunk's logit gradient
