@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
+from jaxrl_kernels.backends.pallas import ppo_kernels as pl_ppo_kernels
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
 from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
 from tests.support import oracle
@@ -20,9 +21,9 @@ from tests.support import oracle
 # 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
 # splits); "row_tiles" has one row per tile and one T tile covering T.
 PLANS = {
-    "multi_tile": pl_ppo.PPOLaunch(2, 4, 2, 1),
-    "t_splits": pl_ppo.PPOLaunch(2, 4, 1, 1),
-    "row_tiles": pl_ppo.PPOLaunch(1, 16, 1, 1),
+    "multi_tile": pl_ppo_kernels.PPOLaunch(2, 4, 2, 1),
+    "t_splits": pl_ppo_kernels.PPOLaunch(2, 4, 1, 1),
+    "row_tiles": pl_ppo_kernels.PPOLaunch(1, 16, 1, 1),
 }
 MODES = aggregation_math.AGGREGATION_MODES
 
@@ -157,10 +158,10 @@ def test_forward_sums_hold_the_sequence_sums(rng):
     x = _inputs(arrays, mask, ALL)
     tokens = {k: v for k, v in x._asdict().items() if v is not None}
     plan = PLANS["t_splits"]
-    token_level = pl_ppo.forward_sums(tokens, ppo_math.PPOConfig(tis_cap=2.0), plan)
+    token_level = pl_ppo_kernels.forward_sums(tokens, ppo_math.PPOConfig(tis_cap=2.0), plan)
     assert "log_ratio" not in token_level and "tis_log_weight" not in token_level
     cfg = ppo_math.PPOConfig(tis_cap=2.0, ratio_level="sequence", tis_level="sequence")
-    sums = pl_ppo.forward_sums(tokens, cfg, plan)
+    sums = pl_ppo_kernels.forward_sums(tokens, cfg, plan)
     assert_close(sums["count"], mask.sum(1))
     d = arrays["logp"] - arrays["old_logp"]
     assert_close(sums["log_ratio"], (mask * d).sum(1), scale=np.abs(d).sum(1))
@@ -231,15 +232,15 @@ def test_jit_vmap_and_determinism(rng):
 def test_plan_heuristic():
     cdiv = lambda a, b: -(-a // b)
     for b, t in [(128, 512), (7, 11), (1024, 8192), (3, 1), (8, 32768), (1, 100000)]:
-        plan = pl_ppo.make_launch(b, t)
+        plan = pl_ppo_kernels.make_launch(b, t)
         assert plan.block_t & (plan.block_t - 1) == 0 and plan.block_t <= 1024
-        assert plan.block_rows * plan.block_t <= max(pl_ppo.TILE_ELEMENTS, plan.block_t)
+        assert plan.block_rows * plan.block_t <= max(pl_ppo_kernels.TILE_ELEMENTS, plan.block_t)
         row_tiles, t_tiles = cdiv(b, plan.block_rows), cdiv(t, plan.block_t)
         splits = cdiv(t_tiles, plan.t_tiles_per_program)
         assert 1 <= plan.t_tiles_per_program <= t_tiles
         # T is split only while the grid is short of MIN_SUM_PROGRAMS programs
-        assert splits == 1 or row_tiles * (splits - 1) < pl_ppo.MIN_SUM_PROGRAMS
-    long = pl_ppo.make_launch(8, 32768)
+        assert splits == 1 or row_tiles * (splits - 1) < pl_ppo_kernels.MIN_SUM_PROGRAMS
+    long = pl_ppo_kernels.make_launch(8, 32768)
     assert long.t_tiles_per_program < 32  # small B, long T: T is split over programs
 
 

@@ -4,7 +4,8 @@ With ``z = (hidden @ Wᵀ + b) / T`` (W is [V, D] for ``"vd"``, [D, V] for ``"dv
 ``logp = z[target] - lse(z)`` and ``entropy = lse(z) - Σ softmax(z)·z``.
 
 This module is the op: the ``logprob_core`` parts built from the kernels in
-``linear_kernels.py``, tuned by ``linear_config.Config``.
+``linear_kernels.py`` (statistics, target) and ``linear_grad_kernel.py`` (logit gradient),
+tuned by ``linear_config.Config``.
 
 Forward (:func:`linear_stats`)
   the statistics kernel leaves S partial (max, Σ exp[, Σ exp·z]) per row, one per vocabulary
@@ -30,6 +31,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from jaxrl_kernels.backends.pallas import linear_grad_kernel as grad_kernel
 from jaxrl_kernels.backends.pallas import linear_kernels as kernels
 from jaxrl_kernels.backends.pallas.linear_config import (
     DEFAULT_CONFIG,
@@ -130,7 +132,7 @@ def _write_grad(bias, targets, *, layout, config):
 
     def write(rows: head_grad.RowGrad, start, size, hidden, weight, sigma_w):
         g16, _ = _isolated(
-            kernels.grad_call(
+            grad_kernel.grad_call(
                 start,
                 size,
                 hidden,
@@ -191,7 +193,7 @@ def _float32_backward(
     def chunk(carry, start, size):
         d_hidden, d_weight, d_bias = carry
         dz, d_b = _isolated(
-            kernels.grad_call(
+            grad_kernel.grad_call(
                 start,
                 size,
                 hidden,

@@ -3,7 +3,7 @@
 The package's vocabulary (docs/architecture.md): a *Config* is what a caller may set and
 holds for every shape (:class:`Config` here, ``ffi.linear.Config``); what
 one shape makes of it is a *Launch* for the other Pallas kernels (``pallas.logits.LogitsLaunch``,
-``pallas.ppo.PPOLaunch``) and the C++ ``jaxrl_sm90::Plan`` for the SM90 ones. Here
+``pallas.ppo_kernels.PPOLaunch``) and the C++ ``jaxrl_sm90::Plan`` for the SM90 ones. Here
 :func:`fit` plays that part: it shrinks a :class:`TileConfig` to the problem.
 """
 

@@ -1,287 +1,49 @@
-"""Pallas kernels for the PPO loss over [B, T] and for group-normalised advantages.
+"""The Pallas ops ``ppo_loss`` over [B, T] and ``group_advantages`` (their kernels and launch
+plan: ``ppo_kernels.py``).
 
 ``ppo_loss`` runs as small stages, kernels that map [B, T] tokens to per-sequence values
 with plain jnp in between, so that no kernel holds state that crosses sequences or
 T-ranges (a device holding part of T runs the same kernels on its part; the per-sequence
 sums are what crosses):
 
-1. :func:`forward_sums` (kernel): per sequence, the masked sums Σ_t m·v of
-   ``ppo_math.forward_summands`` over the tokens of the input: Σ m, the policy term (or,
-   for ``ratio_level="sequence"``, what it is linear in), Σ m·(logp - old_logp) and
-   Σ m·(old_logp - rollout_logp) where the sequence-level options need them, and every
-   metric part. One pass, whatever the options.
+1. ``ppo_kernels.forward_sums`` (kernel): per sequence, the masked sums Σ_t m·v of
+   ``ppo_math.forward_summands`` over the tokens of the input.
 2. jnp: ``ppo_math.sums_to_token_terms`` applies ℓ_b and the sequence TIS weight per
    sequence; ``ppo_math.loss_and_metrics`` aggregates (all four modes) and takes the
    masked-mean metrics. ``ppo_math.sequence_terms`` gives the [B] terms the backward uses.
-3. :func:`token_grads` (kernel, the backward): given per-sequence coefficients
+3. ``ppo_kernels.token_grads`` (kernel, the backward): given per-sequence coefficients
    c_b = g · ``aggregation_math.aggregation_weights``_b (jnp) and the [B] sequence terms, each
    token's d logp (and d entropy) is the pull-back of c_b·m through
-   ``ppo_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch
-   for branch. ℓ_b carries no gradient (docs/api.md), so this is token-local. Nothing flows to
-   old/rollout/ref log-probs, advantages or the mask.
+   ``ppo_math.ppo_per_token``. ℓ_b carries no gradient (docs/api.md), so this is token-local.
+   Nothing flows to old/rollout/ref log-probs, advantages or the mask.
 
-The sum kernel runs on a grid of (row tile, T split): each program adds its
-``t_tiles_per_program`` [rows, T] tiles in order and writes [rows, K] partial sums; the
-splits' partials are then added in split order (deterministic, no atomics).
-
-``group_advantages``: one program per group scans the rewards for its members
-(count, mean, then the centred sum of squares) and writes
-``(r - mean) / (std + eps)`` (or ``r - mean``) to them, 0 for a group of one.
-Its gradient (rarely wanted) is the reference's, from ``jax.vjp`` of
-``aggregation_math.group_advantages`` on the [B] rewards.
+``group_advantages``: ``ppo_kernels.group_advantages_call``, one program per group, scanning
+the rewards :data:`GROUP_BLOCK` at a time. Its gradient (rarely wanted) is the reference's,
+from ``jax.vjp`` of ``aggregation_math.group_advantages`` on the [B] rewards.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from jaxrl_kernels import sharding
-from jaxrl_kernels.backends.pallas import common
+from jaxrl_kernels.backends.pallas import ppo_kernels as kernels
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
-
-TILE_ELEMENTS = 2048
-"""Tokens per [rows, T] tile: 8 per thread at 8 warps for each of up to 7 inputs."""
-
-MIN_SUM_PROGRAMS = 264
-"""The sum kernels split T until they have about this many programs (two per H100 SM)."""
-
-_FIELDS = ppo_math.PPOInputs._fields
-_SEQ_FIELDS = ppo_math.SequenceTerms._fields
-
-
-class PPOLaunch(NamedTuple):
-    """Launch configuration of the kernels for one [B, T] shape."""
-
-    block_rows: int
-    block_t: int
-    t_tiles_per_program: int  # sum kernels: the T tiles one program adds
-    num_warps: int
-
-
-def make_launch(
-    batch: int, seq_len: int, *, block_t: int | None = None, min_programs: int = MIN_SUM_PROGRAMS
-) -> PPOLaunch:
-    """The heuristic: a ``TILE_ELEMENTS`` tile as wide as T allows (≤ 1024); the sum
-    kernels split T into ranges of whole tiles until there are ~``min_programs`` programs."""
-    if block_t is None:
-        block_t = min(pl.next_power_of_2(seq_len), 1024)
-    block_rows = max(1, min(pl.next_power_of_2(batch), TILE_ELEMENTS // block_t))
-    row_tiles, t_tiles = pl.cdiv(batch, block_rows), pl.cdiv(seq_len, block_t)
-    splits = min(t_tiles, max(1, pl.cdiv(min_programs, row_tiles)))
-    num_warps = max(1, min(8, block_rows * block_t // 256))
-    return PPOLaunch(block_rows, block_t, pl.cdiv(t_tiles, splits), num_warps)
 
 
 def declines(primitive: str, problem) -> str | None:
     return None
 
 
-def _tile_index(i, j, plan: PPOLaunch, batch: int, seq_len: int):
-    rows = i * plan.block_rows + jnp.arange(plan.block_rows, dtype=jnp.int32)
-    cols = j * plan.block_t + jnp.arange(plan.block_t, dtype=jnp.int32)
-    row_ok = rows < batch
-    return rows, cols, row_ok, row_ok[:, None] & (cols < seq_len)[None, :]
-
-
-def _load_tokens(refs, names, rows, cols, ok) -> ppo_math.PPOInputs:
-    """A [rows, cols] tile of every token input (0 outside the arrays)."""
-    tile = {}
-    for name, ref in zip(names, refs):
-        val = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0)
-        tile[name] = val.astype(jnp.float32)
-    return ppo_math.PPOInputs(**tile)
-
-
-def _load_rows(refs, names, rows, row_ok) -> dict:
-    """The [rows] entries of per-sequence inputs (0 outside the arrays)."""
-    return {
-        name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(names, refs)
-    }
-
-
-def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...]]:
-    names = tuple(n for n in order if fields.get(n) is not None)
-    return names, tuple(fields[n] for n in names)
-
-
-# -- kind (a): [B, T] tokens -> per-sequence sums [B, K] ---------------------------------------
-
-
-def _sum_keys(summands, names) -> tuple[str, ...]:
-    """The keys ``summands(tokens)`` returns for these inputs, in order."""
-    tokens = {n: jax.ShapeDtypeStruct((1, 1), jnp.float32) for n in names}
-    return tuple(jax.eval_shape(lambda t: summands(ppo_math.PPOInputs(**t)), tokens))
-
-
-def _row_sums_kernel(
-    *refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int, width: int
-):
-    tok_refs, out_ref = refs[: len(names)], refs[len(names)]
-    i, split = pl.program_id(0), pl.program_id(1)
-    rows = _tile_index(i, 0, plan, batch, seq_len)[0]
-
-    def tile(j, acc):
-        _, cols, _, ok = _tile_index(i, split * plan.t_tiles_per_program + j, plan, batch, seq_len)
-        x = _load_tokens(tok_refs, names, rows, cols, ok)
-        values = summands(x)
-        return {k: acc[k] + jnp.sum(x.mask * values[k].astype(jnp.float32), axis=1) for k in keys}
-
-    zeros = jnp.zeros((plan.block_rows,), jnp.float32)
-    acc = lax.fori_loop(0, plan.t_tiles_per_program, tile, {k: zeros for k in keys})
-    slot = jnp.arange(width, dtype=jnp.int32)[None, :]
-    out = jnp.zeros((plan.block_rows, width), jnp.float32)
-    for idx, k in enumerate(keys):
-        out = jnp.where(slot == idx, acc[k][:, None], out)
-    out_ref[...] = out
-
-
-def _row_sums(summands, name: str, tokens: dict, plan: PPOLaunch) -> dict:
-    """{key: [B]} masked per-sequence sums Σ_t m·v of ``summands(tokens)``."""
-    names, arrays = _present(tokens, _FIELDS)
-    keys = _sum_keys(summands, names)
-    batch, seq_len = arrays[0].shape
-    row_tiles = pl.cdiv(batch, plan.block_rows)
-    splits = pl.cdiv(pl.cdiv(seq_len, plan.block_t), plan.t_tiles_per_program)
-    width = pl.next_power_of_2(len(keys))
-    kernel = functools.partial(
-        _row_sums_kernel,
-        summands=summands,
-        keys=keys,
-        names=names,
-        plan=plan,
-        batch=batch,
-        seq_len=seq_len,
-        width=width,
-    )
-    partials = pl.pallas_call(
-        kernel,
-        grid=(row_tiles, splits),
-        in_specs=[pl.BlockSpec()] * len(arrays),
-        out_specs=pl.BlockSpec((None, plan.block_rows, width), lambda i, s: (s, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((splits, row_tiles * plan.block_rows, width), jnp.float32),
-        compiler_params=common.compiler_params(plan.num_warps, 2),
-        interpret=common.interpret(),
-        name=name,
-    )(*arrays)
-    total = partials[0]
-    for s in range(1, splits):  # split order: bitwise reproducible
-        total = total + partials[s]
-    return {k: total[:batch, idx] for idx, k in enumerate(keys)}
-
-
-def forward_sums(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) -> dict:
-    """Stage 1: {key: [B]} per-sequence sums of ``ppo_math.forward_summands``, where the tokens
-    live (``sharding.run``): a device holding part of T adds its part, then the parts are
-    summed over the mesh axes that split T. ``plan=None``: the heuristic, per device."""
-    names, arrays = _present(tokens, _FIELDS)
-    summands = functools.partial(ppo_math.forward_summands, cfg=cfg)
-    keys = _sum_keys(summands, names)
-
-    def local(layout, *arrays):
-        sums = sharding.kernel_region(
-            lambda *a: _row_sums(
-                summands, "ppo_loss_fwd", dict(zip(names, a)), plan or make_launch(*a[0].shape)
-            ),
-            *arrays,
-        )
-        t_axes = layout.row_axes[1]
-        return tuple(lax.psum(sums[k], t_axes) if t_axes else sums[k] for k in keys)
-
-    sums = sharding.run(local, arrays, ("rr",) * len(arrays), ("r",) * len(keys))
-    return dict(zip(keys, sums))
-
-
-# -- kind (c): per-sequence coefficients -> per-token gradients ------------------------------
-
-
-def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq_len: int):
-    tok_refs = refs[: len(names)]
-    seq_refs = refs[len(names) : len(names) + len(seq_names)]
-    coef_ref, dlogp_ref = refs[len(names) + len(seq_names) : len(names) + len(seq_names) + 2]
-    dent_ref = refs[-1] if "entropy" in names else None
-    rows, cols, row_ok, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
-    x = _load_tokens(tok_refs, names, rows, cols, ok)
-    seq = ppo_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
-    coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
-
-    def per_token(logp, entropy):
-        return ppo_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg, seq)[0]
-
-    _, pull = jax.vjp(per_token, x.logp, x.entropy)
-    d_logp, d_ent = pull(coef[:, None] * x.mask)
-    plgpu.store(dlogp_ref.at[rows[:, None], cols[None, :]], d_logp, mask=ok)
-    if dent_ref is not None:
-        plgpu.store(dent_ref.at[rows[:, None], cols[None, :]], d_ent, mask=ok)
-
-
-def token_grads(
-    tokens: dict, seq: ppo_math.SequenceTerms, coef, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None
-):
-    """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
-    coef_b · m_bt, where the tokens live (``sharding.run``)."""
-    names, arrays = _present(tokens, _FIELDS)
-    seq_names, seq_arrays = _present(seq._asdict(), _SEQ_FIELDS)
-
-    def local(layout, *args):
-        return tuple(
-            sharding.kernel_region(
-                lambda *a: _token_grads(
-                    a[: len(names)], names, a[len(names) : -1], seq_names, a[-1], cfg, plan
-                ),
-                *args,
-            )
-        )
-
-    grads_of = (names.index("logp"),) + ((names.index("entropy"),) if "entropy" in names else ())
-    return sharding.run(
-        local,
-        arrays + seq_arrays + (coef,),
-        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1),
-        ("rr",) * len(grads_of),
-        grads_of=grads_of,
-    )
-
-
-def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
-    batch, seq_len = arrays[0].shape
-    plan = plan or make_launch(batch, seq_len)
-    n_out = 1 + ("entropy" in names)
-    kernel = functools.partial(
-        _grads_kernel,
-        names=names,
-        seq_names=seq_names,
-        cfg=cfg,
-        plan=plan,
-        batch=batch,
-        seq_len=seq_len,
-    )
-    any_spec = pl.BlockSpec()
-    return tuple(
-        pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
-            in_specs=[any_spec] * (len(arrays) + len(seq_arrays) + 1),
-            out_specs=[any_spec] * n_out,
-            out_shape=[jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)] * n_out,
-            compiler_params=common.compiler_params(plan.num_warps, 1),
-            interpret=common.interpret(),
-            name="ppo_loss_bwd",
-        )(*arrays, *seq_arrays, coef)
-    )
-
-
 # -- the primitive -------------------------------------------------------------------------------
 
 
-def _forward(tokens: dict, cfg, plan: PPOLaunch):
-    sums = forward_sums(tokens, cfg, plan)
+def _forward(tokens: dict, cfg, plan: kernels.PPOLaunch):
+    sums = kernels.forward_sums(tokens, cfg, plan)
     loss, metrics = ppo_math.loss_and_metrics(
         ppo_math.sums_to_token_terms(sums, cfg), cfg, tokens["logp"].shape[1]
     )
@@ -305,7 +67,7 @@ def _ppo_loss_bwd(cfg, plan, res, cot):
     coef = cot[0] * aggregation_math.aggregation_weights(
         counts, cfg.loss_agg_mode, seq_len, cfg.max_len
     )
-    grads = dict(zip(("logp", "entropy"), token_grads(tokens, seq, coef, cfg, plan)))
+    grads = dict(zip(("logp", "entropy"), kernels.token_grads(tokens, seq, coef, cfg, plan)))
     return ({n: grads.get(n) for n in tokens},)
 
 
@@ -313,7 +75,10 @@ _ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
 
 
 def ppo_loss(
-    ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig, *, plan: PPOLaunch | None = None
+    ppo_inputs: ppo_math.PPOInputs,
+    config: ppo_math.PPOConfig,
+    *,
+    plan: kernels.PPOLaunch | None = None,
 ):
     """Primitive ``ppo_loss``: ``(loss, metrics)`` as ``ppo_math.ppo_loss`` defines them."""
     fields = ppo_inputs._asdict()
@@ -333,72 +98,11 @@ GROUP_BLOCK = 1024
 """Rewards scanned per step by a group's program."""
 
 
-def _group_kernel(
-    rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddof: int, eps: float, block: int
-):
-    n = rewards_ref.shape[0]
-    group = pl.program_id(0)
-    n_blocks = pl.cdiv(n, block)
-
-    def members(j):
-        idx = j * block + jnp.arange(block, dtype=jnp.int32)
-        inside = idx < n
-        seg = plgpu.load(seg_ref.at[idx], mask=inside, other=-1)
-        r = plgpu.load(rewards_ref.at[idx], mask=inside, other=0.0).astype(jnp.float32)
-        return idx, inside & (seg == group), r
-
-    def count_sum(j, acc):
-        _, mine, r = members(j)
-        return acc[0] + jnp.sum(mine.astype(jnp.float32)), acc[1] + jnp.sum(jnp.where(mine, r, 0.0))
-
-    count, total = lax.fori_loop(0, n_blocks, count_sum, (jnp.float32(0.0), jnp.float32(0.0)))
-    mean = total / jnp.maximum(count, 1.0)
-    scale = jnp.float32(1.0)
-    if normalize_std:
-
-        def sq_sum(j, acc):
-            _, mine, r = members(j)
-            c = r - mean
-            return acc + jnp.sum(jnp.where(mine, c * c, 0.0))
-
-        sq = lax.fori_loop(0, n_blocks, sq_sum, jnp.float32(0.0))
-        var = sq / jnp.maximum(count - std_ddof, 1.0)
-        scale = jnp.sqrt(var) + eps
-
-    @pl.loop(0, n_blocks)
-    def _(j):
-        idx, mine, r = members(j)
-        centred = r - mean
-        if normalize_std:
-            centred = centred / scale
-        plgpu.store(adv_ref.at[idx], jnp.where(count > 1, centred, 0.0), mask=mine)
-
-
 def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps):
-    (n,) = rewards.shape
-    block = min(pl.next_power_of_2(n), GROUP_BLOCK)
-    kernel = functools.partial(
-        _group_kernel, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps, block=block
+    block = min(pl.next_power_of_2(rewards.shape[0]), GROUP_BLOCK)
+    return kernels.group_advantages_call(
+        rewards, segment_ids, num_groups, normalize_std, std_ddof, eps, block
     )
-    any_spec = pl.BlockSpec()
-    call = pl.pallas_call(
-        kernel,
-        grid=(num_groups,),
-        in_specs=[any_spec, any_spec],
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
-        compiler_params=common.compiler_params(max(1, min(4, block // 256)), 1),
-        interpret=common.interpret(),
-        name="group_advantages",
-    )
-    # Groups may straddle any split of B: every device runs the kernel on all [B] rewards.
-    (adv,) = sharding.run(
-        lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
-        (rewards, segment_ids),
-        ("-", "-"),
-        ("-",),
-    )
-    return adv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
