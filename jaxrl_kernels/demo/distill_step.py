@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.demo import algos, sampling
 from jaxrl_kernels.demo import model as model_lib
+from jaxrl_kernels.demo import rl_losses, rl_step, sampling
 from jaxrl_kernels.demo.task import AdditionTask
 
 LOSSES = ("jaxrl", "materialised")
@@ -192,7 +192,7 @@ def make_distill_step(
             student, state["params"], prompts, key, max_new=task.max_new, temperature=temperature
         )
         sg = jax.lax.stop_gradient
-        teacher_hidden = sg(algos.answer_hidden(teacher, teacher_params, prompts, actions))
+        teacher_hidden = sg(rl_losses.answer_hidden(teacher, teacher_params, prompts, actions))
         teacher_weight, teacher_layout = model_lib.head_weight(
             teacher_params, teacher.tie_embeddings
         )
@@ -227,7 +227,7 @@ def make_distill_step(
 
         def objective(params):
             weight, layout = model_lib.head_weight(params, student.tie_embeddings)
-            hidden = algos.answer_hidden(student, params, prompts, actions)
+            hidden = rl_losses.answer_hidden(student, params, prompts, actions)
             value, per_token = trained(hidden, weight, layout)
             return value, (per_token, hidden)
 
@@ -248,7 +248,9 @@ def make_distill_step(
             }
         else:
             metrics = {"divergence": value, "divergence_max": jnp.max(per_token)}
-        params, opt_state = algos._apply(optimizer, state["params"], state["opt_state"], grads)
+        params, opt_state = rl_step.apply_updates(
+            optimizer, state["params"], state["opt_state"], grads
+        )
         scores = task.score(actions, sums)
         metrics.update(
             reward=jnp.mean(scores["reward"]),

@@ -2,7 +2,7 @@
 
 1. Supervised warm start: ``warmup_steps`` steps of teacher-forced NLL on correct
    answers (deliberately short, so the policy is right only part of the time).
-2. RL up to ``steps`` steps in total of the chosen algorithm (see :mod:`algos`)
+2. RL up to ``steps`` steps in total of the chosen algorithm (:mod:`algos`, :mod:`rl_losses`)
    on prompts drawn from the training pool; each step's prompts and sampling
    key are a pure function of ``(seed, step)``, so a run resumed from a
    checkpoint takes the same steps as an uninterrupted one.
@@ -13,7 +13,9 @@
    configuration from :func:`~jaxrl_kernels.demo.config.resume_config` (a
    resumed run skips the warm start and extends the log).
 
-The configuration (:class:`Config`) is :mod:`jaxrl_kernels.demo.config`'s.
+The configuration (:class:`Config`) is :mod:`jaxrl_kernels.demo.config`'s, the jitted steps
+:mod:`jaxrl_kernels.demo.rl_step`'s, and the table, the plot and the files under ``out``
+:mod:`jaxrl_kernels.demo.report`'s.
 :func:`jaxrl_kernels.demo.train.run` calls :func:`run` for the RL algorithms;
 :mod:`jaxrl_kernels.demo.distill` uses it to train its teacher and this module's
 ``Demo`` for its student.
@@ -23,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import platform
 import resource
 import sys
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.demo import algos, checkpoint, sampling
+from jaxrl_kernels.demo import algos, checkpoint, report, rl_step, sampling
 from jaxrl_kernels.demo.config import Config, _check_resumable
 from jaxrl_kernels.demo.model import CausalLM
 from jaxrl_kernels.demo.progress import Progress
@@ -62,16 +62,16 @@ def _init_program(model_key: tuple):
 
 @functools.lru_cache(maxsize=32)
 def _sft_program(model_key: tuple, lr: float, backend: str | None):
-    optimizer = algos.make_optimizer(lr)
-    return optimizer, algos.make_sft_step(_model(*model_key), optimizer, backend=backend)
+    optimizer = rl_step.make_optimizer(lr)
+    return optimizer, rl_step.make_sft_step(_model(*model_key), optimizer, backend=backend)
 
 
 @functools.lru_cache(maxsize=32)
 def _rl_program(
     model_key: tuple, task: AdditionTask, lr: float, warmup_updates: int, rl_cfg: algos.RLConfig
 ):
-    optimizer = algos.make_optimizer(lr, warmup=warmup_updates)
-    return optimizer, algos.make_rl_step(_model(*model_key), task, optimizer, rl_cfg)
+    optimizer = rl_step.make_optimizer(lr, warmup=warmup_updates)
+    return optimizer, rl_step.make_rl_step(_model(*model_key), task, optimizer, rl_cfg)
 
 
 def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callable:
@@ -260,26 +260,11 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         "wall_seconds": time.perf_counter() - t_start,
     }
     log["summary"] = _round(summary)
-    print(format_table(summary, cfg), file=stream)
+    print(report.format_table(summary, cfg), file=stream)
 
-    write_outputs(cfg.out, log, state, plot, stream)
+    report.write_outputs(cfg.out, log, state, report.plot, stream)
     log["state"] = state
     return log
-
-
-def write_outputs(out: str | None, log: dict[str, Any], state: Any, plot_fn, stream) -> None:
-    """``out``/log.json, ``out``/curves.png (``plot_fn(log, path)``) and the checkpoint of
-    ``state``; nothing without ``out``."""
-    if not out:
-        return
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "log.json"), "w") as f:
-        json.dump(log, f, indent=1)
-    plot_fn(log, os.path.join(out, "curves.png"))
-    checkpoint.save(
-        os.path.join(out, checkpoint.FILENAME), state, config=log["config"], history=log
-    )
-    print(f"wrote {out}/log.json, {out}/curves.png, {out}/{checkpoint.FILENAME}", file=stream)
 
 
 def _warm_start(demo: Demo, log: dict[str, Any], progress: bool) -> tuple[algos.State, float]:
@@ -298,112 +283,3 @@ def _warm_start(demo: Demo, log: dict[str, Any], progress: bool) -> tuple[algos.
     bar.close()
     jax.block_until_ready(params)
     return demo.init_state(params), time.perf_counter() - t0
-
-
-def format_table(s: dict[str, Any], cfg: Config) -> str:
-    def pct(x):
-        return f"{100 * x:6.1f} %"
-
-    rows = [
-        (
-            "held-out accuracy (greedy)",
-            pct(s["held_out_accuracy_before"]),
-            pct(s["held_out_accuracy_after"]),
-            f"{100 * (s['held_out_accuracy_after'] - s['held_out_accuracy_before']):+.1f} pts",
-        ),
-        (
-            "held-out reward (greedy)",
-            f"{s['held_out_reward_before']:8.3f}",
-            f"{s['held_out_reward_after']:8.3f}",
-            f"{s['held_out_reward_after'] - s['held_out_reward_before']:+.3f}",
-        ),
-        (
-            f"held-out reward (T={cfg.temperature:g})",
-            f"{s['sampled_reward_before']:8.3f}",
-            f"{s['sampled_reward_after']:8.3f}",
-            f"{s['sampled_reward_after'] - s['sampled_reward_before']:+.3f}",
-        ),
-        (
-            "train reward (first / last 10 steps)",
-            f"{s['train_reward_first']:8.3f}",
-            f"{s['train_reward_last10']:8.3f}",
-            "",
-        ),
-    ]
-    lines = [
-        f"jaxrl_kernels demo: {cfg.algo} on {cfg.digits}-digit addition | model d={cfg.d_model} "
-        f"L={cfg.layers} H={cfg.heads} | device {s['device']} | ops backend {s['backend']}",
-        f"{'':38s}{'warm start':>12s}{'after RL':>12s}{'change':>12s}",
-    ]
-    lines += [f"{a:38s}{b:>12s}{c:>12s}{d:>12s}" for a, b, c, d in rows]
-    if s["tokens_per_second"] is None:
-        throughput = (
-            f"one step this run, {s['rl_first_step_seconds']:.1f} s including "
-            "compilation (no steady-state rate)"
-        )
-    else:
-        throughput = (
-            f"{s['tokens_per_second']:,.0f} sampled tokens/s ({s['rl_step_ms']:.1f} "
-            f"ms/step; first step incl. compile {s['rl_first_step_seconds']:.1f} s)"
-        )
-    if s["resumed_from_step"] is None:
-        phases = f"warm start {s['warm_start_seconds']:.1f} s"
-    else:
-        n = s["rl_steps_this_run"]
-        phases = f"resumed at RL step {s['resumed_from_step']}, {n} step{'s' * (n != 1)} this run"
-    lines += [
-        f"{'RL throughput':38s}{throughput}",
-        f"{'peak memory':38s}{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({s['peak_memory_kind']})",
-        f"{'wall time':38s}{s['wall_seconds']:.1f} s ({phases})",
-    ]
-    return "\n".join(lines)
-
-
-def plot(log: dict[str, Any], path: str) -> None:
-    """Three panels: the warm start's NLL, the RL reward, held-out accuracy; resumes marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
-    warm = log["warm_start"]
-    ax0.plot([w["step"] for w in warm], [w["nll"] for w in warm], "o-", ms=2)
-    ax0.set(xlabel="warm-start step", ylabel="NLL per answer token", title="supervised warm start")
-    steps = [r["step"] for r in log["rl"]]
-    rewards = [r["reward"] for r in log["rl"]]
-    ax1.plot(steps, rewards, lw=0.8, alpha=0.5, label="train (sampled)")
-    if len(steps) >= 10:
-        smooth = np.convolve(rewards, np.ones(10) / 10, mode="valid")
-        ax1.plot(steps[9:], smooth, lw=1.6, label="train, 10-step mean")
-    ev = log["evals"]
-    ax1.plot(
-        [e["step"] for e in ev],
-        [e["sampled_reward"] for e in ev],
-        "o-",
-        ms=3,
-        label="held-out (sampled)",
-    )
-    ax1.set(xlabel="RL step", ylabel="mean reward", title="reward")
-    ax2.plot([e["step"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", ms=3)
-    ax2.set(
-        xlabel="RL step (0 = after the warm start)",
-        ylabel="accuracy (%)",
-        title="held-out accuracy (greedy)",
-    )
-    for ax in (ax1, ax2):
-        for i, step in enumerate(log.get("resumed_at", [])):
-            ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if i == 0 else None)
-    ax1.legend(fontsize=8)
-    cfg = log["config"]
-    save_figure(fig, path, f"jaxrl_kernels demo: {cfg['algo']}, seed {cfg['seed']}")
-
-
-def save_figure(fig, path: str, title: str) -> None:
-    """A demo figure titled, laid out, written at 110 dpi and closed."""
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -6,9 +6,10 @@ report, resumable from a checkpoint); ``--algo distill`` runs
 distillation of a smaller student).
 
 The configuration (:class:`Config`, :func:`flag`, :func:`resume_config`) is
-:mod:`jaxrl_kernels.demo.config`'s and the loop's pieces (:class:`Demo`,
-:func:`peak_memory`, :func:`format_table`, :func:`plot`, :func:`write_outputs`,
-:func:`save_figure`) are :mod:`jaxrl_kernels.demo.loop`'s, re-exported here.
+:mod:`jaxrl_kernels.demo.config`'s, the loop's pieces (:class:`Demo`, :func:`peak_memory`) are
+:mod:`jaxrl_kernels.demo.loop`'s and its report (:func:`format_table`, :func:`plot`,
+:func:`write_outputs`, :func:`save_figure`) :mod:`jaxrl_kernels.demo.report`'s, re-exported
+here.
 """
 
 from __future__ import annotations
@@ -17,14 +18,8 @@ from typing import Any, TextIO
 
 from jaxrl_kernels.demo import algos, distill, loop
 from jaxrl_kernels.demo.config import Config, _check_resumable, flag, resume_config  # noqa: F401
-from jaxrl_kernels.demo.loop import (  # noqa: F401
-    Demo,
-    format_table,
-    peak_memory,
-    plot,
-    save_figure,
-    write_outputs,
-)
+from jaxrl_kernels.demo.loop import Demo, peak_memory  # noqa: F401
+from jaxrl_kernels.demo.report import format_table, plot, save_figure, write_outputs  # noqa: F401
 
 
 def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ pytest.importorskip("optax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrl_kernels.demo import ALGOS, Config, Demo, RLConfig, algos, checkpoint  # noqa: E402
+from jaxrl_kernels.demo import ALGOS, Config, Demo, RLConfig, algos, checkpoint, rl_step  # noqa: E402
 from jaxrl_kernels.demo.__main__ import _parser, main  # noqa: E402
 from jaxrl_kernels.demo.task import EOS, PAD, AdditionTask  # noqa: E402
 
@@ -525,7 +525,7 @@ def test_rl_step_passes_options_as_config_values(algo, options):
     ignore --entropy-coef, reinforce --kl-coef)."""
     cfg = Config(algo=algo, **options, **TINY)
     demo = Demo(cfg)
-    step = algos.make_rl_step(demo.lm, demo.task, demo.rl_optimizer, cfg.rl_config())
+    step = rl_step.make_rl_step(demo.lm, demo.task, demo.rl_optimizer, cfg.rl_config())
     assert _traced_warnings(step, _abstract_state(demo), *demo.rl_inputs(0)) == []
 
 
