@@ -19,7 +19,8 @@ sharding under tunix's loss; PPO's micro-batches of 1 row leave the three RMSNor
 sharded over "fsdp" (ours once kept them replicated), and the tests assert both, so that
 the comparison is not vacuous.
 
-CI (CPU time) runs the GRPO learner against tunix's own; the PPO learners and the
+CI (CPU time) runs the GRPO learner and the PPO learner of micro-batches of 1 row (the one
+where the RMSNorm scales' sharding moves) against tunix's own; the other PPO learner and the
 sampler-matched runs are marked ``slow`` (JAXRL_TEST_SLOW=1), tests/integrations/test_tunix.py
 holding "jaxrl_ppo" to tunix's "ppo" in CI. Sequence packing (tunix's ``max_seq_token_per_tpu``)
 is one more GRPO test, marked ``slow`` too. On this CPU Qwen3
@@ -76,7 +77,6 @@ def test_grpo_learner_matches_tunix():
     assert set(got.compiles.values()) == {1}, got.compiles
 
 
-@pytest.mark.slow  # ~50-80 s of CPU
 def test_ppo_learner_matches_tunix():
     """PPOLearner hands the registered function itself to its trainer (no wrapping lambda).
 
