@@ -133,9 +133,10 @@ def ours(divergence: str, memory: str = "lean", backend: str = "chunked"):
     import jaxrl_kernels as jk
 
     route = dict(backend=backend) if memory == "lean" else dict(memory=memory)
+    config = jk.DistillLoss(divergence=divergence)
 
     def loss(h, w, th, tw, mask):
-        return jk.linear_distill_loss(h, w, th, tw, mask, divergence=divergence, **route)[0]
+        return jk.linear_distill_loss(h, w, th, tw, mask, config=config, **route)[0]
 
     return loss
 

@@ -28,6 +28,7 @@ Results: ``bench_logits.{json,md}`` / ``bench_logits_sweep.{json,md}`` in out/be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import traceback
 
 import jax
@@ -51,9 +52,13 @@ SIZES = {
         variants=[(131072, "bfloat16")],
     ),
 }
-GRPO_VARIANTS = {  # op label: grpo_loss options beyond group_size=4, beta=0.04
-    "grpo_loss[sequence ratio]": dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
-    "grpo_loss[cispo]": dict(policy_loss="cispo", clip_high=0.28),
+GRPO_GROUPS = jk.Groups(size=4)
+GRPO_CONFIG = jk.PolicyLoss(kl_coef=0.04)  # the plain grpo_loss row's
+GRPO_VARIANTS = {  # op label: grpo_loss's config (GRPO_CONFIG's kl_coef, in groups of 4)
+    "grpo_loss[sequence ratio]": dataclasses.replace(
+        GRPO_CONFIG, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4
+    ),
+    "grpo_loss[cispo]": dataclasses.replace(GRPO_CONFIG, policy_loss="cispo", clip_high=0.28),
 }
 COLUMNS = [
     "op",
@@ -135,20 +140,20 @@ def cases(size):
 
                     return f
 
-                def grpo_fwd(b, options=None):
+                def grpo_fwd(b, config=GRPO_CONFIG):
                     return lambda p, r, a, o, rw, m, c: jk.grpo_loss(
-                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b, **(options or {})
+                        p, r, a, o, rw, m, groups=GRPO_GROUPS, config=config, backend=b
                     )
 
-                def grpo_loss(b, options=None):
+                def grpo_loss(b, config=GRPO_CONFIG):
                     return lambda p, r, a, o, rw, m, c: jk.grpo_loss(
-                        p, r, a, o, rw, m, group_size=4, beta=0.04, backend=b, **(options or {})
+                        p, r, a, o, rw, m, groups=GRPO_GROUPS, config=config, backend=b
                     )[0]
 
                 out.append(("ratio_kl", vocab, dtype, 2, pair_args, rk_fwd, rk_loss))
                 out.append(("grpo_loss", vocab, dtype, 2, pair_args, grpo_fwd, grpo_loss))
                 if (vocab, dtype) in cfg["variants"]:
-                    for label, options in GRPO_VARIANTS.items():
+                    for label, config in GRPO_VARIANTS.items():
                         out.append(
                             (
                                 label,
@@ -156,8 +161,8 @@ def cases(size):
                                 dtype,
                                 2,
                                 pair_args,
-                                lambda b, o=options: grpo_fwd(b, o),
-                                lambda b, o=options: grpo_loss(b, o),
+                                lambda b, config=config: grpo_fwd(b, config),
+                                lambda b, config=config: grpo_loss(b, config),
                             )
                         )
     return out

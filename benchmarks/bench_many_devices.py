@@ -126,10 +126,17 @@ def loss_fn(op, impl):
 
     def grpo(h, w, x):
         if impl == "jnp_bf16":
-            adv = jk.group_advantages(x["rewards"], group_size=4)
+            adv = jk.group_advantages(x["rewards"], groups=jk.Groups(size=4))
             return jk.ppo_loss(logp_of(h, w, x), x["old_logp"], adv, x["mask"])[0]
         return jk.linear_grpo_loss(
-            h, w, x["actions"], x["old_logp"], x["rewards"], x["mask"], group_size=4, **kw
+            h,
+            w,
+            x["actions"],
+            x["old_logp"],
+            x["rewards"],
+            x["mask"],
+            groups=jk.Groups(size=4),
+            **kw,
         )[0]
 
     return {"linear_logprobs": logprobs, "linear_grpo_loss": grpo}[op]

@@ -22,6 +22,7 @@ Results: ``bench_ppo.{json,md}`` in out/bench (``--out``, ``--update-results``: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import traceback
 
 import jax
@@ -34,30 +35,30 @@ from benchmarks import common, output
 BACKENDS = ("pallas", "reference", "chunked")
 SIZES = {"tiny": [(8, 16)], "base": [(128, 512)], "all": [(128, 512), (1024, 8192)]}
 LARGE_BACKENDS = ("pallas", "reference")  # chunked's ppo_loss is the reference's function
-_EVERYTHING = dict(
+_EVERYTHING = jk.PolicyLoss(
     tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01, loss_agg_mode="seq_mean_token_mean"
 )
 _ALL_INPUTS = ("rollout_logp", "ref_logp", "entropy")
-# name: (optional inputs, ppo_loss options, the config it is compared with or None)
+# name: (optional inputs, ppo_loss's config, the config it is compared with or None)
 CONFIGS = {
-    "dual_clip+tis": (("rollout_logp",), dict(dual_clip=3.0, tis_cap=2.0), None),
-    "everything": (_ALL_INPUTS, dict(_EVERYTHING, dual_clip=3.0), None),
-    "ppo (token)": ((), {}, None),
+    "dual_clip+tis": (("rollout_logp",), jk.PolicyLoss(dual_clip=3.0, tis_cap=2.0), None),
+    "everything": (_ALL_INPUTS, dataclasses.replace(_EVERYTHING, dual_clip=3.0), None),
+    "ppo (token)": ((), jk.PolicyLoss(), None),
     "gspo (sequence ratio)": (
         (),
-        dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+        jk.PolicyLoss(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
         "ppo (token)",
     ),
-    "cispo": ((), dict(policy_loss="cispo", clip_low=0.2, clip_high=0.28), "ppo (token)"),
-    "gspo+cispo": ((), dict(ratio_level="sequence", policy_loss="cispo"), "ppo (token)"),
+    "cispo": ((), jk.PolicyLoss(policy_loss="cispo", clip_low=0.2, clip_high=0.28), "ppo (token)"),
+    "gspo+cispo": ((), jk.PolicyLoss(ratio_level="sequence", policy_loss="cispo"), "ppo (token)"),
     "tis sequence mask": (
         ("rollout_logp",),
-        dict(dual_clip=3.0, tis_cap=2.0, tis_level="sequence", tis_mode="mask"),
+        jk.PolicyLoss(dual_clip=3.0, tis_cap=2.0, tis_level="sequence", tis_mode="mask"),
         "dual_clip+tis",
     ),
     "everything, gspo": (
         _ALL_INPUTS,
-        dict(
+        dataclasses.replace(
             _EVERYTHING,
             dual_clip=3.0,
             ratio_level="sequence",
@@ -68,7 +69,7 @@ CONFIGS = {
     ),
     "everything, cispo": (
         _ALL_INPUTS,
-        dict(_EVERYTHING, policy_loss="cispo", tis_level="sequence"),
+        dataclasses.replace(_EVERYTHING, policy_loss="cispo", tis_level="sequence"),
         "everything",
     ),
 }
@@ -111,12 +112,12 @@ def make_inputs(rng, b, t, extra):
     return tuple(jnp.asarray(arrays[k], jnp.float32) for k in keep)
 
 
-def ppo_fns(backend, extra, options):
+def ppo_fns(backend, extra, policy):
     names = ("logp", "old_logp", "advantages", "mask") + extra
 
     def call(*arrays):
-        kw = dict(zip(names[4:], arrays[4:]), **options)
-        return jk.ppo_loss(*arrays[:4], backend=backend, **kw)
+        kw = dict(zip(names[4:], arrays[4:]))
+        return jk.ppo_loss(*arrays[:4], config=policy, backend=backend, **kw)
 
     diff = (0,) + tuple(4 + i for i, n in enumerate(extra) if n == "entropy")
     fwd = jax.jit(call)
@@ -127,13 +128,13 @@ def ppo_fns(backend, extra, options):
 def ppo_rows(b, t, gbps, rng, runs, backends):
     rows = []
     done = {}
-    for config, (extra, options, base) in CONFIGS.items():
+    for config, (extra, policy, base) in CONFIGS.items():
         n_sets = max(2, min(128, ROTATE_BYTES // (b * t * 4 * (4 + len(extra)))))
         arg_sets = [make_inputs(rng, b, t, extra) for _ in range(n_sets)]
         for backend in backends:
             row = dict(op="ppo_loss", config=config, B=b, T=t, impl=backend)
             try:
-                fwd, fwdbwd, n_in, n_grad = ppo_fns(backend, extra, options)
+                fwd, fwdbwd, n_in, n_grad = ppo_fns(backend, extra, policy)
                 row["fwd_ms"] = rotating_median_ms(fwd, arg_sets, runs=runs)
                 row["fwdbwd_ms"] = rotating_median_ms(fwdbwd, arg_sets, runs=runs)
                 row["fwd_temp_mib"] = common.temp_mib(fwd, *arg_sets[0])
@@ -172,7 +173,9 @@ def run(size):
         row = dict(op="group_advantages", config=f"{n_groups} groups of 8", B=b, T=1, impl=backend)
         try:
             fn = jax.jit(
-                lambda r, backend=backend: jk.group_advantages(r, group_size=8, backend=backend)
+                lambda r, backend=backend: jk.group_advantages(
+                    r, groups=jk.Groups(size=8), backend=backend
+                )
             )
             row["fwd_ms"] = rotating_median_ms(fn, [(r,) for r in rewards], runs=runs)
         except Exception as err:

@@ -54,13 +54,20 @@ SIZES = {
     "n8192": [(8192, 4096, 151936)],
     "small": [(64, 32, 1000)],
 }
-TRUNCATIONS = {
+TRUNCATIONS = {  # name: the jk.Sampler's options (sampler_of), as in plain_jnp
     "none": {},
     "top-k 50": dict(top_k=50),
     "top-p 0.95": dict(top_p=0.95),
     "top-k 50, top-p 0.95": dict(top_k=50, top_p=0.95),
 }
 LOGIT_STD = 4.0
+
+
+def sampler_of(trunc):
+    """The ``jk.Sampler`` of one of :data:`TRUNCATIONS` (``None`` for the plain call)."""
+    import jaxrl_kernels as jk
+
+    return jk.Sampler(**trunc) if trunc else None
 
 
 def inputs(n, d, v, seed=0):
@@ -112,9 +119,12 @@ def calls():
     import jaxrl_kernels as jk
 
     def ours(memory, trunc, backend=None):
+        sampler = sampler_of(trunc)
+
         def loss(h, w, targets, g):
             return jnp.sum(
-                g * jk.linear_logprobs(h, w, targets, memory=memory, backend=backend, **trunc)
+                g
+                * jk.linear_logprobs(h, w, targets, sampler=sampler, memory=memory, backend=backend)
             )
 
         return loss
@@ -147,9 +157,11 @@ def reference(data, trunc):
     h, w, targets, g = data
     w32 = w.astype(jnp.float32)
 
+    sampler = sampler_of(trunc)
+
     @jax.jit
     def run(h, targets, g):
-        f = lambda h, w: jk.linear_logprobs(h, w, targets, backend="reference", **trunc)
+        f = lambda h, w: jk.linear_logprobs(h, w, targets, sampler=sampler, backend="reference")
         logp, vjp = jax.vjp(f, h, w32)
         return logp, *vjp(g)
 
@@ -205,7 +217,9 @@ def measure(size, runs, rounds, small):
             row["no_nv_buffer"] = row["temp_mib"] < nv_mib
             _, (dh, dw) = step(*data)
             logp = (
-                jk.linear_logprobs(data[0], data[1], data[2], memory="lean", **TRUNCATIONS[name])
+                jk.linear_logprobs(
+                    data[0], data[1], data[2], sampler=sampler_of(TRUNCATIONS[name]), memory="lean"
+                )
                 if impl == "lean"
                 else None
             )

@@ -3,7 +3,7 @@
 Question: at every token count a trainer runs per device, is the library (lean, the default,
 and ``memory="fast"``) at least as fast as what a JAX user writes without it, and how far from
 the matrix units' floor? Each row is ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))``
-of a GRPO loss (group_size 2, bf16 hidden [N, D] and head [V, D]), the median of synchronised
+of a GRPO loss (groups of 2, bf16 hidden [N, D] and head [V, D]), the median of synchronised
 calls by the host clock after a warm-up, and XLA's temp size:
 
 - ``jnp bf16``: ``einsum`` to bf16 logits, float32 ``log_softmax`` and gather
@@ -88,18 +88,19 @@ def losses():
 
     import jaxrl_kernels as jk
 
-    kw = dict(group_size=2, clip_low=0.2, clip_high=0.28)
+    groups = jk.Groups(size=2)
+    config = jk.PolicyLoss(clip_low=0.2, clip_high=0.28)
 
     def plain(h, w, a, old, r, mask):
         logp = jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), a, backend="reference")
-        adv = jk.group_advantages(r, group_size=kw["group_size"])
-        return jk.ppo_loss(
-            logp, old, adv, mask, clip_low=kw["clip_low"], clip_high=kw["clip_high"]
-        )[0]
+        adv = jk.group_advantages(r, groups=groups)
+        return jk.ppo_loss(logp, old, adv, mask, config=config)[0]
 
     def ours(memory):
         def loss(h, w, a, old, r, mask):
-            return jk.linear_grpo_loss(h, w, a, old, r, mask, memory=memory, **kw)[0]
+            return jk.linear_grpo_loss(
+                h, w, a, old, r, mask, groups=groups, config=config, memory=memory
+            )[0]
 
         return loss
 

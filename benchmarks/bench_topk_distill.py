@@ -132,8 +132,12 @@ def losses():
         return jnp.sum(jk.linear_logprobs(h, w, ids, memory="lean") * gk)
 
     def topk(tail, memory):
+        config = jk.TopKDistillLoss(tail=tail)
+
         def loss(h, w, ids, t_logp, mask, g1, gk):
-            return jk.linear_topk_distill_loss(h, w, ids, t_logp, mask, tail=tail, memory=memory)[0]
+            return jk.linear_topk_distill_loss(
+                h, w, ids, t_logp, mask, config=config, memory=memory
+            )[0]
 
         return loss
 

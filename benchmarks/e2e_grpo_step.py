@@ -187,7 +187,7 @@ def loss_fn(path, model, cfg):
                 batch["old_logp"],
                 batch["rewards"],
                 batch["mask"],
-                group_size=cfg.group,
+                groups=jk.Groups(size=cfg.group),
                 memory=memory,
             )[0]
         logits_dtype = jnp.bfloat16 if path == "materialised_bf16" else jnp.float32

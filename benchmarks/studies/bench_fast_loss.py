@@ -3,7 +3,7 @@
 Question: what does a GRPO step's loss cost with the fast mode, next to what a JAX user writes
 without this library (``einsum`` to bf16 logits, float32 ``log_softmax``, gather, the same
 loss through ``jk.token_logprobs`` (reference backend) and ``jk.ppo_loss``) and the lean default? Each row:
-``jax.jit(jax.value_and_grad(loss, (hidden, weight)))``, bf16, group_size 2, XLA's temp size,
+``jax.jit(jax.value_and_grad(loss, (hidden, weight)))``, bf16, groups of 2, XLA's temp size,
 the median of synchronised calls by the host clock. The inputs and losses are
 ``benchmarks.bench_tokens``' (``inputs``, ``losses``).
 

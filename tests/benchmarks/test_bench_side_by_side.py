@@ -58,7 +58,14 @@ def test_e2e_jnp_grpo_loss_equals_linear_grpo_loss():
 
     def ours(hidden):
         return jk.linear_grpo_loss(
-            hidden, weight, actions, old_logp, rewards, mask, group_size=group, backend="reference"
+            hidden,
+            weight,
+            actions,
+            old_logp,
+            rewards,
+            mask,
+            groups=jk.Groups(size=group),
+            backend="reference",
         )[0]
 
     def jnp_path(hidden):
