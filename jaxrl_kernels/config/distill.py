@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_kernels import validation as check
+from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.formulas.divergence_math import DIVERGENCES
 
 TAILS = ("drop", "bucket")
@@ -74,5 +75,12 @@ class TopKDistillLoss:
         check.max_len(self.max_len)
 
 
-DISTILL_KEYWORDS = {f.name: f.name for f in dataclasses.fields(DistillLoss)}
-TOPK_KEYWORDS = {f.name: f.name for f in dataclasses.fields(TopKDistillLoss)}
+DISTILL_LEGACY = legacy.Keywords(
+    "config", DistillLoss, {f.name: f.name for f in dataclasses.fields(DistillLoss)}
+)
+"""The deprecated keywords a ``DistillLoss`` replaces."""
+
+TOPK_LEGACY = legacy.Keywords(
+    "config", TopKDistillLoss, {f.name: f.name for f in dataclasses.fields(TopKDistillLoss)}
+)
+"""The deprecated keywords a ``TopKDistillLoss`` replaces."""

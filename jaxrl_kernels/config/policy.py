@@ -142,13 +142,20 @@ class Groups:
             )
 
 
-POLICY_KEYWORDS = {name: name for name in FIELDS}
-GROUP_KEYWORDS = {
-    "group_size": "size",
-    "group_boundaries": "boundaries",
-    "normalize_std": "normalize_std",
-    "eps": "eps",
-}
+GRPO_GROUPS = legacy.Keywords(
+    "groups",
+    Groups,
+    {
+        "group_size": "size",
+        "group_boundaries": "boundaries",
+        "normalize_std": "normalize_std",
+        "eps": "eps",
+    },
+)
+"""The GRPO losses' deprecated keywords for their ``Groups``."""
+
+ADVANTAGE_GROUPS = legacy.Keywords("groups", Groups, {**GRPO_GROUPS.fields, "std_ddof": "std_ddof"})
+"""``group_advantages``' deprecated keywords for its ``Groups`` (``std_ddof`` too)."""
 
 
 GRPO_KEYWORDS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.formulas import sampler_math
 
 
@@ -47,7 +48,7 @@ class Sampler:
         return sampler_math.truncation(self.top_k, self.top_p, self.min_p)
 
 
-KEYWORDS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+LEGACY = legacy.Keywords("sampler", Sampler, {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p"})
 """The deprecated keywords a ``Sampler`` replaces."""
 
 

@@ -49,10 +49,10 @@ def choose(
     loss: bool = False,
 ) -> Choice:
     """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (``rows``:
-    the rows' shape, or an array of it): the kept-logits path (``choice.fast``) or a backend,
+    the rows' shape): the kept-logits path (``choice.fast``) or a backend,
     and why (``call.batch_invariant``: the backend's batch-invariant implementation, always
     lean). ``loss``: the op is a loss of the log-probs (its fast mode keeps the gradient)."""
-    rows = tuple(getattr(rows, "shape", rows))
+    rows = tuple(rows)
     vocab = global_vocab(geometry.vocab_size(weight, call.weight_layout), call.vocab_axis)
     n_rows = math.prod(rows)
     request = memory_lib.Request(
@@ -123,7 +123,7 @@ def loss_rows(
     taken in the forward (``fused_loss``: 3 GEMMs). With ``call.truncation`` the log-probs
     are the processed distribution's (the fast mode keeps the logits instead) and ``kept``
     says whether each target is in its row's kept set."""
-    choice = choose(op, memory, hidden, weight, bias, targets, call, backend, loss=True)
+    choice = choose(op, memory, hidden, weight, bias, targets.shape, call, backend, loss=True)
     if choice.fast and call.truncation is None:
         out = fused_loss.fused_linear_loss(
             choice.impl,

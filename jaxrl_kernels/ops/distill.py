@@ -26,7 +26,7 @@ from jax.typing import ArrayLike
 from jaxrl_kernels import dispatch
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.distill import DISTILL_KEYWORDS, DistillLoss
+from jaxrl_kernels.config.distill import DISTILL_LEGACY, DistillLoss
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels.engine import distill_halves, fused_distill
@@ -153,7 +153,7 @@ def linear_distill_loss(
             "linear_distill_loss",
             deprecated,
             {"config": config},
-            (legacy.Keywords("config", DistillLoss, DISTILL_KEYWORDS),),
+            (DISTILL_LEGACY,),
         )["config"]
         or DistillLoss()
     )

@@ -17,16 +17,15 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.policy import (
-    GROUP_KEYWORDS,
+    GRPO_GROUPS,
     GRPO_KEYWORDS,
     PG_UNUSED,
     Groups,
     PolicyLoss,
     policy_options,
 )
-from jaxrl_kernels.config.sampler import KEYWORDS as SAMPLER_KEYWORDS
+from jaxrl_kernels.config.sampler import LEGACY as SAMPLER_LEGACY
 from jaxrl_kernels.config.sampler import Sampler, truncation_of
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
@@ -40,7 +39,6 @@ from jaxrl_kernels.ops.policy_terms import (
 )
 
 _sg = jax.lax.stop_gradient
-_SAMPLER = legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS)
 
 
 def linear_ppo_loss(
@@ -112,7 +110,7 @@ def linear_ppo_loss(
       (0.0, 0.0)
     """
     values = policy_options(
-        "linear_ppo_loss", config, deprecated, given={"sampler": sampler}, extra=(_SAMPLER,)
+        "linear_ppo_loss", config, deprecated, given={"sampler": sampler}, extra=(SAMPLER_LEGACY,)
     )
     options = values["config"]
     hidden, weight, bias, actions, mask = linear_inputs(
@@ -236,7 +234,7 @@ def linear_grpo_loss(
         keywords=GRPO_KEYWORDS,
         unused=("entropy_coef",),
         given={"groups": groups, "sampler": sampler},
-        extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS), _SAMPLER),
+        extra=(GRPO_GROUPS, SAMPLER_LEGACY),
     )
     hidden, weight, bias, actions, mask = linear_inputs(
         hidden, weight, bias, weight_layout, actions, mask, vocab_axis
@@ -339,7 +337,7 @@ def linear_policy_gradient_loss(
         deprecated,
         unused=PG_UNUSED,
         given={"sampler": sampler},
-        extra=(_SAMPLER,),
+        extra=(SAMPLER_LEGACY,),
     )
     options = values["config"]
     hidden, weight, bias, actions, mask = linear_inputs(

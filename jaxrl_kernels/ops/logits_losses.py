@@ -15,9 +15,8 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import dispatch
 from jaxrl_kernels import validation as check
-from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.policy import (
-    GROUP_KEYWORDS,
+    GRPO_GROUPS,
     GRPO_KEYWORDS,
     Groups,
     PolicyLoss,
@@ -187,7 +186,7 @@ def grpo_loss(
         keywords=GRPO_KEYWORDS,
         unused=("entropy_coef",),
         given={"groups": groups},
-        extra=(legacy.Keywords("groups", Groups, GROUP_KEYWORDS),),
+        extra=(GRPO_GROUPS,),
     )
     options, groups = values["config"], values["groups"]
     policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(

@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 from jaxrl_kernels import dispatch
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.sampler import KEYWORDS as SAMPLER_KEYWORDS
+from jaxrl_kernels.config.sampler import LEGACY as SAMPLER_LEGACY
 from jaxrl_kernels.config.sampler import Sampler, truncation_of
 from jaxrl_kernels.dispatch.contract import Problem, dtype_name
 from jaxrl_kernels.engine import head_entry, logprob_core
@@ -128,7 +128,7 @@ def _sampler(op: str, sampler: Sampler | None, deprecated: dict) -> Sampler | No
         op,
         deprecated,
         {"sampler": sampler},
-        (legacy.Keywords("sampler", Sampler, SAMPLER_KEYWORDS),),
+        (SAMPLER_LEGACY,),
     )["sampler"]
 
 

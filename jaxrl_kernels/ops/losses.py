@@ -20,7 +20,7 @@ from jaxrl_kernels import sharding
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.policy import (
-    GROUP_KEYWORDS,
+    ADVANTAGE_GROUPS,
     PG_UNUSED,
     Groups,
     PolicyLoss,
@@ -122,7 +122,7 @@ def group_advantages(
         "group_advantages",
         deprecated,
         {"groups": groups},
-        (legacy.Keywords("groups", Groups, {**GROUP_KEYWORDS, "std_ddof": "std_ddof"}),),
+        (ADVANTAGE_GROUPS,),
     )["groups"]
     return compute_group_advantages(rewards, groups, backend=backend, strict=True)
 

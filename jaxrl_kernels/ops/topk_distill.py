@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 
 from jaxrl_kernels import validation as check
 from jaxrl_kernels.config import deprecated as legacy
-from jaxrl_kernels.config.distill import TAILS, TOPK_KEYWORDS, TopKDistillLoss
+from jaxrl_kernels.config.distill import TAILS, TOPK_LEGACY, TopKDistillLoss
 from jaxrl_kernels.engine import head_entry
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
 from jaxrl_kernels.formulas import aggregation_math
@@ -118,7 +118,7 @@ def linear_topk_distill_loss(
         "linear_topk_distill_loss",
         deprecated,
         {"config": config},
-        (legacy.Keywords("config", TopKDistillLoss, TOPK_KEYWORDS),),
+        (TOPK_LEGACY,),
     )["config"]
     options = options or TopKDistillLoss()
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
