@@ -8,7 +8,8 @@ calls by the host clock after a warm-up, and XLA's temp size:
 
 - ``jnp bf16``: ``einsum`` to bf16 logits, float32 ``log_softmax`` and gather
   (``jk.token_logprobs``, reference backend), the same loss (:func:`losses`);
-- ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with ``memory="lean"`` / ``"fast"``
+- ``ours default`` / ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with
+  ``memory=None`` (``"auto"``) / ``"lean"`` / ``"fast"``
   (``ours fast, XLA logits``: its logits and statistics by XLA, as off Hopper);
 - ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
   Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
@@ -34,6 +35,7 @@ and leaves a row with ``error`` and no times; it never stops the sweep. The tabl
     python -m benchmarks.bench_tokens --torch --peers    # with torch, QuACK and Liger
     python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
     python -m benchmarks.bench_tokens --small            # toy sizes, any device
+    python -m benchmarks.bench_tokens --batch realistic --padding 0.35   # an RL batch
 
 ``benchmarks/plot_tokens.py`` draws µs per token against N from the JSON (matplotlib).
 """
@@ -50,7 +52,18 @@ import sys
 from benchmarks import output
 from benchmarks.token_peers import PEERS  # torch is imported only inside its worker
 
-COLUMNS = ["impl", "N", "D", "V", "fwdbwd_ms", "us_per_token", "x_floor", "x_jnp", "temp_mib"]
+COLUMNS = [
+    "impl",
+    "N",
+    "D",
+    "V",
+    "padded",
+    "fwdbwd_ms",
+    "us_per_token",
+    "x_floor",
+    "x_jnp",
+    "temp_mib",
+]
 TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 SIZES = {
     "full": [(n, d, 131072) for d in (2048, 4096) for n in TOKENS]
@@ -60,15 +73,28 @@ SIZES = {
     "small_n": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
     "small": [(8, 32, 1000), (64, 32, 1000)],
     "peer_shapes": [(4096, 2048, 131072), (8192, 4096, 131072)],
+    "realistic": [(n, d, 131072) for d in (2048, 4096) for n in (2048, 4096, 16384)],
 }
 
 
-def inputs(n, d, v, seed=0):
-    """bf16 hidden [B, T, D] (B = 2 sequences per 1024 tokens, at least 2), head [V, D],
-    actions, old log-probs, rewards and mask: the inputs of every loss of :func:`losses`."""
+def inputs(n, d, v, seed=0, batch="random", padding=0.0):
+    """bf16 hidden [B, T, D], head [V, D], actions, old log-probs, rewards and mask: the
+    inputs of every loss of :func:`losses`. ``batch="random"``: B = 2 sequences per 1024
+    tokens (at least 2), hidden N(0, 1), head N(0, 4/D), uniform actions;
+    ``"realistic"``: ``benchmarks.realistic_batch`` (peaked rows, sampled actions, B
+    completions of 512 tokens). ``padding``: that fraction of the positions masked on
+    average, at each completion's tail (``realistic_batch.padding_mask``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from benchmarks import realistic_batch
+
+    if batch == "realistic":
+        h, w, a, mask = realistic_batch.make(n, d, v, padding=padding, seed=seed).as_tuple()
+        b, t = mask.shape
+        old = jnp.full((b, t), -0.3, jnp.float32)
+        return h, w, a, old, jnp.arange(b, dtype=jnp.float32), mask
 
     b = max(2, 2 * (n // 1024))
     t = n // b
@@ -78,7 +104,7 @@ def inputs(n, d, v, seed=0):
     a = jax.random.randint(keys[2], (b, t), 0, v)
     old = jnp.full((b, t), -np.log(v), jnp.float32)
     r = jnp.arange(b, dtype=jnp.float32)
-    mask = jnp.ones((b, t), jnp.float32)
+    mask = realistic_batch.padding_mask(jax.random.fold_in(keys[0], 7), b, t, padding)
     return h, w, a, old, r, mask
 
 
@@ -106,6 +132,7 @@ def losses():
 
     return {
         "jnp bf16": plain,
+        "ours default": ours(None),
         "ours lean": ours("lean"),
         "ours fast": ours("fast"),
         "ours fast, XLA logits": xla_logits(ours("fast")),
@@ -320,6 +347,15 @@ def main():
     )
     parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
     parser.add_argument("--name", default="bench_tokens", help="the results' file name")
+    parser.add_argument(
+        "--batch",
+        default="random",
+        choices=("random", "realistic"),
+        help="random heads, or benchmarks.realistic_batch (peaked rows, sampled actions)",
+    )
+    parser.add_argument(
+        "--padding", type=float, default=0.0, help="the fraction of positions masked (tails)"
+    )
     args = parser.parse_args()
 
     import jax
@@ -335,8 +371,14 @@ def main():
     peers = peer_results(sizes, args.runs) if args.peers else []
     rows = []
     for n, d, v in sizes:
-        data = inputs(n, d, v)
+        data = inputs(n, d, v, batch=args.batch, padding=args.padding)
         n = data[0].shape[0] * data[0].shape[1]
+        padded = 1.0 - float(data[-1].mean())
+        if args.batch == "realistic":
+            from benchmarks import realistic_batch
+
+            stats = realistic_batch.statistics(realistic_batch.Batch(*data[:3], data[-1]))
+            print({"N": n, "D": d, "V": v, **stats}, flush=True)
         timed = {}
         for impl, step in steps().items():
             try:
@@ -357,6 +399,7 @@ def main():
                 "N": n,
                 "D": d,
                 "V": v,
+                "padded": padded,
                 "fwdbwd_ms": ms,
                 "us_per_token": 1e3 * ms / n,
                 "floor_ms": own_floor,

@@ -5,7 +5,7 @@
 #   BENCH_RESULTS=benchmarks/results bash benchmarks/steps.sh side_by_side   # update the committed ones
 # Steps: the suite's: tests demo linear logits ppo ppo_base linear_ffi one_device many_devices
 #   many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times timeline
-#   profile memcheck fast_accuracy tokens batch_invariant batch_invariant_ffi distill topk_distill
+#   profile memcheck fast_accuracy tokens tokens_realistic batch_invariant batch_invariant_ffi distill topk_distill
 #   sampler; the studies' (benchmarks/studies/): ffi backward backward_base kernels fused clocks
 #   fast_mode fast_loss lean_chunks kept_set sampler_forward.
 #   Each runs under a time limit; a failed step is reported and the others
@@ -66,6 +66,11 @@ for s in "$@"; do
     sampler_forward) step 300 "$PY" -m benchmarks.studies.bench_sampler_forward --runs 10 ;;
     fast_loss) step 240 "$PY" -m benchmarks.studies.bench_fast_loss ;;
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
+    # the realistic batch (benchmarks/realistic_batch.py), padded ~35 % and not at all
+    tokens_realistic) step 590 bash -c "$PY -m benchmarks.bench_tokens --batch realistic --padding 0.35 \
+      --torch --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
+      $PY -m benchmarks.bench_tokens --batch realistic --runs 10 --sizes ${TOKENS_SIZES:-realistic} \
+      --name bench_tokens_realistic_pad0" ;;
     lean_chunks) step 420 "$PY" -m benchmarks.studies.bench_lean_chunks --runs 10 --rounds 2 ;;
     batch_invariant) step 590 "$PY" -m benchmarks.bench_batch_invariant --runs 10 --rounds 2 ;;
     batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --sizes n1000_n4096 --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;

@@ -1,12 +1,14 @@
 """``memory=`` of the linear-head ops: keep the head's logits for the backward, or not.
 
-``"lean"`` (the default) keeps nothing ``[N, V]``-sized and recomputes the logits in the
-backward (4 GEMMs per forward+backward); ``"fast"`` keeps the forward's logits for the backward
-(3 GEMMs, :mod:`jaxrl_kernels.engine.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
-logits fit in it, else ``"lean"``. An op states its request (:class:`Request`: the argument and
-what ``"fast"`` would keep); ``dispatch.resolve`` decides with :func:`choose` and records why,
-for ``explain``. An op's ``memory=None`` (its default) takes the mode of the innermost
-:func:`memory_mode` scope, else of ``JAXRL_KERNELS_MEMORY``, else ``"lean"`` (:func:`requested`).
+``"lean"`` keeps nothing ``[N, V]``-sized and recomputes the logits in the backward (4 GEMMs
+per forward+backward); ``"fast"`` keeps the forward's logits for the backward (3 GEMMs,
+:mod:`jaxrl_kernels.engine.saved_logits`); an int is a byte budget: ``"fast"`` when the kept
+logits fit in it, else ``"lean"``; ``"auto"`` (the default) is the budget
+1/:data:`AUTO_FRACTION` of the device's memory, ``"lean"`` where the device reports none.
+An op states its request (:class:`Request`: the argument and what ``"fast"`` would keep);
+``dispatch.resolve`` decides with :func:`choose` and records why, for ``explain``. An op's
+``memory=None`` (its default) takes the mode of the innermost :func:`memory_mode` scope, else
+of ``JAXRL_KERNELS_MEMORY``, else ``"auto"`` (:func:`requested`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,31 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("lean", "fast")
-"""The named modes of ``memory=`` (an int byte budget is the third form)."""
+MODES = ("lean", "fast", "auto")
+"""The named modes of ``memory=`` (an int byte budget is the fourth form)."""
 
-DEFAULT = "lean"
+DEFAULT = "auto"
 """The mode of ``memory=None`` outside every :func:`memory_mode` scope, without the variable."""
+
+AUTO_FRACTION = 8
+"""``"auto"``: ``"fast"`` when its kept buffer fits in 1/AUTO_FRACTION of the device's memory
+(XLA's ``bytes_limit``), else ``"lean"``. Live memory is not known when a call is traced, so
+the budget is a fixed, conservative share: the plain code it replaces keeps the same logits
+in 16 bits and their float32 log-softmax besides (3× the bytes)."""
+
+
+def device_memory() -> int | None:
+    """The memory of the default backend's first device (XLA's ``bytes_limit``), or None
+    where the runtime does not report one (CPU)."""
+    import jax
+
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - a runtime without memory statistics
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return int(limit) if limit else None
+
 
 ENV_VAR = "JAXRL_KERNELS_MEMORY"
 
@@ -42,7 +64,8 @@ def check(memory: Any, what: str = "memory") -> str | int:
     ``ValueError`` whose message starts with ``what``."""
     if not (_is_budget(memory) or (isinstance(memory, str) and memory in MODES)):
         raise ValueError(
-            f"{what}: expected 'lean', 'fast' or a byte budget (an int >= 0), got {memory!r}"
+            f"{what}: expected 'lean', 'fast', 'auto' or a byte budget (an int >= 0), "
+            f"got {memory!r}"
         )
     if _is_budget(memory) and memory < 0:
         raise ValueError(f"{what}: a byte budget must be >= 0, got {memory}")
@@ -74,14 +97,14 @@ def memory_mode(mode: str | int | None) -> Iterator[None]:
     For the ops from hidden states (``linear_logprobs``, the linear losses,
     ``linear_distill_loss``): the mode is the ``memory=`` argument when given, else that of
     the innermost scope, else the environment variable ``JAXRL_KERNELS_MEMORY`` (``fast``,
-    ``lean`` or a decimal byte count, for the whole process), else ``"lean"``. ``explain``
+    ``lean``, ``auto`` or a decimal byte count, for the whole process), else ``"auto"``. ``explain``
     says which. The mode is read when an op is traced: a function jitted and traced inside the
     scope keeps its mode when called again outside it (same shapes, no new trace).
 
     Args:
-      mode: ``"lean"``, ``"fast"``, a byte budget (an int >= 0: ``"fast"`` when the kept
-        buffer fits in it), or ``None``: within this scope, as outside every scope (the
-        variable, else ``"lean"``). Anything else is a ``ValueError`` on entry, as the
+      mode: ``"lean"``, ``"fast"``, ``"auto"``, a byte budget (an int >= 0: ``"fast"`` when
+        the kept buffer fits in it), or ``None``: within this scope, as outside every scope
+        (the variable, else ``"auto"``). Anything else is a ``ValueError`` on entry, as the
         ``memory=`` argument's.
 
     Returns:
@@ -157,6 +180,14 @@ def choose(
     kept_bytes, kept_shape, kept_dtype = request.kept_bytes, request.kept_shape, request.kept_dtype
     loss, gemms, kept = request.loss, request.gemms, request.kept
     size = _size(kept_bytes)
+    automatic = memory == "auto"
+    if automatic:
+        total = device_memory()
+        if total is None:
+            memory, asked = "lean", f"{asked}: the device reports no memory size"
+        else:
+            memory = total // AUTO_FRACTION
+            asked = f"{asked}: 1/{AUTO_FRACTION} of the device's {_size(total)}"
     if isinstance(memory, int):
         mode = "fast" if kept_bytes <= memory else "lean"
         why = (
@@ -173,7 +204,7 @@ def choose(
                 "memory='lean' (or None)"
             )
         mode, why = "lean", f"{why}, but batch_invariant=True, which 'fast' does not serve"
-    if mode == "fast" and backend is not None and request.memory is None:
+    if mode == "fast" and backend is not None and (request.memory is None or automatic):
         # a scope or the variable is a default: a call's own backend= is more specific
         mode, why = "lean", f"{why}, but backend={backend!r} given, which serves 'lean' only"
     if mode == "fast" and backend is not None:

@@ -84,33 +84,50 @@ def _local_forward(
         temperature=temperature,
         with_entropy=with_entropy,
     )
+    stats = rounded_logits.exact_target_stats(stats, t_rel, z, t_local, bias, temperature)
     logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab, row_valid)
     return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
 
 
 def _local_logit_grad(
-    plan, weight, bias, z, targets, lse, entropy, active, g, g_ent, *, weight_layout, temperature
+    plan,
+    weight,
+    bias,
+    z,
+    targets,
+    logp,
+    lse,
+    entropy,
+    active,
+    g,
+    g_ent,
+    *,
+    weight_layout,
+    temperature,
 ):
     """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
     block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
+    target's entry exact (``lse + logp``, as the forward's statistics took it), the
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
     float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
     vocab = geometry.vocab_size(weight, weight_layout)
     g, g_ent = (collectives.output_cotangent(plan, c, weight) for c in (g, g_ent))
     per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
     g, g_ent = per_row[3], per_row[4]
+    exact = jnp.where(active, logp + lse, 0.0)  # z̃_t; inactive rows have no gradient
+    per_row = per_row + (exact,)
     spans = blocks(z.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
     scale = _float16_scale(g, g_ent, per_row[2], temperature) if z.dtype == jnp.float16 else 1.0
 
     def block(c, carry):
         flat, col_sums = carry if bias is not None else (carry, None)
         start, fresh = spans.start(c), spans.fresh(c)[:, None]
-        t, l, ent, gg, ge = (
+        t, l, ent, gg, ge, z_t = (
             None if x is None else jax.lax.dynamic_slice_in_dim(x, start, spans.size)
             for x in per_row
         )
         z_c = jax.lax.dynamic_slice_in_dim(flat, start, spans.size)
-        zs = rounded_logits.scaled(z_c, bias, temperature)
+        zs = rounded_logits.with_exact_target(rounded_logits.scaled(z_c, bias, temperature), t, z_t)
         is_target = jnp.arange(vocab)[None, :] == t[:, None]
         dz = softmax_math.logprob_grad_tile(zs, l, ent, is_target, gg, ge, temperature)
         flat = jax.lax.dynamic_update_slice_in_dim(
@@ -199,18 +216,22 @@ def fused_linear_loss(
             (rows,) * (4 if with_entropy else 3) + (rows + "v",),
             vocab_axis=vocab_axis,
             note=True,
+            keep_at=4,
         )
         return (outs[0], outs[1] if with_entropy else None), outs[-3:]
 
-    def logit_grad(weight, bias, z, targets, lse, entropy, active, g, g_ent):
-        local = functools.partial(_local_logit_grad, **options)
+    def logit_grad(weight, bias, z, targets, logp, lse, entropy, active, g, g_ent, row_valid):
+        def local(plan, *args):
+            return _local_logit_grad(plan, *args[:-1], **options)
+
         return vjp.stage(
             local,
-            (weight, bias, z, targets, lse, entropy, active, g, g_ent),
-            (w_roles, b_roles, rows + "v") + (rows,) * 6,
+            (weight, bias, z, targets, logp, lse, entropy, active, g, g_ent, row_valid),
+            (w_roles, b_roles, rows + "v") + (rows,) * 8,
             (rows + "v", rows) + ((b_roles,) if has_bias else ()),
             grads_of=(None, None) + ((1,) if has_bias else ()),
             vocab_axis=vocab_axis,
+            keep_at=10,
         )
 
     @jax.custom_vjp
@@ -226,13 +247,14 @@ def fused_linear_loss(
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
         dz, inv_scale, *col_sums = logit_grad(
-            weight, bias, z, targets, lse, entropy, active, g, g_ent
+            weight, bias, z, targets, logp, lse, entropy, active, g, g_ent, row_valid
         )
         return outs, (
             hidden,
             weight,
             bias,
             targets,
+            row_valid,
             leaves,
             logp,
             entropy,
@@ -249,6 +271,7 @@ def fused_linear_loss(
             weight,
             bias,
             targets,
+            row_valid,
             leaves,
             logp,
             entropy,
@@ -263,7 +286,7 @@ def fused_linear_loss(
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, d_floats = pullback(_instantiate(cts, outs))
         grads = None
-        common = (targets, lse, entropy, active)
+        common = (targets, lse, entropy, active, row_valid)
         if not all(isinstance(o, SymbolicZero) for o in others):
             # the whole per-token cotangent through the recomputed logits: one rounding of
             # the logits' gradient, as for the loss alone

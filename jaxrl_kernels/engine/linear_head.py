@@ -79,7 +79,7 @@ def linear_head_op(
 
     ``truncation`` (a ``sampler_math.Truncation``): the log-probs and entropy of the
     sampler's processed distribution, each row's kept set found by ``find_kept`` (the
-    ``kept_set`` primitive) on ``logits_of(h, weight, bias, *kept)``, a ``kept_set.Logits``
+    ``kept_set`` primitive) on ``logits_of(h, weight, bias, *kept, t_local=)``, a ``kept_set.Logits``
     (default: the head's float32 logits, recomputed: ``vocab_chunks.linear_chunk`` /
     ``linear_rows``); the backward gets the kept set's lse and entropy and its ``floor``.
     Returns ``(logp, entropy | None, inside)`` then, ``inside`` whether each row's target is
@@ -116,7 +116,8 @@ def linear_head_op(
     truncated = truncation is not None
     if logits_of is None:
 
-        def logits_of(h, w, b, *kept):
+        def logits_of(h, w, b, *kept, t_local=None):
+            del t_local
             return kept_set.Logits(
                 vocab_chunks.linear_chunk(h, w, b, weight_layout, temperature),
                 vocab_chunks.linear_rows(h, w, b, weight_layout, temperature),
@@ -152,7 +153,7 @@ def linear_head_op(
                 n_out,
                 with_entropy,
                 truncation,
-                logits_of(h, w, b, *kept),
+                logits_of(h, w, b, *kept, t_local=t_local),
                 lambda x: varying_like(x, h, w, b),
                 find_kept,
             ) + tuple(kept)
@@ -188,6 +189,8 @@ def linear_head_op(
         res_roles,
         diff=(0, 1, 2),
         vocab_axis=call.vocab_axis,
+        keep_at=4,
+        skip_rows=not call.batch_invariant,
     )
     entropy = outs[1] if with_entropy else None
     return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
@@ -349,6 +352,7 @@ def head_backward(
     lse,
     entropy,
     active,
+    row_valid,
     g,
     g_ent,
     call: HeadCall,
@@ -359,28 +363,31 @@ def head_backward(
 
     Per device, ``local_backward(h [N, D], weight, bias, *kept [N, V_local], t_local, lse,
     entropy, g, g_ent)`` gets flat rows as :func:`linear_head_op`'s backward does; ``kept``
-    are residuals laid out like the logits."""
+    are residuals laid out like the logits (in ``row_skip``'s kept-first order of
+    ``row_valid``, as the forward's step left them)."""
     weight_layout = call.weight_layout
     rows = "r" * targets.ndim
     roles = head_roles(targets.ndim, weight_layout)
     present = (0, 1) + ((2,) if bias is not None else ())
 
     def local(plan, h, w, b, *rest):
-        kept_l, (t, lse, ent, active, g, g_ent) = rest[:-6], rest[-6:]
+        kept_l, (t, lse, ent, active, _valid, g, g_ent) = rest[:-7], rest[-7:]
         g, g_ent = (collectives.output_cotangent(plan, c, w) for c in (g, g_ent))
         t_local, lse, ent, g, g_ent = logprob_core.backward_rows(
             plan, geometry.vocab_size(w, weight_layout), t, lse, ent, active, g, g_ent
         )
         return local_backward(h, w, b, *kept_l, t_local, lse, ent, g, g_ent)
 
-    operands = (hidden, weight, bias) + tuple(kept) + (targets, lse, entropy, active, g, g_ent)
+    operands = (hidden, weight, bias) + tuple(kept)
+    operands += (targets, lse, entropy, active, row_valid, g, g_ent)
     grads = vjp.stage(
         local,
         operands,
-        roles + (rows + "v",) * len(kept) + (rows,) * 6,
+        roles + (rows + "v",) * len(kept) + (rows,) * 7,
         tuple(roles[i] for i in present),
         grads_of=present,
         vocab_axis=call.vocab_axis,
+        keep_at=len(operands) - 3,
     )
     dh, dw = grads[0].astype(hidden.dtype), grads[1].astype(weight.dtype)
     return dh, dw, (grads[2].astype(bias.dtype) if bias is not None else None)

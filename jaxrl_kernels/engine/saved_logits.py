@@ -14,13 +14,16 @@ With ``z̃ = (z + b) / T`` in float32 per row::
     dz = g · (onehot_t − p) − g_H · p · (log p + H),  p = exp(z̃ − lse)   (softmax_math)
     d_hidden = dz·W / T,  d_weight = dzᵀ·h / T,  d_bias = Σ_rows dz / T
 
-so only ``lse`` (and ``p`` in the backward) see the rounding of ``z`` to 16 bits, as in the
-plain bf16-logits code users write. The op is :func:`linear_head.linear_head_op` with the two
-per-device halves below, the logits its one ``[N, V]`` residual: the forward is the
-``kept_logits`` primitive dispatch chose (XLA's GEMM and
-reductions, ``head.rounded_logits.local_stats``; on Hopper ffi's kernel, which writes the
-logits as it folds them), the backward
-plain jnp (XLA's GEMMs and fusions). A bfloat16 head's logits are kept as bfloat16 (a float16
+with every z̃ but the target's read from the kept, rounded logits and the target's exact
+(``rounded_logits``' docstring says why): the forward's ``lse`` and the backward's ``p`` are
+those of one distribution, so ``p`` sums to 1 and ``p_t = exp(logp)``; only the other
+entries see the rounding of ``z`` to 16 bits, a peaked row's target none.
+
+The op is :func:`linear_head.linear_head_op` with the two per-device halves below, the
+logits its one ``[N, V]`` residual: the forward is the ``kept_logits`` primitive dispatch
+chose (XLA's GEMM and reductions, ``head.rounded_logits.local_stats``; on Hopper ffi's
+kernel, which writes the logits as it folds them), the backward plain jnp (XLA's GEMMs and
+fusions). A bfloat16 head's logits are kept as bfloat16 (a float16
 copy, a one-pass lse, vocabulary blocks in the backward and a float16 gradient were slower on
 an H100: ``benchmarks/studies/bench_fast_mode.py`` measures them,
 ``benchmarks/studies/variants/fast_mode.py`` holds them).
@@ -61,10 +64,16 @@ def local_backward(
     t_local, g, ids, g_ids = head_ids.split_targets(t_local, g)
     is_target = jnp.arange(z.shape[1])[None, :] == t_local[:, None]
     dtype = jnp.dtype(jnp.result_type(hidden, weight))
+    zs = rounded_logits.scaled(z, bias, temperature)
+    if ids is None:  # one target per row: its exact logit, as the forward's statistics
+        exact = rounded_logits.target_logits(
+            hidden, weight, bias, t_local, weight_layout, temperature
+        )
+        zs = rounded_logits.with_exact_target(zs, t_local, exact)
     if dtype == jnp.float16:
         sc = head_grad.Scaled.of(hidden, weight, lse, entropy, g, g_ent, temperature, g_ids)
         dz = softmax_math.logprob_grad_tile(
-            rounded_logits.scaled(z, bias, temperature),
+            zs,
             lse,
             entropy,
             is_target,
@@ -86,7 +95,7 @@ def local_backward(
             None if bias is None else d_bias.astype(bias.dtype),
         )
     dz = softmax_math.logprob_grad_tile(
-        rounded_logits.scaled(z, bias, temperature),
+        zs,
         lse,
         entropy,
         is_target,
@@ -122,19 +131,23 @@ def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature)
     )
 
 
-def kept_logits(bias, z, temperature):
-    """z̃ of the kept logits as a ``kept_set.Logits``: columns ``[start, start + size)`` or
-    rows ``[start, start + size)``."""
+def kept_logits(bias, z, temperature, t_local, exact):
+    """z̃ of the kept logits, each row's target entry ``exact`` [N] (``t_local``: its column),
+    as a ``kept_set.Logits``: columns ``[start, start + size)`` or rows ``[start, start + size)``."""
 
     def columns(start, size):
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        return rounded_logits.scaled(
+        zs = rounded_logits.scaled(
             jax.lax.dynamic_slice_in_dim(z, start, size, axis=1), b, temperature
         )
+        return rounded_logits.with_exact_target(zs, t_local, exact, start)
 
     def rows(start, size):
-        return rounded_logits.scaled(
-            jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature
+        zs = rounded_logits.scaled(jax.lax.dynamic_slice_in_dim(z, start, size), bias, temperature)
+        return rounded_logits.with_exact_target(
+            zs,
+            jax.lax.dynamic_slice_in_dim(t_local, start, size),
+            jax.lax.dynamic_slice_in_dim(exact, start, size),
         )
 
     return kept_set.Logits(columns, rows)
@@ -153,7 +166,17 @@ def fast_linear_logprobs(
     options = dict(weight_layout=call.weight_layout, temperature=call.temperature)
 
     def stats(plan, h, w, b, t_local, valid):
-        return kept(plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options)
+        row_stats, t_rel, z = kept(
+            plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options
+        )
+        row_stats = rounded_logits.exact_target_stats(
+            row_stats, t_rel, z, t_local, b, call.temperature
+        )
+        return row_stats, t_rel, z
+
+    def logits_of(h, w, b, z, *, t_local):
+        exact = rounded_logits.target_logits(h, w, b, t_local, **options)
+        return kept_logits(b, z, call.temperature, t_local, exact)
 
     def backward(*args, floor=None):
         return local_backward(*args, floor=floor, **options)
@@ -169,5 +192,5 @@ def fast_linear_logprobs(
         call,
         n_kept=1,
         find_kept=find_kept,
-        logits_of=lambda h, w, b, z: kept_logits(b, z, call.temperature),
+        logits_of=logits_of,
     )

@@ -35,6 +35,7 @@ import jax
 
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch import trace_log
+from jaxrl_kernels.engine import row_skip
 from jaxrl_kernels.sharding import collectives
 
 
@@ -70,8 +71,13 @@ def stage(
     grads_of: Sequence[int | None] | None = None,
     vocab_axis=None,
     note: bool = False,
+    keep_at: int | None = None,
+    skip_rows: bool = True,
 ) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
+
+    ``keep_at``: the operand that flags each row kept (``row_valid``): the others cost no
+    work and give 0 (``row_skip``; ``skip_rows`` False: every row runs, the others zeroed).
 
     Operands and outputs with leading ``r`` dimensions are flattened / restored around
     ``local``; an output that is the cotangent of operand ``j`` (``grads_of``) gets that
@@ -85,9 +91,13 @@ def stage(
 
     def flat_local(plan, *ops):
         lead = ops[lead_of].shape[: rows_of(roles[lead_of])]
-        outs = [
-            y for y in local(plan, *(_flatten(x, r) for x, r in zip(ops, roles))) if y is not None
-        ]
+        flat = [_flatten(x, r) for x, r in zip(ops, roles)]
+        if keep_at is None:
+            outs = [y for y in local(plan, *flat) if y is not None]
+        else:
+            outs = row_skip.call(
+                local, plan, flat, roles, out_roles, flat[keep_at], enabled=skip_rows
+            )
         return tuple(
             y.reshape(ops[j].shape) if j is not None else _unflatten(y, r, lead)
             for y, r, j in zip(outs, out_roles, grads_of)
@@ -121,6 +131,8 @@ def differentiable(
     diff: Sequence[int],
     unused: Sequence[int] = (),
     vocab_axis=None,
+    keep_at: int | None = None,
+    skip_rows: bool = True,
 ) -> tuple:
     """The outputs of the op ``forward`` / ``backward`` on ``operands`` (see the module
     docstring), differentiable in the operands at positions ``diff``.
@@ -129,7 +141,8 @@ def differentiable(
     none of them None; ``backward`` gets the operands, the residuals and one cotangent per
     output (None for an integer output), and returns the cotangents of ``operands[i]`` for
     ``i`` in ``diff``, in that order (None for an absent operand). ``unused``: operands the
-    backward does not read (it gets None), which are then not kept for it."""
+    backward does not read (it gets None), which are then not kept for it. ``keep_at``,
+    ``skip_rows``: as :func:`stage`'s, for both halves (the operand must not be unused)."""
     operands, roles = tuple(operands), tuple(roles)
     out_roles, res_roles, diff = tuple(out_roles), tuple(res_roles), tuple(diff)
     n_out, n_ops = len(out_roles), len(operands)
@@ -137,7 +150,16 @@ def differentiable(
     vocab_at = next((i for i, r in enumerate(roles) if "v" in r), None)
 
     def run_forward(ops):
-        outs = stage(forward, ops, roles, out_roles + res_roles, vocab_axis=vocab_axis, note=True)
+        outs = stage(
+            forward,
+            ops,
+            roles,
+            out_roles + res_roles,
+            vocab_axis=vocab_axis,
+            note=True,
+            keep_at=keep_at,
+            skip_rows=skip_rows,
+        )
         return outs[:n_out], outs[n_out:]
 
     @jax.custom_vjp
@@ -172,6 +194,8 @@ def differentiable(
             tuple(roles[i] for i in present),
             grads_of=present,
             vocab_axis=vocab_axis,
+            keep_at=keep_at,
+            skip_rows=skip_rows,
         )
         by_position = dict(zip(present, grads))
         return tuple(

@@ -85,15 +85,36 @@ def assert_differ(got, want):
 
 # -- precedence ----------------------------------------------------------------------------------
 
+AUTO_ON_CPU = "memory='auto': the device reports no memory size)"
+"""The default's reason where the device reports no memory size (CPU): lean."""
+
+
+def test_auto_takes_fast_when_the_logits_fit_an_eighth_of_the_device(monkeypatch):
+    """``"auto"`` (the default): a budget of 1/8 of the device's memory (mocked here: CPU
+    reports none), so the same op is fast on a large device and lean on a small one; a
+    call's own ``backend=`` takes lean, as under a scope, not an error."""
+    from jaxrl_kernels.dispatch import memory as memory_lib
+
+    monkeypatch.setattr(memory_lib, "device_memory", lambda: 64 * 2**30)
+    line = memory_line()
+    assert "memory fast (memory='auto': 1/8 of the device's 64.0 GiB: a budget of 8.0 GiB" in line
+    monkeypatch.setattr(memory_lib, "device_memory", lambda: 1024)
+    assert memory_line().startswith(lean("memory='auto': 1/8 of the device's 1.0 KiB: a budget"))
+    monkeypatch.setattr(memory_lib, "device_memory", lambda: 64 * 2**30)
+    request = memory_lib.Request("auto", 2**30, (4096, 131072), jnp.bfloat16)
+    assert memory_lib.choose(request, None).mode == "fast"
+    note = memory_lib.choose(request, "chunked")
+    assert note.mode == "lean" and "backend='chunked' given" in note.text
+
 
 @pytest.mark.parametrize("op", list(ARGS))
 def test_every_op_defaults_to_none_and_follows_the_scope(op):
     assert inspect.signature(getattr(jk, op)).parameters["memory"].default is None
-    assert memory_line(op).startswith(lean("memory='lean')"))
+    assert memory_line(op).startswith(lean(AUTO_ON_CPU))
     with jk.memory_mode("fast"):
         assert memory_line(op).startswith(fast("jk.memory_mode('fast'))", op))
         assert memory_line(op, memory="lean").startswith(lean("memory='lean')"))
-    assert memory_line(op).startswith(lean("memory='lean')"))
+    assert memory_line(op).startswith(lean(AUTO_ON_CPU))
 
 
 def test_argument_beats_scope_beats_variable(monkeypatch):
@@ -117,12 +138,12 @@ def test_nested_scopes_innermost_wins_and_each_restores():
             with jk.memory_mode("lean"):
                 raise RuntimeError("boom")
         assert memory_line().startswith(fast("jk.memory_mode('fast'))"))
-    assert memory_line().startswith(lean("memory='lean')"))
+    assert memory_line().startswith(lean(AUTO_ON_CPU))
 
 
 def test_none_inside_a_scope_is_as_outside_every_scope(monkeypatch):
     with jk.memory_mode("fast"), jk.memory_mode(None):
-        assert memory_line().startswith(lean("memory='lean')"))
+        assert memory_line().startswith(lean(AUTO_ON_CPU))
     monkeypatch.setenv(ENV, "fast")
     with jk.memory_mode("lean"), jk.memory_mode(None):
         assert memory_line().startswith(fast(f"{ENV}=fast)"))
@@ -153,14 +174,19 @@ def test_a_bad_scope_fails_on_entry_as_the_argument_does(bad):
             pytest.fail("entered a scope with a bad mode")
     assert str(from_scope.value) == str(from_argument.value)
     assert str(from_scope.value).startswith(
-        ("memory: expected 'lean', 'fast' or a byte budget", "memory: a byte budget must be >= 0")
+        (
+            "memory: expected 'lean', 'fast', 'auto' or a byte budget",
+            "memory: a byte budget must be >= 0",
+        )
     )
 
 
 @pytest.mark.parametrize("bad", ["medium", "FAST", "-1", "1.5", "1e6", " fast"])
 def test_a_bad_variable_fails_when_an_op_reads_it(monkeypatch, bad):
     monkeypatch.setenv(ENV, bad)
-    with pytest.raises(ValueError, match=f"^{ENV}: expected 'lean', 'fast' or a byte budget"):
+    with pytest.raises(
+        ValueError, match=f"^{ENV}: expected 'lean', 'fast', 'auto' or a byte budget"
+    ):
         jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS)
     jk.linear_logprobs(HIDDEN, WEIGHT, ACTIONS, memory="lean")  # not read: the argument decides
 
