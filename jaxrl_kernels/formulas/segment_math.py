@@ -51,6 +51,16 @@ def _explicit(x) -> bool:
     return mesh is not None and not mesh.empty and explicit in getattr(mesh, "axis_types", ())
 
 
+def masked(mask, packing: Packing) -> jax.Array:
+    """``mask`` with 0 where no sequence lies (``g < 0``). Under Explicit axes the ids are
+    first placed as ``mask`` is (replicated ids against row-split tokens: a local slice)."""
+    inside = packing.ids >= 0
+    want = jax.typeof(mask).sharding
+    if _explicit(mask) and jax.typeof(inside).sharding != want:
+        inside = jax.reshard(inside, want)
+    return jnp.where(inside, mask, jnp.zeros_like(mask))
+
+
 def _slots(packing: Packing) -> jax.Array:
     """The ids with -1 moved to S, out of bounds (a negative index would wrap around)."""
     return jnp.where(packing.ids < 0, packing.count, packing.ids)

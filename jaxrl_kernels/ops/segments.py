@@ -113,7 +113,7 @@ def mask(token_mask: jax.Array, pack: Packing | None) -> jax.Array:
     """``mask`` with the positions of no sequence (id ``-1``) zeroed."""
     if pack is None:
         return token_mask
-    return jnp.where(pack.ids >= 0, token_mask, jnp.zeros_like(token_mask))
+    return segment_math.masked(token_mask, pack)
 
 
 def per_sequence(name: str, x: Any, pack: Packing) -> jax.Array:
