@@ -482,3 +482,38 @@ def test_every_op_takes_the_packing():
     for name in ops:
         params = inspect.signature(getattr(jk, name)).parameters
         assert params["segment_ids"].default is None and params["num_segments"].default is None
+
+
+# -- the distillation losses' aggregation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["linear_distill_loss", "linear_topk_distill_loss"])
+def test_distillation_aggregation(rng, op):
+    packed, mask = _layout(rng)
+    x = _head(rng, packed)
+    shape = (packed.S, packed.L)
+    if op == "linear_distill_loss":
+        teacher = rng.standard_normal(shape + (8,)).astype(np.float32)
+        teacher_weight = (0.2 * rng.standard_normal((V, 8))).astype(np.float32)
+        rest = lambda p: (p(teacher, 1.0), teacher_weight)
+        config = jk.DistillLoss(divergence="forward_kl", loss_agg_mode="seq_mean_token_mean")
+    else:
+        ids = np.argsort(rng.random(shape + (V,)), axis=-1)[..., :4]
+        logp = np.log(rng.dirichlet(np.ones(5), shape)[..., :4]).astype(np.float32)
+        rest = lambda p: (p(ids, 0), p(logp, -1.0))
+        config = jk.TopKDistillLoss(loss_agg_mode="seq_mean_token_sum_norm", max_len=MAX_LEN)
+    fn = getattr(jk, op)
+    outs = {}
+    for pack in (True, False):
+        p = (lambda a, fill: _pack(packed, a, fill)) if pack else (lambda a, fill: jnp.asarray(a))
+        args = rest(p)
+        m = _packed_mask(packed, mask) if pack else jnp.asarray(mask)
+        seg = dict(segment_ids=packed.ids, num_segments=packed.S) if pack else {}
+        outs[pack] = jax.value_and_grad(
+            lambda h, w: fn(h, w, *args, m, **seg, config=config), argnums=(0, 1), has_aux=True
+        )(p(x["hidden"], 2.0), x["weight"])
+    ((got, per_token), (dh, dw)), ((want, want_tok), (wh, ww)) = outs[True], outs[False]
+    assert_close(got, want, scale=1.0)
+    _close_packed(packed, per_token, want_tok, "per_token")
+    _close_packed(packed, dh, wh, "d_hidden")
+    assert_close(dw, ww, name="d_weight")
