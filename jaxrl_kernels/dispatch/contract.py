@@ -32,6 +32,10 @@ topk_logprobs      top-k logits, ids and lse of a linear head: a
                    ``logprob_core.Parts`` on every backend
 ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig)
                    -> (loss, metrics)``
+segment_ppo_loss   ``(ppo_inputs, config, packing: segment_math.Packing) ->
+                   (loss, metrics)``: ``ppo_loss`` on packed rows, the
+                   sequences the segments (reference only: the Pallas kernels
+                   sum per row)
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
                    normalize_std, std_ddof, eps) -> adv[B]``
 kept_set           ``(logits: kept_set.Logits, n_rows, vocab, m[N], active[N],

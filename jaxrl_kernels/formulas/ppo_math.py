@@ -119,7 +119,10 @@ def sequence_terms(sums: dict, cfg: PPOConfig) -> SequenceTerms:
 
 
 def _per_row(values, like):
-    """[rows] values on every token of their row, shaped like ``like`` [rows, T]."""
+    """[rows] values on every token of their row, shaped like ``like`` [rows, T]; per-token
+    values (packed rows: ``segment_math`` spreads each segment's) as they are."""
+    if values.ndim == like.ndim:
+        return values
     return jnp.broadcast_to(values[:, None], like.shape)
 
 

@@ -30,10 +30,14 @@ def importance_ratio(logp, old_logp):
 def sequence_ratio(logp, seq_log_ratio):
     """GSPO's ratio on every token of a sequence: r = sg(exp(ℓ_b)) · exp(logp - sg(logp)).
 
-    ``seq_log_ratio`` is ℓ_b per row ([rows]); the value is exp(ℓ_b) on each token
-    and its derivative with respect to logp_bt is exp(ℓ_b).
+    ``seq_log_ratio`` is ℓ_b per row ([rows]), or per token (packed rows: each token's
+    sequence's); the value is exp(ℓ_b) on each token and its derivative with respect to
+    logp_bt is exp(ℓ_b).
     """
-    return jnp.exp(_sg(seq_log_ratio))[:, None] * jnp.exp(logp - _sg(logp))
+    scale = jnp.exp(_sg(seq_log_ratio))
+    if scale.ndim < logp.ndim:
+        scale = scale[:, None]
+    return scale * jnp.exp(logp - _sg(logp))
 
 
 def clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip=None):

@@ -31,8 +31,9 @@ from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import distill_problem, linear_problem
 from jaxrl_kernels.engine import distill_halves, fused_distill
 from jaxrl_kernels.engine.linear_head import AxisName
-from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import segment_math
 from jaxrl_kernels.head import geometry, rounded_logits
+from jaxrl_kernels.ops import segments
 from jaxrl_kernels.sharding.entry import global_vocab
 
 _LAYOUT_SHAPES = {"vd": "[V, {d}]", "dv": "[{d}, V]"}
@@ -88,6 +89,8 @@ def linear_distill_loss(
     teacher_weight: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     bias: ArrayLike | None = None,
     teacher_bias: ArrayLike | None = None,
     weight_layout: str = "vd",
@@ -115,6 +118,7 @@ def linear_distill_loss(
       teacher_hidden: the teacher's ``[B, T, D_t]`` (``D_t`` may differ from ``D_s``).
       teacher_weight: the teacher's head, ``[V, D_t]`` or ``[D_t, V]`` (the same ``V``).
       mask: ``[B, T]`` (float, bool or int 0/1), 1 on the tokens that count.
+      segment_ids, num_segments: packed rows (``num_segments`` required), as in ``aggregate``.
       bias, teacher_bias: ``[V]`` or ``None``.
       weight_layout, teacher_weight_layout: ``"vd"`` or ``"dv"`` for each head.
       config: a ``jk.DistillLoss``: ``divergence`` (``"reverse_kl"``, ``"forward_kl"`` or
@@ -166,9 +170,11 @@ def linear_distill_loss(
     )
     mask = check.mask("mask", mask)
     check.shape("mask", mask, shape, "[B, T]")
-    mask = mask.astype(jnp.float32)
+    pack = segments.packing(segment_ids, num_segments, shape)
+    mask = segments.mask(mask.astype(jnp.float32), pack)
     temperature = _check_temperature(temperature)
-    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
+    mode = check.agg_mode(options.loss_agg_mode)
+    max_len = segments.max_len(mode, options.max_len, pack)
     vocab = global_vocab(local_vocab, vocab_axis)  # checks the axis
 
     op = "linear_distill_loss"
@@ -217,7 +223,7 @@ def linear_distill_loss(
             choice.impl, operands, valid, opts=opts, vocab_axis=vocab_axis
         )
     per_token = jnp.where(valid, d, 0.0)
-    return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
+    return segment_math.aggregate(per_token, mask, pack, mode, max_len), per_token
 
 
 # -- linear_topk_logprobs -----------------------------------------------------------------------

@@ -28,14 +28,17 @@ from jaxrl_kernels.config.policy import (
 from jaxrl_kernels.config.sampler import LEGACY as SAMPLER_LEGACY
 from jaxrl_kernels.config.sampler import Sampler, truncation_of
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
-from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from jaxrl_kernels.formulas import ppo_math, segment_math
+from jaxrl_kernels.ops import segments
 from jaxrl_kernels.ops.policy_terms import (
-    grpo_advantages,
     grpo_from_logprobs,
     kernel_config,
     linear_inputs,
     linear_loss,
+    packed_grpo_advantages,
     run_ppo,
+    segment_inputs,
+    with_segment_ids,
 )
 
 _sg = jax.lax.stop_gradient
@@ -49,6 +52,8 @@ def linear_ppo_loss(
     advantages: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     bias: ArrayLike | None = None,
     weight_layout: str = "vd",
     rollout_logp: ArrayLike | None = None,
@@ -76,6 +81,7 @@ def linear_ppo_loss(
       old_logp: ``[B, T]``, log-probs under the sampling policy (no gradient).
       advantages: ``[B, T]`` or ``[B]``.
       mask: ``[B, T]``, 1 on response tokens.
+      segment_ids, num_segments: packed rows, as in ``ppo_loss``.
       bias: ``[V]`` or ``None``.
       weight_layout: ``"vd"`` or ``"dv"``.
       rollout_logp, ref_logp: as in ``ppo_loss``.
@@ -113,8 +119,9 @@ def linear_ppo_loss(
         "linear_ppo_loss", config, deprecated, given={"sampler": sampler}, extra=(SAMPLER_LEGACY,)
     )
     options = values["config"]
-    hidden, weight, bias, actions, mask = linear_inputs(
-        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    hidden, weight, bias, actions, mask, pack = linear_inputs(
+        *(hidden, weight, bias, weight_layout, actions, mask, vocab_axis),
+        *(segment_ids, num_segments, {"advantages": advantages}),
     )
     shape = mask.shape
     old_logp = _sg(check.per_token("old_logp", old_logp, shape).astype(jnp.float32))
@@ -126,21 +133,25 @@ def linear_ppo_loss(
         has_ref=ref_logp is not None,
         has_entropy=with_entropy,
     )
+    segments.max_len(cfg.loss_agg_mode, cfg.max_len, pack)
     inputs = dict(
         old_logp=old_logp,
-        advantages=check.token_advantages(advantages, shape),
+        advantages=segments.token_advantages(advantages, shape, pack),
         mask=mask,
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)),
     )
+    count = with_segment_ids(inputs, pack)
 
     def loss_fn(logp, entropy, inputs):
+        inputs, packing = segment_inputs(inputs, count)
         return run_ppo(
             "linear_ppo_loss",
             ppo_math.PPOInputs(logp=logp, entropy=entropy, **inputs),
             cfg,
             backend=backend,
             strict=False,
+            packing=packing,
         )
 
     call = HeadCall(
@@ -174,6 +185,8 @@ def linear_grpo_loss(
     rewards: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     bias: ArrayLike | None = None,
     weight_layout: str = "vd",
     ref_logp: ArrayLike | None = None,
@@ -201,6 +214,7 @@ def linear_grpo_loss(
       old_logp: ``[B, T]``, log-probs under the sampling policy (no gradient).
       rewards: ``[B]``, one per sequence.
       mask: ``[B, T]``, 1 on response tokens.
+      segment_ids, num_segments: packed rows, as in ``grpo_loss`` (``rewards`` is ``[S]``).
       bias, weight_layout, temperature: as in ``linear_logprobs``.
       ref_logp: ``[B, T]`` reference log-probs, or ``None``.
       rollout_logp, advantages, groups, config: as in ``grpo_loss``.
@@ -236,29 +250,34 @@ def linear_grpo_loss(
         given={"groups": groups, "sampler": sampler},
         extra=(GRPO_GROUPS, SAMPLER_LEGACY),
     )
-    hidden, weight, bias, actions, mask = linear_inputs(
-        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    hidden, weight, bias, actions, mask, pack = linear_inputs(
+        *(hidden, weight, bias, weight_layout, actions, mask, vocab_axis),
+        *(segment_ids, num_segments, {"rewards": rewards, "advantages": advantages}),
     )
     old_logp = _sg(check.per_token("old_logp", old_logp, mask.shape).astype(jnp.float32))
     cfg = kernel_config(
         values["config"], has_rollout=rollout_logp is not None, has_ref=ref_logp is not None
     )
+    segments.max_len(cfg.loss_agg_mode, cfg.max_len, pack)
     check.positive("temperature", temperature)
     ref_logp = _sg(check.optional_per_token("ref_logp", ref_logp, mask.shape))
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(
+    adv = packed_grpo_advantages(
         rewards,
         advantages=advantages,
-        batch=hidden.shape[0],
         groups=values["groups"],
         backend=backend,
+        pack=pack,
+        batch=hidden.shape[0],
     )
     inputs = dict(
         ref_logp=ref_logp, old_logp=old_logp, advantages=adv, mask=mask, rollout_logp=rollout_logp
     )
+    count = with_segment_ids(inputs, pack)
 
     def loss_fn(logp, entropy, inputs):
-        return grpo_from_logprobs(logp, cfg, **inputs)
+        inputs, packing = segment_inputs(inputs, count)
+        return grpo_from_logprobs(logp, cfg, packing=packing, **inputs)
 
     call = HeadCall(
         weight_layout=weight_layout,
@@ -288,6 +307,8 @@ def linear_policy_gradient_loss(
     advantages: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     bias: ArrayLike | None = None,
     weight_layout: str = "vd",
     config: PolicyLoss | None = None,
@@ -310,6 +331,7 @@ def linear_policy_gradient_loss(
       actions: ``[B, T]`` integer token ids in ``[0, V)`` (any id where ``mask == 0``).
       advantages: ``[B, T]`` or ``[B]`` (broadcast over T); no gradient.
       mask: ``[B, T]``, 1 on the tokens that count.
+      segment_ids, num_segments: packed rows, as in ``policy_gradient_loss``.
       bias, weight_layout, temperature: as in ``linear_logprobs``.
       config: a ``jk.PolicyLoss`` whose ``loss_agg_mode`` and ``max_len`` apply, as in
         ``policy_gradient_loss``.
@@ -340,17 +362,21 @@ def linear_policy_gradient_loss(
         extra=(SAMPLER_LEGACY,),
     )
     options = values["config"]
-    hidden, weight, bias, actions, mask = linear_inputs(
-        hidden, weight, bias, weight_layout, actions, mask, vocab_axis
+    hidden, weight, bias, actions, mask, pack = linear_inputs(
+        *(hidden, weight, bias, weight_layout, actions, mask, vocab_axis),
+        *(segment_ids, num_segments, {"advantages": advantages}),
     )
-    advantages = check.token_advantages(advantages, mask.shape)
-    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
+    advantages = segments.token_advantages(advantages, mask.shape, pack)
+    mode = check.agg_mode(options.loss_agg_mode)
+    max_len = segments.max_len(mode, options.max_len, pack)
     check.positive("temperature", temperature)
+    inputs = dict(advantages=advantages, mask=mask)
+    count = with_segment_ids(inputs, pack)
 
     def loss_fn(logp, entropy, inputs):
-        return aggregation_math.aggregate(
-            -inputs["advantages"] * logp, inputs["mask"], mode, max_len
-        )
+        inputs, packing = segment_inputs(inputs, count)
+        per_token = -inputs["advantages"] * logp
+        return segment_math.aggregate(per_token, inputs["mask"], packing, mode, max_len)
 
     call = HeadCall(
         weight_layout=weight_layout,
@@ -361,7 +387,7 @@ def linear_policy_gradient_loss(
     return linear_loss(
         "linear_policy_gradient_loss",
         loss_fn,
-        dict(advantages=advantages, mask=mask),
+        inputs,
         hidden,
         weight,
         bias,

@@ -26,7 +26,12 @@ from jaxrl_kernels.dispatch.contract import Problem, dtype_name
 from jaxrl_kernels.engine import logprob_core
 from jaxrl_kernels.engine.linear_head import AxisName
 from jaxrl_kernels.formulas import kl_math
-from jaxrl_kernels.ops.policy_terms import grpo_advantages, grpo_from_logprobs, kernel_config
+from jaxrl_kernels.ops import segments
+from jaxrl_kernels.ops.policy_terms import (
+    grpo_from_logprobs,
+    kernel_config,
+    packed_grpo_advantages,
+)
 from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
@@ -35,7 +40,9 @@ _sg = jax.lax.stop_gradient
 # -- GRPO and the fused-from-logits ops ----------------------------------------------------
 
 
-def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axis=None):
+def _logits_inputs(
+    policy_logits, ref_logits, actions, old_logp, mask, vocab_axis=None, packing=lambda shape: None
+):
     policy_logits = check.floating("policy_logits", policy_logits)
     check.rank("policy_logits", policy_logits, 3, "[B, T, V]")
     ref_logits = check.floating("ref_logits", ref_logits)
@@ -44,12 +51,13 @@ def _logits_inputs(policy_logits, ref_logits, actions, old_logp, mask, vocab_axi
     actions = check.integer("actions", actions)
     check.shape("actions", actions, shape, "[B, T]")
     old_logp = check.per_token("old_logp", old_logp, shape).astype(jnp.float32)
-    mask = check.token_mask(mask, shape)
+    pack = packing(shape)
+    mask = segments.mask(check.token_mask(mask, shape), pack)
     if policy_logits.shape[-1] == 0:
         raise ValueError("policy_logits: expected a non-empty vocabulary axis, got V = 0")
     vocab = global_vocab(policy_logits.shape[-1], vocab_axis)
     check.targets_in_range("actions", actions, vocab, mask=mask)
-    return policy_logits, ref_logits, actions, _sg(old_logp), mask
+    return policy_logits, ref_logits, actions, _sg(old_logp), mask, pack
 
 
 def _paired_logprobs(
@@ -110,7 +118,7 @@ def ratio_kl(
       >>> ratio.round(3), kl
       (Array([[1., 1.]], dtype=float32), Array([[0., 0.]], dtype=float32))
     """
-    policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
+    policy_logits, ref_logits, actions, old_logp, mask, _ = _logits_inputs(
         policy_logits, ref_logits, actions, old_logp, mask, vocab_axis
     )
     check.option("kl_estimator", kl_estimator, kl_math.KL_ESTIMATORS)
@@ -132,6 +140,8 @@ def grpo_loss(
     rewards: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     groups: Groups | None = None,
     advantages: ArrayLike | None = None,
     rollout_logp: ArrayLike | None = None,
@@ -153,10 +163,13 @@ def grpo_loss(
       policy_logits, ref_logits: ``[B, T, V]`` float.
       actions: ``[B, T]`` integer token ids; never read where ``mask == 0``.
       old_logp: ``[B, T]``, log-probs under the sampling policy (no gradient).
-      rewards: ``[B]``.
+      rewards: ``[B]`` (``[S]`` with ``segment_ids``, indexed by segment id).
       mask: ``[B, T]``, 1 on response tokens.
+      segment_ids: ``[B, T]`` packed rows' segment ids, as in ``aggregate``, or ``None``;
+        groups are then runs of consecutive segment ids.
+      num_segments: S (static), optional: ``rewards`` gives it.
       groups: a ``jk.Groups``: how sequences form groups, as in ``group_advantages``.
-      advantages: ``[B]`` to use instead of group advantages.
+      advantages: ``[B]`` (``[S]``) to use instead of group advantages.
       rollout_logp: as in ``ppo_loss``.
       config: a ``jk.PolicyLoss`` (``kl_coef`` is GRPO's β; its ``entropy_coef`` must be 0).
       temperature: the log-probs are of ``softmax(logits / temperature)``.
@@ -189,14 +202,27 @@ def grpo_loss(
         extra=(GRPO_GROUPS,),
     )
     options, groups = values["config"], values["groups"]
-    policy_logits, ref_logits, actions, old_logp, mask = _logits_inputs(
-        policy_logits, ref_logits, actions, old_logp, mask, vocab_axis
+    sized = {"rewards": rewards, "advantages": advantages}
+    policy_logits, ref_logits, actions, old_logp, mask, pack = _logits_inputs(
+        policy_logits,
+        ref_logits,
+        actions,
+        old_logp,
+        mask,
+        vocab_axis,
+        lambda shape: segments.packing(segment_ids, num_segments, shape, sized),
     )
     cfg = kernel_config(options, has_rollout=rollout_logp is not None)
+    segments.max_len(cfg.loss_agg_mode, cfg.max_len, pack)
     check.positive("temperature", temperature)
     rollout_logp = _sg(check.optional_per_token("rollout_logp", rollout_logp, mask.shape))
-    adv = grpo_advantages(
-        rewards, advantages=advantages, batch=policy_logits.shape[0], groups=groups, backend=backend
+    adv = packed_grpo_advantages(
+        rewards,
+        advantages=advantages,
+        groups=groups,
+        backend=backend,
+        pack=pack,
+        batch=policy_logits.shape[0],
     )
     logp, ref_logp = _paired_logprobs(
         "grpo_loss", policy_logits, ref_logits, actions, mask, temperature, backend, vocab_axis
@@ -209,4 +235,5 @@ def grpo_loss(
         advantages=adv,
         mask=mask,
         rollout_logp=rollout_logp,
+        packing=pack,
     )

@@ -26,7 +26,8 @@ from jaxrl_kernels.config.policy import (
     PolicyLoss,
     policy_options,
 )
-from jaxrl_kernels.formulas import aggregation_math, kl_math, ppo_math
+from jaxrl_kernels.formulas import kl_math, ppo_math, segment_math
+from jaxrl_kernels.ops import segments
 from jaxrl_kernels.ops.policy_terms import compute_group_advantages, kernel_config, run_ppo
 
 _sg = jax.lax.stop_gradient
@@ -64,7 +65,13 @@ def kl_penalty(logp: ArrayLike, ref_logp: ArrayLike, estimator: str = "k3") -> j
 
 
 def aggregate(
-    values: ArrayLike, mask: ArrayLike, mode: str = "token_mean", *, max_len: int | None = None
+    values: ArrayLike,
+    mask: ArrayLike,
+    mode: str = "token_mean",
+    *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
+    max_len: int | None = None,
 ) -> jax.Array:
     """Reduce per-token values ``[B, T]`` under a {0, 1} mask to a scalar (a loss aggregation).
 
@@ -75,7 +82,12 @@ def aggregate(
         ``"sequence_mean"``: the mean over non-empty sequences of each one's masked mean),
         ``"seq_mean_token_sum"`` (the mean over sequences of masked sums) or
         ``"seq_mean_token_sum_norm"`` (``Σ m·x / (B · max_len)``).
-      max_len: for ``"seq_mean_token_sum_norm"``; ``None`` means ``T``.
+      segment_ids: ``[B, T]`` integers in ``[-1, S)``, or ``None``: packed rows, sequence
+        ``s`` being the positions whose id is ``s`` (``-1``: in no sequence, masked); the
+        modes then read "sequence" as segment (docs/api.md, "Packed sequences").
+      num_segments: S, a static int; required with ``segment_ids``.
+      max_len: for ``"seq_mean_token_sum_norm"``; ``None`` means ``T`` (required with
+        ``segment_ids``).
 
     Returns:
       A float32 scalar.
@@ -88,7 +100,10 @@ def aggregate(
     """
     (values,) = sharding.pin_grad_shardings(check.per_token("values", values))
     mask = check.token_mask(mask, values.shape)
-    return aggregation_math.aggregate(values, mask, check.agg_mode(mode), check.max_len(max_len))
+    mode, max_len = check.agg_mode(mode), check.max_len(max_len)
+    pack = segments.packing(segment_ids, num_segments, values.shape)
+    max_len = segments.max_len(mode, max_len, pack, "max_len")
+    return segment_math.aggregate(values, segments.mask(mask, pack), pack, mode, max_len)
 
 
 def group_advantages(
@@ -132,6 +147,8 @@ def policy_gradient_loss(
     advantages: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     config: PolicyLoss | None = None,
     **deprecated: Any,
 ) -> jax.Array:
@@ -139,8 +156,11 @@ def policy_gradient_loss(
 
     Args:
       logp: ``[B, T]`` log-probs of the sampled tokens under the policy being trained.
-      advantages: ``[B, T]``, or ``[B]`` broadcast over ``T``; no gradient flows to them.
+      advantages: ``[B, T]``, or ``[B]`` broadcast over ``T`` (``[S]`` over each sequence's
+        tokens with ``segment_ids``); no gradient flows to them.
       mask: ``[B, T]``, 1 on the tokens that count (the response), 0 elsewhere.
+      segment_ids: ``[B, T]`` packed rows' segment ids, as in ``aggregate``, or ``None``.
+      num_segments: S (static); optional where ``advantages`` is ``[S]``.
       config: a ``jk.PolicyLoss``; its ``loss_agg_mode`` and ``max_len`` (as in
         ``aggregate``) apply, its other attributes must be at their defaults.
       **deprecated: ``loss_agg_mode``, ``max_len`` (use ``config=``), until 0.3.
@@ -157,13 +177,11 @@ def policy_gradient_loss(
     options = policy_options("policy_gradient_loss", config, deprecated, unused=PG_UNUSED)["config"]
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
-    per_token = -check.token_advantages(advantages, shape) * logp.astype(jnp.float32)
-    return aggregation_math.aggregate(
-        per_token,
-        check.token_mask(mask, shape),
-        check.agg_mode(options.loss_agg_mode),
-        options.max_len,
-    )
+    pack = segments.packing(segment_ids, num_segments, shape, {"advantages": advantages})
+    per_token = -segments.token_advantages(advantages, shape, pack) * logp.astype(jnp.float32)
+    mask, mode = check.token_mask(mask, shape), check.agg_mode(options.loss_agg_mode)
+    max_len = segments.max_len(mode, options.max_len, pack)
+    return segment_math.aggregate(per_token, segments.mask(mask, pack), pack, mode, max_len)
 
 
 # -- PPO -----------------------------------------------------------------------------------
@@ -175,6 +193,8 @@ def ppo_loss(
     advantages: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     rollout_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
     entropy: ArrayLike | None = None,
@@ -197,8 +217,13 @@ def ppo_loss(
     Args:
       logp: ``[B, T]`` log-probs of the sampled tokens under the policy being trained.
       old_logp: ``[B, T]``, the same under the policy that sampled them (no gradient).
-      advantages: ``[B, T]`` (e.g. from a critic) or ``[B]`` broadcast over ``T``.
+      advantages: ``[B, T]`` (e.g. from a critic) or ``[B]`` broadcast over ``T`` (``[S]``
+        with ``segment_ids``).
       mask: ``[B, T]``, 1 on response tokens, 0 on prompt and padding.
+      segment_ids: ``[B, T]`` packed rows' segment ids, as in ``aggregate``, or ``None``:
+        the sequence options (sequence aggregation, ``ratio_level="sequence"``,
+        ``tis_level="sequence"``) then take each segment as a sequence.
+      num_segments: S (static); optional where ``advantages`` is ``[S]``.
       rollout_logp: the sampler's log-probs ``[B, T]`` (with ``config.tis_cap``, and only
         with it).
       ref_logp: a reference policy's log-probs ``[B, T]`` for the KL penalty (required when
@@ -232,13 +257,15 @@ def ppo_loss(
     )
     (logp,) = sharding.pin_grad_shardings(check.per_token("logp", logp))
     shape = logp.shape
+    pack = segments.packing(segment_ids, num_segments, shape, {"advantages": advantages})
+    segments.max_len(cfg.loss_agg_mode, cfg.max_len, pack)
     inputs = ppo_math.PPOInputs(
         logp=logp.astype(jnp.float32),
         old_logp=_sg(check.per_token("old_logp", old_logp, shape).astype(jnp.float32)),
-        advantages=check.token_advantages(advantages, shape),
-        mask=check.token_mask(mask, shape),
+        advantages=segments.token_advantages(advantages, shape, pack),
+        mask=segments.mask(check.token_mask(mask, shape), pack),
         rollout_logp=_sg(check.optional_per_token("rollout_logp", rollout_logp, shape)),
         ref_logp=_sg(check.optional_per_token("ref_logp", ref_logp, shape)),
         entropy=sharding.pin_grad_shardings(check.optional_per_token("entropy", entropy, shape))[0],
     )
-    return run_ppo("ppo_loss", inputs, cfg, backend=backend, strict=True)
+    return run_ppo("ppo_loss", inputs, cfg, backend=backend, strict=True, packing=pack)

@@ -21,7 +21,8 @@ from jaxrl_kernels import validation as check
 from jaxrl_kernels.config.policy import FIELDS, Groups, PolicyLoss
 from jaxrl_kernels.dispatch.contract import Problem
 from jaxrl_kernels.engine import head_entry
-from jaxrl_kernels.formulas import ppo_math
+from jaxrl_kernels.formulas import ppo_math, segment_math
+from jaxrl_kernels.ops import segments
 from jaxrl_kernels.sharding.entry import global_vocab
 
 _sg = jax.lax.stop_gradient
@@ -67,12 +68,17 @@ def run_ppo(
     *,
     backend: str | None,
     strict: bool,
+    packing: segments.Packing | None = None,
 ):
-    """(loss, metrics) of the PPO term, on the backend ``dispatch`` chooses for ``op``."""
+    """(loss, metrics) of the PPO term, on the backend ``dispatch`` chooses for ``op``; with
+    ``packing``, the ``segment_ppo_loss`` primitive (sequences = segments)."""
+    primitive = "ppo_loss" if packing is None else "segment_ppo_loss"
     choice = dispatch.resolve(
-        op, Problem(n_rows=inputs.logp.size), backend, primitive="ppo_loss", strict=strict
+        op, Problem(n_rows=inputs.logp.size), backend, primitive=primitive, strict=strict
     )
-    return choice.impl(inputs, cfg)
+    if packing is None:
+        return choice.impl(inputs, cfg)
+    return choice.impl(inputs, cfg, packing)
 
 
 # -- group advantages ------------------------------------------------------------------------
@@ -145,15 +151,22 @@ def compute_group_advantages(
 
 
 def grpo_advantages(
-    rewards: Any, *, advantages: Any, batch: int, groups: Groups | None, backend: str | None
+    rewards: Any,
+    *,
+    advantages: Any,
+    batch: int,
+    groups: Groups | None,
+    backend: str | None,
+    what: str = "[B]",
 ) -> jax.Array:
-    """GRPO's ``[B]`` advantages, without gradient: ``advantages`` when given, else the group
-    advantages of ``rewards`` under ``groups``."""
+    """GRPO's ``[B]`` advantages (``[S]`` packed: ``batch`` = S, ``what`` = "[S]"), without
+    gradient: ``advantages`` when given, else the group advantages of ``rewards`` under
+    ``groups`` (consecutive sequences, i.e. consecutive segment ids when packed)."""
     rewards = check.as_array("rewards", rewards)
-    check.shape("rewards", rewards, (batch,), "[B]")
+    check.shape("rewards", rewards, (batch,), what)
     if advantages is not None:
         advantages = check.floating("advantages", advantages)
-        check.shape("advantages", advantages, (batch,), "[B]")
+        check.shape("advantages", advantages, (batch,), what)
         return _sg(advantages.astype(jnp.float32))
     if groups is None:
         raise ValueError(
@@ -163,35 +176,94 @@ def grpo_advantages(
 
 
 def grpo_from_logprobs(
-    logp: jax.Array, cfg: ppo_math.PPOConfig, *, ref_logp, old_logp, advantages, mask, rollout_logp
+    logp: jax.Array,
+    cfg: ppo_math.PPOConfig,
+    *,
+    ref_logp,
+    old_logp,
+    advantages,
+    mask,
+    rollout_logp,
+    packing: segments.Packing | None = None,
 ):
     """(loss, policy_loss, kl) = aggregate(pg + β·kl), aggregate(pg), aggregate(kl), with pg
-    the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef."""
+    the per-token policy term of ppo_loss (``ppo_math.policy_surrogate``) and β = cfg.kl_coef.
+    ``advantages``: ``[B]`` one per row, or with ``packing`` already per token ``[B, T]``
+    (each token its segment's, ``segment_math.spread``), the sequences then the segments."""
     inputs = ppo_math.PPOInputs(
         logp=logp,
         old_logp=old_logp,
-        advantages=jnp.broadcast_to(advantages[:, None], logp.shape),
+        advantages=(
+            advantages if packing is not None else jnp.broadcast_to(advantages[:, None], logp.shape)
+        ),
         mask=mask,
         rollout_logp=rollout_logp,
         ref_logp=ref_logp,
     )
+    if packing is not None:
+        return segment_math.grpo_loss(inputs, cfg, packing)
     return ppo_math.grpo_loss(inputs, cfg)
+
+
+def packed_grpo_advantages(
+    rewards, *, advantages, groups, backend, pack: segments.Packing | None, batch: int
+):
+    """GRPO's advantages as ``grpo_from_logprobs`` takes them: ``[B]`` unpacked; packed, the
+    ``[S]`` advantages (given or from the groups of consecutive segment ids) on each token of
+    their segment."""
+    if pack is None:
+        return grpo_advantages(
+            rewards, advantages=advantages, batch=batch, groups=groups, backend=backend
+        )
+    adv = grpo_advantages(
+        rewards,
+        advantages=advantages,
+        batch=pack.count,
+        groups=groups,
+        backend=backend,
+        what="[S] with segment_ids",
+    )
+    return _sg(segment_math.spread(adv, pack))
 
 
 # -- the linear losses' shared parts -------------------------------------------------------
 
 
-def linear_inputs(hidden, weight, bias, weight_layout, actions, mask, vocab_axis):
-    """The head and the per-token arrays every linear loss takes, checked."""
+def with_segment_ids(inputs: dict, pack: segments.Packing | None) -> int | None:
+    """Packed: adds the segment ids to a loss's ``inputs`` (they travel as the loss's other
+    inputs do: an integer leaf of ``memory="fast"``'s ``custom_vjp``) and returns S, which
+    stays static; None unpacked."""
+    if pack is None:
+        return None
+    inputs["segment_ids"] = pack.ids
+    return pack.count
+
+
+def segment_inputs(inputs: dict, count: int | None):
+    """(``inputs`` without the segment ids, their ``Packing`` or None): the inverse of
+    :func:`with_segment_ids` inside a loss function."""
+    if count is None:
+        return inputs, None
+    inputs = dict(inputs)
+    return inputs, segments.Packing(inputs.pop("segment_ids"), count)
+
+
+def linear_inputs(
+    hidden, weight, bias, weight_layout, actions, mask, vocab_axis, segment_ids, num_segments, sized
+):
+    """The head and the per-token arrays every linear loss takes, checked, and the packing
+    of ``segment_ids`` (S from ``num_segments`` or the ``[S]`` inputs ``sized``); the mask
+    is 0 off every segment."""
     hidden, weight, bias, local_vocab = check.linear_head(hidden, weight, bias, weight_layout)
     vocab = global_vocab(local_vocab, vocab_axis)
     check.rank("hidden", hidden, 3, "[B, T, D]")
     shape = hidden.shape[:2]
     actions = check.integer("actions", actions)
     check.shape("actions", actions, shape, "[B, T]")
-    mask = check.token_mask(mask, shape)
+    pack = segments.packing(segment_ids, num_segments, shape, sized)
+    mask = segments.mask(check.token_mask(mask, shape), pack)
     check.targets_in_range("actions", actions, vocab, mask=mask)
-    return hidden, weight, bias, actions, mask
+    return hidden, weight, bias, actions, mask, pack
 
 
 def linear_loss(

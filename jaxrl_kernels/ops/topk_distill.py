@@ -21,7 +21,8 @@ from jaxrl_kernels.config import deprecated as legacy
 from jaxrl_kernels.config.distill import TAILS, TOPK_LEGACY, TopKDistillLoss
 from jaxrl_kernels.engine import head_entry
 from jaxrl_kernels.engine.linear_head import AxisName, HeadCall
-from jaxrl_kernels.formulas import aggregation_math
+from jaxrl_kernels.formulas import segment_math
+from jaxrl_kernels.ops import segments
 from jaxrl_kernels.sharding.entry import global_vocab
 
 __all__ = ["TAILS", "linear_topk_distill_loss", "topk_divergence"]
@@ -60,6 +61,8 @@ def linear_topk_distill_loss(
     teacher_logp: ArrayLike,
     mask: ArrayLike,
     *,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
     bias: ArrayLike | None = None,
     weight_layout: str = "vd",
     config: TopKDistillLoss | None = None,
@@ -90,6 +93,7 @@ def linear_topk_distill_loss(
       teacher_logp: ``[B, T, K]`` float, the teacher's log-probs at those ids, taken as they
         are (−inf: an id of probability 0).
       mask: ``[B, T]`` (float, bool or int 0/1), 1 on the tokens that count.
+      segment_ids, num_segments: packed rows (``num_segments`` required), as in ``aggregate``.
       bias: ``[V]`` or ``None``.
       weight_layout: ``"vd"`` or ``"dv"``.
       config: a ``jk.TopKDistillLoss``: ``tail`` (``"drop"``: the sum over the ids only;
@@ -135,8 +139,11 @@ def linear_topk_distill_loss(
     check.shape("teacher_logp", teacher_logp, teacher_ids.shape, "teacher_ids.shape")
     mask = check.mask("mask", mask)
     check.shape("mask", mask, shape, "[B, T]")
+    pack = segments.packing(segment_ids, num_segments, shape)
+    mask = segments.mask(mask.astype(jnp.float32), pack)
     check.positive("temperature", temperature)
-    mode, max_len = check.agg_mode(options.loss_agg_mode), options.max_len
+    mode = check.agg_mode(options.loss_agg_mode)
+    max_len = segments.max_len(mode, options.max_len, pack)
     vocab = global_vocab(local_vocab, vocab_axis)
     counts = mask != 0
     valid = (teacher_ids >= 0) & counts[..., None]
@@ -155,5 +162,4 @@ def linear_topk_distill_loss(
         student_logp, jax.lax.stop_gradient(teacher_logp).astype(jnp.float32), valid, options.tail
     )
     per_token = jnp.where(counts, d, 0.0)
-    mask = mask.astype(jnp.float32)
-    return aggregation_math.aggregate(per_token, mask, mode, max_len), per_token
+    return segment_math.aggregate(per_token, mask, pack, mode, max_len), per_token

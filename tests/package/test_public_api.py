@@ -112,4 +112,6 @@ def test_deprecated_keywords_and_the_signatures_size():
             for p in inspect.signature(getattr(jk, name)).parameters.values()
             if p.kind is not p.VAR_KEYWORD
         ]
-        assert len(named) <= 18, (name, len(named))
+        # 18 with the options as config values; 20 since packed rows added segment_ids and
+        # num_segments beside mask: the batch's layout, as mask is, not options.
+        assert len(named) <= 20, (name, len(named))
