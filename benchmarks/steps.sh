@@ -68,7 +68,7 @@ for s in "$@"; do
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     # the realistic batch (benchmarks/realistic_batch.py), padded ~35 % and not at all
     tokens_realistic) step 590 bash -c "$PY -m benchmarks.bench_tokens --batch realistic --padding 0.35 \
-      --torch --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
+      ${TOKENS_TORCH---torch} --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
       $PY -m benchmarks.bench_tokens --batch realistic --runs 10 --sizes ${TOKENS_SIZES:-realistic} \
       --name bench_tokens_realistic_pad0" ;;
     lean_chunks) step 420 "$PY" -m benchmarks.studies.bench_lean_chunks --runs 10 --rounds 2 ;;

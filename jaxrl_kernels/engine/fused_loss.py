@@ -101,13 +101,16 @@ def _local_logit_grad(
     active,
     g,
     g_ent,
+    row_valid,
     *,
     weight_layout,
     temperature,
 ):
     """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
-    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
-    target's entry exact (``lse + logp``, as the forward's statistics took it), the
+    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer) up to
+    the last ``row_valid`` row (the rows after it hold logits of zeroed rows, 0, and so their
+    gradient already: ``engine.row_skip``), the target's entry exact (``lse + logp``, as the
+    forward's statistics took it), the
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
     float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
     vocab = geometry.vocab_size(weight, weight_layout)
@@ -140,7 +143,8 @@ def _local_logit_grad(
     init = z
     if bias is not None:
         init = (z, varying_like(jnp.zeros((vocab,), jnp.float32), z, weight))
-    out = jax.lax.fori_loop(0, spans.count, block, init)
+    last = jnp.max(jnp.where(row_valid, jnp.arange(1, row_valid.shape[0] + 1), 0))
+    out = jax.lax.fori_loop(0, jnp.minimum(spans.count, -(-last // spans.size)), block, init)
     dz, col_sums = out if bias is not None else (out, None)
     inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
     return dz, inv_scale, col_sums
@@ -221,8 +225,7 @@ def fused_linear_loss(
         return (outs[0], outs[1] if with_entropy else None), outs[-3:]
 
     def logit_grad(weight, bias, z, targets, logp, lse, entropy, active, g, g_ent, row_valid):
-        def local(plan, *args):
-            return _local_logit_grad(plan, *args[:-1], **options)
+        local = functools.partial(_local_logit_grad, **options)
 
         return vjp.stage(
             local,
@@ -232,6 +235,7 @@ def fused_linear_loss(
             grads_of=(None, None) + ((1,) if has_bias else ()),
             vocab_axis=vocab_axis,
             keep_at=10,
+            row_switch=False,  # no GEMM here, and z is updated in place: a branch would copy it
         )
 
     @jax.custom_vjp

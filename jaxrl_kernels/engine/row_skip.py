@@ -72,11 +72,14 @@ def skips(n_rows: int, plan) -> bool:
     return n_rows >= MIN_ROWS and not plan.vocab_axes
 
 
-def call(local, plan, operands, roles, out_roles, keep, *, enabled=True):
+def call(local, plan, operands, roles, out_roles, keep, *, enabled=True, switch=True):
     """``local(plan, *operands)`` (flat rows, ``roles`` as ``vjp.stage``'s) on the rows where
     ``keep`` [N] is True, its present (not None) outputs returned as ``local``'s would be for
     every row (the module docstring). ``enabled`` False: every row runs, skipped ones
-    zeroed."""
+    zeroed. ``switch`` False: the rows are put kept-first (and the others zeroed) but
+    ``local`` runs once on all N of them, for a step with no GEMM that bounds its own loop by
+    the kept rows (the last kept row of its ``keep`` operand) and updates a ``[N, V]`` operand
+    in place: a branch would copy it."""
     n_rows = keep.shape[0]
     keep = keep.astype(bool)
     if not (enabled and skips(n_rows, plan)):
@@ -99,6 +102,14 @@ def call(local, plan, operands, roles, out_roles, keep, *, enabled=True):
         else _zeroed(jnp.take(x, order, axis=0), kept_first)
         for x, r in zip(operands, roles)
     ]
+
+    if not switch:
+        outs = [y for y in local(plan, *gathered) if y is not None]
+        inverse = jnp.argsort(order).astype(jnp.int32)
+        return [
+            jnp.take(y, inverse, axis=0) if _has_rows(r) and not _like_logits(r) else y
+            for y, r in zip(outs, out_roles)
+        ]
 
     def run_at(size):
         def branch_fn(ops):

@@ -73,11 +73,13 @@ def stage(
     note: bool = False,
     keep_at: int | None = None,
     skip_rows: bool = True,
+    row_switch: bool = True,
 ) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
 
     ``keep_at``: the operand that flags each row kept (``row_valid``): the others cost no
-    work and give 0 (``row_skip``; ``skip_rows`` False: every row runs, the others zeroed).
+    work and give 0 (``row_skip``; ``skip_rows`` False: every row runs, the others zeroed;
+    ``row_switch`` False: the rows kept-first, ``local`` once on all of them, ``row_skip.call``).
 
     Operands and outputs with leading ``r`` dimensions are flattened / restored around
     ``local``; an output that is the cotangent of operand ``j`` (``grads_of``) gets that
@@ -96,7 +98,14 @@ def stage(
             outs = [y for y in local(plan, *flat) if y is not None]
         else:
             outs = row_skip.call(
-                local, plan, flat, roles, out_roles, flat[keep_at], enabled=skip_rows
+                local,
+                plan,
+                flat,
+                roles,
+                out_roles,
+                flat[keep_at],
+                enabled=skip_rows,
+                switch=row_switch,
             )
         return tuple(
             y.reshape(ops[j].shape) if j is not None else _unflatten(y, r, lead)
