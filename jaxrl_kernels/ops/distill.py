@@ -134,7 +134,7 @@ def linear_distill_loss(
         taken in the forward into one ``[B, T, V]`` buffer in the student head's dtype: 3
         student GEMMs and 1 teacher one, ``jaxrl_kernels.engine.fused_distill``) or an int byte
         budget for that buffer (``"fast"`` when it fits); ``None``: the mode of
-        ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
+        ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"auto"``.
       **deprecated: ``divergence``, ``jsd_beta``, ``loss_agg_mode``, ``max_len`` (use
         ``config=``), until 0.3.
 

@@ -30,7 +30,7 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     backend choice the op makes, the backend chosen and whether it was requested or
     automatic, why each better backend declined, an override in force, and how the step is
     laid out on the devices (``layout:``). For the ops from hidden states, the ``memory=`` mode
-    and where it came from: ``memory='fast'`` (the argument, or the default ``'lean'``),
+    and where it came from: ``memory='fast'`` (the argument, or the default ``'auto'``),
     ``jk.memory_mode('fast')`` (a scope) or ``JAXRL_KERNELS_MEMORY=fast``, with a byte
     budget's comparison.
 

@@ -94,7 +94,7 @@ def linear_ppo_loss(
       memory: ``"lean"`` (nothing ``[B, T, V]`` kept: 4 GEMMs), ``"fast"`` (the loss's
         gradient taken in the forward: 3 GEMMs and one ``[B, T, V]`` buffer in the head's
         dtype) or a byte budget (``"fast"`` when that buffer fits in it); ``None``: the mode
-        of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
+        of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"auto"``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       **deprecated: the ``PolicyLoss`` options as keywords and ``top_k``, ``top_p``,
@@ -220,7 +220,7 @@ def linear_grpo_loss(
       rollout_logp, advantages, groups, config: as in ``grpo_loss``.
       sampler: a ``jk.Sampler``, as in ``linear_ppo_loss``
         (``linear_logprobs(..., return_kept=True)`` counts the actions outside the kept set).
-      memory: ``"lean"``, ``"fast"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
+      memory: ``"lean"``, ``"fast"``, ``"auto"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       **deprecated: the ``PolicyLoss`` options as keywords (``beta`` for ``kl_coef``),
@@ -336,7 +336,7 @@ def linear_policy_gradient_loss(
       config: a ``jk.PolicyLoss`` whose ``loss_agg_mode`` and ``max_len`` apply, as in
         ``policy_gradient_loss``.
       sampler: a ``jk.Sampler``, as in ``linear_logprobs``.
-      memory: ``"lean"``, ``"fast"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
+      memory: ``"lean"``, ``"fast"``, ``"auto"``, a byte budget or ``None``, as in ``linear_ppo_loss``.
       backend: ``None`` (automatic) or a backend name, for the log-probs.
       vocab_axis: inside ``jax.shard_map``, the axis splitting the weight's vocabulary.
       **deprecated: ``loss_agg_mode``, ``max_len``, ``top_k``, ``top_p``, ``min_p`` (use

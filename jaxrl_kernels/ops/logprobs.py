@@ -193,7 +193,7 @@ def linear_logprobs(
       memory: ``"lean"`` (nothing ``[N, V]`` kept: the backward recomputes the logits),
         ``"fast"`` (the forward's logits kept for the backward as float16 / float32: one GEMM
         fewer for ``N·V·2`` bytes) or an int byte budget (``"fast"`` when they fit in it);
-        ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"lean"``.
+        ``None``: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else ``"auto"``.
       sampler, return_kept: the sampler's truncation, as in ``token_logprobs`` (one target
         per position); each row's kept set is found in passes over the vocabulary, no
         ``[N, V]`` buffer.

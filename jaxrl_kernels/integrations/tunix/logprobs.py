@@ -296,7 +296,7 @@ def policy_logprobs(
     for packed sequences (``segment_ids`` given), where position 0 holds logp = 0 and the
     entropy of all-zero logits, log V, as tunix pads them.
     ``memory``: ``linear_logprobs``' memory mode (``"fast"`` keeps the logits for the backward;
-    ``None``: ``jk.memory_mode``'s, else ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``).
+    ``None``: ``jk.memory_mode``'s, else ``JAXRL_KERNELS_MEMORY``'s, else ``"auto"``).
     ``sampler``: a ``jk.Sampler``, the sampler's truncation, as in ``jk.linear_logprobs``
     (None, the default: tunix's log-probs of the whole vocabulary); the log-probs and entropy
     are then those of the truncated, renormalised distribution (sampler matching,

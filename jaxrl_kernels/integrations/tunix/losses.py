@@ -32,7 +32,7 @@ parameter would fail there ("keyword arguments could not be resolved to position
 keywords they read are ``backend`` (jaxrl_kernels' backend for the log-probs; absent or None:
 automatic), ``sampler`` (below) and ``memory`` (``"fast"`` takes the loss's gradient in the
 forward; absent or None: the mode of ``jk.memory_mode`` or ``JAXRL_KERNELS_MEMORY``, else
-``"lean"``), for direct calls or a trainer's loss wrapper; tunix passes none (a
+``"auto"``), for direct calls or a trainer's loss wrapper; tunix passes none (a
 ``jk.memory_mode`` scope in force when the training step is traced, or the variable, then sets
 the mode), and others are ignored as tunix's losses ignore them.
 
@@ -185,7 +185,7 @@ def grpo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
     (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
     :mod:`jaxrl_kernels.engine.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
-    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"auto"``) and ``sampler`` (a
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.
     """
@@ -275,7 +275,7 @@ def ppo_policy_loss(model, train_example, algo_config, pad_id, eos_id, **kwargs)
     ``kwargs``: ``backend`` (jaxrl_kernels' backend, default automatic) and ``memory``
     (``"lean"``, ``"fast"``: the loss's gradient taken in the forward,
     :mod:`jaxrl_kernels.engine.fused_loss`, or a byte budget; absent: ``jk.memory_mode``'s, else
-    ``JAXRL_KERNELS_MEMORY``'s, else ``"lean"``) and ``sampler`` (a
+    ``JAXRL_KERNELS_MEMORY``'s, else ``"auto"``) and ``sampler`` (a
     :class:`.sampler.SamplerSettings`: sampler-matched log-probs; absent or None: tunix's);
     others are ignored.
     """
