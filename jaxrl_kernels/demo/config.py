@@ -96,7 +96,12 @@ class Config(algos.RLConfig):
         "padding fraction and update time",
         group=TRAINING,
     )
-    pack_len: int = option(64, "with --pack: the token budget of a packed row", group=TRAINING)
+    pack_len: int = option(
+        90,
+        "with --pack: the token budget of a packed row (90 holds nine 10-token or ten 9-token "
+        "completions of 2-digit addition)",
+        group=TRAINING,
+    )
     eval_every: int = option(50, "held-out evaluation every this many RL steps", group=RUN)
     out: str | None = option(
         None,
