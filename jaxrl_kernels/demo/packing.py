@@ -34,7 +34,7 @@ from jaxrl_kernels.demo.task import PAD
 def first_fit_decreasing(lengths: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
     """``(row[S], offset[S])``: where each sequence of ``lengths`` starts, rows of ``budget``.
 
-    First-fit decreasing (at most 11/9 of the fewest rows plus one); ties keep the order.
+    First-fit decreasing (at most 11/9 of the fewest rows, plus 6/9); ties keep the order.
     """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and lengths.max() > budget:
