@@ -58,6 +58,9 @@ def _parser() -> _Parser:
                 "[V, D] token embedding (layout 'vd')",
             )
             continue
+        if field.name == "pack":
+            group.add_argument("--pack", action="store_true", help=helptext)
+            continue
         kind = field.metadata.get("type") or {int: int, float: float}.get(type(default), str)
         kwargs = {
             "help": helptext if default is None else f"{helptext} [{default}]",

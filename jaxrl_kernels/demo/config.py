@@ -89,6 +89,19 @@ class Config(algos.RLConfig):
         20, "RL steps over which the learning rate ramps up from 0", group=TRAINING
     )
     seed: int = option(0, "random seed", group=TRAINING)
+    pack: bool = option(
+        False,
+        "pack each step's completions (prompt + answer) into rows of --pack-len tokens, several "
+        "per row, and train on those with segment ids (grpo only); reports both layouts' "
+        "padding fraction and update time",
+        group=TRAINING,
+    )
+    pack_len: int = option(
+        90,
+        "with --pack: the token budget of a packed row (90 holds nine 10-token or ten 9-token "
+        "completions of 2-digit addition)",
+        group=TRAINING,
+    )
     eval_every: int = option(50, "held-out evaluation every this many RL steps", group=RUN)
     out: str | None = option(
         None,
@@ -171,6 +184,7 @@ class Config(algos.RLConfig):
             ("eval_every", 1),
         ):
             algos.at_least(name, getattr(self, name), low)
+        self._pack_fields()
         positive("warmup_lr", self.warmup_lr)
         positive("lr", self.lr)
         rollouts = self.batch_size * self.group_size
@@ -179,6 +193,15 @@ class Config(algos.RLConfig):
                 f"ppo_minibatches: expected a divisor of the rollout batch "
                 f"batch_size * group_size = {rollouts}, got {self.ppo_minibatches}"
             )
+
+    def _pack_fields(self) -> None:
+        """``pack``: a bool, grpo only; ``pack_len``: room for the longest completion."""
+        if not isinstance(self.pack, bool):
+            raise ValueError(f"pack: expected True or False, got {self.pack!r}")
+        longest = AdditionTask(digits=self.digits, held_out=self.held_out).seq_len
+        algos.at_least("pack_len", self.pack_len, longest, "the longest prompt + answer")
+        if self.pack and self.algo != "grpo":
+            raise ValueError(f"pack: only --algo grpo packs its rollouts, got --algo {self.algo}")
 
     def _distill_fields(self) -> None:
         """Fill the distillation fields for ``--algo distill``; reject them for the others."""
@@ -296,6 +319,8 @@ def _saved_config(saved: checkpoint.Saved) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
     # Checkpoints written before --algo distill existed lack its fields, which are None there.
     saved_config = {**{name: None for name in algos.DISTILL_DEFAULTS}, **saved.config}
+    # ... and checkpoints written before --pack lack its fields: they did not pack.
+    saved_config = {"pack": False, "pack_len": Config.pack_len, **saved_config}
     if set(saved_config) != known:
         raise checkpoint.CheckpointError(
             f"{saved.path}: written by another version of the demo (its configuration has "

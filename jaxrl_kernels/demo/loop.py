@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_kernels.demo import algos, checkpoint, report, rl_step, sampling
+from jaxrl_kernels.demo import algos, checkpoint, packed_step, report, rl_step, sampling
 from jaxrl_kernels.demo.config import Config, _check_resumable
 from jaxrl_kernels.demo.model import CausalLM
 from jaxrl_kernels.demo.progress import Progress
@@ -72,6 +72,19 @@ def _rl_program(
 ):
     optimizer = rl_step.make_optimizer(lr, warmup=warmup_updates)
     return optimizer, rl_step.make_rl_step(_model(*model_key), task, optimizer, rl_cfg)
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_program(
+    model_key: tuple,
+    task: AdditionTask,
+    lr: float,
+    warmup_updates: int,
+    rl_cfg: algos.RLConfig,
+    pack_len: int,
+):
+    optimizer = rl_step.make_optimizer(lr, warmup=warmup_updates)
+    return optimizer, packed_step.PackedStep(_model(*model_key), task, optimizer, rl_cfg, pack_len)
 
 
 def make_evaluate(lm, task: AdditionTask, *, temperature: float = 1.0) -> Callable:
@@ -121,7 +134,10 @@ class Demo:
         updates_per_step = (
             cfg.ppo_epochs * cfg.ppo_minibatches if cfg.algo in algos.PPO_STYLE else 1
         )
-        self.rl_optimizer, self.rl_step = _rl_program(
+        program = (
+            functools.partial(_packed_program, pack_len=cfg.pack_len) if cfg.pack else _rl_program
+        )
+        self.rl_optimizer, self.rl_step = program(
             model_key, self.task, cfg.lr, cfg.lr_warmup * updates_per_step, cfg.rl_config()
         )
         self.evaluate_fn = _eval_program(model_key, self.task, cfg.temperature)
@@ -225,11 +241,16 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             last = demo.evaluate(state["params"])
             log["evals"].append({"step": step + 1, **_round(last)})
+        # With --pack, the padding fraction of the padded layout and of the packed one.
+        pad = (
+            {"pad": f"{metrics['pad_padded']:.2f}->{metrics['pad_packed']:.2f}"} if cfg.pack else {}
+        )
         bar.update(
             step + 1 - first,
             reward=metrics["reward"],
             acc=metrics["accuracy"],
             held_out=last["accuracy"],
+            **pad,
         )
     bar.close()
     after = demo.evaluate(state["params"])
@@ -259,12 +280,37 @@ def run(cfg: Config, *, progress: bool = True, stream: TextIO | None = None) -> 
         "peak_memory_kind": peak_kind,
         "wall_seconds": time.perf_counter() - t_start,
     }
+    if cfg.pack:
+        summary.update(_pack_summary(demo, state, log["rl"][first:]))
     log["summary"] = _round(summary)
     print(report.format_table(summary, cfg), file=stream)
 
     report.write_outputs(cfg.out, log, state, report.plot, stream)
     log["state"] = state
     return log
+
+
+PACK_TIMING_RUNS = 10
+"""Timed calls of each layout's update in a ``--pack`` run's summary (the median is reported)."""
+
+
+def _pack_summary(demo: Demo, state: algos.State, steps: list[dict]) -> dict[str, Any]:
+    """A ``--pack`` run's layouts: the mean padding fraction of each over this run's steps,
+    the mean number of packed rows, and each layout's update timed on one more rollout."""
+    mean = lambda k: float(np.mean([r[k] for r in steps]))
+    timing = demo.rl_step.time_updates(
+        state, *demo.rl_inputs(demo.cfg.steps), runs=PACK_TIMING_RUNS
+    )
+    return {
+        "pack_len": demo.cfg.pack_len,
+        "padding_fraction_padded": mean("pad_padded"),
+        "padding_fraction_packed": mean("pad_packed"),
+        "rows_padded": demo.cfg.batch_size * demo.cfg.group_size,
+        "row_len_padded": demo.task.seq_len,
+        "pack_timing_runs": PACK_TIMING_RUNS,
+        "rows_packed_mean": mean("rows"),
+        **timing,
+    }
 
 
 def _warm_start(demo: Demo, log: dict[str, Any], progress: bool) -> tuple[algos.State, float]:

@@ -70,8 +70,17 @@ def format_table(s: dict[str, Any], cfg: Config) -> str:
     else:
         n = s["rl_steps_this_run"]
         phases = f"resumed at RL step {s['resumed_from_step']}, {n} step{'s' * (n != 1)} this run"
+    lines += [f"{'RL throughput':38s}{throughput}"]
+    if "padding_fraction_packed" in s:  # --pack: the two layouts of the same completions
+        lines += [
+            f"{'padding, padded -> packed':38s}{pct(s['padding_fraction_padded']).strip()} of "
+            f"{s['rows_padded']} rows x {s['row_len_padded']} tokens -> "
+            f"{pct(s['padding_fraction_packed']).strip()} of "
+            f"{s['rows_packed_mean']:.1f} rows x {s['pack_len']} tokens (mean per step)",
+            f"{'update, padded -> packed':38s}{s['update_ms_padded']:.2f} ms -> "
+            f"{s['update_ms_packed']:.2f} ms (median of {s['pack_timing_runs']}, one rollout)",
+        ]
     lines += [
-        f"{'RL throughput':38s}{throughput}",
         f"{'peak memory':38s}{s['peak_memory_bytes'] / 2**20:,.0f} MiB ({s['peak_memory_kind']})",
         f"{'wall time':38s}{s['wall_seconds']:.1f} s ({phases})",
     ]

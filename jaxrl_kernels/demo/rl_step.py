@@ -139,30 +139,42 @@ def _ppo_update(lm, cfg, optimizer, state, batch, key):
     return params, opt_state, jnp.mean(loss), metrics
 
 
+def rollout(lm, task: AdditionTask, cfg: algos.RLConfig, params, prompts, sums, key):
+    """``group_size`` sampled answers per prompt, scored: ``(batch, scores, update_key)``.
+
+    ``batch`` holds ``prompts``, ``actions``, ``mask``, ``rollout_logp`` ``[B, ...]`` with
+    ``B = n * group_size`` (a prompt's answers consecutive), ``rewards`` and ``correct`` [B];
+    ``update_key`` is the rest of ``key`` for the update.
+    """
+    prompts = jnp.repeat(prompts, cfg.group_size, axis=0)
+    sums = jnp.repeat(sums, cfg.group_size, axis=0)
+    sample_key, update_key = jax.random.split(key)
+    actions, rollout_logp, mask = sampling.generate(
+        lm,
+        params,
+        prompts,
+        sample_key,
+        max_new=task.max_new,
+        temperature=cfg.temperature,
+    )
+    scores = task.score(actions, sums)
+    batch = {
+        "prompts": prompts,
+        "actions": actions,
+        "mask": mask,
+        "rollout_logp": rollout_logp,
+        "rewards": scores["reward"],
+        "correct": scores["correct"],
+    }
+    return batch, scores, update_key
+
+
 def make_rl_step(lm, task: AdditionTask, optimizer, cfg: algos.RLConfig) -> Callable:
     """The jitted RL step ``(state, prompts[n, P], sums[n], key) -> (state, metrics)``."""
 
     def rl_step(state: algos.State, prompts, sums, key):
-        prompts = jnp.repeat(prompts, cfg.group_size, axis=0)
-        sums = jnp.repeat(sums, cfg.group_size, axis=0)
-        sample_key, update_key = jax.random.split(key)
-        actions, rollout_logp, mask = sampling.generate(
-            lm,
-            state["params"],
-            prompts,
-            sample_key,
-            max_new=task.max_new,
-            temperature=cfg.temperature,
-        )
-        scores = task.score(actions, sums)
-        batch = {
-            "prompts": prompts,
-            "actions": actions,
-            "mask": mask,
-            "rollout_logp": rollout_logp,
-            "rewards": scores["reward"],
-            "correct": scores["correct"],
-        }
+        batch, scores, update_key = rollout(lm, task, cfg, state["params"], prompts, sums, key)
+        mask = batch["mask"]
         if cfg.algo in algos.PPO_STYLE:
             params, opt_state, loss, extra = _ppo_update(
                 lm, cfg, optimizer, state, batch, update_key
