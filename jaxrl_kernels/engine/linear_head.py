@@ -189,8 +189,8 @@ def linear_head_op(
         res_roles,
         diff=(0, 1, 2),
         vocab_axis=call.vocab_axis,
-        keep_at=4,
-        skip_rows=not call.batch_invariant,
+        # batch-invariant: every row as it is (each row's results are its own by construction)
+        keep_at=None if call.batch_invariant else 4,
     )
     entropy = outs[1] if with_entropy else None
     return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)

@@ -495,7 +495,10 @@ def test_memory_budget_and_explain(rng):
     acts = jnp.asarray(acts)
     kept = 4 * 8 * 100 * 2  # bfloat16 logits
     args = (hidden, weight, acts)
-    assert "memory: lean (memory='lean')" in jk.explain("linear_logprobs", *args)
+    # the default, "auto", is lean where the device reports no memory size (CPU)
+    assert "memory: lean (memory='auto': the device reports no memory size)" in jk.explain(
+        "linear_logprobs", *args
+    )
     text = jk.explain("linear_logprobs", *args, memory="fast")
     assert text.startswith(
         "linear_logprobs: memory fast (memory='fast'): the head's logits kept "
