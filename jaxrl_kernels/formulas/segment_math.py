@@ -70,7 +70,9 @@ def segment_sum(x, packing: Packing) -> jax.Array:
     """``[S]``: Σ of ``x [B, T]`` over each segment's positions (``-1`` dropped). No reshape:
     a row or T split of ``x`` has no flat layout under Explicit axes."""
     x = x.astype(jnp.float32)
-    options = {"out_sharding": P()} if _explicit(x) else {}
+    # replicated on x's own mesh (a bare P() needs a mesh context, which a user's jit of
+    # Explicit-sharded arrays need not have)
+    options = {"out_sharding": jax.typeof(x).sharding.update(spec=P())} if _explicit(x) else {}
     out = jnp.zeros((packing.count,), jnp.float32)
     return out.at[_slots(packing)].add(x, mode="drop", **options)
 

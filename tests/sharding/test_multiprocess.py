@@ -2,7 +2,8 @@
 sees every device, and the ops still compute rows where they live and use a vocabulary-sharded
 weight or logits in place, under jax.jit (Auto and Explicit mesh axes, option combinations, an
 FSDP head, distillation lean and fast, sampler-matched log-probs with the vocabulary split across
-the processes) and inside a user's jax.shard_map with ``vocab_axis`` (see multiprocess_worker.py).
+the processes, packed rows with segment ids) and inside a user's jax.shard_map with
+``vocab_axis`` (see multiprocess_worker.py).
 One pair of processes per backend runs every case under both mesh types (starting and joining
 them is a good part of the cost); CI runs the reference pair, the chunked and pallas pairs are
 marked ``slow``. On a host of 4 or 8 GPUs the ``gpu`` test runs the same cases with each process
@@ -26,7 +27,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-RUNS = ["Auto:linear,distill", "Explicit:linear,options,distill,vocab_axis,sampler"]
+RUNS = ["Auto:linear,distill,packed", "Explicit:linear,options,distill,vocab_axis,sampler,packed"]
 
 
 @pytest.mark.parametrize("backend", slow_backends("reference"))  # ~30 s, chunked ~70, pallas ~130

@@ -170,6 +170,40 @@ def case_linear():
     )  # limit: a device's share of h
 
 
+def case_packed():
+    """Packed rows (two sequences a row, the last position of each masked), rows split over
+    the processes, the per-sequence rewards [S] replicated: linear_grpo_loss with segment_ids
+    against the same call on one device."""
+    seg = np.repeat(np.arange(2 * B).reshape(B, 2), T // 2, axis=1).astype(np.int32)
+    packed_mask = (mask * (np.arange(T) % (T // 2) != T // 2 - 1)).astype(np.float32)
+    seq_rewards = np.tile(rewards, 2).astype(np.float32)
+
+    def loss(h, w, t, old, seq_rewards, packed_mask, seg):
+        out, _, _ = jk.linear_grpo_loss(
+            h,
+            w,
+            t,
+            old,
+            seq_rewards,
+            packed_mask,
+            segment_ids=seg,
+            num_segments=2 * B,
+            groups=jk.Groups(size=2),
+            config=jk.PolicyLoss(loss_agg_mode="seq_mean_token_mean"),
+            backend=backend,
+        )
+        return out
+
+    check(
+        "packed: linear_grpo_loss with segment_ids",
+        loss,
+        (h, w, t, old, seq_rewards, packed_mask, seg),
+        (ROWS3, P("model", None), ROWS, ROWS, P(), ROWS, ROWS),
+        (0, 1),
+        in_mesh=False,
+    )
+
+
 def case_options():
     check(
         "grpo_loss beta",
@@ -397,6 +431,7 @@ for kind, cases in RUNS:
             "distill": case_distill,
             "vocab_axis": case_vocab_axis,
             "sampler": case_sampler,
+            "packed": case_packed,
         }[case]()
     print(f"process {pid}: ok ({backend}, {kind}, {','.join(cases)})", flush=True)
 jax.distributed.shutdown()
