@@ -73,7 +73,8 @@ def _local_forward(
     logits and their statistics from ``kept`` (the ``kept_logits`` primitive)."""
     vocab = geometry.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
-    stats, t_rel, z = kept(
+    stats, t_rel, z = saved_logits.kept_stats(
+        kept,
         plan,
         hidden,
         weight,
@@ -84,7 +85,6 @@ def _local_forward(
         temperature=temperature,
         with_entropy=with_entropy,
     )
-    stats = rounded_logits.exact_target_stats(stats, t_rel, z, t_local, bias, temperature)
     logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab, row_valid)
     return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
 

@@ -72,28 +72,24 @@ def skips(n_rows: int, plan) -> bool:
     return n_rows >= MIN_ROWS and not plan.vocab_axes
 
 
-def call(local, plan, operands, roles, out_roles, keep, *, enabled=True, switch=True):
+def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
     """``local(plan, *operands)`` (flat rows, ``roles`` as ``vjp.stage``'s) on the rows where
     ``keep`` [N] is True, its present (not None) outputs returned as ``local``'s would be for
-    every row (the module docstring). ``enabled`` False: every row runs, skipped ones
-    zeroed. ``switch`` False: the rows are put kept-first (and the others zeroed) but
+    every row (the module docstring); where it :func:`skips` no rows, every row runs, the
+    skipped ones zeroed. ``switch`` False: the rows are put kept-first (and the others zeroed) but
     ``local`` runs once on all N of them, for a step with no GEMM that bounds its own loop by
     the kept rows (the last kept row of its ``keep`` operand) and updates a ``[N, V]`` operand
     in place: a branch would copy it."""
     n_rows = keep.shape[0]
     keep = keep.astype(bool)
-    if not (enabled and skips(n_rows, plan)):
+    if not skips(n_rows, plan):
         ops = [
             x if not _has_rows(r) or _like_logits(r) else _zeroed(x, keep)
             for x, r in zip(operands, roles)
         ]
         return [y for y in local(plan, *ops) if y is not None]
-    sizes = bucket_sizes(n_rows)
     order = jnp.argsort(~keep, stable=True).astype(jnp.int32)
     count = jnp.sum(keep.astype(jnp.int32))
-    # the first size that holds every kept row (no array constant: custom_partitioning,
-    # which runs an Auto-sharded step, traces it and takes none)
-    branch = sum((count > size).astype(jnp.int32) for size in sizes[:-1])
     # kept rows first; the skipped rows a branch still holds (its size over the count) zeroed
     kept_first = jnp.arange(n_rows) < count
     gathered = [
@@ -103,23 +99,26 @@ def call(local, plan, operands, roles, out_roles, keep, *, enabled=True, switch=
         for x, r in zip(operands, roles)
     ]
 
-    if not switch:
+    if switch:
+        sizes = bucket_sizes(n_rows)
+        # the first size that holds every kept row (no array constant: custom_partitioning,
+        # which runs an Auto-sharded step, traces it and takes none)
+        branch = sum((count > size).astype(jnp.int32) for size in sizes[:-1])
+
+        def run_at(size):
+            def branch_fn(ops):
+                head = [
+                    x if x is None or not _has_rows(r) else x[:size] for x, r in zip(ops, roles)
+                ]
+                outs = [y for y in local(plan, *head) if y is not None]
+                return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
+
+            return branch_fn
+
+        outs = jax.lax.switch(branch, [run_at(s) for s in sizes], gathered)
+    else:
         outs = [y for y in local(plan, *gathered) if y is not None]
-        inverse = jnp.argsort(order).astype(jnp.int32)
-        return [
-            jnp.take(y, inverse, axis=0) if _has_rows(r) and not _like_logits(r) else y
-            for y, r in zip(outs, out_roles)
-        ]
-
-    def run_at(size):
-        def branch_fn(ops):
-            head = [x if x is None or not _has_rows(r) else x[:size] for x, r in zip(ops, roles)]
-            outs = [y for y in local(plan, *head) if y is not None]
-            return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
-
-        return branch_fn
-
-    outs = jax.lax.switch(branch, [run_at(s) for s in sizes], gathered)
+    # per-row results back in the original order; logits-like ones stay kept-first
     inverse = jnp.argsort(order).astype(jnp.int32)
     return [
         jnp.take(y, inverse, axis=0) if _has_rows(r) and not _like_logits(r) else y

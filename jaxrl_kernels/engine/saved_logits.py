@@ -131,6 +131,18 @@ def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature)
     )
 
 
+def kept_stats(kept, plan, hidden, weight, bias, t_local, row_valid, **options):
+    """``kept``'s ``(row statistics, target's z̃ − m, z)`` (the ``kept_logits`` primitive's
+    contract: statistics of the rounded logits), the statistics made the fast mode's: the
+    target's term exact (``rounded_logits.exact_target_stats``). ``options``: ``kept``'s
+    keywords (``weight_layout``, ``temperature``, ``with_entropy``)."""
+    stats, t_rel, z = kept(plan, hidden, weight, bias, t_local, row_valid, **options)
+    stats = rounded_logits.exact_target_stats(
+        stats, t_rel, z, t_local, bias, options["temperature"]
+    )
+    return stats, t_rel, z
+
+
 def kept_logits(bias, z, temperature, t_local, exact):
     """z̃ of the kept logits, each row's target entry ``exact`` [N] (``t_local``: its column),
     as a ``kept_set.Logits``: columns ``[start, start + size)`` or rows ``[start, start + size)``."""
@@ -166,13 +178,9 @@ def fast_linear_logprobs(
     options = dict(weight_layout=call.weight_layout, temperature=call.temperature)
 
     def stats(plan, h, w, b, t_local, valid):
-        row_stats, t_rel, z = kept(
-            plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options
+        return kept_stats(
+            kept, plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options
         )
-        row_stats = rounded_logits.exact_target_stats(
-            row_stats, t_rel, z, t_local, b, call.temperature
-        )
-        return row_stats, t_rel, z
 
     def logits_of(h, w, b, z, *, t_local):
         exact = rounded_logits.target_logits(h, w, b, t_local, **options)

@@ -72,14 +72,13 @@ def stage(
     vocab_axis=None,
     note: bool = False,
     keep_at: int | None = None,
-    skip_rows: bool = True,
     row_switch: bool = True,
 ) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
 
     ``keep_at``: the operand that flags each row kept (``row_valid``): the others cost no
-    work and give 0 (``row_skip``; ``skip_rows`` False: every row runs, the others zeroed;
-    ``row_switch`` False: the rows kept-first, ``local`` once on all of them, ``row_skip.call``).
+    work and give 0 (``row_skip``; ``row_switch`` False: the rows kept-first, ``local`` once
+    on all of them, ``row_skip.call``).
 
     Operands and outputs with leading ``r`` dimensions are flattened / restored around
     ``local``; an output that is the cotangent of operand ``j`` (``grads_of``) gets that
@@ -104,7 +103,6 @@ def stage(
                 roles,
                 out_roles,
                 flat[keep_at],
-                enabled=skip_rows,
                 switch=row_switch,
             )
         return tuple(
@@ -141,7 +139,6 @@ def differentiable(
     unused: Sequence[int] = (),
     vocab_axis=None,
     keep_at: int | None = None,
-    skip_rows: bool = True,
 ) -> tuple:
     """The outputs of the op ``forward`` / ``backward`` on ``operands`` (see the module
     docstring), differentiable in the operands at positions ``diff``.
@@ -150,8 +147,8 @@ def differentiable(
     none of them None; ``backward`` gets the operands, the residuals and one cotangent per
     output (None for an integer output), and returns the cotangents of ``operands[i]`` for
     ``i`` in ``diff``, in that order (None for an absent operand). ``unused``: operands the
-    backward does not read (it gets None), which are then not kept for it. ``keep_at``,
-    ``skip_rows``: as :func:`stage`'s, for both halves (the operand must not be unused)."""
+    backward does not read (it gets None), which are then not kept for it. ``keep_at``:
+    as :func:`stage`'s, for both halves (the operand must not be unused)."""
     operands, roles = tuple(operands), tuple(roles)
     out_roles, res_roles, diff = tuple(out_roles), tuple(res_roles), tuple(diff)
     n_out, n_ops = len(out_roles), len(operands)
@@ -167,7 +164,6 @@ def differentiable(
             vocab_axis=vocab_axis,
             note=True,
             keep_at=keep_at,
-            skip_rows=skip_rows,
         )
         return outs[:n_out], outs[n_out:]
 
@@ -204,7 +200,6 @@ def differentiable(
             grads_of=present,
             vocab_axis=vocab_axis,
             keep_at=keep_at,
-            skip_rows=skip_rows,
         )
         by_position = dict(zip(present, grads))
         return tuple(
