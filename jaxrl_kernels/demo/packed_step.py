@@ -94,18 +94,7 @@ def loss_fns(lm, cfg: algos.RLConfig, max_len: int) -> tuple[Callable, Callable]
     ``padded`` is the padded step's loss exactly (:func:`rl_losses.grpo_loss`)."""
 
     def padded(params, ref_params, batch):
-        ref_logp = None
-        if cfg.kl_coef != 0.0:
-            ref_logp = jax.lax.stop_gradient(
-                rl_losses.answer_logprobs(
-                    lm,
-                    ref_params,
-                    batch["prompts"],
-                    batch["actions"],
-                    temperature=cfg.temperature,
-                    backend=cfg.backend,
-                )
-            )
+        ref_logp = rl_step.reference_logp(lm, ref_params, batch, cfg)
         return rl_losses.grpo_loss(lm, cfg, params, batch, ref_logp)
 
     def packed(params, ref_params, data):

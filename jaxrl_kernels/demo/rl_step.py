@@ -62,13 +62,15 @@ def make_sft_step(lm, optimizer, *, backend=None) -> Callable:
 # -- RL -------------------------------------------------------------------------------------
 
 
-def _ref_logp(lm, state, batch, cfg):
+def reference_logp(lm, ref_params, batch, cfg):
+    """The reference policy's log-probs of the batch's answers (no gradient), or None where
+    the loss has no KL term."""
     if cfg.kl_coef == 0.0:
         return None
     return jax.lax.stop_gradient(
         rl_losses.answer_logprobs(
             lm,
-            state["ref_params"],
+            ref_params,
             batch["prompts"],
             batch["actions"],
             temperature=cfg.temperature,
@@ -96,7 +98,7 @@ def _ppo_update(lm, cfg, optimizer, state, batch, key):
         )
     )
     batch["advantages"] = _group_advantages(batch, cfg)
-    ref_logp = _ref_logp(lm, state, batch, cfg)
+    ref_logp = reference_logp(lm, state["ref_params"], batch, cfg)
     if ref_logp is not None:
         batch["ref_logp"] = ref_logp
     n = batch["rewards"].shape[0]
@@ -181,7 +183,7 @@ def make_rl_step(lm, task: AdditionTask, optimizer, cfg: algos.RLConfig) -> Call
             )
         else:
             if cfg.algo == "grpo":
-                ref_logp = _ref_logp(lm, state, batch, cfg)
+                ref_logp = reference_logp(lm, state["ref_params"], batch, cfg)
                 loss_fn = lambda p: rl_losses.grpo_loss(lm, cfg, p, batch, ref_logp)
             else:
                 loss_fn = lambda p: rl_losses.pg_loss(lm, cfg, p, batch)
