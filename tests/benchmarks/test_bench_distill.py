@@ -1,42 +1,26 @@
 """benchmarks/bench_distill.py runs end to end at toy sizes (``--small``) on any device."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support.bench_run import run_benchmark
 
 
 @pytest.mark.slow  # ~50 s of CPU
 def test_bench_distill_small(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = ""  # one host device
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_distill",
-            "--small",
-            "--rounds",
-            "1",
-            "--runs",
-            "1",
-            "--divergences",
-            "reverse_kl,jsd",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_benchmark(
+        "benchmarks.bench_distill",
+        "--small",
+        "--rounds",
+        "1",
+        "--runs",
+        "1",
+        "--divergences",
+        "reverse_kl,jsd",
+        "--out",
+        str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "bench_distill.json").read_text())["rows"]
     by = {(r["variant"], r["divergence"]): r for r in rows}
     for d in ("reverse_kl", "jsd"):

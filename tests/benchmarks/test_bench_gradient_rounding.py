@@ -4,25 +4,12 @@ fast mode's error, the logits' own rounding barely moves it, and a scaled float1
 brings it to the floor that rounding the result to bf16 leaves."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support.bench_run import run_benchmark
 
 
 def test_gradient_rounding_small(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gradient_rounding", "--small", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_benchmark("benchmarks.gradient_rounding", "--small", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "gradient_rounding.json").read_text())["rows"]
     err = {
         (r["z_dtype"], r["dz_dtype"], r["result"]): (r["err_d_hidden"], r["err_d_weight"])

@@ -2,35 +2,14 @@
 rows, the packed layout's padding below the padded one's, the same real tokens in both."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.support.bench_run import run_benchmark
 
 
 def test_bench_packed_small(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = ""  # one host device
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_packed",
-            "--small",
-            "--runs",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],  # fmt: skip
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_benchmark(
+        "benchmarks.bench_packed", "--small", "--runs", "2", "--out", str(tmp_path), timeout=300
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "bench_packed.json").read_text())["rows"]}
     assert list(rows) == ["packed", "packed, no ids", "padded", "jnp bf16 padded"]
     packed, padded = rows["packed"], rows["padded"]

@@ -4,13 +4,11 @@ run; benchmarks/plot_tokens.py draws its result with matplotlib, a line per impl
 to SVG or PNG by the output's extension."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import xml.dom.minidom
 
 import pytest
+
+from tests.support.bench_run import run_benchmark
 
 
 def drawn(fig):
@@ -18,31 +16,10 @@ def drawn(fig):
     return [[line.get_label() for line in ax.get_lines()] for ax in fig.axes]
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
 def test_bench_tokens_small_and_its_plot(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = ""  # one host device
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_tokens",
-            "--small",
-            "--runs",
-            "2",
-            "--peers",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_benchmark(
+        "benchmarks.bench_tokens", "--small", "--runs", "2", "--peers", "--out", str(tmp_path)
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "bench_tokens.json").read_text())
     by = {(r["impl"], r.get("N")): r for r in data["rows"]}
     for n in (8, 64):
@@ -73,21 +50,9 @@ def test_bench_tokens_small_and_its_plot(tmp_path):
 
     for name in ("tokens.svg", "tokens.png"):
         out = tmp_path / name
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.plot_tokens",
-                str(tmp_path / "bench_tokens.json"),
-                str(out),
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        run_benchmark(
+            "benchmarks.plot_tokens", str(tmp_path / "bench_tokens.json"), str(out), timeout=120
         )
-        assert proc.returncode == 0, proc.stderr[-2000:]
     svg = (tmp_path / "tokens.svg").read_text()
     xml.dom.minidom.parseString(svg)
     assert data["meta"]["commit"] in svg  # the footer, kept as text
