@@ -13,16 +13,24 @@ Rows, each timed by ``common.time_calls`` in one run and one process:
 * ``packed``: the packed rows with ``segment_ids`` (the op as a packing trainer calls it);
 * ``packed, no ids``: the same rows without ``segment_ids`` (one sequence per row): what the
   per-sequence bookkeeping costs on top of the head's work (goal: ≤ 1.05×);
-* ``padded``: the padded rows (goal for ``packed``: ≤ (P / padded tokens) × 1.05 of it);
+* ``padded``: the padded rows, their masked tails skipped (``engine/row_skip.py``);
+* ``padded, every row``: the same with row skipping off (``row_skip.MIN_ROWS`` raised for
+  this row's trace, so every row runs and masked ones are zeroed): the issue's baseline, goal
+  for ``packed``: ≤ (P / padded tokens) × 1.05 of it;
 * ``jnp bf16 padded``: plain jnp code on the padded rows (bf16 logits ``[S, L, V]``, the
   reference log-probs, group advantages, ``ppo_loss``).
 
-``--small`` runs toy sizes on any device (tests/benchmarks/test_bench_packed.py).
+The default size (S=32 completions, median 256 tokens, rows of L=1024, D=2048, V=131072)
+keeps the plain code's padded ``[S, L, V]`` logits and their float32 softmax within one
+H100's memory. A row that fails (out of memory, say) is printed with its error and the
+others still run. ``--small`` runs toy sizes on any device
+(tests/benchmarks/test_bench_packed.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 
@@ -121,7 +129,7 @@ def main(argv=None):
     from benchmarks import common
 
     s, row_len, d, v, median = (
-        (16, 64, 64, 512, 12) if args.small else (256, 4096, 2048, 131072, 600)
+        (16, 64, 64, 512, 12) if args.small else (32, 1024, 2048, 131072, 256)
     )
     median = args.median or median
     rng = np.random.default_rng(0)
@@ -132,25 +140,48 @@ def main(argv=None):
     n_rows = packed[0].shape[0]
     row_adv = jax.numpy.asarray(np.arange(n_rows) % 2 - 0.5, jax.numpy.float32)
     cases = {
-        "packed": (grad(ours), packed + (ids,)),
-        "packed, no ids": (grad(per_row), packed[:4] + (row_adv,) + packed[5:] + (None,)),
-        "padded": (grad(ours), padded + (None,)),
-        "jnp bf16 padded": (grad(plain), padded + (None,)),
+        "packed": (grad(ours), packed + (ids,), False),
+        "packed, no ids": (grad(per_row), packed[:4] + (row_adv,) + packed[5:] + (None,), False),
+        "padded": (grad(ours), padded + (None,), False),
+        "padded, every row": (grad(ours), padded + (None,), True),
+        "jnp bf16 padded": (grad(plain), padded + (None,), False),
     }
     real = int(lens.sum())
     rows = []
-    for name, (fn, call_args) in cases.items():
-        timing = common.time_calls(fn, *call_args, runs=args.runs)
+    for name, (fn, call_args, every_row) in cases.items():
         tokens = call_args[0].shape[0] * call_args[0].shape[1]
-        rows.append(dict(impl=name, rows=call_args[0].shape[0], tokens=tokens,
-                         padding=1 - real / tokens, ms=timing.median,
-                         temp_mib=common.temp_mib(fn, *call_args)))  # fmt: skip
-    padded_ms = next(r["ms"] for r in rows if r["impl"] == "padded")
-    for row in rows:
-        row["vs_padded"] = row["ms"] / padded_ms
-    columns = ("impl", "rows", "tokens", "padding", "ms", "vs_padded", "temp_mib")
+        row = dict(impl=name, rows=call_args[0].shape[0], tokens=tokens, padding=1 - real / tokens)
+        try:
+            with every_row_runs(every_row):
+                timing = common.time_calls(fn, *call_args, runs=args.runs)
+                row.update(ms=timing.median, temp_mib=common.temp_mib(fn, *call_args))
+        except Exception as err:  # one failing row (out of memory, say) must not end the run
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        print(row, flush=True)
+        rows.append(row)
+    for base, key in (("padded", "vs_padded"), ("padded, every row", "vs_every_row")):
+        base_ms = next((r.get("ms") for r in rows if r["impl"] == base), None)
+        for row in rows:
+            if base_ms and "ms" in row:
+                row[key] = row["ms"] / base_ms
+    columns = ["impl", "rows", "tokens", "padding", "ms", "vs_padded", "vs_every_row", "temp_mib"]
+    if any("error" in r for r in rows):
+        columns.append("error")
     print(common.write_results("bench_packed", rows, columns))
     return rows
+
+
+@contextlib.contextmanager
+def every_row_runs(on: bool):
+    """Row skipping off while ``on`` (the op is traced inside, by its first timed call)."""
+    from jaxrl_kernels.engine import row_skip
+
+    saved = row_skip.MIN_ROWS
+    row_skip.MIN_ROWS = 2**62 if on else saved
+    try:
+        yield
+    finally:
+        row_skip.MIN_ROWS = saved
 
 
 if __name__ == "__main__":
