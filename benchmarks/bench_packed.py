@@ -8,7 +8,9 @@ S completions with lengths drawn from a long-tailed distribution (log-normal, me
 * packed: first-fit (longest first) into rows of ``L`` positions, ``segment_ids`` marking the
   completions: the same real tokens, far less padding.
 
-Rows, each timed by ``common.time_calls`` in one run and one process:
+Rows, each timed by ``common.time_calls`` in one run and one process, the first four under
+``memory="lean"`` and again under ``"fast"`` (the automatic default could pick a different
+mode for each layout, which would hide what packing itself saves):
 
 * ``packed``: the packed rows with ``segment_ids`` (the op as a packing trainer calls it);
 * ``packed, no ids``: the same rows without ``segment_ids`` (one sequence per row): what the
@@ -90,8 +92,9 @@ def layouts(rng, lens, row_len, d, v):
     return arrays(padded), arrays(packed), jnp.asarray(ids)
 
 
-def losses(group):
-    """``{name: loss(hidden, weight, actions, old_logp, rewards, mask, ids)}``."""
+def losses(group, memory):
+    """``(ours, rows, plain)``: each ``loss(hidden, weight, actions, old_logp, rewards, mask,
+    ids)``, ours under the memory mode ``memory``."""
     import jax.numpy as jnp
 
     import jaxrl_kernels as jk
@@ -101,12 +104,23 @@ def losses(group):
 
     def ours(h, w, a, old, r, mask, ids):
         return jk.linear_grpo_loss(
-            h, w, a, old, r, mask, segment_ids=ids, groups=groups, config=config
+            h,
+            w,
+            a,
+            old,
+            r,
+            mask,
+            segment_ids=ids,
+            groups=groups,
+            config=config,
+            memory=memory,
         )[0]
 
     def rows(h, w, a, old, adv, mask, ids):
         """One sequence per row, [B] advantages given (any B: no groups to divide it)."""
-        return jk.linear_grpo_loss(h, w, a, old, adv, mask, advantages=adv, config=config)[0]
+        return jk.linear_grpo_loss(
+            h, w, a, old, adv, mask, advantages=adv, config=config, memory=memory
+        )[0]
 
     def plain(h, w, a, old, r, mask, ids):
         logp = jk.token_logprobs(jnp.einsum("btd,vd->btv", h, w), a, backend="reference")
@@ -135,22 +149,31 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     lens = lengths(rng, s, median, row_len)
     padded, packed, ids = layouts(rng, lens, row_len, d, v)
-    ours, per_row, plain = losses(group=8)
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))  # noqa: E731
     n_rows = packed[0].shape[0]
     row_adv = jax.numpy.asarray(np.arange(n_rows) % 2 - 0.5, jax.numpy.float32)
-    cases = {
-        "packed": (grad(ours), packed + (ids,), False),
-        "packed, no ids": (grad(per_row), packed[:4] + (row_adv,) + packed[5:] + (None,), False),
-        "padded": (grad(ours), padded + (None,), False),
-        "padded, every row": (grad(ours), padded + (None,), True),
-        "jnp bf16 padded": (grad(plain), padded + (None,), False),
-    }
+    cases = {}
+    for memory in ("lean", "fast"):
+        ours, per_row, plain = losses(group=8, memory=memory)
+        cases.update({
+            (memory, "packed"): (grad(ours), packed + (ids,), False),
+            (memory, "packed, no ids"): (
+                grad(per_row), packed[:4] + (row_adv,) + packed[5:] + (None,), False),
+            (memory, "padded"): (grad(ours), padded + (None,), False),
+            (memory, "padded, every row"): (grad(ours), padded + (None,), True),
+        })  # fmt: skip
+    cases[("", "jnp bf16 padded")] = (grad(plain), padded + (None,), False)
     real = int(lens.sum())
     rows = []
-    for name, (fn, call_args, every_row) in cases.items():
+    for (memory, name), (fn, call_args, every_row) in cases.items():
         tokens = call_args[0].shape[0] * call_args[0].shape[1]
-        row = dict(impl=name, rows=call_args[0].shape[0], tokens=tokens, padding=1 - real / tokens)
+        row = dict(
+            impl=name,
+            memory=memory,
+            rows=call_args[0].shape[0],
+            tokens=tokens,
+            padding=1 - real / tokens,
+        )
         try:
             with every_row_runs(every_row):
                 timing = common.time_calls(fn, *call_args, runs=args.runs)
@@ -160,11 +183,22 @@ def main(argv=None):
         print(row, flush=True)
         rows.append(row)
     for base, key in (("padded", "vs_padded"), ("padded, every row", "vs_every_row")):
-        base_ms = next((r.get("ms") for r in rows if r["impl"] == base), None)
-        for row in rows:
-            if base_ms and "ms" in row:
-                row[key] = row["ms"] / base_ms
-    columns = ["impl", "rows", "tokens", "padding", "ms", "vs_padded", "vs_every_row", "temp_mib"]
+        for memory in ("lean", "fast"):
+            base_row = next(r for r in rows if (r["memory"], r["impl"]) == (memory, base))
+            for row in rows:
+                if row["memory"] in (memory, "") and "ms" in row and "ms" in base_row:
+                    row[key] = row["ms"] / base_row["ms"]
+    columns = [
+        "impl",
+        "memory",
+        "rows",
+        "tokens",
+        "padding",
+        "ms",
+        "vs_padded",
+        "vs_every_row",
+        "temp_mib",
+    ]
     if any("error" in r for r in rows):
         columns.append("error")
     print(common.write_results("bench_packed", rows, columns))
