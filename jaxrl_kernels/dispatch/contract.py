@@ -34,8 +34,8 @@ ppo_loss           ``(ppo_inputs: ppo_math.PPOInputs, config: ppo_math.PPOConfig
                    -> (loss, metrics)``
 segment_ppo_loss   ``(ppo_inputs, config, packing: segment_math.Packing) ->
                    (loss, metrics)``: ``ppo_loss`` on packed rows, the
-                   sequences the segments (reference only: the Pallas kernels
-                   sum per row)
+                   sequences the segments (pallas: per-token kernels, the
+                   per-segment sums in jnp)
 group_advantages   ``(rewards[B], segment_ids[B], num_groups, *,
                    normalize_std, std_ddof, eps) -> adv[B]``
 kept_set           ``(logits: kept_set.Logits, n_rows, vocab, m[N], active[N],

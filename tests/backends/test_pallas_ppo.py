@@ -2,8 +2,9 @@
 
 CPU: interpret mode with explicit plans, so that [rows, T] tiles are partial in both
 directions, a sum program adds several T tiles (one of them past the end), and several
-T splits' partial sums are combined. GPU (marked ``gpu``): B=128, T=512 and bitwise
-determinism.
+T splits' partial sums are combined. ``segment_ppo_loss`` (packed rows) against the oracle on
+the padded [S, L] layout, with the same plans. GPU (marked ``gpu``): B=128, T=512 and bitwise
+determinism, packed rows at a realistic size too.
 """
 
 import jax
@@ -13,9 +14,10 @@ import pytest
 
 from jaxrl_kernels.backends.pallas import ppo as pl_ppo
 from jaxrl_kernels.backends.pallas import ppo_kernels as pl_ppo_kernels
-from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from jaxrl_kernels.formulas import aggregation_math, ppo_math, segment_math
 from tests.conftest import assert_bitwise, assert_close, assert_zero, cotangent, random_mask
 from tests.support import oracle
+from tests.support.packing import Packed
 
 # block_rows=2, block_t=4 over [7, 11]: partial tiles in B and T, 3 T tiles; "multi_tile" adds
 # 2 T tiles per sum program (2 T splits, the second with a tile past T), "t_splits" 1 (3
@@ -58,12 +60,10 @@ def _inputs(arrays, mask, use):
     )
 
 
-def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
-    x = _inputs(arrays, mask, use)
-    f = lambda lp, ent: pl_ppo.ppo_loss(x._replace(logp=lp, entropy=ent), cfg, plan=plan)
-    (loss, metrics), vjp = jax.vjp(f, x.logp, x.entropy)
+def _oracle(arrays, mask, cfg: ppo_math.PPOConfig, use):
+    """``oracle.ppo_loss`` on the padded float64 arrays, and its optional inputs."""
     orc = {k: arrays[k] for k in ("rollout_logp", "ref_logp", "entropy") if k in use}
-    want_loss, want_m, want_dlp, want_dent, per_token = oracle.ppo_loss(
+    return orc, oracle.ppo_loss(
         arrays["logp"],
         arrays["old_logp"],
         arrays["advantages"],
@@ -83,6 +83,29 @@ def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
         tis_mode=cfg.tis_mode,
         **orc,
     )
+
+
+def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan, packed=None):
+    """The op's loss, metrics and vjp against the oracle's. ``packed`` (a ``Packed``
+    layout of the [S, L] ``arrays``): ``segment_ppo_loss`` on the packed rows, with garbage
+    where no sequence lies, its gradients mapped back to the padded layout."""
+    x = _inputs(arrays, mask, use)
+    if packed is None:
+        f = lambda lp, ent: pl_ppo.ppo_loss(x._replace(logp=lp, entropy=ent), cfg, plan=plan)
+        unpack = lambda d: d
+    else:
+        # the primitive's mask is 0 off every segment (the ops zero it), the other inputs not
+        x = ppo_math.PPOInputs(*(
+            None if v is None else jnp.asarray(packed.pack(v, fill=0.0 if k == "mask" else 0.7))
+            for k, v in x._asdict().items()
+        ))  # fmt: skip
+        packing = segment_math.Packing(jnp.asarray(packed.ids), packed.S)
+        f = lambda lp, ent: pl_ppo.segment_ppo_loss(
+            x._replace(logp=lp, entropy=ent), cfg, packing, plan=plan
+        )
+        unpack = packed.unpack
+    (loss, metrics), vjp = jax.vjp(f, x.logp, x.entropy)
+    orc, (want_loss, want_m, want_dlp, want_dent, per_token) = _oracle(arrays, mask, cfg, use)
     scale = oracle.aggregate(np.abs(per_token), mask, cfg.loss_agg_mode, cfg.max_len)
     assert_close(loss, want_loss, scale=scale, name="loss")
     assert set(metrics) == set(want_m)
@@ -91,9 +114,13 @@ def _check(rng, arrays, mask, cfg: ppo_math.PPOConfig, use, plan):
         assert_close(metrics[k], w, scale=scales.get(k), name=f"metrics[{k}]")
     g = float(cotangent(rng, ()))
     d_lp, d_ent = vjp((jnp.float32(g), jax.tree.map(jnp.ones_like, metrics)))
-    assert_close(d_lp, g * want_dlp, name="d_logp")
+    assert_close(unpack(d_lp), g * want_dlp, name="d_logp")
     if "entropy" in use:
-        assert_close(d_ent, g * want_dent, name="d_entropy")
+        assert_close(unpack(d_ent), g * want_dent, name="d_entropy")
+    if packed is not None:
+        for name, d in (("d_logp", d_lp), ("d_entropy", d_ent)):
+            if d is not None:
+                assert_zero(np.asarray(d)[packed.ids < 0], f"{name} where no sequence lies")
     return loss, d_lp
 
 
@@ -149,6 +176,80 @@ def test_policy_variants_every_plan(rng, variant, plan):
         dual_clip=2.5 if policy_loss == "ppo" else None,
     )
     _check(rng, arrays, mask, cfg, ALL, PLANS[plan])
+
+
+# S = 8 sequences of length <= L = 7 in rows of T = 11, interleaved, an extra row of no sequence
+PACKED_LENGTHS = [4, 2, 7, 1, 5, 3, 6, 2]
+
+
+def _packed_batch(rng):
+    packed = Packed(rng, PACKED_LENGTHS, 11, rows=6, interleave=True)
+    arrays, mask = _batch(rng, packed.S, packed.L, empty_rows=(2,))
+    return packed, arrays, mask * packed.pad_mask()
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_rows_every_option_every_mode(rng, mode, plan):
+    """``segment_ppo_loss``: the padded oracle's values and gradients, each sequence's sums
+    gathered from its positions across tiles and T splits, an empty sequence and an empty
+    row included."""
+    packed, arrays, mask = _packed_batch(rng)
+    cfg = ppo_math.PPOConfig(
+        clip_low=0.15,
+        clip_high=0.25,
+        dual_clip=2.5,
+        tis_cap=2.0,
+        kl_coef=0.1,
+        entropy_coef=0.02,
+        loss_agg_mode=mode,
+        max_len=13 if mode.endswith("norm") else None,
+    )
+    _check(rng, arrays, mask, cfg, ALL, PLANS[plan], packed)
+
+
+@pytest.mark.parametrize(
+    "variant,plan",
+    [(v, list(PLANS)[i % len(PLANS)]) for i, v in enumerate(VARIANTS)],
+    ids=["-".join(v) for v in VARIANTS],
+)
+def test_packed_rows_policy_variants(rng, variant, plan):
+    """The sequence-level options per segment: ℓ_s and the sequence TIS log-weight."""
+    packed, arrays, mask = _packed_batch(rng)
+    ratio_level, policy_loss, tis_level, tis_mode = variant
+    cfg = ppo_math.PPOConfig(
+        tis_cap=1.5,
+        kl_coef=0.1,
+        entropy_coef=0.02,
+        loss_agg_mode="seq_mean_token_sum_norm",
+        max_len=9,
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+        dual_clip=2.5 if policy_loss == "ppo" else None,
+    )
+    _check(rng, arrays, mask, cfg, ALL, PLANS[plan], packed)
+
+
+def test_packed_rows_match_segment_math(rng):
+    """The heuristic plan, no optional input: ``segment_math.ppo_loss``'s values and
+    gradient to float32 rounding."""
+    packed, arrays, mask = _packed_batch(rng)
+    x = _inputs(arrays, mask, BASE)
+    x = ppo_math.PPOInputs(*(None if v is None else jnp.asarray(packed.pack(v)) for v in x))
+    packing = segment_math.Packing(jnp.asarray(packed.ids), packed.S)
+    cfg = ppo_math.PPOConfig(ratio_level="sequence", loss_agg_mode="seq_mean_token_mean")
+    runs = [
+        jax.value_and_grad(lambda lp: fn(x._replace(logp=lp), cfg, packing), has_aux=True)(x.logp)
+        for fn in (pl_ppo.segment_ppo_loss, segment_math.ppo_loss)
+    ]
+    ((loss, metrics), d_lp), ((want, want_m), want_d) = runs
+    assert_close(loss, want, scale=1.0, name="loss")
+    assert set(metrics) == set(want_m)
+    for k in metrics:
+        assert_close(metrics[k], want_m[k], name=k)
+    assert_close(d_lp, want_d, name="d_logp")
 
 
 def test_forward_sums_hold_the_sequence_sums(rng):
@@ -331,6 +432,38 @@ def test_gpu_policy_variants_real_size(rng, variant, b, t):
         tis_mode=tis_mode,
     )
     _check_real_size(rng, arrays, mask, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids="-".join)
+def test_gpu_packed_rows_real_size(rng, variant):
+    """``segment_ppo_loss`` on 512 sequences of up to 400 tokens packed into rows of 2048:
+    the padded oracle's values and gradients, and bitwise-equal reruns."""
+    lengths = rng.integers(1, 401, 512)
+    packed = Packed(rng, lengths, 2048, interleave=True)
+    arrays, mask = _batch(rng, packed.S, packed.L, empty_rows=(5,))
+    mask = mask * packed.pad_mask()
+    ratio_level, policy_loss, tis_level, tis_mode = variant
+    cfg = ppo_math.PPOConfig(
+        tis_cap=2.0,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        loss_agg_mode="seq_mean_token_sum_norm",
+        max_len=400,
+        ratio_level=ratio_level,
+        policy_loss=policy_loss,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+    )
+    _check(rng, arrays, mask, cfg, ALL, None, packed)
+    x = ppo_math.PPOInputs(
+        *(None if v is None else jnp.asarray(packed.pack(v)) for v in _inputs(arrays, mask, ALL))
+    )
+    packing = segment_math.Packing(jnp.asarray(packed.ids), packed.S)
+    step = jax.jit(
+        jax.value_and_grad(lambda lp: pl_ppo.segment_ppo_loss(x._replace(logp=lp), cfg, packing)[0])
+    )
+    assert_bitwise(step(x.logp), step(x.logp))
 
 
 @pytest.mark.gpu

@@ -1,10 +1,11 @@
 """Packed rows (docs/api.md "Packed sequences"): every op that takes ``segment_ids`` gives, on a
 packing of S sequences in a random order and row assignment, what the padded ``[S, L]`` call
 gives (sequence s in row s): the loss, the metrics and the gradients mapped back to their
-positions, on every backend and in both memory modes; against the float64 oracle on the padded
-layout too. Positions of no sequence (id -1) hold garbage with mask 1 and out-of-vocabulary
-actions: they must count as masked and never be read. The bad-input messages, eagerly and
-under ``jax.jit`` in check mode."""
+positions, on every backend (``ppo_loss``'s PPO term on pallas too, with JAXRL_TEST_PALLAS=1)
+and in both memory modes; against the float64 oracle on the padded layout too. Positions of
+no sequence (id -1) hold garbage with mask 1 and out-of-vocabulary actions: they must count as
+masked and never be read. The bad-input messages, eagerly and under ``jax.jit`` in check
+mode."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
+from jaxrl_kernels import dispatch
+from jaxrl_kernels.dispatch.contract import Problem
 from tests.conftest import assert_close
 from tests.ops.test_checks import traced_raises
 from tests.support import oracle
@@ -120,6 +123,17 @@ PPO_OPTIONS = {
         loss_agg_mode="seq_mean_token_sum_norm",
         max_len=MAX_LEN,
     ),  # fmt: skip
+    "gspo_dual_clip_tis_token": dict(
+        ratio_level="sequence", dual_clip=3.0, tis_cap=1.5, kl_coef=0.1, entropy_coef=0.01
+    ),
+    "gspo_cispo_tis_sequence": dict(
+        ratio_level="sequence",
+        policy_loss="cispo",
+        tis_cap=2.0,
+        tis_level="sequence",
+        loss_agg_mode="seq_mean_token_sum_norm",
+        max_len=MAX_LEN,
+    ),  # fmt: skip
 }
 
 
@@ -137,9 +151,11 @@ def _ppo_arrays(rng, packed):
     )
 
 
+@pytest.mark.op("ppo_loss")
+@pytest.mark.parametrize("interleave", [False, True], ids=["contiguous", "interleaved"])
 @pytest.mark.parametrize("option", PPO_OPTIONS)
-def test_ppo_loss(rng, option):
-    packed, mask = _layout(rng)
+def test_ppo_loss(rng, backend, option, interleave):
+    packed, mask = _layout(rng, interleave=interleave)
     arrays = _ppo_arrays(rng, packed)
     opts = PPO_OPTIONS[option]
     config = jk.PolicyLoss(**opts)
@@ -157,11 +173,13 @@ def test_ppo_loss(rng, option):
             if pack:
                 return jk.ppo_loss(
                     lp, _pack(packed, arrays["old_logp"], 9.0), jnp.asarray(arrays["advantages"]),
-                    _packed_mask(packed, mask), segment_ids=packed.ids, config=config, **rest,
+                    _packed_mask(packed, mask), segment_ids=packed.ids, config=config,
+                    backend=backend, **rest,
                 )  # fmt: skip
             return jk.ppo_loss(
-                lp, arrays["old_logp"], arrays["advantages"], mask, config=config, **rest
-            )
+                lp, arrays["old_logp"], arrays["advantages"], mask, config=config,
+                backend=backend, **rest,
+            )  # fmt: skip
 
         args = [arrays[k] for k in diff]
         args = [_pack(packed, a, -3.0) if pack else jnp.asarray(a) for a in args]
@@ -170,7 +188,7 @@ def test_ppo_loss(rng, option):
     (got, metrics), grads = run(True)
     (want, want_metrics), want_grads = run(False)
     oracle_args = {k: v for k, v in dict(config.__dict__).items() if k in _ORACLE_KEYS}
-    o_loss, o_metrics, *_ = oracle.ppo_loss(
+    o_loss, o_metrics, o_dlogp, o_dent, _ = oracle.ppo_loss(
         arrays["logp"], arrays["old_logp"], arrays["advantages"][:, None], mask,
         **{k: arrays[k] for k in extra}, **oracle_args,
     )  # fmt: skip
@@ -180,19 +198,37 @@ def test_ppo_loss(rng, option):
     for k in metrics:
         assert_close(metrics[k], want_metrics[k], name=k)
         assert_close(metrics[k], o_metrics[k], name=k)
-    for name, g, w in zip(diff, grads, want_grads):
+    for name, g, w, o in zip(diff, grads, want_grads, (o_dlogp, o_dent)):
         _close_packed(packed, g, w, f"d_{name}")
+        assert_close(packed.unpack(np.asarray(g)), o, name=f"d_{name} (oracle)")
 
 
 _ORACLE_KEYS = {f.name for f in dataclasses.fields(jk.PolicyLoss)}
 
 
-def test_ppo_loss_on_pallas_says_it_cannot(rng):
-    packed, mask = _layout(rng)
-    lp = jnp.zeros((packed.B, T))
-    with pytest.raises(NotImplementedError, match="segment_ppo_loss"):
-        jk.ppo_loss(lp, lp, jnp.ones(packed.S), _packed_mask(packed, mask),
-                    segment_ids=packed.ids, backend="pallas")  # fmt: skip
+@pytest.mark.parametrize("backend", ["chunked", "pallas"])
+def test_ppo_loss_on_packed_rows_any_backend(rng, backend):
+    """Every backend that serves ``ppo_loss`` serves it on packed rows (pallas: its own
+    kernels, in interpret mode here, whether or not JAXRL_TEST_PALLAS adds it to the grid),
+    also as ``linear_ppo_loss``'s PPO term, and gives the reference's loss and gradient."""
+    for op in ("ppo_loss", "linear_ppo_loss"):
+        choice = dispatch.select(op, Problem(), backend, primitive="segment_ppo_loss")
+        assert choice.backend == backend, op
+    packed, mask = _layout(rng, interleave=True)
+    arrays = _ppo_arrays(rng, packed)
+    config = jk.PolicyLoss(ratio_level="sequence", loss_agg_mode="seq_mean_token_mean")
+
+    def loss(chosen):
+        return lambda lp: jk.ppo_loss(
+            lp, _pack(packed, arrays["old_logp"], 9.0), jnp.asarray(arrays["advantages"]),
+            _packed_mask(packed, mask), segment_ids=packed.ids, config=config, backend=chosen,
+        )[0]  # fmt: skip
+
+    lp = _pack(packed, arrays["logp"], -3.0)
+    got, grad = jax.value_and_grad(loss(backend))(lp)
+    want, want_grad = jax.value_and_grad(loss("reference"))(lp)
+    assert_close(got, want, scale=1.0)
+    assert_close(grad, want_grad, name="d_logp")
 
 
 # -- grpo_loss from logits ---------------------------------------------------------------------

@@ -2,10 +2,10 @@
 devices (mesh data=2 × model=4) a packed ``linear_grpo_loss`` / ``linear_ppo_loss`` and a
 packed ``ppo_loss`` / ``aggregate`` give the unsharded packed call's values and gradients,
 with the rows split, the vocabulary split or both, under ``Auto`` and ``Explicit`` axes, the
-segment ids split like the rows or replicated and the ``[S]`` inputs replicated; and inside a
-user's ``jax.shard_map`` with ``vocab_axis``, where each device's rows give their own loss
-(global ids, the other devices' sequences empty) and the token-sum modes add up to the global
-loss."""
+segment ids split like the rows or replicated and the ``[S]`` inputs replicated (``ppo_loss``
+on each backend: pallas too, with JAXRL_TEST_PALLAS=1); and inside a user's ``jax.shard_map``
+with ``vocab_axis``, where each device's rows give their own loss (global ids, the other
+devices' sequences empty) and the token-sum modes add up to the global loss."""
 
 from __future__ import annotations
 
@@ -117,16 +117,18 @@ def test_linear_losses_under_jit(backend, op, config, kind, layout, ids_split):
         assert g.sharding.is_equivalent_to(primal.sharding, g.ndim), name
 
 
+@pytest.mark.op("ppo_loss")
 @pytest.mark.parametrize("kind", ["Auto", "Explicit"])
-def test_ppo_loss_and_aggregate_under_jit(kind):
+def test_ppo_loss_and_aggregate_under_jit(backend, kind):
     packed, x = _inputs(1)
     logp = x["old_logp"] + 0.2
     config = CONFIGS["tis_sequence_sum_norm"]
 
     def loss(lp, old, rollout, mask, ids, adv):
         out, metrics = jk.ppo_loss(
-            lp, old, adv, mask, segment_ids=ids, rollout_logp=rollout, config=config
-        )
+            lp, old, adv, mask, segment_ids=ids, rollout_logp=rollout, config=config,
+            backend=backend,
+        )  # fmt: skip
         agg = jk.aggregate(lp, mask, "seq_mean_token_mean", segment_ids=ids, num_segments=adv.size)
         return out + agg, metrics
 

@@ -2,15 +2,15 @@
 
 ``logprobs`` serves the log-prob primitives (of given logits and of a linear head, and the
 linear head's backward alone), ``distill`` the divergence between two linear heads and a
-head's top-k; both walk the vocabulary with ``vocab_chunks``. The PPO loss and group
-advantages are the reference's functions (no vocabulary axis).
+head's top-k; both walk the vocabulary with ``vocab_chunks``. The PPO loss (on packed rows
+too) and group advantages are the reference's functions (no vocabulary axis).
 """
 
 from __future__ import annotations
 
 from jaxrl_kernels.backends.chunked import distill, logprobs
 from jaxrl_kernels.dispatch.contract import STANDALONE_BACKWARDS, VOCAB_PRIMITIVES, Backend, Problem
-from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from jaxrl_kernels.formulas import aggregation_math, ppo_math, segment_math
 
 AUTOMATIC_ABOVE_BYTES = 256 * 2**20
 """Automatic choice takes chunked over reference for a vocabulary primitive whose float32
@@ -36,6 +36,7 @@ def automatic(primitive: str, problem: Problem) -> str | None:
 OPS = {
     **logprobs.OPS,  # token_logprobs, paired_logprobs, linear_logprobs(_backward)
     "ppo_loss": ppo_math.ppo_loss,
+    "segment_ppo_loss": segment_math.ppo_loss,
     "group_advantages": aggregation_math.group_advantages,
     **distill.OPS,  # distill_divergence, topk_logprobs
 }

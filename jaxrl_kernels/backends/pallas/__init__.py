@@ -1,12 +1,12 @@
 """The Pallas backend: Triton-lowered and Mosaic GPU kernels on GPU, interpret mode elsewhere.
 
 Each submodule serves some primitives (``logits``: log-probs from logits; ``ppo``: the PPO
-loss and group advantages; ``linear``: log-probs of a linear head, and its backward alone;
-``distill``: the divergence between two linear heads, on Mosaic GPU; their kernels live in
-``ppo_kernels``, ``linear_kernels`` with ``linear_grad_kernel``, and ``distill_kernels``)
-and may name an ``automatic`` rule of its own (when automatic choice passes its kernels over on
-a GPU). One that fails to import leaves its primitives declined with the import error as the
-reason.
+loss, on packed rows too, and group advantages; ``linear``: log-probs of a linear head, and its
+backward alone; ``distill``: the divergence between two linear heads, on Mosaic GPU; their
+kernels live in ``ppo_kernels``, ``linear_kernels`` with ``linear_grad_kernel``, and
+``distill_kernels``) and may name an ``automatic`` rule of its own (when automatic choice passes
+its kernels over on a GPU). One that fails to import leaves its primitives declined with the
+import error as the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxrl_kernels.dispatch.contract import GPU_PLATFORMS, Backend, Problem
 
 _SUBMODULES = {  # each submodule's OPS serves these primitives
     "logits": ("token_logprobs", "paired_logprobs"),
-    "ppo": ("ppo_loss", "group_advantages"),
+    "ppo": ("ppo_loss", "segment_ppo_loss", "group_advantages"),
     "linear": ("linear_logprobs", "linear_logprobs_backward"),
     "distill": ("distill_divergence",),
 }

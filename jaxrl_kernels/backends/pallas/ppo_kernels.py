@@ -11,10 +11,15 @@ so that a device holding part of T runs the same kernels on its part:
   part. One pass, whatever the options. It runs on a grid of (row tile, T split): each program
   adds its ``t_tiles_per_program`` [rows, T] tiles in order and writes [rows, K] partial sums;
   the splits' partials are then added in split order (deterministic, no atomics).
+* :func:`token_summands` (the packed forward's kernel): the same masked summands m·v, written
+  per token ([B, T] each) instead of added per row. On packed rows a row holds several
+  sequences (``segment_math``), so the sums per sequence are scatter-adds over segment ids,
+  done in jnp; the kernel stays token-local.
 * :func:`token_grads` (the backward's kernel): given per-sequence coefficients c_b and the [B]
   sequence terms, each token's d logp (and d entropy) is the pull-back of c_b·m through
   ``ppo_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch for
-  branch.
+  branch. On packed rows the coefficients and terms come per token ([B, T]: each token its
+  segment's), which the kernel reads as it reads the tokens.
 * :func:`group_advantages_call`: one program per group scans the rewards for its members
   (count, mean, then the centred sum of squares) and writes ``(r - mean) / (std + eps)`` (or
   ``r - mean``) to them, 0 for a group of one.
@@ -87,11 +92,12 @@ def _load_tokens(refs, names, rows, cols, ok) -> ppo_math.PPOInputs:
     return ppo_math.PPOInputs(**tile)
 
 
-def _load_rows(refs, names, rows, row_ok) -> dict:
-    """The [rows] entries of per-sequence inputs (0 outside the arrays)."""
-    return {
-        name: plgpu.load(ref.at[rows], mask=row_ok, other=0.0) for name, ref in zip(names, refs)
-    }
+def _load_per_sequence(ref, rows, cols, row_ok, ok):
+    """A per-sequence input's values for a tile (0 outside the arrays): its [rows] entries, or,
+    given per token ([B, T]: packed rows, each token its segment's), its [rows, cols] tile."""
+    if len(ref.shape) == 2:
+        return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=ok, other=0.0)
+    return plgpu.load(ref.at[rows], mask=row_ok, other=0.0)
 
 
 def _present(fields: dict, order) -> tuple[tuple[str, ...], tuple[jax.Array, ...]]:
@@ -164,6 +170,66 @@ def _row_sums(summands, name: str, tokens: dict, plan: PPOLaunch) -> dict:
     return {k: total[:batch, idx] for idx, k in enumerate(keys)}
 
 
+def _token_summands_kernel(*refs, summands, keys, names, plan: PPOLaunch, batch: int, seq_len: int):
+    tok_refs, out_refs = refs[: len(names)], refs[len(names) :]
+    rows, cols, _, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
+    x = _load_tokens(tok_refs, names, rows, cols, ok)
+    values = summands(x)
+    for k, out_ref in zip(keys, out_refs):
+        val = x.mask * values[k].astype(jnp.float32)
+        plgpu.store(out_ref.at[rows[:, None], cols[None, :]], val, mask=ok)
+
+
+def _token_summands(summands, tokens: dict, plan: PPOLaunch) -> dict:
+    """{key: [B, T]} masked per-token summands m·v of ``summands(tokens)``."""
+    names, arrays = _present(tokens, _FIELDS)
+    keys = _sum_keys(summands, names)
+    batch, seq_len = arrays[0].shape
+    kernel = functools.partial(
+        _token_summands_kernel,
+        summands=summands,
+        keys=keys,
+        names=names,
+        plan=plan,
+        batch=batch,
+        seq_len=seq_len,
+    )
+    any_spec = pl.BlockSpec()
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(batch, plan.block_rows), pl.cdiv(seq_len, plan.block_t)),
+        in_specs=[any_spec] * len(arrays),
+        out_specs=[any_spec] * len(keys),
+        out_shape=[jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)] * len(keys),
+        compiler_params=common.compiler_params(plan.num_warps, 1),
+        interpret=common.interpret(),
+        name="ppo_loss_fwd_tokens",
+    )(*arrays)
+    return dict(zip(keys, out))
+
+
+def token_summands(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) -> dict:
+    """The packed forward's stage 1: {key: [B, T]} masked summands m·v of
+    ``ppo_math.forward_summands``, per token and sharded like the tokens (``sharding.run``;
+    the per-segment sums that follow are ``segment_math``'s). ``plan=None``: the heuristic,
+    per device (its T splits are unused: one program per tile)."""
+    names, arrays = _present(tokens, _FIELDS)
+    summands = functools.partial(ppo_math.forward_summands, cfg=cfg)
+    keys = _sum_keys(summands, names)
+
+    def local(layout, *arrays):
+        out = sharding.kernel_region(
+            lambda *a: _token_summands(
+                summands, dict(zip(names, a)), plan or make_launch(*a[0].shape)
+            ),
+            *arrays,
+        )
+        return tuple(out[k] for k in keys)
+
+    out = sharding.run(local, arrays, ("rr",) * len(arrays), ("rr",) * len(keys))
+    return dict(zip(keys, out))
+
+
 def forward_sums(tokens: dict, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None) -> dict:
     """Stage 1: {key: [B]} per-sequence sums of ``ppo_math.forward_summands``, where the tokens
     live (``sharding.run``): a device holding part of T adds its part, then the parts are
@@ -196,14 +262,18 @@ def _grads_kernel(*refs, names, seq_names, cfg, plan: PPOLaunch, batch: int, seq
     dent_ref = refs[-1] if "entropy" in names else None
     rows, cols, row_ok, ok = _tile_index(pl.program_id(0), pl.program_id(1), plan, batch, seq_len)
     x = _load_tokens(tok_refs, names, rows, cols, ok)
-    seq = ppo_math.SequenceTerms(**_load_rows(seq_refs, seq_names, rows, row_ok))
-    coef = plgpu.load(coef_ref.at[rows], mask=row_ok, other=0.0)
+    per_seq = lambda ref: _load_per_sequence(ref, rows, cols, row_ok, ok)
+    # ppo_math takes [rows] terms (broadcast over the row) and [rows, cols] ones as they are
+    seq = ppo_math.SequenceTerms(**{n: per_seq(r) for n, r in zip(seq_names, seq_refs)})
+    coef = per_seq(coef_ref)
+    if coef.ndim == 1:
+        coef = coef[:, None]
 
     def per_token(logp, entropy):
         return ppo_math.ppo_per_token(x._replace(logp=logp, entropy=entropy), cfg, seq)[0]
 
     _, pull = jax.vjp(per_token, x.logp, x.entropy)
-    d_logp, d_ent = pull(coef[:, None] * x.mask)
+    d_logp, d_ent = pull(coef * x.mask)
     plgpu.store(dlogp_ref.at[rows[:, None], cols[None, :]], d_logp, mask=ok)
     if dent_ref is not None:
         plgpu.store(dent_ref.at[rows[:, None], cols[None, :]], d_ent, mask=ok)
@@ -213,7 +283,8 @@ def token_grads(
     tokens: dict, seq: ppo_math.SequenceTerms, coef, cfg: ppo_math.PPOConfig, plan: PPOLaunch | None
 ):
     """Stage 3: d loss / d logp [B, T] (and d / d entropy) for d loss / d per_token_bt =
-    coef_b · m_bt, where the tokens live (``sharding.run``)."""
+    coef_b · m_bt, where the tokens live (``sharding.run``). ``coef`` and the terms of ``seq``
+    are [B] (one sequence per row) or [B, T] (packed rows: each token its segment's)."""
     names, arrays = _present(tokens, _FIELDS)
     seq_names, seq_arrays = _present(seq._asdict(), _SEQ_FIELDS)
 
@@ -228,10 +299,11 @@ def token_grads(
         )
 
     grads_of = (names.index("logp"),) + ((names.index("entropy"),) if "entropy" in names else ())
+    per_seq_roles = tuple("r" * a.ndim for a in seq_arrays + (coef,))
     return sharding.run(
         local,
         arrays + seq_arrays + (coef,),
-        ("rr",) * len(arrays) + ("r",) * (len(seq_arrays) + 1),
+        ("rr",) * len(arrays) + per_seq_roles,
         ("rr",) * len(grads_of),
         grads_of=grads_of,
     )
