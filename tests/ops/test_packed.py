@@ -388,6 +388,15 @@ def test_linear_losses(rng, backend, op, memory):
     assert_close(db, wb, name="d_bias")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", LINEAR)
+@pytest.mark.parametrize("gpu_backend", ["ffi", "pallas"])
+def test_linear_losses_on_gpu_backends(rng, gpu_backend, op):
+    """The lean GPU kernels on packed rows (the fast mode's are the default ``backend=None``
+    case of :func:`test_linear_losses`, which a GPU run takes)."""
+    test_linear_losses(rng, gpu_backend, op, "lean")
+
+
 def test_linear_grpo_loss_against_the_oracle(rng):
     packed, mask = _layout(rng)
     x = _head(rng, packed)
