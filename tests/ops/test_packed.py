@@ -392,9 +392,31 @@ def test_linear_losses(rng, backend, op, memory):
 @pytest.mark.parametrize("op", LINEAR)
 @pytest.mark.parametrize("gpu_backend", ["ffi", "pallas"])
 def test_linear_losses_on_gpu_backends(rng, gpu_backend, op):
-    """The lean GPU kernels on packed rows (the fast mode's are the default ``backend=None``
-    case of :func:`test_linear_losses`, which a GPU run takes)."""
-    test_linear_losses(rng, gpu_backend, op, "lean")
+    """The lean GPU kernels on packed rows, bf16 head and hidden states (the SM90 kernel's
+    dtypes): packed against unpacked on the same kernel, within the unpacked call's own
+    distance from float32 (the fast mode's kernels are :func:`test_linear_losses`'
+    ``backend=None`` case, which a GPU run takes)."""
+    packed, mask = _layout(rng)
+    x = _head(rng, packed)
+    bf16 = {k: jnp.asarray(x[k], jnp.bfloat16) for k in ("hidden", "weight", "bias")}
+    f32 = {k: v.astype(jnp.float32) for k, v in bf16.items()}
+    outs = {}
+    for pack, backend, arrays in (
+        (True, gpu_backend, bf16), (False, gpu_backend, bf16), ("f32", "reference", f32)
+    ):  # fmt: skip
+        call = _linear_call(op, packed, x, mask, pack is True, backend=backend, memory="lean")
+        first = lambda *a: jax.tree.leaves(call(*a))[0]  # noqa: E731
+        h = _pack(packed, arrays["hidden"], 3.0) if pack is True else arrays["hidden"]
+        outs[pack] = jax.value_and_grad(first, argnums=(0, 1, 2))(
+            h, arrays["weight"], arrays["bias"]
+        )
+    (got, (dh, dw, db)), (want, (wh, ww, wb)), (w32, (h32, ww32, wb32)) = outs.values()
+    low = dict(in_dtype=jnp.bfloat16)
+    assert_close(got, want, want32=w32, scale=1.0, **low)
+    assert_close(packed.unpack(np.asarray(dh)), wh, want32=h32, name="d_hidden", **low)
+    assert not np.any(np.asarray(dh)[packed.ids < 0]), "d_hidden: nonzero where no sequence lies"
+    assert_close(dw, ww, want32=ww32, name="d_weight", **low)
+    assert_close(db, wb, want32=wb32, name="d_bias", **low)
 
 
 def test_linear_grpo_loss_against_the_oracle(rng):
