@@ -68,8 +68,9 @@ for s in "$@"; do
     fast_loss) step 240 "$PY" -m benchmarks.studies.bench_fast_loss ;;
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     # the realistic batch (benchmarks/realistic_batch.py), padded ~35 % and not at all
+    # the PyTorch rows (TOKENS_TORCH=, TOKENS_PEERS= leave them out) time the same batch
     tokens_realistic) step 590 bash -c "$PY -m benchmarks.bench_tokens --batch realistic --padding 0.35 \
-      ${TOKENS_TORCH---torch} --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
+      ${TOKENS_TORCH---torch} ${TOKENS_PEERS---peers} --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
       $PY -m benchmarks.bench_tokens --batch realistic --runs 10 --sizes ${TOKENS_SIZES:-realistic} \
       --name bench_tokens_realistic_pad0" ;;
     lean_chunks) step 420 "$PY" -m benchmarks.studies.bench_lean_chunks --runs 10 --rounds 2 ;;
