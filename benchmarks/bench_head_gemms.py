@@ -11,7 +11,9 @@ Rows are (size, pipeline, GEMM) with the device milliseconds per call (``ms``), 
 - pipeline ``XLA alone``: each GEMM its own ``jax.jit`` of one ``lax.dot_general``, in the
   layouts the library uses (``weight_layout="vd"``, head W [V, D]): ``logits h·Wᵀ`` (h [N, D],
   W [V, D] → [N, V], K = D), ``d_hidden G·W`` (G [N, V] → [N, D], K = V), ``d_weight Gᵀ·h``
-  (→ [V, D], K = N); random inputs (never zeros). ``frac`` is of the three together.
+  (→ [V, D], K = N); random inputs (never zeros). ``ms`` is every kernel of the call (a
+  layout copy XLA adds counts; ``kernels`` names them, with launches and ms per call);
+  ``frac`` is of the three together.
 - pipelines ``lean`` / ``fast``: ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` of
   ``jk.linear_grpo_loss(memory=...)`` on ``bench_tokens.inputs`` (random batch, default
   backend), profiled with jax.profiler (``common.traced``, the first traced call left out).
@@ -277,9 +279,11 @@ def xla_rows(base, runs, calls):
             wall = common.median_ms(fn, *args, runs=runs)
             per_call = traced_calls(fn, args, calls)
             busy = _median([sum(k["dur"] for k in mine) for mine in per_call])
-            names = collections.Counter(k["name"] for mine in per_call for k in mine)
-            for name in names:
-                known[name].add(gemm)
+            names = collections.defaultdict(lambda: [0, 0.0])
+            for k in (k for mine in per_call for k in mine):
+                names[k["name"]][0] += 1
+                names[k["name"]][1] += k["dur"]
+                known[k["name"]].add(gemm)
             ms, timer = (busy / 1e3, "device") if busy else (wall, "wall")
             row = {
                 **base,
@@ -287,8 +291,8 @@ def xla_rows(base, runs, calls):
                 "gemm": gemm,
                 "ms": ms,
                 "tflops": flops(n, d, v) / (ms * 1e-3) / 1e12,
-                "launches": sum(names.values()) / max(len(per_call), 1),
-                "kernels": "; ".join(short_name(k) for k in names) or "-",
+                "launches": sum(c for c, _ in names.values()) / max(len(per_call), 1),
+                "kernels": kernels_text(names, max(len(per_call), 1)) or "-",
                 "kernel_names": sorted(names),
                 "wall_ms": wall,
                 "timer": timer,

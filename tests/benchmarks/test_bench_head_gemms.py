@@ -102,3 +102,43 @@ def test_attribution_of_a_trace():
     assert rows[hg.UNMATCHED]["kernels"].startswith("nvjet_sm90_tst_TNN ×1 0.004")
     assert sum(r["frac"] for g, r in rows.items() if g != "total") == pytest.approx(1.0)
     assert rows["total"]["ms"] == pytest.approx(0.09) and rows["total"]["wall_ms"] == 0.5
+
+
+def test_rows_from_a_device_trace(tmp_path, monkeypatch):
+    """With device kernels in the traces (a GPU's, faked here), the ``XLA alone`` rows take
+    the kernels' time and teach the pipelines their names; each pipeline's rows add up."""
+    import itertools
+
+    from benchmarks import bench_head_gemms as hg
+    from benchmarks import common
+
+    traces = itertools.count()
+    alone = ["nvjet_sm90_A", "nvjet_sm90_B", "nvjet_sm90_C"]
+
+    def traced(fn, args, calls=1):
+        t = next(traces)
+        names = [alone[t]] if t < 3 else ["void jaxrl_sm90::linear_lse_kernel<x>", alone[1]]
+        names += ["input_reduce_fusion"]
+        host, kernels = [], []
+        for i in range(calls):
+            host.append({"name": f"call{i}", "ts": 1000.0 * i, "dur": 900.0})
+            kernels += [
+                {"name": name, "ts": 1000.0 * i + 10 + 100 * j, "dur": 50.0 * (j + 1)}
+                for j, name in enumerate(names)
+            ]
+        return kernels, host, []
+
+    monkeypatch.setattr(common, "traced", traced)
+    rows = hg.main(["--small", "--runs", "1", "--pipelines", "fast", "--out", str(tmp_path)])
+    by = {(r["pipeline"], r["gemm"]): r for r in rows}
+    d_hidden = by[("XLA alone", hg.GEMMS[1])]
+    assert d_hidden["timer"] == "device" and d_hidden["ms"] == pytest.approx(0.15)
+    assert d_hidden["kernels"] == "input_reduce_fusion ×1 0.100; nvjet_sm90_B ×1 0.050"
+    assert by[("fast", hg.GEMMS[0])]["ms"] == pytest.approx(0.05)
+    assert by[("fast", hg.GEMMS[1])]["ms"] == pytest.approx(0.1)
+    assert by[("fast", hg.OTHER)]["ms"] == pytest.approx(0.15)
+    total = by[("fast", "total")]
+    assert total["ms"] == pytest.approx(0.3) and total["span_ms"] == pytest.approx(0.35)
+    assert sorted(r["gemm"] for r in rows if r["pipeline"] == "fast") == sorted(
+        [hg.GEMMS[0], hg.GEMMS[1], hg.OTHER, "total"]
+    )
