@@ -29,20 +29,24 @@ the plain torch loss.
   backward takes a per-token cotangent natively).
 
 **Why the committed Liger rows (``bench_tokens_peers_eb186a5``, 55-79 ms at every N, 6-55× the
-jnp code) were slow.** They called ``reduction="none"`` (the per-token path above: four
-GEMMs' worth of chunk passes, not three), and Liger chunks the rows so that a chunk's logits
-hold no more than N×D elements: ``chunk = next_pow2(ceil(N / ceil(V / D)))``, that is
-ceil(V/D) = 64 chunks at V = 131072, D = 2048, whatever N is (4 rows each at N = 256). Every
-chunk's GEMMs read the whole head W [V, D] (the logits, d_hidden) and read and write the whole
-bf16 ``grad_weight`` [V, D] (its ``addmm`` accumulation): about (V/D)·4·V·D·2 bytes = 8·V²
-bytes = 137 GB per call at V = 131072 with gradients in the forward, plus one more pass over W
-per chunk for the recomputing forward of ``reduction="none"``, at any N and D. That is ~30 ms
-at an H200's bandwidth before any arithmetic, and skinny GEMMs (M = 4 … 256 rows) that run far
-below the matrix units' rate. It is not compilation or autotuning (the 3 warm-up calls
-compile Liger's one Triton kernel; it has no autotuner), nor a float32 upcast (its GEMMs run
-in bf16). So its time is flat in N and grows only where the chunks get large enough to be
-compute bound; the ``Liger`` row here (reduction ``"sum"``, default ``chunk_mem_const=1``) is
-its fast path as shipped, and ``Liger, per-token`` the path a per-token loss takes.
+jnp code) are slow.** Mostly Liger's design, partly the call. Liger chunks the rows so that a
+chunk's logits hold no more than N×D elements: ``chunk = next_pow2(ceil(N / ceil(V / D)))``,
+that is ceil(V/D) = 64 chunks at V = 131072, D = 2048 (32 at D = 4096), whatever N is (4 rows
+each at N = 256). Every chunk's GEMMs read the whole head W [V, D] (the logits, d_hidden) and
+read and write the whole bf16 ``grad_weight`` [V, D] (its ``addmm`` accumulation): about
+(V/D)·4·V·D·2 bytes = 8·V² bytes = 137 GB per call at V = 131072, at any N and D, ~29 ms at
+an H200's 4.8 TB/s before any arithmetic, in skinny GEMMs (M = 4 … 256 rows). Those rows
+called ``reduction="none"``, which adds a forward of the chunked logits without gradients
+(another 2·V² bytes) before the backward runs them all again with gradients. The side-by-side
+harness measured that same call at N = 4096 on an H100 (``linear_side_by_side.md``): 14.2 ms
+forward alone, 79.1 ms forward+backward, so the two harnesses agree (79.1 / 59.2 ms = 1.34,
+close to the H200/H100 bandwidth ratio 1.43, as a bandwidth-bound call should be). It is not
+compilation or autotuning (the 3 warm-up calls compile Liger's one Triton kernel; it has no
+autotuner), nor a float32 upcast (its GEMMs run in bf16, its ``grad_weight`` accumulates in
+bf16). ``reduction="sum"`` (the ``Liger`` row) drops the gradient-free forward, the 14 of
+79 ms above: expect it about a fifth faster than ``Liger, per-token``, still nearly flat in N
+(~45-50 ms on an H200 at V = 131072). That is its fast path as shipped (default
+``chunk_mem_const=1``); a larger ``chunk_mem_const`` trades memory for fewer chunks.
 
 The peers compute cross-entropy, that is the log-probs; the GRPO loss on top of them adds one
 elementwise pass over [N] values, negligible beside the [N, V] work. Each row is the median
