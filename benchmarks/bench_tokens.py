@@ -308,7 +308,8 @@ def profile(n, d, v, top=12):
         jax.clear_caches()
 
 
-PEER_TIMEOUT = 1800  # seconds for the whole peers' process
+PEER_TIMEOUT = int(os.environ.get("BENCH_PEERS_TIMEOUT", "1800"))
+"""Seconds for the whole PyTorch process (``BENCH_PEERS_TIMEOUT``); the rows it wrote stay."""
 
 
 def jnp_row_ms(rows, n, d, v):
