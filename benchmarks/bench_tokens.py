@@ -14,28 +14,36 @@ calls by the host clock after a warm-up, and XLA's temp size:
 - ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
   Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
   code; ``lean`` computes the logits twice, so its floor is 4/3 of it (``floor_ms`` columns).
-- ``torch bf16``: the plain torch code (bf16 logits, float32 ``log_softmax``) in a separate
-  process, when torch is importable (``--torch``);
-- ``QuACK chunked`` / ``Liger`` (``--peers``): the peer libraries' fused linear
-  cross-entropy, QuACK's ``chunked_linear_cross_entropy`` (its summed loss: its API has no
-  per-token loss) and Liger's ``liger_fused_linear_cross_entropy`` (per-token loss,
-  reduction "none", summed with a random cotangent), forward+backward on the same shapes in
-  a separate PyTorch process (``benchmarks.token_peers``, which imports the side-by-side
-  worker's ``quack()`` / ``liger()``) that runs before JAX touches the device. They compute
-  cross-entropy, the log-probs: the GRPO loss on top adds one elementwise pass over [N],
-  negligible. Their rows carry ``version`` (as those functions report it) and ``note``.
+- ``torch bf16``: the plain torch code of the same loss (bf16 logits, float32 ``log_softmax``,
+  masked mean) in a separate PyTorch process, when torch is importable (``--torch``);
+- the peers (``--peers``): the peer libraries' fused linear cross-entropy, forward+backward in
+  that PyTorch process: QuACK's ``chunked_linear_cross_entropy`` (its summed loss: its API
+  has no per-token loss), Liger's ``liger_fused_linear_cross_entropy`` with
+  ``reduction="sum"`` (``Liger``, its fast path) and ``"none"`` (``Liger, per-token``, the
+  path a per-token loss takes, which computes the logits twice), Cut Cross-Entropy's
+  ``linear_cross_entropy`` with its default gradient filtering (``CCE``) and without (``CCE,
+  no filtering``). They compute cross-entropy, the log-probs: the GRPO loss on top adds one
+  elementwise pass over [N], negligible. ``benchmarks.token_peers`` says what each row calls
+  and why the earlier Liger rows (``reduction="none"``) were 55-79 ms at every N.
 
-The torch and peer rows are timed by CUDA events around each call (median of ``--runs``
-calls after 3 warm-up calls) and have no temp size or floor; ``x_jnp`` divides by the jnp
-bf16 row of the same size. A peer that is not installed (or a size it fails at) is printed
-and leaves a row with ``error`` and no times; it never stops the sweep. The table adds the
-``version`` and ``error`` columns when a row has one (``note`` is in the JSON only).
+The PyTorch rows run on the very batch the JAX rows time, random or realistic: before JAX
+takes the device, a short JAX process saves each size's batch (bf16 bits of hidden and head,
+actions, mask) to a temporary directory, the PyTorch process loads it, then this process loads
+it too. Padded positions are masked as each peer can (``ignore_index=-100``; the mask in the
+torch loss). The PyTorch process runs before this one touches the device (its memory pool);
+its rows are timed by CUDA events around each call (median of ``--runs`` calls after 3 warm-up
+calls) and have no temp size or floor; ``x_jnp`` divides by the jnp bf16 row of the same size.
+A peer that is not installed (or a size it fails at) is printed and leaves a row with
+``error`` and no times; it never stops the sweep, and a PyTorch process that dies keeps the
+rows it had written. The table adds the ``version`` and ``error`` columns when a row has one
+(``note`` is in the JSON only).
 
     python -m benchmarks.bench_tokens                    # the sweep (GPU), bench_tokens.{json,md}
-    python -m benchmarks.bench_tokens --torch --peers    # with torch, QuACK and Liger
+    python -m benchmarks.bench_tokens --torch --peers    # with torch, QuACK, Liger, CCE
     python -m benchmarks.bench_tokens --profile 512      # where one call's device time goes
     python -m benchmarks.bench_tokens --small            # toy sizes, any device
     python -m benchmarks.bench_tokens --batch realistic --padding 0.35   # an RL batch
+    # ... --sizes realistic_pair --torch --peers: torch and every peer on the same RL batch
 
 ``benchmarks/plot_tokens.py`` draws µs per token against N from the JSON (matplotlib).
 """
@@ -45,12 +53,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 from benchmarks import output
-from benchmarks.token_peers import PEERS  # torch is imported only inside its worker
+from benchmarks.token_peers import PEERS, TORCH  # torch is imported only inside its worker
 
 COLUMNS = [
     "impl",
@@ -85,6 +95,12 @@ def inputs(n, d, v, seed=0, batch="random", padding=0.0):
     ``"realistic"``: ``benchmarks.realistic_batch`` (peaked rows, sampled actions, B
     completions of 512 tokens). ``padding``: that fraction of the positions masked on
     average, at each completion's tail (``realistic_batch.padding_mask``)."""
+    return completed(*drawn(n, d, v, seed, batch, padding), batch)
+
+
+def drawn(n, d, v, seed=0, batch="random", padding=0.0):
+    """(hidden, head, actions, mask) of :func:`inputs`. Either batch draws the head from
+    ``seed``, V and D alone (``token_peers.batch_paths`` keeps one per (D, V))."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -92,21 +108,104 @@ def inputs(n, d, v, seed=0, batch="random", padding=0.0):
     from benchmarks import realistic_batch
 
     if batch == "realistic":
-        h, w, a, mask = realistic_batch.make(n, d, v, padding=padding, seed=seed).as_tuple()
-        b, t = mask.shape
-        old = jnp.full((b, t), -0.3, jnp.float32)
-        return h, w, a, old, jnp.arange(b, dtype=jnp.float32), mask
-
+        return realistic_batch.make(n, d, v, padding=padding, seed=seed).as_tuple()
     b = max(2, 2 * (n // 1024))
     t = n // b
     keys = jax.random.split(jax.random.key(seed), 3)
     h = jax.random.normal(keys[0], (b, t, d), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (v, d), jnp.float32) * (2.0 / np.sqrt(d))).astype(jnp.bfloat16)
     a = jax.random.randint(keys[2], (b, t), 0, v)
-    old = jnp.full((b, t), -np.log(v), jnp.float32)
-    r = jnp.arange(b, dtype=jnp.float32)
     mask = realistic_batch.padding_mask(jax.random.fold_in(keys[0], 7), b, t, padding)
-    return h, w, a, old, r, mask
+    return h, w, a, mask
+
+
+def completed(h, w, a, mask, batch):
+    """:func:`inputs` from (hidden, head, actions, mask): old log-probs −0.3 (realistic) or
+    −log V (random), rewards 0 … B−1."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    b, t = mask.shape
+    old = -0.3 if batch == "realistic" else -np.log(w.shape[0])
+    return (
+        h,
+        w,
+        a,
+        jnp.full((b, t), old, jnp.float32),
+        jnp.arange(b, dtype=jnp.float32),
+        mask,
+    )
+
+
+def save_batches(sizes, directory, batch="random", padding=0.0, seed=0):
+    """Write each size's :func:`drawn` batch to ``directory`` (``token_peers.batch_paths``:
+    bf16 as uint16 bits), for the PyTorch process and :func:`saved_inputs`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import token_peers
+
+    for n, d, v in sizes:
+        h, w, a, mask = drawn(n, d, v, seed, batch, padding)
+        paths = token_peers.batch_paths(directory, n, d, v)
+        bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16))  # noqa: E731
+        np.save(paths["hidden"], bits(h))
+        if not paths["weight"].exists():
+            np.save(paths["weight"], bits(w))
+        np.save(paths["actions"], np.asarray(a, np.int32))
+        np.save(paths["mask"], np.asarray(mask, np.float32))
+        print(f"saved the {batch} batch N={n} D={d} V={v}", flush=True)
+        del h, w, a, mask
+
+
+def saved_inputs(directory, n, d, v, batch="random"):
+    """:func:`inputs` of one size from the batch :func:`save_batches` wrote."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import token_peers
+
+    data = token_peers.load_batch(directory, n, d, v)
+
+    def bf16(bits):
+        return jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
+
+    a = jnp.asarray(data["actions"])
+    return completed(
+        bf16(data["hidden"]), bf16(data["weight"]), a, jnp.asarray(data["mask"]), batch
+    )
+
+
+BATCH_TIMEOUT = 900  # seconds for the process that saves the batches
+
+
+def save_in_process(sizes, directory, batch, padding):
+    """:func:`save_batches` in a JAX process of its own, which gives the device back when it
+    exits (this one must not take it before the PyTorch process has run). None, or why not."""
+    code = (
+        "import json,sys; from benchmarks.bench_tokens import save_batches; "
+        "save_batches(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]))"
+    )
+    cmd = [sys.executable, "-c", code, json.dumps(sizes), str(directory), batch, str(padding)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=pathlib.Path(__file__).resolve().parents[1],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BATCH_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        return f"saving the batch ran past {BATCH_TIMEOUT} s"
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode:
+        print("saving the batch failed:", proc.stderr[-2000:])
+        last = next((x for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
+        return f"saving the batch failed (code {proc.returncode}): {last[:250]}"
+    return None
 
 
 def losses():
@@ -209,22 +308,8 @@ def profile(n, d, v, top=12):
         jax.clear_caches()
 
 
-def torch_rows(sizes, runs):
-    """The plain torch code's rows, from a separate process (its allocator apart from XLA's)."""
-    code = (
-        "import json,sys; from benchmarks.bench_tokens import torch_worker; "
-        "print(json.dumps(torch_worker(json.loads(sys.argv[1]), int(sys.argv[2]))))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(sizes), str(runs)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        print("torch worker failed:", proc.stderr[-2000:])
-        return {}
-    return {tuple(k): ms for k, ms in json.loads(proc.stdout.splitlines()[-1])}
-
-
-PEER_TIMEOUT = 1800  # seconds for the whole peers' process
+PEER_TIMEOUT = int(os.environ.get("BENCH_PEERS_TIMEOUT", "1800"))
+"""Seconds for the whole PyTorch process (``BENCH_PEERS_TIMEOUT``); the rows it wrote stay."""
 
 
 def jnp_row_ms(rows, n, d, v):
@@ -239,34 +324,55 @@ def jnp_row_ms(rows, n, d, v):
     )
 
 
-def peer_results(sizes, runs):
-    """The peers' records (``benchmarks.token_peers``) from a separate process; if it fails,
-    one record per peer that says why."""
-    cmd = [sys.executable, "-m", "benchmarks.token_peers", json.dumps(sizes), str(runs)]
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=pathlib.Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=PEER_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired:
-        reason = f"the peers' worker ran past {PEER_TIMEOUT} s"
-    else:
-        if proc.returncode == 0:
+def peer_results(sizes, runs, impls=PEERS, directory=None):
+    """The PyTorch rows' records (``benchmarks.token_peers``: ``impls`` on the batch saved in
+    ``directory``) from a separate process. Records it wrote before dying (or running past
+    :data:`PEER_TIMEOUT`) are kept; an impl it never reported gets one record that says why,
+    as does each size it did not reach of an impl it reported."""
+    with tempfile.TemporaryDirectory(prefix="token_peers_") as tmp:
+        path = pathlib.Path(tmp) / "records.jsonl"
+        cmd = [sys.executable, "-m", "benchmarks.token_peers", json.dumps(sizes), str(runs)]
+        cmd += ["--impls", json.dumps(list(impls)), "--records", str(path)]
+        cmd += ["--batch", str(directory)] if directory else []
+        reason = None
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=pathlib.Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=PEER_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            reason = f"the PyTorch worker ran past {PEER_TIMEOUT} s"
+        else:
+            if proc.returncode:
+                print("the PyTorch worker failed:", proc.stderr[-2000:])
+                last = next((x for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
+                reason = f"the PyTorch worker exited with code {proc.returncode}: {last[:250]}"
+        records = []
+        for line in path.read_text().splitlines() if path.exists() else []:
             try:
-                return json.loads(proc.stdout.splitlines()[-1])
-            except (IndexError, ValueError):
+                records.append(json.loads(line))
+            except ValueError:
                 pass
-        print("peers' worker failed:", proc.stderr[-2000:])
-        last = next((x for x in reversed(proc.stderr.splitlines()) if x.strip()), "")
-        reason = (
-            f"the peers' worker exited with code {proc.returncode}: {last[:250]}"
-            if proc.returncode
-            else "the peers' worker printed no records"
-        )
-    return [{"impl": impl, "error": reason} for impl in PEERS]
+    reason = reason or "the PyTorch worker printed no record of it"
+    out = []
+    for impl in impls:
+        mine = [r for r in records if r.get("impl") == impl]
+        if not mine:
+            out.append({"impl": impl, "error": reason})
+            continue
+        out += mine
+        if any("N" not in r for r in mine):
+            continue  # a record without a size stands for every size
+        done = {(r["N"], r["D"], r["V"]) for r in mine}
+        out += [
+            {"impl": impl, "N": n, "D": d, "V": v, "error": reason}
+            for n, d, v in sizes
+            if (n, d, v) not in done
+        ]
+    return out
 
 
 def peer_rows(results, rows):
@@ -328,54 +434,22 @@ def torch_worker(sizes, runs):
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    output.output_arguments(parser)
-    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
-    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
-    parser.add_argument(
-        "--peers",
-        action="store_true",
-        help="add QuACK's chunked and Liger's fused linear cross-entropy rows",
-    )
-    parser.add_argument(
-        "--profile",
-        type=int,
-        metavar="N",
-        help="profile the impls at N tokens (D, V: --profile-shape)",
-    )
-    parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
-    parser.add_argument("--name", default="bench_tokens", help="the results' file name")
-    parser.add_argument(
-        "--batch",
-        default="random",
-        choices=("random", "realistic"),
-        help="random heads, or benchmarks.realistic_batch (peaked rows, sampled actions)",
-    )
-    parser.add_argument(
-        "--padding", type=float, default=0.0, help="the fraction of positions masked (tails)"
-    )
-    args = parser.parse_args()
-
+def jax_rows(sizes, runs, batch, padding, directory=None):
+    """The JAX impls' rows (:func:`steps`) at every size, on the batch saved in ``directory``
+    (:func:`save_batches`) or drawn here."""
     import jax
 
     from benchmarks import common
 
-    if args.profile:
-        d, v = map(int, args.profile_shape.split(","))
-        profile(args.profile, d, v)
-        return
-    sizes = SIZES["small" if args.small else args.sizes]
-    # The peers' process runs before this one touches the device (its memory pool).
-    peers = peer_results(sizes, args.runs) if args.peers else []
     rows = []
     for n, d, v in sizes:
-        data = inputs(n, d, v, batch=args.batch, padding=args.padding)
+        if directory:
+            data = saved_inputs(directory, n, d, v, batch)
+        else:
+            data = inputs(n, d, v, batch=batch, padding=padding)
         n = data[0].shape[0] * data[0].shape[1]
         padded = 1.0 - float(data[-1].mean())
-        if args.batch == "realistic":
+        if batch == "realistic":
             from benchmarks import realistic_batch
 
             stats = realistic_batch.statistics(realistic_batch.Batch(*data[:3], data[-1]))
@@ -385,11 +459,12 @@ def main():
             try:
                 common.warm_up(step, *data, seconds=0.3)
                 timed[impl] = (
-                    common.median_ms(step, *data, runs=args.runs),
+                    common.median_ms(step, *data, runs=runs),
                     common.temp_mib(step, *data),
                 )
             except Exception as e:  # noqa: BLE001 - an impl out of memory still leaves its row
                 print(f"{impl} N={n} D={d} V={v}: {type(e).__name__}: {str(e)[:200]}")
+        del data
         jax.clear_caches()
         floor = timed.get("3 GEMMs", (float("nan"),))[0]
         jnp_ms = timed.get("jnp bf16", (float("nan"),))[0]
@@ -410,20 +485,61 @@ def main():
             }
             print(row, flush=True)
             rows.append(row)
-    if args.torch:
-        for (n, d, v), ms in torch_rows(sizes, args.runs).items():
-            rows.append(
-                {
-                    "impl": "torch bf16",
-                    "N": n,
-                    "D": d,
-                    "V": v,
-                    "fwdbwd_ms": ms,
-                    "us_per_token": 1e3 * ms / n,
-                    "x_jnp": ms / jnp_row_ms(rows, n, d, v),
-                }
-            )
-    rows += peer_rows(peers, rows)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    output.output_arguments(parser)
+    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
+    parser.add_argument("--small", action="store_true", help="toy sizes, any device")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="add the peers' fused linear cross-entropy rows (QuACK, Liger, Cut Cross-Entropy)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="profile the impls at N tokens (D, V: --profile-shape)",
+    )
+    parser.add_argument("--profile-shape", default="2048,131072", metavar="D,V")
+    parser.add_argument("--name", default="bench_tokens", help="the results' file name")
+    parser.add_argument(
+        "--batch",
+        default="random",
+        choices=("random", "realistic"),
+        help="random heads, or benchmarks.realistic_batch (peaked rows, sampled actions)",
+    )
+    parser.add_argument(
+        "--padding", type=float, default=0.0, help="the fraction of positions masked (tails)"
+    )
+    args = parser.parse_args()
+
+    from benchmarks import common
+
+    if args.profile:
+        d, v = map(int, args.profile_shape.split(","))
+        profile(args.profile, d, v)
+        return
+    sizes = SIZES["small" if args.small else args.sizes]
+    impls = ([TORCH] if args.torch else []) + (list(PEERS) if args.peers else [])
+    records, directory = [], None
+    with tempfile.TemporaryDirectory(prefix="bench_tokens_batch_") as tmp:
+        if impls:
+            # The PyTorch process runs before this one touches the device (its memory pool),
+            # on the batches a JAX process of its own saved; this one then loads them too.
+            why = save_in_process(sizes, tmp, args.batch, args.padding)
+            if why is None:
+                directory = tmp
+                records = peer_results(sizes, args.runs, impls, directory)
+            else:
+                records = [{"impl": impl, "error": why} for impl in impls]
+        rows = jax_rows(sizes, args.runs, args.batch, args.padding, directory)
+    rows += peer_rows(records, rows)
     extra = [c for c in ("version", "error") if any(c in r for r in rows)]
     print(common.write_results(args.name, rows, COLUMNS + extra))
 

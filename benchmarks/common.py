@@ -151,6 +151,16 @@ def traced(fn, args, calls=1):
     return kernels, host, meta
 
 
+def kernels_by_call(kernels, host):
+    """The kernels of a :func:`traced` run by call: per ``call<i>`` host annotation, in
+    order, (that annotation, the kernels that started inside it)."""
+    out = []
+    for m in (e for e in host if re.fullmatch(r"call\d+", e["name"])):
+        end = m["ts"] + m["dur"]
+        out.append((m, [k for k in kernels if m["ts"] <= k["ts"] < end]))
+    return out
+
+
 def call_spans(fn, args, calls, match=None):
     """Per synchronised call of ``fn(*args)`` in one profiler trace: (lead, span, busy, tail,
     matched) in ms: host start of the call → its first kernel, first kernel start → last
@@ -158,9 +168,8 @@ def call_spans(fn, args, calls, match=None):
     summed durations of the kernels whose name contains ``match`` (None without it)."""
     kernels, host, _ = traced(fn, args, calls)
     out = []
-    for m in (e for e in host if re.fullmatch(r"call\d+", e["name"])):
+    for m, mine in kernels_by_call(kernels, host):
         end = m["ts"] + m["dur"]
-        mine = [k for k in kernels if m["ts"] <= k["ts"] < end]
         if mine:
             first, last = mine[0]["ts"], max(k["ts"] + k["dur"] for k in mine)
             matched = (

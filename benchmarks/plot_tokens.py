@@ -27,6 +27,9 @@ STYLE = {  # impl: (colour, matplotlib line style)
     "torch bf16": ("#ff7f0e", "-"),
     "QuACK chunked": ("#8c564b", "-"),  # the peers (bench_tokens --peers): cross-entropy
     "Liger": ("#e377c2", "-"),
+    "Liger, per-token": ("#e377c2", (0, (4, 3))),
+    "CCE": ("#17becf", "-"),
+    "CCE, no filtering": ("#17becf", (0, (4, 3))),
     "3 GEMMs": ("#555555", (0, (6, 4))),
     "lean floor (4 GEMMs)": ("#1f77b4", (0, (2, 3))),
 }

@@ -6,7 +6,7 @@
 # Steps: the suite's: tests demo linear logits ppo ppo_base linear_ffi one_device many_devices
 #   many_devices_16k many_devices_grid tests_many_gpus side_by_side e2e tunix device_times timeline
 #   profile memcheck fast_accuracy tokens tokens_realistic batch_invariant batch_invariant_ffi distill topk_distill
-#   sampler; the studies' (benchmarks/studies/): ffi backward backward_base kernels fused clocks
+#   sampler head_gemms; the studies' (benchmarks/studies/): ffi backward backward_base kernels fused clocks
 #   fast_mode fast_loss lean_chunks kept_set sampler_forward.
 #   Each runs under a time limit; a failed step is reported and the others
 #   still run; the exit status says whether all passed.
@@ -15,6 +15,7 @@
 #   TESTS_LIMIT=300           the tests step's time limit in seconds
 #   AFTER_STEP="cmd"          run after each step (benchmarks/gpu/run.sh packs the results)
 #   TOKENS_SIZES=d2048        the tokens step's --sizes (default: bench_tokens' full sweep)
+#   HEAD_GEMMS_SIZES=4096x2048x131072   the head_gemms step's --sizes (default: its three)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -67,8 +68,9 @@ for s in "$@"; do
     fast_loss) step 240 "$PY" -m benchmarks.studies.bench_fast_loss ;;
     tokens) step 590 "$PY" -m benchmarks.bench_tokens --torch --peers --runs 10 ${TOKENS_SIZES:+--sizes "$TOKENS_SIZES"} ;;
     # the realistic batch (benchmarks/realistic_batch.py), padded ~35 % and not at all
+    # the PyTorch rows (TOKENS_TORCH=, TOKENS_PEERS= leave them out) time the same batch
     tokens_realistic) step 590 bash -c "$PY -m benchmarks.bench_tokens --batch realistic --padding 0.35 \
-      ${TOKENS_TORCH---torch} --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
+      ${TOKENS_TORCH---torch} ${TOKENS_PEERS---peers} --runs 10 --sizes ${TOKENS_SIZES:-realistic} --name bench_tokens_realistic_pad35 &&
       $PY -m benchmarks.bench_tokens --batch realistic --runs 10 --sizes ${TOKENS_SIZES:-realistic} \
       --name bench_tokens_realistic_pad0" ;;
     lean_chunks) step 420 "$PY" -m benchmarks.studies.bench_lean_chunks --runs 10 --rounds 2 ;;
@@ -76,6 +78,8 @@ for s in "$@"; do
     batch_invariant_ffi) step 300 "$PY" -m benchmarks.bench_batch_invariant --backends ffi --sizes n1000_n4096 --runs 10 --rounds 2 --name bench_batch_invariant_ffi ;;
     e2e)   step 560 "$PY" -m benchmarks.e2e_grpo_step --budget "${E2E_BUDGET:-75}" ;;
     tunix) step 540 "$PY" -m benchmarks.bench_tunix ;;
+    # the three head GEMMs alone (XLA) and inside lean / fast, per GEMM: TFLOP/s, share of the time
+    head_gemms) step 240 "$PY" -m benchmarks.bench_head_gemms ${HEAD_GEMMS_SIZES:+--sizes "$HEAD_GEMMS_SIZES"} ;;
     device_times) step 420 "$PY" -m benchmarks.bench_linear --device-times ;;
     kernels) step 360 "$PY" -m benchmarks.studies.linear_kernels --kernels ;;
     fused) step 420 "$PY" -m benchmarks.studies.linear_kernels --fused --sizes "${FUSED_SIZES:-backward}" ;;

@@ -43,14 +43,29 @@ def torch_bf16_materialised(h, w, t):
     return -loss.float()
 
 
-def liger():
+def liger(reduction="none"):
+    """Liger's fused linear cross-entropy. ``reduction="none"``: ``logp(h, w, t)``, minus its
+    per-token loss (Liger defers the gradients of that path to a backward that computes the
+    chunked logits again); ``"sum"``: ``loss(h, w, t)``, its summed loss, the path that takes
+    both gradients inside the forward (``benchmarks.token_peers`` says what that costs)."""
     import liger_kernel
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    version = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
+    if reduction == "sum":
+
+        def loss(h, w, t):
+            return liger_fused_linear_cross_entropy(h, w, t, reduction="sum")
+
+        note = (
+            "reduction='sum' (its fast path: both gradients taken chunk by chunk in the "
+            "forward): L = sum(-logp) over the unmasked tokens"
+        )
+        return loss, f"liger-kernel {version}", note
 
     def logp(h, w, t):
         return -liger_fused_linear_cross_entropy(h, w, t, reduction="none").float()
 
-    version = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
     return (
         logp,
         f"liger-kernel {version}",

@@ -1,7 +1,8 @@
 """benchmarks/bench_tokens.py runs end to end at toy sizes (``--small``) on any device, its
-peers (``--peers``: QuACK, Liger) included, which leave rows with an error where they cannot
-run; benchmarks/plot_tokens.py draws its result with matplotlib, a line per impl with times,
-to SVG or PNG by the output's extension."""
+PyTorch rows (``--torch``, ``--peers``: QuACK, Liger, Cut Cross-Entropy) included, which leave
+rows with an error where they cannot run; they time the batch the JAX rows time (saved, then
+loaded by both); benchmarks/plot_tokens.py draws its result with matplotlib, a line per impl
+with times, to SVG or PNG by the output's extension."""
 
 import json
 import xml.dom.minidom
@@ -18,7 +19,8 @@ def drawn(fig):
 
 def test_bench_tokens_small_and_its_plot(tmp_path):
     proc = run_benchmark(
-        "benchmarks.bench_tokens", "--small", "--runs", "2", "--peers", "--out", str(tmp_path)
+        "benchmarks.bench_tokens",
+        *("--small", "--runs", "2", "--torch", "--peers", "--out", str(tmp_path)),
     )
     data = json.loads((tmp_path / "bench_tokens.json").read_text())
     by = {(r["impl"], r.get("N")): r for r in data["rows"]}
@@ -31,7 +33,10 @@ def test_bench_tokens_small_and_its_plot(tmp_path):
         assert by[("jnp bf16", n)]["x_jnp"] == 1.0
     # Peers: on a machine without them (or without a CUDA GPU) one error row each, printed
     # once; where they run, a row per size (timed, or with the error of that size).
-    for impl in ("QuACK chunked", "Liger"):
+    from benchmarks.token_peers import PEERS, TORCH
+
+    assert "saved the random batch N=64 D=32 V=1000" in proc.stdout
+    for impl in (TORCH, *PEERS):
         peer = [r for r in data["rows"] if r["impl"] == impl]
         if len(peer) == 1 and "N" not in peer[0]:
             assert "fwdbwd_ms" not in peer[0] and proc.stdout.count(f"{impl}: ") == 1, peer
@@ -44,9 +49,9 @@ def test_bench_tokens_small_and_its_plot(tmp_path):
             else:
                 assert r["us_per_token"] == 1e3 * r["fwdbwd_ms"] / r["N"], r
                 assert r["x_jnp"] == r["fwdbwd_ms"] / by[("jnp bf16", r["N"])]["fwdbwd_ms"]
-                assert r["version"] and "cross-entropy" in r["note"], r
+                assert r["version"] and ("cross-entropy" in r["note"] or impl == TORCH), r
     md = (tmp_path / "bench_tokens.md").read_text()
-    assert "QuACK chunked" in md and "Liger" in md
+    assert all(f"| {impl} |" in md for impl in (TORCH, *PEERS))
 
     for name in ("tokens.svg", "tokens.png"):
         out = tmp_path / name
@@ -136,5 +141,60 @@ def test_peer_rows_from_injected_records(capsys, monkeypatch):
 
     monkeypatch.setattr(bench_tokens.subprocess, "run", failed)
     got = bench_tokens.peer_results([(8, 32, 1000)], 2)
-    assert [r["impl"] for r in got] == ["QuACK chunked", "Liger"]
+    assert [r["impl"] for r in got] == list(bench_tokens.PEERS)
     assert all(r["error"].endswith("code 1: RuntimeError: boom") for r in got)
+
+
+def test_a_dying_worker_keeps_its_records(monkeypatch):
+    """The PyTorch worker appends each record to its records file as it goes: one that dies
+    keeps them, each size it did not reach gets a record that says why, an impl it never
+    reported one record; an impl's record without a size stands for every size."""
+    import subprocess as sp
+
+    from benchmarks import bench_tokens
+
+    sizes = [(8, 32, 1000), (64, 32, 1000)]
+    written = [
+        {"impl": "torch bf16", "N": 8, "D": 32, "V": 1000, "fwdbwd_ms": 1.0},
+        {"impl": "torch bf16", "N": 64, "D": 32, "V": 1000, "fwdbwd_ms": 2.0},
+        {"impl": "Liger", "error": "import failed: ModuleNotFoundError: liger_kernel"},
+        {"impl": "CCE", "N": 8, "D": 32, "V": 1000, "fwdbwd_ms": 3.0},
+    ]
+
+    def dies(cmd, **kwargs):
+        assert cmd[cmd.index("--batch") + 1] == "/saved"
+        assert json.loads(cmd[cmd.index("--impls") + 1]) == impls
+        path = cmd[cmd.index("--records") + 1]
+        with open(path, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in written) + '{"impl": "CC')
+        return sp.CompletedProcess(cmd, -11, "", "Fatal Python error: Segmentation fault\n")
+
+    monkeypatch.setattr(bench_tokens.subprocess, "run", dies)
+    impls = ["torch bf16", "Liger", "CCE", "QuACK chunked"]
+    got = bench_tokens.peer_results(sizes, 2, impls, "/saved")
+    why = "the PyTorch worker exited with code -11: Fatal Python error: Segmentation fault"
+    assert got == written + [
+        {"impl": "CCE", "N": 64, "D": 32, "V": 1000, "error": why},
+        {"impl": "QuACK chunked", "error": why},
+    ]
+
+
+@pytest.mark.parametrize("batch", ["random", "realistic"])
+def test_saved_batch_is_the_batch(tmp_path, batch):
+    """What the PyTorch process loads and the JAX rows time after saving is what
+    ``inputs`` draws; one head file per (D, V), which every N of the two generators shares."""
+    import numpy as np
+
+    from benchmarks import bench_tokens, token_peers
+
+    sizes = [(8, 32, 1000), (64, 32, 1000)]
+    bench_tokens.save_batches(sizes, tmp_path, batch, padding=0.35)
+    assert len(list(tmp_path.glob("weight_*.npy"))) == 1
+    for n, d, v in sizes:
+        want = bench_tokens.inputs(n, d, v, batch=batch, padding=0.35)
+        got = bench_tokens.saved_inputs(tmp_path, n, d, v, batch)
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+        numpy = token_peers.load_batch(tmp_path, n, d, v)
+        assert numpy["hidden"].dtype == np.uint16 and numpy["hidden"].shape == (2, n // 2, d)
+        assert numpy["weight"].shape == (v, d) and numpy["actions"].dtype == np.int32
