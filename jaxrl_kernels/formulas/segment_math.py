@@ -16,18 +16,25 @@ divides by ``Σ_s C_s``, ``seq_mean_token_mean`` averages over the sequences wit
 (``max_len`` given: the packed row length ``T`` is no sequence's length). So a packed call
 equals the ``[S, max_len]`` padded call up to float32 summation order.
 
-The sums are scatter-adds into ``[S]`` (``jax.ops.segment_sum``'s, ids outside ``[0, S)``
-dropped) and the spread a gather. Under an ``Explicit`` mesh both name their output's
-sharding, as jax requires there: the ``[S]`` sums replicated (each device adds its own
-tokens, then an all-reduce), the spread value sharded like the tokens.
+The sums are deterministic (docs/api.md "Determinism"): a scatter-add of every token into
+``[S]`` would add in the order a GPU's atomics happen to run. Instead each row is sorted by
+segment id (stable, within the row: a sequence lies in one row), a segmented scan along the
+row sums each run of equal ids in a fixed tree order, and only the run's last position is
+added into ``[S]``: one addend per slot, so no order is left to chance (:func:`sums`). Their
+gradient is the spread, ``∂Sum_s/∂x_bt = [g_bt = s]``. The spread is a gather. Under an
+``Explicit`` mesh both name their output's sharding, as jax requires there: the ``[S]`` sums
+replicated (each device adds its own rows, then an all-reduce of one nonzero addend per
+sequence), the spread value sharded like the tokens.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_kernels.formulas import aggregation_math, ppo_math
@@ -67,21 +74,95 @@ def _slots(packing: Packing) -> jax.Array:
 
 
 def segment_sum(x, packing: Packing) -> jax.Array:
-    """``[S]``: Σ of ``x [B, T]`` over each segment's positions (``-1`` dropped). No reshape:
-    a row or T split of ``x`` has no flat layout under Explicit axes."""
-    x = x.astype(jnp.float32)
-    # replicated on x's own mesh (a bare P() needs a mesh context, which a user's jit of
-    # Explicit-sharded arrays need not have)
-    options = {"out_sharding": jax.typeof(x).sharding.update(spec=P())} if _explicit(x) else {}
-    out = jnp.zeros((packing.count,), jnp.float32)
-    return out.at[_slots(packing)].add(x, mode="drop", **options)
+    """``[S]``: Σ of ``x [B, T]`` over each segment's positions (``-1`` dropped), in a fixed
+    order (module docstring)."""
+    return segment_sums({"x": x}, packing)["x"]
+
+
+def segment_sums(values: dict, packing: Packing) -> dict:
+    """:func:`segment_sum` of each ``[B, T]`` entry of ``values``, one sort for them all."""
+    keys = list(values)
+    if not keys:
+        return {}
+    ids, stacked = packing.ids, jnp.stack([values[k].astype(jnp.float32) for k in keys])
+    if _explicit(stacked):
+        out = _per_device_run_sums(stacked, ids, packing.count)
+    else:
+        out = _run_sums(stacked, ids, packing.count)
+    return {k: out[i] for i, k in enumerate(keys)}
 
 
 def sums(values: dict, mask, packing: Packing) -> dict:
     """Σ_{g = s} m·v per sequence (``[B, T]`` -> ``[S]``) for each entry of ``values``: the
     packed form of ``aggregation_math.masked_row_sums``."""
     mask = mask.astype(jnp.float32)
-    return {k: segment_sum(mask * v.astype(jnp.float32), packing) for k, v in values.items()}
+    return segment_sums({k: mask * v.astype(jnp.float32) for k, v in values.items()}, packing)
+
+
+def _replicated(x) -> dict:
+    """The ``out_sharding`` that replicates a result on ``x``'s own mesh under Explicit axes (a
+    bare P() needs a mesh context, which a user's jit of Explicit-sharded arrays need not
+    have)."""
+    return {"out_sharding": jax.typeof(x).sharding.update(spec=P())} if _explicit(x) else {}
+
+
+def _per_device_run_sums(x, ids, count):
+    """:func:`_run_sums` under Explicit axes: each device sums its own ``[B, T]`` block (a
+    sort needs an unsplit axis, and gathering the tokens would cost more than the ``[K, S]``
+    sums), then one all-reduce adds the blocks' sums: a sequence split between devices (a
+    ``T`` split) gets one addend per device, in the collective's fixed order."""
+    tokens = jax.typeof(x).sharding
+    spec = tuple(tokens.spec) + (None,) * (3 - len(tokens.spec))
+    ids = jax.reshard(ids, tokens.update(spec=P(*spec[1:])))
+    axes = tuple(
+        name
+        for entry in spec
+        if entry is not None
+        for name in (entry if isinstance(entry, tuple) else (entry,))
+    )
+
+    def local(x, ids):
+        out = _run_sums(x, ids, count)
+        return lax.psum(out, axes) if axes else out
+
+    return jax.shard_map(local, mesh=tokens.mesh, in_specs=(P(*spec), P(*spec[1:])), out_specs=P())(
+        x, ids
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _run_sums(x, ids, count):
+    """``[K, S]`` sums of ``x [K, B, T]`` per segment: rows sorted by id, a segmented scan
+    per row, each run's total added once at its last position."""
+    key = jnp.where(ids < 0, count, ids)  # no sequence: sorted last, dropped below
+    order = jnp.argsort(key, axis=-1, stable=True)
+    key = jnp.take_along_axis(key, order, axis=-1)
+    x = jnp.take_along_axis(x, jnp.broadcast_to(order, x.shape), axis=-1)
+    change = key[:, 1:] != key[:, :-1]
+    edge = jnp.ones_like(key[:, :1], bool)
+    starts = jnp.broadcast_to(jnp.concatenate([edge, change], axis=-1), x.shape)
+
+    def combine(a, b):  # (run starts here, sum since the run's start)
+        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
+
+    _, running = lax.associative_scan(combine, (starts, x), axis=-1)
+    last = jnp.concatenate([change, edge], axis=-1) & (key < count)
+    out = jnp.zeros((x.shape[0], count), jnp.float32)
+    return out.at[:, jnp.where(last, key, count)].add(running, mode="drop", **_replicated(x))
+
+
+def _run_sums_fwd(x, ids, count):
+    return _run_sums(x, ids, count), (ids, x)
+
+
+def _run_sums_bwd(count, res, g):
+    ids, x = res
+    slots = jnp.where(ids < 0, count, ids)
+    options = {"out_sharding": jax.typeof(x).sharding} if _explicit(x) else {}
+    return g.at[:, slots].get(mode="fill", fill_value=0, **options), None
+
+
+_run_sums.defvjp(_run_sums_fwd, _run_sums_bwd)
 
 
 def spread(seq_values, packing: Packing, like=None) -> jax.Array:

@@ -24,7 +24,7 @@ row-summing kernel cannot give those (a row holds several sequences, in any orde
 1. ``ppo_kernels.token_summands`` (kernel): the same masked summands m·v, written per token
    ([B, T] each, K of them: the memory of K float32 copies of the tokens, the price of
    keeping the kernel token-local).
-2. jnp: ``segment_math.segment_sum`` adds them per segment ([S]: the padded layout's [B]
+2. jnp: ``segment_math.segment_sums`` adds them per segment ([S]: the padded layout's [B]
    sums with the S sequences as rows); then ``ppo_math`` as above, with ``max_len`` the
    length of ``seq_mean_token_sum_norm`` as in ``segment_math.ppo_loss`` (the ops require it
    there).
@@ -118,7 +118,7 @@ def ppo_loss(
 
 def _segment_forward(tokens: dict, packing: segment_math.Packing, cfg, plan):
     summands = kernels.token_summands(tokens, cfg, plan)
-    sums = {k: segment_math.segment_sum(v, packing) for k, v in summands.items()}  # [S] each
+    sums = segment_math.segment_sums(summands, packing)  # [S] each
     loss, metrics = ppo_math.loss_and_metrics(
         ppo_math.sums_to_token_terms(sums, cfg), cfg, cfg.max_len
     )
