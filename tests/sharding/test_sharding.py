@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
 from jaxrl_kernels.backends.chunked import logprobs as chunked
-from tests.conftest import assert_close, pallas_sample, rand, random_mask
+from tests.conftest import assert_close, pallas_sample, pallas_slow, rand, random_mask
 from tests.support import oracle
 from tests.support.sharding_support import collective_sizes, full_spec
 
@@ -513,6 +513,38 @@ def test_explain_says_how_a_sharded_call_is_served(rng):
     assert "layout: Explicit mesh axes: shard_map" in text
     assert "rows split over dim 0: ['data']" in text
     assert "vocabulary split over ['model'] (vocabulary-parallel)" in text
+
+
+@pytest.mark.parametrize("weight_layout", ["vd", pallas_slow("dv")])
+def test_fsdp_head_in_shard_map(rng, backend, weight_layout):
+    """A head sharded over the rows' axis inside a user's shard_map (docs/api.md, "A head
+    sharded over the rows' axis"): the body all-gathers it, and jax's transpose of the gather
+    reduce-scatters d_weight back to the head's split. Values and gradients are the unsharded
+    ones; the head's split is on V for "vd" and on D for "dv" (both [D, V] dim 0)."""
+    h, w, acts, _ = head(rng, weight_layout)
+    mesh = jax.make_mesh(
+        (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    kw = dict(weight_layout=weight_layout, return_entropy=True, backend=backend)
+
+    def body(h, w, t):
+        w = jax.lax.all_gather(w, "data", axis=0, tiled=True)
+        return jk.linear_logprobs(h, w, t, **kw)
+
+    rows = P("data")
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(rows, P("data"), rows), out_specs=rows)
+    g = [jnp.asarray(rng.standard_normal((B, T)), jnp.float32) for _ in range(2)]
+    scalar = lambda f: lambda h, w, t: sum(jnp.sum(o * gi) for o, gi in zip(f(h, w, t), g))
+    both = lambda f: jax.jit(lambda h, w, t: (f(h, w, t), jax.grad(scalar(f), (0, 1))(h, w, t)))
+    placed = [jax.device_put(x, NamedSharding(mesh, rows)) for x in (h, w, acts)]
+    compiled = both(mapped).lower(*placed).compile()
+    got = compiled(*placed)
+    want = both(lambda h, w, t: jk.linear_logprobs(h, w, t, **kw))(h, w, acts)
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+        assert_close(a, np.asarray(b, np.float64), name=f"leaf {i}")
+    assert full_spec(got[1][1]) == full_spec(placed[1])
+    assert w.size // 4 in collective_sizes(compiled.as_text(), "reduce-scatter")
+    assert w.size not in collective_sizes(compiled.as_text(), "all-reduce")
 
 
 # -- d_hidden under a vocabulary split: summed in float32 --------------------------------------
