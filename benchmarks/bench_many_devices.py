@@ -6,7 +6,14 @@ Layouts (``Auto`` mesh axes unless ``--explicit``):
             local device (data parallel), the weight replicated;
   ``vocab`` the weight split over its vocabulary on ``x`` (tensor parallel), rows replicated;
   ``both``  a 2-D mesh ``(x, y)`` of shape ``(n / 2, 2)`` (an even n >= 4): rows split over
-            ``x``, the vocabulary over ``y``.
+            ``x``, the vocabulary over ``y``;
+  ``fsdp``  FSDP (data parallel with the parameters sharded, as MaxText and tunix train): rows
+            split over ``x`` and the weight [V, D] over ``x`` too, on its D; each call
+            all-gathers the weight and reduce-scatters its gradient (docs/api.md, "A head
+            sharded over the rows' axis");
+  ``fsdp_v`` the same with the weight split on its V.
+  (The plain code gathers the FSDP weight itself, as a user's FSDP layer does: Explicit axes
+  would refuse its einsum of rows and weight split over one axis.)
 Implementations (``--backends``): ``jnp_bf16``, the plain code a JAX user writes (an
 ``einsum`` to bf16 logits, float32 ``log_softmax`` through ``jk.token_logprobs``'s reference
 backend, the same loss), under the same shardings (GSPMD partitions it); ``auto``, the library's
@@ -142,6 +149,21 @@ def loss_fn(op, impl):
     return {"linear_logprobs": logprobs, "linear_grpo_loss": grpo}[op]
 
 
+FSDP_LAYOUTS = ("fsdp", "fsdp_v")
+
+
+def gathered_head(loss, mesh, axis_type):
+    """``loss`` on the weight gathered whole first (the plain code's FSDP all-gather)."""
+    whole = NamedSharding(mesh, P())
+
+    def gather(w):
+        if axis_type == AxisType.Explicit:
+            return jax.sharding.reshard(w, whole)
+        return jax.lax.with_sharding_constraint(w, whole)
+
+    return lambda h, w, x: loss(h, gather(w), x)
+
+
 def _merged(spans):
     """The union of (start, end) intervals, as sorted disjoint intervals."""
     out = []
@@ -207,8 +229,10 @@ def time_split(fn, args):
 
 def specs(layout):
     """The PartitionSpec of each input in ``layout``."""
-    rows = P("x") if layout in ("rows", "both") else P()
-    weight = {"vocab": P("x"), "both": P("y")}.get(layout, P())
+    rows = P("x") if layout in ("rows", "both") + FSDP_LAYOUTS else P()
+    weight = {"vocab": P("x"), "both": P("y"), "fsdp": P(None, "x"), "fsdp_v": P("x")}.get(
+        layout, P()
+    )
     return dict(hidden=rows, weight=weight, actions=rows, old_logp=rows, rewards=rows, mask=rows)
 
 
@@ -254,6 +278,8 @@ def run(sizes, ops, backends, layouts, axis_type, profile=False):
                         for k, v in data.items()
                     }
                 loss = loss_fn(op, backend)
+                if backend == "jnp_bf16" and layout in FSDP_LAYOUTS:
+                    loss = gathered_head(loss, mesh, axis_type)
                 step = jax.jit(jax.value_and_grad(lambda h, w, x: loss(h, w, x), argnums=(0, 1)))
                 args = (placed["hidden"], placed["weight"], placed)
                 try:
@@ -293,7 +319,9 @@ def main():
         default="reference,auto",
         help="comma-separated: jnp_bf16, auto (lean), fast, or a backend name",
     )
-    parser.add_argument("--layouts", default="1dev,rows,vocab", help="of 1dev, rows, vocab, both")
+    parser.add_argument(
+        "--layouts", default="1dev,rows,vocab", help="of 1dev, rows, vocab, both, fsdp, fsdp_v"
+    )
     parser.add_argument(
         "--sizes", default="large", help=f"comma-separated, of {', '.join(sorted(SIZES))}"
     )

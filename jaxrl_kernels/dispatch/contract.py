@@ -21,7 +21,9 @@ linear_logprobs    the same for a linear head (hidden, weight, bias);
 linear_logprobs    ``(hidden[N,D], weight, bias | None, targets[N], lse[N],
 _backward          entropy[N] | None, g_logp[N], g_ent[N] | None, *,
                    weight_layout, temperature) -> (d_hidden, d_weight,
-                   d_bias | None)``: the backward alone, for ``ffi``
+                   d_bias | None)``, d_hidden float32 (the engine rounds
+                   it after any sum over a vocabulary split): the
+                   backward alone, for ``ffi``
                    (served by ffi, pallas and chunked); ``targets`` and
                    ``g_logp`` may be [N, K] (K ids per row:
                    ``head_ids.split_targets``), as for ``Parts.backward``

@@ -75,7 +75,8 @@ def linear_head_op(
     ``[N, V_local]`` (the logits, for ``memory="fast"``);
     ``backward(h, weight, bias, *kept, t_local, lse, entropy, g, g_ent[, floor=]) ->
     (d_hidden, d_weight, d_bias | None)``, with no gradient on inactive rows
-    (:func:`backward_rows`).
+    (:func:`backward_rows`); d_hidden float32, rounded after its sum over a vocabulary split
+    (``engine.vjp``).
 
     ``truncation`` (a ``sampler_math.Truncation``): the log-probs and entropy of the
     sampler's processed distribution, each row's kept set found by ``find_kept`` (the

@@ -90,7 +90,7 @@ def local_backward(
         d_weight = head_grad.rounded_weight_grad(g16, sc.h16, weight, weight_layout, sc.d_w_scale)
         d_bias = None if bias is None else jnp.sum(dz * sc.s[:, None], axis=0)
         return (
-            sc.finish(acc, hidden.dtype),
+            sc.finish(acc),
             d_weight.astype(weight.dtype),
             None if bias is None else d_bias.astype(bias.dtype),
         )

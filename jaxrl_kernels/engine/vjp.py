@@ -20,6 +20,12 @@ vocabulary, ``-`` anything else). :func:`differentiable` does the rest once for 
   (``None``), each operand's cotangent summed over the devices that shared it, sharded like the
   operand and cast to its dtype; operands outside ``diff`` get none.
 
+A backward returns ``d_hidden`` in float32, unrounded, on every backend and in both memory
+modes: under a vocabulary split each device holds a partial sum over its slice, and the sum
+over devices is then a float32 ``psum`` (or reduce-scatter), rounded once to hidden's dtype
+after it. Rounded before, each device's share and each hop of the sum would add a rounding
+of a 16-bit dtype, an error that grows with the number of devices.
+
 ``plan`` (a ``placement.Placement``) gives the vocabulary axes and this device's vocabulary
 offset; cross-device statistics inside ``forward`` use them (``softmax_math``).
 :func:`stage` is the ``sharding.run`` step alone, for an op with work between two per-device

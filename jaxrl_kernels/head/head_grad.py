@@ -172,7 +172,9 @@ class Scaled:
     kernel's per-row ``rows``, ``h16`` = float16(σ_h (s / S) · hidden), σ_W (None where no
     weight is given: the kernel scales each chunk's weight copy by its own max |W| and
     divides it out again in the GEMM), and the scale of d_W = ``d_w_scale`` · Gᵀ · h16.
-    ``finish`` turns the float32 accumulator of G · W16 (/ σ) into d_hidden."""
+    ``finish`` turns the float32 accumulator of G · W16 (/ σ) into d_hidden, float32: a
+    vocabulary split sums the devices' shares before the one rounding to hidden's dtype
+    (``engine.vjp``)."""
 
     s: jax.Array
     rows: RowGrad | None
@@ -200,9 +202,9 @@ class Scaled:
         sigma_w = None if weight is None else pow2_range(jnp.max(jnp.abs(weight)))
         return cls(s, rows, (scaled_h * sigma_h).astype(jnp.float16), sigma_w, top / sigma_h)
 
-    def finish(self, acc, dtype):
+    def finish(self, acc):
         scale = self.s if self.sigma_w is None else self.s / self.sigma_w
-        return (acc * scale[:, None]).astype(dtype)
+        return acc * scale[:, None]
 
 
 def backward(
@@ -319,7 +321,7 @@ def scaled_backward(
     )
     acc, d_weight, d_bias = run_chunks(chunk, init, vocab, columns)
     return (
-        scaled.finish(acc, hidden.dtype),
+        scaled.finish(acc),
         d_weight,
         None if bias is None else d_bias.astype(bias.dtype),
     )

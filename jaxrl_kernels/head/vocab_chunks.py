@@ -243,7 +243,7 @@ def student_backward(
         body, varying_like(init, *operands), n_rows, vocab, chunk_bytes
     )
     return (
-        d_hidden.astype(hidden.dtype),
+        d_hidden,
         d_weight,
         None if bias is None else d_bias.astype(bias.dtype),
     )

@@ -1,5 +1,6 @@
 """benchmarks/bench_many_devices.py at toy sizes on four host devices: every layout it offers
-runs for the plain code, lean and fast, and no weight or logits cross devices."""
+runs for the plain code, lean and fast, and no weight or logits cross devices, but for the
+head of the ``fsdp`` layout: gathered whole, its gradient reduce-scattered."""
 
 import json
 import re
@@ -17,7 +18,7 @@ def test_bench_many_devices_smoke(tmp_path, axes):
         "benchmarks.bench_many_devices",
         "--smoke",
         "--layouts",
-        "rows,vocab,both",
+        "rows,vocab,both,fsdp",
         "--backends",
         "jnp_bf16,auto,fast",
         "--out",
@@ -27,12 +28,15 @@ def test_bench_many_devices_smoke(tmp_path, axes):
     )
     [result] = tmp_path.glob("bench_many_devices_smoke*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert len(rows) == 2 * 3 * 3  # ops × impls × layouts
+    assert len(rows) == 2 * 3 * 4  # ops × impls × layouts
     for row in rows:
         assert "error" not in row and row["ms"] > 0 and row["devices"] == 4, row
-        split = {"vocab": 4, "both": 2}.get(row["layout"], 1)
+        split = {"vocab": 4, "both": 2, "fsdp": 4}.get(row["layout"], 1)
         assert row["weight_mib_per_dev"] == V * D * 2 / 2**20 / split, row
-        if row["backend"] != "jnp_bf16":  # ours never gathers the head or [N, V] logits
+        if row["layout"] == "fsdp" and row["backend"] != "jnp_bf16":
+            assert re.search(rf"all-gather \w+\[{V},{D}\]", row["collectives"]), row
+            assert re.search(rf"reduce-scatter \w+\[{V},{D // 4}\]", row["collectives"]), row
+        elif row["backend"] != "jnp_bf16":  # ours never gathers the head or [N, V] logits
             for shape in re.findall(r"all-gather \w+\[([\d,]*)\]", row["collectives"]):
                 dims = [int(x) for x in shape.split(",") if x]
                 assert V not in dims and V // 2 not in dims, row

@@ -25,6 +25,10 @@ Layouts (``LAYOUTS``): ``rows`` (B over data), ``vocab`` (V over model), ``both`
 ops: ``rows``, ``time`` (T over model), ``both``; hidden-state ops also ``tp`` (hidden
 [B, T, D] as P("data", None, "model"), the weight's V over "model"), ``fsdp`` (the weight's D
 over "data" and V over "model", as tunix / MaxText train an LM head) and ``tp_fsdp`` (both).
+FSDP over the rows' own axis (``SAME_AXIS_FSDP``, under jax.jit): the rows over "data" and the
+head over "data" too, on its V (``fsdp_v``, the bias with it) or on its D (``fsdp_d``), nothing
+over "model"; the head is all-gathered whole and its gradient reduce-scattered back
+(``FSDP_SAMPLE`` every op, backend, entry, layout and weight layout; the rest in the full run).
 
 The grid (``FULL``) is built with ``itertools.product``; normal runs take the deterministic
 ``SAMPLE`` of it (every op × option once, every backend × entry × layout value, and the
@@ -269,6 +273,7 @@ LAYOUTS = {
     "token": ("rows", "time", "both"),
 }
 SHARD_MAP_LAYOUTS = {"logits": ("vocab", "both"), "linear": ("vocab", "both"), "token": ("rows",)}
+SAME_AXIS_FSDP = ("fsdp_v", "fsdp_d")  # the head over the rows' axis "data": on V, on D
 DECLINED = {op: ("pallas",) for op in DISTILL_OPS}  # backends left out of an op's grid
 NO_SMALL_INPUTS = ("linear_topk_logprobs",)  # no per-token inputs: no "whole" variant
 
@@ -576,11 +581,12 @@ def teacher_layout(case: Case) -> str:
 def spec(kind: str, case: Case) -> tuple:
     """The PartitionSpec entries of an input of this kind under the case's layout."""
     layout, fam = case.layout, family(case.op)
-    rows = "data" if layout in ("rows", "both", "tp", "fsdp", "tp_fsdp") else None
+    rows = "data" if layout in ("rows", "both", "tp", "fsdp", "tp_fsdp") + SAME_AXIS_FSDP else None
     vocab = "model" if layout in ("vocab", "both", "tp", "fsdp", "tp_fsdp") else None
     time = "model" if fam == "token" and layout in ("time", "both") else None
     hidden_d = "model" if layout in ("tp", "tp_fsdp") else None
-    weight_d = "data" if layout in ("fsdp", "tp_fsdp") else None
+    head_v = "data" if layout == "fsdp_v" else vocab  # the head's V (and its bias)
+    weight_d = "data" if layout in ("fsdp", "tp_fsdp", "fsdp_d") else None
     if fam == "token" and layout == "both":
         vocab = None
     small = case.small == "split"  # per-token and per-sequence inputs besides the lead one
@@ -593,9 +599,11 @@ def spec(kind: str, case: Case) -> tuple:
         "rep": (None,),
         "hidden": (rows, None, hidden_d),
         "teacher_hidden": (rows, None, hidden_d),
-        "weight": (vocab, weight_d) if case.weight_layout == "vd" else (weight_d, vocab),
-        "teacher_weight": (vocab, weight_d) if teacher_layout(case) == "vd" else (weight_d, vocab),
-        "bias": (vocab,),
+        "weight": (head_v, weight_d) if case.weight_layout == "vd" else (weight_d, head_v),
+        "teacher_weight": (head_v, weight_d)
+        if teacher_layout(case) == "vd"
+        else (weight_d, head_v),
+        "bias": (head_v,),
     }[kind]
 
 
@@ -726,6 +734,11 @@ def check(case: Case):
         and any(k in OPTIONS[case.op][case.option] for k in ("top_k", "top_p", "min_p"))
     ):
         return  # the reference leaves its sort to XLA's partitioner, which gathers (api.md)
+    xla_places_grads = case.backend == "reference" and case.mode == "Auto"
+    if xla_places_grads and case.layout in SAME_AXIS_FSDP:
+        # XLA's partitioner places the reference's plain jnp: with the head over the rows' axis
+        # it may gather the (here smaller) hidden states and split the vocabulary (api.md)
+        return
     hlo = compiled.as_text()
     allowed = set()
     dims = {
@@ -738,14 +751,23 @@ def check(case: Case):
             allowed.add(B * T * dim // DATA)  # hidden states: the D shards of a row block
         if case.layout in ("fsdp", "tp_fsdp"):
             allowed.add(V * dim // MODEL)  # the FSDP weight: the D shards of a vocabulary slice
+        if case.layout in SAME_AXIS_FSDP:
+            allowed.update({V * dim, V})  # the FSDP head (and bias): whole on every device
+    if (case.backend, case.mode, case.layout) == ("fast", "Auto", "fsdp_v"):
+        # A known cost (docs/api.md, "A head sharded over the rows' axis"): Shardy propagates
+        # the head's V split onto the kept logits between the forward and the backward call,
+        # against the rows' split of the same axis, and XLA gathers them to reshard them.
+        allowed.add(B * T * V)
     limit = min(built.arrays[i].size for i in built.big) // (DATA * MODEL)
     gathers = [n for n in collective_sizes(hlo, "all-gather") if n >= limit]
     assert all(n in allowed for n in gathers), (
         f"{case}: all-gathers of {gathers} elements (limit {limit}, allowed {sorted(allowed)})"
     )
-    xla_places_grads = case.backend == "reference" and case.mode == "Auto"
-    if case.layout in ("fsdp", "tp_fsdp") and case.mode != "shard_map" and not xla_places_grads:
-        share = V * D // MODEL  # d_weight of a vocabulary slice, all of D
+    fsdp = ("fsdp", "tp_fsdp") + SAME_AXIS_FSDP
+    if case.layout in fsdp and case.mode != "shard_map" and not xla_places_grads:
+        # d_weight of a vocabulary slice (the whole head where "model" does not split it), all
+        # of D, summed over the rows' split
+        share = V * D // (1 if case.layout in SAME_AXIS_FSDP else MODEL)
         assert share not in collective_sizes(hlo, "all-reduce"), (
             f"{case}: d_weight all-reduced over the FSDP axis"
         )
@@ -801,13 +823,43 @@ def _distill_fast_grid() -> tuple[list[Case], list[Case]]:
 DISTILL_FAST_SAMPLE, DISTILL_FAST_REST = _distill_fast_grid()
 
 
-@pytest.mark.parametrize("case", SAMPLE + DISTILL_FAST_SAMPLE, ids=str)
+def _same_axis_fsdp_grid() -> tuple[list[Case], list[Case]]:
+    """The head sharded over the rows' own axis (``SAME_AXIS_FSDP``): every head op (its
+    "all" option where it has one: bias, entropy, ...) × backend (and ``memory="fast"``) ×
+    Auto / Explicit × layout × weight layout: (the sample, the rest). The sample: one case
+    per op from a fixed shuffle, then one for any backend, entry, layout or weight layout
+    still missing."""
+    full = [
+        Case(op, "all" if "all" in OPTIONS[op] else "plain", backend, mode, layout, wl)
+        for op, backend, mode, layout, wl in itertools.product(
+            LINEAR_OPS,
+            list(CPU_BACKENDS) + ["fast"],
+            ("Auto", "Explicit"),
+            SAME_AXIS_FSDP,
+            ("vd", "dv"),
+        )
+        if backend not in DECLINED.get(op, ())
+        and not (backend == "fast" and op == "linear_topk_logprobs")  # it has no fast mode
+    ]
+    order = lambda c: zlib.crc32(str(c).encode())
+    chosen = [min((c for c in full if c.op == op), key=order) for op in LINEAR_OPS]
+    for field in ("backend", "mode", "layout", "weight_layout"):
+        for value in sorted({getattr(c, field) for c in full}):
+            if not any(getattr(c, field) == value for c in chosen):
+                chosen.append(min((c for c in full if getattr(c, field) == value), key=order))
+    return chosen, [c for c in full if c not in chosen]
+
+
+FSDP_SAMPLE, FSDP_REST = _same_axis_fsdp_grid()
+
+
+@pytest.mark.parametrize("case", SAMPLE + DISTILL_FAST_SAMPLE + FSDP_SAMPLE, ids=str)
 def test_grid_sample(case):
     check(case)
 
 
 @pytest.mark.grid_full
-@pytest.mark.parametrize("case", _grid_shard(REST + DISTILL_FAST_REST), ids=str)
+@pytest.mark.parametrize("case", _grid_shard(REST + DISTILL_FAST_REST + FSDP_REST), ids=str)
 def test_grid_full(case):
     check(case)
 

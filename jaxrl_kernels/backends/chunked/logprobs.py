@@ -256,7 +256,7 @@ def linear_backward(
         tile, init, tiles, open_chunk=open_chunk, close_chunk=close_chunk
     )
     return (
-        d_hidden[:n_rows].astype(hidden.dtype),
+        d_hidden[:n_rows],
         d_weight,
         None if bias is None else d_bias.astype(bias.dtype),
     )

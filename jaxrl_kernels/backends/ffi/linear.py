@@ -289,7 +289,7 @@ def linear_backward(
         split_k=split_k,
     )
     return (
-        scaled.finish(acc, hidden.dtype),
+        scaled.finish(acc),
         d_weight,
         None if bias is None else d_bias.astype(bias.dtype),
     )

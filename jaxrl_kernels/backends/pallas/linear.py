@@ -247,7 +247,7 @@ def _float32_backward(
         chunk, head_grad.initial_grads(hidden, weight, bias), vocab, size
     )
     return (
-        d_hidden.astype(hidden.dtype),
+        d_hidden,
         d_weight,
         None if bias is None else d_bias.astype(bias.dtype),
     )

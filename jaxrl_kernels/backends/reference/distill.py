@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.backends.reference.logprobs import split_entry
 from jaxrl_kernels.dispatch.contract import Parts, Whole
 from jaxrl_kernels.formulas import divergence_math as dm
 from jaxrl_kernels.head.geometry import float32_logits as linear_logits
@@ -36,7 +37,9 @@ def distill_divergence(
     vocab_axes=(),
 ):
     """Per-row ``d`` [N] of flat hidden states [N, D_s] and [N, D_t]; no gradient to the
-    teacher."""
+    teacher. ``vocab_axes``: ``logprobs.split_entry`` (d_hidden summed in float32)."""
+    if vocab_axes:
+        hidden = split_entry(hidden, vocab_axes)
     zs = linear_logits(hidden, weight, bias, weight_layout) / temperature
     zt = jax.lax.stop_gradient(
         linear_logits(t_hidden, t_weight, t_bias, teacher_weight_layout) / temperature

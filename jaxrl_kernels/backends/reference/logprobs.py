@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxrl_kernels.dispatch.contract import Whole
 from jaxrl_kernels.formulas import sampler_math, softmax_math
 from jaxrl_kernels.head import geometry, vocab_chunks
+from jaxrl_kernels.sharding.vma import cast_varying
 
 
 def _row_softmax(z, vocab_axes, return_entropy):
@@ -141,6 +142,18 @@ def _exact_f32(x):
     return None if x is None else x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def split_entry(hidden, vocab_axes):
+    """``hidden`` as float32 (exact), typed as varying over the vocabulary split.
+
+    Each device's ``d_hidden`` is its share ``dz_i·W_i`` of a sum over the split, which jax
+    takes as the transpose of the point where ``hidden`` (the same on every device) enters the
+    split. Entering in float32, the shares are summed in float32 and rounded to hidden's dtype
+    once, after the sum (the head's product is then a float32 GEMM of exact 16-bit values);
+    entering in 16 bits, every share and every hop of the sum would be rounded. Outside a
+    ``shard_map`` that checks varying axes it is the float32 copy alone."""
+    return cast_varying(_exact_f32(hidden), frozenset(vocab_axes))
+
+
 def token_jnp(
     logits,
     targets,
@@ -192,10 +205,13 @@ def linear_jnp(
     """Log-probs at ``targets`` [*rows] or at K ids per row [*rows, K] (``n_row_dims``
     leading dimensions of ``hidden`` are rows); under a ``truncation`` also whether each
     target is in its row's kept set. ``row_block``: the rows in blocks of this many
-    (:func:`_in_row_blocks`; batch-invariant), the head's product then in float32."""
+    (:func:`_in_row_blocks`; batch-invariant), the head's product then in float32.
+    ``vocab_axes``: :func:`split_entry`."""
     per_row = _per_row(targets, n_row_dims, truncation)
     if row_block is not None:
         weight, bias = _exact_f32(weight), _exact_f32(bias)
+    if vocab_axes:
+        hidden = split_entry(hidden, vocab_axes)
 
     def flat(hidden, targets, row_valid):
         z = geometry.float32_logits(hidden, weight, bias, weight_layout) / temperature
