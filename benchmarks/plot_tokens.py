@@ -6,11 +6,15 @@ the GEMM floor dashed (the three GEMMs of a forward+backward that keeps the logi
 in the same run) and the lean mode's own floor (4/3 of it: lean computes the logits twice)
 dotted. The x axis is N on a log scale (base 2), the y axis each row's ``us_per_token``; the
 y range stops at 4× the floor's smallest value, so that the floor stays readable. The footer
-carries the file's device, date, jax version and commit. The output's format follows its
-extension (``.svg``, ``.png``, ``.pdf``); an SVG keeps its text as text and no date, so the
-same file draws the same bytes.
+carries the file's device, date, jax version and commit. A file whose every (D, V) has one N (the
+realistic batch's ``--sizes realistic_pair``) draws bars instead: a panel per size, a bar per
+implementation with its time as × the plain jnp bf16 code of the same size (``x_jnp``), the
+padded fraction in the title. The output's format follows its extension (``.svg``, ``.png``,
+``.pdf``); an SVG keeps its text as text and no date, so the same file draws the same bytes.
 
     python -m benchmarks.plot_tokens benchmarks/results/bench_tokens_peers_eb186a5.json docs/tokens.svg
+    python -m benchmarks.plot_tokens \
+        benchmarks/results/bench_tokens_realistic_pad35_peers_45b9994.json docs/tokens_realistic.svg
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ STYLE = {  # impl: (colour, matplotlib line style)
     "torch bf16": ("#ff7f0e", "-"),
     "QuACK chunked": ("#8c564b", "-"),  # the peers (bench_tokens --peers): cross-entropy
     "Liger": ("#e377c2", "-"),
+    "ours default": ("#000000", "-"),
     "Liger, per-token": ("#e377c2", (0, (4, 3))),
     "CCE": ("#17becf", "-"),
     "CCE, no filtering": ("#17becf", (0, (4, 3))),
@@ -49,6 +54,37 @@ def series(rows):
     return {impl: sorted(pts) for impl, pts in lines.items()}
 
 
+def bars(data, rows, sizes):
+    """One panel per (N, D, V): a horizontal bar per implementation, × jnp bf16."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0 * len(sizes), 4.8), layout="constrained")
+    for ax, (n, d, v) in zip(fig.subplots(1, len(sizes), squeeze=False)[0], sizes):
+        here = [r for r in rows if (r["N"], r["D"], r["V"]) == (n, d, v) and r.get("x_jnp")]
+        here.sort(key=lambda r: r["x_jnp"], reverse=True)
+        names = [r["impl"] for r in here]
+        ax.barh(names, [r["x_jnp"] for r in here],
+                color=[STYLE.get(name, OTHER)[0] for name in names])  # fmt: skip
+        for i, r in enumerate(here):
+            ax.text(r["x_jnp"], i, f" {r['x_jnp']:.2f}× ({r['fwdbwd_ms']:.1f} ms)", va="center",
+                    fontsize=8)  # fmt: skip
+        ax.axvline(1.0, color="#d62728", linewidth=1, linestyle=(0, (4, 3)))
+        padded = next((r.get("padded") for r in here if r.get("padded") is not None), None)
+        note = f", {padded:.0%} padded" if padded else ""
+        ax.set_title(f"linear_grpo_loss, N={n}, D={d}, V={v}{note}", fontsize=10)
+        ax.set_xlabel("time × plain jnp bf16 (fwd+bwd; shorter is faster)")
+        ax.set_xlim(0, max(r["x_jnp"] for r in here) * 1.35)
+        ax.grid(True, axis="x", alpha=0.3)
+    meta = data["meta"]
+    fig.suptitle(
+        f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
+        fontsize=8,
+        x=0.99,
+        ha="right",
+    )
+    return fig
+
+
 def figure(data):
     """The matplotlib figure of a bench_tokens result (``{"meta": ..., "rows": [...]}``)."""
     from matplotlib.figure import Figure
@@ -56,6 +92,9 @@ def figure(data):
 
     rows = [r for r in data["rows"] if r.get("us_per_token")]
     shapes = sorted({(r["D"], r["V"]) for r in rows})
+    sizes = sorted({(r["N"], r["D"], r["V"]) for r in rows})
+    if len(sizes) == len(shapes):  # one N per panel: no line to draw
+        return bars(data, rows, sizes)
     fig = Figure(figsize=(6.4 * max(len(shapes), 1), 4.8), layout="constrained")
     axes = fig.subplots(1, max(len(shapes), 1), squeeze=False)[0]
     for ax, (d, v) in zip(axes, shapes):

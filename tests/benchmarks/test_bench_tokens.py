@@ -198,3 +198,23 @@ def test_saved_batch_is_the_batch(tmp_path, batch):
         numpy = token_peers.load_batch(tmp_path, n, d, v)
         assert numpy["hidden"].dtype == np.uint16 and numpy["hidden"].shape == (2, n // 2, d)
         assert numpy["weight"].shape == (v, d) and numpy["actions"].dtype == np.int32
+
+
+def test_one_size_per_panel_draws_bars():
+    """A file with one N per (D, V) (the realistic batch's two sizes) draws a panel per size and
+    a bar per timed implementation, as long as its × jnp."""
+    import json
+    import pathlib
+
+    from benchmarks import plot_tokens
+
+    path = "benchmarks/results/bench_tokens_realistic_pad35_peers_45b9994.json"
+    data = json.loads((pathlib.Path(__file__).parents[2] / path).read_text())
+    fig = plot_tokens.figure(data)
+    axes = [ax for ax in fig.axes if ax.patches]
+    assert len(axes) == 2
+    for ax in axes:
+        n = int(ax.get_title().split("N=")[1].split(",")[0])
+        want = {r["impl"]: r["x_jnp"] for r in data["rows"] if r.get("N") == n and r.get("x_jnp")}
+        got = {t.get_text(): p.get_width() for t, p in zip(ax.get_yticklabels(), ax.patches)}
+        assert got == want
