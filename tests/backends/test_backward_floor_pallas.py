@@ -124,7 +124,10 @@ def check_linear(got, primals, want, want32, dtype):
         if primal is None:
             assert x is None, name
             continue
-        assert x.dtype == primal.dtype and x.shape == primal.shape, name
+        # a backend's d_hidden is float32, unrounded (dispatch/contract.py: the engine rounds
+        # it once, after any sum over a vocabulary split); the head's gradients keep its dtype
+        want_dtype = np.float32 if name == "d_hidden" else primal.dtype
+        assert x.dtype == want_dtype and x.shape == primal.shape, name
         assert_close(x, w64, in_dtype=dtype, want32=w32, name=name)
 
 

@@ -3,7 +3,7 @@
 Each submodule serves some primitives (``logits``: log-probs from logits; ``ppo``: the PPO
 loss, on packed rows too, and group advantages; ``linear``: log-probs of a linear head, and its
 backward alone; ``distill``: the divergence between two linear heads, on Mosaic GPU; their
-kernels live in ``ppo_kernels``, ``linear_kernels`` with ``linear_grad_kernel``, and
+kernels live in ``ppo_kernels``, ``group_kernels``, ``linear_kernels`` with ``linear_grad_kernel``, and
 ``distill_kernels``) and may name an ``automatic`` rule of its own (when automatic choice passes
 its kernels over on a GPU). One that fails to import leaves its primitives declined with the
 import error as the reason.

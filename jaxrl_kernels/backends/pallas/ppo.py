@@ -1,5 +1,5 @@
 """The Pallas ops ``ppo_loss`` over [B, T], ``segment_ppo_loss`` (packed rows) and
-``group_advantages`` (their kernels and launch plan: ``ppo_kernels.py``).
+``group_advantages`` (their kernels and launch plan: ``ppo_kernels.py``, ``group_kernels.py``).
 
 ``ppo_loss`` runs as small stages, kernels that map [B, T] tokens to per-sequence values
 with plain jnp in between, so that no kernel holds state that crosses sequences or
@@ -33,7 +33,7 @@ row-summing kernel cannot give those (a row holds several sequences, in any orde
    (``segment_math.spread``, 0 off every segment, where m = 0 anyway). Per token the
    derivative is the one of stage 3 above, since the terms carry no gradient.
 
-``group_advantages``: ``ppo_kernels.group_advantages_call``, one program per group, scanning
+``group_advantages``: ``group_kernels.group_advantages_call``, one program per group, scanning
 the rewards :data:`GROUP_BLOCK` at a time. Its gradient (rarely wanted) is the reference's,
 from ``jax.vjp`` of ``aggregation_math.group_advantages`` on the [B] rewards.
 """
@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxrl_kernels.backends.pallas import group_kernels
 from jaxrl_kernels.backends.pallas import ppo_kernels as kernels
 from jaxrl_kernels.formulas import aggregation_math, ppo_math, segment_math
 
@@ -180,7 +181,7 @@ GROUP_BLOCK = 1024
 
 def _group_advantages_kernel(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps):
     block = min(pl.next_power_of_2(rewards.shape[0]), GROUP_BLOCK)
-    return kernels.group_advantages_call(
+    return group_kernels.group_advantages_call(
         rewards, segment_ids, num_groups, normalize_std, std_ddof, eps, block
     )
 

@@ -1,7 +1,7 @@
-"""The launch plan and the Pallas kernels of ``ppo_loss`` and ``group_advantages`` (the ops
-that run them: ``ppo.py``).
+"""The launch plan and the Pallas kernels of ``ppo_loss`` (the op that runs them: ``ppo.py``;
+``group_advantages``' kernel: ``group_kernels.py``).
 
-Every kernel maps [B, T] tokens (or [B] rewards) to values that cross no sequence or T-range,
+Every kernel maps [B, T] tokens to values that cross no sequence or T-range,
 so that a device holding part of T runs the same kernels on its part:
 
 * :func:`forward_sums` (the forward's kernel): per sequence, the masked sums Σ_t m·v of
@@ -13,17 +13,13 @@ so that a device holding part of T runs the same kernels on its part:
   the splits' partials are then added in split order (deterministic, no atomics).
 * :func:`token_summands` (the packed forward's kernel): the same masked summands m·v, written
   per token ([B, T] each) instead of added per row. On packed rows a row holds several
-  sequences (``segment_math``), so the sums per sequence are scatter-adds over segment ids,
-  done in jnp; the kernel stays token-local.
+  sequences (``segment_math``), so the sums per sequence are taken over segment ids in jnp
+  (``segment_math.segment_sums``, deterministic); the kernel stays token-local.
 * :func:`token_grads` (the backward's kernel): given per-sequence coefficients c_b and the [B]
   sequence terms, each token's d logp (and d entropy) is the pull-back of c_b·m through
   ``ppo_math.ppo_per_token`` with ``jax.vjp``, so the derivative is the reference's branch for
   branch. On packed rows the coefficients and terms come per token ([B, T]: each token its
   segment's), which the kernel reads as it reads the tokens.
-* :func:`group_advantages_call`: one program per group scans the rewards for its members
-  (count, mean, then the centred sum of squares) and writes ``(r - mean) / (std + eps)`` (or
-  ``r - mean``) to them, 0 for a group of one.
-
 :class:`PPOLaunch` is the launch configuration of the token kernels for one [B, T] shape,
 :func:`make_launch` the heuristic that picks it.
 """
@@ -335,74 +331,3 @@ def _token_grads(arrays, names, seq_arrays, seq_names, coef, cfg, plan):
             name="ppo_loss_bwd",
         )(*arrays, *seq_arrays, coef)
     )
-
-
-# -- group_advantages -----------------------------------------------------------------------
-
-
-def _group_kernel(
-    rewards_ref, seg_ref, adv_ref, *, normalize_std: bool, std_ddof: int, eps: float, block: int
-):
-    n = rewards_ref.shape[0]
-    group = pl.program_id(0)
-    n_blocks = pl.cdiv(n, block)
-
-    def members(j):
-        idx = j * block + jnp.arange(block, dtype=jnp.int32)
-        inside = idx < n
-        seg = plgpu.load(seg_ref.at[idx], mask=inside, other=-1)
-        r = plgpu.load(rewards_ref.at[idx], mask=inside, other=0.0).astype(jnp.float32)
-        return idx, inside & (seg == group), r
-
-    def count_sum(j, acc):
-        _, mine, r = members(j)
-        return acc[0] + jnp.sum(mine.astype(jnp.float32)), acc[1] + jnp.sum(jnp.where(mine, r, 0.0))
-
-    count, total = lax.fori_loop(0, n_blocks, count_sum, (jnp.float32(0.0), jnp.float32(0.0)))
-    mean = total / jnp.maximum(count, 1.0)
-    scale = jnp.float32(1.0)
-    if normalize_std:
-
-        def sq_sum(j, acc):
-            _, mine, r = members(j)
-            c = r - mean
-            return acc + jnp.sum(jnp.where(mine, c * c, 0.0))
-
-        sq = lax.fori_loop(0, n_blocks, sq_sum, jnp.float32(0.0))
-        var = sq / jnp.maximum(count - std_ddof, 1.0)
-        scale = jnp.sqrt(var) + eps
-
-    @pl.loop(0, n_blocks)
-    def _(j):
-        idx, mine, r = members(j)
-        centred = r - mean
-        if normalize_std:
-            centred = centred / scale
-        plgpu.store(adv_ref.at[idx], jnp.where(count > 1, centred, 0.0), mask=mine)
-
-
-def group_advantages_call(rewards, segment_ids, num_groups, normalize_std, std_ddof, eps, block):
-    """adv [N] of the rewards, scanned ``block`` at a time by each group's program."""
-    (n,) = rewards.shape
-    kernel = functools.partial(
-        _group_kernel, normalize_std=normalize_std, std_ddof=std_ddof, eps=eps, block=block
-    )
-    any_spec = pl.BlockSpec()
-    call = pl.pallas_call(
-        kernel,
-        grid=(num_groups,),
-        in_specs=[any_spec, any_spec],
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
-        compiler_params=common.compiler_params(max(1, min(4, block // 256)), 1),
-        interpret=common.interpret(),
-        name="group_advantages",
-    )
-    # Groups may straddle any split of B: every device runs the kernel on all [B] rewards.
-    (adv,) = sharding.run(
-        lambda plan, r, ids: (sharding.kernel_region(call, r, ids),),
-        (rewards, segment_ids),
-        ("-", "-"),
-        ("-",),
-    )
-    return adv
