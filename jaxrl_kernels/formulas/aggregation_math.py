@@ -15,8 +15,9 @@ canonical (``validation.agg_mode`` resolves :data:`AGGREGATION_ALIASES`).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from jaxrl_kernels.formulas import ordered_sums
 
 AGGREGATION_MODES = (
     "token_mean",
@@ -76,12 +77,15 @@ def group_advantages(
 ):
     """adv = r - mean_g (÷ (std_g + eps)); a group of one gets 0."""
     rewards = rewards.astype(jnp.float32)
-    ones = jnp.ones_like(rewards)
-    count = jax.ops.segment_sum(ones, segment_ids, num_groups)
-    mean = jax.ops.segment_sum(rewards, segment_ids, num_groups) / jnp.maximum(count, 1.0)
+    # sums in a fixed order (ordered_sums), not jax.ops.segment_sum's atomics: the same bits on
+    # every run
+    count, total = ordered_sums.group_sums(
+        jnp.stack([jnp.ones_like(rewards), rewards]), segment_ids, num_groups
+    )
+    mean = total / jnp.maximum(count, 1.0)
     centred = rewards - mean[segment_ids]
     if normalize_std:
-        sq = jax.ops.segment_sum(centred * centred, segment_ids, num_groups)
+        (sq,) = ordered_sums.group_sums((centred * centred)[None], segment_ids, num_groups)
         var = sq / jnp.maximum(count - std_ddof, 1.0)
         std = jnp.where(var > 0, jnp.sqrt(jnp.where(var > 0, var, 1.0)), 0.0)  # finite grad at 0
         centred = centred / (std[segment_ids] + eps)

@@ -16,12 +16,9 @@ divides by ``Σ_s C_s``, ``seq_mean_token_mean`` averages over the sequences wit
 (``max_len`` given: the packed row length ``T`` is no sequence's length). So a packed call
 equals the ``[S, max_len]`` padded call up to float32 summation order.
 
-The sums are deterministic (docs/api.md "Determinism"): a scatter-add of every token into
-``[S]`` would add in the order a GPU's atomics happen to run. Instead each row is sorted by
-segment id (stable, within the row: a sequence lies in one row), a segmented scan along the
-row sums each run of equal ids in a fixed tree order, and only the run's last position is
-added into ``[S]``: one addend per slot, so no order is left to chance (:func:`sums`). Their
-gradient is the spread, ``∂Sum_s/∂x_bt = [g_bt = s]``. The spread is a gather. Under an
+The sums are taken in a fixed order, the same bits on every run (:mod:`ordered_sums`: rows
+sorted by segment id, a segmented scan, one addend per ``[S]`` slot); their gradient is the
+spread, a gather. Under an
 ``Explicit`` mesh both name their output's sharding, as jax requires there: the ``[S]`` sums
 replicated (each device adds its own rows, then an all-reduce of one nonzero addend per
 sequence), the spread value sharded like the tokens.
@@ -29,15 +26,12 @@ sequence), the spread value sharded like the tokens.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jaxrl_kernels.formulas import aggregation_math, ppo_math
+from jaxrl_kernels.formulas import aggregation_math, ordered_sums, ppo_math
 from jaxrl_kernels.formulas.aggregation_math import aggregate_sequence_sums
 from jaxrl_kernels.formulas.kl_math import kl_penalty
 
@@ -50,20 +44,12 @@ class Packing(NamedTuple):
     count: int
 
 
-def _explicit(x) -> bool:
-    """``x`` lives on a mesh with an ``Explicit`` axis (where scatters and gathers must name
-    their output's sharding)."""
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    return mesh is not None and not mesh.empty and explicit in getattr(mesh, "axis_types", ())
-
-
 def masked(mask, packing: Packing) -> jax.Array:
     """``mask`` with 0 where no sequence lies (``g < 0``). Under Explicit axes the ids are
     first placed as ``mask`` is (replicated ids against row-split tokens: a local slice)."""
     inside = packing.ids >= 0
     want = jax.typeof(mask).sharding
-    if _explicit(mask) and jax.typeof(inside).sharding != want:
+    if ordered_sums.explicit(mask) and jax.typeof(inside).sharding != want:
         inside = jax.reshard(inside, want)
     return jnp.where(inside, mask, jnp.zeros_like(mask))
 
@@ -85,10 +71,10 @@ def segment_sums(values: dict, packing: Packing) -> dict:
     if not keys:
         return {}
     ids, stacked = packing.ids, jnp.stack([values[k].astype(jnp.float32) for k in keys])
-    if _explicit(stacked):
-        out = _per_device_run_sums(stacked, ids, packing.count)
+    if ordered_sums.explicit(stacked):
+        out = ordered_sums.per_device_run_sums(stacked, ids, packing.count)
     else:
-        out = _run_sums(stacked, ids, packing.count)
+        out = ordered_sums.run_sums(stacked, ids, packing.count)
     return {k: out[i] for i, k in enumerate(keys)}
 
 
@@ -99,77 +85,11 @@ def sums(values: dict, mask, packing: Packing) -> dict:
     return segment_sums({k: mask * v.astype(jnp.float32) for k, v in values.items()}, packing)
 
 
-def _replicated(x) -> dict:
-    """The ``out_sharding`` that replicates a result on ``x``'s own mesh under Explicit axes (a
-    bare P() needs a mesh context, which a user's jit of Explicit-sharded arrays need not
-    have)."""
-    return {"out_sharding": jax.typeof(x).sharding.update(spec=P())} if _explicit(x) else {}
-
-
-def _per_device_run_sums(x, ids, count):
-    """:func:`_run_sums` under Explicit axes: each device sums its own ``[B, T]`` block (a
-    sort needs an unsplit axis, and gathering the tokens would cost more than the ``[K, S]``
-    sums), then one all-reduce adds the blocks' sums: a sequence split between devices (a
-    ``T`` split) gets one addend per device, in the collective's fixed order."""
-    tokens = jax.typeof(x).sharding
-    spec = tuple(tokens.spec) + (None,) * (3 - len(tokens.spec))
-    ids = jax.reshard(ids, tokens.update(spec=P(*spec[1:])))
-    axes = tuple(
-        name
-        for entry in spec
-        if entry is not None
-        for name in (entry if isinstance(entry, tuple) else (entry,))
-    )
-
-    def local(x, ids):
-        out = _run_sums(x, ids, count)
-        return lax.psum(out, axes) if axes else out
-
-    return jax.shard_map(local, mesh=tokens.mesh, in_specs=(P(*spec), P(*spec[1:])), out_specs=P())(
-        x, ids
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _run_sums(x, ids, count):
-    """``[K, S]`` sums of ``x [K, B, T]`` per segment: rows sorted by id, a segmented scan
-    per row, each run's total added once at its last position."""
-    key = jnp.where(ids < 0, count, ids)  # no sequence: sorted last, dropped below
-    order = jnp.argsort(key, axis=-1, stable=True)
-    key = jnp.take_along_axis(key, order, axis=-1)
-    x = jnp.take_along_axis(x, jnp.broadcast_to(order, x.shape), axis=-1)
-    change = key[:, 1:] != key[:, :-1]
-    edge = jnp.ones_like(key[:, :1], bool)
-    starts = jnp.broadcast_to(jnp.concatenate([edge, change], axis=-1), x.shape)
-
-    def combine(a, b):  # (run starts here, sum since the run's start)
-        return a[0] | b[0], jnp.where(b[0], b[1], a[1] + b[1])
-
-    _, running = lax.associative_scan(combine, (starts, x), axis=-1)
-    last = jnp.concatenate([change, edge], axis=-1) & (key < count)
-    out = jnp.zeros((x.shape[0], count), jnp.float32)
-    return out.at[:, jnp.where(last, key, count)].add(running, mode="drop", **_replicated(x))
-
-
-def _run_sums_fwd(x, ids, count):
-    return _run_sums(x, ids, count), (ids, x)
-
-
-def _run_sums_bwd(count, res, g):
-    ids, x = res
-    slots = jnp.where(ids < 0, count, ids)
-    options = {"out_sharding": jax.typeof(x).sharding} if _explicit(x) else {}
-    return g.at[:, slots].get(mode="fill", fill_value=0, **options), None
-
-
-_run_sums.defvjp(_run_sums_fwd, _run_sums_bwd)
-
-
 def spread(seq_values, packing: Packing, like=None) -> jax.Array:
     """``v_{g_bt}`` ``[B, T]`` from per-sequence ``seq_values`` ``[S]``, 0 where ``g = -1``;
     sharded like ``like`` (``[B, T]``) under Explicit axes."""
     ref = packing.ids if like is None else like
-    options = {"out_sharding": jax.typeof(ref).sharding} if _explicit(ref) else {}
+    options = {"out_sharding": jax.typeof(ref).sharding} if ordered_sums.explicit(ref) else {}
     return seq_values.at[_slots(packing)].get(mode="fill", fill_value=0, **options)
 
 
