@@ -27,6 +27,7 @@ from jaxrl_kernels.ops.losses import (
     ppo_loss,
 )
 from jaxrl_kernels.ops.topk_distill import linear_topk_distill_loss
+from jaxrl_kernels.sharding.vocab_pieces import head_grad_pieces
 from jaxrl_kernels.validation import checks
 
 __version__ = "0.2.0"
@@ -43,6 +44,7 @@ __all__ = [
     "explain",
     "group_advantages",
     "grpo_loss",
+    "head_grad_pieces",
     "kl_penalty",
     "linear_distill_loss",
     "linear_grpo_loss",

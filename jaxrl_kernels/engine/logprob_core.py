@@ -58,7 +58,7 @@ def backward_rows(plan, local_vocab, targets, lse, entropy, active, g, g_ent):
     if g_ent is not None:
         g_ent = jnp.where(active, g_ent.astype(jnp.float32), 0.0)
         entropy = jnp.where(active, entropy, 0.0)
-    return targets - plan.vocab_offset(local_vocab), lse, entropy, g, g_ent
+    return plan.local_ids(targets, local_vocab), lse, entropy, g, g_ent
 
 
 def finished(plan, stats, t_rel, t_local, local_vocab, valid, n_out, with_entropy):

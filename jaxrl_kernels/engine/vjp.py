@@ -79,6 +79,7 @@ def stage(
     note: bool = False,
     keep_at: int | None = None,
     row_switch: bool = True,
+    pieces: int = 1,
 ) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
 
@@ -90,7 +91,10 @@ def stage(
     ``local``; an output that is the cotangent of operand ``j`` (``grads_of``) gets that
     operand's local shape back. ``local`` may return None for an absent output (a bias's
     cotangent); ``out_roles`` lists the present ones. ``note``: note how the step is
-    laid out on the devices for ``explain`` (a forward's first step)."""
+    laid out on the devices for ``explain`` (a forward's first step). ``pieces``: a backward
+    step in that many vocabulary pieces, each piece's ``v`` cotangents summed across devices on
+    their own (``sharding.vocab_pieces``; ``local`` then gets a piece's ``v`` operands and a
+    ``plan`` whose ``local_ids`` maps ids into the piece)."""
     grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
     lead_of = next(
         i for i, (x, r) in enumerate(zip(operands, roles)) if x is not None and rows_of(r)
@@ -124,6 +128,7 @@ def stage(
         grads_of=grads_of,
         vocab_axis=vocab_axis,
         record=note_layout if note else None,
+        pieces=pieces,
     )
 
 
@@ -145,6 +150,7 @@ def differentiable(
     unused: Sequence[int] = (),
     vocab_axis=None,
     keep_at: int | None = None,
+    pieces: int = 1,
 ) -> tuple:
     """The outputs of the op ``forward`` / ``backward`` on ``operands`` (see the module
     docstring), differentiable in the operands at positions ``diff``.
@@ -154,7 +160,8 @@ def differentiable(
     output (None for an integer output), and returns the cotangents of ``operands[i]`` for
     ``i`` in ``diff``, in that order (None for an absent operand). ``unused``: operands the
     backward does not read (it gets None), which are then not kept for it. ``keep_at``:
-    as :func:`stage`'s, for both halves (the operand must not be unused)."""
+    as :func:`stage`'s, for both halves (the operand must not be unused). ``pieces``: the
+    backward's, as :func:`stage`'s (the forward runs whole)."""
     operands, roles = tuple(operands), tuple(roles)
     out_roles, res_roles, diff = tuple(out_roles), tuple(res_roles), tuple(diff)
     n_out, n_ops = len(out_roles), len(operands)
@@ -206,6 +213,7 @@ def differentiable(
             grads_of=present,
             vocab_axis=vocab_axis,
             keep_at=keep_at,
+            pieces=pieces,
         )
         by_position = dict(zip(present, grads))
         return tuple(

@@ -168,6 +168,7 @@ def run(
     vocab_axis=None,
     differentiable: bool = False,
     record: Callable[[Placement], None] | None = None,
+    pieces: int = 1,
 ) -> tuple:
     """``local_fn(plan, *operands)`` run where the operands live (see the module docstring).
 
@@ -181,7 +182,8 @@ def run(
     backend): under Auto axes it is left to XLA's partitioner, and under Explicit axes its
     shard_map checks varying axes so that jax's autodiff sums cotangents right. Otherwise
     ``local_fn`` is one half (forward or backward) of a ``custom_vjp`` and is never
-    differentiated.
+    differentiated. ``pieces``: a backward step run in that many vocabulary pieces where a
+    vocabulary operand's cotangent is summed across devices (:mod:`.vocab_pieces`).
     """
     n_rows = max(r.count("r") for r in roles)
     grads_of = tuple(grads_of) if grads_of is not None else (None,) * len(out_roles)
@@ -194,7 +196,7 @@ def run(
             how=f"inside shard_map, vocab_axis={vocab_axis!r}",
         )
         partitioned.note(record, plan)
-        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
+        return partitioned.finishing(local_fn, roles, grads_of, None, pieces)(plan, *operands)
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None):
         plan = Placement(
             row_axes=((),) * n_rows,
@@ -202,11 +204,11 @@ def run(
             how="inside shard_map: this device's arrays, no vocab_axis",
         )
         partitioned.note(record, plan)
-        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
+        return partitioned.finishing(local_fn, roles, grads_of, None, pieces)(plan, *operands)
     mesh = _mesh_of(operands)
     if _is_explicit(mesh):
         return partitioned.run_shard_map(
-            local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record
+            local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record, pieces
         )
     batched = any(_jax_internals.is_vmapped(x) for x in operands if x is not None)
     if differentiable or batched or partitioned.custom_partitioning is None:
@@ -216,7 +218,7 @@ def run(
             if differentiable:
                 operands = pin_grad_shardings(*operands)
         partitioned.note(record, plan)
-        return partitioned.finishing(local_fn, roles, grads_of, None)(plan, *operands)
+        return partitioned.finishing(local_fn, roles, grads_of, None, pieces)(plan, *operands)
     partitioned.note(
         record,
         Placement(
@@ -226,7 +228,9 @@ def run(
             "used in place",
         ),
     )
-    return partitioned.run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of)
+    return partitioned.run_custom_partitioning(
+        local_fn, operands, roles, out_roles, grads_of, pieces
+    )
 
 
 def keep_grad_sharding(x):

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl_kernels.sharding import collectives
+from jaxrl_kernels.sharding import collectives, vocab_pieces
 from jaxrl_kernels.sharding.placement import (
     Placement,
     axes_of_entry,
@@ -37,11 +37,16 @@ def note(record, plan: Placement) -> None:
         record(plan)
 
 
-def finishing(local_fn, roles, grads_of, wants):
+def finishing(local_fn, roles, grads_of, wants, pieces: int = 1):
     """``local_fn`` with its None outputs dropped and its cotangent outputs finished
-    (:meth:`Placement.finish_cotangent`, towards ``wants[operand position]`` where given)."""
+    (:meth:`Placement.finish_cotangent`, towards ``wants[operand position]`` where given);
+    ``pieces`` > 1: in vocabulary pieces where the plan sums a head's cotangent across
+    devices (:mod:`.vocab_pieces`)."""
 
     def fn(plan, *operands):
+        split = vocab_pieces.plan_pieces(plan, operands, roles, grads_of, wants, pieces)
+        if split is not None:
+            return vocab_pieces.run(local_fn, plan, operands, roles, grads_of, wants, split)
         outs = [y for y in local_fn(plan, *operands) if y is not None]
         for i, j in enumerate(grads_of):
             if j is not None:
@@ -82,7 +87,9 @@ def _grad_wants(plan, roles, grads_of, specs) -> dict:
     return {j: grad_spec(plan, roles[j], specs[j]) for j in grads_of if j is not None}
 
 
-def run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record):
+def run_shard_map(
+    local_fn, operands, roles, out_roles, grads_of, mesh, differentiable, record, pieces=1
+):
     keep, present, present_roles = _present(operands, roles)
     specs = [None if x is None else jax.typeof(x).sharding.spec for x in operands]
     plan = placement_from_specs(
@@ -90,7 +97,7 @@ def run_shard_map(local_fn, operands, roles, out_roles, grads_of, mesh, differen
     )
     note(record, plan)
     wants = _grad_wants(plan, roles, grads_of, specs)
-    fn = _with_absent(finishing(local_fn, roles, grads_of, wants), keep, len(operands))
+    fn = _with_absent(finishing(local_fn, roles, grads_of, wants, pieces), keep, len(operands))
     in_specs = [plan.spec(r) for r in present_roles]
     if differentiable:
         # jax differentiates the body: a dimension the plan keeps whole but the operand splits
@@ -180,7 +187,7 @@ def _sharding_rule(
     return rule, {k: v for k, v in extra.items() if v}
 
 
-def run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
+def run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of, pieces=1):
     keep, present, present_roles = _present(operands, roles)
     n_rows = max(r.count("r") for r in present_roles)
     position = {i: k for k, i in enumerate(keep)}
@@ -198,7 +205,7 @@ def run_custom_partitioning(local_fn, operands, roles, out_roles, grads_of):
             [specs[i] for i in keep], present_roles, how="Auto mesh axes: custom_partitioning"
         )
         wants = _grad_wants(plan, roles, grads_of, specs)
-        fn = _with_absent(finishing(local_fn, roles, grads_of, wants), keep, len(operands))
+        fn = _with_absent(finishing(local_fn, roles, grads_of, wants, pieces), keep, len(operands))
         arg_shardings = tuple(NamedSharding(mesh, plan.spec(r)) for r in present_roles)
         out_shardings = tuple(
             NamedSharding(mesh, plan.spec(r) if j is None else wants[j])

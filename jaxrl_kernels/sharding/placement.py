@@ -32,13 +32,42 @@ def spec_entry(axes: Axes):
 
 
 @dataclasses.dataclass(frozen=True)
+class VocabPiece:
+    """Part of this device's vocabulary slice, for a backward run in pieces
+    (:mod:`.vocab_pieces`): the slice is ``blocks`` blocks of ``block`` ids, and the piece is
+    ids ``[start, stop)`` of every block, in block order (one block unless the head's
+    cotangent is scattered over the vocabulary, one block per device it is scattered to)."""
+
+    start: int
+    stop: int
+    block: int
+    blocks: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.blocks * (self.stop - self.start)
+
+    def local_ids(self, ids):
+        """Ids of the device's slice (``[0, block·blocks)``) as ids of the piece, -1 outside it."""
+        within, which = ids % self.block, ids // self.block
+        inside = (ids >= 0) & (ids < self.block * self.blocks)
+        inside &= (within >= self.start) & (within < self.stop)
+        mapped = which * (self.stop - self.start) + within - self.start
+        return jnp.where(inside, mapped, -1).astype(ids.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
-    """Which mesh axes split the rows (per row dimension) and the vocabulary of one call."""
+    """Which mesh axes split the rows (per row dimension) and the vocabulary of one call.
+
+    ``piece``: a backward step run on part of this device's vocabulary slice
+    (:mod:`.vocab_pieces`), or None for all of it."""
 
     row_axes: tuple[Axes, ...]
     vocab_axes: Axes = ()
     manual: bool = False  # inside a user's shard_map: cotangent sums follow the vma types
     how: str = "one device"
+    piece: VocabPiece | None = None
 
     @staticmethod
     def single(n_row_dims: int) -> Placement:
@@ -70,6 +99,14 @@ class Placement:
         if not self.vocab_axes:
             return jnp.int32(0)
         return lax.axis_index(self.vocab_axes).astype(jnp.int32) * local_vocab
+
+    def local_ids(self, ids, local_vocab: int):
+        """Global vocabulary ids as ids of the operands this device's step holds
+        (``local_vocab`` of them: its slice, or its piece of it, where an id outside is -1)."""
+        if self.piece is None:
+            return ids - self.vocab_offset(local_vocab)
+        full = self.piece.block * self.piece.blocks
+        return self.piece.local_ids(ids - self.vocab_offset(full))
 
     def describe(self) -> str:
         rows = ", ".join(f"dim {i}: {list(a)}" for i, a in enumerate(self.row_axes) if a)
