@@ -86,6 +86,7 @@ def assert_same(got, want, rel=1e-6):
 CASES = [("Auto", 2, 2), ("Explicit", 2, 3), ("Auto", 4, 3), ("Explicit", 4, 2)]
 
 
+@pytest.mark.pallas_slow  # minutes per case in interpret mode
 @pytest.mark.parametrize("kind,n,pieces", CASES)
 def test_rows_split_in_pieces(rng, backend, kind, n, pieces):
     """Replicated head, rows over n devices: P all-reduces of d_weight pieces (chunked; the
