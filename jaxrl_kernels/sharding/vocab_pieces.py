@@ -81,6 +81,16 @@ def head_grad_pieces(pieces: int | None) -> Iterator[None]:
 
     Returns:
       A context manager.
+
+    Example:
+      >>> import jaxrl_kernels as jk
+      >>> with jk.head_grad_pieces(4):
+      ...     pass  # ops traced here split their backward in 4 where rows are split
+      >>> with jk.head_grad_pieces(0):
+      ...     pass
+      Traceback (most recent call last):
+      ...
+      ValueError: ...
     """
     token = _scoped.set(None if pieces is None else check(pieces))
     try:

@@ -243,12 +243,12 @@ def test_no_rows_split_runs_once(rng):
     args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((h, w, b, t), specs)]
     (got, hlo), (want, hlo_one) = run(fn, args, 3), run(fn, args, 1)
     assert_same(got, want, rel=0)
-    strip = lambda text: [
+    strip = lambda text: [  # the computations, not the source locations XLA records
         re.sub(r", metadata=\{[^}]*\}", "", line)
         for line in text.splitlines()
-        if "column=" not in line
+        if line.strip().startswith(("%", "ROOT", "ENTRY", "}"))
     ]
-    assert strip(hlo) == strip(hlo_one)
+    assert len(strip(hlo)) > 10 and strip(hlo) == strip(hlo_one)
 
 
 def test_option_checked(monkeypatch):
