@@ -54,6 +54,17 @@ def series(rows):
     return {impl: sorted(pts) for impl, pts in lines.items()}
 
 
+def _with_footer(fig, meta):
+    """``fig`` with the run's device, date, jax version and commit at its top right."""
+    fig.suptitle(
+        f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
+        fontsize=8,
+        x=0.99,
+        ha="right",
+    )
+    return fig
+
+
 def bars(data, rows, sizes):
     """One panel per (N, D, V): a horizontal bar per implementation, × jnp bf16."""
     from matplotlib.figure import Figure
@@ -75,14 +86,7 @@ def bars(data, rows, sizes):
         ax.set_xlabel("time × plain jnp bf16 (fwd+bwd; shorter is faster)")
         ax.set_xlim(0, max(r["x_jnp"] for r in here) * 1.35)
         ax.grid(True, axis="x", alpha=0.3)
-    meta = data["meta"]
-    fig.suptitle(
-        f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
-        fontsize=8,
-        x=0.99,
-        ha="right",
-    )
-    return fig
+    return _with_footer(fig, data["meta"])
 
 
 def figure(data):
@@ -135,14 +139,7 @@ def figure(data):
         fontsize=9,
         frameon=False,
     )
-    meta = data["meta"]
-    fig.suptitle(
-        f"{meta['device']}, {meta['date']}, jax {meta['jax']}, commit {meta['commit']}",
-        fontsize=8,
-        x=0.99,
-        ha="right",
-    )
-    return fig
+    return _with_footer(fig, data["meta"])
 
 
 def save(data, target):
