@@ -11,8 +11,8 @@
 // sm90_stats_kernel.cuh and combine_kernel (sm90_launch.cu).
 //
 // `jaxrl_kernels_sm90_linear_kept_logits`: the same with a first result, the logits
-// hidden . W^T [N, V] in the head's dtype, and the statistics taken from those rounded
-// logits (ForwardArgs::logits): memory="fast"'s forward.
+// hidden . W^T [M, V] in the head's dtype (M >= N: the rows past N zero), and the statistics
+// taken from those rounded logits (ForwardArgs::logits): memory="fast"'s forward.
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -33,9 +33,16 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t 
   if (checked.failure()) return checked;
   if (logits != nullptr) {
     auto ld = logits->dimensions();
-    if (ld.size() != 2 || ld[0] != args.n || ld[1] != args.v || logits->element_type() != hidden.element_type())
-      return ffi::Error::InvalidArgument("the kept logits must be [N, V] in the head's dtype, got " + dims_str(ld));
+    if (ld.size() != 2 || ld[0] < args.n || ld[1] != args.v || logits->element_type() != hidden.element_type())
+      return ffi::Error::InvalidArgument("the kept logits must be [M >= N, V] in the head's dtype, got " +
+                                         dims_str(ld));
     args.logits = logits->untyped_data();
+    // Rows past N are zero: a step run on its first N rows of M (row skipping) gets its logits
+    // laid out at all M rows without a padded copy.
+    const size_t row_bytes = static_cast<size_t>(args.v) * ffi::ByteWidth(logits->element_type());
+    if (ld[0] > args.n && cudaMemsetAsync(static_cast<char*>(args.logits) + row_bytes * args.n, 0,
+                                          row_bytes * (ld[0] - args.n), stream) != cudaSuccess)
+      return ffi::Error::Internal("zeroing the kept logits' rows past N failed");
   }
   if (!all_rows(args.n, {targets.element_count(), row_valid.element_count(), logp->element_count(),
                          entropy->element_count(), lse->element_count()}))

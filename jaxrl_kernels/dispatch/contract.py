@@ -53,7 +53,9 @@ kept_logits        ``(plan, hidden[N,D], weight, bias | None, t_local[N],
                    on one device, the logits ``z`` rounded to the head's
                    dtype and the row statistics of the rounded values (the
                    target logit unrounded), as ``rounded_logits.local_stats``
-                   (reference: XLA's GEMM and reductions; ffi: one kernel)
+                   (reference: XLA's GEMM and reductions; ffi: one kernel,
+                   which lays ``z`` out at ``plan.logits_rows`` rows where
+                   that is set, the rows past N zero)
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's

@@ -107,10 +107,10 @@ def _local_logit_grad(
     temperature,
 ):
     """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
-    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer) up to
-    the last ``row_valid`` row (the rows after it hold logits of zeroed rows, 0, and so their
-    gradient already: ``engine.row_skip``), the target's entry exact (``lse + logp``, as the
-    forward's statistics took it), the
+    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
+    blocks after the last ``row_valid`` row left as they are (they hold logits of zeroed
+    rows, 0, and so their gradient already: ``engine.row_skip``), the target's entry exact
+    (``lse + logp``, as the forward's statistics took it), the
     ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
     float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
     vocab = geometry.vocab_size(weight, weight_layout)
@@ -122,9 +122,13 @@ def _local_logit_grad(
     spans = blocks(z.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
     scale = _float16_scale(g, g_ent, per_row[2], temperature) if z.dtype == jnp.float16 else 1.0
 
+    last = jnp.max(jnp.where(row_valid, jnp.arange(1, row_valid.shape[0] + 1), 0))
+    live_blocks = -(-last // spans.size)
+
     def block(c, carry):
         flat, col_sums = carry if bias is not None else (carry, None)
-        start, fresh = spans.start(c), spans.fresh(c)[:, None]
+        start = spans.start(c)
+        fresh = (spans.fresh(c) & (c < live_blocks))[:, None]
         t, l, ent, gg, ge, z_t = (
             None if x is None else jax.lax.dynamic_slice_in_dim(x, start, spans.size)
             for x in per_row
@@ -143,8 +147,10 @@ def _local_logit_grad(
     init = z
     if bias is not None:
         init = (z, varying_like(jnp.zeros((vocab,), jnp.float32), z, weight))
-    last = jnp.max(jnp.where(row_valid, jnp.arange(1, row_valid.shape[0] + 1), 0))
-    out = jax.lax.fori_loop(0, jnp.minimum(spans.count, -(-last // spans.size)), block, init)
+    # A static trip count: XLA's GPU runtime reads a loop's predicate back to the host on every
+    # iteration when the count is only known on the device (one host sync per block, each an
+    # idle gap between kernels); the blocks past the last kept row cost elementwise work only.
+    out = jax.lax.fori_loop(0, spans.count, block, init)
     dz, col_sums = out if bias is not None else (out, None)
     inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
     return dz, inv_scale, col_sums

@@ -13,7 +13,9 @@ whose operands include a per-row keep flag (``row_valid``) is run by :func:`call
 * per-row results come back in the original order, a skipped row's as 0; results laid out
   like the logits (role ``r…v``, ``[N, V_local]``: kept logits, their gradient) stay in the
   kept-first order, zero-padded, and the next step of the same op takes them so (its keep
-  flags give the same order).
+  flags give the same order). A branch's ``plan.logits_rows`` is N: a kernel that writes such
+  a result at N rows itself spares the branch a padded copy (the switch's result is a buffer
+  of its own, so a pad would hold two ``[N, V]`` at once).
 
 Skipped rows' contents are never read, so every result is bitwise the same whatever they
 hold; where no branch is taken (too few rows, a vocabulary split, batch invariance) the
@@ -21,6 +23,8 @@ skipped rows' floating operands are zeroed before the step for the same reason.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +114,8 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
                 head = [
                     x if x is None or not _has_rows(r) else x[:size] for x, r in zip(ops, roles)
                 ]
-                outs = [y for y in local(plan, *head) if y is not None]
+                at_size = dataclasses.replace(plan, logits_rows=n_rows)
+                outs = [y for y in local(at_size, *head) if y is not None]
                 return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
 
             return branch_fn

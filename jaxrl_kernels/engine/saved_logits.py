@@ -145,7 +145,9 @@ def kept_stats(kept, plan, hidden, weight, bias, t_local, row_valid, **options):
 
 def kept_logits(bias, z, temperature, t_local, exact):
     """z̃ of the kept logits, each row's target entry ``exact`` [N] (``t_local``: its column),
-    as a ``kept_set.Logits``: columns ``[start, start + size)`` or rows ``[start, start + size)``."""
+    as a ``kept_set.Logits``: columns ``[start, start + size)`` or rows ``[start, start + size)``.
+    ``z`` may hold more rows than ``t_local`` (``Placement.logits_rows``): the first are these."""
+    z = z[: t_local.shape[0]]
 
     def columns(start, size):
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)

@@ -83,6 +83,8 @@ def exact_target_stats(stats, target_rel, z, t_local, bias, temperature):
     in float32 it leaves ``s`` within a few ulps of 1·s, where bfloat16's rounding of
     ``z̃_t`` moved it by up to 3 %."""
     m = stats[0]
+    # a step's logits may be laid out at more rows (Placement.logits_rows): the first are these
+    z = z[: t_local.shape[0]]
     vocab = z.shape[1]
     holds = (t_local >= 0) & (t_local < vocab)
     t = jnp.clip(t_local, 0, vocab - 1)

@@ -61,13 +61,17 @@ class Placement:
     """Which mesh axes split the rows (per row dimension) and the vocabulary of one call.
 
     ``piece``: a backward step run on part of this device's vocabulary slice
-    (:mod:`.vocab_pieces`), or None for all of it."""
+    (:mod:`.vocab_pieces`), or None for all of it. ``logits_rows``: a step run on the first
+    rows of this device's (``engine.row_skip``) lays its results shaped like the logits out at
+    this many rows, the rows past its own zero; a kernel that can write them so directly does
+    (no padded copy of ``[N, V]``), None otherwise."""
 
     row_axes: tuple[Axes, ...]
     vocab_axes: Axes = ()
     manual: bool = False  # inside a user's shard_map: cotangent sums follow the vma types
     how: str = "one device"
     piece: VocabPiece | None = None
+    logits_rows: int | None = None
 
     @staticmethod
     def single(n_row_dims: int) -> Placement:

@@ -176,10 +176,12 @@ def _forward_call(
     temperature,
     config=DEFAULT_CONFIG,
     keep_logits=False,
+    logits_rows=None,
 ):
     """(logp, entropy unmasked, lse), float32 [N] each, from the custom call; with
-    ``keep_logits``, first the logits ``hidden @ Wᵀ`` [N, V] in the head's dtype, the
-    statistics then those of the rounded logits (the target logit unrounded)."""
+    ``keep_logits``, first the logits ``hidden @ Wᵀ`` [M, V] in the head's dtype (M:
+    ``logits_rows``, N if None; the rows past N zero), the statistics then those of the
+    rounded logits (the target logit unrounded)."""
     _check_served(hidden, weight, weight_layout)
     n_rows = hidden.shape[0]
     has_bias = bias is not None
@@ -188,7 +190,8 @@ def _forward_call(
     results = (row, row, row)
     if keep_logits:
         vocab = geometry.vocab_size(weight, weight_layout)
-        results = (jax.ShapeDtypeStruct((n_rows, vocab), hidden.dtype),) + results
+        rows = n_rows if logits_rows is None else logits_rows
+        results = (jax.ShapeDtypeStruct((rows, vocab), hidden.dtype),) + results
     call = jax.ffi.ffi_call(
         KEPT_TARGET if keep_logits else TARGET, results, vmap_method="sequential"
     )
@@ -333,10 +336,18 @@ def kept_logits(
 ):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
     ``rounded_logits.local_stats``) from one custom call: the kernel writes the logits rounded
-    to the head's dtype as it folds them, so no pass reads them back for the statistics."""
-    del plan
+    to the head's dtype as it folds them, so no pass reads them back for the statistics; at
+    ``plan.logits_rows`` rows where row skipping runs it on the first rows (the rest zero)."""
     z, logp, entropy, lse = _forward_call(
-        hidden, weight, bias, t_local, row_valid, weight_layout, temperature, keep_logits=True
+        hidden,
+        weight,
+        bias,
+        t_local,
+        row_valid,
+        weight_layout,
+        temperature,
+        keep_logits=True,
+        logits_rows=plan.logits_rows,
     )
     stats = (lse, jnp.ones_like(lse)) + ((-entropy,) if with_entropy else ())
     return stats, logp, z
