@@ -112,7 +112,8 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
         def run_at(size):
             def branch_fn(ops):
                 head = [
-                    x if x is None or not _has_rows(r) else x[:size] for x, r in zip(ops, roles)
+                    x if x is None or not _has_rows(r) else _leading(x, size)
+                    for x, r in zip(ops, roles)
                 ]
                 at_size = dataclasses.replace(plan, logits_rows=n_rows)
                 outs = [y for y in local(at_size, *head) if y is not None]
@@ -136,3 +137,8 @@ def _padded(y, n_rows):
     if y.shape[0] == n_rows:
         return y
     return jnp.pad(y, [(0, n_rows - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
+
+
+def _leading(x, size):
+    """The first ``size`` rows of ``x``."""
+    return x[:size]
