@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import subprocess
 
@@ -31,7 +32,7 @@ from jaxrl_kernels.backends.ffi import extension
 from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 from jaxrl_kernels.dispatch.contract import Parts, Problem
-from jaxrl_kernels.engine import fused_loss, linear_head
+from jaxrl_kernels.engine import fused_loss, linear_head, row_skip
 from jaxrl_kernels.engine.linear_head import HeadCall
 from jaxrl_kernels.head import head_grad, rounded_logits
 from tests.conftest import assert_bitwise, assert_close, assert_f32, cotangent
@@ -235,6 +236,32 @@ def test_fast_loss_forward_is_one_custom_call_for_cuda(layout):
     )
     assert grad.count(f"stablehlo.custom_call @{ffi_linear.KEPT_TARGET}") == 1
     assert grad.count("stablehlo.dot_general") == 2
+
+
+def test_fast_loss_kept_logits_at_every_row_under_row_skipping_for_cuda():
+    """Row skipping (1024 rows, the last 300 masked): each branch's kept-logits call takes its
+    S rows of hidden states and returns the logits at all 1024 rows (``Placement.logits_rows``;
+    the call zeroes the rows past S), so no branch pads them into a second buffer."""
+    n, d, v = 1024, 16, 40
+    h, w, _, t = _inputs(n=n, d=d, v=v, bias=False)
+    rv = jnp.arange(n) < n - 300
+    loss_fn = lambda logp, entropy, inputs: jnp.sum(logp * inputs)  # noqa: E731
+
+    def loss(h, w):
+        call = HeadCall(weight_layout="vd", temperature=1.0, return_entropy=False)
+        return fused_loss.fused_linear_loss(
+            ffi_linear.kept_logits, loss_fn, h, w, None, t, rv, jnp.ones((n,)), call
+        )
+
+    text = jax.jit(loss).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+    signature = re.compile(
+        rf"@{ffi_linear.KEPT_TARGET}\(.*: \(tensor<(\d+)x{d}xbf16>.*\) -> \(tensor<(\d+)x{v}xbf16>"
+    )
+    calls = [m.groups() for m in map(signature.search, text.splitlines()) if m]
+    assert sorted(int(rows) for rows, _ in calls) == sorted(row_skip.bucket_sizes(n)), calls
+    assert all(int(out) == n for _, out in calls), calls
+    pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
+    assert not any(f"tensor<{n}x{v}xbf16>" in line for line in pads), pads
 
 
 def test_weight_copy_attribute_from_config():
