@@ -21,7 +21,7 @@ from jaxrl_kernels.engine import logprob_core, vjp
 from jaxrl_kernels.formulas import softmax_math
 from jaxrl_kernels.formulas.sampler_math import Truncation
 from jaxrl_kernels.head import geometry, head_ids, kept_set, vocab_chunks
-from jaxrl_kernels.sharding import collectives, vocab_pieces
+from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding.vma import varying_like
 
 AxisName = str | tuple[str, ...]
@@ -192,7 +192,7 @@ def linear_head_op(
         vocab_axis=call.vocab_axis,
         # batch-invariant: every row as it is (each row's results are its own by construction)
         keep_at=None if call.batch_invariant else 4,
-        pieces=vocab_pieces.requested(),
+        pieces=vjp.head_grad_pieces(),
     )
     entropy = outs[1] if with_entropy else None
     return (outs[0], entropy, outs[n_out]) if truncated else (outs[0], entropy)
@@ -275,7 +275,7 @@ def _linear_ids_op(stats, backward, hidden, weight, bias, ids, id_valid, call: H
         (rows,) * n_out + (rows, rows + "-") + (rows + "v",) * n_kept,
         diff=(0, 1, 2),
         vocab_axis=call.vocab_axis,
-        pieces=vocab_pieces.requested(),
+        pieces=vjp.head_grad_pieces(),
     )
     return outs[0], (outs[1] if with_entropy else None)
 
@@ -391,7 +391,7 @@ def head_backward(
         grads_of=present,
         vocab_axis=call.vocab_axis,
         keep_at=len(operands) - 3,
-        pieces=vocab_pieces.requested(),
+        pieces=vjp.head_grad_pieces(),
     )
     dh, dw = grads[0].astype(hidden.dtype), grads[1].astype(weight.dtype)
     return dh, dw, (grads[2].astype(bias.dtype) if bias is not None else None)

@@ -42,7 +42,7 @@ import jax
 from jaxrl_kernels import sharding
 from jaxrl_kernels.dispatch import trace_log
 from jaxrl_kernels.engine import row_skip
-from jaxrl_kernels.sharding import collectives
+from jaxrl_kernels.sharding import collectives, vocab_pieces
 
 
 def rows_of(role: str) -> int:
@@ -222,3 +222,16 @@ def differentiable(
 
     op.defvjp(fwd, bwd)
     return op(*operands)
+
+
+def head_grad_pieces() -> int:
+    """The vocabulary pieces of a linear head's backward in force
+    (``sharding.vocab_pieces.requested``), noted for ``explain`` where there are several."""
+    pieces = vocab_pieces.requested()
+    if pieces > 1:
+        trace_log.note(
+            "pieces",
+            f"the head's gradient in {pieces} vocabulary pieces where rows are split across "
+            f"devices ({vocab_pieces.requested_source()})",
+        )
+    return pieces

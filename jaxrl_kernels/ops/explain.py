@@ -32,7 +32,8 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
     laid out on the devices (``layout:``). For the ops from hidden states, the ``memory=`` mode
     and where it came from: ``memory='fast'`` (the argument, or the default ``'auto'``),
     ``jk.memory_mode('fast')`` (a scope) or ``JAXRL_KERNELS_MEMORY=fast``, with a byte
-    budget's comparison.
+    budget's comparison; the backward's vocabulary pieces where several are asked for
+    (``pieces:``, ``jk.head_grad_pieces``).
 
     Args:
       op: a public op name.
@@ -64,12 +65,13 @@ def explain(op: str, *args: Any, **kwargs: Any) -> str:
         header.append(f"{op}: backend override {wanted!r} is in force ({source})")
     blocks: list[tuple[str, list[str]]] = []  # (step, its lines), in the order noted
     for step, choice in log:
-        if step == "layout":  # how the op is laid out on the devices (engine.note_layout)
+        # how the op is laid out on the devices (engine.note_layout), its backward's pieces
+        if step in ("layout", "pieces"):
             mine = [b for b in blocks if b[0] == op] or blocks[-1:]
             if mine:
-                mine[-1][1].append(f"  layout: {choice}")
+                mine[-1][1].append(f"  {step}: {choice}")
             else:
-                blocks.append((op, [f"  layout: {choice}"]))
+                blocks.append((op, [f"  {step}: {choice}"]))
             continue
         if not isinstance(choice, Choice):
             blocks.append((step, [choice.explain_line(step)]))

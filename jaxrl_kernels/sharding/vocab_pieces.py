@@ -65,6 +65,14 @@ def requested() -> int:
     return check(int(env) if env.isdecimal() else env, ENV_VAR)
 
 
+def requested_source() -> str:
+    """Where :func:`requested` took its value: ``"jk.head_grad_pieces"`` (a scope), the
+    variable's name, or ``"default"``."""
+    if _scoped.get() is not None:
+        return "jk.head_grad_pieces"
+    return ENV_VAR if os.environ.get(ENV_VAR, "").strip() else "default"
+
+
 @contextlib.contextmanager
 def head_grad_pieces(pieces: int | None) -> Iterator[None]:
     """Within this scope, the linear-head ops' backward runs in ``pieces`` vocabulary pieces

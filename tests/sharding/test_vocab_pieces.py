@@ -267,3 +267,24 @@ def test_option_checked(monkeypatch):
         vocab_pieces.requested()
     monkeypatch.delenv(vocab_pieces.ENV_VAR)
     assert vocab_pieces.requested() == 1
+
+
+def test_explain_reports_the_pieces(monkeypatch):
+    """``explain`` names the pieces and where they were asked for; with one piece it says
+    nothing of them. Shapes where the engine's backends run (not ``reference``)."""
+    args = [
+        jax.ShapeDtypeStruct((4096, 64), jnp.float32),
+        jax.ShapeDtypeStruct((32000, 64), jnp.float32),
+        jax.ShapeDtypeStruct((4096,), jnp.int32),
+    ]
+    with jk.head_grad_pieces(4):
+        text = jk.explain("linear_logprobs", *args)
+    assert "pieces: the head's gradient in 4 vocabulary pieces" in text, text
+    assert "(jk.head_grad_pieces)" in text, text
+    monkeypatch.setenv(vocab_pieces.ENV_VAR, "3")
+    assert (
+        f"in 3 vocabulary pieces where rows are split across devices ({vocab_pieces.ENV_VAR})"
+        in (jk.explain("linear_logprobs", *args))
+    )
+    monkeypatch.delenv(vocab_pieces.ENV_VAR)
+    assert "pieces:" not in jk.explain("linear_logprobs", *args)
