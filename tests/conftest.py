@@ -4,7 +4,8 @@ Every op test takes a ``backend`` argument and is parametrized over :data:`CPU_B
 (the one list); set ``JAXRL_TEST_PALLAS=1`` to add the Pallas backend (interpret mode
 on CPU). Cases too slow for interpret mode carry ``@pytest.mark.pallas_slow`` (or are
 wrapped with :func:`pallas_slow`) and are skipped for ``backend="pallas"`` unless
-``JAXRL_TEST_PALLAS_SLOW=1``. A test marked ``@pytest.mark.op(*names)`` (the public ops it
+``JAXRL_TEST_PALLAS_SLOW=1``; a case marked ``slow_on(*backends)`` (:func:`slow_on`) is
+skipped for those backends unless ``JAXRL_TEST_SLOW=1``. A test marked ``@pytest.mark.op(*names)`` (the public ops it
 calls; bare ``@pytest.mark.op``: its ``op`` parameter) runs each function once: a backend
 whose call of each of them runs the very function an earlier backend runs (:func:`same_code`:
 reference and chunked share ppo_math's ppo_loss and aggregation_math's group_advantages; kl_penalty, aggregate
