@@ -43,6 +43,25 @@ CASES = [
     ((2, 3), 129, 8, 1.0, False, jnp.float16, "dv"),
 ]
 PALLAS_VALUES = {(CASES[0],) + (i,) for i in range(len(TRUNCATIONS))}
+# chunked: the pallas sample, and each other case with its own truncation and with all three
+# (every case × truncation with JAXRL_TEST_SLOW=1; the reference backend runs them all)
+CHUNKED_VALUES = {CASES[0] + (t,) for t in range(len(TRUNCATIONS))} | {
+    CASES[i] + (t,) for i in range(1, len(CASES)) for t in (i, len(TRUNCATIONS) - 1)
+}
+
+
+def values_sample():
+    """pallas_sample's cases (flattened: a case's 7 values and the truncation), those not in
+    CHUNKED_VALUES slow on chunked."""
+    return [
+        pytest.param(
+            *p.values,
+            id=p.id,
+            marks=list(p.marks)
+            + [pytest.mark.slow_on("chunked")] * (tuple(p.values) not in CHUNKED_VALUES),
+        )
+        for p in pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS)))
+    ]
 
 
 def head_inputs(rng, lead, vocab, d, dtype, layout, with_bias, scale=3.0):
@@ -113,7 +132,7 @@ def check_linear(
 
 @pytest.mark.parametrize(
     "lead,vocab,d,temperature,with_bias,dtype,layout,trunc",
-    pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS))),
+    values_sample(),
 )
 def test_linear_values_and_vjp(
     backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout, trunc
