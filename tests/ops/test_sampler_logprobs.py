@@ -42,7 +42,9 @@ CASES = [
     ((3, 4), 401, 12, 1.3, True, jnp.bfloat16, "vd"),
     ((2, 3), 129, 8, 1.0, False, jnp.float16, "dv"),
 ]
-PALLAS_VALUES = {(CASES[0],) + (i,) for i in range(len(TRUNCATIONS))}
+# pallas (interpret mode, ~4 s a case): the first case with top_k only (the cheapest, by a
+# little); pallas_sample compares flattened cases (a case's 7 values and the truncation)
+PALLAS_VALUES = {CASES[0] + (0,)}
 # chunked: the pallas sample, and each other case with its own truncation and with all three
 # (every case × truncation with JAXRL_TEST_SLOW=1; the reference backend runs them all)
 CHUNKED_VALUES = {CASES[0] + (t,) for t in range(len(TRUNCATIONS))} | {
