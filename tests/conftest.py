@@ -4,7 +4,8 @@ Every op test takes a ``backend`` argument and is parametrized over :data:`CPU_B
 (the one list); set ``JAXRL_TEST_PALLAS=1`` to add the Pallas backend (interpret mode
 on CPU). Cases too slow for interpret mode carry ``@pytest.mark.pallas_slow`` (or are
 wrapped with :func:`pallas_slow`) and are skipped for ``backend="pallas"`` unless
-``JAXRL_TEST_PALLAS_SLOW=1``. A test marked ``@pytest.mark.op(*names)`` (the public ops it
+``JAXRL_TEST_PALLAS_SLOW=1``; a case marked ``slow_on(*backends)`` (:func:`slow_on`) is
+skipped for those backends unless ``JAXRL_TEST_SLOW=1``. A test marked ``@pytest.mark.op(*names)`` (the public ops it
 calls; bare ``@pytest.mark.op``: its ``op`` parameter) runs each function once: a backend
 whose call of each of them runs the very function an earlier backend runs (:func:`same_code`:
 reference and chunked share ppo_math's ppo_loss and aggregation_math's group_advantages; kl_penalty, aggregate
@@ -46,8 +47,11 @@ import pytest
 # XLA's CPU compiler (jaxlib 0.12) can spend many minutes in its call inliner propagating the
 # Python stack frames of each op's location into inlined while loops (the loops of Pallas
 # interpret mode); the cost grows with the frames kept per location (default 10). Five keep
-# every compile here short.
-jax.config.update("jax_traceback_in_locations_limit", 5)
+# every compile here short; none (0, the default here) cut the pallas tests' time by another
+# 10-15% (the HLO loses only its source locations: Python tracebacks are unchanged). The
+# environment variable carries it to the processes tests start; set it to keep frames.
+TRACEBACK_FRAMES = int(os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0"))
+jax.config.update("jax_traceback_in_locations_limit", TRACEBACK_FRAMES)
 
 # On CPU the suite's time is mostly XLA compiling thousands of small programs (every eager op
 # call compiles its primitives one by one, ~20 ms each), not running them: compile them with
@@ -114,6 +118,10 @@ def pytest_configure(config):
         "markers",
         "pallas_slow: too slow for Pallas interpret mode; skipped for backend='pallas' "
         "unless JAXRL_TEST_PALLAS_SLOW=1",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow_on(*backends): skipped for those values of 'backend' unless JAXRL_TEST_SLOW=1",
     )
     config.addinivalue_line(
         "markers",
@@ -193,6 +201,19 @@ def pytest_collection_modifyitems(config, items):
             and not run_slow_pallas
         ):
             item.add_marker(skip_slow_pallas)
+        slow_on = item.get_closest_marker("slow_on")
+        if (
+            slow_on is not None
+            and callspec is not None
+            and callspec.params.get("backend") in slow_on.args
+            and not run_slow
+        ):
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"slow on backend {callspec.params['backend']!r}; set "
+                    "JAXRL_TEST_SLOW=1 to run it"
+                )
+            )
         same = _same_code_as(item)
         if same is not None and not run_slow:
             item.add_marker(
@@ -238,6 +259,12 @@ def same_code(op: str, backend: str) -> str | None:
 def pallas_slow(*values):
     """A ``pytest.param`` for a case that is too slow for Pallas interpret mode."""
     return pytest.param(*values, marks=pytest.mark.pallas_slow)
+
+
+def slow_on(backends, *values):
+    """A ``pytest.param`` skipped for the ``backends`` (a tuple of backend names) unless
+    JAXRL_TEST_SLOW=1: a combination that another case covers on those backends."""
+    return pytest.param(*values, marks=pytest.mark.slow_on(*backends))
 
 
 def pallas_sample(pallas, *axes):

@@ -155,8 +155,21 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("variant", VARIANTS, ids="-".join)
+def _slow_unless(keep, *values):
+    return pytest.param(*values, marks=() if keep else pytest.mark.slow)
+
+
+# Each variant on multi_tile (T splits and tiles past T together) and on one of t_splits /
+# row_tiles in turn (each plan twice); the other pairs slow.
+@pytest.mark.parametrize(
+    "variant,plan",
+    [
+        _slow_unless(plan in ("multi_tile", ("t_splits", "row_tiles")[i % 2]), v, plan)
+        for i, v in enumerate(VARIANTS)
+        for plan in PLANS
+    ],
+    ids=[f"{'-'.join(v)}-{plan}" for v in VARIANTS for plan in PLANS],
+)
 def test_policy_variants_every_plan(rng, variant, plan):
     """The sequence sums (l_b, the sequence TIS log-weight) add up over T splits and tiles
     that end past T, and over fully masked sequences."""
@@ -188,8 +201,17 @@ def _packed_batch(rng):
     return packed, arrays, mask * packed.pad_mask()
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
-@pytest.mark.parametrize("mode", MODES)
+# Packed rows: every mode on multi_tile, token_mean on every plan (test_every_option_every_mode
+# runs every mode × plan on padded rows; the plans tile packed rows alike); the rest slow.
+@pytest.mark.parametrize(
+    "mode,plan",
+    [
+        _slow_unless(plan == "multi_tile" or mode == "token_mean", mode, plan)
+        for mode in MODES
+        for plan in PLANS
+    ],
+    ids=[f"{mode}-{plan}" for mode in MODES for plan in PLANS],
+)
 def test_packed_rows_every_option_every_mode(rng, mode, plan):
     """``segment_ppo_loss``: the padded oracle's values and gradients, each sequence's sums
     gathered from its positions across tiles and T splits, an empty sequence and an empty

@@ -91,14 +91,19 @@ PALLAS_GRID = {
 
 
 def _grid():
-    for variant, mode, adv_rank, empty in itertools.product(VARIANTS, MODES, (1, 2), (False, True)):
+    """Every combination; pallas runs PALLAS_GRID. The reference (chunked runs its function)
+    runs half: each variant × aggregation with two of the four advantage rank × masking
+    pairs, in turn, so that each pair meets every variant and every aggregation; the other
+    half slow on it."""
+    for (i, variant), (j, mode), adv_rank, empty in itertools.product(
+        enumerate(VARIANTS), enumerate(MODES), (1, 2), (False, True)
+    ):
         case = (variant, mode, adv_rank, empty)
         cid = f"{variant_id(variant)}-{mode}-adv{adv_rank}-{'empty' if empty else 'dense'}"
-        yield (
-            pytest.param(*case, id=cid)
-            if case in PALLAS_GRID
-            else pytest.param(*case, id=cid, marks=pytest.mark.pallas_slow)
-        )
+        marks = [] if case in PALLAS_GRID else [pytest.mark.pallas_slow]
+        if (i + j + adv_rank + empty) % 2:
+            marks.append(pytest.mark.slow_on("reference"))
+        yield pytest.param(*case, id=cid, marks=marks)
 
 
 @pytest.mark.parametrize("variant,mode,adv_rank,empty", list(_grid()))

@@ -48,6 +48,12 @@ def _grads_check(grads, primals, want, want32, dtype):
         assert_close(got, w, in_dtype=dtype, want32=w32, name=name)
 
 
+def big(*values):
+    """A large case (the vocabulary-chunked paths): pallas_slow, and slow on the reference
+    (plain jnp on the whole vocabulary, the same code as at the small sizes)."""
+    return pytest.param(*values, marks=[pytest.mark.pallas_slow, pytest.mark.slow_on("reference")])
+
+
 # ----------------------------------------------------------------------------- linear_ppo_loss
 
 PPO_OPTIONS = {
@@ -151,15 +157,19 @@ def check_linear_ppo(backend, rng, x, dtype, layout, options):
 DTYPE_LAYOUTS = [(jnp.float32, "vd"), (jnp.bfloat16, "dv")]
 
 
-def pallas_cases(options, both):
+def pallas_cases(options, both, covered=()):
     """Each option set on both dtype-layouts; pallas (interpret mode is slow) runs each once,
-    the dtype-layouts in turn, and ``both`` on both."""
-    pallas = {(o, *DTYPE_LAYOUTS[i % 2]) for i, o in enumerate(options)}
+    the dtype-layouts in turn, and ``both`` on both; the sets in ``covered`` (their options
+    all in ``both``) on neither."""
+    pallas = {(o, *DTYPE_LAYOUTS[i % 2]) for i, o in enumerate(options) if o not in covered}
     pallas |= {(both, *dl) for dl in DTYPE_LAYOUTS}
     return pallas_sample(pallas, list(options), DTYPE_LAYOUTS)
 
 
-@pytest.mark.parametrize("options,dtype,layout", pallas_cases(PPO_OPTIONS, "everything"))
+# pallas: entropy_temp's entropy_coef and temperature are in "everything" (both dtype-layouts)
+@pytest.mark.parametrize(
+    "options,dtype,layout", pallas_cases(PPO_OPTIONS, "everything", covered=("entropy_temp",))
+)
 def test_linear_ppo_loss(backend, rng, options, dtype, layout):
     x = make_head(rng, 4, 5, 37, 8, dtype, layout, with_bias=options != "default")
     check_linear_ppo(backend, rng, x, dtype, layout, PPO_OPTIONS[options])
@@ -171,8 +181,8 @@ def test_linear_ppo_loss(backend, rng, options, dtype, layout):
         (2, 3, 1000, 16, "dv"),
         (1, 1, 1, 4, "vd"),
         (3, 1, 7, 5, "dv"),
-        pallas_slow(1, 2, 32003, 8, "vd"),
-        pallas_slow(16, 128, 1000, 8, "dv"),
+        big(1, 2, 32003, 8, "vd"),
+        big(16, 128, 1000, 8, "dv"),
     ],
 )
 def test_linear_ppo_loss_shapes(backend, rng, b, t, v, d, layout):
@@ -296,7 +306,13 @@ def test_linear_grpo_loss(backend, rng, options, dtype, layout):
 
 @pytest.mark.parametrize(
     "b,t,v,d",
-    [(2, 3, 1000, 16), (2, 1, 1, 4), pallas_slow(2, 1, 32003, 8), pallas_slow(16, 128, 1000, 8)],
+    # pallas: V 1000 pallas_slow (test_linear_ppo_loss_shapes runs the head kernel at 2x3x1000)
+    [
+        pallas_slow(2, 3, 1000, 16),
+        (2, 1, 1, 4),
+        big(2, 1, 32003, 8),
+        big(16, 128, 1000, 8),
+    ],
 )
 def test_linear_grpo_loss_shapes(backend, rng, b, t, v, d):
     x = make_head(rng, b, t, v, d, jnp.float32, "vd", with_bias=True)

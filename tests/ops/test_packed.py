@@ -19,7 +19,7 @@ import pytest
 import jaxrl_kernels as jk
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch.contract import Problem
-from tests.conftest import assert_close
+from tests.conftest import assert_close, pallas_slow
 from tests.ops.test_checks import traced_raises
 from tests.support import oracle
 from tests.support.packing import Packed
@@ -151,9 +151,16 @@ def _ppo_arrays(rng, packed):
     )
 
 
+# pallas: the options the combined ones (gspo_dual_clip_tis_token: dual clip, kl, entropy, token
+# tis) hold are pallas_slow
+PPO_PALLAS_SLOW = ("plain", "dual_clip_kl_entropy", "tis_token")
+
+
 @pytest.mark.op("ppo_loss")
 @pytest.mark.parametrize("interleave", [False, True], ids=["contiguous", "interleaved"])
-@pytest.mark.parametrize("option", PPO_OPTIONS)
+@pytest.mark.parametrize(
+    "option", [pallas_slow(o) if o in PPO_PALLAS_SLOW else o for o in PPO_OPTIONS]
+)
 def test_ppo_loss(rng, backend, option, interleave):
     packed, mask = _layout(rng, interleave=interleave)
     arrays = _ppo_arrays(rng, packed)
@@ -365,7 +372,11 @@ def _linear_call(op, packed, x, mask, pack, **kw):
 
 
 @pytest.mark.parametrize("memory", ["lean", "fast"])
-@pytest.mark.parametrize("op", LINEAR)
+# pallas: linear_grpo_loss and linear_policy_gradient_loss run its head and segment kernels on
+# packed rows; linear_ppo_loss (~8 s in interpret mode) is pallas_slow
+@pytest.mark.parametrize(
+    "op", [pallas_slow(op) if op == "linear_ppo_loss" else op for op in LINEAR]
+)
 def test_linear_losses(rng, backend, op, memory):
     if memory == "fast" and backend != "reference":
         pytest.skip("memory='fast' chooses its own kernels: once, with backend=None")

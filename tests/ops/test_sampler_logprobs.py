@@ -16,7 +16,15 @@ from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
 from jaxrl_kernels.head import kept_set
-from tests.conftest import assert_close, assert_f32, assert_zero, cotangent, pallas_sample, rand
+from tests.conftest import (
+    assert_close,
+    assert_f32,
+    assert_zero,
+    cotangent,
+    pallas_sample,
+    pallas_slow,
+    rand,
+)
 from tests.support import oracle
 from tests.support.sharding_support import on_two_devices
 
@@ -34,7 +42,28 @@ CASES = [
     ((3, 4), 401, 12, 1.3, True, jnp.bfloat16, "vd"),
     ((2, 3), 129, 8, 1.0, False, jnp.float16, "dv"),
 ]
-PALLAS_VALUES = {(CASES[0],) + (i,) for i in range(len(TRUNCATIONS))}
+# pallas (interpret mode, ~4 s a case): the first case with top_k only (the cheapest, by a
+# little); pallas_sample compares flattened cases (a case's 7 values and the truncation)
+PALLAS_VALUES = {CASES[0] + (0,)}
+# chunked: the pallas sample, and each other case with its own truncation and with all three
+# (every case × truncation with JAXRL_TEST_SLOW=1; the reference backend runs them all)
+CHUNKED_VALUES = {CASES[0] + (t,) for t in range(len(TRUNCATIONS))} | {
+    CASES[i] + (t,) for i in range(1, len(CASES)) for t in (i, len(TRUNCATIONS) - 1)
+}
+
+
+def values_sample():
+    """pallas_sample's cases (flattened: a case's 7 values and the truncation), those not in
+    CHUNKED_VALUES slow on chunked."""
+    return [
+        pytest.param(
+            *p.values,
+            id=p.id,
+            marks=list(p.marks)
+            + [pytest.mark.slow_on("chunked")] * (tuple(p.values) not in CHUNKED_VALUES),
+        )
+        for p in pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS)))
+    ]
 
 
 def head_inputs(rng, lead, vocab, d, dtype, layout, with_bias, scale=3.0):
@@ -105,7 +134,7 @@ def check_linear(
 
 @pytest.mark.parametrize(
     "lead,vocab,d,temperature,with_bias,dtype,layout,trunc",
-    pallas_sample(PALLAS_VALUES, CASES, range(len(TRUNCATIONS))),
+    values_sample(),
 )
 def test_linear_values_and_vjp(
     backend, rng, lead, vocab, d, temperature, with_bias, dtype, layout, trunc
@@ -527,7 +556,9 @@ def test_errors(rng):
 SHARDED = [("Explicit", "rows"), ("Explicit", "vocab"), ("Auto", "vocab"), ("Auto", "rows")]
 
 
-@pytest.mark.parametrize("kind,layout", SHARDED)
+# pallas: the vocabulary split only (its kernel's vocabulary offsets; the rows split runs on
+# reference and chunked)
+@pytest.mark.parametrize("kind,layout", [pallas_slow(*c) if c[1] == "rows" else c for c in SHARDED])
 @pytest.mark.parametrize("memory", ["lean", "fast"])
 def test_sharded(backend, rng, kind, layout, memory):
     """Under jit with sharded inputs: the unsharded call's values and gradients."""

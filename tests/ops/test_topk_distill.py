@@ -364,8 +364,21 @@ def two_device_inputs(rng, b, k, layout, with_bias):
     return h, w, bias, ids, t_logp, jnp.ones((b, 3))
 
 
-@pytest.mark.parametrize("kind,layout", SHARDED)
-@pytest.mark.parametrize("memory", ["lean", "fast"])
+def sharded_cases():
+    """memory × SHARDED: pallas (lean) on the vocabulary split only (its sharded kernel path;
+    the rows split is a batch split), the rest pallas_slow; memory="fast" (run once, with
+    backend=None) on one placement per axis type, the rest slow."""
+    cases = []
+    for memory in ("lean", "fast"):
+        for kind, layout in SHARDED:
+            marks = [] if layout == "vocab" else [pytest.mark.pallas_slow]
+            if memory == "fast" and (kind, layout) not in SHARDED[1:4:2]:
+                marks.append(pytest.mark.slow)
+            cases.append(pytest.param(memory, kind, layout, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("memory,kind,layout", sharded_cases())
 def test_sharded_loss(backend, rng, kind, layout, memory):
     """Under jit with sharded inputs: the unsharded call's loss and gradients, d_weight
     sharded like the weight."""

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxrl_kernels as jk
-from tests.conftest import assert_close
+from tests.conftest import assert_close, pallas_slow
 from tests.support.packing import Packed
 
 T, D, V = 8, 16, 256
@@ -93,11 +93,25 @@ PLACEMENTS = [  # (mesh axis type, layout, ids split like the rows)
 ]
 
 
-@pytest.mark.parametrize("kind,layout,ids_split", PLACEMENTS)
-@pytest.mark.parametrize(
-    "op,config",
-    [("linear_grpo_loss", "gspo_seq_mean"), ("linear_ppo_loss", "tis_sequence_sum_norm")],
-)
+OPS = [("linear_grpo_loss", "gspo_seq_mean"), ("linear_ppo_loss", "tis_sequence_sum_norm")]
+# pallas (interpret mode, the slow one) runs each op under one axis type: grpo Auto, ppo Explicit
+PALLAS_KIND = {"linear_grpo_loss": "Auto", "linear_ppo_loss": "Explicit"}
+
+
+def linear_cases():
+    """Every op × placement; the reference runs each placement on one op in turn (slow on the
+    other: the same packed sums, resharded alike), both ops on the kernel backends' placement."""
+    cases = []
+    for i, (op, config) in enumerate(OPS):
+        for j, (kind, layout, ids_split) in enumerate(PLACEMENTS):
+            marks = [] if kind == PALLAS_KIND[op] else [pytest.mark.pallas_slow]
+            if j % len(OPS) != i and (layout, ids_split) != ("both", True):
+                marks.append(pytest.mark.slow_on("reference"))
+            cases.append(pytest.param(op, config, kind, layout, ids_split, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("op,config,kind,layout,ids_split", linear_cases())
 def test_linear_losses_under_jit(backend, op, config, kind, layout, ids_split):
     if backend != "reference" and (layout, ids_split) != ("both", True):
         pytest.skip("the kernel backends: with both splits (the reference: every placement)")
@@ -118,7 +132,8 @@ def test_linear_losses_under_jit(backend, op, config, kind, layout, ids_split):
 
 
 @pytest.mark.op("ppo_loss")
-@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+# pallas under Explicit axes only (test_linear_losses_under_jit runs it under Auto)
+@pytest.mark.parametrize("kind", [pallas_slow("Auto"), "Explicit"])
 def test_ppo_loss_and_aggregate_under_jit(backend, kind):
     packed, x = _inputs(1)
     logp = x["old_logp"] + 0.2
@@ -161,7 +176,8 @@ def test_shard_map_with_vocab_axis():
 
     args = (x["hidden"], x["weight"], x["actions"], x["old_logp"], x["mask"], packed.ids,
             x["rewards"])  # fmt: skip
-    want, want_grads = jax.value_and_grad(local, argnums=(0, 1))(*args)
+    # jitted: eager, each primitive of the unsharded call compiled alone took ~13 s
+    want, want_grads = jax.jit(jax.value_and_grad(local, argnums=(0, 1)))(*args)
     mesh = _mesh("Explicit")
 
     def body(*a):

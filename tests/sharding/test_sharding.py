@@ -12,9 +12,9 @@ ignore_index and out-of-range targets under tracing (NaN exactly there).
 Vocabulary sizes are chosen so that every kernel walks several vocabulary tiles per device
 (chunked: ``CHUNK_BYTES`` is made small; pallas linear: 256-column tiles over V_local = 2048).
 
-Pallas in interpret mode is slow: there each op runs each mesh type and each layout (and the
-two tests of a kernel every pair of them, ``PALLAS_A`` / ``PALLAS_B``); the other pairs carry
-``pallas_slow`` (JAXRL_TEST_PALLAS_SLOW=1). ppo_loss and group_advantages are one function on
+Pallas in interpret mode is slow: there each op runs the vocabulary split (the two tests of a
+kernel one mesh type each, ``PALLAS_A`` / ``PALLAS_B``); the other pairs carry ``pallas_slow``
+(JAXRL_TEST_PALLAS_SLOW=1). ppo_loss and group_advantages are one function on
 reference and chunked: conftest's ``op`` marker runs it once.
 """
 
@@ -152,13 +152,37 @@ def w_spec(layout, vocab_entry):
 MESHES = ["Auto", "Explicit"]
 
 
-# On pallas each test below runs each mesh type and each layout, with the vocabulary split in
-# both mesh types; between the two tests of a kernel (logits: token_logprobs and grpo_loss;
-# linear: linear_logprobs and the linear losses) every mesh type × layout pair.
-PALLAS_A = {("Auto", "rows"), ("Explicit", "vocab"), ("Auto", "both")}
-PALLAS_B = {("Explicit", "rows"), ("Auto", "vocab"), ("Explicit", "both")}
-# linear_logprobs: "dv" runs only its 'both' layout in interpret mode (below), Explicit here
-PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Explicit", "both")}
+# On pallas each test below runs the vocabulary split only (the layout that moves the kernel's
+# vocabulary offsets; the rows / both layouts run on reference and chunked, every pair with
+# JAXRL_TEST_PALLAS_SLOW=1), the two tests of a kernel (logits: token_logprobs and grpo_loss;
+# linear: linear_logprobs and the linear losses) one mesh type each.
+PALLAS_A = {("Explicit", "vocab")}
+PALLAS_B = {("Auto", "vocab")}
+# chunked: the linear losses and grpo_loss / ratio_kl (its costliest tests here) one half of the
+# mesh type × layout pairs each, every layout in both (the reference backend runs every pair;
+# every pair on chunked with JAXRL_TEST_SLOW=1)
+CHUNKED_A = {("Auto", "rows"), ("Explicit", "vocab"), ("Auto", "both")}
+CHUNKED_B = {("Explicit", "rows"), ("Auto", "vocab"), ("Explicit", "both")}
+
+
+def mesh_layout_sample(pallas, chunked):
+    """Every mesh type × layout pair as a ``pytest.param``: those not in ``pallas`` are
+    ``pallas_slow``, those not in ``chunked`` slow on chunked."""
+    return [
+        pytest.param(
+            kind,
+            layout,
+            id=f"{kind}-{layout}",
+            marks=[pytest.mark.pallas_slow] * ((kind, layout) not in pallas)
+            + [pytest.mark.slow_on("chunked")] * ((kind, layout) not in chunked),
+        )
+        for kind in MESHES
+        for layout in LAYOUTS
+    ]
+
+
+# linear_logprobs: "dv" runs only its 'vocab' layout in interpret mode (below), Auto here
+PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Auto", "vocab")}
 
 
 @pytest.mark.parametrize(
@@ -166,8 +190,8 @@ PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Explicit", "both
     pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)),
 )
 def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
-    if backend == "pallas" and weight_layout == "dv" and layout != "both":
-        pytest.skip("pallas in interpret mode: the dv layout runs only in the 'both' layout")
+    if backend == "pallas" and weight_layout == "dv" and layout != "vocab":
+        pytest.skip("pallas in interpret mode: the dv layout runs only in the 'vocab' layout")
     h, w, acts, _ = head(rng, weight_layout)
     b, _ = rand(rng, (V,), scale=0.3)
     rows, vocab = LAYOUTS[layout]
@@ -216,7 +240,7 @@ def test_token_logprobs(rng, backend, mesh_kind, layout):
     )
 
 
-@pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
+@pytest.mark.parametrize("mesh_kind,layout", mesh_layout_sample(PALLAS_B, CHUNKED_A))
 def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
     pol, ref, acts, old, rewards, mask = logits_inputs(rng)
     rows, vocab = LAYOUTS[layout]
@@ -240,7 +264,7 @@ def test_grpo_loss_and_ratio_kl(rng, backend, mesh_kind, layout):
     )
 
 
-@pytest.mark.parametrize("mesh_kind,layout", pallas_sample(PALLAS_B, MESHES, list(LAYOUTS)))
+@pytest.mark.parametrize("mesh_kind,layout", mesh_layout_sample(PALLAS_B, CHUNKED_B))
 def test_linear_losses(rng, backend, mesh_kind, layout):
     h, w, acts, mask = head(rng)
     old, _ = rand(rng, (B, T), scale=0.3, loc=-9.0)
@@ -292,7 +316,8 @@ def _linear_losses_case(backend, operands, rows, vocab):
     return fn, operands, specs
 
 
-@pytest.mark.parametrize("mesh_kind", MESHES)
+# pallas: Auto axes only (Explicit runs on reference; the grid runs pallas ppo_loss under shard_map)
+@pytest.mark.parametrize("mesh_kind", ["Auto", pallas_slow("Explicit")])
 @pytest.mark.op("ppo_loss", "group_advantages")
 def test_ppo_loss_and_group_advantages(rng, backend, mesh_kind):
     logp, _ = rand(rng, (B, T), scale=0.3, loc=-5.0)
@@ -339,7 +364,8 @@ def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit")
     return mapped, jax.jit(mapped)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+# pallas: with shard_map's varying-axes checks only (the same kernel calls either way)
+@pytest.mark.parametrize("check_vma", [True, pallas_slow(False)])
 def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
     """Global log-probs and entropies (and, through jax.grad of the shard_map, the gradients of
     the row-split hidden states and of the weight slices) from vocabulary slices; bad traced

@@ -344,14 +344,22 @@ FIELDS = ("op", "option", "backend", "mode", "layout", "weight_layout", "small")
 
 def sample(cases: list[Case], backends) -> list[Case]:
     """A deterministic sample: the regression cases; then every option name once, on one of
-    the ops that take it in turn, with a backend × entry × layout taken in turn from a fixed
-    shuffle; then a case for any op, backend, entry, layout or weight layout still missing."""
+    the ops that take it in turn, on a backend × entry × layout not yet covered where one is
+    left (taken in turn from a fixed shuffle), off pallas where another backend can carry
+    the option (interpret mode is the slow one; test_sharding.py and the regressions run the
+    pallas kernels sharded); then a case for any op, backend, entry, layout or weight layout
+    still missing, and for any backend × entry pair (the cheapest: a logits op's plain option,
+    on a layout that backend has not run)."""
     order = lambda c: zlib.crc32(str(c).encode())
     chosen = [c for c in REGRESSIONS if c.backend in backends]
+    place = lambda c: (c.backend, c.mode, c.layout)
     for k, name in enumerate(sorted({c.option for c in cases})):
         ops = sorted({c.op for c in cases if c.option == name})
         op = ops[k % len(ops)]
         group = sorted((c for c in cases if c.op == op and c.option == name), key=order)
+        group = [c for c in group if c.backend != "pallas"] or group
+        covered = {place(c) for c in chosen}
+        group = [c for c in group if place(c) not in covered] or group
         pick = group[(7 * k) % len(group)]
         if pick not in chosen:
             chosen.append(pick)
@@ -359,6 +367,21 @@ def sample(cases: list[Case], backends) -> list[Case]:
         for value in sorted({getattr(c, field) for c in cases}):
             if not any(getattr(c, field) == value for c in chosen):
                 chosen.append(min((c for c in cases if getattr(c, field) == value), key=order))
+    cost = {"logits": 0, "token": 1, "linear": 2}
+    for pair in sorted({(c.backend, c.mode) for c in cases}):
+        if not any((c.backend, c.mode) == pair for c in chosen):
+            ran = {(c.backend, c.layout) for c in chosen}
+            chosen.append(
+                min(
+                    (c for c in cases if (c.backend, c.mode) == pair),
+                    key=lambda c: (
+                        cost[family(c.op)],
+                        c.option != "plain",
+                        (c.backend, c.layout) in ran,
+                        order(c),
+                    ),
+                )
+            )
     return chosen
 
 
@@ -865,9 +888,12 @@ def test_grid_full(case):
 
 
 def test_grid_shape():
-    """The sample holds every op, option, backend, entry, layout and weight layout."""
+    """The sample holds every op, option, backend, entry, layout and weight layout, and every
+    backend × entry pair."""
     for field in FIELDS:
         assert {getattr(c, field) for c in SAMPLE} == {getattr(c, field) for c in FULL}, field
+    pairs = lambda cases: {(c.backend, c.mode) for c in cases}
+    assert pairs(SAMPLE) == pairs(FULL)
     assert len(set(FULL)) == len(FULL) and not set(SAMPLE) - set(FULL)
 
 

@@ -53,7 +53,10 @@ import jax  # noqa: E402
 
 if not ON_GPU:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.config.update("jax_traceback_in_locations_limit", 5)  # see conftest.py
+jax.config.update(  # see conftest.py
+    "jax_traceback_in_locations_limit",
+    int(os.environ.get("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")),
+)
 pid, port, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 RUNS = [(kind, cases.split(",")) for kind, cases in (run.split(":") for run in sys.argv[4:])]
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
