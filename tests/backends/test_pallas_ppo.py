@@ -262,8 +262,11 @@ def test_packed_rows_match_segment_math(rng):
     x = ppo_math.PPOInputs(*(None if v is None else jnp.asarray(packed.pack(v)) for v in x))
     packing = segment_math.Packing(jnp.asarray(packed.ids), packed.S)
     cfg = ppo_math.PPOConfig(ratio_level="sequence", loss_agg_mode="seq_mean_token_mean")
+    # jitted: eager, each primitive of the two calls compiles on its own
     runs = [
-        jax.value_and_grad(lambda lp: fn(x._replace(logp=lp), cfg, packing), has_aux=True)(x.logp)
+        jax.jit(jax.value_and_grad(lambda lp: fn(x._replace(logp=lp), cfg, packing), has_aux=True))(
+            x.logp
+        )
         for fn in (pl_ppo.segment_ppo_loss, segment_math.ppo_loss)
     ]
     ((loss, metrics), d_lp), ((want, want_m), want_d) = runs

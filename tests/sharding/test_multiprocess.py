@@ -6,8 +6,9 @@ the processes, packed rows with segment ids) and inside a user's jax.shard_map w
 ``vocab_axis`` (see multiprocess_worker.py).
 One pair of processes per backend runs every case under both mesh types (starting and joining
 them is a good part of the cost); CI runs the reference pair, the chunked and pallas pairs are
-marked ``slow``. On a host of 4 or 8 GPUs the ``gpu`` test runs the same cases with each process
-on half of the GPUs."""
+marked ``slow``, and under Auto axes only the linear case unless JAXRL_TEST_SLOW=1. On a host
+of 4 or 8 GPUs the ``gpu`` test runs the same cases (all of them) with each process on half of
+the GPUs."""
 
 import os
 import socket
@@ -28,11 +29,14 @@ def _free_port() -> int:
 
 
 RUNS = ["Auto:linear,distill,packed", "Explicit:linear,options,distill,vocab_axis,sampler,packed"]
+# CPU: under Auto axes the linear case only (distill and packed run under Explicit axes; all of
+# them under both with JAXRL_TEST_SLOW=1)
+CPU_RUNS = RUNS if os.environ.get("JAXRL_TEST_SLOW") == "1" else ["Auto:linear", RUNS[1]]
 
 
 @pytest.mark.parametrize("backend", slow_backends("reference"))  # ~30 s, chunked ~70, pallas ~130
 def test_two_processes(backend):
-    _run_pair(backend, [{}, {}])
+    _run_pair(backend, [{}, {}], CPU_RUNS)
 
 
 @pytest.mark.gpu
@@ -58,12 +62,12 @@ def test_two_processes_gpus(backend_name):
     )
 
 
-def _run_pair(backend, extra_env):
+def _run_pair(backend, extra_env, runs=RUNS):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
-            [sys.executable, WORKER, str(i), port, backend, *RUNS],
+            [sys.executable, WORKER, str(i), port, backend, *runs],
             env=dict(env, **extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -81,6 +85,6 @@ def _run_pair(backend, extra_env):
             raise
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
-        for run in RUNS:
+        for run in runs:
             kind, cases = run.split(":")
             assert f"process {i}: ok ({backend}, {kind}, {cases})" in out, out[-4000:]

@@ -159,22 +159,23 @@ MESHES = ["Auto", "Explicit"]
 PALLAS_A = {("Explicit", "vocab")}
 PALLAS_B = {("Auto", "vocab")}
 # chunked: the linear losses and grpo_loss / ratio_kl (its costliest tests here) one half of the
-# mesh type × layout pairs each, every layout in both (the reference backend runs every pair;
-# every pair on chunked with JAXRL_TEST_SLOW=1)
+# mesh type × layout pairs each, every layout in both; the reference backend the other half, so
+# that the two together run every pair of each test (every pair on both with JAXRL_TEST_SLOW=1)
 CHUNKED_A = {("Auto", "rows"), ("Explicit", "vocab"), ("Auto", "both")}
 CHUNKED_B = {("Explicit", "rows"), ("Auto", "vocab"), ("Explicit", "both")}
 
 
 def mesh_layout_sample(pallas, chunked):
     """Every mesh type × layout pair as a ``pytest.param``: those not in ``pallas`` are
-    ``pallas_slow``, those not in ``chunked`` slow on chunked."""
+    ``pallas_slow``; those not in ``chunked`` slow on chunked, the others slow on reference."""
     return [
         pytest.param(
             kind,
             layout,
             id=f"{kind}-{layout}",
             marks=[pytest.mark.pallas_slow] * ((kind, layout) not in pallas)
-            + [pytest.mark.slow_on("chunked")] * ((kind, layout) not in chunked),
+            # one slow_on marker (conftest reads the closest only)
+            + [pytest.mark.slow_on("reference" if (kind, layout) in chunked else "chunked")],
         )
         for kind in MESHES
         for layout in LAYOUTS
@@ -183,11 +184,32 @@ def mesh_layout_sample(pallas, chunked):
 
 # linear_logprobs: "dv" runs only its 'vocab' layout in interpret mode (below), Auto here
 PALLAS_LINEAR = {("vd", *pair) for pair in PALLAS_A} | {("dv", "Auto", "vocab")}
+# and chunked the weight layout × mesh type × layout triples of CHUNKED_LINEAR, reference the
+# other half (each backend every weight layout, mesh type and layout; all with JAXRL_TEST_SLOW=1)
+CHUNKED_LINEAR = {("vd", *pair) for pair in CHUNKED_A} | {("dv", *pair) for pair in CHUNKED_B}
+
+
+def _split_chunked_reference(params, chunked):
+    """``params`` with slow_on("reference") on those in ``chunked``, slow_on("chunked") on the
+    others."""
+    return [
+        pytest.param(
+            *p.values,
+            id=p.id,
+            marks=[
+                *p.marks,
+                pytest.mark.slow_on("reference" if p.values in chunked else "chunked"),
+            ],
+        )
+        for p in params
+    ]
 
 
 @pytest.mark.parametrize(
     "weight_layout,mesh_kind,layout",
-    pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)),
+    _split_chunked_reference(
+        pallas_sample(PALLAS_LINEAR, ("vd", "dv"), MESHES, list(LAYOUTS)), CHUNKED_LINEAR
+    ),
 )
 def test_linear_logprobs(rng, backend, mesh_kind, layout, weight_layout):
     if backend == "pallas" and weight_layout == "dv" and layout != "vocab":
@@ -364,8 +386,12 @@ def _in_shard_map(fn, in_specs, out_specs, check_vma=True, mesh_kind="Explicit")
     return mapped, jax.jit(mapped)
 
 
-# pallas: with shard_map's varying-axes checks only (the same kernel calls either way)
-@pytest.mark.parametrize("check_vma", [True, pallas_slow(False)])
+# pallas and chunked: with shard_map's varying-axes checks only (the same kernel calls either
+# way; reference runs both)
+@pytest.mark.parametrize(
+    "check_vma",
+    [True, pytest.param(False, marks=[pytest.mark.pallas_slow, pytest.mark.slow_on("chunked")])],
+)
 def test_linear_logprobs_vocab_axis(rng, backend, check_vma):
     """Global log-probs and entropies (and, through jax.grad of the shard_map, the gradients of
     the row-split hidden states and of the weight slices) from vocabulary slices; bad traced
