@@ -201,11 +201,11 @@ def pytest_collection_modifyitems(config, items):
             and not run_slow_pallas
         ):
             item.add_marker(skip_slow_pallas)
-        slow_on = item.get_closest_marker("slow_on")
+        # every slow_on mark counts (a case may carry one per backend)
+        slow_backends_of = {b for mark in item.iter_markers("slow_on") for b in mark.args}
         if (
-            slow_on is not None
-            and callspec is not None
-            and callspec.params.get("backend") in slow_on.args
+            callspec is not None
+            and callspec.params.get("backend") in slow_backends_of
             and not run_slow
         ):
             item.add_marker(
