@@ -45,10 +45,11 @@ CASES = [
 # pallas (interpret mode, ~4 s a case): the first case with top_k only (the cheapest, by a
 # little); pallas_sample compares flattened cases (a case's 7 values and the truncation)
 PALLAS_VALUES = {CASES[0] + (0,)}
-# chunked: the pallas sample, and each other case with its own truncation and with all three
-# (every case × truncation with JAXRL_TEST_SLOW=1; the reference backend runs them all)
+# chunked: the first case with every truncation, each other case with all three (its head,
+# dtype and layout; every case × truncation with JAXRL_TEST_SLOW=1; the reference backend runs
+# them all)
 CHUNKED_VALUES = {CASES[0] + (t,) for t in range(len(TRUNCATIONS))} | {
-    CASES[i] + (t,) for i in range(1, len(CASES)) for t in (i, len(TRUNCATIONS) - 1)
+    CASES[i] + (len(TRUNCATIONS) - 1,) for i in range(1, len(CASES))
 }
 
 
@@ -157,8 +158,12 @@ def test_linear_values_and_vjp(
     )
 
 
-@pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
-@pytest.mark.parametrize("layout", ["vd", "dv"])
+# the dv layout on all three truncations together only (vd runs each truncation; the layout
+# changes the head's matmul, not the kept set's search); the rest slow
+@pytest.mark.parametrize("layout,trunc", [
+    pytest.param(layout, t, marks=[pytest.mark.slow] * (layout == "dv" and t != 4))
+    for layout in ("vd", "dv") for t in range(len(TRUNCATIONS))
+])  # fmt: skip
 def test_linear_fast_mode(rng, trunc, layout):
     """memory="fast": the kept set found over the kept logits (float32 heads)."""
     h, h64, w, w64, b, b64 = head_inputs(rng, (3, 7), 211, 8, jnp.float32, layout, True)
@@ -179,7 +184,17 @@ def test_linear_fast_mode(rng, trunc, layout):
     )
 
 
-@pytest.mark.parametrize("trunc", range(len(TRUNCATIONS)))
+# chunked: top_k alone, top_p alone (the pivot search without candidates) and all three (min_p
+# alone and top_k with top_p slow_on chunked); pallas: top_p alone and all three (the rest
+# pallas_slow, ~4 s each in interpret mode); the reference runs every truncation
+LOGITS_MARKS = {0: [pytest.mark.pallas_slow], 2: [pytest.mark.pallas_slow,
+                pytest.mark.slow_on("chunked")], 3: [pytest.mark.pallas_slow,
+                pytest.mark.slow_on("chunked")]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "trunc", [pytest.param(t, marks=LOGITS_MARKS.get(t, ())) for t in range(len(TRUNCATIONS))]
+)
 def test_logits_values_and_vjp(backend, rng, trunc):
     """token_logprobs on given logits (bfloat16 and float32)."""
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -222,7 +237,8 @@ def integer_head(rng, rows, vocab, d, layout):
     )
 
 
-@pytest.mark.parametrize("layout", ["vd", "dv"])
+# pallas: the vd layout only (dv pallas_slow: the same ties through the other matmul, ~6 s)
+@pytest.mark.parametrize("layout", ["vd", pallas_slow("dv")])
 def test_ties_at_top_k_are_kept(backend, rng, layout):
     """Integer logits with many equal values: every value equal to the k-th largest is kept
     (vLLM's rule), so a row keeps more than k tokens."""
@@ -360,27 +376,39 @@ def test_targets_outside_the_kept_set(backend, rng):
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
-def test_spread_logits(backend, rng):
+# chunked: top_k alone slow (top_k with top_p holds it); pallas: top_k with top_p (the one-token
+# nucleus) only, the others pallas_slow (~2 s each in interpret mode)
+@pytest.mark.parametrize(
+    "trunc",
+    [
+        pytest.param(
+            dict(top_k=50), marks=[pytest.mark.pallas_slow, pytest.mark.slow_on("chunked")]
+        ),
+        dict(top_k=50, top_p=0.95),
+        pallas_slow(dict(top_k=90, min_p=1e-30)),
+    ],
+    ids=("top_k", "top_k_top_p", "top_k_min_p"),
+)
+def test_spread_logits(backend, rng, trunc):
     """Logits tens apart (float32 gradients within docs/api.md's bound still): top-p's
     nucleus is one token, min-p keeps nearly everything top-k leaves. (Rows hundreds wide:
     ``test_pivot_search``.)"""
     h, h64, w, w64, _, _ = head_inputs(rng, (5,), 97, 8, jnp.float32, "vd", False, scale=12.0)
     targets = rng.integers(0, 97, 5).astype(np.int32)
-    for trunc in (dict(top_k=50), dict(top_k=50, top_p=0.95), dict(top_k=90, min_p=1e-30)):
-        check_linear(
-            rng,
-            h,
-            h64,
-            w,
-            w64,
-            None,
-            None,
-            targets,
-            trunc,
-            layout="vd",
-            temperature=1.0,
-            backend=backend,
-        )
+    check_linear(
+        rng,
+        h,
+        h64,
+        w,
+        w64,
+        None,
+        None,
+        targets,
+        trunc,
+        layout="vd",
+        temperature=1.0,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("spread", [0.01, 3.0, 300.0])
@@ -496,7 +524,10 @@ def _find_on_whole_rows(
     return dataclasses.replace(found, m=m, target_rel=target_rel)
 
 
-@pytest.mark.parametrize("trunc", [TRUNCATIONS[0], TRUNCATIONS[4]], ids=("top_k", "all"))
+# pallas: all three truncations only (top_k alone pallas_slow: "all" holds it)
+@pytest.mark.parametrize(
+    "trunc", [pallas_slow(TRUNCATIONS[0]), TRUNCATIONS[4]], ids=("top_k", "all")
+)
 def test_no_statistics_pass_where_the_search_finds_the_max(backend, rng, monkeypatch, trunc):
     """A ``kept_set`` implementation that finds each row's max and target itself (ffi's on a
     GPU) replaces the forward's statistics pass of a lean linear head: the oracle's values,

@@ -135,7 +135,9 @@ def test_ids_fast_mode_bfloat16_matches_lean(rng):
 
     def run(memory):
         f = lambda h, w, b: jnp.sum(g * jk.linear_logprobs(h, w, ids, b, memory=memory))
-        return jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, b)
+        vg = jax.value_and_grad(f, argnums=(0, 1, 2))
+        # the lean call is the expected side (eager elsewhere): under jit
+        return (jax.jit(vg) if memory == "lean" else vg)(h, w, b)
 
     (v_lean, g_lean), (v_fast, g_fast) = run("lean"), run("fast")
     np.testing.assert_allclose(float(v_fast), float(v_lean), rtol=2e-2)
@@ -392,7 +394,7 @@ def test_sharded_loss(backend, rng, kind, layout, memory):
             h, w, ids, t_logp, mask, bias=bias, tail="bucket", backend=lean_backend, memory=memory
         )[0]
 
-    want = jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, bias)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(h, w, bias)  # unsharded, jitted
     got = on_two_devices(loss, h, w, bias, kind=kind, layout=layout)
     vocab_spec = P() if layout == "rows" else P("x")
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
@@ -420,18 +422,23 @@ def test_shard_map_vocab_axis(backend, rng):
             vocab_axis="v",
         )
 
-    want = jk.linear_topk_distill_loss(
-        h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
-    )
+    # the unsharded call (the expected side) under jit: eager, each primitive compiles alone
+    want = jax.jit(
+        lambda h, w: jk.linear_topk_distill_loss(
+            h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
+        )
+    )(h, w)
     with jax.set_mesh(mesh):
         w_sharded = jax.device_put(w, NamedSharding(mesh, P(None, "v")))
         got = jax.jit(sharded)(h, w_sharded)
         g = jax.jit(jax.grad(lambda h, w: sharded(h, w)[0], argnums=(0, 1)))(h, w_sharded)
-    g_want = jax.grad(
-        lambda h, w: jk.linear_topk_distill_loss(
-            h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
-        )[0],
-        argnums=(0, 1),
+    g_want = jax.jit(
+        jax.grad(
+            lambda h, w: jk.linear_topk_distill_loss(
+                h, w, ids, t_logp, mask, weight_layout="dv", tail="bucket", backend=backend
+            )[0],
+            argnums=(0, 1),
+        )
     )(h, w)
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
