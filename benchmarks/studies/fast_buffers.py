@@ -8,7 +8,7 @@ program is compiled (not run) with XLA's dumps on; from the buffer assignment th
 quarter of them, with its shape, offset and defining instruction.
 
 Cases: padding 5 % (the last branch, ``S = N``) and 70 %, skipped; padding 5 % with every row
-run (``row_skip.MIN_ROWS`` raised for the trace). bf16, one row of N tokens, random head.
+run (``bench_packed.every_row_runs`` for the trace). bf16, one row of N tokens, random head.
 
     python -m benchmarks.studies.fast_buffers                     # GPU: 8192 × 1024 × 32768
     python -m benchmarks.studies.fast_buffers --shape 64,32,512   # toy size, any device
@@ -34,7 +34,7 @@ def compiled_loss(n, d, v, padding, every_row, dump_dir):
     import jax.numpy as jnp
 
     import jaxrl_kernels as jk
-    from jaxrl_kernels.engine import row_skip
+    from benchmarks.bench_packed import every_row_runs
 
     k = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(k[0], (1, n, d), jnp.bfloat16)
@@ -49,13 +49,9 @@ def compiled_loss(n, d, v, padding, every_row, dump_dir):
             h, w, actions, old, adv, mask, advantages=adv, config=config, memory="fast"
         )[0]
 
-    saved = row_skip.MIN_ROWS
-    row_skip.MIN_ROWS = 2**62 if every_row else saved
-    try:
+    with every_row_runs(every_row):
         lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w)
-        return lowered.compile({"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
-    finally:
-        row_skip.MIN_ROWS = saved
+    return lowered.compile({"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
 
 
 def large_values(dump_dir, least):

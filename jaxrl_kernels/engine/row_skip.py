@@ -108,6 +108,7 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
         # the first size that holds every kept row (no array constant: custom_partitioning,
         # which runs an Auto-sharded step, traces it and takes none)
         branch = sum((count > size).astype(jnp.int32) for size in sizes[:-1])
+        branch_plan = dataclasses.replace(plan, logits_rows=n_rows)
 
         def run_at(size):
             def branch_fn(ops):
@@ -115,8 +116,7 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
                     x if x is None or not _has_rows(r) else _leading(x, size)
                     for x, r in zip(ops, roles)
                 ]
-                at_size = dataclasses.replace(plan, logits_rows=n_rows)
-                outs = [y for y in local(at_size, *head) if y is not None]
+                outs = [y for y in local(branch_plan, *head) if y is not None]
                 return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
 
             return branch_fn

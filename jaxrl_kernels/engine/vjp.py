@@ -227,11 +227,11 @@ def differentiable(
 def head_grad_pieces() -> int:
     """The vocabulary pieces of a linear head's backward in force
     (``sharding.vocab_pieces.requested``), noted for ``explain`` where there are several."""
-    pieces = vocab_pieces.requested()
+    pieces, source = vocab_pieces.requested_with_source()
     if pieces > 1:
         trace_log.note(
             "pieces",
             f"the head's gradient in {pieces} vocabulary pieces where rows are split across "
-            f"devices ({vocab_pieces.requested_source()})",
+            f"devices ({source})",
         )
     return pieces

@@ -53,24 +53,22 @@ def check(pieces, what: str = "pieces") -> int:
     return int(pieces)
 
 
-def requested() -> int:
-    """The pieces in force: the innermost :func:`head_grad_pieces` scope, else the variable
-    ``JAXRL_KERNELS_HEAD_GRAD_PIECES``, else 1."""
+def requested_with_source() -> tuple[int, str]:
+    """The pieces in force and where they came from: the innermost :func:`head_grad_pieces`
+    scope (``"jk.head_grad_pieces"``), else the variable ``JAXRL_KERNELS_HEAD_GRAD_PIECES``
+    (its name), else 1 (``"default"``)."""
     scoped = _scoped.get()
     if scoped is not None:
-        return scoped
+        return scoped, "jk.head_grad_pieces"
     env = os.environ.get(ENV_VAR, "").strip()
     if not env:
-        return 1
-    return check(int(env) if env.isdecimal() else env, ENV_VAR)
+        return 1, "default"
+    return check(int(env) if env.isdecimal() else env, ENV_VAR), ENV_VAR
 
 
-def requested_source() -> str:
-    """Where :func:`requested` took its value: ``"jk.head_grad_pieces"`` (a scope), the
-    variable's name, or ``"default"``."""
-    if _scoped.get() is not None:
-        return "jk.head_grad_pieces"
-    return ENV_VAR if os.environ.get(ENV_VAR, "").strip() else "default"
+def requested() -> int:
+    """The pieces in force (:func:`requested_with_source`)."""
+    return requested_with_source()[0]
 
 
 @contextlib.contextmanager
