@@ -1,11 +1,12 @@
-"""The lean backward at small token counts: where its time goes, and what the chunk width and the
-weight copy's placement do.
+"""The lean backward's chunks: where its time goes, and what the chunk width and the weight
+copy's placement do.
 
-Question: at N = 256 … 4096 tokens, how much of lean's forward + backward (``linear_grpo_loss``,
-bf16, the ffi kernels) is spent in each kind of kernel, and how does that change when the
-backward's vocabulary chunks are wider than ``head_grad.chunk_columns`` makes them (at least
-``min_columns``), and with the float16 weight copy in the grad kernel or apart
-(``ffi.linear.Config.weight_copy``: ``copy``)? Each row is
+Question: at N = 256 … 4096 tokens (``--sizes full``) and 8192 … 16384 (``--sizes large``),
+how much of lean's forward + backward (``linear_grpo_loss``, bf16, the ffi kernels) is spent
+in each kind of kernel, and how does that change when the backward's vocabulary chunks are
+``columns`` wide rather than the default's width (``ffi.linear.backward_chunk``), and with
+the float16 weight copy in the grad kernel or apart (``ffi.linear.Config.weight_copy``:
+``copy``)? Each row is
 ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the inputs of
 ``benchmarks.studies.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
@@ -20,6 +21,7 @@ profiler trace of 3 calls, by kernel:
 - ``chunk``: the backward's chunk width in columns, ``chunks`` their number.
 
     python -m benchmarks.studies.bench_lean_chunks --runs 10     # GPU (Hopper: the ffi kernels)
+    python -m benchmarks.studies.bench_lean_chunks --runs 10 --sizes large
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import contextlib
 COLUMNS = [
     "impl",
     "copy",
-    "min_columns",
+    "columns",
     "N",
     "D",
     "V",
@@ -49,16 +51,24 @@ COLUMNS = [
 ]
 SIZES = {
     "full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
+    "large": [(8192, 4096, 131072), (16384, 4096, 131072)],
     "small": [(64, 32, 1000)],
 }
 VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
-"""(weight copy, min_columns) of the lean rows."""
+"""(weight copy, columns) of the lean rows up to :data:`LARGE_N` rows."""
+LARGE_N = 4096
+LARGE_VARIANTS = (("auto", 0), ("auto", 2048), ("auto", 4096), ("auto", 16384))
+"""(weight copy, columns) of the lean rows above :data:`LARGE_N` rows. There a byte budget
+alone would narrow the chunk (64 MiB of float16 is 2048 columns at 16384 rows), and
+d_hidden's GEMM reads and writes its float32 accumulator ``[N, D]`` once per chunk, so
+narrow chunks add traffic that no GEMM hides: 2048 and 4096 are what the budget alone gives
+at 16384 and 8192 rows (``ffi.linear.MIN_CHUNK_COLUMNS`` keeps the default wider)."""
 
 
 @contextlib.contextmanager
 def lean_variant(copy: str, columns: int):
-    """While tracing: the ffi backward's weight copy ``copy``, and ``head_grad.chunk_columns``
-    at least ``columns`` wide (and at most V)."""
+    """While tracing: the ffi backward's weight copy ``copy``, and chunks of ``columns``
+    columns (at most V; 0: the default's)."""
     import dataclasses
 
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
@@ -66,11 +76,12 @@ def lean_variant(copy: str, columns: int):
 
     original, config = head_grad.chunk_columns, ffi_linear.DEFAULT_CONFIG
 
-    def wider(n_rows, vocab, chunk_bytes, align, *rest):
-        size = original(n_rows, vocab, chunk_bytes, align, *rest)
-        return min(vocab, max(size, columns - columns % align))
+    def pinned(n_rows, vocab, chunk_bytes, align, *rest, **options):
+        if not columns:
+            return original(n_rows, vocab, chunk_bytes, align, *rest, **options)
+        return min(vocab, columns - columns % align)
 
-    head_grad.chunk_columns = wider
+    head_grad.chunk_columns = pinned
     ffi_linear.DEFAULT_CONFIG = dataclasses.replace(config, weight_copy=copy)
     try:
         yield
@@ -97,12 +108,12 @@ def measure(size, runs, rounds, small):
         )
         steps.append(
             (
-                {"impl": impl, "copy": "", "min_columns": "", "N": n, "D": d, "V": v},
+                {"impl": impl, "copy": "", "columns": "", "N": n, "D": d, "V": v},
                 fn.lower(*args).compile(),
             )
         )
-    for copy, columns in VARIANTS:
-        if columns and n > 1024:
+    for copy, columns in LARGE_VARIANTS if n > LARGE_N else VARIANTS:
+        if columns and copy == "apart" and n > 1024:
             continue
         with lean_variant(copy, columns):
             chunk = ffi_linear.backward_chunk(n, v)
@@ -114,7 +125,7 @@ def measure(size, runs, rounds, small):
         row = {
             "impl": "ours lean",
             "copy": copy,
-            "min_columns": columns,
+            "columns": columns,
             "N": n,
             "D": d,
             "V": v,

@@ -56,6 +56,11 @@ GRAD_CHUNK_BYTES = 64 * 2**20
 """Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns): larger chunks
 run faster GEMMs for more temporary memory; 64 MiB is where the gain levelled off
 (docs/performance.md, "Constants and the measurements behind them")."""
+MIN_CHUNK_COLUMNS = 8192
+"""The fewest columns of a backward chunk (``head_grad.chunk_columns``, still at most 1/32 of
+float32 [N, V]): past 4096 rows, 64 MiB alone would narrow the chunks, and each one costs
+d_hidden's GEMM a read and a write of its float32 accumulator [N, D] (docs/performance.md,
+"Constants and the measurements behind them"). G then holds ``N·8192`` float16 entries."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 INVARIANT_CHUNK_COLUMNS = 8192
 """The backward's chunk when batch-invariant (a function of V alone): twice the other backends'
@@ -214,7 +219,9 @@ def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> 
     if config.batch_invariant:
         columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS, INVARIANT_CHUNK_COLUMNS)
     else:
-        columns = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, TILE_COLS)
+        columns = head_grad.chunk_columns(
+            n_rows, vocab, config.chunk_bytes, TILE_COLS, min_columns=MIN_CHUNK_COLUMNS
+        )
     return -(-columns // TILE_COLS) * TILE_COLS
 
 
