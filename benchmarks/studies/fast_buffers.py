@@ -9,6 +9,9 @@ quarter of them, with its shape, offset and defining instruction.
 
 Cases: padding 5 % (the last branch, ``S = N``) and 70 %, skipped; padding 5 % with every row
 run (``bench_packed.every_row_runs`` for the trace). bf16, one row of N tokens, random head.
+``--leading opaque`` takes each branch's leading rows (``row_skip._leading``) as a dynamic
+slice whose start XLA cannot fold (a zero through an optimization barrier), to see whether
+XLA then hands the backward's GEMMs the rows in place rather than a copy.
 
     python -m benchmarks.studies.fast_buffers                     # GPU: 8192 × 1024 × 32768
     python -m benchmarks.studies.fast_buffers --shape 64,32,512   # toy size, any device
@@ -29,7 +32,9 @@ CASES = ((0.05, False), (0.05, True), (0.7, False))
 
 
 def compiled_loss(n, d, v, padding, every_row, dump_dir):
-    """The compiled value-and-gradient of the fast GRPO loss at ``padding`` (masked tails)."""
+    """The compiled value-and-gradient of the fast GRPO loss at ``padding`` (masked tails).
+    The batch (actions, old log-probs, advantages, mask) is traced, as in a training step: a
+    mask XLA sees as a constant lets it fold the branch choice and drop the other branches."""
     import jax
     import jax.numpy as jnp
 
@@ -44,14 +49,25 @@ def compiled_loss(n, d, v, padding, every_row, dump_dir):
     old, adv = jnp.zeros((1, n), jnp.float32), jnp.ones((1,), jnp.float32)
     config = jk.PolicyLoss(clip_high=0.28)
 
-    def loss(h, w):
+    def loss(h, w, actions, old, adv, mask):
         return jk.linear_grpo_loss(
             h, w, actions, old, adv, mask, advantages=adv, config=config, memory="fast"
         )[0]
 
     with every_row_runs(every_row):
-        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w)
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+            h, w, actions, old, adv, mask
+        )
     return lowered.compile({"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True})
+
+
+def opaque_leading(x, size):
+    """The first ``size`` rows of ``x`` as a dynamic slice at a start XLA cannot fold."""
+    import jax
+    import jax.numpy as jnp
+
+    zero = jax.lax.optimization_barrier(jnp.int32(0))
+    return jax.lax.dynamic_slice_in_dim(x, zero, size, axis=0)
 
 
 def large_values(dump_dir, least):
@@ -78,7 +94,12 @@ def large_values(dump_dir, least):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8192,1024,32768", metavar="N,D,V")
+    parser.add_argument("--leading", default="slice", choices=("slice", "opaque"))
     args = parser.parse_args(argv)
+    if args.leading == "opaque":
+        from jaxrl_kernels.engine import row_skip
+
+        row_skip._leading = opaque_leading
     n, d, v = map(int, args.shape.split(","))
     logits = n * v * 2
     for padding, every_row in CASES:
