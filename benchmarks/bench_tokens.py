@@ -497,8 +497,12 @@ def main():
     parser.add_argument("--torch", action="store_true", help="add the plain torch rows")
     parser.add_argument(
         "--peers",
-        action="store_true",
-        help="add the peers' fused linear cross-entropy rows (QuACK, Liger, Cut Cross-Entropy)",
+        nargs="?",
+        const=";".join(PEERS),
+        default="",
+        metavar="NAMES",
+        help="add the peers' fused linear cross-entropy rows (QuACK, Liger, Cut Cross-Entropy); "
+        "NAMES, separated by ';' (names hold commas), picks some of them (a call with a short time limit)",
     )
     parser.add_argument(
         "--profile",
@@ -526,7 +530,11 @@ def main():
         profile(args.profile, d, v)
         return
     sizes = SIZES["small" if args.small else args.sizes]
-    impls = ([TORCH] if args.torch else []) + (list(PEERS) if args.peers else [])
+    peers = [name.strip() for name in args.peers.split(";") if name.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        parser.error(f"--peers: unknown {unknown}; the peers are {list(PEERS)}")
+    impls = ([TORCH] if args.torch else []) + peers
     records, directory = [], None
     with tempfile.TemporaryDirectory(prefix="bench_tokens_batch_") as tmp:
         if impls:

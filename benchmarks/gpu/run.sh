@@ -13,7 +13,7 @@
 # Staged beside the checkout: .whl/*.whl (nvidia-cutlass, the extension's headers),
 # .whl/tunix/*.whl (tunix and the few of its dependencies the image lacks), .whl/peers/*.whl
 # (tokamax, Liger, Cut Cross-Entropy for the side_by_side step), .whl-quack/part-* (QuACK,
-# in parts: carry one per call), .whl-jax/part-* (stage_jax). benchmarks/gpu/stage_wheels.sh
+# in two parts: carry one per call), .whl-jax/part-* (stage_jax). benchmarks/gpu/stage_wheels.sh
 # downloads them all.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -20,8 +20,10 @@
 #                   too but which a CUDA 13 machine does not load), apache-tvm-ffi,
 #                   torch-c-dlpack-ext, and jax-tvm-ffi (quack's optional [jax] extra)
 # Each call to the GPU machine carries at most 64 MiB, so the QuACK set (about 98 MiB, the cu13
-# libs wheel alone 92 MB) is also cut into parts of at most 45 MiB (tar | split), to carry in
-# separate calls to one warm machine: .whl-quack/part-aa, part-ab, ... when git ignores
+# libs wheel alone 92 MB) is also cut into two parts of at most 57 MiB (tar | split), to carry
+# in two calls to one warm machine: the first part alone (with the ~5 MiB checkout), the
+# second (about 40 MiB) with .whl (about 14 MiB) in the call that runs the benchmark:
+# .whl-quack/part-aa, part-ab when git ignores
 # .whl-quack/, else .whl/quack-parts/ (an unignored folder would travel with every call and
 # break them all); QUACK_PARTS=<dir> picks another. On the GPU machine, with the parts copied to
 # /tmp/quack-parts:
@@ -72,7 +74,7 @@ QUACK=(
   torch-c-dlpack-ext==0.1.5
   jax-tvm-ffi==0.1.3       # optional: quack's [jax] extra (quack.softmax_jax)
 )
-PART_SIZE=45m
+PART_SIZE=57m
 
 failed=()
 norm() { echo "$1" | tr 'A-Z' 'a-z' | sed -E 's/[-_.]+/_/g'; }
@@ -121,7 +123,7 @@ esac
 quack_bytes=$(cat .whl/quack/*.whl 2>/dev/null | wc -c || true)
 rm -rf "$parts"
 if [ "$parts" != .whl/quack-parts ]; then rm -rf .whl/quack-parts; fi  # an earlier fallback's
-if [ "$quack_bytes" -gt $((45 * 1024 * 1024)) ]; then
+if [ "$quack_bytes" -gt $((57 * 1024 * 1024)) ]; then
   if [ "$parts" = .whl/quack-parts ] && [ -z "${QUACK_PARTS:-}" ]; then
     echo "note: git does not ignore .whl-quack/ (an unignored folder travels with every call)," \
          "so the parts go to .whl/quack-parts; add /.whl-quack/ to .gitignore for .whl-quack/"
