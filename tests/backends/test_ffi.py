@@ -291,7 +291,7 @@ def test_weight_copy_attribute_from_config():
 @pytest.mark.parametrize(
     "n, v, expect",
     [
-        (2048, 131072, 8192),  # the byte budget and the floor agree; the 1/32 cap binds
+        (2048, 131072, 8192),  # 64 MiB alone would give 16384 columns; the 1/32 cap binds
         (16384, 131072, 8192),  # 64 MiB alone: 2048 columns; the floor widens them
         (65536, 151936, 8192),
         (16384, 32768, 2048),  # the 1/32 cap binds the floor: V / 16
