@@ -136,6 +136,21 @@ class MemoryNote:
         return f"{step}: {self.text}" if self.mode == "fast" else f"  memory: {self.text}"
 
 
+def _row_skip_peak(kept_shape) -> str:
+    """What the fast mode's peak adds where it skips masked rows: XLA assigns every row-count
+    branch's copy of its kept rows' gradient when it compiles (docs/api.md, "Padded and masked
+    rows"). Empty for fewer rows than any device skips at."""
+    from jaxrl_kernels.engine.row_skip import MIN_ROWS  # engine imports dispatch: not at the top
+
+    if int(np.prod(kept_shape[:-1])) < MIN_ROWS:
+        return ""
+    return (
+        f"; where a device runs {MIN_ROWS} rows or more and the vocabulary whole, masked rows are "
+        "skipped and the peak holds up to about 7/8 of that again (each row count's copy of "
+        "its kept rows' gradient)"
+    )
+
+
 def _size(n_bytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n_bytes >= scale:
@@ -150,7 +165,8 @@ class Request:
     ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
     fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.engine.fused_loss`,
     ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
-    ``"lean"``; ``kept``: what a loss's fast mode keeps."""
+    ``"lean"``; ``kept``: what a loss's fast mode keeps; ``skips_rows``: its fast mode skips
+    masked rows (``engine.row_skip``), which adds branch copies to its peak."""
 
     memory: Any
     kept_bytes: int
@@ -159,6 +175,7 @@ class Request:
     loss: bool = False
     gemms: tuple[int, int] = (3, 4)
     kept: str = "the head's logits, then their gradient in their place"
+    skips_rows: bool = True
 
 
 def choose(
@@ -233,4 +250,6 @@ def choose(
             f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
             f"({gemms[1]} GEMMs per forward+backward)"
         )
+    if mode == "fast" and request.skips_rows:
+        text += _row_skip_peak(kept_shape)
     return MemoryNote(mode, text)

@@ -507,6 +507,11 @@ def test_memory_budget_and_explain(rng):
         "as bfloat16 [4, 8, 100]"
     ), text
     assert "3 per forward+backward" in text
+    assert "7/8" not in text  # 32 rows: none skipped, no branch copies
+    many = jnp.zeros((2, 512, 16), jnp.bfloat16), weight, jnp.zeros((2, 512), jnp.int32)
+    assert "the peak holds up to about 7/8 of that again" in jk.explain(
+        "linear_logprobs", *many, memory="fast"
+    )
     assert "memory fast" in jk.explain("linear_logprobs", *args, memory=kept)
     assert "memory: lean (memory=" in jk.explain("linear_logprobs", *args, memory=kept - 1)
     old = jnp.zeros((4, 8))

@@ -728,6 +728,18 @@ def test_explain_names_the_backends():
         jnp.ones((2, 3)),
     )
     assert "pallas declined: platform is 'cpu'; pallas runs only in interpret mode" in text, text
+    many = jnp.zeros((2, 512, 8), jnp.bfloat16), jnp.zeros((2, 512, 16), jnp.bfloat16)
+    heads = w.astype(jnp.bfloat16), tw.astype(jnp.bfloat16)
+    text = jk.explain(
+        "linear_distill_loss",
+        many[0],
+        heads[0],
+        many[1],
+        heads[1],
+        jnp.ones((2, 512)),
+        memory="fast",
+    )
+    assert "memory fast" in text and "7/8" not in text, text  # every row runs: no branches
     text = jk.explain("linear_topk_logprobs", h, w, k=4)
     assert "pallas declined: backend 'pallas' does not implement 'topk_logprobs'" in text, text
     with jk.use_backend("chunked"):
