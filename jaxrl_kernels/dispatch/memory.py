@@ -136,16 +136,14 @@ class MemoryNote:
         return f"{step}: {self.text}" if self.mode == "fast" else f"  memory: {self.text}"
 
 
-def _row_skip_peak(kept_shape) -> str:
+def _row_skip_peak(kept_shape, min_rows: int) -> str:
     """What the fast mode's peak adds where it skips masked rows: XLA assigns every row-count
     branch's copy of its kept rows' gradient when it compiles (docs/api.md, "Padded and masked
-    rows"). Empty for fewer rows than any device skips at."""
-    from jaxrl_kernels.engine.row_skip import MIN_ROWS  # engine imports dispatch: not at the top
-
-    if int(np.prod(kept_shape[:-1])) < MIN_ROWS:
+    rows"). Empty below ``min_rows`` rows, where no device skips any."""
+    if int(np.prod(kept_shape[:-1])) < min_rows:
         return ""
     return (
-        f"; where a device runs {MIN_ROWS} rows or more and the vocabulary whole, masked rows are "
+        f"; where a device runs {min_rows} rows or more and the vocabulary whole, masked rows are "
         "skipped and the peak holds up to about 7/8 of that again (each row count's copy of "
         "its kept rows' gradient)"
     )
@@ -165,8 +163,9 @@ class Request:
     ``kept_dtype`` in ``kept_shape``). ``loss``: the op's
     fast mode takes its gradient in the forward (:mod:`jaxrl_kernels.engine.fused_loss`,
     ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
-    ``"lean"``; ``kept``: what a loss's fast mode keeps; ``skips_rows``: its fast mode skips
-    masked rows (``engine.row_skip``), which adds branch copies to its peak."""
+    ``"lean"``; ``kept``: what a loss's fast mode keeps; ``skip_rows``: the fewest rows on a
+    device from which its fast mode skips masked rows (``engine.row_skip``), which adds
+    branch copies to its peak (None: it runs every row)."""
 
     memory: Any
     kept_bytes: int
@@ -175,7 +174,7 @@ class Request:
     loss: bool = False
     gemms: tuple[int, int] = (3, 4)
     kept: str = "the head's logits, then their gradient in their place"
-    skips_rows: bool = True
+    skip_rows: int | None = None
 
 
 def choose(
@@ -250,6 +249,6 @@ def choose(
             f"lean ({why}): nothing [N, V]-sized kept; the backward recomputes the logits "
             f"({gemms[1]} GEMMs per forward+backward)"
         )
-    if mode == "fast" and request.skips_rows:
-        text += _row_skip_peak(kept_shape)
+    if mode == "fast" and request.skip_rows is not None:
+        text += _row_skip_peak(kept_shape, request.skip_rows)
     return MemoryNote(mode, text)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxrl_kernels import dispatch
 from jaxrl_kernels.dispatch import memory as memory_lib
 from jaxrl_kernels.dispatch.contract import Choice, Problem, linear_problem
-from jaxrl_kernels.engine import fused_loss, saved_logits
+from jaxrl_kernels.engine import fused_loss, row_skip, saved_logits
 from jaxrl_kernels.engine.linear_head import HeadCall, linear_from_parts
 from jaxrl_kernels.head import geometry, rounded_logits
 from jaxrl_kernels.sharding.entry import global_vocab
@@ -61,6 +61,7 @@ def choose(
         rows + (vocab,),
         rounded_logits.kept_dtype(hidden.dtype, weight.dtype),
         loss=loss,
+        skip_rows=row_skip.MIN_ROWS,
     )
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
     problem = linear_problem(

@@ -204,7 +204,6 @@ def linear_distill_loss(
         loss=True,
         gemms=(4, 6),
         kept="the student's logit gradient",
-        skips_rows=False,
     )
     problem = distill_problem(
         hidden,
