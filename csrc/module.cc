@@ -8,11 +8,14 @@
 //   jaxrl_kernels_sm90_distill_stats             distillation: row statistics  (ffi_distill.cc)
 //   jaxrl_kernels_sm90_distill_grad              distillation: the student's logit gradient
 //   jaxrl_kernels_kept_set                       a sampler's kept set per row (ffi_kept_set.cc)
+//   jaxrl_kernels_sm90_kept_grad_gemms           memory="fast": the backward's two GEMMs
+//                                                from the kept gradient (ffi_kept_gemms.cc)
 // and, built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON (`measurement_handlers` true), the
 // handlers for measurement only (ffi_variants.cc):
 //   jaxrl_kernels_sm90_linear_logprobs_grad      the grad kernel alone
 #include <pybind11/pybind11.h>
 
+#include "sm90_head_gemm.h"
 #include "sm90_launch.h"
 #include "sm90_plan.h"
 #include "xla/ffi/api/c_api.h"
@@ -26,6 +29,7 @@ extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_fram
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillGrad(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsKeptSet(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90KeptGradGemms(XLA_FFI_CallFrame* call_frame);
 #ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearGrad(XLA_FFI_CallFrame* call_frame);
 #endif
@@ -51,6 +55,7 @@ py::dict registrations() {
   out["jaxrl_kernels_sm90_distill_stats"] = capsule(&JaxrlKernelsSm90DistillStats);
   out["jaxrl_kernels_sm90_distill_grad"] = capsule(&JaxrlKernelsSm90DistillGrad);
   out["jaxrl_kernels_kept_set"] = capsule(&JaxrlKernelsKeptSet);
+  out["jaxrl_kernels_sm90_kept_grad_gemms"] = capsule(&JaxrlKernelsSm90KeptGradGemms);
 #ifdef JAXRL_KERNELS_MEASUREMENT_HANDLERS
   out["jaxrl_kernels_sm90_linear_logprobs_grad"] = capsule(&JaxrlKernelsSm90LinearGrad);
 #endif
@@ -84,6 +89,11 @@ size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, 
   return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, dtype, split_k);
 }
 
+size_t kept_gemms_workspace_bytes(int s, int v, int d, bool weight_dv, bool bf16) {
+  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
+  return jaxrl_sm90::kept_gemms_workspace_bytes(s, v, d, weight_dv, dtype);
+}
+
 py::tuple decode_unit(int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
   const jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
   return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
@@ -110,6 +120,8 @@ PYBIND11_MODULE(_sm90, m) {
   m.def("backward_workspace_bytes", &backward_workspace_bytes, py::arg("n"), py::arg("v"), py::arg("d"),
         py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"), py::arg("split_k") = true,
         "Bytes of the backward custom call's workspace result.");
+  m.def("kept_gemms_workspace_bytes", &kept_gemms_workspace_bytes, py::arg("s"), py::arg("v"), py::arg("d"),
+        py::arg("weight_dv"), py::arg("bf16"), "Bytes of the kept-gradient GEMMs' workspace result (S rows).");
   m.def("decode_unit", &decode_unit, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
   // Whether registrations() holds the measurement-only handlers (JAXRL_KERNELS_MEASUREMENT_HANDLERS).
   m.attr("measurement_handlers") = kMeasurementHandlers;

@@ -45,9 +45,9 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   w.gemm = w.inv_scale + align_up(4ull * chunks_of(v, chunk));
   size_t gemm = 0;
   for (int width : {widest, last}) {
-    gemm = std::max(gemm, gemm_d_hidden_workspace(weight_dv, n, d, round8(width), split_k));
-    gemm = std::max(gemm, weight_dv ? gemm_d_weight_workspace(dtype, d, width, n)
-                                    : gemm_d_weight_workspace(dtype, round8(width), d, n));
+    gemm = std::max(gemm, gemm_d_hidden_workspace(DType::kF16, weight_dv, n, d, round8(width), split_k));
+    gemm = std::max(gemm, weight_dv ? gemm_d_weight_workspace(DType::kF16, dtype, d, width, n)
+                                    : gemm_d_weight_workspace(DType::kF16, dtype, round8(width), d, n));
   }
   w.total = w.gemm + align_up(gemm);
   return w;
@@ -178,19 +178,19 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     }
 
     // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
-    why = gemm_d_hidden(base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,
-                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k);
+    why = gemm_d_hidden(DType::kF16, base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc,
+                        inv_scale + c, start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k);
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G
-      why = gemm_d_weight(base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale, ws + w.gemm,
-                          a.sm_count, stream);
-    } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
-      why = gemm_d_weight(base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d, dw_scale,
+      why = gemm_d_weight(DType::kF16, base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale,
                           ws + w.gemm, a.sm_count, stream);
+    } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
+      why = gemm_d_weight(DType::kF16, base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d,
+                          dw_scale, ws + w.gemm, a.sm_count, stream);
     } else {
-      why = gemm_d_weight(base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm, a.sm_count,
-                          stream);
+      why = gemm_d_weight(DType::kF16, base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm,
+                          a.sm_count, stream);
       if (why.empty() && cudaMemcpyAsync(d_weight + 2ull * start * d, ws + w.tail, 2ull * size * d,
                                          cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
         why = cuda_error("copy of the d_weight tail");

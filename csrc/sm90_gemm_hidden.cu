@@ -18,6 +18,13 @@ using HiddenDvSplit =
 using HiddenVdNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::RowMajor, void, 128>;
 using HiddenDvNarrow = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, void, 128>;
 
+// bfloat16 operands (the fast mode's kept gradient and the head itself): the split kernels
+// only, run with one part where K is not split.
+using HiddenVdBf16 = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::RowMajor,
+                              cutlass::gemm::StreamKScheduler, 256, cutlass::bfloat16_t>;
+using HiddenDvBf16 = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
+                              cutlass::gemm::StreamKScheduler, 256, cutlass::bfloat16_t>;
+
 // At most this many parts per output tile, each of at least kMinSplitK columns of K: short
 // parts would spend more of their time filling the pipeline and in the reduction, long ones
 // leave small N's GEMMs too few CTAs (docs/performance.md, "Kernel constants").
@@ -39,7 +46,7 @@ struct HiddenPlan {
 // makes no more CTAs than they do and adds the parts' reduction (measured: docs/performance.md,
 // "Kernel constants"). The tiles are counted as the scheduler does, the M extent rounded up to
 // whole clusters. A function of the shape only, shared by the workspace size and the launch.
-HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
+HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
   constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
@@ -51,7 +58,7 @@ HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
         std::min<int64_t>({kSplitTargetCtas / std::max<int64_t>(tiles, 1), kMaxSplits, k / kMinSplitK});
     plan.splits = static_cast<int>(std::max<int64_t>(splits, 1));
   }
-  if (plan.splits <= 2 && 2 * tiles <= kSplitTargetCtas) {
+  if (operands == DType::kF16 && plan.splits <= 2 && 2 * tiles <= kSplitTargetCtas) {
     plan.splits = 1;
     plan.narrow = true;
   }
@@ -60,16 +67,18 @@ HiddenPlan hidden_plan(int n, int d, int k, bool split_k) {
 
 }  // namespace
 
-std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16, int64_t ldw,
-                          float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
+std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
+                          int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
                           cudaStream_t stream, bool split_k) {
-  const HiddenPlan plan = hidden_plan(n, d, k, split_k);
+  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k);
   const auto run = [&](auto gemm) {
     return run_head_gemm<decltype(gemm)>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
                                          stream, plan.splits);
   };
   cutlass::Status st;
-  if (plan.splits > 1) {
+  if (operands == DType::kBF16) {
+    st = w16_dv ? run(HiddenDvBf16{}) : run(HiddenVdBf16{});
+  } else if (plan.splits > 1) {
     st = w16_dv ? run(HiddenDvSplit{}) : run(HiddenVdSplit{});
   } else if (plan.narrow) {
     st = w16_dv ? run(HiddenDvNarrow{}) : run(HiddenVdNarrow{});
@@ -80,8 +89,11 @@ std::string gemm_d_hidden(bool w16_dv, int n, int d, int k, const void* g, int64
   return {};
 }
 
-size_t gemm_d_hidden_workspace(bool w16_dv, int n, int d, int k, bool split_k) {
-  const HiddenPlan plan = hidden_plan(n, d, k, split_k);
+size_t gemm_d_hidden_workspace(DType operands, bool w16_dv, int n, int d, int k, bool split_k) {
+  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k);
+  if (operands == DType::kBF16)
+    return w16_dv ? head_gemm_workspace<HiddenDvBf16>(n, d, k, plan.splits)
+                  : head_gemm_workspace<HiddenVdBf16>(n, d, k, plan.splits);
   if (plan.splits > 1)
     return w16_dv ? head_gemm_workspace<HiddenDvSplit>(n, d, k, plan.splits)
                   : head_gemm_workspace<HiddenVdSplit>(n, d, k, plan.splits);

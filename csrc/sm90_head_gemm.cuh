@@ -1,5 +1,5 @@
-// The two GEMMs of the linear-head backward per vocabulary chunk (float16 operands, float32
-// accumulation), as CUTLASS SM90 kernels: TMA loads, wgmma, a persistent warp-specialized
+// The two GEMMs of the linear-head backward (16-bit operands, float32 accumulation), as
+// CUTLASS SM90 kernels: TMA loads, wgmma, a persistent warp-specialized
 // cooperative schedule and a TMA epilogue, built from CUTLASS's collective builders.
 //
 //   d_hidden:  acc = G . W16 + beta acc        float32 [N, D], updated in place (beta 0 on the
@@ -41,8 +41,10 @@ namespace jaxrl_sm90 {
 // CUTLASS's default persistent scheduler (one CTA per output tile), or
 // cutlass::gemm::StreamKScheduler for split-K. TileN: 128 for
 // d_hidden where 256-wide tiles are too few to fill the GPU and K is not split (each output
-// element is the same sum of the same wgmma steps whatever the tile's width).
-template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void, int TileN = 256>
+// element is the same sum of the same wgmma steps whatever the tile's width). ElementAB: the
+// operands' type, float16 (lean's scaled chunks) or bfloat16 (the fast mode's kept gradient).
+template <class ElementD, class ElementC, class LayoutA, class LayoutB, class Scheduler = void, int TileN = 256,
+          class ElementAB = cutlass::half_t>
 struct HeadGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = cute::Shape<cute::_128, cute::Int<TileN>, cute::_64>;
@@ -56,8 +58,8 @@ struct HeadGemm {
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::half_t, LayoutA, 8, cutlass::half_t, LayoutB, 8,
-      float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, 8, ElementAB, LayoutB, 8, float,
+      TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 

@@ -56,6 +56,12 @@ kept_logits        ``(plan, hidden[N,D], weight, bias | None, t_local[N],
                    (reference: XLA's GEMM and reductions; ffi: one kernel,
                    which lays ``z`` out at ``plan.logits_rows`` rows where
                    that is set, the rows past N zero)
+kept_gemms         ``(hidden[S,D], weight, dz[R,V], scale, *, weight_layout)
+                   -> (d_hidden f32[S,D], d_weight)``: ``memory="fast"``'s
+                   backward GEMMs on the first S ≤ R rows of the kept
+                   gradient, ``scale`` the loss's float32 cotangent
+                   (reference: XLA's GEMMs on ``dz[:S]``, which XLA copies
+                   out; ffi: one custom call reading them in place)
 =================  ===========================================================
 
 ``logprob_core`` states the contract of the log-prob parts (targets outside a device's

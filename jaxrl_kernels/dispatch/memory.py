@@ -165,7 +165,8 @@ class Request:
     ``fused_distill``); ``gemms``: the GEMMs per forward+backward of ``"fast"`` and
     ``"lean"``; ``kept``: what a loss's fast mode keeps; ``skip_rows``: the fewest rows on a
     device from which its fast mode skips masked rows (``engine.row_skip``), which adds
-    branch copies to its peak (None: it runs every row)."""
+    branch copies to its peak (None: it runs every row, or its branches' GEMMs read the kept
+    rows in place: a fused loss on ffi's ``kept_gemms``)."""
 
     memory: Any
     kept_bytes: int

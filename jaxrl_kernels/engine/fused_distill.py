@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxrl_kernels.engine import vjp
 from jaxrl_kernels.formulas import divergence_math as dm
-from jaxrl_kernels.head import geometry, head_grad, rounded_logits
+from jaxrl_kernels.head import geometry, head_grad, kept_grads, rounded_logits
 from jaxrl_kernels.head.blocks import equal_blocks
 from jaxrl_kernels.sharding.vma import varying_like
 
@@ -156,7 +156,7 @@ def _local_backward(
     ``d_hidden`` is float32 (rounded after the sum over vocabulary slices)."""
     del plan, t_hidden, t_weight, t_bias
     g = jnp.where(row_valid, g.astype(jnp.float32) * inv_sigma, 0.0)[:, None]
-    d_hidden, d_weight = head_grad.row_scaled_grads(grad, hidden, weight, weight_layout, g)
+    d_hidden, d_weight = kept_grads.row_scaled_grads(grad, hidden, weight, weight_layout, g)
     if bias is None:
         return d_hidden, d_weight, None
     return d_hidden, d_weight, jnp.sum(grad.astype(jnp.float32) * g, axis=0).astype(bias.dtype)

@@ -42,7 +42,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jaxrl_kernels.engine import linear_head, logprob_core, saved_logits, vjp
 from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import geometry, head_grad, rounded_logits
+from jaxrl_kernels.head import geometry, head_grad, kept_grads, rounded_logits
 from jaxrl_kernels.head.blocks import blocks
 from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding.vma import varying_like
@@ -167,29 +167,45 @@ def _float16_scale(g, g_ent, entropy, temperature):
     return head_grad.pow2_range(jnp.max(bound, initial=0.0) / temperature)
 
 
-def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout):
+def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout, gemms):
     """``(c·dz·W, dzᵀ·(c·h), None)`` on one device (``d_bias`` comes from the forward's float32
     column sums). ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c``
     on every active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g``
     exactly (float16: ``c/σ``, ``σ`` the power of two ``dz`` was written times). ``d_hidden``
     is accumulated in float32 and scaled there (the caller rounds it after any sum over
-    devices); ``c`` scales ``h`` before ``d_weight``'s GEMM, so that the
-    ``[V, D]`` GEMM writes the head's dtype directly: exact for ``c = 1`` (``jax.grad`` of the
-    loss) or a power of two, one rounding of ``c·h`` more for another ``c``. No branch on
-    ``c``: a predicate the host reads would serialise the backward."""
+    devices). No branch on ``c``: a predicate the host reads would serialise the backward.
+
+    Where every row runs, XLA's GEMMs (``kept_grads.row_scaled_grads``: ``c`` scales ``h``
+    before ``d_weight``'s GEMM, so that the ``[V, D]`` GEMM writes the head's dtype directly,
+    exact for ``c = 1``, ``jax.grad`` of the loss, or a power of two). A row-skipping branch
+    gets ``dz`` with more rows than its own (``row_skip``'s ``whole``): there ``gemms``, the
+    ``kept_gemms`` primitive dispatch chose, reads the branch's first rows."""
     g = rows[3]
     c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
-    return head_grad.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
+    if dz.shape[0] == hidden.shape[0]:
+        return kept_grads.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
+    return tuple(gemms(hidden, weight, dz, c, weight_layout=weight_layout)) + (None,)
 
 
 def fused_linear_loss(
-    kept, loss_fn, hidden, weight, bias, targets, row_valid, inputs, call: linear_head.HeadCall
+    kept,
+    loss_fn,
+    hidden,
+    weight,
+    bias,
+    targets,
+    row_valid,
+    inputs,
+    call: linear_head.HeadCall,
+    *,
+    gemms=kept_grads.leading_rows_grads,
 ):
     """``loss_fn(logp, entropy | None, inputs)`` on the log-probs of ``hidden @ Wᵀ + bias``,
     its gradient to the head taken in the forward (see the module docstring).
 
     ``kept``: the ``kept_logits`` primitive dispatch chose (``rounded_logits.local_stats``, or
-    a kernel with its contract), which makes the logits and their row statistics.
+    a kernel with its contract), which makes the logits and their row statistics; ``gemms``:
+    the ``kept_gemms`` primitive, the backward's GEMMs on a row-skipping branch's rows.
 
     ``loss_fn`` returns a pytree whose first leaf is the scalar loss; ``inputs`` is a pytree
     of its other arrays (float leaves get their gradients through ``loss_fn``'s VJP).
@@ -314,7 +330,7 @@ def fused_linear_loss(
         elif not isinstance(c, SymbolicZero):
             c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
             d_hidden, d_weight, _ = linear_head.head_backward(
-                functools.partial(_local_head_grads, weight_layout=weight_layout),
+                functools.partial(_local_head_grads, weight_layout=weight_layout, gemms=gemms),
                 hidden,
                 weight,
                 None,
@@ -323,6 +339,7 @@ def fused_linear_loss(
                 c_rows,
                 None,
                 call,
+                whole_kept=True,
             )
             d_bias = (
                 None if bias is None else (c.astype(jnp.float32) * col_sums[0]).astype(bias.dtype)

@@ -55,16 +55,28 @@ def choose(
     rows = tuple(rows)
     vocab = global_vocab(geometry.vocab_size(weight, call.weight_layout), call.vocab_axis)
     n_rows = math.prod(rows)
+    problem = _problem(hidden, weight, bias, n_rows, call)
+    # Row skipping's branches copy their rows of the kept buffer for XLA's GEMMs, except in a
+    # fused loss whose backward GEMMs are ffi's, which read them in place (``kept_gemms``).
+    in_place = (
+        loss
+        and call.truncation is None
+        and dispatch.select(op, problem, primitive="kept_gemms", strict=False).backend == "ffi"
+    )
     request = memory_lib.Request(
         memory,
         rounded_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
         rows + (vocab,),
         rounded_logits.kept_dtype(hidden.dtype, weight.dtype),
         loss=loss,
-        skip_rows=row_skip.MIN_ROWS,
+        skip_rows=None if in_place else row_skip.MIN_ROWS,
     )
+    return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
+
+
+def _problem(hidden, weight, bias, n_rows: int, call: HeadCall) -> Problem:
     flat_hidden = jax.ShapeDtypeStruct((n_rows, hidden.shape[-1]), hidden.dtype)
-    problem = linear_problem(
+    return linear_problem(
         flat_hidden,
         weight,
         bias,
@@ -72,7 +84,6 @@ def choose(
         return_entropy=call.return_entropy,
         batch_invariant=call.batch_invariant,
     )
-    return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
 
 
 def logprob_rows(hidden, weight, bias, targets, row_valid, call: HeadCall, choice: Choice):
@@ -126,6 +137,8 @@ def loss_rows(
     says whether each target is in its row's kept set."""
     choice = choose(op, memory, hidden, weight, bias, targets.shape, call, backend, loss=True)
     if choice.fast and call.truncation is None:
+        problem = _problem(hidden, weight, bias, math.prod(targets.shape), call)
+        gemms = dispatch.resolve(op, problem, primitive="kept_gemms", strict=False)
         out = fused_loss.fused_linear_loss(
             choice.impl,
             loss_fn,
@@ -136,6 +149,7 @@ def loss_rows(
             row_valid,
             inputs,
             call,
+            gemms=gemms.impl,
         )
         return out, None
     logp, entropy, *kept = logprob_rows(hidden, weight, bias, targets, row_valid, call, choice)

@@ -359,6 +359,8 @@ def head_backward(
     g,
     g_ent,
     call: HeadCall,
+    *,
+    whole_kept: bool = False,
 ):
     """(d_hidden, d_weight, d_bias | None) of a linear head from per-token cotangents, each
     shaped, sharded and typed like its operand: the backward half of an op whose custom_vjp
@@ -367,7 +369,7 @@ def head_backward(
     Per device, ``local_backward(h [N, D], weight, bias, *kept [N, V_local], t_local, lse,
     entropy, g, g_ent)`` gets flat rows as :func:`linear_head_op`'s backward does; ``kept``
     are residuals laid out like the logits (in ``row_skip``'s kept-first order of
-    ``row_valid``, as the forward's step left them)."""
+    ``row_valid``, as the forward left them), all their rows in each branch if ``whole_kept``."""
     weight_layout = call.weight_layout
     rows = "r" * targets.ndim
     roles = head_roles(targets.ndim, weight_layout)
@@ -391,6 +393,7 @@ def head_backward(
         grads_of=present,
         vocab_axis=call.vocab_axis,
         keep_at=len(operands) - 3,
+        whole=tuple(range(3, 3 + len(kept))) if whole_kept else (),
         pieces=vjp.head_grad_pieces(),
     )
     dh, dw = grads[0].astype(hidden.dtype), grads[1].astype(weight.dtype)

@@ -16,6 +16,10 @@ whose operands include a per-row keep flag (``row_valid``) is run by :func:`call
   flags give the same order). A branch's ``plan.logits_rows`` is N: a kernel that writes such
   a result at N rows itself spares the branch a padded copy (the switch's result is a buffer
   of its own, so a pad would hold two ``[N, V]`` at once).
+* operands a step names ``whole`` (laid out like the logits: the kept gradient of the fast
+  losses) reach a branch with all N rows, its S rows first: a GEMM of XLA's would take the
+  first S as a copy, and XLA assigns every branch's copy a buffer when it compiles, so the
+  step's GEMMs read them in place instead (``kept_gemms``).
 
 Skipped rows' contents are never read, so every result is bitwise the same whatever they
 hold; where no branch is taken (too few rows, a vocabulary split, batch invariance) the
@@ -76,14 +80,15 @@ def skips(n_rows: int, plan) -> bool:
     return n_rows >= MIN_ROWS and not plan.vocab_axes
 
 
-def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
+def call(local, plan, operands, roles, out_roles, keep, *, switch=True, whole=()):
     """``local(plan, *operands)`` (flat rows, ``roles`` as ``vjp.stage``'s) on the rows where
     ``keep`` [N] is True, its present (not None) outputs returned as ``local``'s would be for
     every row (the module docstring); where it :func:`skips` no rows, every row runs, the
     skipped ones zeroed. ``switch`` False: the rows are put kept-first (and the others zeroed) but
     ``local`` runs once on all N of them, for a step with no GEMM that bounds its own loop by
     the kept rows (the last kept row of its ``keep`` operand) and updates a ``[N, V]`` operand
-    in place: a branch would copy it."""
+    in place: a branch would copy it. ``whole``: the indices of operands a branch gets with all
+    N rows (the module docstring)."""
     n_rows = keep.shape[0]
     keep = keep.astype(bool)
     if not skips(n_rows, plan):
@@ -113,8 +118,8 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True):
         def run_at(size):
             def branch_fn(ops):
                 head = [
-                    x if x is None or not _has_rows(r) else _leading(x, size)
-                    for x, r in zip(ops, roles)
+                    x if x is None or not _has_rows(r) or i in whole else _leading(x, size)
+                    for i, (x, r) in enumerate(zip(ops, roles))
                 ]
                 outs = [y for y in local(branch_plan, *head) if y is not None]
                 return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]

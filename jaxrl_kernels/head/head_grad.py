@@ -362,39 +362,3 @@ def rounded_weight_grad(dz, hidden, weight, weight_layout, scale=None):
     init = varying_like(jnp.zeros(weight.shape, weight.dtype), dz, hidden, weight)
     size = min(vocab, max(128, WEIGHT_BLOCK_BYTES // (4 * max(dim, 1))))
     return run_chunks(block, init, vocab, size)
-
-
-def rows_scaled_weight_grad(dz, scaled_hidden, weight, weight_layout):
-    """``dzᵀ·scaled_hidden`` in W's dtype, for a float32 ``scaled_hidden`` [N, D] (the hidden
-    states times per-row cotangents) rounded once to ``dz``'s dtype: a float16 one is first
-    brought into float16's range by a power of two (small cotangents would put it among the
-    subnormals), undone exactly in the float32 result (:func:`rounded_weight_grad`)."""
-    scale = None
-    if dz.dtype == jnp.float16:
-        top = pow2_range(jnp.max(jnp.abs(scaled_hidden)))
-        scaled_hidden, scale = scaled_hidden * top, 1.0 / top
-    return rounded_weight_grad(dz, scaled_hidden.astype(dz.dtype), weight, weight_layout, scale)
-
-
-def row_scaled_grads(dz, hidden, weight, weight_layout, scale):
-    """``(scale ⊙ dz·W, dzᵀ·(scale ⊙ hidden))`` for a gradient of the logits ``dz`` [N, V]
-    kept in the head's dtype and a float32 ``scale`` (per row [N, 1], or a scalar): the two
-    GEMMs in the head's dtype, ``scale`` applied to their ``[N, D]`` sides only —
-    ``d_hidden`` to the GEMM's float32 result (rounded by the caller after any sum over
-    devices), ``hidden`` before ``d_weight``'s GEMM (:func:`rows_scaled_weight_grad`)."""
-    dtype = jnp.result_type(hidden, weight)
-    dz = dz.astype(dtype)
-    d_hidden = (
-        geometry.hidden_grad(
-            dz,
-            weight.astype(dtype),
-            weight_layout,
-            precision=geometry.matmul_precision(dtype),
-            preferred_element_type=jnp.float32,
-        )
-        * scale
-    )
-    d_weight = rows_scaled_weight_grad(
-        dz, hidden.astype(jnp.float32) * scale, weight, weight_layout
-    )
-    return d_hidden, d_weight

@@ -29,6 +29,7 @@ from jaxrl_kernels import dispatch
 from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.backends.ffi import distill as ffi_distill
 from jaxrl_kernels.backends.ffi import extension
+from jaxrl_kernels.backends.ffi import kept_gemms as ffi_kept_gemms
 from jaxrl_kernels.backends.ffi import kept_set as ffi_kept_set
 from jaxrl_kernels.backends.ffi import linear as ffi_linear
 from jaxrl_kernels.dispatch.contract import Parts, Problem
@@ -90,6 +91,7 @@ def test_extension_built_and_imports():
             ffi_distill.STATS_TARGET,
             ffi_distill.GRAD_TARGET,
             ffi_kept_set.TARGET,
+            ffi_kept_gemms.TARGET,
         ]
         + measurement
     )

@@ -2,7 +2,8 @@
 
 ``linear`` serves ``linear_logprobs`` (its ``Parts`` have no backward: dispatch resolves
 ``linear_logprobs_backward`` for it, ``Choice.backward``), that backward alone and
-``memory="fast"``'s ``kept_logits``; ``distill``
+``memory="fast"``'s ``kept_logits``; ``kept_gemms`` the fast mode's backward GEMMs on a
+row-skipping branch's rows of the kept gradient; ``distill``
 serves ``distill_divergence``; ``kept_set`` a sampler's kept set per row. ``extension``
 loads the extension and registers its targets; without it, or off a Hopper GPU, the backend
 is unavailable.
@@ -10,11 +11,11 @@ is unavailable.
 
 from __future__ import annotations
 
-from jaxrl_kernels.backends.ffi import distill, kept_set, linear
+from jaxrl_kernels.backends.ffi import distill, kept_gemms, kept_set, linear
 from jaxrl_kernels.backends.ffi.extension import unavailable_reason
 from jaxrl_kernels.dispatch.contract import Backend, Problem
 
-_SUBMODULES = (linear, distill, kept_set)
+_SUBMODULES = (linear, kept_gemms, distill, kept_set)
 
 OPS = {primitive: op for mod in _SUBMODULES for primitive, op in mod.OPS.items()}
 _DECLINERS = {primitive: mod.declines for mod in _SUBMODULES for primitive in mod.OPS}
@@ -24,8 +25,8 @@ def declines(primitive: str, problem: Problem) -> str | None:
     """Why the kernels do not serve these inputs (None if they do)."""
     if primitive not in OPS:
         return (
-            f"ffi implements memory='fast''s kept_logits, linear_logprobs, its backward, "
-            f"distill_divergence and kept_set, not {primitive!r}"
+            f"ffi implements memory='fast''s kept_logits and kept_gemms, linear_logprobs, its "
+            f"backward, distill_divergence and kept_set, not {primitive!r}"
         )
     return _DECLINERS[primitive](primitive, problem)
 
@@ -33,7 +34,7 @@ def declines(primitive: str, problem: Problem) -> str | None:
 def automatic(primitive: str, problem: Problem) -> str | None:
     if primitive not in OPS:
         return (
-            "ffi serves only linear_logprobs (forward and backward), kept_logits, "
+            "ffi serves only linear_logprobs (forward and backward), kept_logits, kept_gemms, "
             "distill_divergence and kept_set"
         )
     if primitive == "kept_logits" and problem.n_rows < linear.KEPT_LOGITS_MIN_ROWS:
