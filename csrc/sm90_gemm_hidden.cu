@@ -31,12 +31,6 @@ using HiddenDvBf16 = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::
 constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
-// Narrow tiles past one wave: taken where they fill the waves of kSplitTargetCtas CTAs by at
-// least this factor more than wide ones (a narrow tile does half the work for more than half
-// the time: its B tile is loaded for half the products). 160 wide tiles (2560 rows at
-// D = 2048, a padded batch's branch) fill 61 % of two waves, 320 narrow ones 81 % of three.
-constexpr double kNarrowWaveGain = 1.25;
-
 // How d_hidden's GEMM covers [n, d]: K in `splits` parts (1: not split), and tiles 128 wide
 // rather than 256 (`narrow`).
 struct HiddenPlan {
@@ -44,22 +38,14 @@ struct HiddenPlan {
   bool narrow = false;
 };
 
-// The share of its waves of kSplitTargetCtas CTAs that `tiles` output tiles keep busy.
-double wave_use(int64_t tiles) {
-  const int64_t waves = (tiles + kSplitTargetCtas - 1) / kSplitTargetCtas;
-  return waves > 0 ? static_cast<double>(tiles) / static_cast<double>(waves * kSplitTargetCtas) : 1.0;
-}
-
 // K's parts: as many as keep the output tiles times the parts within one wave of
 // kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time), none without
 // `split_k`. Unsplit, the tiles are halved in width where that still fits one wave: a
 // batch-invariant backward (split_k false) must not let the sums' order follow n, but the
 // tile's width leaves each sum as it is. Halved tiles also replace a split in two parts, which
 // makes no more CTAs than they do and adds the parts' reduction (measured: docs/performance.md,
-// "Kernel constants"). Past one wave, unsplit, they are halved where that fills the waves
-// enough better (kNarrowWaveGain). The tiles are counted as the scheduler does, the M extent
-// rounded up to whole clusters. A function of the shape only, shared by the workspace size and
-// the launch.
+// "Kernel constants"). The tiles are counted as the scheduler does, the M extent rounded up to
+// whole clusters. A function of the shape only, shared by the workspace size and the launch.
 HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
@@ -76,8 +62,6 @@ HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
     plan.splits = 1;
     plan.narrow = true;
   }
-  if (operands == DType::kF16 && plan.splits == 1 && wave_use(2 * tiles) >= kNarrowWaveGain * wave_use(tiles))
-    plan.narrow = true;
   return plan;
 }
 
