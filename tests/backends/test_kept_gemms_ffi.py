@@ -47,6 +47,14 @@ def test_declines_what_the_call_does_not_serve(kw, expect):
     assert (why is None) if expect is None else (expect in why), why
 
 
+def test_automatic_choice_leaves_it_to_xla_until_measured():
+    """Not taken automatically (``NOT_AUTOMATIC``: not yet run on a GPU); ``use_backend("ffi")``
+    asks for it."""
+    problem = Problem(n_rows=4096, vocab=4096, hidden_dim=64, dtype="bfloat16")
+    assert ffi.automatic("kept_gemms", problem) == ffi_kept_gemms.NOT_AUTOMATIC
+    assert 'use_backend("ffi")' in ffi_kept_gemms.NOT_AUTOMATIC
+
+
 @pytest.fixture
 def sm90():
     if extension.sm90 is None:
@@ -142,9 +150,14 @@ def test_gpu_kept_gemms_against_float64(s, r, d, v, layout, dtype):
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_fast_loss_row_skipping_reads_rows_in_place(rng, monkeypatch):
-    """The fast GRPO loss on 4096 padded rows (D 256, V 32768, bf16): its masked rows inert,
-    value and gradients as with every row run (one rounding of d_weight apart), ``explain``
-    naming ffi's ``kept_gemms``, and a temp of about one ``[N, V]`` bf16."""
+    """The fast GRPO loss on 4096 padded rows (D 256, V 32768, bf16), ffi's ``kept_gemms``
+    asked for: its masked rows inert, value and gradients as with every row run (one rounding
+    of d_weight apart), ``explain`` naming it, and a temp of about one ``[N, V]`` bf16."""
+    with jk.use_backend("ffi"):
+        _check_fast_loss_in_place(rng, monkeypatch)
+
+
+def _check_fast_loss_in_place(rng, monkeypatch):
     b, t, d, v = 16, 256, 256, 32768
     hidden, weight, actions, mask, (value, aux, grads) = skipping.check_inert(
         rng, "grpo", "fast", None, b, t, d, v

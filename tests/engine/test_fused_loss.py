@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import jaxrl_kernels as jk
-from jaxrl_kernels.backends import ffi
 from jaxrl_kernels.engine import fused_loss, row_skip
 from tests.conftest import as_jnp, assert_close, assert_zero, cotangent, random_mask
 from tests.engine.test_fast_mode import fast_formula
@@ -286,7 +285,7 @@ def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
     """bfloat16, the shape of a small model: XLA's temp memory holds one [N, V] bf16 buffer
     (the logits, then their gradient), a row block and, the masked rows skipped where XLA's
     GEMMs run the backward, their copy of the kept rows' gradient ([S, V], S the row count of
-    the branch that holds them; none on Hopper, whose ``kept_gemms`` reads the rows in place:
+    the branch that holds them; none where ffi's ``kept_gemms`` reads the rows in place:
     docs/api.md), less than linear_logprobs' fast mode (the logits and their gradient at
     once); gradients within the fast mode's rule. The old log-probs are the policy's own, so
     every ratio stays inside the clip range (no flips from rounding)."""
@@ -314,7 +313,18 @@ def test_gpu_fused_loss_holds_one_buffer_and_matches_float64(layout):
     )
     kept_rows = int(np.sum(np.asarray(mask) != 0))
     branch_rows = min(s for s in row_skip.bucket_sizes(b * t) if s >= kept_rows)
-    in_place = ffi.unavailable_reason() is None
+    in_place = "kept_gemms: ffi" in jk.explain(
+        "linear_grpo_loss",
+        h,
+        w,
+        actions,
+        old,
+        rewards,
+        mask,
+        group_size=4,
+        weight_layout=layout,
+        memory="fast",
+    )
     copy = branch_rows * vocab * 2 if branch_rows < b * t and not in_place else 0
     # one [N, V] buffer, the branch's copy of its rows, at most one row block's float32 work
     assert kept <= fused <= kept + copy + fused_loss.ROW_BLOCK_BYTES, (fused, kept, copy)

@@ -14,7 +14,8 @@ and runs two CUTLASS GEMMs on its first S rows::
 
 ``c`` the loss's cotangent (a float32 scalar), applied to the float32 accumulators. Serves
 bfloat16 or float16 hidden, weight and ``dz`` of one dtype, with D and V multiples of 8 (TMA's
-16-byte row strides).
+16-byte row strides). Automatic choice does not take it until it has been measured on a GPU
+(:data:`NOT_AUTOMATIC`); ``jk.use_backend("ffi")`` asks for it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from jaxrl_kernels.head import geometry
 TARGET = "jaxrl_kernels_sm90_kept_grad_gemms"  # csrc/ffi_kept_gemms.cc
 SERVED_DTYPES = ("bfloat16", "float16")
 ALIGN = 8
+
+NOT_AUTOMATIC = (
+    "kept_gemms on ffi is not yet taken automatically: its GPU tests "
+    "(tests/backends/test_kept_gemms_ffi.py) and its memory and speed against XLA's GEMMs "
+    "(benchmarks/studies/bench_kept_gemms.py) have not run on a GPU; "
+    'jk.use_backend("ffi") asks for it'
+)
+"""Why automatic choice leaves ``kept_gemms`` to XLA's GEMMs for now (``ffi.automatic``)."""
 
 
 def declines(primitive: str, problem) -> str | None:
