@@ -14,7 +14,8 @@
 # .whl/tunix/*.whl (tunix and the few of its dependencies the image lacks), .whl/peers/*.whl
 # (tokamax, Liger, Cut Cross-Entropy for the side_by_side step), .whl-quack/part-* (QuACK,
 # in two parts: carry one per call), .whl-jax/part-* (stage_jax). benchmarks/gpu/stage_wheels.sh
-# downloads them all.
+# downloads them all. .prebuilt/ (benchmarks/gpu/prebuild.sh): the extension, built elsewhere
+# from the same sources, in place of this machine's build.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
@@ -53,9 +54,17 @@ if [ -d /tmp/quack/site-packages ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 start=$(date +%s)
-# ON, not AUTO: a failed build is an error here, never a silent pure-Python install. With the
-# measurement-only handlers (csrc/ffi_variants.cc): the GPU tests and variant benchmarks call them.
-JAXRL_KERNELS_BUILD_CUDA=ON JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
+# A prebuilt extension (.prebuilt/, benchmarks/gpu/prebuild.sh) is used only where it was built
+# from these very sources; the tree then runs from the checkout (PYTHONPATH), uninstalled.
+if [ -f .prebuilt/SOURCES.sha256 ] && [ "$(cat .prebuilt/SOURCES.sha256)" = "$(bash benchmarks/gpu/sources_hash.sh)" ]; then
+  cp .prebuilt/_sm90*.so jaxrl_kernels/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "jaxrl_kernels: the prebuilt extension ($(cat .prebuilt/BUILD.txt)), no build"
+else
+  if [ -d .prebuilt ]; then echo "jaxrl_kernels: .prebuilt/ was built from other sources: building"; fi
+  # ON, not AUTO: a failed build is an error here, never a silent pure-Python install. With the
+  # measurement-only handlers (csrc/ffi_variants.cc): the GPU tests and variant benchmarks call them.
+  JAXRL_KERNELS_BUILD_CUDA=ON JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5
+fi
 echo "install took $(( $(date +%s) - start )) s"
 python3 -c 'import jax, jaxrl_kernels as jk; print(jax.devices(), {op: jk.available_backends(op) for op in ("linear_logprobs", "token_logprobs", "ppo_loss")})'
 
