@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the CUDA extension on this machine (nvcc 13, network; no GPU needed) for the offline GPU
 # machine, so that benchmarks/gpu/run.sh there skips its nvcc build (about 70 s of every call on
-# 16 cores). Writes .prebuilt/ (git-ignored; carry it with .whl):
+# 16 cores). Writes .prebuilt/ (git-ignored; copy it in beside .whl):
 #   _sm90.*.so       built with JAXRL_KERNELS_BUILD_CUDA=ON and the measurement handlers, as
 #                    run.sh builds it, against the XLA FFI headers of the GPU image's jaxlib
 #   SOURCES.sha256   the hash of the sources it was built from (benchmarks/gpu/sources_hash.sh);
