@@ -24,7 +24,5 @@ rm -rf .prebuilt && mkdir -p .prebuilt
 python3 -m zipfile -e "$tmp"/dist/jaxrl_kernels-*.whl "$tmp/wheel"
 cp "$tmp"/wheel/jaxrl_kernels/_sm90*.so .prebuilt/
 bash benchmarks/gpu/sources_hash.sh >.prebuilt/SOURCES.sha256
-{
-  echo "jaxlib $JAXLIB headers; $(nvcc --version | tail -1); $(date -u +'%F %H:%M UTC')"
-} >.prebuilt/BUILD.txt
+echo "jaxlib $JAXLIB headers; $(nvcc --version | tail -1); $(date -u +'%F %H:%M UTC')" >.prebuilt/BUILD.txt
 echo "built in $(($(date +%s) - start)) s: $(ls .prebuilt/_sm90*.so); $(cat .prebuilt/BUILD.txt)"

@@ -57,10 +57,13 @@ start=$(date +%s)
 # A prebuilt extension (.prebuilt/, benchmarks/gpu/prebuild.sh) is used only where it was built
 # from these very sources; the tree then runs from the checkout (PYTHONPATH), uninstalled.
 if [ -f .prebuilt/SOURCES.sha256 ] && [ "$(cat .prebuilt/SOURCES.sha256)" = "$(bash benchmarks/gpu/sources_hash.sh)" ]; then
+  # An earlier call's editable install on this machine would import its own build instead.
+  python3 -m pip uninstall -q -y jaxrl_kernels >/dev/null 2>&1
   cp .prebuilt/_sm90*.so jaxrl_kernels/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "jaxrl_kernels: the prebuilt extension ($(cat .prebuilt/BUILD.txt)), no build"
 else
   if [ -d .prebuilt ]; then echo "jaxrl_kernels: .prebuilt/ was built from other sources: building"; fi
+  rm -f jaxrl_kernels/_sm90*.so  # an earlier call's prebuilt copy would shadow this build
   # ON, not AUTO: a failed build is an error here, never a silent pure-Python install. With the
   # measurement-only handlers (csrc/ffi_variants.cc): the GPU tests and variant benchmarks call them.
   JAXRL_KERNELS_BUILD_CUDA=ON JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | grep -E "jaxrl_kernels: |Successfully installed|ERROR|error:" | tail -5

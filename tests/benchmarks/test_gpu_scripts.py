@@ -56,11 +56,16 @@ def test_sources_hash_follows_the_sources_only(tree):
 
 
 def run_install(tree, tmp_path):
-    """run.sh with no steps (its staging and install only), output captured. Its last check
-    imports the package, which this partial tree lacks; that line's failure is not asserted."""
-    out = tmp_path / "out"
+    """run.sh with no steps (its staging and install only): (its output, the ``python3``
+    command lines it ran). ``python3`` is a stub that records its arguments, so the script
+    uninstalls and imports nothing of the machine running the test."""
+    out, stub = tmp_path / "out", tmp_path / "bin"
     out.mkdir()
-    env = dict(os.environ, OUT=str(out), STEPS="")
+    stub.mkdir()
+    calls = tmp_path / "python3_calls.txt"
+    (stub / "python3").write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\n')
+    (stub / "python3").chmod(0o755)
+    env = dict(os.environ, OUT=str(out), STEPS="", PATH=f"{stub}:{os.environ['PATH']}")
     done = subprocess.run(
         ["bash", str(tree / "benchmarks" / "gpu" / "run.sh")],
         env=env,
@@ -68,7 +73,7 @@ def run_install(tree, tmp_path):
         text=True,
         timeout=120,
     )
-    return done.stdout + done.stderr
+    return done.stdout + done.stderr, calls.read_text().splitlines()
 
 
 def test_run_takes_a_prebuilt_extension_of_the_same_sources(tree, tmp_path):
@@ -77,7 +82,10 @@ def test_run_takes_a_prebuilt_extension_of_the_same_sources(tree, tmp_path):
     (prebuilt / "_sm90.cpython-312-x86_64-linux-gnu.so").write_bytes(b"not a real library")
     (prebuilt / "SOURCES.sha256").write_text(sources_hash(tree) + "\n")
     (prebuilt / "BUILD.txt").write_text("jaxlib 0.11.2 headers\n")
-    log = run_install(tree, tmp_path)
+    log, python_calls = run_install(tree, tmp_path)
     assert "the prebuilt extension (jaxlib 0.11.2 headers), no build" in log, log
+    # an earlier call's editable install would shadow the copy; nothing is built
+    assert "-m pip uninstall -q -y jaxrl_kernels" in python_calls, python_calls
+    assert not any("pip install" in call for call in python_calls), python_calls
     copied = tree / "jaxrl_kernels" / "_sm90.cpython-312-x86_64-linux-gnu.so"
     assert copied.read_bytes() == b"not a real library"
