@@ -12,7 +12,8 @@
 // without has_bias) and the workspace (u8, of backward_workspace_bytes). Attributes:
 // weight_dv, has_bias, has_entropy, temperature, chunk (columns per chunk, a multiple of 256),
 // weight_copy (jaxrl_sm90::WeightCopy: 0 auto, 1 in the grad kernel, 2 apart), split_k (false:
-// d_hidden's GEMM keeps one CTA per tile, for a batch-invariant backward).
+// d_hidden's GEMM keeps one CTA per tile, for a batch-invariant backward), hidden_tiles
+// (jaxrl_sm90::HiddenTiles: 0 auto, 1 wide, 2 narrow: the unsplit d_hidden GEMM's tile width).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -30,7 +31,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::ResultBuffer<ffi::F32> acc, ffi::Result<ffi::AnyBuffer> d_weight,
                               ffi::ResultBuffer<ffi::F32> d_bias, ffi::ResultBuffer<ffi::U8> workspace, bool weight_dv,
                               bool has_bias, float temperature, bool has_entropy, int64_t chunk, int64_t weight_copy,
-                              bool split_k) {
+                              bool split_k, int64_t hidden_tiles) {
   jaxrl_sm90::BackwardArgs args;
   jaxrl_sm90::GradArgs& g = args.grad;
   ffi::Error checked = grad_args_of(hidden, weight, bias, targets, lse, alpha, beta, gamma, weight_dv, has_bias,
@@ -47,8 +48,11 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("d_bias must be [V]");
   if (chunk <= 0 || chunk % jaxrl_sm90::kBlockN != 0 || chunk >= (int64_t{1} << 31))
     return ffi::Error::InvalidArgument("chunk must be a positive multiple of 256");
+  if (hidden_tiles < 0 || hidden_tiles > 2)
+    return ffi::Error::InvalidArgument("hidden_tiles must be 0 (auto), 1 (wide) or 2 (narrow)");
+  const auto tiles = static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles);
   const size_t need =
-      jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype, split_k);
+      jaxrl_sm90::backward_workspace_bytes(g.n, g.v, g.d, static_cast<int>(chunk), weight_dv, g.dtype, split_k, tiles);
   if (workspace->element_count() < need)
     return ffi::Error::InvalidArgument("the workspace needs " + std::to_string(need) + " bytes, got " +
                                        std::to_string(workspace->element_count()));
@@ -71,6 +75,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("weight_copy must be 0 (auto), 1 (in the grad kernel) or 2 (apart)");
   args.weight_copy = static_cast<jaxrl_sm90::WeightCopy>(weight_copy);
   args.split_k = split_k;
+  args.hidden_tiles = tiles;
   checked = read_sm_count(device, args.sm_count);
   if (checked.failure()) return checked;
 
@@ -86,7 +91,7 @@ ffi::Error LinearBackwardImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 }
 
 // grad_args_of's operands, h16, row_scale, scalars, ids, id_coef, floor; acc, d_weight, d_bias, workspace; the
-// backward's attributes, chunk.
+// backward's attributes, chunk, weight_copy, split_k, hidden_tiles.
 auto backward_binding() {
   auto results = bind_grad_operands()
                      .Arg<ffi::Buffer<ffi::F16>>()
@@ -99,7 +104,11 @@ auto backward_binding() {
                      .Ret<ffi::AnyBuffer>()
                      .Ret<ffi::Buffer<ffi::F32>>()
                      .Ret<ffi::Buffer<ffi::U8>>();
-  return bind_grad_attrs(std::move(results)).Attr<int64_t>("chunk").Attr<int64_t>("weight_copy").Attr<bool>("split_k");
+  return bind_grad_attrs(std::move(results))
+      .Attr<int64_t>("chunk")
+      .Attr<int64_t>("weight_copy")
+      .Attr<bool>("split_k")
+      .Attr<int64_t>("hidden_tiles");
 }
 
 }  // namespace

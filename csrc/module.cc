@@ -84,9 +84,12 @@ py::dict distill_plan(int n, int v, int num_sms) { return plan_dict(jaxrl_sm90::
 
 py::dict grad_plan(int n, int size, int num_sms) { return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms)); }
 
-size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k) {
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k,
+                                int hidden_tiles) {
+  if (hidden_tiles < 0 || hidden_tiles > 2) throw py::value_error("hidden_tiles must be 0, 1 or 2");
   const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
-  return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, dtype, split_k);
+  return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, dtype, split_k,
+                                              static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles));
 }
 
 size_t kept_gemms_workspace_bytes(int s, int v, int d, bool weight_dv, bool bf16) {
@@ -118,7 +121,7 @@ PYBIND11_MODULE(_sm90, m) {
   m.def("grad_plan", &grad_plan, py::arg("n"), py::arg("size"), py::arg("num_sms"),
         "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
   m.def("backward_workspace_bytes", &backward_workspace_bytes, py::arg("n"), py::arg("v"), py::arg("d"),
-        py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"), py::arg("split_k") = true,
+        py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"), py::arg("split_k") = true, py::arg("hidden_tiles") = 0,
         "Bytes of the backward custom call's workspace result.");
   m.def("kept_gemms_workspace_bytes", &kept_gemms_workspace_bytes, py::arg("s"), py::arg("v"), py::arg("d"),
         py::arg("weight_dv"), py::arg("bf16"), "Bytes of the kept-gradient GEMMs' workspace result (S rows).");

@@ -31,7 +31,8 @@ int chunks_of(int v, int chunk) { return (v + chunk - 1) / chunk; }
 // weight copy are sized for the widest, with rows padded to a multiple of 8 columns. In
 // "vd", a last chunk whose width is not a multiple of 8 has its d_weight rows written to
 // `tail` (padded to 8) and copied in place: TMA needs the contiguous extent in 16-byte units.
-Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k) {
+Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k,
+                       HiddenTiles hidden_tiles) {
   const int widest = std::min(chunk, v);
   const int last = v - (v - 1) / chunk * chunk;
   const int ld = round8(widest);
@@ -45,7 +46,7 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   w.gemm = w.inv_scale + align_up(4ull * chunks_of(v, chunk));
   size_t gemm = 0;
   for (int width : {widest, last}) {
-    gemm = std::max(gemm, gemm_d_hidden_workspace(DType::kF16, weight_dv, n, d, round8(width), split_k));
+    gemm = std::max(gemm, gemm_d_hidden_workspace(DType::kF16, weight_dv, n, d, round8(width), split_k, hidden_tiles));
     gemm = std::max(gemm, weight_dv ? gemm_d_weight_workspace(DType::kF16, dtype, d, width, n)
                                     : gemm_d_weight_workspace(DType::kF16, dtype, round8(width), d, n));
   }
@@ -110,8 +111,9 @@ std::string cuda_error(const char* what) {
 
 }  // namespace
 
-size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k) {
-  return workspace_of(n, v, d, chunk, weight_dv, dtype, split_k).total;
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k,
+                                HiddenTiles hidden_tiles) {
+  return workspace_of(n, v, d, chunk, weight_dv, dtype, split_k, hidden_tiles).total;
 }
 
 std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
@@ -124,7 +126,7 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     return {};
   }
   if (a.chunk <= 0 || a.chunk % kBlockN != 0) return "chunk must be a positive multiple of 256";
-  const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype, a.split_k);
+  const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype, a.split_k, a.hidden_tiles);
   char* ws = static_cast<char*>(a.workspace);
   __half* g = reinterpret_cast<__half*>(ws + w.g);
   __half* w16 = reinterpret_cast<__half*>(ws + w.w16);
@@ -178,8 +180,9 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     }
 
     // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
-    why = gemm_d_hidden(DType::kF16, base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc,
-                        inv_scale + c, start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k);
+    why =
+        gemm_d_hidden(DType::kF16, base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,
+                      start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k, a.hidden_tiles);
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G

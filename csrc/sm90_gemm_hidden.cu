@@ -45,8 +45,10 @@ struct HiddenPlan {
 // tile's width leaves each sum as it is. Halved tiles also replace a split in two parts, which
 // makes no more CTAs than they do and adds the parts' reduction (measured: docs/performance.md,
 // "Kernel constants"). The tiles are counted as the scheduler does, the M extent rounded up to
-// whole clusters. A function of the shape only, shared by the workspace size and the launch.
-HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
+// whole clusters. `pinned` other than kAuto pins the width of the unsplit float16 GEMM's tiles
+// (a split K keeps its own). A function of its arguments only, shared by the workspace size and
+// the launch.
+HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k, HiddenTiles pinned) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
   constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
@@ -62,6 +64,8 @@ HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
     plan.splits = 1;
     plan.narrow = true;
   }
+  if (operands == DType::kF16 && plan.splits == 1 && pinned != HiddenTiles::kAuto)
+    plan.narrow = pinned == HiddenTiles::kNarrow;
   return plan;
 }
 
@@ -69,8 +73,8 @@ HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k) {
 
 std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
-                          cudaStream_t stream, bool split_k) {
-  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k);
+                          cudaStream_t stream, bool split_k, HiddenTiles tiles) {
+  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k, tiles);
   const auto run = [&](auto gemm) {
     return run_head_gemm<decltype(gemm)>(n, d, k, g, ldg, w16, ldw, acc, acc, d, alpha, beta, workspace, sm_count,
                                          stream, plan.splits);
@@ -89,8 +93,8 @@ std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, cons
   return {};
 }
 
-size_t gemm_d_hidden_workspace(DType operands, bool w16_dv, int n, int d, int k, bool split_k) {
-  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k);
+size_t gemm_d_hidden_workspace(DType operands, bool w16_dv, int n, int d, int k, bool split_k, HiddenTiles tiles) {
+  const HiddenPlan plan = hidden_plan(operands, n, d, k, split_k, tiles);
   if (operands == DType::kBF16)
     return w16_dv ? head_gemm_workspace<HiddenDvBf16>(n, d, k, plan.splits)
                   : head_gemm_workspace<HiddenVdBf16>(n, d, k, plan.splits);

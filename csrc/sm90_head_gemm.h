@@ -23,11 +23,13 @@ namespace jaxrl_sm90 {
 // workspace size; split_k false keeps one CTA per tile whatever n is (a batch-invariant backward: each row's sums then
 // do not depend on n), its tiles half as wide where that fills the GPU better. Tiles half as wide also replace a split
 // of K in two parts (as many CTAs, no reduction of the parts); bfloat16 operands keep the split (their kernels are the
-// split ones only, fewer instances to compile).
+// split ones only, fewer instances to compile). `tiles` pins the unsplit float16 GEMM's tile width (HiddenTiles); the
+// workspace size takes the same value.
 std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
-                          cudaStream_t stream, bool split_k = true);
-size_t gemm_d_hidden_workspace(DType operands, bool w16_dv, int n, int d, int k, bool split_k = true);
+                          cudaStream_t stream, bool split_k = true, HiddenTiles tiles = HiddenTiles::kAuto);
+size_t gemm_d_hidden_workspace(DType operands, bool w16_dv, int n, int d, int k, bool split_k = true,
+                               HiddenTiles tiles = HiddenTiles::kAuto);
 
 // out[m, n] = alpha (x[:k, :m]^T . y[:k, :n]) in `out_dtype` (row stride ldo); bfloat16
 // operands give bfloat16 only.

@@ -122,6 +122,11 @@ std::string launch_weight_copy(const GradArgs& args, int sm_count, cudaStream_t 
 // launch_weight_copy before it (kApart); kAuto: choose_weight_copy's pick for the chunk's plan.
 enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
 
+// The width of d_hidden's output tiles where its GEMM does not split K (gemm_d_hidden): kWide
+// (256) or kNarrow (128) pinned, for measuring the rule; kAuto: hidden_plan's choice. A tile's
+// width leaves each sum as it is: results are bitwise the same either way.
+enum class HiddenTiles { kAuto = 0, kWide = 1, kNarrow = 2 };
+
 // kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its
 // producer warps, with few loads in flight, then take longer over their share of the copy than
 // the tiles do (docs/performance.md, "Kernel constants").
@@ -157,11 +162,13 @@ struct BackwardArgs {
   int id_k = 0;
   WeightCopy weight_copy = WeightCopy::kAuto;
   bool split_k = true;  // false: d_hidden's GEMM never splits K (gemm_d_hidden)
+  HiddenTiles hidden_tiles = HiddenTiles::kAuto;
 };
 
 // Bytes of the backward's workspace: G, the weight copy, a tail buffer for d_weight, each
 // chunk's max |W| and 1 / sigma, and the GEMMs' own workspace, each 256-byte aligned.
-size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k = true);
+size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k = true,
+                                HiddenTiles hidden_tiles = HiddenTiles::kAuto);
 
 std::string launch_backward(const BackwardArgs& args, cudaStream_t stream);
 

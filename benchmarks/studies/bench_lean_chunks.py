@@ -6,7 +6,10 @@ how much of lean's forward + backward (``linear_grpo_loss``, bf16, the ffi kerne
 in each kind of kernel, and how does that change when the backward's vocabulary chunks are
 ``columns`` wide rather than the default's width (``ffi.linear.backward_chunk``), and with
 the float16 weight copy in the grad kernel or apart (``ffi.linear.Config.weight_copy``:
-``copy``)? Each row is
+``copy``)? And at the row counts of a padded batch's row-skipping branches where d_hidden's
+unsplit GEMM fills its last wave of tiles worst (``--sizes branches``): its tiles 256 or 128
+columns wide (``ffi.linear.Config.hidden_tiles``: ``tiles``; the automatic rule takes the
+wide ones there). Each row is
 ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the inputs of
 ``benchmarks.studies.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
@@ -22,6 +25,7 @@ profiler trace of 3 calls, by kernel:
 
     python -m benchmarks.studies.bench_lean_chunks --runs 10     # GPU (Hopper: the ffi kernels)
     python -m benchmarks.studies.bench_lean_chunks --runs 10 --sizes large
+    python -m benchmarks.studies.bench_lean_chunks --runs 10 --sizes branches
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ COLUMNS = [
     "impl",
     "copy",
     "columns",
+    "tiles",
     "N",
     "D",
     "V",
@@ -52,6 +57,12 @@ COLUMNS = [
 SIZES = {
     "full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
     "large": [(8192, 4096, 131072), (16384, 4096, 131072)],
+    # 160 wide tiles at 2560 x 2048 fill 61 % of two waves of 132, 320 narrow ones 81 % of
+    # three; 3072 x 2048 and 1536 x 4096 alike; 4096 x 2048 (97 % wide) is the control. The
+    # fourth entry asks for the TILES rows.
+    "branches": [
+        (n, d, 131072, "tiles") for n, d in ((2560, 2048), (3072, 2048), (1536, 4096), (4096, 2048))
+    ],
     "small": [(64, 32, 1000)],
 }
 VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
@@ -63,12 +74,14 @@ alone would narrow the chunk (64 MiB of float16 is 2048 columns at 16384 rows), 
 d_hidden's GEMM reads and writes its float32 accumulator ``[N, D]`` once per chunk, so
 narrow chunks add traffic that no GEMM hides: 2048 and 4096 are what the budget alone gives
 at 16384 and 8192 rows (``ffi.linear.MIN_CHUNK_COLUMNS`` keeps the default wider)."""
+TILES = ("auto", "wide", "narrow")
+"""d_hidden's tile widths of the ``branches`` rows (the default chunks and weight copy)."""
 
 
 @contextlib.contextmanager
-def lean_variant(copy: str, columns: int):
-    """While tracing: the ffi backward's weight copy ``copy``, and chunks of ``columns``
-    columns (at most V; 0: the default's)."""
+def lean_variant(copy: str, columns: int, tiles: str = "auto"):
+    """While tracing: the ffi backward's weight copy ``copy``, chunks of ``columns`` columns
+    (at most V; 0: the default's) and d_hidden's tiles ``tiles``."""
     import dataclasses
 
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
@@ -82,7 +95,7 @@ def lean_variant(copy: str, columns: int):
         return min(vocab, columns - columns % align)
 
     head_grad.chunk_columns = pinned
-    ffi_linear.DEFAULT_CONFIG = dataclasses.replace(config, weight_copy=copy)
+    ffi_linear.DEFAULT_CONFIG = dataclasses.replace(config, weight_copy=copy, hidden_tiles=tiles)
     try:
         yield
     finally:
@@ -96,7 +109,7 @@ def measure(size, runs, rounds, small):
     from benchmarks.bench_tokens import inputs, losses, three_gemms
     from jaxrl_kernels.backends.ffi import linear as ffi_linear
 
-    n, d, v = size
+    n, d, v, *tiled = size
     args = inputs(n, d, v)
     loss = losses()
     steps = []
@@ -108,14 +121,18 @@ def measure(size, runs, rounds, small):
         )
         steps.append(
             (
-                {"impl": impl, "copy": "", "columns": "", "N": n, "D": d, "V": v},
+                {"impl": impl, "copy": "", "columns": "", "tiles": "", "N": n, "D": d, "V": v},
                 fn.lower(*args).compile(),
             )
         )
-    for copy, columns in LARGE_VARIANTS if n > LARGE_N else VARIANTS:
+    if tiled:
+        variants = [("auto", 0, tiles) for tiles in TILES]
+    else:
+        variants = [(*pair, "auto") for pair in (LARGE_VARIANTS if n > LARGE_N else VARIANTS)]
+    for copy, columns, tiles in variants:
         if columns and copy == "apart" and n > 1024:
             continue
-        with lean_variant(copy, columns):
+        with lean_variant(copy, columns, tiles):
             chunk = ffi_linear.backward_chunk(n, v)
             compiled = (
                 jax.jit(jax.value_and_grad(loss["ours lean"], argnums=(0, 1)))
@@ -126,6 +143,7 @@ def measure(size, runs, rounds, small):
             "impl": "ours lean",
             "copy": copy,
             "columns": columns,
+            "tiles": tiles,
             "N": n,
             "D": d,
             "V": v,

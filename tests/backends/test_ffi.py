@@ -266,27 +266,32 @@ def test_fast_loss_kept_logits_at_every_row_under_row_skipping_for_cuda():
     assert not any(f"tensor<{n}x{v}xbf16>" in line for line in pads), pads
 
 
-def test_weight_copy_attribute_from_config():
-    """ffi.linear.Config.weight_copy reaches the backward custom call as its ``weight_copy``
-    attribute (csrc/sm90_launch.h WeightCopy); an unknown value is a ValueError."""
+@pytest.mark.parametrize(
+    "field, names",
+    [("weight_copy", ("auto", "in_kernel", "apart")), ("hidden_tiles", ("auto", "wide", "narrow"))],
+)
+def test_backward_attribute_from_config(field, names):
+    """ffi.linear.Config.weight_copy and .hidden_tiles reach the backward custom call as its
+    attributes of the same names (csrc/sm90_launch.h WeightCopy, HiddenTiles), with the
+    workspace sized for them; an unknown value is a ValueError."""
     if extension.sm90 is None:
         pytest.skip(f"extension not built (its workspace size): {extension.IMPORT_ERROR}")
     h, w, _, t = _inputs()
     n = h.shape[0]
     rows = [jnp.zeros((n,), jnp.float32)] * 4
 
-    def lowered(copy):
+    def lowered(value):
         f = functools.partial(
             ffi_linear.linear_backward,
             weight_layout="vd",
             temperature=1.0,
-            config=ffi_linear.Config(weight_copy=copy),
+            config=ffi_linear.Config(**{field: value}),
         )
         return jax.jit(f).trace(h, w, None, t, *rows).lower(lowering_platforms=("cuda",)).as_text()
 
-    for copy, code in (("auto", 0), ("in_kernel", 1), ("apart", 2)):
-        assert f"weight_copy = {code} : i64" in lowered(copy)
-    with pytest.raises(ValueError, match="weight_copy"):
+    for code, value in enumerate(names):
+        assert f"{field} = {code} : i64" in lowered(value)
+    with pytest.raises(ValueError, match=field):
         lowered("elsewhere")
 
 
@@ -876,16 +881,21 @@ def test_gpu_backward_bitwise_deterministic_and_chosen():
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("layout", ["vd", "dv"])
-def test_gpu_weight_copy_apart_or_in_kernel_bitwise_the_same(layout):
-    """The weight copy by its own kernel or by the grad kernel's producer warps: the same float16
-    copy, scales and GEMMs, so the same bits, over several chunks and a ragged last one."""
+@pytest.mark.parametrize(
+    "field, one, other",
+    [("weight_copy", "apart", "in_kernel"), ("hidden_tiles", "wide", "narrow")],
+)
+def test_gpu_backward_launch_choices_bitwise_the_same(layout, field, one, other):
+    """The weight copy by its own kernel or by the grad kernel's producer warps, d_hidden's
+    unsplit GEMM on tiles 256 or 128 wide: the same float16 copy, scales and per-element sums,
+    so the same bits, over several chunks and a ragged last one."""
     h, w, _, t = _gpu_inputs(200, 256, 5000, layout, jnp.bfloat16, False, seed=6)
     g = jnp.asarray(np.random.default_rng(1).standard_normal(200), jnp.float32)
 
-    def grads(copy):
+    def grads(value):
         backward = functools.partial(
             ffi_linear.linear_backward,
-            config=ffi_linear.Config(chunk_bytes=2 * 200 * 1024, weight_copy=copy),
+            config=ffi_linear.Config(chunk_bytes=2 * 200 * 1024, **{field: value}),
         )
         parts = Parts(ffi_linear.linear_stats, backward)
         rv = jnp.ones(t.shape, bool)
@@ -897,7 +907,7 @@ def test_gpu_weight_copy_apart_or_in_kernel_bitwise_the_same(layout):
         )
         return jax.jit(jax.grad(f, argnums=(0, 1)))(h, w)
 
-    assert_bitwise(grads("apart"), grads("in_kernel"))
+    assert_bitwise(grads(one), grads(other))
 
 
 @pytest.mark.gpu

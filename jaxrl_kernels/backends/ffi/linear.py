@@ -101,19 +101,30 @@ class Config:
     count that follows N where its tiles are few: ``hidden_splits`` in
     csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
     rows."""
+    hidden_tiles: str = "auto"
+    """The width of d_hidden's output tiles where its GEMM does not split K: ``"wide"`` (256
+    columns) or ``"narrow"`` (128) pinned, for measuring ``hidden_plan``'s rule
+    (csrc/sm90_gemm_hidden.cu); ``"auto"``: that rule's choice. Results are bitwise the same
+    either way: a tile's width leaves each sum as it is."""
 
     def weight_copy_code(self) -> int:
         """The backward call's ``weight_copy`` attribute (csrc/sm90_launch.h ``WeightCopy``)."""
-        codes = {"auto": 0, "in_kernel": 1, "apart": 2}
-        if self.weight_copy not in codes:
-            raise ValueError(
-                f"weight_copy: expected one of {sorted(codes)}, got {self.weight_copy!r}"
-            )
-        return codes[self.weight_copy]
+        return _code("weight_copy", self.weight_copy, ("auto", "in_kernel", "apart"))
+
+    def hidden_tiles_code(self) -> int:
+        """The backward call's ``hidden_tiles`` attribute (csrc/sm90_launch.h ``HiddenTiles``)."""
+        return _code("hidden_tiles", self.hidden_tiles, ("auto", "wide", "narrow"))
 
     def forward_splits(self) -> int:
         """The forward call's ``splits`` attribute (0: the planner's choice)."""
         return self.splits or (INVARIANT_SPLITS if self.batch_invariant else 0)
+
+
+def _code(field: str, value: str, names: tuple[str, ...]) -> int:
+    """A C++ enum's value: ``value``'s place among ``names``, or the error naming them."""
+    if value not in names:
+        raise ValueError(f"{field}: expected one of {sorted(names)}, got {value!r}")
+    return names.index(value)
 
 
 DEFAULT_CONFIG = Config()
@@ -261,8 +272,16 @@ def linear_backward(
         id_coef = (g_ids / (scaled.s * temperature)[:, None]).astype(jnp.float32)
     rows = scaled.rows
     split_k = not config.batch_invariant
+    hidden_tiles = config.hidden_tiles_code()
     workspace = extension.sm90.backward_workspace_bytes(
-        n_rows, vocab, depth, chunk, weight_layout == "dv", hidden.dtype == jnp.bfloat16, split_k
+        n_rows,
+        vocab,
+        depth,
+        chunk,
+        weight_layout == "dv",
+        hidden.dtype == jnp.bfloat16,
+        split_k,
+        hidden_tiles,
     )
     scalars = jnp.stack([scaled.d_w_scale, jnp.float32(1)]).astype(jnp.float32)
     call = jax.ffi.ffi_call(
@@ -297,6 +316,7 @@ def linear_backward(
         chunk=np.int64(chunk),
         weight_copy=np.int64(config.weight_copy_code()),
         split_k=split_k,
+        hidden_tiles=np.int64(hidden_tiles),
     )
     return (
         scaled.finish(acc),
