@@ -106,29 +106,28 @@ def _local_logit_grad(
     weight_layout,
     temperature,
 ):
-    """This device's ``dz`` [N, V_local] in z's dtype, written over its kept logits ``z``
-    block by block of rows (a loop of in-place updates: no second ``[N, V]`` buffer), the
-    blocks after the last ``row_valid`` row left as they are (they hold logits of zeroed
-    rows, 0, and so their gradient already: ``engine.row_skip``), the target's entry exact
-    (``lse + logp``, as the forward's statistics took it), the
-    ``1/σ`` it was written times (float16: :func:`_float16_scale`), and, with a bias, its
-    float32 column sums ``Σ_rows dz`` [V_local] before that rounding."""
+    """This device's ``dz`` in z's dtype, written over its kept logits ``z`` [R ≥ S, V_local]
+    block by block of the S rows of the per-row operands (a loop of in-place updates: no
+    second ``[R, V]`` buffer; ``z``'s rows past S are left as they are: a row-skipping branch
+    gets it whole, kept rows first, and the rows it skips hold logits of zeroed rows, 0, and
+    so their gradient already: ``engine.row_skip``), the target's entry exact (``lse +
+    logp``, as the forward's statistics took it), the ``1/σ`` it was written times (float16:
+    :func:`_float16_scale`), and, with a bias, its float32 column sums ``Σ_rows dz``
+    [V_local] before that rounding."""
+    del row_valid  # its rows are inactive: g = g_H = 0 and p = 0 there, so dz is 0
     vocab = geometry.vocab_size(weight, weight_layout)
     g, g_ent = (collectives.output_cotangent(plan, c, weight) for c in (g, g_ent))
     per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
     g, g_ent = per_row[3], per_row[4]
     exact = jnp.where(active, logp + lse, 0.0)  # z̃_t; inactive rows have no gradient
     per_row = per_row + (exact,)
-    spans = blocks(z.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
+    spans = blocks(targets.shape[0], ROW_BLOCK_BYTES // max(1, vocab * z.dtype.itemsize))
     scale = _float16_scale(g, g_ent, per_row[2], temperature) if z.dtype == jnp.float16 else 1.0
-
-    last = jnp.max(jnp.where(row_valid, jnp.arange(1, row_valid.shape[0] + 1), 0))
-    live_blocks = -(-last // spans.size)
 
     def block(c, carry):
         flat, col_sums = carry if bias is not None else (carry, None)
         start = spans.start(c)
-        fresh = (spans.fresh(c) & (c < live_blocks))[:, None]
+        fresh = spans.fresh(c)[:, None]
         t, l, ent, gg, ge, z_t = (
             None if x is None else jax.lax.dynamic_slice_in_dim(x, start, spans.size)
             for x in per_row
@@ -149,7 +148,7 @@ def _local_logit_grad(
         init = (z, varying_like(jnp.zeros((vocab,), jnp.float32), z, weight))
     # A static trip count: XLA's GPU runtime reads a loop's predicate back to the host on every
     # iteration when the count is only known on the device (one host sync per block, each an
-    # idle gap between kernels); the blocks past the last kept row cost elementwise work only.
+    # idle gap between kernels). Row skipping's branches give each its own static S.
     out = jax.lax.fori_loop(0, spans.count, block, init)
     dz, col_sums = out if bias is not None else (out, None)
     inv_scale = jnp.broadcast_to(1.0 / jnp.asarray(scale, jnp.float32), g.shape)
@@ -257,7 +256,7 @@ def fused_linear_loss(
             grads_of=(None, None) + ((1,) if has_bias else ()),
             vocab_axis=vocab_axis,
             keep_at=10,
-            row_switch=False,  # no GEMM here, and z is updated in place: a branch would copy it
+            whole=(2,),  # z: updated in place over a branch's first rows
         )
 
     @jax.custom_vjp

@@ -16,10 +16,11 @@ whose operands include a per-row keep flag (``row_valid``) is run by :func:`call
   flags give the same order). A branch's ``plan.logits_rows`` is N: a kernel that writes such
   a result at N rows itself spares the branch a padded copy (the switch's result is a buffer
   of its own, so a pad would hold two ``[N, V]`` at once).
-* operands a step names ``whole`` (laid out like the logits: the kept gradient of the fast
-  losses) reach a branch with all N rows, its S rows first: a GEMM of XLA's would take the
-  first S as a copy, and XLA assigns every branch's copy a buffer when it compiles, so the
-  step's GEMMs read them in place instead (``kept_gemms``).
+* operands a step names ``whole`` (laid out like the logits: the fast losses' kept logits
+  and their gradient) reach a branch with all N rows, its S rows first: a slice of the first
+  S would be a copy, and XLA assigns every branch's copy a buffer when it compiles. So the
+  step that writes the logits' gradient over the logits updates the first S rows in place,
+  and the backward's GEMMs read them in place (``kept_gemms``).
 
 Skipped rows' contents are never read, so every result is bitwise the same whatever they
 hold; where no branch is taken (too few rows, a vocabulary split, batch invariance) the
@@ -80,15 +81,12 @@ def skips(n_rows: int, plan) -> bool:
     return n_rows >= MIN_ROWS and not plan.vocab_axes
 
 
-def call(local, plan, operands, roles, out_roles, keep, *, switch=True, whole=()):
+def call(local, plan, operands, roles, out_roles, keep, *, whole=()):
     """``local(plan, *operands)`` (flat rows, ``roles`` as ``vjp.stage``'s) on the rows where
     ``keep`` [N] is True, its present (not None) outputs returned as ``local``'s would be for
     every row (the module docstring); where it :func:`skips` no rows, every row runs, the
-    skipped ones zeroed. ``switch`` False: the rows are put kept-first (and the others zeroed) but
-    ``local`` runs once on all N of them, for a step with no GEMM that bounds its own loop by
-    the kept rows (the last kept row of its ``keep`` operand) and updates a ``[N, V]`` operand
-    in place: a branch would copy it. ``whole``: the indices of operands a branch gets with all
-    N rows (the module docstring)."""
+    skipped ones zeroed. ``whole``: the indices of operands a branch gets with all N rows (the
+    module docstring)."""
     n_rows = keep.shape[0]
     keep = keep.astype(bool)
     if not skips(n_rows, plan):
@@ -108,27 +106,24 @@ def call(local, plan, operands, roles, out_roles, keep, *, switch=True, whole=()
         for x, r in zip(operands, roles)
     ]
 
-    if switch:
-        sizes = bucket_sizes(n_rows)
-        # the first size that holds every kept row (no array constant: custom_partitioning,
-        # which runs an Auto-sharded step, traces it and takes none)
-        branch = sum((count > size).astype(jnp.int32) for size in sizes[:-1])
-        branch_plan = dataclasses.replace(plan, logits_rows=n_rows)
+    sizes = bucket_sizes(n_rows)
+    # the first size that holds every kept row (no array constant: custom_partitioning,
+    # which runs an Auto-sharded step, traces it and takes none)
+    branch = sum((count > size).astype(jnp.int32) for size in sizes[:-1])
+    branch_plan = dataclasses.replace(plan, logits_rows=n_rows)
 
-        def run_at(size):
-            def branch_fn(ops):
-                head = [
-                    x if x is None or not _has_rows(r) or i in whole else _leading(x, size)
-                    for i, (x, r) in enumerate(zip(ops, roles))
-                ]
-                outs = [y for y in local(branch_plan, *head) if y is not None]
-                return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
+    def run_at(size):
+        def branch_fn(ops):
+            head = [
+                x if x is None or not _has_rows(r) or i in whole else _leading(x, size)
+                for i, (x, r) in enumerate(zip(ops, roles))
+            ]
+            outs = [y for y in local(branch_plan, *head) if y is not None]
+            return [_padded(y, n_rows) if _has_rows(r) else y for y, r in zip(outs, out_roles)]
 
-            return branch_fn
+        return branch_fn
 
-        outs = jax.lax.switch(branch, [run_at(s) for s in sizes], gathered)
-    else:
-        outs = [y for y in local(plan, *gathered) if y is not None]
+    outs = jax.lax.switch(branch, [run_at(s) for s in sizes], gathered)
     # per-row results back in the original order; logits-like ones stay kept-first
     inverse = jnp.argsort(order).astype(jnp.int32)
     return [

@@ -78,15 +78,14 @@ def stage(
     vocab_axis=None,
     note: bool = False,
     keep_at: int | None = None,
-    row_switch: bool = True,
     whole: Sequence[int] = (),
     pieces: int = 1,
 ) -> tuple:
     """``local(plan, *operands)`` on flat rows, run where the operands live.
 
     ``keep_at``: the operand that flags each row kept (``row_valid``): the others cost no
-    work and give 0 (``row_skip``; ``row_switch`` False: the rows kept-first, ``local`` once
-    on all of them; ``whole``: operands a branch gets with all their rows, ``row_skip.call``).
+    work and give 0 (``row_skip``; ``whole``: operands a branch gets with all their rows,
+    ``row_skip.call``).
 
     Operands and outputs with leading ``r`` dimensions are flattened / restored around
     ``local``; an output that is the cotangent of operand ``j`` (``grads_of``) gets that
@@ -114,7 +113,6 @@ def stage(
                 roles,
                 out_roles,
                 flat[keep_at],
-                switch=row_switch,
                 whole=tuple(whole),
             )
         return tuple(
