@@ -12,8 +12,13 @@ the median of synchronised calls by the host clock. The inputs and losses are
 
 Run it from another checkout's package (``PYTHONPATH=<that tree>:$PWD``) to compare commits
 in one sitting; ``--tag`` names the rows; ``--one-pass`` adds the fast mode with the logits'
-gradient written in one pass, not a loop over blocks of rows (:func:`one_pass`). Results:
-``bench_fast_loss.{json,md}`` (``--out``, ``--update-results``: benchmarks/README.md).
+gradient written in one pass, not a loop over blocks of rows (:func:`one_pass`);
+``--batch realistic --padding 0.35`` the RL batch of ``bench_tokens``, ``--impls`` some of
+the rows. Results: ``bench_fast_loss.{json,md}`` (``--out``, ``--update-results``:
+benchmarks/README.md).
+
+    python3 -m benchmarks.studies.bench_fast_loss --batch realistic --padding 0.35 \
+        --impls "jnp bf16,ours fast" --tag new       # and from the older tree, --tag old
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import output
+from benchmarks.bench_tokens import SIZES as TOKEN_SIZES
 from benchmarks.bench_tokens import inputs, losses, traced_under
 
 COLUMNS = ["impl", "tag", "N", "D", "V", "fwdbwd_ms", "temp_mib", "loss"]
-SIZES = {"full": [(4096, 2048, 131072), (8192, 4096, 131072)], "small": [(64, 32, 1000)]}
+SIZES = {
+    "full": [(4096, 2048, 131072), (8192, 4096, 131072)],
+    "realistic_pair": TOKEN_SIZES["realistic_pair"],
+    "small": [(64, 32, 1000)],
+}
 
 
 def one_pass(fn):
@@ -47,6 +57,10 @@ def main():
     parser.add_argument("--small", action="store_true", help="toy sizes, any device")
     parser.add_argument("--tag", default="", help="a name for this tree's rows")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--sizes", default="full", choices=sorted(SIZES))
+    parser.add_argument("--batch", default="random", choices=("random", "realistic"))
+    parser.add_argument("--padding", type=float, default=0.0, help="positions masked (tails)")
+    parser.add_argument("--impls", default="", help="the rows to run, separated by ','")
     parser.add_argument(
         "--one-pass",
         action="store_true",
@@ -59,11 +73,13 @@ def main():
     from benchmarks import common
 
     rows = []
-    for n, d, v in SIZES["small" if args.small else "full"]:
-        h, w, a, old, r, mask = inputs(n, d, v)
+    for n, d, v in SIZES["small" if args.small else args.sizes]:
+        h, w, a, old, r, mask = inputs(n, d, v, batch=args.batch, padding=args.padding)
         impls = losses()
         if args.one_pass:
             impls["ours fast, gradient in one pass"] = one_pass(impls["ours fast"])
+        if args.impls:
+            impls = {name: impls[name] for name in args.impls.split(",")}
         for impl, loss in impls.items():
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             value = float(step(h, w, a, old, r, mask)[0])
