@@ -47,22 +47,20 @@ def choose(
     backend: str | None,
     *,
     loss: bool = False,
+    gemms: Choice | None = None,
 ) -> Choice:
     """``dispatch.resolve`` for a linear-head op with ``memory=`` on these operands (``rows``:
     the rows' shape): the kept-logits path (``choice.fast``) or a backend,
     and why (``call.batch_invariant``: the backend's batch-invariant implementation, always
-    lean). ``loss``: the op is a loss of the log-probs (its fast mode keeps the gradient)."""
+    lean). ``loss``: the op is a loss of the log-probs (its fast mode keeps the gradient);
+    ``gemms``: that loss's ``kept_gemms`` (:func:`_kept_gemms`)."""
     rows = tuple(rows)
     vocab = global_vocab(geometry.vocab_size(weight, call.weight_layout), call.vocab_axis)
     n_rows = math.prod(rows)
     problem = _problem(hidden, weight, bias, n_rows, call)
     # Row skipping's branches copy their rows of the kept buffer for XLA's GEMMs, except in a
     # fused loss whose backward GEMMs are ffi's, which read them in place (``kept_gemms``).
-    in_place = (
-        loss
-        and call.truncation is None
-        and dispatch.select(op, problem, primitive="kept_gemms", strict=False).backend == "ffi"
-    )
+    in_place = loss and gemms is not None and gemms.backend == "ffi"
     request = memory_lib.Request(
         memory,
         rounded_logits.kept_bytes(n_rows, vocab, hidden.dtype, weight.dtype),
@@ -72,6 +70,16 @@ def choose(
         skip_rows=None if in_place else row_skip.MIN_ROWS,
     )
     return dispatch.resolve(op, problem, backend, memory=request, kept="kept_logits")
+
+
+def _kept_gemms(op: str, hidden, weight, bias, n_rows: int, call: HeadCall) -> Choice | None:
+    """The ``kept_gemms`` primitive of a fused loss on ``n_rows`` rows (its fast mode's backward
+    GEMMs on a row-skipping branch's rows), not recorded; None with ``call.truncation`` (that
+    fast mode keeps the logits instead)."""
+    if call.truncation is not None:
+        return None
+    problem = _problem(hidden, weight, bias, n_rows, call)
+    return dispatch.select(op, problem, primitive="kept_gemms", strict=False)
 
 
 def _problem(hidden, weight, bias, n_rows: int, call: HeadCall) -> Problem:
@@ -135,10 +143,12 @@ def loss_rows(
     taken in the forward (``fused_loss``: 3 GEMMs). With ``call.truncation`` the log-probs
     are the processed distribution's (the fast mode keeps the logits instead) and ``kept``
     says whether each target is in its row's kept set."""
-    choice = choose(op, memory, hidden, weight, bias, targets.shape, call, backend, loss=True)
-    if choice.fast and call.truncation is None:
-        problem = _problem(hidden, weight, bias, math.prod(targets.shape), call)
-        gemms = dispatch.resolve(op, problem, primitive="kept_gemms", strict=False)
+    gemms = _kept_gemms(op, hidden, weight, bias, math.prod(targets.shape), call)
+    choice = choose(
+        op, memory, hidden, weight, bias, targets.shape, call, backend, loss=True, gemms=gemms
+    )
+    if choice.fast and gemms is not None:
+        dispatch.record("kept_gemms", gemms)
         out = fused_loss.fused_linear_loss(
             choice.impl,
             loss_fn,
