@@ -98,7 +98,7 @@ class Config:
     """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`),
     backward chunks of :data:`INVARIANT_CHUNK_COLUMNS` and a d_hidden GEMM
     that never splits K (the backward call's ``split_k`` attribute; otherwise it splits K by a
-    count that follows N where its tiles are few: ``hidden_splits`` in
+    count that follows N where its tiles are few: ``hidden_plan`` in
     csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
     rows."""
     hidden_tiles: str = "auto"
