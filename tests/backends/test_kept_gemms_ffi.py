@@ -34,10 +34,11 @@ TARGET = ffi_kept_gemms.TARGET
 @pytest.mark.parametrize(
     "kw,expect",
     [
-        (dict(dtype="float32"), "bfloat16 or float16"),
-        (dict(weight_dtype="float16"), "not one 16-bit dtype"),
-        (dict(hidden_dim=20), "multiples of 8"),
-        (dict(vocab=4099), "multiples of 8"),
+        (dict(dtype="float32"), "serves bfloat16 and float16"),
+        (dict(weight_dtype="float16"), "one 16-bit dtype"),
+        (dict(hidden_dim=20), "D = 20 is not a multiple of 8"),
+        (dict(vocab=4099), "V = 4099 is not a multiple of 8"),
+        (dict(vocab=4099, weight_layout="dv"), "V = 4099 is not a multiple of 8"),
         (dict(), None),
     ],
 )
@@ -47,12 +48,14 @@ def test_declines_what_the_call_does_not_serve(kw, expect):
     assert (why is None) if expect is None else (expect in why), why
 
 
-def test_automatic_choice_leaves_it_to_xla_until_measured():
-    """Not taken automatically (``NOT_AUTOMATIC``: not yet run on a GPU); ``use_backend("ffi")``
-    asks for it."""
+def test_taken_automatically_where_it_serves():
+    """Automatic choice takes the call wherever it serves (measured on an H100: about one
+    ``[N, V]`` of temp, XLA's speed), and gives the same reason as ``declines`` elsewhere."""
     problem = Problem(n_rows=4096, vocab=4096, hidden_dim=64, dtype="bfloat16")
-    assert ffi.automatic("kept_gemms", problem) == ffi_kept_gemms.NOT_AUTOMATIC
-    assert 'use_backend("ffi")' in ffi_kept_gemms.NOT_AUTOMATIC
+    assert ffi.automatic("kept_gemms", problem) is None
+    assert ffi.declines("kept_gemms", problem) is None
+    odd = Problem(n_rows=4096, vocab=4099, hidden_dim=64, dtype="bfloat16")
+    assert "not a multiple of 8" in ffi.declines("kept_gemms", odd)
 
 
 @pytest.fixture
@@ -140,8 +143,11 @@ def test_gpu_kept_gemms_against_float64(s, r, d, v, layout, dtype):
     want_w = c * dz64.T @ h64
     got_w = np.asarray(d_weight, np.float64)
     got_w = got_w if layout == "vd" else got_w.T
-    scale_h = max(np.max(np.abs(want_h), initial=0.0), 1e-30)
-    np.testing.assert_array_less(np.abs(np.asarray(d_hidden) - want_h), 1e-5 * scale_h + 1e-30)
+    # float32 accumulation over K = V products: a few units of 2**-24 times sqrt(K) times the
+    # sum of the products' magnitudes (at K = 32768 about 4e-5 of that sum; dz's rows past S,
+    # 1e4 each, or a lost K block would be off by far more)
+    bound_h = 2.0**-22 * np.sqrt(v) * abs(c) * (np.abs(dz64) @ np.abs(w64))
+    np.testing.assert_array_less(np.abs(np.asarray(d_hidden) - want_h), bound_h + 1e-30)
     ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
     scale_w = max(np.max(np.abs(want_w), initial=0.0), 1e-30)
     np.testing.assert_array_less(np.abs(got_w - want_w), ulp * np.abs(want_w) + 1e-5 * scale_w)

@@ -3,11 +3,10 @@
 ``linear`` serves ``linear_logprobs`` (its ``Parts`` have no backward: dispatch resolves
 ``linear_logprobs_backward`` for it, ``Choice.backward``), that backward alone and
 ``memory="fast"``'s ``kept_logits``; ``kept_gemms`` the fast mode's backward GEMMs on a
-row-skipping branch's rows of the kept gradient (asked for only, until measured on a GPU:
-``kept_gemms.NOT_AUTOMATIC``); ``distill``
-serves ``distill_divergence``; ``kept_set`` a sampler's kept set per row. ``extension``
-loads the extension and registers its targets; without it, or off a Hopper GPU, the backend
-is unavailable.
+row-skipping branch's rows of the kept gradient, read in place; ``distill`` serves
+``distill_divergence``; ``kept_set`` a sampler's kept set per row. ``extension`` loads the
+extension and registers its targets; without it, or off a Hopper GPU, the backend is
+unavailable.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ def automatic(primitive: str, problem: Problem) -> str | None:
             "ffi serves only linear_logprobs (forward and backward), kept_logits, kept_gemms, "
             "distill_divergence and kept_set"
         )
-    if primitive == "kept_gemms":
-        return kept_gemms.NOT_AUTOMATIC
     if primitive == "kept_logits" and problem.n_rows < linear.KEPT_LOGITS_MIN_ROWS:
         return (
             f"{problem.n_rows} rows < {linear.KEPT_LOGITS_MIN_ROWS}: XLA's GEMM is faster "
