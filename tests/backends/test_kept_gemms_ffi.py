@@ -157,13 +157,9 @@ def test_gpu_kept_gemms_against_float64(s, r, d, v, layout, dtype):
 @needs_sm90
 def test_gpu_fast_loss_row_skipping_reads_rows_in_place(rng, monkeypatch):
     """The fast GRPO loss on 4096 padded rows (D 256, V 32768, bf16), ffi's ``kept_gemms``
-    asked for: its masked rows inert, value and gradients as with every row run (one rounding
-    of d_weight apart), ``explain`` naming it, and a temp of about one ``[N, V]`` bf16."""
-    with jk.use_backend("ffi"):
-        _check_fast_loss_in_place(rng, monkeypatch)
-
-
-def _check_fast_loss_in_place(rng, monkeypatch):
+    chosen automatically: its masked rows inert, value and gradients as with every row run
+    (one rounding of d_weight apart), ``explain`` naming it, and a temp of about one
+    ``[N, V]`` bf16."""
     b, t, d, v = 16, 256, 256, 32768
     hidden, weight, actions, mask, _ = skipping.check_inert(rng, "grpo", "fast", None, b, t, d, v)
     old = jnp.asarray(-rng.uniform(3, 9, (b, t)), jnp.float32)

@@ -31,6 +31,7 @@ TARGET = "jaxrl_kernels_sm90_kept_grad_gemms"  # csrc/ffi_kept_gemms.cc
 SERVED_DTYPES = linear.SERVED_DTYPES
 ALIGN = linear.ALIGN
 
+
 def declines(primitive: str, problem) -> str | None:
     """Why the custom call does not serve these inputs (None if it does): the head kernels'
     own conditions (``linear.declines``: one 16-bit dtype, D a multiple of 8), and V a multiple
