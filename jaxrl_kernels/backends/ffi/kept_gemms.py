@@ -16,7 +16,7 @@ and runs two CUTLASS GEMMs on its first S rows::
 bfloat16 or float16 hidden, weight and ``dz`` of one dtype, with D and V multiples of 8 (TMA's
 16-byte row strides). Automatic choice takes it wherever it serves: on an H100 it held the
 fast loss's temp at about one ``[N, V]`` (XLA's GEMMs: up to 1.9×) at XLA's speed within
-−6 % … +3 % (docs/performance.md, "Row skipping's memory").
+−6 % … +4 % (docs/performance.md, "Row skipping's memory").
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ def declines(primitive: str, problem) -> str | None:
     of 8 in either weight layout, since the call reads ``dz`` [R, V] through TMA too."""
     why = linear.declines(primitive, problem)
     if why is None and problem.vocab % ALIGN:
-        return f"V = {problem.vocab} is not a multiple of {ALIGN}: dz [R, V] needs 16-byte row strides for TMA"
+        return (
+            f"V = {problem.vocab} is not a multiple of {ALIGN}: dz [R, V] needs 16-byte row "
+            "strides for TMA"
+        )
     return why
 
 
