@@ -6,7 +6,13 @@ import json
 
 from tests.support.bench_run import run_benchmark
 
-LAYOUTS = ["packed", "packed, no ids", "padded", "padded, every row"]
+LAYOUTS = [
+    "packed",
+    "packed, no ids",
+    "padded",
+    "padded, every row",
+    "padded, every row, none masked",
+]
 
 
 def test_bench_packed_small(tmp_path):
