@@ -97,6 +97,17 @@ size_t kept_gemms_workspace_bytes(int s, int v, int d, bool weight_dv, bool bf16
   return jaxrl_sm90::kept_gemms_workspace_bytes(s, v, d, weight_dv, dtype);
 }
 
+py::dict hidden_plan(int n, int d, int k, bool bf16, bool split_k, int hidden_tiles) {
+  if (hidden_tiles < 0 || hidden_tiles > 2) throw py::value_error("hidden_tiles must be 0, 1 or 2");
+  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
+  const jaxrl_sm90::HiddenPlan p =
+      jaxrl_sm90::hidden_plan(dtype, n, d, k, split_k, static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles));
+  py::dict out;
+  out["splits"] = p.splits;
+  out["narrow"] = p.narrow;
+  return out;
+}
+
 py::tuple decode_unit(int u, int row_blocks, int splits, int group_rows, int vocab_tiles) {
   const jaxrl_sm90::Unit w = jaxrl_sm90::decode_unit(u, row_blocks, splits, group_rows, vocab_tiles);
   return py::make_tuple(w.row_block, w.split, w.vt_begin, w.vt_end);
@@ -125,6 +136,10 @@ PYBIND11_MODULE(_sm90, m) {
         "Bytes of the backward custom call's workspace result.");
   m.def("kept_gemms_workspace_bytes", &kept_gemms_workspace_bytes, py::arg("s"), py::arg("v"), py::arg("d"),
         py::arg("weight_dv"), py::arg("bf16"), "Bytes of the kept-gradient GEMMs' workspace result (S rows).");
+  m.def("hidden_plan", &hidden_plan, py::arg("n"), py::arg("d"), py::arg("k"), py::arg("bf16"),
+        py::arg("split_k") = true, py::arg("hidden_tiles") = 0,
+        "How d_hidden's GEMM acc[n, d] = G[n, :k] . W16 covers its output: K's parts (`splits`) and "
+        "whether its unsplit tiles are 128 wide (`narrow`).");
   m.def("decode_unit", &decode_unit, "unit index -> (row_block, split, vt_begin, vt_end), as the kernel decodes it.");
   // Whether registrations() holds the measurement-only handlers (JAXRL_KERNELS_MEASUREMENT_HANDLERS).
   m.attr("measurement_handlers") = kMeasurementHandlers;

@@ -31,45 +31,63 @@ using HiddenDvBf16 = HeadGemm<float, float, cutlass::layout::RowMajor, cutlass::
 constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
-// How d_hidden's GEMM covers [n, d]: K in `splits` parts (1: not split), and tiles 128 wide
-// rather than 256 (`narrow`).
-struct HiddenPlan {
-  int splits = 1;
-  bool narrow = false;
-};
+// Beyond one wave, K is split only where that takes at most this fraction of the unsplit
+// GEMM's rounds: each part adds its partial tile to the others' (a float32 tile through L2)
+// and fills its own pipeline, so a split saving less is not worth its workspace.
+constexpr double kMultiWaveSplitGain = 0.9;
 
-// K's parts: as many as keep the output tiles times the parts within one wave of
-// kSplitTargetCtas CTAs (a second, partial wave would cost a whole part's time), none without
-// `split_k`. Unsplit, the tiles are halved in width where that still fits one wave: a
-// batch-invariant backward (split_k false) must not let the sums' order follow n, but the
-// tile's width leaves each sum as it is. Halved tiles also replace a split in two parts, which
-// makes no more CTAs than they do and adds the parts' reduction (measured: docs/performance.md,
-// "Kernel constants"). The tiles are counted as the scheduler does, the M extent rounded up to
-// whole clusters. `pinned` other than kAuto pins the width of the unsplit float16 GEMM's tiles
-// (a split K keeps its own). A function of its arguments only, shared by the workspace size and
-// the launch.
+// Rounds of kSplitTargetCtas CTAs that `units` work units take.
+int64_t rounds(int64_t units) { return (units + kSplitTargetCtas - 1) / kSplitTargetCtas; }
+
+}  // namespace
+
+// K's parts where split_k and the unsplit output tiles fit one wave of kSplitTargetCtas CTAs:
+// as many as keep tiles × parts within that wave (a second, partial wave would cost a whole
+// part's time). Where they take more than one wave, the last is often mostly idle (160 tiles
+// of [2560, 2048] take two rounds of 132 CTAs for 1.21 rounds of work); there the parts are
+// the count whose rounds take the least time, rounds(tiles · parts) / parts of an unsplit
+// round (the fewest parts among equals), where that is at most kMultiWaveSplitGain of the
+// unsplit rounds: [2560, 2048] in 4 parts takes 5 rounds of a quarter each, 1.25 against 2.
+// None without `split_k`. Unsplit, float16 tiles are halved in width where that still fits
+// one wave: a batch-invariant backward (split_k false) must not let the sums' order follow n,
+// but the tile's width leaves each sum as it is. Halved tiles also replace a split in two parts,
+// which makes no more CTAs than they do and adds the parts' reduction (measured:
+// docs/performance.md, "Kernel constants"). The tiles are counted as the scheduler does, the M
+// extent rounded up to whole clusters. `pinned` other than kAuto runs the float16 GEMM unsplit
+// in tiles of that width. A function of its arguments only, shared by the workspace size and the
+// launch.
 HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k, HiddenTiles pinned) {
   using Tile = HiddenVd::TileShape;
   constexpr int tm = cute::size<0>(Tile{}), tn = cute::size<1>(Tile{});
   constexpr int cm = cute::size<0>(HiddenVd::ClusterShape{});
   const int64_t tiles_m = ((n + tm - 1) / tm + cm - 1) / cm * cm;
-  const int64_t tiles = tiles_m * ((d + tn - 1) / tn);
+  const int64_t tiles = std::max<int64_t>(tiles_m * ((d + tn - 1) / tn), 1);
   HiddenPlan plan;
-  if (split_k) {
-    const int64_t splits =
-        std::min<int64_t>({kSplitTargetCtas / std::max<int64_t>(tiles, 1), kMaxSplits, k / kMinSplitK});
-    plan.splits = static_cast<int>(std::max<int64_t>(splits, 1));
+  if (operands == DType::kF16 && pinned != HiddenTiles::kAuto) {
+    plan.narrow = pinned == HiddenTiles::kNarrow;
+    return plan;
+  }
+  const int64_t most = std::min<int64_t>(kMaxSplits, k / kMinSplitK);
+  if (split_k && tiles <= kSplitTargetCtas) {
+    plan.splits = static_cast<int>(std::max<int64_t>(std::min<int64_t>(kSplitTargetCtas / tiles, most), 1));
+  } else if (split_k) {
+    const double unsplit = static_cast<double>(rounds(tiles));
+    double best = unsplit;
+    for (int64_t parts = 2; parts <= most; ++parts) {
+      const double cost = static_cast<double>(rounds(tiles * parts)) / parts;
+      if (cost < best) {
+        best = cost;
+        plan.splits = static_cast<int>(parts);
+      }
+    }
+    if (best > kMultiWaveSplitGain * unsplit) plan.splits = 1;
   }
   if (operands == DType::kF16 && plan.splits <= 2 && 2 * tiles <= kSplitTargetCtas) {
     plan.splits = 1;
     plan.narrow = true;
   }
-  if (operands == DType::kF16 && plan.splits == 1 && pinned != HiddenTiles::kAuto)
-    plan.narrow = pinned == HiddenTiles::kNarrow;
   return plan;
 }
-
-}  // namespace
 
 std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,

@@ -7,12 +7,13 @@
 //   d_weight:  out = scale (A . B)             W's dtype, written in place into the chunk's
 //                                               rows ("vd") or columns ("dv") of d_weight
 //
-// Each output tile is one CTA's work, except in d_hidden when its [N, D] tiles are too few to
-// fill the GPU (small N: 32 tiles at N = 512, D = 2048, against 132 SMs) while K, the chunk
-// width, is long: then K is split over `splits` CTAs per tile (CUTLASS's stream-K scheduler in
-// split-K mode): each part adds its partial sum into a float32 workspace tile in the order of
-// the K ranges (so the bits do not vary run to run), and the last part adds that to its own and
-// runs the epilogue. d_weight, whose tiles cover the chunk's columns by D (hundreds of tiles at
+// Each output tile is one CTA's work, except in d_hidden when its [N, D] tiles fill the GPU
+// poorly (small N: 32 tiles at N = 512, D = 2048, against 132 SMs; or a last wave mostly idle:
+// 160 tiles at N = 2560) while K, the chunk width or V, is long: then K is split over `splits`
+// CTAs per tile (CUTLASS's stream-K scheduler in split-K mode; the count: hidden_plan in
+// sm90_gemm_hidden.cu): each part adds its partial sum into a float32 workspace tile in the
+// order of the K ranges (so the bits do not vary run to run), and the last part adds that to
+// its own and runs the epilogue. d_weight, whose tiles cover the chunk's columns by D (hundreds of tiles at
 // the usual chunk widths) and whose K is N, keeps one CTA per tile.
 //
 // Row-major names: D[M, N] = A[M, K] . B[K, N]. CUTLASS's layout tags say which extent is

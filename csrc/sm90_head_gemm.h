@@ -17,14 +17,24 @@
 
 namespace jaxrl_sm90 {
 
+// How d_hidden's GEMM covers [n, d] (sm90_gemm_hidden.cu, which states the rule): K in `splits`
+// parts (1: not split), and tiles 128 wide rather than 256 (`narrow`). A function of the shape,
+// the operands' type, `split_k` and `tiles` only.
+struct HiddenPlan {
+  int splits = 1;
+  bool narrow = false;
+};
+HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k, HiddenTiles pinned);
+
 // acc[n, d] = alpha (g[n, :k] . w16) + beta acc, float32 (beta null: acc is only written);
-// w16 is [k, d] (w16_dv false) or [d, k] (true). Where [n, d] has too few output tiles to fill the GPU and `split_k`, K
-// is split over several CTAs per tile (sm90_head_gemm.cuh), by a count that depends on (n, d, k) only, as does the
-// workspace size; split_k false keeps one CTA per tile whatever n is (a batch-invariant backward: each row's sums then
-// do not depend on n), its tiles half as wide where that fills the GPU better. Tiles half as wide also replace a split
-// of K in two parts (as many CTAs, no reduction of the parts); bfloat16 operands keep the split (their kernels are the
-// split ones only, fewer instances to compile). `tiles` pins the unsplit float16 GEMM's tile width (HiddenTiles); the
-// workspace size takes the same value.
+// w16 is [k, d] (w16_dv false) or [d, k] (true). Where [n, d]'s output tiles fill the GPU's CTAs poorly (too few
+// for one wave, or a last wave mostly idle) and `split_k`, K is split over several CTAs per tile
+// (sm90_head_gemm.cuh), by hidden_plan's count, which depends on (n, d, k) only, as does the workspace size; split_k
+// false keeps one CTA per tile whatever n is (a batch-invariant backward: each row's sums then do not depend on n), its
+// tiles half as wide where that fills the GPU better. Tiles half as wide also replace a split of K in two parts (as
+// many CTAs, no reduction of the parts); bfloat16 operands keep the split (their kernels are the split ones only,
+// fewer instances to compile). `tiles` other than kAuto runs the float16 GEMM unsplit in tiles of that width
+// (HiddenTiles); the workspace size takes the same value.
 std::string gemm_d_hidden(DType operands, bool w16_dv, int n, int d, int k, const void* g, int64_t ldg, const void* w16,
                           int64_t ldw, float* acc, const float* alpha, const float* beta, void* workspace, int sm_count,
                           cudaStream_t stream, bool split_k = true, HiddenTiles tiles = HiddenTiles::kAuto);

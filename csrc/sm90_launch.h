@@ -122,9 +122,10 @@ std::string launch_weight_copy(const GradArgs& args, int sm_count, cudaStream_t 
 // launch_weight_copy before it (kApart); kAuto: choose_weight_copy's pick for the chunk's plan.
 enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
 
-// The width of d_hidden's output tiles where its GEMM does not split K (gemm_d_hidden): kWide
-// (256) or kNarrow (128) pinned, for measuring the rule; kAuto: hidden_plan's choice. A tile's
-// width leaves each sum as it is: results are bitwise the same either way.
+// How d_hidden's float16 GEMM covers its output (gemm_d_hidden): kAuto, hidden_plan's choice of
+// K's parts and tile width; kWide (256) or kNarrow (128) pinned, K unsplit, for measuring the
+// rule. A tile's width leaves each sum as it is: kWide and kNarrow give the same bits, and kAuto
+// too where it does not split K.
 enum class HiddenTiles { kAuto = 0, kWide = 1, kNarrow = 2 };
 
 // kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its

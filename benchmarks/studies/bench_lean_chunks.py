@@ -7,9 +7,10 @@ in each kind of kernel, and how does that change when the backward's vocabulary 
 ``columns`` wide rather than the default's width (``ffi.linear.backward_chunk``), and with
 the float16 weight copy in the grad kernel or apart (``ffi.linear.Config.weight_copy``:
 ``copy``)? And at the row counts of a padded batch's row-skipping branches where d_hidden's
-unsplit GEMM fills its last wave of tiles worst (``--sizes branches``): its tiles 256 or 128
-columns wide (``ffi.linear.Config.hidden_tiles``: ``tiles``; the automatic rule takes the
-wide ones there). Each row is
+unsplit GEMM fills its last wave of tiles worst (``--sizes branches``): K split by the
+automatic rule (``tiles`` ``auto``: ``hidden_plan`` in csrc/sm90_gemm_hidden.cu splits K
+there) against unsplit tiles 256 or 128 columns wide (``ffi.linear.Config.hidden_tiles``:
+``wide``, the rule before it split there, or ``narrow``). Each row is
 ``jax.jit(jax.value_and_grad(loss, (hidden, weight)))`` on the inputs of
 ``benchmarks.studies.bench_fast_loss``, timed as ``bench_tokens`` times it (median of
 ``--runs`` synchronised calls, rotated rounds), next to the plain jnp bf16 code and the three
@@ -58,8 +59,8 @@ SIZES = {
     "full": [(n, 2048, 131072) for n in (256, 512, 1024, 2048, 4096)] + [(512, 4096, 131072)],
     "large": [(8192, 4096, 131072), (16384, 4096, 131072)],
     # 160 wide tiles at 2560 x 2048 fill 61 % of two waves of 132, 320 narrow ones 81 % of
-    # three; 3072 x 2048 and 1536 x 4096 alike; 4096 x 2048 (97 % wide) is the control. The
-    # fourth entry asks for the TILES rows.
+    # three, K in 4 parts 97 % of five; 3072 x 2048 and 1536 x 4096 alike; 4096 x 2048 (97 %
+    # wide, unsplit) is the control. The fourth entry asks for the TILES rows.
     "branches": [
         (n, d, 131072, "tiles") for n, d in ((2560, 2048), (3072, 2048), (1536, 4096), (4096, 2048))
     ],

@@ -378,6 +378,56 @@ def test_backward_workspace_holds_its_buffers(sm90, n, v, d, chunk, layout):
     assert got == sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", False)
 
 
+# (n, d, k, bf16) -> K's parts of d_hidden's GEMM, counted by hand: tiles of 128 x 256 (M in
+# clusters of two), 132 CTAs a round.
+HIDDEN_SPLITS = {
+    (512, 2048, 8192, False): 4,  # 32 tiles: one wave holds 4 parts each
+    (1024, 2048, 8192, False): 1,  # 64 tiles: 2 parts become narrow unsplit tiles
+    (1536, 2048, 131072, True): 1,  # 96 tiles: one wave, 2 parts would not fit it
+    (2560, 2048, 131072, True): 4,  # 160 tiles: 2 rounds unsplit, 5 of a quarter in 4 parts
+    (2560, 2048, 8192, False): 4,  # the same tiles, 8192 / 2048 parts at most
+    (3072, 2048, 131072, True): 2,  # 192 tiles: 2 rounds, 3 of halves in 2 parts
+    (3584, 2048, 131072, True): 7,  # 224 tiles: 2 rounds, 12 of sevenths (0.86 of 2)
+    (4096, 2048, 131072, True): 1,  # 256 tiles: 2 rounds, 97 % full
+    (10240, 4096, 131072, True): 1,  # 1280 tiles: 10 rounds, 97 % full
+}
+
+
+@pytest.mark.parametrize("shape", list(HIDDEN_SPLITS))
+def test_hidden_plan_splits_where_the_rounds_are_idle(sm90, shape):
+    """d_hidden's GEMM splits K where its tiles leave the CTAs idle, in one wave or in a last
+    wave mostly empty; batch invariance never splits, and a pinned float16 tile width runs
+    unsplit; a split plan's workspace holds a float32 partial tile per output tile."""
+    n, d, k, bf16 = shape
+    plan = sm90.hidden_plan(n, d, k, bf16)
+    assert plan["splits"] == HIDDEN_SPLITS[shape]
+    assert sm90.hidden_plan(n, d, k, bf16, split_k=False)["splits"] == 1
+    if not bf16:
+        for pinned, narrow in ((1, False), (2, True)):
+            assert sm90.hidden_plan(n, d, k, False, hidden_tiles=pinned) == dict(
+                splits=1, narrow=narrow
+            )
+    if bf16:
+        tiles = -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
+        partials = tiles * 128 * 256 * 4
+        workspace = sm90.kept_gemms_workspace_bytes(n, k, d, False, True)
+        assert (workspace >= partials) == (plan["splits"] > 1)
+
+
+@pytest.mark.parametrize(
+    "d,k,bf16", [(2048, 8192, False), (2048, 131072, True), (4096, 131072, True)]
+)
+def test_hidden_plan_never_takes_more_rounds(sm90, d, k, bf16):
+    """At every N, the chosen parts take no more rounds of 132 CTAs (in units of an unsplit
+    tile's time) than the GEMM unsplit, and each part keeps at least 2048 columns of K."""
+    for n in range(128, 16385, 128):
+        splits = sm90.hidden_plan(n, d, k, bf16)["splits"]
+        tiles = -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
+        rounds = lambda units: -(-units // 132)  # noqa: E731
+        assert 1 <= splits <= 8 and k // splits >= 2048
+        assert rounds(tiles * splits) / splits <= rounds(tiles)
+
+
 @pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
 def test_grad_planner_one_unit_per_tile(sm90, n, size, sms):
     plan = sm90.grad_plan(n, size, sms)

@@ -98,14 +98,15 @@ class Config:
     """Launch parameters that do not depend on N: ``splits`` (0: :data:`INVARIANT_SPLITS`),
     backward chunks of :data:`INVARIANT_CHUNK_COLUMNS` and a d_hidden GEMM
     that never splits K (the backward call's ``split_k`` attribute; otherwise it splits K by a
-    count that follows N where its tiles are few: ``hidden_plan`` in
+    count that follows N where its tiles fill the GPU poorly: ``hidden_plan`` in
     csrc/sm90_gemm_hidden.cu). Each row's results are then bitwise independent of the other
     rows."""
     hidden_tiles: str = "auto"
-    """The width of d_hidden's output tiles where its GEMM does not split K: ``"wide"`` (256
-    columns) or ``"narrow"`` (128) pinned, for measuring ``hidden_plan``'s rule
-    (csrc/sm90_gemm_hidden.cu); ``"auto"``: that rule's choice. Results are bitwise the same
-    either way: a tile's width leaves each sum as it is."""
+    """How d_hidden's GEMM covers its output: ``"auto"``, ``hidden_plan``'s choice of K's parts
+    and tile width (csrc/sm90_gemm_hidden.cu); ``"wide"`` (256 columns) or ``"narrow"`` (128),
+    K unsplit in tiles of that width, for measuring that rule. ``"wide"`` and ``"narrow"`` give
+    bitwise the same results (a tile's width leaves each sum as it is), and ``"auto"`` too
+    where it does not split K."""
 
     def weight_copy_code(self) -> int:
         """The backward call's ``weight_copy`` attribute (csrc/sm90_launch.h ``WeightCopy``)."""
