@@ -32,9 +32,14 @@ constexpr int kMaxSplits = 8;
 constexpr int kMinSplitK = 2048;
 
 // Beyond one wave, K is split only where that takes at most this fraction of the unsplit
-// GEMM's rounds: each part adds its partial tile to the others' (a float32 tile through L2)
-// and fills its own pipeline, so a split saving less is not worth its workspace.
+// GEMM's rounds, in parts of at least kMultiWaveMinK columns: each part adds its partial tile
+// to the others' (a float32 tile through L2) and fills its own pipeline. Measured on one H100
+// (docs/performance.md, "Kernel constants"): at [2560, 2048], V = 131072 in 4 parts of 32768
+// took the fast mode's two GEMMs from 4.64 to 4.16 ms, while lean's 8192-column chunks in 4
+// parts of 2048 were no faster than unsplit (2.74 against 2.68 ms over the vocabulary), and
+// the split's workspace (a float32 tile per output tile, [N, D] in all) is lean's to avoid.
 constexpr double kMultiWaveSplitGain = 0.9;
+constexpr int64_t kMultiWaveMinK = 16384;
 
 // Rounds of kSplitTargetCtas CTAs that `units` work units take.
 int64_t rounds(int64_t units) { return (units + kSplitTargetCtas - 1) / kSplitTargetCtas; }
@@ -46,8 +51,9 @@ int64_t rounds(int64_t units) { return (units + kSplitTargetCtas - 1) / kSplitTa
 // part's time). Where they take more than one wave, the last is often mostly idle (160 tiles
 // of [2560, 2048] take two rounds of 132 CTAs for 1.21 rounds of work); there the parts are
 // the count whose rounds take the least time, rounds(tiles · parts) / parts of an unsplit
-// round (the fewest parts among equals), where that is at most kMultiWaveSplitGain of the
-// unsplit rounds: [2560, 2048] in 4 parts takes 5 rounds of a quarter each, 1.25 against 2.
+// round (the fewest parts among equals), each of at least kMultiWaveMinK columns, where that is
+// at most kMultiWaveSplitGain of the unsplit rounds: [2560, 2048] over V = 131072 in 4 parts
+// takes 5 rounds of a quarter each, 1.25 against 2.
 // None without `split_k`. Unsplit, float16 tiles are halved in width where that still fits
 // one wave: a batch-invariant backward (split_k false) must not let the sums' order follow n,
 // but the tile's width leaves each sum as it is. Halved tiles also replace a split in two parts,
@@ -73,7 +79,7 @@ HiddenPlan hidden_plan(DType operands, int n, int d, int k, bool split_k, Hidden
   } else if (split_k) {
     const double unsplit = static_cast<double>(rounds(tiles));
     double best = unsplit;
-    for (int64_t parts = 2; parts <= most; ++parts) {
+    for (int64_t parts = 2; parts <= std::min<int64_t>(most, k / kMultiWaveMinK); ++parts) {
       const double cost = static_cast<double>(rounds(tiles * parts)) / parts;
       if (cost < best) {
         best = cost;

@@ -36,6 +36,7 @@ from jaxrl_kernels.dispatch.contract import Parts, Problem
 from jaxrl_kernels.engine import fused_loss, linear_head, row_skip
 from jaxrl_kernels.engine.linear_head import HeadCall
 from jaxrl_kernels.head import head_grad, rounded_logits
+from jaxrl_kernels.sharding.placement import Placement
 from tests.conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from tests.support import oracle
 
@@ -385,7 +386,7 @@ HIDDEN_SPLITS = {
     (1024, 2048, 8192, False): 1,  # 64 tiles: 2 parts become narrow unsplit tiles
     (1536, 2048, 131072, True): 1,  # 96 tiles: one wave, 2 parts would not fit it
     (2560, 2048, 131072, True): 4,  # 160 tiles: 2 rounds unsplit, 5 of a quarter in 4 parts
-    (2560, 2048, 8192, False): 4,  # the same tiles, 8192 / 2048 parts at most
+    (2560, 2048, 8192, False): 1,  # the same tiles, but parts of K under 16384 columns
     (3072, 2048, 131072, True): 2,  # 192 tiles: 2 rounds, 3 of halves in 2 parts
     (3584, 2048, 131072, True): 7,  # 224 tiles: 2 rounds, 12 of sevenths (0.86 of 2)
     (4096, 2048, 131072, True): 1,  # 256 tiles: 2 rounds, 97 % full
@@ -419,13 +420,16 @@ def test_hidden_plan_splits_where_the_rounds_are_idle(sm90, shape):
 )
 def test_hidden_plan_never_takes_more_rounds(sm90, d, k, bf16):
     """At every N, the chosen parts take no more rounds of 132 CTAs (in units of an unsplit
-    tile's time) than the GEMM unsplit, and each part keeps at least 2048 columns of K."""
+    tile's time) than the GEMM unsplit, and each part keeps at least 2048 columns of K (16384
+    where the unsplit tiles take more than one wave)."""
     for n in range(128, 16385, 128):
         splits = sm90.hidden_plan(n, d, k, bf16)["splits"]
         tiles = -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
         rounds = lambda units: -(-units // 132)  # noqa: E731
         assert 1 <= splits <= 8 and k // splits >= 2048
         assert rounds(tiles * splits) / splits <= rounds(tiles)
+        if tiles > 132 and splits > 1:  # beyond one wave: long parts only
+            assert k // splits >= 16384
 
 
 @pytest.mark.parametrize("n,size,sms", [(1, 256, 132), (4096, 4096, 132), (300, 1000, 7)])
@@ -922,7 +926,8 @@ def test_gpu_logit_gradient_elementwise(n, d, v, layout, dtype, with_bias, start
 def test_gpu_backward_bitwise_deterministic_and_chosen():
     h, w, _, t = _gpu_inputs(1024, 512, 32768, "vd", jnp.bfloat16, False, seed=4)
     g = jnp.asarray(np.random.default_rng(0).standard_normal(1024), jnp.float32)
-    f = jax.jit(jax.grad(lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, t)), argnums=(0, 1)))
+    lean = lambda h, w: jnp.sum(g * jk.linear_logprobs(h, w, t, memory="lean"))  # noqa: E731
+    f = jax.jit(jax.grad(lean, argnums=(0, 1)))
     assert_bitwise(f(h, w), f(h, w))
     text = jax.jit(f).lower(h, w).as_text()
     assert f"custom_call @{ffi_linear.BACKWARD_TARGET}" in text
@@ -1003,9 +1008,10 @@ def test_gpu_kept_logits_against_xla(layout, v, dtype, with_bias):
     h, w, b, t = _gpu_inputs(n, 256, v, layout, dtype, with_bias, seed=v)
     t = t.at[:4].set(jnp.array([0, v - 1, -1, v]))  # edges; outside [0, V): not held
     rv = jnp.ones(t.shape, bool).at[5].set(False)
-    kw = dict(weight_layout=layout, temperature=0.8, with_entropy=True)  # plan: unused by both
-    got = jax.jit(lambda h, w, b: ffi_linear.kept_logits(None, h, w, b, t, rv, **kw))(h, w, b)
-    want = jax.jit(lambda h, w, b: rounded_logits.local_stats(None, h, w, b, t, rv, **kw))(h, w, b)
+    kw = dict(weight_layout=layout, temperature=0.8, with_entropy=True)
+    plan = Placement.single(1)  # one device, the logits at the call's own N rows
+    got = jax.jit(lambda h, w, b: ffi_linear.kept_logits(plan, h, w, b, t, rv, **kw))(h, w, b)
+    want = jax.jit(lambda h, w, b: rounded_logits.local_stats(plan, h, w, b, t, rv, **kw))(h, w, b)
     (stats, t_rel, z), (stats_x, t_rel_x, z_x) = got, want
     assert z.dtype == dtype and z.shape == (n, v)
     z, z_x = np.asarray(z, np.float32), np.asarray(z_x, np.float32)
@@ -1046,8 +1052,10 @@ def test_gpu_vmap_and_automatic_choice():
     f = lambda h, t: jk.linear_logprobs(h, w, t, backend="ffi")
     batched = jax.jit(jax.vmap(f))(hb, tb)
     np.testing.assert_array_equal(np.asarray(batched), np.asarray(jax.jit(f)(hb, tb)))
-    assert "linear_logprobs: ffi (automatic)" in jk.explain("linear_logprobs", hb, w, tb)
-    text = jk.explain("linear_logprobs", hb.astype(jnp.float32), w.astype(jnp.float32), tb)
+    lean = dict(memory="lean")  # the automatic memory mode would be fast: kept_logits' choice
+    assert "linear_logprobs: ffi (automatic)" in jk.explain("linear_logprobs", hb, w, tb, **lean)
+    f32 = (hb.astype(jnp.float32), w.astype(jnp.float32), tb)
+    text = jk.explain("linear_logprobs", *f32, **lean)
     assert "ffi declined:" in text and "float32" in text
     with pytest.raises(NotImplementedError, match="multiple of 8"):
         jk.linear_logprobs(h[:, :60], w[:, :60], t, backend="ffi")

@@ -120,6 +120,7 @@ needs_sm90 = pytest.mark.skipif(
         (1024, 1024, 2048, 32768, "vd", jnp.float16),
         (384, 2048, 512, 50264, "dv", jnp.float16),
         (0, 128, 64, 1024, "vd", jnp.bfloat16),
+        (2560, 4096, 2048, 65536, "vd", jnp.bfloat16),  # d_hidden's 160 tiles: K in 4 parts
     ],
 )
 def test_gpu_kept_gemms_against_float64(s, r, d, v, layout, dtype):
