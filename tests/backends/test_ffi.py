@@ -379,6 +379,16 @@ def test_backward_workspace_holds_its_buffers(sm90, n, v, d, chunk, layout):
     assert got == sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", False)
 
 
+def _hidden_tiles(n, d):
+    """d_hidden's output tiles of 128 × 256 over [n, d], M in whole clusters of two."""
+    return -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
+
+
+def _rounds(units):
+    """Rounds of 132 CTAs that ``units`` work units take."""
+    return -(-units // 132)
+
+
 # (n, d, k, bf16) -> K's parts of d_hidden's GEMM, counted by hand: tiles of 128 x 256 (M in
 # clusters of two), 132 CTAs a round.
 HIDDEN_SPLITS = {
@@ -409,8 +419,7 @@ def test_hidden_plan_splits_where_the_rounds_are_idle(sm90, shape):
                 splits=1, narrow=narrow
             )
     if bf16:
-        tiles = -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
-        partials = tiles * 128 * 256 * 4
+        partials = _hidden_tiles(n, d) * 128 * 256 * 4
         workspace = sm90.kept_gemms_workspace_bytes(n, k, d, False, True)
         assert (workspace >= partials) == (plan["splits"] > 1)
 
@@ -424,10 +433,9 @@ def test_hidden_plan_never_takes_more_rounds(sm90, d, k, bf16):
     where the unsplit tiles take more than one wave)."""
     for n in range(128, 16385, 128):
         splits = sm90.hidden_plan(n, d, k, bf16)["splits"]
-        tiles = -(-(-(-n // 128)) // 2) * 2 * -(-d // 256)
-        rounds = lambda units: -(-units // 132)  # noqa: E731
+        tiles = _hidden_tiles(n, d)
         assert 1 <= splits <= 8 and k // splits >= 2048
-        assert rounds(tiles * splits) / splits <= rounds(tiles)
+        assert _rounds(tiles * splits) / splits <= _rounds(tiles)
         if tiles > 132 and splits > 1:  # beyond one wave: long parts only
             assert k // splits >= 16384
 
