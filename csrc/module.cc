@@ -84,24 +84,28 @@ py::dict distill_plan(int n, int v, int num_sms) { return plan_dict(jaxrl_sm90::
 
 py::dict grad_plan(int n, int size, int num_sms) { return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms)); }
 
+// The 16-bit operand type a Python caller names by `bf16`.
+jaxrl_sm90::DType operand_dtype(bool bf16) { return bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16; }
+
+// The backward call's `hidden_tiles` attribute as the enum, checked.
+jaxrl_sm90::HiddenTiles hidden_tiles_arg(int hidden_tiles) {
+  if (hidden_tiles < 0 || hidden_tiles > 2) throw py::value_error("hidden_tiles must be 0, 1 or 2");
+  return static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles);
+}
+
 size_t backward_workspace_bytes(int n, int v, int d, int chunk, bool weight_dv, bool bf16, bool split_k,
                                 int hidden_tiles) {
-  if (hidden_tiles < 0 || hidden_tiles > 2) throw py::value_error("hidden_tiles must be 0, 1 or 2");
-  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
-  return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, dtype, split_k,
-                                              static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles));
+  return jaxrl_sm90::backward_workspace_bytes(n, v, d, chunk, weight_dv, operand_dtype(bf16), split_k,
+                                              hidden_tiles_arg(hidden_tiles));
 }
 
 size_t kept_gemms_workspace_bytes(int s, int v, int d, bool weight_dv, bool bf16) {
-  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
-  return jaxrl_sm90::kept_gemms_workspace_bytes(s, v, d, weight_dv, dtype);
+  return jaxrl_sm90::kept_gemms_workspace_bytes(s, v, d, weight_dv, operand_dtype(bf16));
 }
 
 py::dict hidden_plan(int n, int d, int k, bool bf16, bool split_k, int hidden_tiles) {
-  if (hidden_tiles < 0 || hidden_tiles > 2) throw py::value_error("hidden_tiles must be 0, 1 or 2");
-  const jaxrl_sm90::DType dtype = bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16;
   const jaxrl_sm90::HiddenPlan p =
-      jaxrl_sm90::hidden_plan(dtype, n, d, k, split_k, static_cast<jaxrl_sm90::HiddenTiles>(hidden_tiles));
+      jaxrl_sm90::hidden_plan(operand_dtype(bf16), n, d, k, split_k, hidden_tiles_arg(hidden_tiles));
   py::dict out;
   out["splits"] = p.splits;
   out["narrow"] = p.narrow;
