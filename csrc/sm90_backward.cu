@@ -2,7 +2,10 @@
 // sm90_launch.h): per vocabulary chunk, the grad kernel (sm90_grad_kernel.cuh; before it the
 // weight copy's own kernel where choose_weight_copy says so) and the two CUTLASS GEMMs
 // (sm90_head_gemm.h), in order, with no host synchronisation and no copies but
-// the one for a "vd" tail that TMA cannot address in place.
+// the one for a "vd" tail that TMA cannot address in place. Each chunk's float16 weight copy
+// lives in the chunk's own rows (vd) or columns (dv) of d_weight, which d_hidden's GEMM reads
+// before d_weight's GEMM overwrites them: d_weight has W's shape and a 16-bit type, so the
+// copy costs the workspace nothing.
 #include <algorithm>
 #include <string>
 
@@ -22,15 +25,16 @@ int round8(int x) { return (x + 7) / 8 * 8; }
 
 // Byte offsets into the workspace.
 struct Workspace {
-  size_t g = 0, w16 = 0, tail = 0, wmax = 0, inv_scale = 0, gemm = 0, total = 0;
+  size_t g = 0, tail = 0, wmax = 0, inv_scale = 0, gemm = 0, total = 0;
 };
 
 int chunks_of(int v, int chunk) { return (v + chunk - 1) / chunk; }
 
-// The chunk widths are min(chunk, V - start) for start = 0, chunk, 2 chunk, ...; G and the
-// weight copy are sized for the widest, with rows padded to a multiple of 8 columns. In
-// "vd", a last chunk whose width is not a multiple of 8 has its d_weight rows written to
-// `tail` (padded to 8) and copied in place: TMA needs the contiguous extent in 16-byte units.
+// The chunk widths are min(chunk, V - start) for start = 0, chunk, 2 chunk, ...; G is sized
+// for the widest, with rows padded to a multiple of 8 columns. In "vd", a last chunk whose
+// width is not a multiple of 8 has its weight copy (padded with zero rows to 8) and then its
+// d_weight rows in `tail`, copied in place at the end: TMA needs the contiguous extent in
+// 16-byte units. ("dv" has V % 8 == 0, so every chunk is a multiple of 8 wide.)
 Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dtype, bool split_k,
                        HiddenTiles hidden_tiles) {
   const int widest = std::min(chunk, v);
@@ -38,8 +42,7 @@ Workspace workspace_of(int n, int v, int d, int chunk, bool weight_dv, DType dty
   const int ld = round8(widest);
   Workspace w;
   w.g = 0;
-  w.w16 = w.g + align_up(2ull * n * ld);
-  w.tail = w.w16 + align_up(2ull * ld * d);
+  w.tail = w.g + align_up(2ull * n * ld);
   const bool tail = !weight_dv && last % 8 != 0;
   w.wmax = w.tail + (tail ? align_up(2ull * round8(last) * d) : 0);  // uint32 per chunk
   w.inv_scale = w.wmax + align_up(4ull * chunks_of(v, chunk));       // float per chunk
@@ -129,7 +132,6 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
   const Workspace w = workspace_of(n, v, d, a.chunk, base.weight_dv, base.dtype, a.split_k, a.hidden_tiles);
   char* ws = static_cast<char*>(a.workspace);
   __half* g = reinterpret_cast<__half*>(ws + w.g);
-  __half* w16 = reinterpret_cast<__half*>(ws + w.w16);
   char* d_weight = static_cast<char*>(a.d_weight);
   uint32_t* wmax = reinterpret_cast<uint32_t*>(ws + w.wmax);
   float* inv_scale = reinterpret_cast<float*>(ws + w.inv_scale);
@@ -152,7 +154,14 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     grad.size = size;
     grad.ld = ld;
     grad.out = g;
+    // The chunk's weight copy: d_weight's rows (vd) or columns (dv) of the chunk, or `tail`
+    // for a "vd" last chunk that is not a multiple of 8 wide (its zero rows fill it to ld).
+    const bool copy_in_tail = !base.weight_dv && size % 8 != 0;
+    void* w16 = copy_in_tail ? static_cast<void*>(ws + w.tail)
+                             : static_cast<void*>(d_weight + 2ull * start * (base.weight_dv ? 1 : d));
+    const int64_t ldw = base.weight_dv ? v : d;
     grad.w16 = w16;
+    grad.w16_ld = base.weight_dv ? v : 0;
     grad.w_scale = nullptr;
     grad.wmax = wmax + c;
     grad.inv_scale = inv_scale + c;
@@ -180,9 +189,8 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     }
 
     // acc (+)= G[:, :ld] . W16 / sigma_c: the padding columns of G and rows of W16 are 0.
-    why =
-        gemm_d_hidden(DType::kF16, base.weight_dv, n, d, ld, g, ld, w16, base.weight_dv ? ld : d, a.acc, inv_scale + c,
-                      start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k, a.hidden_tiles);
+    why = gemm_d_hidden(DType::kF16, base.weight_dv, n, d, ld, g, ld, w16, ldw, a.acc, inv_scale + c,
+                        start == 0 ? nullptr : one, ws + w.gemm, a.sm_count, stream, a.split_k, a.hidden_tiles);
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G

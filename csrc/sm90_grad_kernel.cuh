@@ -101,7 +101,7 @@ template <class T, bool kDv>
 __device__ __forceinline__ void copy_weight_chunk(const GradArgs& p, int start, int64_t first, int64_t stride) {
   const float scale = p.w_scale ? *p.w_scale : weight_scale_of_max(*p.wmax);
   if (p.inv_scale && first == 0) *p.inv_scale = 1.f / scale;  // exact: a power of two
-  const int64_t depth = p.d, vocab = p.v, size = p.size;
+  const int64_t depth = p.d, vocab = p.v, size = p.size, w16_ld = p.w16_ld ? p.w16_ld : size;
   const T* weight = static_cast<const T*>(p.weight);
   // "vd" walks the ld rows of the copy, the ones past size reading as 0; "dv" walks W's range
   const int64_t src_vecs = size * depth / 8;
@@ -125,7 +125,7 @@ __device__ __forceinline__ void copy_weight_chunk(const GradArgs& p, int start, 
       for (int e = 0; e < 4; ++e) {
         o[e] = __floats2half2_rn(static_cast<float>(w[2 * e]) * scale, static_cast<float>(w[2 * e + 1]) * scale);
       }
-      const int64_t dst = kDv ? it.row * size + 8 * it.col : 8 * it.col;
+      const int64_t dst = kDv ? it.row * w16_ld + 8 * it.col : 8 * it.col;
       *reinterpret_cast<uint4*>(static_cast<__half*>(p.w16) + dst) = out;
     }
   }

@@ -102,6 +102,7 @@ struct GradArgs {
   void* out = nullptr;                 // [N, ld] float16 (columns [size, ld) written as 0)
   void* w16 = nullptr;                 // [ld, D] ("vd", rows past size 0) or [D, size] ("dv") float16:
                                        // f16(sigma_W W) of the chunk, or null
+  int64_t w16_ld = 0;                  // "dv": the copy's row stride in elements; 0: size
   int n = 0, v = 0, d = 0, size = 0;
   int ld = 0;  // G's row stride; 0: size
   DType dtype = DType::kBF16;

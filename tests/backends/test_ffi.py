@@ -365,14 +365,15 @@ def test_xla_gemms_variant_lowers_to_the_grad_call(layout):
     ],
 )
 def test_backward_workspace_holds_its_buffers(sm90, n, v, d, chunk, layout):
-    """The fused backward's workspace: G [N, ld] and the weight copy (ld = the widest chunk
-    rounded up to 8 columns), a d_weight tail buffer exactly when a "vd" last chunk is not a
-    multiple of 8 wide, each chunk's max |W| and 1 / sigma, and the GEMMs' own workspace,
-    each 256-byte aligned."""
+    """The fused backward's workspace: G [N, ld] (ld = the widest chunk rounded up to 8
+    columns), a tail buffer (the last chunk's weight copy, then its d_weight rows) exactly when
+    a "vd" last chunk is not a multiple of 8 wide, each chunk's max |W| and 1 / sigma, and the
+    GEMMs' own workspace, each 256-byte aligned. No weight copy [ld, D]: each chunk's lives in
+    its own part of d_weight, so nothing in it grows with D but the GEMMs' own."""
     up = lambda x, a: -(-x // a) * a
     widest, last = min(chunk, v), v - (v - 1) // chunk * chunk
     ld = up(widest, 8)
-    core = up(2 * n * ld, 256) + up(2 * ld * d, 256) + 2 * up(4 * -(-v // chunk), 256)
+    core = up(2 * n * ld, 256) + 2 * up(4 * -(-v // chunk), 256)
     tail = up(2 * up(last, 8) * d, 256) if layout == "vd" and last % 8 else 0
     got = sm90.backward_workspace_bytes(n, v, d, chunk, layout == "dv", True)
     assert got % 256 == 0 and core + tail <= got <= core + tail + 2**20

@@ -17,10 +17,12 @@ Backward: the ``linear_logprobs_backward`` primitive of the backend that
 hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
 that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +
 wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
-[N, C]), and from its otherwise idle producer warps the chunk's float16 weight copy (scaled
+[N, C]), and from its otherwise idle producer warps the chunk's float16 weight copy W16 (scaled
 by a power of two from the chunk's max |W|, which the previous chunk's kernel found) and
 the next chunk's max |W|; two CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator
-and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``). :class:`Config` holds what tunes them: the
+and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``). W16 is held in the
+chunk's own part of d_weight until that second GEMM overwrites it, so the call's workspace
+is G, the GEMMs' own and a few bytes a chunk (and an odd "vd" tail's rows). :class:`Config` holds what tunes them: the
 forward's vocabulary splits (0: the planner's choice) and the backward's chunk size. A
 truncated softmax's per-row ``floor`` (on ``z``, with ``lse`` and ``entropy`` the kept set's)
 is the backward call's last operand: its grad kernel takes p = 0 below it.
