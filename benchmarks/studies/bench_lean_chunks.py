@@ -66,7 +66,14 @@ SIZES = {
     ],
     "small": [(64, 32, 1000)],
 }
-VARIANTS = (("auto", 0), ("in_kernel", 0), ("apart", 0), ("apart", 16384), ("apart", 32768))
+VARIANTS = (
+    ("auto", 0),
+    ("in_kernel", 0),
+    ("apart", 0),
+    ("auto", 8192),
+    ("auto", 16384),
+    ("auto", 32768),
+)
 """(weight copy, columns) of the lean rows up to :data:`LARGE_N` rows."""
 LARGE_N = 4096
 LARGE_VARIANTS = (("auto", 0), ("auto", 2048), ("auto", 4096), ("auto", 16384))
@@ -131,8 +138,6 @@ def measure(size, runs, rounds, small):
     else:
         variants = [(*pair, "auto") for pair in (LARGE_VARIANTS if n > LARGE_N else VARIANTS)]
     for copy, columns, tiles in variants:
-        if columns and copy == "apart" and n > 1024:
-            continue
         with lean_variant(copy, columns, tiles):
             chunk = ffi_linear.backward_chunk(n, v)
             compiled = (

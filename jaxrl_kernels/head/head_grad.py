@@ -133,13 +133,16 @@ def hidden_grad_rows(g, w, weight_layout, gemm_rows: int | None, **dot_options):
     )
 
 
-def chunk_columns(n_rows, vocab, chunk_bytes, align, bytes_per_entry=2, *, min_columns=0) -> int:
+def chunk_columns(
+    n_rows, vocab, chunk_bytes, align, bytes_per_entry=2, *, min_columns=0, logits_fraction=32
+) -> int:
     """Columns per chunk: the chunk's logit gradient fits ``chunk_bytes`` or is
     ``min_columns`` wide, whichever is wider, a multiple of ``align`` (the kernel's vocabulary
-    tile), and at most 1/32 of what float32 [N, V] logits would take (small problems stay
-    small). ``min_columns`` bounds a chunk's fixed costs at large N, where the byte budget
-    alone leaves few columns (d_hidden's float32 [N, D] is read and written once a chunk)."""
-    cap = n_rows * vocab * 4 // 32
+    tile), and at most 1/``logits_fraction`` of what float32 [N, V] logits would take (small
+    problems stay small). ``min_columns`` bounds a chunk's fixed costs at large N, where the byte
+    budget alone leaves few columns (d_hidden's float32 [N, D] is read and written once a
+    chunk)."""
+    cap = n_rows * vocab * 4 // logits_fraction
     budget = min(max(chunk_bytes, bytes_per_entry * n_rows * min_columns), cap)
     size = budget // (bytes_per_entry * max(n_rows, 1))
     size = max(align, size - size % align)

@@ -299,16 +299,18 @@ def test_backward_attribute_from_config(field, names):
 @pytest.mark.parametrize(
     "n, v, expect",
     [
-        (2048, 131072, 8192),  # 64 MiB alone would give 16384 columns; the 1/32 cap binds
+        (512, 131072, 16384),  # the 1/16 cap binds: V / 8 columns of float16
+        (2048, 131072, 16384),  # 64 MiB and the 1/16 cap agree
+        (4096, 131072, 8192),  # 64 MiB
         (16384, 131072, 8192),  # 64 MiB alone: 2048 columns; the floor widens them
         (65536, 151936, 8192),
-        (16384, 32768, 2048),  # the 1/32 cap binds the floor: V / 16
+        (16384, 32768, 4096),  # the 1/16 cap binds the floor: V / 8
         (5, 1000, 256),  # one tile: small problems stay small
     ],
 )
 def test_backward_chunk_width(n, v, expect):
     """The ffi backward's chunk: the wider of 64 MiB of float16 G and MIN_CHUNK_COLUMNS, at
-    most 1/32 of float32 [N, V], a multiple of the kernels' 256-column tile."""
+    most 1/16 of float32 [N, V], a multiple of the kernels' 256-column tile."""
     assert ffi_linear.backward_chunk(n, v) == expect
     assert expect % ffi_linear.TILE_COLS == 0
     narrow = head_grad.chunk_columns(n, v, ffi_linear.GRAD_CHUNK_BYTES, ffi_linear.TILE_COLS)

@@ -59,10 +59,16 @@ GRAD_CHUNK_BYTES = 64 * 2**20
 run faster GEMMs for more temporary memory; 64 MiB is where the gain levelled off
 (docs/performance.md, "Constants and the measurements behind them")."""
 MIN_CHUNK_COLUMNS = 8192
-"""The fewest columns of a backward chunk (``head_grad.chunk_columns``, still at most 1/32 of
-float32 [N, V]): past 4096 rows, 64 MiB alone would narrow the chunks, and each one costs
+"""The fewest columns of a backward chunk (``head_grad.chunk_columns``, still at most
+1/:data:`LOGITS_FRACTION` of float32 [N, V]): past 4096 rows, 64 MiB alone would narrow the chunks, and each one costs
 d_hidden's GEMM a read and a write of its float32 accumulator [N, D] (docs/performance.md,
 "Constants and the measurements behind them"). G then holds ``N·8192`` float16 entries."""
+LOGITS_FRACTION = 16
+"""A backward chunk's float16 G holds at most 1/16 of what float32 [N, V] logits would (8192 of
+V = 131072 columns at N ≤ 1024 is 1/32; 16384 is 1/16): the chunks' count is the call's fixed
+cost at small N (each runs two GEMMs over few rows), and G is all that a wider chunk adds, as
+each chunk's weight copy lives in d_weight (docs/performance.md, "Constants and the
+measurements behind them")."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 INVARIANT_CHUNK_COLUMNS = 8192
 """The backward's chunk when batch-invariant (a function of V alone): twice the other backends'
@@ -234,7 +240,12 @@ def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> 
         columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS, INVARIANT_CHUNK_COLUMNS)
     else:
         columns = head_grad.chunk_columns(
-            n_rows, vocab, config.chunk_bytes, TILE_COLS, min_columns=MIN_CHUNK_COLUMNS
+            n_rows,
+            vocab,
+            config.chunk_bytes,
+            TILE_COLS,
+            min_columns=MIN_CHUNK_COLUMNS,
+            logits_fraction=LOGITS_FRACTION,
         )
     return -(-columns // TILE_COLS) * TILE_COLS
 
