@@ -82,7 +82,12 @@ py::dict plan(int n, int v, int num_sms, int force_splits) {
 
 py::dict distill_plan(int n, int v, int num_sms) { return plan_dict(jaxrl_sm90::choose_distill_plan(n, v, num_sms)); }
 
-py::dict grad_plan(int n, int size, int num_sms) { return plan_dict(jaxrl_sm90::choose_grad_plan(n, size, num_sms)); }
+py::dict grad_plan(int n, int size, int num_sms) {
+  const jaxrl_sm90::Plan p = jaxrl_sm90::choose_grad_plan(n, size, num_sms);
+  py::dict out = plan_dict(p);
+  out["weight_copy"] = jaxrl_sm90::choose_weight_copy(p) == jaxrl_sm90::WeightCopy::kApart ? "apart" : "in_kernel";
+  return out;
+}
 
 // The 16-bit operand type a Python caller names by `bf16`.
 jaxrl_sm90::DType operand_dtype(bool bf16) { return bf16 ? jaxrl_sm90::DType::kBF16 : jaxrl_sm90::DType::kF16; }
@@ -134,7 +139,8 @@ PYBIND11_MODULE(_sm90, m) {
         "The distillation statistics' plan for N rows and V columns (tiles of 128): its `splits` is "
         "the stats call's attribute and the partials' first dimension.");
   m.def("grad_plan", &grad_plan, py::arg("n"), py::arg("size"), py::arg("num_sms"),
-        "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit.");
+        "The backward stage's plan for N rows and a chunk of `size` columns: one tile a unit; "
+        "`weight_copy`: who writes the chunk's float16 weight copy under the automatic choice.");
   m.def("backward_workspace_bytes", &backward_workspace_bytes, py::arg("n"), py::arg("v"), py::arg("d"),
         py::arg("chunk"), py::arg("weight_dv"), py::arg("bf16"), py::arg("split_k") = true, py::arg("hidden_tiles") = 0,
         "Bytes of the backward custom call's workspace result.");

@@ -140,7 +140,7 @@ std::string launch_grad(const GradArgs& args, const Plan& plan, cudaStream_t str
 }
 
 WeightCopy choose_weight_copy(const Plan& grad_plan) {
-  return grad_plan.makespan < kCopyHiddenTiles ? WeightCopy::kApart : WeightCopy::kInKernel;
+  return grad_plan.row_blocks < kCopyMinRowBlocks ? WeightCopy::kApart : WeightCopy::kInKernel;
 }
 
 std::string launch_weight_copy(const GradArgs& args, int sm_count, cudaStream_t stream) {

@@ -129,10 +129,11 @@ enum class WeightCopy { kAuto = 0, kInKernel = 1, kApart = 2 };
 // too where it does not split K.
 enum class HiddenTiles { kAuto = 0, kWide = 1, kNarrow = 2 };
 
-// kApart where the grad kernel's busiest CTA computes fewer tiles of a chunk than this: its
-// producer warps, with few loads in flight, then take longer over their share of the copy than
-// the tiles do (docs/performance.md, "Kernel constants").
-constexpr long long kCopyHiddenTiles = 4;
+// kApart where the chunk has fewer row blocks of 128 than this: a CTA's share of the copy grows
+// with the chunk's columns and D, its tiles' time with the columns, D and the rows, so the rows
+// alone decide whether the producer warps, with few loads in flight, finish their share of the
+// copy under the tiles (docs/performance.md, "Kernel constants").
+constexpr int kCopyMinRowBlocks = 16;
 WeightCopy choose_weight_copy(const Plan& grad_plan);
 
 // The whole backward of the head (`launch_backward`, sm90_backward.cu): for each vocabulary

@@ -457,6 +457,25 @@ def test_grad_planner_one_unit_per_tile(sm90, n, size, sms):
     assert (seen == 1).all()
 
 
+@pytest.mark.parametrize(
+    "n,size,copy",
+    [
+        (256, 8192, "apart"),
+        (1024, 16384, "apart"),  # 4 tiles a CTA, but 8 row blocks
+        (1920, 4096, "apart"),  # 15 row blocks
+        (1921, 4096, "in_kernel"),  # 16: a partial block counts
+        (2048, 8192, "in_kernel"),  # 16 row blocks
+        (2048, 16384, "in_kernel"),
+        (16384, 8192, "in_kernel"),
+    ],
+)
+def test_weight_copy_apart_below_16_row_blocks(sm90, n, size, copy):
+    """The automatic weight copy: its own kernel where a chunk has fewer than 16 row blocks of
+    128 (the copy's share per CTA then outlasts the grad kernel's tiles, whatever the chunk's
+    width), the grad kernel's producer warps otherwise."""
+    assert sm90.grad_plan(n, size, 132)["weight_copy"] == copy
+
+
 def _problem(**kw):
     base = dict(
         n_rows=64, vocab=1024, hidden_dim=128, dtype="bfloat16", weight_layout="vd", platform="gpu"

@@ -99,7 +99,7 @@ class Config:
     weight_copy: str = "auto"
     """Who writes each backward chunk's float16 weight copy: ``"in_kernel"``, the grad kernel's
     otherwise idle producer warps, under its tiles; ``"apart"``, a kernel of its own on the
-    whole GPU before it (faster where the chunk has too few tiles to hide the copy: small N);
+    whole GPU before it (faster where too few rows' tiles hide the copy: under 2048 rows);
     ``"auto"``: the backward's choice per chunk (``choose_weight_copy`` in
     csrc/sm90_launch.cu). Results are bitwise the same either way."""
     batch_invariant: bool = False
