@@ -12,17 +12,16 @@ These are the row statistics of ``logprob_core`` (which holds the custom_vjp and
 sharding). ``memory="fast"``'s ``kept_logits`` is the same kernel with one more result,
 ``jaxrl_kernels_sm90_linear_kept_logits``: it also writes the logits rounded to the head's
 dtype [N, V], staged through shared memory, and folds those rounded values.
-Backward: the ``linear_logprobs_backward`` primitive of the backend that
-``dispatch`` resolves for it (``Choice.backward``) -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
+Backward: the ``linear_logprobs_backward`` primitive of the backend that ``dispatch`` resolves
+for it (``Choice.backward``) -- this one's on Hopper: ``head_grad.Scaled`` (row bounds, float16
 hidden, power-of-two scales), then one custom call, ``jaxrl_kernels_sm90_linear_logprobs_backward``,
 that walks the vocabulary in chunks on XLA's stream. Per chunk a kernel with the same TMA +
 wgmma mainloop recomputes the chunk's logits and writes their gradient G = dz / s (float16
 [N, C]), and from its otherwise idle producer warps the chunk's float16 weight copy W16 (scaled
 by a power of two from the chunk's max |W|, which the previous chunk's kernel found) and
 the next chunk's max |W|; two CUTLASS GEMMs add G · W16 to a float32 d_hidden accumulator
-and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``). W16 is held in the
-chunk's own part of d_weight until that second GEMM overwrites it, so the call's workspace
-is G, the GEMMs' own and a few bytes a chunk (and an odd "vd" tail's rows). :class:`Config` holds what tunes them: the
+and write Gᵀ · h16 straight into d_weight (``csrc/sm90_backward.cu``), over W16, which sits in
+the chunk's own part of d_weight until then. :class:`Config` holds what tunes them: the
 forward's vocabulary splits (0: the planner's choice) and the backward's chunk size. A
 truncated softmax's per-row ``floor`` (on ``z``, with ``lse`` and ``entropy`` the kept set's)
 is the backward call's last operand: its grad kernel takes p = 0 below it.
@@ -55,20 +54,15 @@ BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_back
 # benchmarks/studies/variants/ffi_xla_gemms.py and tests.
 GRAD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_grad"
 GRAD_CHUNK_BYTES = 64 * 2**20
-"""Bytes of one backward chunk's float16 logit gradient (head_grad.chunk_columns): larger chunks
-run faster GEMMs for more temporary memory; 64 MiB is where the gain levelled off
-(docs/performance.md, "Constants and the measurements behind them")."""
+"""Bytes of one backward chunk's float16 logit gradient: larger chunks run faster GEMMs for more
+temporary memory; 64 MiB is where the gain levelled off (docs/performance.md, "Constants")."""
 MIN_CHUNK_COLUMNS = 8192
-"""The fewest columns of a backward chunk (``head_grad.chunk_columns``, still at most
-1/:data:`LOGITS_FRACTION` of float32 [N, V]): past 4096 rows, 64 MiB alone would narrow the chunks, and each one costs
-d_hidden's GEMM a read and a write of its float32 accumulator [N, D] (docs/performance.md,
-"Constants and the measurements behind them"). G then holds ``N·8192`` float16 entries."""
+"""The fewest columns of a backward chunk (still at most 1/:data:`LOGITS_FRACTION` of float32
+[N, V]): past 4096 rows 64 MiB alone would narrow them, and each chunk costs d_hidden's GEMM a
+read and a write of its float32 [N, D] accumulator (docs/performance.md, "Constants")."""
 LOGITS_FRACTION = 16
-"""A backward chunk's float16 G holds at most 1/16 of what float32 [N, V] logits would (8192 of
-V = 131072 columns at N ≤ 1024 is 1/32; 16384 is 1/16): the chunks' count is the call's fixed
-cost at small N (each runs two GEMMs over few rows), and G is all that a wider chunk adds, as
-each chunk's weight copy lives in d_weight (docs/performance.md, "Constants and the
-measurements behind them")."""
+"""A chunk's float16 G is at most 1/16 of float32 [N, V] logits: at small N each chunk is a fixed
+cost, and G is all a wider chunk adds (docs/performance.md, "Constants")."""
 TILE_COLS = 256  # the kernels' vocabulary tile: backward chunks start at multiples of it
 INVARIANT_CHUNK_COLUMNS = 8192
 """The backward's chunk when batch-invariant (a function of V alone): twice the other backends'
@@ -239,14 +233,8 @@ def backward_chunk(n_rows: int, vocab: int, config: Config = DEFAULT_CONFIG) -> 
     if config.batch_invariant:
         columns = head_grad.invariant_chunk_columns(vocab, TILE_COLS, INVARIANT_CHUNK_COLUMNS)
     else:
-        columns = head_grad.chunk_columns(
-            n_rows,
-            vocab,
-            config.chunk_bytes,
-            TILE_COLS,
-            min_columns=MIN_CHUNK_COLUMNS,
-            logits_fraction=LOGITS_FRACTION,
-        )
+        limits = dict(min_columns=MIN_CHUNK_COLUMNS, logits_fraction=LOGITS_FRACTION)
+        columns = head_grad.chunk_columns(n_rows, vocab, config.chunk_bytes, TILE_COLS, **limits)
     return -(-columns // TILE_COLS) * TILE_COLS
 
 
