@@ -154,14 +154,16 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     grad.size = size;
     grad.ld = ld;
     grad.out = g;
-    // The chunk's weight copy: d_weight's rows (vd) or columns (dv) of the chunk, or `tail`
-    // for a "vd" last chunk that is not a multiple of 8 wide (its zero rows fill it to ld).
-    const bool copy_in_tail = !base.weight_dv && size % 8 != 0;
-    void* w16 = copy_in_tail ? static_cast<void*>(ws + w.tail)
-                             : static_cast<void*>(d_weight + 2ull * start * (base.weight_dv ? 1 : d));
+    // The chunk's part of d_weight: its rows (vd) or columns (dv, row stride V). It holds the
+    // chunk's weight copy until d_weight's GEMM overwrites it; a "vd" last chunk that is not a
+    // multiple of 8 wide goes through `tail` instead, both its copy (zero rows fill it to ld)
+    // and its d_weight rows.
+    char* const dw_chunk = d_weight + 2ull * start * (base.weight_dv ? 1 : d);
+    const bool in_tail = !base.weight_dv && size % 8 != 0;
+    void* w16 = in_tail ? static_cast<void*>(ws + w.tail) : static_cast<void*>(dw_chunk);
     const int64_t ldw = base.weight_dv ? v : d;
     grad.w16 = w16;
-    grad.w16_ld = base.weight_dv ? v : 0;
+    grad.w16_ld = base.weight_dv ? ldw : 0;
     grad.w_scale = nullptr;
     grad.wmax = wmax + c;
     grad.inv_scale = inv_scale + c;
@@ -194,16 +196,16 @@ std::string launch_backward(const BackwardArgs& a, cudaStream_t stream) {
     if (!why.empty()) return why;
 
     if (base.weight_dv) {  // d_weight[:, start : start + size] = dw_scale h16^T . G
-      why = gemm_d_weight(DType::kF16, base.dtype, d, size, n, a.h16, d, g, ld, d_weight + 2ull * start, v, dw_scale,
-                          ws + w.gemm, a.sm_count, stream);
-    } else if (size % 8 == 0) {  // d_weight[start : start + size] = dw_scale G^T . h16
-      why = gemm_d_weight(DType::kF16, base.dtype, size, d, n, g, ld, a.h16, d, d_weight + 2ull * start * d, d,
-                          dw_scale, ws + w.gemm, a.sm_count, stream);
+      why = gemm_d_weight(DType::kF16, base.dtype, d, size, n, a.h16, d, g, ld, dw_chunk, v, dw_scale, ws + w.gemm,
+                          a.sm_count, stream);
+    } else if (!in_tail) {  // d_weight[start : start + size] = dw_scale G^T . h16
+      why = gemm_d_weight(DType::kF16, base.dtype, size, d, n, g, ld, a.h16, d, dw_chunk, d, dw_scale, ws + w.gemm,
+                          a.sm_count, stream);
     } else {
       why = gemm_d_weight(DType::kF16, base.dtype, ld, d, n, g, ld, a.h16, d, ws + w.tail, d, dw_scale, ws + w.gemm,
                           a.sm_count, stream);
-      if (why.empty() && cudaMemcpyAsync(d_weight + 2ull * start * d, ws + w.tail, 2ull * size * d,
-                                         cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+      if (why.empty() &&
+          cudaMemcpyAsync(dw_chunk, ws + w.tail, 2ull * size * d, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
         why = cuda_error("copy of the d_weight tail");
     }
     if (!why.empty()) return why;
