@@ -1027,9 +1027,9 @@ def _ffi_loss(divergence, backend="ffi", memory="lean", **kw):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_distill_ffi_on_gpu(divergence, dtype, monkeypatch):
-    """The SM90 kernels (``backend="ffi"``, 1 MiB backward chunks: 4 chunks and a ragged
-    fifth): the float64 oracle's values and gradients by docs/api.md's rules, bitwise reruns,
-    no [N, V] float32 buffer, and automatic choice takes them for these heads."""
+    """The SM90 kernels (``backend="ffi"``, ``memory="lean"``; 1 MiB backward chunks of 1920
+    columns: 17 and a ragged 18th): the float64 oracle's values and gradients by docs/api.md's
+    rules, bitwise reruns, no [N, V] float32 buffer, and the automatic backend (lean) is ffi."""
     from jaxrl_kernels.backends import ffi
     from jaxrl_kernels.backends.ffi import distill as ffi_distill
 
