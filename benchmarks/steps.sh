@@ -33,8 +33,8 @@ step() {  # step <seconds> <command...>: run it under a time limit
 for s in "$@"; do
   case $s in
     tests) step "${TESTS_LIMIT:-300}" bash -c "$PY -m pytest -m gpu -q -rs ${TESTS:-tests} 2>&1 | tee \"$BENCH_RESULTS/gpu_tests.txt\"; exit \${PIPESTATUS[0]}" ;;
-    # The whole GPU suite (416 tests) in two halves, each meant to fit a 10-minute time limit
-    # (not yet run as halves; 4 workers ran 86 % of it in 470 s on an H100, gpu_tests_1c2bb9e.txt). Verbose, so
+    # The whole GPU suite (416 tests) in two halves for 10-minute time limits: on an H100 each
+    # half finished 96-97 % of its tests in 520-540 s (gpu_tests_ff435ac.txt). Verbose, so
     # that a run cut by its limit still lists each finished test's outcome. No per-process
     # memory cap: at 30 % of the GPU each, two real-size Pallas tests failed (out of memory, likely).
     tests_a|tests_b)
