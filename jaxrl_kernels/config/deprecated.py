@@ -10,11 +10,23 @@ They are removed in :data:`REMOVED_IN`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 REMOVED_IN = "0.3"
+
+# The warning names the user's line: the first frame outside this package and jax (whose
+# frames sit between a user's function and the op when jax.jit or jax.grad traces it). A fixed
+# stacklevel cannot: the ops reach take() through helpers of different depths, and a warning
+# attributed to a library file is hidden by Python's default filters.
+_NOT_THE_CALLER = (
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,
+    os.path.dirname(jax.__file__) + os.sep,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,6 @@ def take(
             f"{op}: the keywords {', '.join(k for k, _ in used)} are deprecated and will be "
             f"removed in jaxrl_kernels {REMOVED_IN}; pass {', '.join(v for _, v in used)}",
             DeprecationWarning,
-            stacklevel=3,
+            skip_file_prefixes=_NOT_THE_CALLER,
         )
     return values

@@ -10,6 +10,7 @@ between options and arrays stay in the op.
 """
 
 import dataclasses
+import inspect
 import warnings
 
 import jax
@@ -232,6 +233,8 @@ def deprecated_call(fn, *args, **kwargs):
     ]
     assert ours, "no DeprecationWarning for the old keywords"
     assert len({str(w.message) for w in ours}) == 1, [str(w.message) for w in ours]
+    # attributed to the caller's line (here, or a helper of this file), not to the library
+    assert {w.filename for w in ours} == {__file__}, [(w.filename, w.lineno) for w in ours]
     return out
 
 
@@ -269,6 +272,43 @@ def test_deprecation_message_names_the_values(data):
         "be removed in jaxrl_kernels 0.3; pass config=jk.PolicyLoss(clip_high=...), "
         "groups=jk.Groups(size=...), sampler=jk.Sampler(top_k=...)"
     )
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad"])
+def test_deprecation_warning_names_the_callers_line(data, transform):
+    """The warning is attributed to the line that calls the op (Python's default filters
+    hide a DeprecationWarning attributed to a library file), also while jax.jit or jax.grad
+    traces the caller: for an op that reads its keywords through the policy options
+    (ppo_loss, linear_grpo_loss) and for one that reads them itself (group_advantages)."""
+    d = data
+    lines = {}
+
+    def losses(logp):
+        lines["ppo"] = inspect.currentframe().f_lineno + 1
+        pg = jk.ppo_loss(logp, d["old_logp"], d["adv"], d["mask"], clip_high=0.3)[0]
+        lines["groups"] = inspect.currentframe().f_lineno + 1
+        adv = jk.group_advantages(d["rewards"], group_size=2)
+        lines["linear"] = inspect.currentframe().f_lineno + 1
+        grpo = jk.linear_grpo_loss(
+            d["hidden"],
+            d["weight"],
+            d["actions"],
+            d["old_logp"],
+            d["rewards"],
+            d["mask"],
+            clip_low=0.1,
+            group_size=2,
+        )[0]
+        return pg + adv.sum() + grpo
+
+    run = {"eager": losses, "jit": jax.jit(losses), "grad": jax.grad(losses)}[transform]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(d["logp"])
+    ours = [w for w in caught if "jaxrl_kernels 0.3" in str(w.message)]
+    assert sorted((w.filename, w.lineno) for w in ours) == sorted(
+        (__file__, line) for line in lines.values()
+    ), [(w.filename, w.lineno, str(w.message)[:40]) for w in ours]
 
 
 def test_ppo_metrics_equal(data):
