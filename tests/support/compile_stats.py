@@ -12,9 +12,9 @@ internal: the plugin fails at start-up if it is gone) and sorts each compile int
   ``custom_partitioning`` call's whole body).
 
 At the end it prints, per test file, the count and seconds of each kind, and the totals. Under
-pytest-xdist each worker counts its own tests and the controller adds them up (the workers'
-``workeroutput``). Compiles outside a test (collection, fixtures at module scope) count under
-``(outside a test)``. A persistent compilation cache hit is timed as a compile (its lookup).
+pytest-xdist each worker counts its own tests and the controller adds them up (each worker's
+``workeroutput``, refreshed after every test). Compiles outside a test (collection, fixtures at
+module scope) count under ``(outside a test)``. A persistent compilation cache hit is timed as a compile (its lookup).
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ def pytest_configure(config):
     _wrap_compile(stats)
 
 
-def pytest_sessionfinish(session):
-    workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: hand the counts to the controller
-        workeroutput[_KEY] = dict(session.config.stash[_STASH].by_file)
+def pytest_runtest_teardown(item):
+    workeroutput = getattr(item.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the counts so far, for the controller
+        workeroutput[_KEY] = dict(item.config.stash[_STASH].by_file)
 
 
 @pytest.hookimpl(optionalhook=True)
