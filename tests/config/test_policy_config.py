@@ -252,20 +252,16 @@ def test_config_equals_deprecated_keywords(data, name, case):
     assert float(fn(data, **fixed)[0]) != float(by_config[0])
 
 
+def linear_grpo_arrays(d):
+    """``linear_grpo_loss``'s positional arrays: hidden, weight, actions, old_logp, rewards,
+    mask."""
+    return d["hidden"], d["weight"], d["actions"], d["old_logp"], d["rewards"], d["mask"]
+
+
 def test_deprecation_message_names_the_values(data):
     d = data
     with pytest.warns(DeprecationWarning) as record:
-        jk.linear_grpo_loss(
-            d["hidden"],
-            d["weight"],
-            d["actions"],
-            d["old_logp"],
-            d["rewards"],
-            d["mask"],
-            group_size=2,
-            clip_high=0.28,
-            top_k=5,
-        )
+        jk.linear_grpo_loss(*linear_grpo_arrays(d), group_size=2, clip_high=0.28, top_k=5)
     message = next(str(w.message) for w in record if "0.3" in str(w.message))
     assert message == (
         "linear_grpo_loss: the keywords clip_high=, group_size=, top_k= are deprecated and will "
@@ -289,16 +285,7 @@ def test_deprecation_warning_names_the_callers_line(data, transform):
         lines["groups"] = inspect.currentframe().f_lineno + 1
         adv = jk.group_advantages(d["rewards"], group_size=2)
         lines["linear"] = inspect.currentframe().f_lineno + 1
-        grpo = jk.linear_grpo_loss(
-            d["hidden"],
-            d["weight"],
-            d["actions"],
-            d["old_logp"],
-            d["rewards"],
-            d["mask"],
-            clip_low=0.1,
-            group_size=2,
-        )[0]
+        grpo = jk.linear_grpo_loss(*linear_grpo_arrays(d), clip_low=0.1, group_size=2)[0]
         return pg + adv.sum() + grpo
 
     run = {"eager": losses, "jit": jax.jit(losses), "grad": jax.grad(losses)}[transform]

@@ -14,7 +14,8 @@ internal: the plugin fails at start-up if it is gone) and sorts each compile int
 At the end it prints, per test file, the count and seconds of each kind, and the totals. Under
 pytest-xdist each worker counts its own tests and the controller adds them up (each worker's
 ``workeroutput``, refreshed after every test). Compiles outside a test (collection, fixtures at
-module scope) count under ``(outside a test)``. A persistent compilation cache hit is timed as a compile (its lookup).
+module scope) count under ``(outside a test)``. A persistent compilation cache hit is timed as a
+compile (its lookup).
 """
 
 from __future__ import annotations
