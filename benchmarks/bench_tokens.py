@@ -10,7 +10,9 @@ calls by the host clock after a warm-up, and XLA's temp size:
   (``jk.token_logprobs``, reference backend), the same loss (:func:`losses`);
 - ``ours default`` / ``ours lean`` / ``ours fast``: ``jk.linear_grpo_loss`` with
   ``memory=None`` (``"auto"``) / ``"lean"`` / ``"fast"``
-  (``ours fast, XLA logits``: its logits and statistics by XLA, as off Hopper);
+  (``ours fast, XLA logits``: its logits and statistics by XLA, as off Hopper; ``ours fast,
+  logits kept``: its relative form withheld, the logits' gradient written over the kept
+  logits in the forward, ``head.relative_probs``);
 - ``3 GEMMs``: the three products of a forward+backward that keeps the logits (h·Wᵀ, G·W,
   Gᵀ·h, bf16 in and out) through XLA's cuBLAS calls: the floor of ``fast`` and of the plain
   code; ``lean`` computes the logits twice, so its floor is 4/3 of it (``floor_ms`` columns).
@@ -236,6 +238,7 @@ def losses():
         "ours lean": ours("lean"),
         "ours fast": ours("fast"),
         "ours fast, XLA logits": xla_logits(ours("fast")),
+        "ours fast, logits kept": logits_kept(ours("fast")),
     }
 
 
@@ -263,6 +266,17 @@ def xla_logits(fn):
         return mock.patch.dict(ffi.OPS, others, clear=True)
 
     return traced_under(fn, withheld)
+
+
+def logits_kept(fn):
+    """``fn`` traced with the fast loss's relative form withheld (``head.relative_probs``): the
+    logits kept and their gradient written over them in the forward, as for a head the
+    relative form does not serve, against the relative form's ``exp(z − z_t)``."""
+    from unittest import mock
+
+    from jaxrl_kernels.head import relative_probs
+
+    return traced_under(fn, lambda: mock.patch.object(relative_probs, "MIN_ROWS", 2**62))
 
 
 def three_gemms(h, w, *_):

@@ -27,6 +27,7 @@ STYLE = {  # impl: (colour, matplotlib line style)
     "ours lean": ("#1f77b4", "-"),
     "ours fast": ("#2ca02c", "-"),
     "ours fast, XLA logits": ("#98df8a", (0, (4, 3))),  # the same op, forward kernel withheld
+    "ours fast, logits kept": ("#2ca02c", (0, (1, 2))),  # the same op, relative form withheld
     "jnp bf16": ("#d62728", "-"),
     "torch bf16": ("#ff7f0e", "-"),
     "QuACK chunked": ("#8c564b", "-"),  # the peers (bench_tokens --peers): cross-entropy

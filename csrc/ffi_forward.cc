@@ -13,6 +13,11 @@
 // `jaxrl_kernels_sm90_linear_kept_logits`: the same with a first result, the logits
 // hidden . W^T [M, V] in the head's dtype (M >= N: the rows past N zero), and the statistics
 // taken from those rounded logits (ForwardArgs::logits): memory="fast"'s forward.
+//
+// `jaxrl_kernels_sm90_linear_kept_exp`: the same with one more operand, offsets f32 [N] (raw
+// logits), and the first result E = exp((hidden . w_v - offset) / T) instead of the logits (0 on
+// rows that are not valid), the statistics from the unrounded logits (ForwardArgs::exp_offsets):
+// the fast mode's relative form; no bias.
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -27,7 +32,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t 
                    ffi::AnyBuffer& weight, ffi::Buffer<ffi::F32>& bias, ffi::Buffer<ffi::S32>& targets,
                    ffi::Buffer<ffi::PRED>& row_valid, ffi::AnyBuffer* logits, ffi::ResultBuffer<ffi::F32>& logp,
                    ffi::ResultBuffer<ffi::F32>& entropy, ffi::ResultBuffer<ffi::F32>& lse, bool weight_dv,
-                   bool has_bias, float temperature, int32_t splits) {
+                   bool has_bias, float temperature, int32_t splits, const ffi::Buffer<ffi::F32>* offsets = nullptr) {
   jaxrl_sm90::ForwardArgs args;
   ffi::Error checked = head_args_of(hidden, weight, bias, targets, weight_dv, has_bias, temperature, args);
   if (checked.failure()) return checked;
@@ -43,6 +48,12 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t 
     if (ld[0] > args.n && cudaMemsetAsync(static_cast<char*>(args.logits) + row_bytes * args.n, 0,
                                           row_bytes * (ld[0] - args.n), stream) != cudaSuccess)
       return ffi::Error::Internal("zeroing the kept logits' rows past N failed");
+  }
+  if (offsets != nullptr) {
+    if (!all_rows(args.n, {offsets->element_count()}))
+      return ffi::Error::InvalidArgument("the offsets must be [N]");
+    if (has_bias) return ffi::Error::InvalidArgument("the relative form takes no bias");
+    args.exp_offsets = offsets->typed_data();
   }
   if (!all_rows(args.n, {targets.element_count(), row_valid.element_count(), logp->element_count(),
                          entropy->element_count(), lse->element_count()}))
@@ -87,6 +98,16 @@ ffi::Error LinearKeptLogitsImpl(cudaStream_t stream, ffi::ScratchAllocator scrat
                  weight_dv, has_bias, temperature, splits);
 }
 
+ffi::Error LinearKeptExpImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device, ffi::AnyBuffer hidden,
+                             ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> targets,
+                             ffi::Buffer<ffi::PRED> row_valid, ffi::Buffer<ffi::F32> offsets,
+                             ffi::Result<ffi::AnyBuffer> exps, ffi::ResultBuffer<ffi::F32> logp,
+                             ffi::ResultBuffer<ffi::F32> entropy, ffi::ResultBuffer<ffi::F32> lse, bool weight_dv,
+                             bool has_bias, float temperature, int32_t splits) {
+  return Forward(stream, scratch, device, hidden, weight, bias, targets, row_valid, &*exps, logp, entropy, lse,
+                 weight_dv, has_bias, temperature, splits, &offsets);
+}
+
 // stream, scratch, device; the head's operands, row_valid.
 auto forward_operands() {
   return bind_head_operands(ffi::Ffi::Bind()
@@ -113,3 +134,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, jaxrl_ffi::LinearL
                               jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearKeptLogits, jaxrl_ffi::LinearKeptLogitsImpl,
                               jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands().Ret<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearKeptExp, jaxrl_ffi::LinearKeptExpImpl,
+                              jaxrl_ffi::forward_results(
+                                  jaxrl_ffi::forward_operands().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>()));

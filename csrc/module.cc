@@ -24,6 +24,7 @@ namespace py = pybind11;
 
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearLogprobs(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearKeptLogits(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearKeptExp(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90LinearBackward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsUninitialized(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxrlKernelsSm90DistillStats(XLA_FFI_CallFrame* call_frame);
@@ -50,6 +51,7 @@ py::dict registrations() {
   py::dict out;
   out["jaxrl_kernels_sm90_linear_logprobs"] = capsule(&JaxrlKernelsSm90LinearLogprobs);
   out["jaxrl_kernels_sm90_linear_kept_logits"] = capsule(&JaxrlKernelsSm90LinearKeptLogits);
+  out["jaxrl_kernels_sm90_linear_kept_exp"] = capsule(&JaxrlKernelsSm90LinearKeptExp);
   out["jaxrl_kernels_sm90_linear_logprobs_backward"] = capsule(&JaxrlKernelsSm90LinearBackward);
   out["jaxrl_kernels_uninitialized"] = capsule(&JaxrlKernelsUninitialized);
   out["jaxrl_kernels_sm90_distill_stats"] = capsule(&JaxrlKernelsSm90DistillStats);

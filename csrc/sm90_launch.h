@@ -50,6 +50,11 @@ struct ForwardArgs {
   // statistics from the rounded values (the target logit stays unrounded): the forward of
   // memory="fast", whose backward forms the softmax from the same rounded logits.
   void* logits = nullptr;
+  // [N] raw logits, or null. With `logits` set, the kernel writes instead the relative
+  // probabilities E = exp((y - exp_offsets[row]) / T) rounded to the head's dtype (0 on rows
+  // that are not valid), and takes the row statistics from the unrounded logits: the forward
+  // of memory="fast"'s relative form (jaxrl_kernels/engine/relative_grad.py).
+  const float* exp_offsets = nullptr;
   int n = 0, v = 0, d = 0;
   DType dtype = DType::kBF16;
   bool weight_dv = false;

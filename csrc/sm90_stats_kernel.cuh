@@ -140,6 +140,31 @@ __device__ __forceinline__ void keep_rounded_tile(Acc& acc, uint16_t* stage, T* 
   store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(logits), warp_row0, n_rows, vocab, vocab, col0, vector_ok);
 }
 
+// Stores this thread's E = 2^((y - offset) c1) of a tile, rounded to T, to `out` [n_rows, vocab]
+// at columns col0 + [0, 256): `off_c1[r]` is offset * c1 for row half r, `live[r]` false
+// writes 0 there. The accumulators are left unrounded (the statistics fold them as they are).
+template <class T, class Acc>
+__device__ __forceinline__ void keep_exp_tile(Acc& acc, const float (&off_c1)[2], const bool (&live)[2], float c1,
+                                              uint16_t* stage, T* out, int warp_row0, int n_rows, int vocab, int col0,
+                                              bool vector_ok) {
+  auto pairs = [&](int j, uint32_t (&bits)[2]) __attribute__((always_inline)) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const float lo = live[r] ? ex2(fmaf(acc(4 * j + 2 * r), c1, -off_c1[r])) : 0.f;
+      const float hi = live[r] ? ex2(fmaf(acc(4 * j + 2 * r + 1), c1, -off_c1[r])) : 0.f;
+      const auto pair = [&] {
+        if constexpr (cute::is_same_v<T, cutlass::half_t>) {
+          return __floats2half2_rn(lo, hi);
+        } else {
+          return __floats2bfloat162_rn(lo, hi);
+        }
+      }();
+      bits[r] = reinterpret_cast<const uint32_t&>(pair);
+    }
+  };
+  store_tile_16bit(pairs, stage, reinterpret_cast<uint16_t*>(out), warp_row0, n_rows, vocab, vocab, col0, vector_ok);
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 
 // The launch's ForwardArgs (the kernel reads bias, targets, row_valid, logp and partials)
@@ -183,6 +208,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         tgt[r] = t;
       }
       float m[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f}, a[2] = {0.f, 0.f};
+      // the relative form's offsets (ForwardArgs::exp_offsets), in base-2 units
+      float off_c1[2] = {0.f, 0.f};
+      bool live[2] = {false, false};
+      if (p.exp_offsets != nullptr) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          live[r] = tgt[r] >= 0;
+          off_c1[r] = live[r] ? p.exp_offsets[rows[r]] * c1 : 0.f;
+        }
+      }
 
       for (int vt = w.vt_begin; vt < w.vt_end; ++vt) {
         const int col0 = vt * kBlockN;
@@ -201,7 +236,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         // ---- the kept logits, rounded; the statistics then fold the rounded values ----
         if (logits != nullptr) {
-          keep_rounded_tile(acc, stage, logits, rows[0] - (threadIdx.x % 32) / 4, g.n_rows, g.vocab, col0, vector_ok);
+          const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
+          if (p.exp_offsets != nullptr) {
+            keep_exp_tile(acc, off_c1, live, c1, stage, logits, warp_row0, g.n_rows, g.vocab, col0, vector_ok);
+          } else {
+            keep_rounded_tile(acc, stage, logits, warp_row0, g.n_rows, g.vocab, col0, vector_ok);
+          }
         }
 
         // ---- fold the tile into the running statistics ----

@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxrl_kernels.engine import linear_head, logprob_core, saved_logits, vjp
+from jaxrl_kernels.engine import fused_backward, linear_head, logprob_core, saved_logits, vjp
 from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import geometry, head_grad, kept_grads, rounded_logits
+from jaxrl_kernels.head import geometry, head_grad, kept_grads, relative_probs, rounded_logits
 from jaxrl_kernels.head.blocks import blocks
 from jaxrl_kernels.sharding import collectives
 from jaxrl_kernels.sharding.vma import varying_like
@@ -73,18 +73,18 @@ def _local_forward(
     logits and their statistics from ``kept`` (the ``kept_logits`` primitive)."""
     vocab = geometry.vocab_size(weight, weight_layout)
     t_local = targets - plan.vocab_offset(vocab)
-    stats, t_rel, z = saved_logits.kept_stats(
-        kept,
-        plan,
-        hidden,
-        weight,
-        bias,
-        t_local,
-        row_valid,
-        weight_layout=weight_layout,
-        temperature=temperature,
-        with_entropy=with_entropy,
-    )
+    options = dict(weight_layout=weight_layout, temperature=temperature, with_entropy=with_entropy)
+    dtype = jnp.result_type(hidden, weight)
+    if relative_probs.serves(dtype, bias, with_entropy, plan.vocab_axes, hidden.shape[0]):
+        offsets = relative_probs.offsets(hidden, weight, t_local, weight_layout)
+        stats, _, z = kept(
+            plan, hidden, weight, bias, t_local, row_valid, exp_offsets=offsets, **options
+        )
+        t_rel = offsets / temperature - stats[0]  # the offset is the target's logit
+    else:
+        stats, t_rel, z = saved_logits.kept_stats(
+            kept, plan, hidden, weight, bias, t_local, row_valid, **options
+        )
     logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab, row_valid)
     return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
 
@@ -118,6 +118,10 @@ def _local_logit_grad(
     vocab = geometry.vocab_size(weight, weight_layout)
     g, g_ent = (collectives.output_cotangent(plan, c, weight) for c in (g, g_ent))
     per_row = logprob_core.backward_rows(plan, vocab, targets, lse, entropy, active, g, g_ent)
+    if relative_probs.serves(z.dtype, bias, entropy is not None, plan.vocab_axes, targets.shape[0]):
+        # z holds E (``head.relative_probs``): N target entries make it E', dz = s·E'
+        e = relative_probs.with_target_entries(z, per_row[0], logp, active)
+        return e, relative_probs.row_scale(per_row[3], logp, active, temperature), None
     g, g_ent = per_row[3], per_row[4]
     exact = jnp.where(active, logp + lse, 0.0)  # z̃_t; inactive rows have no gradient
     per_row = per_row + (exact,)
@@ -164,26 +168,6 @@ def _float16_scale(g, g_ent, entropy, temperature):
     if g_ent is not None:
         bound = bound + jnp.abs(g_ent) * (jnp.exp(-1.0) + jnp.abs(entropy))
     return head_grad.pow2_range(jnp.max(bound, initial=0.0) / temperature)
-
-
-def _local_head_grads(hidden, weight, bias, dz, *rows, weight_layout, gemms):
-    """``(c·dz·W, dzᵀ·(c·h), None)`` on one device (``d_bias`` comes from the forward's float32
-    column sums). ``c``, the loss's cotangent, arrives as the per-row ``g`` (``rows[3]``): ``c``
-    on every active row and 0 on the others (whose ``dz`` is 0), so ``c = max|g| · sign Σ g``
-    exactly (float16: ``c/σ``, ``σ`` the power of two ``dz`` was written times). ``d_hidden``
-    is accumulated in float32 and scaled there (the caller rounds it after any sum over
-    devices). No branch on ``c``: a predicate the host reads would serialise the backward.
-
-    Where every row runs, XLA's GEMMs (``kept_grads.row_scaled_grads``: ``c`` scales ``h``
-    before ``d_weight``'s GEMM, so that the ``[V, D]`` GEMM writes the head's dtype directly,
-    exact for ``c = 1``, ``jax.grad`` of the loss, or a power of two). A row-skipping branch
-    gets ``dz`` with more rows than its own (``row_skip``'s ``whole``): there ``gemms``, the
-    ``kept_gemms`` primitive dispatch chose, reads the branch's first rows."""
-    g = rows[3]
-    c = jnp.max(jnp.abs(g), initial=0.0) * jnp.sign(jnp.sum(g))
-    if dz.shape[0] == hidden.shape[0]:
-        return kept_grads.row_scaled_grads(dz, hidden, weight, weight_layout, c) + (None,)
-    return tuple(gemms(hidden, weight, dz, c, weight_layout=weight_layout)) + (None,)
 
 
 def fused_linear_loss(
@@ -269,6 +253,11 @@ def fused_linear_loss(
             lambda p: p.value, (hidden, weight, bias, targets, row_valid, leaves)
         )
         (logp, entropy), (lse, active, z) = forward(hidden, weight, bias, targets, row_valid)
+        # a row the relative form leaves (relative_probs.LOGP_FLOOR) sends the backward to the
+        # recomputed logits; None where no step can take the relative form
+        low = None
+        if relative_probs.serves(z.dtype, bias, with_entropy, vocab_axis, targets.size):
+            low = relative_probs.has_low_rows(logp, active)
         outs, pullback = small_vjp(logp, entropy, leaves)
         g, g_ent, _ = pullback(_seed(outs))
         dz, inv_scale, *col_sums = logit_grad(
@@ -288,6 +277,7 @@ def fused_linear_loss(
             dz,
             inv_scale,
             col_sums,
+            low,
         )
 
     def bwd(res, cts):
@@ -305,6 +295,7 @@ def fused_linear_loss(
             dz,
             inv_scale,
             col_sums,
+            low,
         ) = res
         ct_leaves = jax.tree.leaves(cts, is_leaf=lambda c: isinstance(c, SymbolicZero))
         c, others = ct_leaves[0], ct_leaves[1:]
@@ -312,11 +303,16 @@ def fused_linear_loss(
         g, g_ent, d_floats = pullback(_instantiate(cts, outs))
         grads = None
         common = (targets, lse, entropy, active, row_valid)
-        if not all(isinstance(o, SymbolicZero) for o in others):
+
+        def recomputed():
             # the whole per-token cotangent through the recomputed logits: one rounding of
             # the logits' gradient, as for the loss alone
-            grads = linear_head.head_backward(
-                functools.partial(saved_logits.recomputed_backward, **options),
+            return linear_head.head_backward(
+                functools.partial(
+                    fused_backward.recomputed_backward,
+                    vocab=geometry.vocab_size(weight, weight_layout),
+                    **options,
+                ),
                 hidden,
                 weight,
                 bias,
@@ -326,10 +322,13 @@ def fused_linear_loss(
                 g_ent,
                 call,
             )
-        elif not isinstance(c, SymbolicZero):
-            c_rows = c.astype(jnp.float32) * inv_scale  # exact: a power of two
+
+        def from_kept():
+            c_rows = c.astype(jnp.float32) * inv_scale
             d_hidden, d_weight, _ = linear_head.head_backward(
-                functools.partial(_local_head_grads, weight_layout=weight_layout, gemms=gemms),
+                functools.partial(
+                    fused_backward.head_grads, weight_layout=weight_layout, gemms=gemms
+                ),
                 hidden,
                 weight,
                 None,
@@ -343,7 +342,12 @@ def fused_linear_loss(
             d_bias = (
                 None if bias is None else (c.astype(jnp.float32) * col_sums[0]).astype(bias.dtype)
             )
-            grads = (d_hidden, d_weight, d_bias)
+            return d_hidden, d_weight, d_bias
+
+        if not all(isinstance(o, SymbolicZero) for o in others):
+            grads = recomputed()
+        elif not isinstance(c, SymbolicZero):
+            grads = from_kept() if low is None else jax.lax.cond(low, recomputed, from_kept)
         if grads is None:
             grads = (
                 jnp.zeros_like(hidden),

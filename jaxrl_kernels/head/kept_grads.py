@@ -58,3 +58,18 @@ def leading_rows_grads(hidden, weight, dz, scale, *, weight_layout):
     S rows for ``hidden`` [S, D] (``dz`` [R ≥ S, V]; XLA copies those rows out for its GEMMs
     where R > S), ``d_hidden`` in float32."""
     return row_scaled_grads(dz[: hidden.shape[0]], hidden, weight, weight_layout, scale)
+
+
+def leading_rows_scaled(gemms, hidden, weight, dz, scale, weight_layout):
+    """:func:`row_scaled_grads` of ``dz``'s first S rows (``hidden`` [S, D], ``dz`` [R ≥ S, V])
+    on ``gemms``, a ``kept_gemms`` primitive (whose own scale is one float32 scalar): ``scale``
+    [S, 1] goes into the hidden states it reads (a float16 copy first brought into range by a
+    power of two, undone in its scalar) and onto the ``d_hidden`` it returns."""
+    scaled = hidden.astype(jnp.float32) * scale
+    top = 1.0
+    if hidden.dtype == jnp.float16:
+        top = pow2_range(jnp.max(jnp.abs(scaled)))
+    d_hidden, d_weight = gemms(
+        (scaled * top).astype(hidden.dtype), weight, dz, 1.0 / top, weight_layout=weight_layout
+    )
+    return d_hidden * (scale * top), d_weight

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_kernels.head import geometry
+from jaxrl_kernels.head import geometry, relative_probs
 
 
 def kept_dtype(hidden_dtype, weight_dtype):
@@ -116,14 +116,38 @@ def row_stats(zs, with_entropy):
 
 
 def local_stats(
-    plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature, with_entropy
+    plan,
+    hidden,
+    weight,
+    bias,
+    t_local,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+    exp_offsets=None,
 ):
     """One device's rows [N, D] and columns: its row statistics, the target's ``z̃ − m`` and
     the kept logits ``z`` [N, V_local] (the forward half of the engine's linear-head op): the
     ``kept_logits`` primitive on XLA's GEMM and reductions (the reference backend's).
 
     The statistics are those of the rounded logits (``scaled``), the target's ``z̃ − m``
-    exact: the fast mode's engine swaps the target's term (:func:`exact_target_stats`)."""
+    exact: the fast mode's engine swaps the target's term (:func:`exact_target_stats`).
+
+    With ``exp_offsets`` [N] (raw logits ``y_off``, no bias): the relative form
+    (``relative_probs.local_stats``)."""
+    if exp_offsets is not None:
+        return relative_probs.local_stats(
+            hidden,
+            weight,
+            t_local,
+            row_valid,
+            exp_offsets,
+            weight_layout=weight_layout,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
     del plan, row_valid
     z = product(hidden, weight, weight_layout)
     stats = row_stats(scaled(z, bias, temperature), with_entropy)

@@ -48,6 +48,7 @@ from jaxrl_kernels.head import geometry, head_grad, head_ids
 
 TARGET = "jaxrl_kernels_sm90_linear_logprobs"  # csrc/ffi_forward.cc
 KEPT_TARGET = "jaxrl_kernels_sm90_linear_kept_logits"  # csrc/ffi_forward.cc
+KEPT_EXP_TARGET = "jaxrl_kernels_sm90_linear_kept_exp"  # the relative form (exp_offsets)
 BACKWARD_TARGET = "jaxrl_kernels_sm90_linear_logprobs_backward"  # csrc/ffi_backward.cc
 # Registered only by an extension built with JAXRL_KERNELS_MEASUREMENT_HANDLERS=ON
 # (csrc/ffi_variants.cc): the grad kernel alone over one chunk, called only by
@@ -196,11 +197,14 @@ def _forward_call(
     config=DEFAULT_CONFIG,
     keep_logits=False,
     logits_rows=None,
+    exp_offsets=None,
 ):
     """(logp, entropy unmasked, lse), float32 [N] each, from the custom call; with
     ``keep_logits``, first the logits ``hidden @ Wᵀ`` [M, V] in the head's dtype (M:
     ``logits_rows``, N if None; the rows past N zero), the statistics then those of the
-    rounded logits (the target logit unrounded)."""
+    rounded logits (the target logit unrounded); with ``exp_offsets`` [N] too, that first
+    result is ``exp((hidden @ Wᵀ − offset) / T)`` instead (``head.relative_probs``), the
+    statistics those of the unrounded logits."""
     _check_served(hidden, weight, weight_layout)
     n_rows = hidden.shape[0]
     has_bias = bias is not None
@@ -211,15 +215,16 @@ def _forward_call(
         vocab = geometry.vocab_size(weight, weight_layout)
         rows = n_rows if logits_rows is None else logits_rows
         results = (jax.ShapeDtypeStruct((rows, vocab), hidden.dtype),) + results
-    call = jax.ffi.ffi_call(
-        KEPT_TARGET if keep_logits else TARGET, results, vmap_method="sequential"
-    )
+    target = TARGET if not keep_logits else KEPT_TARGET if exp_offsets is None else KEPT_EXP_TARGET
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+    extra = () if exp_offsets is None else (exp_offsets.astype(jnp.float32),)
     return call(
         hidden,
         weight,
         bias32,
         targets.astype(jnp.int32),
         row_valid.astype(jnp.bool_),
+        *extra,
         weight_dv=weight_layout == "dv",
         has_bias=has_bias,
         temperature=np.float32(temperature),
@@ -361,12 +366,23 @@ XLA's logits (docs/performance.md, "Constants and the measurements behind them")
 
 
 def kept_logits(
-    plan, hidden, weight, bias, t_local, row_valid, *, weight_layout, temperature, with_entropy
+    plan,
+    hidden,
+    weight,
+    bias,
+    t_local,
+    row_valid,
+    *,
+    weight_layout,
+    temperature,
+    with_entropy,
+    exp_offsets=None,
 ):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
     ``rounded_logits.local_stats``) from one custom call: the kernel writes the logits rounded
     to the head's dtype as it folds them, so no pass reads them back for the statistics; at
-    ``plan.logits_rows`` rows where row skipping runs it on the first rows (the rest zero)."""
+    ``plan.logits_rows`` rows where row skipping runs it on the first rows (the rest zero).
+    With ``exp_offsets``, the relative form (``head.relative_probs``)."""
     z, logp, entropy, lse = _forward_call(
         hidden,
         weight,
@@ -377,6 +393,7 @@ def kept_logits(
         temperature,
         keep_logits=True,
         logits_rows=plan.logits_rows,
+        exp_offsets=exp_offsets,
     )
     stats = (lse, jnp.ones_like(lse)) + ((-entropy,) if with_entropy else ())
     return stats, logp, z

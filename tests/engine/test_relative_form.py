@@ -1,0 +1,166 @@
+"""The fast losses' relative form (``head.relative_probs``): the forward keeps
+``E = exp(z − z_t)``, the backward's GEMMs read it with a per-row scale.
+
+Checked here: the form is taken where it serves and not elsewhere; its accuracy against
+float64 and the plain bfloat16 code (``test_fast_accuracy``'s rule) on random and peaked
+heads at enough rows to take it; a row whose target lies below ``LOGP_FLOOR`` sends the step
+to the recomputed logits and stays exact; ffi's kernel writes what the XLA form writes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrl_kernels as jk
+from jaxrl_kernels.head import relative_probs
+from tests.engine import test_fast_accuracy as acc
+
+ROWS = (16, 32)  # 512 rows: relative_probs.MIN_ROWS
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """How many steps wrote the relative form's target entries (one per traced step)."""
+    calls = []
+    original = relative_probs.with_target_entries
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(relative_probs, "with_target_entries", counted)
+    return calls
+
+
+CASES = [
+    acc.Case(op, option, "vd", "bf16", 4099, ROWS, False, 48, 64, peaked)
+    for op, option in (("grpo", "group"), ("ppo", "default"), ("pg", "token_mean"))
+    for peaked in (False, True)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_relative_form_accuracy(case, rng, monkeypatch, taken):
+    acc.check_case(case, rng, monkeypatch)
+    assert taken, "the relative form was not taken"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        acc.Case(op, option, layout, "bf16", vocab, (32, 64), False, 192, 256, peaked)
+        for op, option in (("grpo", "group"), ("pg", "token_mean"))
+        for layout, vocab in (("vd", 32003), ("dv", 151936))
+        for peaked in (False, True)
+    ],
+    ids=lambda c: c.id,
+)
+def test_relative_form_accuracy_gpu(case, rng, monkeypatch, taken):
+    acc.check_case(case, rng, monkeypatch)
+    assert taken, "the relative form was not taken"
+
+
+def test_not_taken_below_its_rows_or_with_bias(rng, monkeypatch, taken):
+    for rows, bias in (((4, 9), False), (ROWS, True)):
+        case = acc.Case("grpo", "group", "vd", "bf16", 4099, rows, bias, 48, 64)
+        acc.check_case(case, rng, monkeypatch)
+    assert not taken
+
+
+def test_serves():
+    bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+    assert relative_probs.serves(bf16, None, False, ())
+    assert relative_probs.serves(f32, None, False, (), 4096)
+    assert not relative_probs.serves(f16, None, False, ())  # E leaves float16's range
+    assert not relative_probs.serves(bf16, jnp.zeros(3), False, ())
+    assert not relative_probs.serves(bf16, None, True, ())
+    assert not relative_probs.serves(bf16, None, False, ("model",))
+    assert not relative_probs.serves(bf16, None, False, (), relative_probs.MIN_ROWS - 1)
+
+
+def log_softmax64(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def low_row_batch(rng, b, t, d, v):
+    """Peaked rows (each hidden state points at one token), targets each row's top token but
+    the first row's, which is its least likely (~100 nats below)."""
+    w = rng.standard_normal((v, d)) / np.sqrt(d)
+    h = rng.standard_normal((b, t, d))
+    top = rng.integers(0, v, (b, t))
+    unit = w[top] / np.sum(w[top] ** 2, -1, keepdims=True) ** 0.5
+    h += rng.uniform(6, 12, (b, t, 1)) * unit
+    h[0, 0] += 100 * unit[0, 0]
+    z = np.einsum("btd,vd->btv", h, w)
+    targets = np.argmax(z, -1)
+    targets[0, 0] = np.argmin(z[0, 0])
+    return h, w, targets, z
+
+
+@pytest.mark.parametrize("low", [False, True])
+def test_low_target_row_is_exact(rng, taken, low):
+    b, t, d, v = 16, 32, 48, 4099
+    h, w, targets, _ = low_row_batch(rng, b, t, d, v)
+    h16, w16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    h64, w64 = (np.asarray(x, np.float64) for x in (h16, w16))
+    z = np.einsum("btd,vd->btv", h64, w64)  # of the rounded operands: the ratios are 1
+    if not low:
+        targets[0, 0] = np.argmax(z[0, 0])
+    logp64 = log_softmax64(z)
+    gap = np.take_along_axis(logp64, targets[..., None], -1)[0, 0, 0]
+    assert (gap < relative_probs.LOGP_FLOOR) == low, gap
+    mask = jnp.ones((b, t), jnp.float32)
+    adv = jnp.asarray(rng.standard_normal(b), jnp.float32)
+    old = jnp.asarray(np.take_along_axis(logp64, targets[..., None], -1)[..., 0], jnp.float32)
+
+    def loss(h, w):
+        return jk.linear_ppo_loss(h, w, jnp.asarray(targets), old, adv, mask, memory="fast")[0]
+
+    d_h, d_w = jax.jit(jax.grad(loss, (0, 1)))(h16, w16)
+    assert taken
+    # float64: d loss / d logp = -A / N on every row (ratio 1, inside the clip)
+    p = np.exp(logp64)
+    g = -np.asarray(adv, np.float64)[:, None] * np.ones((b, t)) / (b * t)
+    dz = -g[..., None] * p
+    np.put_along_axis(
+        dz, targets[..., None], np.take_along_axis(dz, targets[..., None], -1) + g[..., None], -1
+    )
+    want_h = np.einsum("btv,vd->btd", dz, w64)
+    want_w = np.einsum("btv,btd->vd", dz, h64)
+    for got, want in ((d_h, want_h), (d_w, want_w)):
+        err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert err < 2e-2, err
+    assert np.all(np.isfinite(np.asarray(d_h, np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_ffi_relative_kept_logits_match_xla(rng, layout):
+    from jaxrl_kernels.backends.ffi import linear
+    from jaxrl_kernels.head import rounded_logits
+    from jaxrl_kernels.sharding.placement import Placement
+
+    n, d, v = 700, 192, 4099 * 8 + 8
+    h, w, targets, _ = low_row_batch(rng, 1, n, d, v)
+    h = jnp.asarray(h[0], jnp.bfloat16)
+    w = jnp.asarray(w if layout == "vd" else w.T, jnp.bfloat16)
+    t = jnp.asarray(targets[0], jnp.int32)
+    valid = jnp.asarray(rng.random(n) > 0.2)
+    off = relative_probs.offsets(h, w, t, layout)
+    kw = dict(weight_layout=layout, temperature=0.7, with_entropy=False, exp_offsets=off)
+    plan = Placement.single(1)
+    got = jax.jit(lambda *a: linear.kept_logits(plan, *a, **kw))(h, w, None, t, valid)
+    want = jax.jit(lambda *a: rounded_logits.local_stats(plan, *a, **kw))(h, w, None, t, valid)
+    (m, s), _, e = got
+    (m_x, s_x), _, e_x = want
+    lse, lse_x = m + jnp.log(s), m_x + jnp.log(s_x)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_x), rtol=0, atol=2e-5)
+    e, e_x = np.asarray(e, np.float32), np.asarray(e_x, np.float32)
+    assert np.all(e[~np.asarray(valid)] == 0)
+    finite = np.isfinite(e_x)
+    np.testing.assert_allclose(e[finite], e_x[finite], rtol=2**-7, atol=1e-30)
