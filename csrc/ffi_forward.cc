@@ -50,8 +50,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator& scratch, int32_t 
       return ffi::Error::Internal("zeroing the kept logits' rows past N failed");
   }
   if (offsets != nullptr) {
-    if (!all_rows(args.n, {offsets->element_count()}))
-      return ffi::Error::InvalidArgument("the offsets must be [N]");
+    if (!all_rows(args.n, {offsets->element_count()})) return ffi::Error::InvalidArgument("the offsets must be [N]");
     if (has_bias) return ffi::Error::InvalidArgument("the relative form takes no bias");
     args.exp_offsets = offsets->typed_data();
   }
@@ -134,6 +133,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearLogprobs, jaxrl_ffi::LinearL
                               jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearKeptLogits, jaxrl_ffi::LinearKeptLogitsImpl,
                               jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands().Ret<ffi::AnyBuffer>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrlKernelsSm90LinearKeptExp, jaxrl_ffi::LinearKeptExpImpl,
-                              jaxrl_ffi::forward_results(
-                                  jaxrl_ffi::forward_operands().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxrlKernelsSm90LinearKeptExp, jaxrl_ffi::LinearKeptExpImpl,
+    jaxrl_ffi::forward_results(jaxrl_ffi::forward_operands().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>()));

@@ -55,7 +55,10 @@ kept_logits        ``(plan, hidden[N,D], weight, bias | None, t_local[N],
                    target logit unrounded), as ``rounded_logits.local_stats``
                    (reference: XLA's GEMM and reductions; ffi: one kernel,
                    which lays ``z`` out at ``plan.logits_rows`` rows where
-                   that is set, the rows past N zero)
+                   that is set, the rows past N zero); with
+                   ``exp_offsets=[N]`` (raw logits, no bias) ``z`` is
+                   ``exp((h·Wᵀ − offset)/T)`` and the statistics are the
+                   float32 logits' (``head.relative_probs``)
 kept_gemms         ``(hidden[S,D], weight, dz[R,V], scale, *, weight_layout)
                    -> (d_hidden f32[S,D], d_weight)``: ``memory="fast"``'s
                    backward GEMMs on the first S ≤ R rows of the kept

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxrl_kernels.backends.chunked import logprobs as chunked_logprobs
 from jaxrl_kernels.engine import saved_logits
 from jaxrl_kernels.head import geometry, kept_grads, relative_probs
 
@@ -30,8 +31,8 @@ def head_grads(hidden, weight, bias, dz, *rows, weight_layout, gemms):
 def recomputed_backward(hidden, weight, bias, *rows, vocab, weight_layout, temperature):
     """``saved_logits.recomputed_backward`` on the logits of the distribution the forward took
     its statistics from: the float32 ones where the step took the relative form (``vocab``:
-    the global vocabulary; a device that holds less of it did not), the rounded ones where
-    it kept the logits."""
+    the global vocabulary; a device that holds less of it did not), a tile at a time, the
+    rounded ones where it kept the logits."""
     entropy = rows[2]
     split = () if geometry.vocab_size(weight, weight_layout) == vocab else ("vocab",)
     dtype = jnp.result_type(hidden, weight)
@@ -39,13 +40,8 @@ def recomputed_backward(hidden, weight, bias, *rows, vocab, weight_layout, tempe
         return saved_logits.recomputed_backward(
             hidden, weight, bias, *rows, weight_layout=weight_layout, temperature=temperature
         )
-    z = geometry.logits(
-        hidden.astype(dtype),
-        weight.astype(dtype),
-        weight_layout,
-        precision=geometry.matmul_precision(dtype),
-        preferred_element_type=jnp.float32,
-    )
-    return saved_logits.local_backward(
-        hidden, weight, bias, z, *rows, weight_layout=weight_layout, temperature=temperature
+    # the logits in float32 a tile at a time (the chunked backend's backward): a whole [N, V]
+    # float32 copy would sit in every step's program, in the branch of lax.cond not taken
+    return chunked_logprobs.linear_backward(
+        hidden, weight, bias, *rows, weight_layout=weight_layout, temperature=temperature
     )

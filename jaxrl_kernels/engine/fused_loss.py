@@ -17,6 +17,11 @@ and the backward, given the cotangent ``c`` of the loss, runs the two GEMMs left
 (exact for ``jax.grad``'s ``c = 1``); with a bias, the forward also keeps ``Σ_rows dz`` in
 float32, summed before ``dz`` is rounded.
 
+Where it serves (a bfloat16 or float32 head without bias, no entropy term, the vocabulary on
+one device, at least 512 rows: ``head.relative_probs``), the kernel keeps ``E = exp(z̃ − z̃_t)``
+instead of the logits, N target entries make it ``dz / s`` per row, and no pass over
+``[N, V]`` runs: the backward's GEMMs apply ``s`` on their ``[N, D]`` sides.
+
 Three GEMMs, and one ``[N, V]`` buffer in the head's dtype from the forward to the backward
 (the logits, then their gradient in their place): half of what keeping the logits for a later
 backward holds at its peak (the logits and their gradient at once).
