@@ -164,3 +164,16 @@ def test_ffi_relative_kept_logits_match_xla(rng, layout):
     assert np.all(e[~np.asarray(valid)] == 0)
     finite = np.isfinite(e_x)
     np.testing.assert_allclose(e[finite], e_x[finite], rtol=2**-7, atol=1e-30)
+
+
+@pytest.mark.parametrize("branches", [True, False])
+def test_masked_rows_are_inert(rng, monkeypatch, taken, branches):
+    """``test_row_skip``'s contract in the relative form (its rows lowered to 0): masked rows'
+    contents change nothing, bitwise, and their ``d_hidden`` is exactly 0, with row skipping's
+    branches and without them."""
+    from tests.engine import test_row_skip
+
+    monkeypatch.setattr(relative_probs, "MIN_ROWS", 0)
+    monkeypatch.setattr(test_row_skip.row_skip, "MIN_ROWS", 0 if branches else 10**9)
+    test_row_skip.check_inert(rng, "grpo", "fast", None, 6, 40, 32, 301)
+    assert taken
