@@ -35,7 +35,7 @@ from jaxrl_kernels.backends.ffi import linear as ffi_linear
 from jaxrl_kernels.dispatch.contract import Parts, Problem
 from jaxrl_kernels.engine import fused_loss, linear_head, row_skip
 from jaxrl_kernels.engine.linear_head import HeadCall
-from jaxrl_kernels.head import head_grad, rounded_logits
+from jaxrl_kernels.head import head_grad, relative_probs, rounded_logits
 from jaxrl_kernels.sharding.placement import Placement
 from tests.conftest import assert_bitwise, assert_close, assert_f32, cotangent
 from tests.support import oracle
@@ -87,6 +87,7 @@ def test_extension_built_and_imports():
         [
             ffi_linear.TARGET,
             ffi_linear.KEPT_TARGET,
+            ffi_linear.KEPT_EXP_TARGET,
             ffi_linear.BACKWARD_TARGET,
             extension.UNINITIALIZED_TARGET,
             ffi_distill.STATS_TARGET,
@@ -244,7 +245,9 @@ def test_fast_loss_forward_is_one_custom_call_for_cuda(layout):
 def test_fast_loss_kept_logits_at_every_row_under_row_skipping_for_cuda():
     """Row skipping (1024 rows, the last 300 masked): each branch's kept-logits call takes its
     S rows of hidden states and returns the logits at all 1024 rows (``Placement.logits_rows``;
-    the call zeroes the rows past S), so no branch pads them into a second buffer."""
+    the call zeroes the rows past S), so no branch pads them into a second buffer. Branches of
+    ``relative_probs.MIN_ROWS`` rows or more call the relative form's target, the others the
+    kept logits'."""
     n, d, v = 1024, 16, 40
     h, w, _, t = _inputs(n=n, d=d, v=v, bias=False)
     rv = jnp.arange(n) < n - 300
@@ -257,12 +260,15 @@ def test_fast_loss_kept_logits_at_every_row_under_row_skipping_for_cuda():
         )
 
     text = jax.jit(loss).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+    targets = f"({ffi_linear.KEPT_TARGET}|{ffi_linear.KEPT_EXP_TARGET})"
     signature = re.compile(
-        rf"@{ffi_linear.KEPT_TARGET}\(.*: \(tensor<(\d+)x{d}xbf16>.*\) -> \(tensor<(\d+)x{v}xbf16>"
+        rf"@{targets}\(.*: \(tensor<(\d+)x{d}xbf16>.*\) -> \(tensor<(\d+)x{v}xbf16>"
     )
     calls = [m.groups() for m in map(signature.search, text.splitlines()) if m]
-    assert sorted(int(rows) for rows, _ in calls) == sorted(row_skip.bucket_sizes(n)), calls
-    assert all(int(out) == n for _, out in calls), calls
+    assert sorted(int(rows) for _, rows, _ in calls) == sorted(row_skip.bucket_sizes(n)), calls
+    assert all(int(out) == n for _, _, out in calls), calls
+    relative = [int(rows) >= relative_probs.MIN_ROWS for _, rows, _ in calls]
+    assert [target == ffi_linear.KEPT_EXP_TARGET for target, _, _ in calls] == relative, calls
     pads = [line for line in text.splitlines() if "stablehlo.pad" in line]
     assert not any(f"tensor<{n}x{v}xbf16>" in line for line in pads), pads
 

@@ -365,36 +365,15 @@ call's, before any split): below it the call's fixed costs outweigh what the ker
 XLA's logits (docs/performance.md, "Constants and the measurements behind them")."""
 
 
-def kept_logits(
-    plan,
-    hidden,
-    weight,
-    bias,
-    t_local,
-    row_valid,
-    *,
-    weight_layout,
-    temperature,
-    with_entropy,
-    exp_offsets=None,
-):
+def kept_logits(plan, hidden, weight, bias, t_local, row_valid, *, with_entropy, **options):
     """The ``kept_logits`` primitive (``memory="fast"``'s forward, as
     ``rounded_logits.local_stats``) from one custom call: the kernel writes the logits rounded
     to the head's dtype as it folds them, so no pass reads them back for the statistics; at
     ``plan.logits_rows`` rows where row skipping runs it on the first rows (the rest zero).
-    With ``exp_offsets``, the relative form (``head.relative_probs``)."""
-    z, logp, entropy, lse = _forward_call(
-        hidden,
-        weight,
-        bias,
-        t_local,
-        row_valid,
-        weight_layout,
-        temperature,
-        keep_logits=True,
-        logits_rows=plan.logits_rows,
-        exp_offsets=exp_offsets,
-    )
+    ``options``: ``weight_layout``, ``temperature`` and ``exp_offsets`` (the relative form,
+    ``head.relative_probs``, where given)."""
+    options.update(keep_logits=True, logits_rows=plan.logits_rows)
+    z, logp, entropy, lse = _forward_call(hidden, weight, bias, t_local, row_valid, **options)
     stats = (lse, jnp.ones_like(lse)) + ((-entropy,) if with_entropy else ())
     return stats, logp, z
 
