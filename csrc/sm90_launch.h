@@ -53,7 +53,7 @@ struct ForwardArgs {
   // [N] raw logits, or null. With `logits` set, the kernel writes instead the relative
   // probabilities E = exp((y - exp_offsets[row]) / T) rounded to the head's dtype (0 on rows
   // that are not valid), and takes the row statistics from the unrounded logits: the forward
-  // of memory="fast"'s relative form (jaxrl_kernels/engine/relative_grad.py).
+  // of memory="fast"'s relative form (jaxrl_kernels/head/relative_probs.py).
   const float* exp_offsets = nullptr;
   int n = 0, v = 0, d = 0;
   DType dtype = DType::kBF16;

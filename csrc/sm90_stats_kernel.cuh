@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
 
-        // ---- the kept logits, rounded; the statistics then fold the rounded values ----
+        // ---- the kept logits, rounded (the statistics then fold the rounded values), or E ----
         if (logits != nullptr) {
           const int warp_row0 = rows[0] - (threadIdx.x % 32) / 4;
           if (p.exp_offsets != nullptr) {

@@ -81,7 +81,7 @@ def _local_forward(
     options = dict(weight_layout=weight_layout, temperature=temperature, with_entropy=with_entropy)
     dtype = jnp.result_type(hidden, weight)
     if relative_probs.serves(dtype, bias, with_entropy, plan.vocab_axes, hidden.shape[0]):
-        offsets = relative_probs.offsets(hidden, weight, t_local, weight_layout)
+        offsets = rounded_logits.target_logits(hidden, weight, None, t_local, weight_layout, 1.0)
         stats, _, z = kept(
             plan, hidden, weight, bias, t_local, row_valid, exp_offsets=offsets, **options
         )

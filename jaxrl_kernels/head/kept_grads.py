@@ -22,11 +22,18 @@ def rows_scaled_weight_grad(dz, scaled_hidden, weight, weight_layout):
     states times per-row cotangents) rounded once to ``dz``'s dtype: a float16 one is first
     brought into float16's range by a power of two (small cotangents would put it among the
     subnormals), undone exactly in the float32 result (``head_grad.rounded_weight_grad``)."""
-    scale = None
-    if dz.dtype == jnp.float16:
-        top = pow2_range(jnp.max(jnp.abs(scaled_hidden)))
-        scaled_hidden, scale = scaled_hidden * top, 1.0 / top
-    return rounded_weight_grad(dz, scaled_hidden.astype(dz.dtype), weight, weight_layout, scale)
+    rounded, top = _rounded_hidden(scaled_hidden, dz.dtype)
+    scale = None if top is None else 1.0 / top
+    return rounded_weight_grad(dz, rounded, weight, weight_layout, scale)
+
+
+def _rounded_hidden(scaled_hidden, dtype):
+    """``(σ·scaled_hidden in dtype, σ)``: for float16, σ the power of two that brings it into
+    range (``pow2_range``), None (no factor) for any other dtype."""
+    if dtype != jnp.float16:
+        return scaled_hidden.astype(dtype), None
+    top = pow2_range(jnp.max(jnp.abs(scaled_hidden)))
+    return (scaled_hidden * top).astype(dtype), top
 
 
 def row_scaled_grads(dz, hidden, weight, weight_layout, scale):
@@ -65,11 +72,7 @@ def leading_rows_scaled(gemms, hidden, weight, dz, scale, weight_layout):
     on ``gemms``, a ``kept_gemms`` primitive (whose own scale is one float32 scalar): ``scale``
     [S, 1] goes into the hidden states it reads (a float16 copy first brought into range by a
     power of two, undone in its scalar) and onto the ``d_hidden`` it returns."""
-    scaled = hidden.astype(jnp.float32) * scale
-    top = 1.0
-    if hidden.dtype == jnp.float16:
-        top = pow2_range(jnp.max(jnp.abs(scaled)))
-    d_hidden, d_weight = gemms(
-        (scaled * top).astype(hidden.dtype), weight, dz, 1.0 / top, weight_layout=weight_layout
-    )
+    rounded, top = _rounded_hidden(hidden.astype(jnp.float32) * scale, hidden.dtype)
+    top = 1.0 if top is None else top
+    d_hidden, d_weight = gemms(rounded, weight, dz, 1.0 / top, weight_layout=weight_layout)
     return d_hidden * (scale * top), d_weight

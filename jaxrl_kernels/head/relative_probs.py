@@ -8,8 +8,9 @@ float32, with the vocabulary on one device, the logits' gradient factors per row
     E'_v = p_v / p_t = exp(z̃_v − z̃_t)   (v ≠ t),      E'_t = 1 − 1/p_t
 
 So the forward's GEMM writes ``E = exp((y − y_t) / T)`` (``y = h·Wᵀ``; ``y_t = h · W[t]`` in
-float32, the *offsets*) rounded to the head's dtype, the target's entry is set once the row's
-log-prob is known (:func:`with_target_entries`: N entries), and the backward's two GEMMs read
+float32, the *offsets*: ``rounded_logits.target_logits`` at ``T = 1``) rounded to the head's
+dtype, the target's entry is set once the row's log-prob is known
+(:func:`with_target_entries`: N entries), and the backward's two GEMMs read
 ``E'`` with ``s`` applied on their ``[N, D]`` sides (``kept_grads.row_scaled_grads``): no
 pass over ``[N, V]`` forms the gradient.
 
@@ -59,14 +60,6 @@ def serves(dtype, bias, with_entropy: bool, vocab_axes, n_rows: int = MIN_ROWS) 
     )
 
 
-def offsets(hidden, weight, t_local, weight_layout):
-    """``y_t = h · W[t]`` [N] in float32 (raw: no temperature); any value for an id outside
-    ``[0, V_local)``."""
-    t = jnp.clip(t_local, 0, geometry.vocab_size(weight, weight_layout) - 1)
-    rows = geometry.target_rows(weight, t, weight_layout)
-    return jnp.sum(hidden.astype(jnp.float32) * rows.astype(jnp.float32), axis=-1)
-
-
 def local_stats(
     hidden, weight, t_local, row_valid, exp_offsets, *, weight_layout, temperature, with_entropy
 ):
@@ -75,13 +68,7 @@ def local_stats(
     the float32 logits and ``E`` [N, V_local] in the head's dtype, 0 on rows that are not
     valid or whose target lies outside these columns."""
     dtype = jnp.result_type(hidden, weight)
-    y = geometry.logits(
-        hidden.astype(dtype),
-        weight.astype(dtype),
-        weight_layout,
-        precision=geometry.matmul_precision(dtype),
-        preferred_element_type=jnp.float32,
-    )
+    y = geometry.float32_logits(hidden, weight, None, weight_layout)
     zs = y / temperature
     m = jnp.max(zs, axis=-1)
     shifted = zs - m[:, None]

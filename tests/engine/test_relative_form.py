@@ -82,11 +82,6 @@ def test_serves():
     assert not relative_probs.serves(bf16, None, False, (), relative_probs.MIN_ROWS - 1)
 
 
-def log_softmax64(z):
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
 def low_row_batch(rng, b, t, d, v):
     """Peaked rows (each hidden state points at one token), targets each row's top token but
     the first row's, which is its least likely (~100 nats below)."""
@@ -111,7 +106,7 @@ def test_low_target_row_is_exact(rng, taken, low):
     z = np.einsum("btd,vd->btv", h64, w64)  # of the rounded operands: the ratios are 1
     if not low:
         targets[0, 0] = np.argmax(z[0, 0])
-    logp64 = log_softmax64(z)
+    logp64 = acc.log_softmax64(z)
     gap = np.take_along_axis(logp64, targets[..., None], -1)[0, 0, 0]
     assert (gap < relative_probs.LOGP_FLOOR) == low, gap
     mask = jnp.ones((b, t), jnp.float32)
@@ -151,7 +146,7 @@ def test_ffi_relative_kept_logits_match_xla(rng, layout):
     w = jnp.asarray(w if layout == "vd" else w.T, jnp.bfloat16)
     t = jnp.asarray(targets[0], jnp.int32)
     valid = jnp.asarray(rng.random(n) > 0.2)
-    off = relative_probs.offsets(h, w, t, layout)
+    off = rounded_logits.target_logits(h, w, None, t, layout, 1.0)
     kw = dict(weight_layout=layout, temperature=0.7, with_entropy=False, exp_offsets=off)
     plan = Placement.single(1)
     got = jax.jit(lambda *a: linear.kept_logits(plan, *a, **kw))(h, w, None, t, valid)
