@@ -12,6 +12,7 @@ variants, Pallas launch plans, clocks at the power limit) are
 
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear                # the table
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sizes tiny   # smoke test (any device)
+    PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --sizes fast --backends fast,fast-logits-kept
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --profile-backward vd,dv  # per kernel
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --timeline     # wall clock vs device time
     PYTHONPATH=$PWD python3 -m benchmarks.bench_linear --device-times # GEMM/fwd/fwd+bwd, device
@@ -32,7 +33,25 @@ from benchmarks.linear_harness import gemm_row, measure_variants, public, sized
 SIZES = {
     "tiny": [(64, 96, 1000)],
     "all": [(4096, 2048, 32768), (4096, 2048, 50257), (4096, 2048, 131072), (8192, 4096, 151936)],
+    "fast": [(4096, 2048, 131072), (16384, 4096, 131072)],
 }
+
+FAST_VARIANTS = ("fast", "fast-logits-kept")
+"""``--backends`` names beside the backends': ``memory="fast"`` (automatic backend), and the
+same with its relative form withheld (``bench_tokens.logits_kept``: the logits kept, the
+gradient formed over them in the backward)."""
+
+
+def variant(name):
+    """The call that ``--backends``' ``name`` measures."""
+    if name == "fast":
+        return public(None, memory="fast")
+    if name == "fast-logits-kept":
+        from benchmarks.bench_tokens import logits_kept
+
+        return logits_kept(public(None, memory="fast"))
+    return public(name)
+
 
 COLUMNS = [
     "N",
@@ -54,7 +73,7 @@ def table(sizes, backends):
     for n, d, v in sizes:
         (h, w, t, g), gemm, base = sized(n, d, v)
         rows.append(gemm_row(base))
-        variants = [(name, public(name)) for name in backends]
+        variants = [(name, variant(name)) for name in backends]
         if "pallas" in backends:
             variants.insert(1, ("pallas+entropy", public("pallas", return_entropy=True)))
         rows += measure_variants(variants, base, h, w, t, g, gemm)
@@ -114,7 +133,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     output.output_arguments(parser)
     parser.add_argument("--sizes", default="all", choices=sorted(SIZES))
-    parser.add_argument("--backends", default="pallas,chunked,reference")
+    parser.add_argument(
+        "--backends",
+        default="pallas,chunked,reference",
+        help=f"backend names, or {', '.join(FAST_VARIANTS)} (the fast mode)",
+    )
     parser.add_argument(
         "--profile-backward",
         metavar="LAYOUTS",

@@ -27,6 +27,13 @@ fusions). A bfloat16 head's logits are kept as bfloat16 (a float16
 copy, a one-pass lse, vocabulary blocks in the backward and a float16 gradient were slower on
 an H100: ``benchmarks/studies/bench_fast_mode.py`` measures them,
 ``benchmarks/studies/variants/fast_mode.py`` holds them).
+
+Where the relative form serves (log-probs alone: no entropy, no sampler truncation, one target
+per row; a bfloat16 or float32 head without bias, the whole vocabulary on each device, at
+least ``relative_probs.MIN_ROWS`` rows: ``head.relative_probs``), the kept buffer holds
+``E = exp(z̃ − z̃_t)`` with the statistics of the float32 logits, and the backward writes the
+N target entries into it and runs its two GEMMs on it with the row scale ``s = −g·p_t/T``
+(:func:`relative_backward`): no pass over ``[N, V]`` forms ``dz``.
 """
 
 from __future__ import annotations
@@ -34,9 +41,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_kernels.backends.chunked import logprobs as chunked_logprobs
 from jaxrl_kernels.engine import linear_head
 from jaxrl_kernels.formulas import softmax_math
-from jaxrl_kernels.head import geometry, head_grad, head_ids, kept_set, rounded_logits
+from jaxrl_kernels.head import (
+    geometry,
+    head_grad,
+    head_ids,
+    kept_grads,
+    kept_set,
+    relative_probs,
+    rounded_logits,
+)
+from jaxrl_kernels.sharding import vocab_pieces
 
 
 def local_backward(
@@ -131,6 +148,35 @@ def recomputed_backward(hidden, weight, bias, *rest, weight_layout, temperature)
     )
 
 
+def relative_backward(
+    hidden, weight, bias, e, t_local, lse, entropy, g, g_ent, *, weight_layout, temperature
+):
+    """:func:`local_backward` where the forward kept ``E`` (``head.relative_probs``): each
+    active row's log-prob ``z̃_t − lse`` (its target logit recomputed exactly, N·D work), the
+    N target entries written into ``e``, the two GEMMs on ``E'`` scaled by ``s = −g·p_t/T``
+    per row. A step with a row below ``relative_probs.LOGP_FLOOR`` takes the float32 logits
+    tile by tile instead (the chunked backend's backward, exact; ``lax.cond``: one branch
+    runs). Inactive rows arrive with ``lse = +inf`` and ``g = 0``."""
+    active = lse < jnp.inf
+    exact = rounded_logits.target_logits(hidden, weight, None, t_local, weight_layout, temperature)
+    logp = jnp.where(active, exact - lse, 0.0)
+
+    def kept_form(e):
+        e = relative_probs.with_target_entries(e, t_local, logp, active)
+        scale = relative_probs.row_scale(g, logp, active, temperature)[:, None]
+        return kept_grads.row_scaled_grads(e, hidden, weight, weight_layout, scale) + (None,)
+
+    def recomputed(e):
+        del e
+        return chunked_logprobs.linear_backward(
+            *(hidden, weight, bias, t_local, lse, entropy, g, g_ent),
+            weight_layout=weight_layout,
+            temperature=temperature,
+        )
+
+    return jax.lax.cond(relative_probs.has_low_rows(logp, active), recomputed, kept_form, e)
+
+
 def kept_stats(kept, plan, hidden, weight, bias, t_local, row_valid, **options):
     """``kept``'s ``(row statistics, target's z̃ − m, z)`` (the ``kept_logits`` primitive's
     contract: statistics of the rounded logits), the statistics made the fast mode's: the
@@ -178,8 +224,31 @@ def fast_linear_logprobs(
     ``call.truncation``'s kept set is found over the kept logits (by ``find_kept``, the
     ``kept_set`` primitive)."""
     options = dict(weight_layout=call.weight_layout, temperature=call.temperature)
+    vocab = geometry.vocab_size(weight, call.weight_layout)
+    # whether a step may take the relative form; each step also needs the serving dtype, no
+    # bias, enough rows and the whole vocabulary (the backward in vocabulary pieces would
+    # see a part of it, whose rows' log-probs it cannot form)
+    relative = (
+        call.truncation is None
+        and call.vocab_axis is None  # inside jax.shard_map, ``weight`` is one device's slice
+        and not call.return_entropy
+        and targets.ndim == hidden.ndim - 1
+        and vocab_pieces.requested() == 1
+    )
+
+    def takes_relative(h, w, b):
+        whole = () if geometry.vocab_size(w, call.weight_layout) == vocab else ("vocab",)
+        return relative and relative_probs.serves(
+            jnp.result_type(h, w), b, False, whole, h.shape[0]
+        )
 
     def stats(plan, h, w, b, t_local, valid):
+        if takes_relative(h, w, b):
+            offsets = rounded_logits.target_logits(h, w, None, t_local, call.weight_layout, 1.0)
+            stats_, _, e = kept(
+                plan, h, w, b, t_local, valid, exp_offsets=offsets, with_entropy=False, **options
+            )
+            return stats_, offsets / call.temperature - stats_[0], e
         return kept_stats(
             kept, plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options
         )
@@ -188,8 +257,10 @@ def fast_linear_logprobs(
         exact = rounded_logits.target_logits(h, w, b, t_local, **options)
         return kept_logits(b, z, call.temperature, t_local, exact)
 
-    def backward(*args, floor=None):
-        return local_backward(*args, floor=floor, **options)
+    def backward(h, w, b, *rest, floor=None):
+        if takes_relative(h, w, b):
+            return relative_backward(h, w, b, *rest, **options)
+        return local_backward(h, w, b, *rest, floor=floor, **options)
 
     return linear_head.linear_head_op(
         stats,

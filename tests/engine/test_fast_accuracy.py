@@ -540,17 +540,19 @@ def logprobs_op(case, kw):
     temp = kw.get("temperature", 1.0)
     ignore = -100 if kw.get("ignore") else None
     lkw = dict(weight_layout=case.layout, temperature=temp, ignore_index=ignore)
+    with_entropy = kw.get("entropy", True)  # False: the log-probs alone (the relative form)
+    compared = ("logp", "entropy") if with_entropy else ("logp",)
     kept = {}
 
     def fast(h, w, b, data):
-        logp, ent = jk.linear_logprobs(
-            h, w, data["targets"], b, return_entropy=True, memory="fast", **lkw
+        out = jk.linear_logprobs(
+            h, w, data["targets"], b, return_entropy=with_entropy, memory="fast", **lkw
         )
-        return dict(logp=logp, entropy=ent)
+        return dict(zip(compared, out if with_entropy else (out,)))
 
     def plain(z, b, data):
-        logp, ent = plain_logprobs(plain_scaled(z, b, temp), data["targets"], ignore)
-        return dict(logp=logp, entropy=ent)
+        out = plain_logprobs(plain_scaled(z, b, temp), data["targets"], ignore)
+        return dict(zip(compared, out))
 
     def draw(rng):
         primals, (h64, w64, b64) = head(rng, case, kept)
@@ -560,7 +562,7 @@ def logprobs_op(case, kw):
         sm = Softmax64(logits64(h64, w64, b64, case.layout), targets, temp, ignore)
 
         def exact(cot):
-            dz = sm.vjp(cot["logp"], cot["entropy"])
+            dz = sm.vjp(cot["logp"], cot.get("entropy", np.zeros_like(cot["logp"])))
             return (
                 dict(logp=(sm.logp, None), entropy=(sm.entropy, None)),
                 head_vjp64(h64, w64, dz, case.layout, case.bias),
@@ -570,7 +572,7 @@ def logprobs_op(case, kw):
             primals, dict(targets=jnp.asarray(targets, jnp.int32)), exact, np.abs(sm.z).max()
         )
 
-    return Op(fast, plain, draw, ("logp", "entropy"), case.layout)
+    return Op(fast, plain, draw, compared, case.layout)
 
 
 def policy_draw(rng, case, kw, kept):

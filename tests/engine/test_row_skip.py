@@ -81,18 +81,19 @@ def grpo(memory, backend):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def logprobs(memory, backend):
+def logprobs(memory, backend, with_entropy=True):
     def f(hidden, weight, actions, mask):
         targets = jnp.where(mask != 0, actions, -100)
-        logp, ent = jk.linear_logprobs(
+        out = jk.linear_logprobs(
             hidden,
             weight,
             targets,
             ignore_index=-100,
-            return_entropy=True,
+            return_entropy=with_entropy,
             memory=memory,
             backend=backend,
         )
+        logp, ent = out if with_entropy else (out, jnp.zeros_like(out))
         return jnp.sum(logp * jnp.cos(jnp.arange(logp.size).reshape(logp.shape))) + jnp.sum(ent), (
             logp,
             ent,
@@ -106,7 +107,8 @@ MODES = [("lean", "reference"), ("lean", "chunked"), ("lean", "pallas"), ("fast"
 
 def check_inert(rng, op, memory, backend, b, t, d, v):
     hidden, weight, actions, mask = padded_batch(rng, b, t, d, v)
-    fn = (grpo if op == "grpo" else logprobs)(memory, backend)
+    # "logp": the log-probs without the entropy (the fast mode's relative form)
+    fn = grpo(memory, backend) if op == "grpo" else logprobs(memory, backend, op != "logp")
     extra = ()
     if op == "grpo":
         extra = (jnp.asarray(-rng.uniform(3, 9, (b, t)), jnp.float32), jnp.arange(b) % 3 * 1.0)
