@@ -613,8 +613,10 @@ def grpo_op(case, kw):
     mode, beta = kw.get("loss_agg_mode", "token_mean"), kw.get("beta", 0.0)
     kept = {}
 
+    config = jk.PolicyLoss(kl_coef=beta, loss_agg_mode=mode, **clip)
+
     def fast(h, w, b, data):
-        group_kw = dict(advantages=data["adv"]) if given else dict(group_size=group)
+        group_kw = dict(advantages=data["adv"]) if given else dict(groups=jk.Groups(size=group))
         loss, pl, kl = jk.linear_grpo_loss(
             h,
             w,
@@ -625,11 +627,9 @@ def grpo_op(case, kw):
             bias=b,
             weight_layout=case.layout,
             ref_logp=data.get("ref"),
-            beta=beta,
-            loss_agg_mode=mode,
+            config=config,
             temperature=temp,
             memory="fast",
-            **clip,
             **group_kw,
         )
         return dict(loss=loss, policy_loss=pl, kl=kl)
@@ -708,9 +708,9 @@ def ppo_op(case, kw):
             bias=b,
             weight_layout=case.layout,
             ref_logp=data.get("ref"),
+            config=jk.PolicyLoss(**options),
             temperature=temp,
             memory="fast",
-            **options,
         )
         return dict(loss=loss, metrics=metrics)
 
@@ -765,8 +765,7 @@ def pg_op(case, kw):
                 bias=b,
                 weight_layout=case.layout,
                 temperature=temp,
-                loss_agg_mode=mode,
-                max_len=max_len,
+                config=jk.PolicyLoss(loss_agg_mode=mode, max_len=max_len),
                 memory="fast",
             )
         )
@@ -811,14 +810,12 @@ def distill_op(case, kw):
             data["t_hidden"],
             data["t_weight"],
             data["mask"],
-            divergence=div,
-            jsd_beta=beta,
+            config=jk.DistillLoss(divergence=div, jsd_beta=beta, loss_agg_mode=mode),
             temperature=temp,
             weight_layout=case.layout,
             teacher_weight_layout=t_layout,
             bias=b,
             teacher_bias=data["t_bias"],
-            loss_agg_mode=mode,
             memory="fast",
         )
         return dict(loss=loss, per_token=per_token)
@@ -1055,7 +1052,14 @@ def test_tokens_at_a_clip_boundary_flip_with_16bit_logits(rng, dtype):
 
     def loss(memory):
         return lambda h: jk.linear_ppo_loss(
-            h, w, t, old[0], adv[0], jnp.asarray(mask), clip_high=high, memory=memory
+            h,
+            w,
+            t,
+            old[0],
+            adv[0],
+            jnp.asarray(mask),
+            config=jk.PolicyLoss(clip_high=high),
+            memory=memory,
         )[0]
 
     @jax.jit
