@@ -80,16 +80,9 @@ def _local_forward(
     t_local = targets - plan.vocab_offset(vocab)
     options = dict(weight_layout=weight_layout, temperature=temperature, with_entropy=with_entropy)
     dtype = jnp.result_type(hidden, weight)
-    if relative_probs.serves(dtype, bias, with_entropy, plan.vocab_axes, hidden.shape[0]):
-        offsets = rounded_logits.target_logits(hidden, weight, None, t_local, weight_layout, 1.0)
-        stats, _, z = kept(
-            plan, hidden, weight, bias, t_local, row_valid, exp_offsets=offsets, **options
-        )
-        t_rel = offsets / temperature - stats[0]  # the offset is the target's logit
-    else:
-        stats, t_rel, z = saved_logits.kept_stats(
-            kept, plan, hidden, weight, bias, t_local, row_valid, **options
-        )
+    relative = relative_probs.serves(dtype, bias, with_entropy, plan.vocab_axes, hidden.shape[0])
+    stats_of = saved_logits.relative_stats if relative else saved_logits.kept_stats
+    stats, t_rel, z = stats_of(kept, plan, hidden, weight, bias, t_local, row_valid, **options)
     logp, ent, lse, active = logprob_core.finish_rows(plan, stats, t_rel, t_local, vocab, row_valid)
     return (logp,) + ((ent,) if with_entropy else ()) + (lse, active, z)
 

@@ -177,6 +177,20 @@ def relative_backward(
     return jax.lax.cond(relative_probs.has_low_rows(logp, active), recomputed, kept_form, e)
 
 
+def relative_stats(kept, plan, hidden, weight, bias, t_local, row_valid, **options):
+    """``kept``'s ``(row statistics, target's z̃ − m, E)`` in the relative form
+    (``head.relative_probs``): the offsets ``y_t`` computed first, the statistics those of the
+    float32 logits. ``options``: ``kept``'s keywords (``weight_layout``, ``temperature``,
+    ``with_entropy``)."""
+    offsets = rounded_logits.target_logits(
+        hidden, weight, None, t_local, options["weight_layout"], 1.0
+    )
+    stats, _, e = kept(
+        plan, hidden, weight, bias, t_local, row_valid, exp_offsets=offsets, **options
+    )
+    return stats, offsets / options["temperature"] - stats[0], e  # the offset: z_t's logit
+
+
 def kept_stats(kept, plan, hidden, weight, bias, t_local, row_valid, **options):
     """``kept``'s ``(row statistics, target's z̃ − m, z)`` (the ``kept_logits`` primitive's
     contract: statistics of the rounded logits), the statistics made the fast mode's: the
@@ -244,11 +258,9 @@ def fast_linear_logprobs(
 
     def stats(plan, h, w, b, t_local, valid):
         if takes_relative(h, w, b):
-            offsets = rounded_logits.target_logits(h, w, None, t_local, call.weight_layout, 1.0)
-            stats_, _, e = kept(
-                plan, h, w, b, t_local, valid, exp_offsets=offsets, with_entropy=False, **options
+            return relative_stats(
+                kept, plan, h, w, b, t_local, valid, with_entropy=False, **options
             )
-            return stats_, offsets / call.temperature - stats_[0], e
         return kept_stats(
             kept, plan, h, w, b, t_local, valid, with_entropy=call.return_entropy, **options
         )
